@@ -1,0 +1,307 @@
+"""Make a small Llama draft for a target: collect the target's own continuations and
+distributions, then train the draft to match them (soft cross-entropy to the target's
+top-k probabilities plus cross-entropy on the sampled tokens).
+
+Both phases checkpoint into the output folder, so an interrupted run resumes.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
+
+from lssp.distill_data import training_prompts
+from lssp.errors import UserError
+
+Progress = Callable[[str, float, str], None]  # phase, fraction done, message
+
+
+@dataclass
+class DistillConfig:
+    hidden_size: int = 256
+    layers: int = 4
+    heads: int = 4
+    intermediate_size: int = 768
+    data_tokens: int = 100_000  # target-generated tokens to collect
+    batch_prompts: int = 16
+    new_tokens: int = 96  # tokens generated per prompt
+    temperatures: tuple[float, ...] = (0.0, 0.7, 1.0)
+    top_k_saved: int = 32
+    train_minutes: float = 10.0
+    max_steps: int = 0  # 0: until train_minutes run out
+    epochs: float = 4.0
+    batch_size: int = 16
+    lr: float = 3e-3
+    hard_weight: float = 0.2
+    seed: int = 0
+    max_seq_len: int = 160
+
+
+@dataclass
+class DistillReport:
+    target: str
+    config: dict
+    data_tokens: int = 0
+    collect_seconds: float = 0.0
+    steps: int = 0
+    train_seconds: float = 0.0
+    final_loss: float = float("nan")
+    loss_curve: list[tuple[int, int, float]] = field(default_factory=list)  # (step, tokens seen, loss)
+    acceptance: dict[str, float] = field(default_factory=dict)
+    parameters: int = 0
+
+
+def _device(model: PreTrainedModel) -> torch.device:
+    return model.get_input_embeddings().weight.device
+
+
+def _encode(tokenizer: PreTrainedTokenizerBase, prompt: str, chat: bool) -> list[int]:
+    if chat and getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+        return tokenizer(text, add_special_tokens=False).input_ids
+    return tokenizer(prompt).input_ids
+
+
+@torch.inference_mode()
+def _generate_batch(
+    target: PreTrainedModel, prompts: list[list[int]], new_tokens: int, temperature: float, top_k: int, pad_id: int,
+    generator: torch.Generator,
+) -> dict[str, torch.Tensor]:
+    """Left-padded batched sampling that records the target's top-k log-probs at each new position."""
+    from transformers import DynamicCache
+
+    device = _device(target)
+    width = max(map(len, prompts))
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p):] = torch.tensor(p)
+        mask[row, width - len(p):] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    kv = DynamicCache(config=target.config)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    logits = target(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=kv, use_cache=True,
+                    logits_to_keep=1).logits[:, -1]
+    top_ids, top_lp, tokens = [], [], []
+    for _ in range(new_tokens):
+        logprobs = logits.float().log_softmax(-1)
+        lp, ix = logprobs.topk(top_k, dim=-1)
+        top_ids.append(ix.int().cpu())
+        top_lp.append(lp.half().cpu())
+        if temperature == 0:
+            nxt = logprobs.argmax(-1)
+        else:
+            nxt = torch.multinomial((logprobs / temperature).softmax(-1), 1, generator=generator)[:, 0]
+        tokens.append(nxt.cpu())
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+        positions = positions[:, -1:] + 1
+        logits = target(input_ids=nxt[:, None], attention_mask=mask, position_ids=positions, past_key_values=kv,
+                        use_cache=True).logits[:, -1]
+    return {"prompts": [torch.tensor(p, dtype=torch.int32) for p in prompts], "tokens": torch.stack(tokens, 1).int(),
+            "top_ids": torch.stack(top_ids, 1), "top_lp": torch.stack(top_lp, 1)}
+
+
+def collect(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out: Path, cfg: DistillConfig,
+            progress: Progress | None = None) -> tuple[int, float]:
+    """Write shards of target continuations to ``out/data`` until ``cfg.data_tokens``; resumes."""
+    data = out / "data"
+    data.mkdir(parents=True, exist_ok=True)
+    eos = set(tokenizer.all_special_ids)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    prompts = training_prompts(1_000_000 // cfg.new_tokens + 1000, cfg.seed)
+    meta_path = data / "meta.json"
+    meta = json.loads(meta_path.read_text()) if meta_path.exists() else {"shards": 0, "tokens": 0, "seconds": 0.0}
+    generator = torch.Generator(device=_device(target)).manual_seed(cfg.seed)
+    while meta["tokens"] < cfg.data_tokens:
+        shard = meta["shards"]
+        start = time.perf_counter()
+        generator.manual_seed(cfg.seed * 100_003 + shard)
+        batch = prompts[(shard * cfg.batch_prompts) % len(prompts):][: cfg.batch_prompts]
+        temperature = cfg.temperatures[shard % len(cfg.temperatures)]
+        encoded = [_encode(tokenizer, p, chat) for p, chat in batch]
+        record = _generate_batch(target, encoded, cfg.new_tokens, temperature, cfg.top_k_saved, pad_id, generator)
+        # Keep each row up to and including its first special token.
+        lengths = []
+        for row in record["tokens"].tolist():
+            stop = next((i for i, t in enumerate(row) if t in eos), len(row) - 1)
+            lengths.append(stop + 1)
+        record["lengths"] = torch.tensor(lengths)
+        torch.save(record, data / f"shard_{shard:05d}.pt")
+        meta["shards"] += 1
+        meta["tokens"] += int(sum(lengths))
+        meta["seconds"] += time.perf_counter() - start
+        meta_path.write_text(json.dumps(meta))
+        if progress:
+            progress("collect", min(1.0, meta["tokens"] / cfg.data_tokens),
+                     f"{meta['tokens']} tokens, {meta['tokens'] / max(meta['seconds'], 1e-9):.0f} tokens/s")
+    return meta["tokens"], meta["seconds"]
+
+
+def _examples(out: Path, cfg: DistillConfig) -> list[dict[str, torch.Tensor]]:
+    """Training sequences: prompt + kept continuation, with the target's top-k at each continuation position."""
+    examples = []
+    for path in sorted((out / "data").glob("shard_*.pt")):
+        rec = torch.load(path)
+        for i, prompt in enumerate(rec["prompts"]):
+            n = int(rec["lengths"][i])
+            room = max(1, cfg.max_seq_len - n)
+            prompt = prompt[-room:]
+            examples.append({"ids": torch.cat([prompt, rec["tokens"][i, :n]]).long(), "start": len(prompt) - 1,
+                             "top_ids": rec["top_ids"][i, :n].long(), "top_lp": rec["top_lp"][i, :n].float()})
+    return examples
+
+
+def draft_config(target: PreTrainedModel, cfg: DistillConfig) -> LlamaConfig:
+    tc = target.config
+    return LlamaConfig(
+        vocab_size=target.get_output_embeddings().weight.shape[0], hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads,
+        num_key_value_heads=cfg.heads, max_position_embeddings=getattr(tc, "max_position_embeddings", 2048),
+        rope_theta=getattr(tc, "rope_theta", 10000.0), rms_norm_eps=getattr(tc, "rms_norm_eps", 1e-5),
+        tie_word_embeddings=True, bos_token_id=tc.bos_token_id, eos_token_id=tc.eos_token_id,
+        pad_token_id=getattr(tc, "pad_token_id", None),
+    )
+
+
+def init_draft(target: PreTrainedModel, cfg: DistillConfig) -> LlamaForCausalLM:
+    """A fresh draft whose tied embedding is the target's, projected on its top principal directions."""
+    torch.manual_seed(cfg.seed)
+    draft = LlamaForCausalLM(draft_config(target, cfg))
+    emb = target.get_input_embeddings().weight.detach().float().cpu()
+    centered = emb - emb.mean(0)
+    _, _, v = torch.linalg.svd(centered[:: max(1, len(emb) // 16384)], full_matrices=False)
+    projected = emb @ v[: cfg.hidden_size].T
+    projected *= emb.std() / projected.std()
+    with torch.no_grad():
+        draft.get_input_embeddings().weight.copy_(projected[: draft.config.vocab_size])
+    return draft
+
+
+def _loss(draft: LlamaForCausalLM, batch: list[dict[str, torch.Tensor]], cfg: DistillConfig) -> torch.Tensor:
+    width = max(len(e["ids"]) for e in batch)
+    ids = torch.zeros(len(batch), width, dtype=torch.long)
+    mask = torch.zeros(len(batch), width, dtype=torch.long)
+    for r, e in enumerate(batch):
+        ids[r, : len(e["ids"])] = e["ids"]
+        mask[r, : len(e["ids"])] = 1
+    hidden = draft.model(input_ids=ids, attention_mask=mask).last_hidden_state
+    # Positions whose next token the target produced: start .. start+n-1.
+    rows, cols, top_ids, top_lp, hard = [], [], [], [], []
+    for r, e in enumerate(batch):
+        n = len(e["top_ids"])
+        rows.append(torch.full((n,), r))
+        cols.append(torch.arange(e["start"], e["start"] + n))
+        top_ids.append(e["top_ids"])
+        top_lp.append(e["top_lp"])
+        hard.append(e["ids"][e["start"] + 1: e["start"] + 1 + n])
+    h = hidden[torch.cat(rows), torch.cat(cols)]
+    logq = draft.lm_head(h).float().log_softmax(-1)
+    top_ids_t, p = torch.cat(top_ids), torch.cat(top_lp).exp()
+    soft = -(p * logq.gather(-1, top_ids_t)).sum(-1).mean()
+    hard_loss = F.nll_loss(logq, torch.cat(hard))
+    return (1 - cfg.hard_weight) * soft + cfg.hard_weight * hard_loss
+
+
+def train(target: PreTrainedModel, out: Path, cfg: DistillConfig, report: DistillReport,
+          progress: Progress | None = None) -> LlamaForCausalLM:
+    """Train (or resume training) the draft on the collected shards."""
+    examples = _examples(out, cfg)
+    if not examples:
+        raise UserError(f"no training data in {out / 'data'}")
+    ckpt_path = out / "checkpoint.pt"
+    draft = init_draft(target, cfg)
+    opt = torch.optim.AdamW(draft.parameters(), lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.98))
+    tokens_per_epoch = sum(len(e["top_ids"]) for e in examples)
+    steps_per_epoch = max(1, len(examples) // cfg.batch_size)
+    total_steps = cfg.max_steps or max(1, int(cfg.epochs * steps_per_epoch))
+    step, seconds, seen = 0, 0.0, 0
+    if ckpt_path.exists():
+        state = torch.load(ckpt_path)
+        draft.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        step, seconds, seen = state["step"], state["seconds"], state["seen"]
+        report.loss_curve = [tuple(x) for x in state["loss_curve"]]
+    generator = torch.Generator().manual_seed(cfg.seed)
+    draft.train()
+    recent: list[float] = []
+    last_save = time.perf_counter()
+    while step < total_steps and seconds < cfg.train_minutes * 60:
+        start = time.perf_counter()
+        generator.manual_seed(cfg.seed * 7919 + step)
+        pick = torch.randint(len(examples), (cfg.batch_size,), generator=generator).tolist()
+        batch = [examples[i] for i in pick]
+        warmup = min(1.0, (step + 1) / 50)
+        decay = 0.5 * (1 + math.cos(math.pi * min(1.0, step / total_steps)))
+        for group in opt.param_groups:
+            group["lr"] = cfg.lr * warmup * (0.1 + 0.9 * decay)
+        loss = _loss(draft, batch, cfg)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
+        opt.step()
+        step += 1
+        seen += sum(len(e["top_ids"]) for e in batch)
+        seconds += time.perf_counter() - start
+        recent.append(float(loss))
+        if step % 25 == 0 or step == total_steps:
+            report.loss_curve.append((step, seen, sum(recent) / len(recent)))
+            recent.clear()
+            if progress:
+                progress("train", min(step / total_steps, seconds / (cfg.train_minutes * 60)),
+                         f"step {step}, loss {report.loss_curve[-1][2]:.3f}, {seen / tokens_per_epoch:.2f} epochs")
+        if time.perf_counter() - last_save > 120 or step == total_steps:
+            _save_checkpoint(ckpt_path, draft, opt, step, seconds, seen, report)
+            last_save = time.perf_counter()
+    _save_checkpoint(ckpt_path, draft, opt, step, seconds, seen, report)
+    report.steps, report.train_seconds = step, seconds
+    report.final_loss = report.loss_curve[-1][2] if report.loss_curve else float("nan")
+    draft.eval()
+    return draft
+
+
+def _save_checkpoint(path: Path, draft: LlamaForCausalLM, opt: torch.optim.Optimizer, step: int, seconds: float,
+                     seen: int, report: DistillReport) -> None:
+    tmp = path.with_suffix(".tmp")
+    torch.save({"model": draft.state_dict(), "optimizer": opt.state_dict(), "step": step, "seconds": seconds,
+                "seen": seen, "loss_curve": report.loss_curve}, tmp)
+    tmp.replace(path)
+
+
+def write_draft(draft: LlamaForCausalLM, tokenizer: PreTrainedTokenizerBase, out: Path, report: DistillReport,
+                command: str) -> None:
+    """safetensors weights in bf16, the tokenizer, and a model card with how it was made."""
+    draft.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    (out / "distill_report.json").write_text(json.dumps(asdict(report), indent=1))
+    curve = "\n".join(f"| {s} | {t} | {loss:.3f} |" for s, t, loss in report.loss_curve[:: max(1, len(report.loss_curve) // 12)])
+    accept = "\n".join(f"| {k} | {v:.3f} |" for k, v in report.acceptance.items())
+    (out / "README.md").write_text(f"""# Draft for {report.target}, made by `llamassp distill`
+
+A {draft.config.num_hidden_layers}-layer Llama (hidden {draft.config.hidden_size}, {report.parameters / 1e6:.1f}M parameters,
+tied {draft.config.vocab_size}-token embedding) sharing {report.target}'s tokenizer. Weights in bfloat16.
+
+Made with: `{command}`
+
+- data: {report.data_tokens} tokens of the target's own continuations (collected in {report.collect_seconds / 60:.1f} min),
+  with the target's top-{report.config['top_k_saved']} log-probabilities at every position
+- training: {report.steps} steps in {report.train_seconds / 60:.1f} min; loss = soft cross-entropy to the target's
+  top-k distribution + {report.config['hard_weight']} x cross-entropy on the sampled token; final loss {report.final_loss:.3f}
+- prompts: written by `lssp/distill_data.py`; none of the `latency`, `compare` or `eval` prompts
+
+## Measured acceptance (greedy, held-out prompts)
+| prompts | acceptance rate |
+|---|---|
+{accept}
+
+## Loss curve
+| step | target tokens seen | loss |
+|---|---|---|
+{curve}
+""")

@@ -1,0 +1,274 @@
+"""Regular sampling (RSp) and speculative sampling (SSp), both with KV caches.
+
+SSp follows Chen et al. 2023 (Alg. 2) / Leviathan et al. 2022 (Alg. 1): the draft proposes
+``k`` tokens, the target scores them all in one forward, token i is kept with probability
+min(1, p_i(x)/q_i(x)), the first rejection is replaced by a draw from norm(max(0, p - q)),
+and a full acceptance earns a bonus token from p_{k+1}. Both caches then roll back to the
+accepted length.
+
+Invariant between iterations: each model's cache holds a prefix of ``seq``; whatever of
+``seq`` it has not seen yet is fed at its next forward (the prompt at first, then one or two
+tokens), so no separate prefill step exists and the draft never falls out of step.
+"""
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass, field
+from functools import cache
+
+import torch
+from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+
+from lssp.sampling import SamplingParams, sample, warp
+from lssp.timing import Clock
+
+# Called with each block of newly emitted token ids and, per token, whether the draft proposed it.
+TokenCallback = Callable[[list[int], list[bool]], None]
+
+
+@dataclass
+class GenerationStats:
+    """What one generation did and where its time went (seconds)."""
+
+    mode: str
+    k: int = 0
+    new_tokens: int = 0
+    target_forwards: int = 0
+    draft_forwards: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    drafted_at: list[int] = field(default_factory=list)
+    accepted_at: list[int] = field(default_factory=list)
+    target_time_s: float = 0.0
+    draft_time_s: float = 0.0
+    total_time_s: float = 0.0
+    ttft_s: float = 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else float("nan")
+
+    @property
+    def tokens_per_target_forward(self) -> float:
+        return self.new_tokens / self.target_forwards if self.target_forwards else float("nan")
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        return [a / d if d else float("nan") for a, d in zip(self.accepted_at, self.drafted_at)]
+
+    @property
+    def other_time_s(self) -> float:
+        return self.total_time_s - self.target_time_s - self.draft_time_s
+
+    @property
+    def decode_ms_per_token(self) -> float:
+        """Milliseconds per token after the first one (prefill excluded)."""
+        if self.new_tokens < 2:
+            return float("nan")
+        return 1000 * (self.total_time_s - self.ttft_s) / (self.new_tokens - 1)
+
+
+@dataclass
+class GenerationOutput:
+    tokens: torch.Tensor  # 1-D LongTensor of new tokens, on the CPU
+    stats: GenerationStats
+    stopped: bool = False  # ended at a stop token or string before max_new_tokens
+
+
+@dataclass(frozen=True)
+class Stopping:
+    """When to end early: a token id in ``token_ids`` or a string in ``strings`` appears."""
+
+    token_ids: Collection[int] = ()
+    strings: Sequence[str] = ()
+    tokenizer: PreTrainedTokenizerBase | None = None
+
+    def cut(self, tokens: list[int], first_new: int) -> int | None:
+        """Length to keep if ``tokens[first_new:]`` completes a stop, else None."""
+        for i in range(first_new, len(tokens)):
+            if tokens[i] in self.token_ids:
+                return i + 1
+        if self.strings and self.tokenizer is not None:
+            for i in range(first_new, len(tokens)):
+                text = self.tokenizer.decode(tokens[: i + 1])
+                if any(s in text for s in self.strings):
+                    return i + 1
+        return None
+
+
+NO_STOP = Stopping()
+
+
+@cache
+def _accepts_logits_to_keep(model_class: type) -> bool:
+    return "logits_to_keep" in inspect.signature(model_class.forward).parameters
+
+
+def forward_logits(model: PreTrainedModel, ids: torch.Tensor, kv: DynamicCache, last: int) -> torch.Tensor:
+    """Logits of the ``last`` final positions, shape (last, vocab), extending ``kv``."""
+    kwargs = {"logits_to_keep": last} if _accepts_logits_to_keep(type(model)) else {}
+    out = model(input_ids=ids, past_key_values=kv, use_cache=True, **kwargs)
+    return out.logits[0, -last:]
+
+
+def new_cache(model: PreTrainedModel) -> DynamicCache:
+    return DynamicCache(config=model.config)
+
+
+def _device(model: PreTrainedModel) -> torch.device:
+    return model.get_input_embeddings().weight.device
+
+
+def accepted_prefix(
+    p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+) -> int:
+    """How many leading drafts pass: draft i is kept with probability min(1, p_i(x)/q_i(x)).
+
+    All k uniforms are drawn at once and the run is counted on the device, so the
+    iteration synchronizes once. Greedy keeps a draft exactly when it is the target's argmax.
+    """
+    k = drafts.shape[0]
+    if k == 0:
+        return 0
+    rows = torch.arange(k, device=drafts.device)
+    p_draft, q_draft = p[rows, drafts], q[rows, drafts]
+    if params.greedy:
+        accept = p_draft > 0
+    else:
+        accept = torch.rand(k, device=drafts.device, generator=generator) * q_draft < p_draft
+    return int(accept.cumprod(0).sum())
+
+
+def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """norm(max(0, p - q)): the law of the token that replaces a rejected draft."""
+    residual = (p - q).clamp_(min=0)
+    total = residual.sum()
+    # p == q up to rounding leaves no residual mass; p itself is then the right law.
+    return residual / total if total > 0 else p
+
+
+@torch.inference_mode()
+def generate_regular(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    max_new_tokens: int,
+    params: SamplingParams,
+    generator: torch.Generator | None = None,
+    stopping: Stopping = NO_STOP,
+    on_tokens: TokenCallback | None = None,
+) -> GenerationOutput:
+    """Sample ``max_new_tokens`` tokens from ``model``: prefill once, then one token per forward."""
+    device = _device(model)
+    clock = Clock(device)
+    stats = GenerationStats(mode="rsp")
+    kv = new_cache(model)
+    seq = input_ids.to(device)
+    tokens: list[int] = []
+    stopped = False
+    start = clock.now()
+    while len(tokens) < max_new_tokens:
+        t0 = clock.now()
+        logits = forward_logits(model, seq[:, kv.get_seq_length():], kv, 1)
+        stats.target_time_s += clock.now() - t0
+        stats.target_forwards += 1
+        token = sample(warp(logits, params), params, generator)
+        seq = torch.cat([seq, token.view(1, 1).to(device)], dim=1)
+        tokens.append(int(token))
+        if len(tokens) == 1:
+            stats.ttft_s = clock.now() - start
+        if on_tokens:
+            on_tokens(tokens[-1:], [False])
+        keep = stopping.cut(tokens, len(tokens) - 1)
+        if keep is not None:
+            stopped = True
+            break
+    stats.total_time_s = clock.now() - start
+    stats.new_tokens = len(tokens)
+    return GenerationOutput(torch.tensor(tokens, dtype=torch.long), stats, stopped)
+
+
+@torch.inference_mode()
+def generate_speculative(
+    target: PreTrainedModel,
+    draft: PreTrainedModel,
+    input_ids: torch.Tensor,
+    max_new_tokens: int,
+    k: int,
+    params: SamplingParams,
+    generator: torch.Generator | None = None,
+    stopping: Stopping = NO_STOP,
+    on_tokens: TokenCallback | None = None,
+    vocab_size: int | None = None,
+) -> GenerationOutput:
+    """Sample ``max_new_tokens`` tokens from ``target``'s distribution with ``draft`` proposing ``k`` at a time.
+
+    ``vocab_size`` limits both models' logits to a common prefix (embedding matrices padded
+    to different sizes); by default the smaller of the two output widths.
+    """
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    device, draft_device = _device(target), _device(draft)
+    clock = Clock(device)
+    vocab = vocab_size or min(target.get_output_embeddings().weight.shape[0], draft.get_output_embeddings().weight.shape[0])
+    stats = GenerationStats(mode="ssp", k=k, drafted_at=[0] * k, accepted_at=[0] * k)
+    target_kv, draft_kv = new_cache(target), new_cache(draft)
+    seq = input_ids.to(device)
+    tokens: list[int] = []
+    stopped = False
+    start = clock.now()
+    while len(tokens) < max_new_tokens and not stopped:
+        # Never draft past the budget: the iteration then emits at most what is left.
+        k_now = min(k, max_new_tokens - len(tokens) - 1)
+
+        # 1. The draft proposes k_now tokens, keeping its distributions q_1..q_k.
+        drafts = torch.empty(k_now, dtype=torch.long, device=device)
+        q = torch.empty(k_now, vocab, device=device)
+        pending = seq[:, draft_kv.get_seq_length():]
+        for i in range(k_now):
+            t0 = clock.now()
+            logits = forward_logits(draft, pending.to(draft_device), draft_kv, 1)
+            stats.draft_time_s += clock.now() - t0
+            q[i] = warp(logits[:, :vocab].to(device), params)[0]
+            drafts[i] = sample(q[i], params, generator)
+            pending = drafts[i].view(1, 1)
+        stats.draft_forwards += k_now
+
+        # 2. One target forward scores every draft position and the bonus position.
+        target_in = torch.cat([seq[:, target_kv.get_seq_length():], drafts.view(1, -1)], dim=1)
+        t0 = clock.now()
+        logits = forward_logits(target, target_in, target_kv, k_now + 1)
+        stats.target_time_s += clock.now() - t0
+        stats.target_forwards += 1
+        p = warp(logits[:, :vocab], params)
+
+        # 3. Accept the longest run of drafts that passes, then draw one more token.
+        n = accepted_prefix(p, q, drafts, params, generator)
+        last = residual_distribution(p[n], q[n]) if n < k_now else p[k_now]
+        extra = sample(last, params, generator)
+
+        # 4. Emit, then roll both caches back to what is still valid.
+        new = drafts[:n].tolist() + [int(extra)]
+        target_kv.crop(-(k_now - n))
+        draft_kv.crop(-max(0, k_now - 1 - n))
+        seq = torch.cat([seq, torch.tensor([new], device=device)], dim=1)
+        stats.drafted += k_now
+        stats.accepted += n
+        for i in range(k_now):
+            stats.drafted_at[i] += 1
+            stats.accepted_at[i] += int(i < n)
+
+        first_new = len(tokens)
+        tokens.extend(new)
+        keep = stopping.cut(tokens, first_new)
+        if keep is not None:
+            stopped = True
+            del tokens[keep:]
+        if first_new == 0:
+            stats.ttft_s = clock.now() - start
+        if on_tokens and len(tokens) > first_new:
+            emitted = tokens[first_new:]
+            on_tokens(emitted, [i < n for i in range(len(emitted))])
+    stats.total_time_s = clock.now() - start
+    stats.new_tokens = len(tokens)
+    return GenerationOutput(torch.tensor(tokens, dtype=torch.long), stats, stopped)

@@ -1,0 +1,218 @@
+"""Load registry entries through transformers, accelerate placement and bitsandbytes."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from lssp.errors import IncompatibleModelsError, UserError
+from lssp.registry import ModelSpec
+
+log = logging.getLogger(__name__)
+ARCHITECTURES_FILE = Path(__file__).with_name("architectures.yaml")
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class LoadedModel:
+    spec: ModelSpec
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase | None
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.get_input_embeddings().weight.device
+
+    @property
+    def dtype(self) -> str:
+        return str(self.model.get_input_embeddings().weight.dtype).removeprefix("torch.")
+
+    @property
+    def precision(self) -> str:
+        """dtype, or the bitsandbytes quantization where there is one."""
+        return self.dtype if self.spec.quantization == "none" else f"{self.spec.quantization} (bnb)"
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.model.parameters(), *self.model.buffers()))
+
+    def encode(self, text: str) -> torch.Tensor:
+        if self.tokenizer is None:
+            raise UserError(f"model {self.name!r} has no tokenizer; set 'tokenizer' in its registry entry")
+        return self.tokenizer(text, return_tensors="pt").input_ids
+
+
+@cache
+def architectures() -> dict[str, dict[str, Any]]:
+    return yaml.safe_load(ARCHITECTURES_FILE.read_text())
+
+
+def random_config(spec: ModelSpec) -> Any:
+    """The transformers config of an ``init: random`` entry."""
+    fields = spec.config
+    if isinstance(fields, str):
+        if fields not in architectures():
+            raise UserError(f"model {spec.name!r}: unknown architecture {fields!r}; known: {', '.join(architectures())}")
+        fields = architectures()[fields]
+    fields = dict(fields or {})
+    model_type = fields.pop("model_type", "llama")
+    try:
+        return AutoConfig.for_model(model_type, **fields)
+    except (ValueError, TypeError) as exc:
+        raise UserError(f"model {spec.name!r}: bad config: {exc}") from None
+
+
+def _placement(spec: ModelSpec, device: str | None) -> dict[str, Any]:
+    """device_map/max_memory arguments for from_pretrained."""
+    n_gpus = torch.cuda.device_count()
+    if device is not None:
+        if device.startswith("cuda") and n_gpus == 0:
+            raise UserError(f"--device {device} asked for, but no CUDA GPU is visible")
+        return {"device_map": device}
+    if spec.needs_gpu and n_gpus == 0:
+        raise UserError(
+            f"model {spec.name!r} needs {spec.gpus or 1} GPU(s) and none is visible; use --device cpu to run it on the CPU anyway"
+        )
+    if spec.gpus and spec.gpus > n_gpus:
+        raise UserError(f"model {spec.name!r} asks for {spec.gpus} GPUs, only {n_gpus} visible")
+    device_map = spec.device_map or ("auto" if n_gpus else "cpu")
+    kwargs: dict[str, Any] = {"device_map": device_map}
+    max_memory: dict[Any, str] | None = None
+    if spec.max_memory:
+        max_memory = {int(k) if k.isdigit() else k: v for k, v in spec.max_memory.items()}
+    elif spec.gpus:
+        max_memory = {i: f"{torch.cuda.mem_get_info(i)[0] // 2**20}MiB" for i in range(spec.gpus)}
+    if max_memory:
+        kwargs["max_memory"] = max_memory
+    return kwargs
+
+
+def _quantization(spec: ModelSpec, dtype: torch.dtype | str) -> dict[str, Any]:
+    if spec.quantization == "none":
+        return {}
+    from transformers import BitsAndBytesConfig
+
+    if spec.quantization == "8bit":
+        return {"quantization_config": BitsAndBytesConfig(load_in_8bit=True)}
+    compute = dtype if isinstance(dtype, torch.dtype) else torch.bfloat16
+    return {"quantization_config": BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=compute)}
+
+
+def _source(spec: ModelSpec) -> tuple[str, dict[str, Any]]:
+    """The path or repo id from_pretrained takes, and the gguf_file/revision it needs."""
+    local = spec.local_path()
+    extra: dict[str, Any] = {"revision": spec.revision} if spec.revision else {}
+    if local is None:
+        return spec.path, extra
+    if not local.exists():
+        raise UserError(f"model {spec.name!r}: {local} does not exist")
+    if spec.is_gguf:
+        return str(local.parent), {**extra, "gguf_file": local.name}
+    return str(local), extra
+
+
+def load_tokenizer(spec: ModelSpec) -> PreTrainedTokenizerBase | None:
+    if spec.tokenizer:
+        sub = ModelSpec(name=spec.name, path=spec.tokenizer, base_dir=spec.base_dir)
+        where, extra = _source(sub)
+    elif spec.is_random:
+        return None
+    else:
+        where, extra = _source(spec)
+    try:
+        return AutoTokenizer.from_pretrained(where, **extra)
+    except OSError as exc:
+        raise UserError(f"model {spec.name!r}: cannot load tokenizer from {where}: {_first_line(exc)}") from None
+
+
+def load_model(spec: ModelSpec, device: str | None = None) -> LoadedModel:
+    """Load one registry entry, placed and quantized as it says (``device`` overrides placement)."""
+    dtype: torch.dtype | str = DTYPES.get(spec.dtype, "auto")
+    placement = _placement(spec, device)
+    kwargs: dict[str, Any] = {"dtype": dtype, **placement, **_quantization(spec, dtype)}
+    if spec.attn_implementation:
+        kwargs["attn_implementation"] = spec.attn_implementation
+    if spec.is_random:
+        model = _random_model(spec, dtype, placement["device_map"])
+    else:
+        where, extra = _source(spec)
+        log.info("loading %s from %s %s", spec.name, where, extra)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(where, **kwargs, **extra)
+        except OSError as exc:
+            raise UserError(f"model {spec.name!r}: cannot load {where}: {_first_line(exc)}") from None
+    model.eval()
+    return LoadedModel(spec, model, load_tokenizer(spec))
+
+
+def _random_model(spec: ModelSpec, dtype: torch.dtype | str, device_map: str) -> PreTrainedModel:
+    """Random weights built directly on the target device (no download, no CPU copy first)."""
+    config = random_config(spec)
+    device = "cuda" if device_map in ("auto", "balanced", "sequential") and torch.cuda.is_available() else device_map
+    if device in ("auto", "balanced", "sequential"):
+        device = "cpu"
+    torch_dtype = dtype if isinstance(dtype, torch.dtype) else torch.float32
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
+    return model
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
+PROBE_TEXT = "Speculative sampling: 12 * 34 = 408, naïve café, 日本語, def f(x):\n    return x ** 2"
+
+
+def check_compatible(target: LoadedModel, draft: LoadedModel) -> int:
+    """Refuse a draft whose tokenizer differs from the target's; return the common logit width.
+
+    Tokenizers must agree on every string -> id mapping and on special tokens. The
+    embedding matrices may be padded to different sizes; both samplers then use the common
+    prefix of the logits.
+    """
+    t_tok, d_tok = target.tokenizer, draft.tokenizer
+    if t_tok is not None and d_tok is not None:
+        t_vocab, d_vocab = t_tok.get_vocab(), d_tok.get_vocab()
+        if t_vocab != d_vocab:
+            raise IncompatibleModelsError(
+                f"draft {draft.name!r} does not share target {target.name!r}'s tokenizer "
+                f"({len(t_vocab)} vs {len(d_vocab)} tokens); first differences: {_first_differences(t_vocab, d_vocab)}"
+            )
+        for attr in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id"):
+            if getattr(t_tok, attr) != getattr(d_tok, attr):
+                raise IncompatibleModelsError(
+                    f"draft {draft.name!r} and target {target.name!r} disagree on {attr}: "
+                    f"{getattr(d_tok, attr)} vs {getattr(t_tok, attr)}"
+                )
+        t_ids, d_ids = t_tok(PROBE_TEXT).input_ids, d_tok(PROBE_TEXT).input_ids
+        if t_ids != d_ids:
+            at = next(i for i, (a, b) in enumerate(zip(t_ids + [None], d_ids + [None])) if a != b)
+            raise IncompatibleModelsError(
+                f"draft {draft.name!r} and target {target.name!r} tokenize the same text differently from token {at}: "
+                f"{t_ids[at:at + 5]} vs {d_ids[at:at + 5]}"
+            )
+    widths = [m.model.get_output_embeddings().weight.shape[0] for m in (target, draft)]
+    if t_tok is None and d_tok is None and widths[0] != widths[1]:
+        raise IncompatibleModelsError(
+            f"draft {draft.name!r} ({widths[1]} logits) and target {target.name!r} ({widths[0]}) have no tokenizer to compare "
+            "and different vocabulary sizes"
+        )
+    return min(widths)
+
+
+def _first_differences(a: dict[str, int], b: dict[str, int], limit: int = 3) -> str:
+    a_by_id = {i: s for s, i in a.items()}
+    b_by_id = {i: s for s, i in b.items()}
+    ids = sorted(i for i in set(a_by_id) | set(b_by_id) if a_by_id.get(i) != b_by_id.get(i))[:limit]
+    return "; ".join(f"id {i}: {a_by_id.get(i)!r} (target) vs {b_by_id.get(i)!r} (draft)" for i in ids)

@@ -1,0 +1,222 @@
+"""The model registry: ``models.yaml`` loaded and validated into typed specs."""
+from __future__ import annotations
+
+import difflib
+import importlib.util
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from lssp.errors import UserError
+
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+QUANTIZATIONS = ("none", "8bit", "4bit")
+INITS = ("pretrained", "random")
+SPEC_KEYS = {
+    "path", "tokenizer", "dtype", "quantization", "device_map", "gpus", "max_memory",
+    "attn_implementation", "revision", "init", "config", "description",
+}
+TOP_KEYS = {"default_target", "default_draft", "models"}
+PACKAGE_PREFIX = "pkg:"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One registry entry: where a model comes from and how to place it."""
+
+    name: str
+    path: str = ""
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    quantization: str = "none"
+    device_map: str | None = None
+    gpus: int | None = None
+    max_memory: dict[str, str] | None = None
+    attn_implementation: str | None = None
+    revision: str | None = None
+    init: str = "pretrained"
+    config: dict[str, Any] | str | None = None
+    description: str = ""
+    base_dir: Path = field(default=Path("."), compare=False)
+
+    @property
+    def is_random(self) -> bool:
+        return self.init == "random"
+
+    @property
+    def is_gguf(self) -> bool:
+        return self.path.endswith(".gguf")
+
+    @property
+    def needs_gpu(self) -> bool:
+        return bool(self.gpus) or (self.device_map or "").startswith("cuda")
+
+    def local_path(self) -> Path | None:
+        """The file or folder on disk this entry names, or None for a hub repo id."""
+        if self.path.startswith(PACKAGE_PREFIX):
+            package, _, rest = self.path[len(PACKAGE_PREFIX):].partition("/")
+            found = importlib.util.find_spec(package)  # finds without importing the package
+            if found is None or not found.submodule_search_locations:
+                raise UserError(f"model {self.name!r}: Python package {package!r} is not installed (run ./setup.sh)")
+            return Path(next(iter(found.submodule_search_locations))) / rest
+        path = Path(self.path).expanduser()
+        if not path.is_absolute():
+            path = self.base_dir / path
+        if self.path.startswith((".", "/", "~")) or path.exists():
+            return path
+        return None
+
+    def available_locally(self) -> bool:
+        """True when loading needs no download (random init, a local path, or the hub cache)."""
+        if self.is_random:
+            return True
+        try:
+            local = self.local_path()
+        except UserError:
+            return False
+        if local is not None:
+            return local.exists()
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            return isinstance(try_to_load_from_cache(self.path, "config.json", revision=self.revision), str)
+        except Exception:  # noqa: BLE001 - any hub-cache trouble means "not available"
+            return False
+
+
+@dataclass(frozen=True)
+class Registry:
+    models: dict[str, ModelSpec]
+    default_target: str | None
+    default_draft: str | None
+    source: Path
+
+    def get(self, name: str) -> ModelSpec:
+        if name not in self.models:
+            raise UserError(f"unknown model {name!r} in {self.source}{_suggest(name, self.models)}")
+        return self.models[name]
+
+    def target_name(self, name: str | None) -> str:
+        return self._name_or_default(name, self.default_target, "default_target", "a target model")
+
+    def draft_name(self, name: str | None) -> str:
+        return self._name_or_default(name, self.default_draft, "default_draft", "a draft model")
+
+    def _name_or_default(self, name: str | None, default: str | None, key: str, what: str) -> str:
+        if name:
+            return self.get(name).name
+        if not default:
+            raise UserError(f"no {what} given and {self.source} sets no {key}")
+        return default
+
+
+def _suggest(name: str, choices: Any) -> str:
+    close = difflib.get_close_matches(name, list(choices), n=3, cutoff=0.5)
+    if close:
+        return "; did you mean " + ", ".join(repr(c) for c in close) + "?"
+    return "; known: " + ", ".join(sorted(choices))
+
+
+class _Located:
+    """Turn a YAML node into Python data while remembering each mapping key's line."""
+
+    def __init__(self, source: Path) -> None:
+        self.source = source
+
+    def where(self, node: yaml.Node) -> str:
+        return f"{self.source}:{node.start_mark.line + 1}"
+
+    def error(self, node: yaml.Node, message: str) -> UserError:
+        return UserError(f"{self.where(node)}: {message}")
+
+
+def _python(node: yaml.Node) -> Any:
+    return yaml.constructor.SafeConstructor().construct_object(node, deep=True)
+
+
+def load_registry(path: str | Path) -> Registry:
+    """Read and validate a models.yaml; any mistake raises UserError naming file, line and key."""
+    source = Path(path)
+    try:
+        text = source.read_text()
+    except OSError as exc:
+        raise UserError(f"cannot read model registry {source}: {exc.strerror or exc}") from None
+    try:
+        root = yaml.compose(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = f":{mark.line + 1}" if mark else ""
+        raise UserError(f"{source}{line}: malformed YAML: {getattr(exc, 'problem', exc)}") from None
+    loc = _Located(source)
+    if not isinstance(root, yaml.MappingNode):
+        raise UserError(f"{source}: expected a mapping with a 'models' key")
+    top: dict[str, yaml.Node] = {}
+    for key_node, value_node in root.value:
+        key = key_node.value
+        if key not in TOP_KEYS:
+            raise loc.error(key_node, f"unknown top-level key {key!r}{_suggest(key, TOP_KEYS)}")
+        top[key] = value_node
+    models_node = top.get("models")
+    if not isinstance(models_node, yaml.MappingNode):
+        raise UserError(f"{source}: 'models' must be a mapping of name -> entry")
+    models: dict[str, ModelSpec] = {}
+    for name_node, entry_node in models_node.value:
+        name = str(name_node.value)
+        if name in models:
+            raise loc.error(name_node, f"model {name!r} is defined twice")
+        models[name] = _spec(loc, name, entry_node, source.parent)
+    defaults = {}
+    for key in ("default_target", "default_draft"):
+        node = top.get(key)
+        if node is None:
+            defaults[key] = None
+            continue
+        value = str(node.value)
+        if value not in models:
+            raise loc.error(node, f"{key} names unknown model {value!r}{_suggest(value, models)}")
+        defaults[key] = value
+    return Registry(models, defaults["default_target"], defaults["default_draft"], source)
+
+
+def _spec(loc: _Located, name: str, node: yaml.Node, base_dir: Path) -> ModelSpec:
+    if not isinstance(node, yaml.MappingNode):
+        raise loc.error(node, f"model {name!r}: expected a mapping of settings")
+    values: dict[str, Any] = {}
+    for key_node, value_node in node.value:
+        key = key_node.value
+        if key not in SPEC_KEYS:
+            raise loc.error(key_node, f"model {name!r}: unknown key {key!r}{_suggest(key, SPEC_KEYS)}")
+        values[key] = _python(value_node)
+        at = loc.where(value_node)
+        _check_value(name, key, values[key], at)
+    init = values.get("init", "pretrained")
+    if init == "pretrained" and not values.get("path"):
+        raise loc.error(node, f"model {name!r}: 'path' is required (or 'init: random' with a 'config')")
+    if init == "random" and not values.get("config"):
+        raise loc.error(node, f"model {name!r}: 'init: random' needs a 'config' (a mapping or an architecture name)")
+    if "max_memory" in values:
+        values["max_memory"] = {str(k): str(v) for k, v in values["max_memory"].items()}
+    return ModelSpec(name=name, base_dir=base_dir, **values)
+
+
+def _check_value(name: str, key: str, value: Any, at: str) -> None:
+    def bad(expected: str) -> UserError:
+        return UserError(f"{at}: model {name!r}: bad {key} {value!r}; expected {expected}")
+
+    choices = {"dtype": DTYPES, "quantization": QUANTIZATIONS, "init": INITS}.get(key)
+    if choices is not None:
+        if value not in choices:
+            raise UserError(f"{at}: model {name!r}: bad {key} {value!r}; expected one of {', '.join(choices)}")
+    elif key == "gpus":
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise bad("a whole number >= 0")
+    elif key == "max_memory":
+        if not isinstance(value, dict) or not value:
+            raise bad("a mapping such as {0: 38GiB, 1: 38GiB, cpu: 64GiB}")
+    elif key == "config":
+        if not isinstance(value, (dict, str)):
+            raise bad("a mapping of config fields or an architecture name")
+    elif not isinstance(value, str):
+        raise bad("a string")

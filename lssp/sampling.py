@@ -1,0 +1,71 @@
+"""Sampling parameters and the one function that turns logits into a distribution."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from lssp.errors import UserError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How logits become a distribution. ``temperature == 0`` means greedy decoding."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise UserError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise UserError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise UserError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def as_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
+def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Probabilities (float32, same shape as ``logits``) after temperature, top-k and top-p.
+
+    Greedy gives the one-hot distribution of the argmax, so speculative sampling's
+    acceptance rule and residual reduce exactly to greedy verification.
+    """
+    if params.greedy:
+        probs = torch.zeros_like(logits, dtype=torch.float32)
+        return probs.scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    logits = logits.float() / params.temperature
+    if 0 < params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        # Drop a token when the mass before it already reaches top_p (the first one always stays).
+        drop_sorted = (cumulative - sorted_logits.softmax(-1)) >= params.top_p
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits.softmax(-1)
+
+
+def sample(probs: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+    """One token id per row of ``probs`` (shape ``probs.shape[:-1]``)."""
+    if params.greedy:
+        return probs.argmax(-1)
+    flat = probs.reshape(-1, probs.shape[-1])
+    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+
+
+def warp_and_sample(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The warped distribution and a token drawn from it; RSp and SSp's draft both use this."""
+    probs = warp(logits, params)
+    return sample(probs, params, generator), probs

@@ -1,0 +1,96 @@
+"""Confidence intervals, goodness-of-fit tests and the speculative speedup model."""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from scipy import stats as _scipy
+
+Z95 = 1.959963984540054
+
+
+@dataclass(frozen=True)
+class Interval:
+    estimate: float
+    low: float
+    high: float
+
+    def contains(self, value: float) -> bool:
+        return self.low <= value <= self.high
+
+
+def wald(successes: int, trials: int, z: float = Z95) -> Interval:
+    """p ± z·sqrt(p(1−p)/n). Degenerate (zero width) at p = 0 or 1."""
+    p = successes / trials
+    half = z * math.sqrt(p * (1 - p) / trials)
+    return Interval(p, p - half, p + half)
+
+
+def wilson(successes: int, trials: int, z: float = Z95) -> Interval:
+    """Wilson score interval; stays inside [0, 1] and is sensible near 0 and 1."""
+    n, p = trials, successes / trials
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return Interval(p, centre - half, centre + half)
+
+
+def difference(s1: int, n1: int, s2: int, n2: int, z: float = Z95) -> Interval:
+    """p1 − p2 with the independent-samples Wald interval."""
+    p1, p2 = s1 / n1, s2 / n2
+    half = z * math.sqrt(p1 * (1 - p1) / n1 + p2 * (1 - p2) / n2)
+    return Interval(p1 - p2, p1 - p2 - half, p1 - p2 + half)
+
+
+def mcnemar(only_first: int, only_second: int) -> float:
+    """Exact two-sided McNemar p-value from the discordant pairs of a paired comparison."""
+    n = only_first + only_second
+    if n == 0:
+        return 1.0
+    return min(1.0, 2 * _scipy.binom.cdf(min(only_first, only_second), n, 0.5))
+
+
+@dataclass(frozen=True)
+class ChiSquare:
+    statistic: float
+    dof: int
+    p_value: float
+    cells: int  # categories tested, the tail bucket included
+
+
+def chi_square_gof(counts: Sequence[int], probs: Sequence[float], min_expected: float = 5.0) -> ChiSquare:
+    """Pearson goodness of fit of observed ``counts`` to ``probs``.
+
+    Categories whose expected count is below ``min_expected`` are pooled into one tail bucket
+    (kept only if its expected count reaches ``min_expected`` too, else merged into the
+    smallest kept cell).
+    """
+    n = sum(counts)
+    cells: list[tuple[float, float]] = []  # (observed, expected)
+    tail_obs = tail_exp = 0.0
+    for c, p in zip(counts, probs):
+        if n * p >= min_expected:
+            cells.append((c, n * p))
+        else:
+            tail_obs += c
+            tail_exp += n * p
+    if tail_exp >= min_expected or (tail_exp > 0 and not cells):
+        cells.append((tail_obs, tail_exp))
+    elif tail_obs or tail_exp:
+        i = min(range(len(cells)), key=lambda j: cells[j][1])
+        cells[i] = (cells[i][0] + tail_obs, cells[i][1] + tail_exp)
+    statistic = sum((o - e) ** 2 / e for o, e in cells if e > 0)
+    dof = max(1, len(cells) - 1)
+    return ChiSquare(statistic, dof, float(_scipy.chi2.sf(statistic, dof)), len(cells))
+
+
+def expected_tokens_per_iteration(alpha: float, k: int) -> float:
+    """(1 − α^(k+1)) / (1 − α): tokens emitted per target forward (Leviathan et al. 2022)."""
+    if alpha >= 1:
+        return k + 1.0
+    return (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
+def predicted_speedup(alpha: float, k: int, c: float) -> float:
+    """(1 − α^(k+1)) / ((1 − α)(k·c + 1)) for draft/target cost ratio c."""
+    return expected_tokens_per_iteration(alpha, k) / (k * c + 1)

@@ -1,0 +1,100 @@
+"""Tiny random Llama models built in-process: no downloads."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+def tiny_llama(seed: int, vocab_size: int = 64, hidden: int = 32, layers: int = 2, scale: float = 1.0) -> LlamaForCausalLM:
+    """A random Llama small enough to run thousands of forwards in seconds, in float32."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=None,
+    )
+    model = LlamaForCausalLM(config).eval()
+    if scale != 1.0:  # sharpen the output layer so distributions are far from uniform
+        with torch.no_grad():
+            model.lm_head.weight.mul_(scale)
+    return model
+
+
+@pytest.fixture(scope="session")
+def target() -> LlamaForCausalLM:
+    return tiny_llama(0, scale=30.0)
+
+
+@pytest.fixture(scope="session")
+def draft() -> LlamaForCausalLM:
+    return tiny_llama(1, hidden=16, layers=1, scale=30.0)
+
+
+CHARS = list("0123456789abcdefghijklmnopqrstuvwxyz \n*=?.,!'")
+
+
+def char_tokenizer(chars: list[str] = CHARS):
+    """A character-level fast tokenizer: 3 special tokens, then one id per character."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<s>": 0, "</s>": 1, "<unk>": 2, **{c: i + 3 for i, c in enumerate(chars)}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+def save_tiny(path, seed: int, vocab_size: int = 64, chars: list[str] = CHARS, **kwargs) -> None:
+    tiny_llama(seed, vocab_size=vocab_size, **kwargs).save_pretrained(path)
+    char_tokenizer(chars).save_pretrained(path)
+
+
+TINY_REGISTRY = """\
+default_target: tiny-target
+default_draft: tiny-draft
+models:
+  tiny-target:
+    path: ./tiny-target
+    dtype: float32
+  tiny-draft:
+    path: ./tiny-draft
+    dtype: float32
+  tiny-target-8bit:
+    path: ./tiny-target
+    quantization: 8bit
+  tiny-other-vocab:
+    path: ./tiny-other
+    dtype: float32
+  tiny-random:
+    init: random
+    tokenizer: ./tiny-target
+    dtype: float32
+    config: {model_type: llama, vocab_size: 64, hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2,
+             num_attention_heads: 4, num_key_value_heads: 2}
+"""
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    """A folder with tiny saved models and a models.yaml that points at them."""
+    root = tmp_path_factory.mktemp("tiny")
+    save_tiny(root / "tiny-target", 0, scale=4.0)
+    save_tiny(root / "tiny-draft", 1, hidden=16, layers=1, scale=4.0)
+    save_tiny(root / "tiny-other", 2, chars=list(reversed(CHARS)))
+    (root / "models.yaml").write_text(TINY_REGISTRY)
+    return root

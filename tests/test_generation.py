@@ -1,0 +1,159 @@
+"""The two samplers: KV-cache correctness, greedy equivalence, statistics, losslessness."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import lssp.generation as generation
+from conftest import tiny_llama
+from lssp.generation import Stopping, generate_regular, generate_speculative
+from lssp.sampling import SamplingParams, warp
+from lssp.stats import chi_square_gof
+
+GREEDY = SamplingParams(temperature=0)
+PROMPTS = [[0, 5, 9, 3], [0, 17], [0, 40, 41, 42, 43, 44, 45, 46], [7]]
+
+
+def naive_greedy(model, ids: torch.Tensor, n: int) -> list[int]:
+    """Greedy decoding that re-runs the whole prefix at every step (no cache)."""
+    seq = ids
+    with torch.no_grad():
+        for _ in range(n):
+            nxt = model(seq).logits[0, -1].argmax()
+            seq = torch.cat([seq, nxt.view(1, 1)], dim=1)
+    return seq[0, ids.shape[1]:].tolist()
+
+
+@pytest.fixture(scope="module")
+def soft_target():
+    return tiny_llama(10, scale=4.0)
+
+
+@pytest.fixture(scope="module")
+def soft_draft():
+    return tiny_llama(11, hidden=16, layers=1, scale=4.0)
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_cached_regular_sampling_matches_recomputation(soft_target, prompt):
+    ids = torch.tensor([prompt])
+    out = generate_regular(soft_target, ids, 24, GREEDY)
+    assert out.tokens.tolist() == naive_greedy(soft_target, ids, 24)
+    assert out.stats.target_forwards == 24 and out.stats.new_tokens == 24
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+def test_greedy_speculative_equals_greedy_regular(soft_target, soft_draft, k):
+    for prompt in PROMPTS:
+        ids = torch.tensor([prompt])
+        expected = generate_regular(soft_target, ids, 30, GREEDY).tokens.tolist()
+        other = generate_speculative(soft_target, soft_draft, ids, 30, k, GREEDY)
+        same = generate_speculative(soft_target, soft_target, ids, 30, k, GREEDY)
+        assert other.tokens.tolist() == expected
+        assert same.tokens.tolist() == expected
+        assert same.stats.acceptance_rate == 1.0
+        assert same.stats.target_forwards == -(-30 // (k + 1))  # every iteration emits k + 1
+
+
+@pytest.mark.parametrize("params", [GREEDY, SamplingParams(1.0), SamplingParams(0.7, top_k=5, top_p=0.9)])
+def test_statistics_are_consistent(soft_target, soft_draft, params):
+    for k, n in itertools.product([1, 3, 5], [1, 7, 20]):
+        out = generate_speculative(soft_target, soft_draft, torch.tensor([[0, 3, 4]]), n, k, params,
+                                   torch.Generator().manual_seed(k * n))
+        s = out.stats
+        assert len(out.tokens) == n == s.new_tokens
+        assert 0 <= s.accepted <= s.drafted
+        assert s.new_tokens == s.accepted + s.target_forwards  # nothing trimmed: each forward adds accepted + 1
+        assert s.drafted == sum(s.drafted_at) and s.accepted == sum(s.accepted_at)
+        assert all(a <= d for a, d in zip(s.accepted_at, s.drafted_at))
+        assert s.draft_forwards == s.drafted
+        assert s.total_time_s >= s.target_time_s + s.draft_time_s > 0
+
+
+def test_sampled_speculative_is_reproducible_with_a_generator(soft_target, soft_draft):
+    params = SamplingParams(1.0)
+    runs = [generate_speculative(soft_target, soft_draft, torch.tensor([[0, 3]]), 20, 3, params,
+                                 torch.Generator().manual_seed(5)).tokens.tolist() for _ in range(2)]
+    assert runs[0] == runs[1]
+
+
+def test_stops_at_a_stop_token_and_reports_it(soft_target, soft_draft):
+    ids = torch.tensor([[0, 5, 9, 3]])
+    full = generate_regular(soft_target, ids, 30, GREEDY).tokens.tolist()
+    stop_id = full[6]
+    cut = full.index(stop_id) + 1
+    rsp = generate_regular(soft_target, ids, 30, GREEDY, stopping=Stopping(token_ids={stop_id}))
+    ssp = generate_speculative(soft_target, soft_draft, ids, 30, 4, GREEDY, stopping=Stopping(token_ids={stop_id}))
+    assert rsp.tokens.tolist() == ssp.tokens.tolist() == full[:cut]
+    assert rsp.stopped and ssp.stopped
+
+
+def test_callback_sees_every_token_and_which_were_drafted(soft_target):
+    seen: list[tuple[int, bool]] = []
+    out = generate_speculative(soft_target, soft_target, torch.tensor([[0, 1]]), 10, 4, GREEDY,
+                               on_tokens=lambda toks, drafted: seen.extend(zip(toks, drafted)))
+    assert [t for t, _ in seen] == out.tokens.tolist()
+    # draft == target: every iteration is k accepted drafts then one target token (the last block is cut to budget)
+    assert [d for _, d in seen] == [True] * 4 + [False] + [True] * 4 + [False]
+
+
+# --- Distribution recovery -------------------------------------------------------------
+# With an 8-token vocabulary the law of the first two emitted tokens has 64 cells that can be
+# enumerated exactly. SSp's empirical frequencies over N seeded runs must fit it; the test
+# rejects at SIGNIFICANCE (fixed seeds make the outcome deterministic).
+SIGNIFICANCE = 0.001
+N_RUNS = 3000
+VOCAB = 8
+
+
+@pytest.fixture(scope="module")
+def small_vocab_pair():
+    return tiny_llama(20, vocab_size=VOCAB, scale=8.0), tiny_llama(21, vocab_size=VOCAB, hidden=16, layers=1, scale=8.0)
+
+
+def exact_two_token_law(model, prompt: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    with torch.no_grad():
+        p1 = warp(model(prompt).logits[0, -1], params)
+        rows = [warp(model(torch.cat([prompt, torch.tensor([[x]])], 1)).logits[0, -1], params) for x in range(VOCAB)]
+    return (p1[:, None] * torch.stack(rows)).flatten()
+
+
+def two_token_counts(target, draft, prompt, params, k: int = 3) -> list[int]:
+    counts = [0] * VOCAB * VOCAB
+    gen = torch.Generator()
+    for seed in range(N_RUNS):
+        gen.manual_seed(seed)
+        first, second = generate_speculative(target, draft, prompt, 4, k, params, gen).tokens[:2].tolist()
+        counts[first * VOCAB + second] += 1
+    return counts
+
+
+@pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.7, top_k=4)], ids=["t1.0", "t0.7-topk4"])
+def test_speculative_sampling_recovers_the_target_distribution(small_vocab_pair, params):
+    target, draft = small_vocab_pair
+    prompt = torch.tensor([[1, 2, 3]])
+    law = exact_two_token_law(target, prompt, params)
+    draft_law = exact_two_token_law(draft, prompt, params)
+    assert 0.5 * (law - draft_law).abs().sum() > 0.2  # the draft is really different
+    result = chi_square_gof(two_token_counts(target, draft, prompt, params), law.tolist())
+    assert result.p_value > SIGNIFICANCE, result
+
+
+def test_distribution_test_rejects_an_always_accept_verifier(small_vocab_pair, monkeypatch):
+    target, draft = small_vocab_pair
+    params = SamplingParams(1.0)
+    prompt = torch.tensor([[1, 2, 3]])
+    monkeypatch.setattr(generation, "accepted_prefix", lambda p, q, drafts, params, gen: drafts.shape[0])
+    result = chi_square_gof(two_token_counts(target, draft, prompt, params), exact_two_token_law(target, prompt, params).tolist())
+    assert result.p_value < SIGNIFICANCE, result
+
+
+def test_distribution_test_rejects_a_residual_without_max0(small_vocab_pair, monkeypatch):
+    target, draft = small_vocab_pair
+    params = SamplingParams(1.0)
+    prompt = torch.tensor([[1, 2, 3]])
+    monkeypatch.setattr(generation, "residual_distribution", lambda p, q: p)  # resample from p: biased
+    result = chi_square_gof(two_token_counts(target, draft, prompt, params), exact_two_token_law(target, prompt, params).tolist())
+    assert result.p_value < SIGNIFICANCE, result
