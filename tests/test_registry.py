@@ -1,0 +1,127 @@
+"""models.yaml validation and model loading."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from lssp.errors import IncompatibleModelsError, UserError
+from lssp.generation import generate_regular, generate_speculative
+from lssp.loading import check_compatible, load_model
+from lssp.registry import load_registry
+from lssp.sampling import SamplingParams
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "models.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_shipped_registry_is_valid_and_has_the_families():
+    reg = load_registry(ROOT / "models.yaml")
+    for name in ["7B", "13B", "30B", "65B", "7B_8bit", "65B_8bit", "llama-2-7b", "llama-2-70b", "llama-3.2-1b",
+                 "llama-3.1-8b", "llama-3.1-70b", "qwen2.5-0.5b", "qwen2.5-72b"]:
+        assert name in reg.models
+    assert reg.models["65B_8bit"].quantization == "8bit"
+    assert reg.default_target == "smollm2-135m" and reg.default_draft == "smollm2-135m-draft"
+    assert reg.models["llama-2-7b-random"].is_random
+
+
+def test_unknown_key_names_key_file_line_and_suggestion(tmp_path):
+    path = write(tmp_path, "models:\n  a:\n    path: x/y\n    dtpye: float16\n")
+    with pytest.raises(UserError, match=r"models.yaml:4: model 'a': unknown key 'dtpye'; did you mean 'dtype'"):
+        load_registry(path)
+
+
+def test_bad_dtype_is_rejected_with_the_choices(tmp_path):
+    path = write(tmp_path, "models:\n  a:\n    path: x/y\n    dtype: float8\n")
+    with pytest.raises(UserError, match=r"models.yaml:4: model 'a': bad dtype 'float8'; expected one of auto, float32"):
+        load_registry(path)
+
+
+def test_bad_quantization_and_gpus(tmp_path):
+    with pytest.raises(UserError, match="bad quantization '3bit'"):
+        load_registry(write(tmp_path, "models:\n  a: {path: x, quantization: 3bit}\n"))
+    with pytest.raises(UserError, match="bad gpus -1"):
+        load_registry(write(tmp_path, "models:\n  a: {path: x, gpus: -1}\n"))
+
+
+def test_unknown_model_name_suggests_close_names():
+    reg = load_registry(ROOT / "models.yaml")
+    with pytest.raises(UserError, match=r"unknown model '7b'.*did you mean '7B'"):
+        reg.get("7b")
+
+
+def test_malformed_yaml_and_missing_file(tmp_path):
+    with pytest.raises(UserError, match=r"models.yaml:\d+: malformed YAML"):
+        load_registry(write(tmp_path, "models:\n  a: [unclosed\n"))
+    with pytest.raises(UserError, match="cannot read model registry"):
+        load_registry(tmp_path / "nope.yaml")
+
+
+def test_default_must_name_a_model(tmp_path):
+    with pytest.raises(UserError, match=r"models.yaml:1: default_target names unknown model 'b'"):
+        load_registry(write(tmp_path, "default_target: b\nmodels:\n  a: {path: x}\n"))
+
+
+def test_entry_needs_a_path(tmp_path):
+    with pytest.raises(UserError, match="'path' is required"):
+        load_registry(write(tmp_path, "models:\n  a: {dtype: float16}\n"))
+
+
+def test_package_path_resolves_without_importing(tmp_path):
+    reg = load_registry(write(tmp_path, "models:\n  a: {path: 'pkg:pytest/__init__.py'}\n  b: {path: 'pkg:no_such_pkg/x.gguf'}\n"))
+    assert reg.get("a").local_path().name == "__init__.py"
+    assert reg.get("a").available_locally()
+    with pytest.raises(UserError, match="package 'no_such_pkg' is not installed"):
+        reg.get("b").local_path()
+
+
+def test_loads_tiny_models_and_refuses_a_different_vocabulary(tiny_dir):
+    reg = load_registry(tiny_dir / "models.yaml")
+    target = load_model(reg.get("tiny-target"))
+    draft = load_model(reg.get("tiny-draft"))
+    assert check_compatible(target, draft) == 64
+    other = load_model(reg.get("tiny-other-vocab"))
+    with pytest.raises(IncompatibleModelsError, match=r"does not share target 'tiny-target''s tokenizer.*id 3: '0' \(target\) vs \"'\" \(draft\)"):
+        check_compatible(target, other)
+
+
+def test_padded_embeddings_use_the_common_prefix(tiny_dir):
+    reg = load_registry(tiny_dir / "models.yaml")
+    target = load_model(reg.get("tiny-target"))
+    draft = load_model(reg.get("tiny-draft"))
+    draft.model.resize_token_embeddings(80)  # same tokenizer, padded matrix
+    assert check_compatible(target, draft) == 64
+    ids = target.encode("12 * 4 = ")
+    out = generate_speculative(target.model, draft.model, ids, 12, 3, SamplingParams(0), vocab_size=64)
+    assert out.tokens.tolist() == generate_regular(target.model, ids, 12, SamplingParams(0)).tokens.tolist()
+
+
+def test_8bit_bitsandbytes_model_loads_and_generates_on_cpu(tiny_dir):
+    reg = load_registry(tiny_dir / "models.yaml")
+    loaded = load_model(reg.get("tiny-target-8bit"))
+    assert loaded.precision == "8bit (bnb)"
+    assert any(p.dtype == torch.int8 for p in loaded.model.parameters())
+    out = generate_regular(loaded.model, loaded.encode("hello"), 5, SamplingParams(0))
+    assert len(out.tokens) == 5
+
+
+def test_random_init_builds_the_declared_shapes(tiny_dir):
+    reg = load_registry(tiny_dir / "models.yaml")
+    loaded = load_model(reg.get("tiny-random"))
+    cfg = loaded.model.config
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size) == (32, 2, 64)
+    assert loaded.model.model.layers[0].mlp.up_proj.weight.shape == (64, 32)
+
+
+def test_gpu_only_entry_without_gpu_is_a_clear_error(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    reg = load_registry(write(tmp_path, "models:\n  big: {path: x/y, gpus: 2}\n"))
+    with pytest.raises(UserError, match=r"needs 2 GPU\(s\) and none is visible; use --device cpu"):
+        load_model(reg.get("big"))
