@@ -16,3 +16,4 @@ class Clock:
         if self.cuda:
             torch.cuda.synchronize()
         return time.perf_counter()
+

@@ -1,0 +1,5 @@
+import sys
+
+from lssp.cli import main
+
+sys.exit(main())

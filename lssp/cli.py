@@ -1,0 +1,553 @@
+"""The llamassp command line: parse, call the library, render. No measurement logic here."""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+from rich.text import Text
+
+from lssp import report
+from lssp.errors import UserError
+from lssp.registry import Registry, load_registry
+from lssp.sampling import SamplingParams
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Measure speculative sampling (SSp) against regular sampling (RSp).")
+console = Console(highlight=False, width=None if sys.stdout.isatty() else 130)
+log = logging.getLogger("lssp")
+
+
+@dataclass
+class Settings:
+    config: Path
+    results_dir: Path
+    seed: int
+    verbose: bool
+    device: str | None
+    _registry: Registry | None = None
+
+    @property
+    def registry(self) -> Registry:
+        if self._registry is None:
+            self._registry = load_registry(self.config)
+        return self._registry
+
+
+def settings(ctx: typer.Context) -> Settings:
+    return ctx.find_root().obj
+
+
+@app.callback()
+def main_options(
+    ctx: typer.Context,
+    config: Annotated[Path, typer.Option(help="Model registry.")] = Path("models.yaml"),
+    results_dir: Annotated[Path, typer.Option(help="Where CSV, Markdown and JSON results go.")] = Path("results"),
+    seed: Annotated[int, typer.Option(help="Seed for sampling and prompt draws.")] = 0,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log progress; show tracebacks.")] = False,
+    device: Annotated[Optional[str], typer.Option(help="Override placement: cpu, cuda, cuda:1, auto.")] = None,
+) -> None:
+    """Global options come before the subcommand: llamassp.py --seed 1 latency ..."""
+    ctx.obj = Settings(config, results_dir, seed, verbose, device)
+    _configure_logging(verbose)
+
+
+def _configure_logging(verbose: bool) -> None:
+    from rich.logging import RichHandler
+
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(message)s",
+                        handlers=[RichHandler(console=Console(stderr=True), show_path=False)], force=True)
+    import transformers
+
+    transformers.logging.set_verbosity_info() if verbose else transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+# --- shared option types -------------------------------------------------------------------
+KOpt = Annotated[int, typer.Option("--k", help="Draft tokens per iteration.")]
+MaxNewOpt = Annotated[int, typer.Option(help="Tokens to generate per prompt.")]
+TopKOpt = Annotated[int, typer.Option(help="Keep the k most likely tokens (0: off).")]
+TopPOpt = Annotated[float, typer.Option(help="Nucleus sampling mass (1: off).")]
+
+
+def _params(temperature: float, top_k: int, top_p: float) -> SamplingParams:
+    return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+
+
+def _check_positive(name: str, value: int) -> None:
+    if value < 1:
+        raise UserError(f"{name} must be at least 1, got {value}")
+
+
+def _parse_ks(text: str) -> list[int]:
+    try:
+        ks = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise UserError(f"--k takes whole numbers separated by commas, got {text!r}") from None
+    if not ks or any(k < 1 for k in ks):
+        raise UserError(f"--k values must be at least 1, got {text!r}")
+    return ks
+
+
+def _load(s: Settings, name: str):
+    from lssp.loading import load_model
+
+    spec = s.registry.get(name)
+    with console.status(f"Loading {name} ({spec.path or 'random init'})…"):
+        loaded = load_model(spec, s.device)
+    log.info("%s: %s on %s, %.1f MB", name, loaded.precision, loaded.device, loaded.weight_bytes / 1e6)
+    return loaded
+
+
+def _load_pair(s: Settings, target_name: str | None, draft_name: str | None, need_draft: bool = True):
+    from lssp.loading import check_compatible
+
+    t_name = s.registry.target_name(target_name)
+    d_name = s.registry.draft_name(draft_name) if (draft_name or need_draft) else None
+    target = _load(s, t_name)
+    if d_name is None:
+        return target, None, None
+    draft = _load(s, d_name)
+    return target, draft, check_compatible(target, draft)
+
+
+def _read_prompt_list(prompts_file: Path | None, nb_prompts: int | None) -> list[str]:
+    from lssp.prompts import LATENCY_PROMPTS, read_prompts
+
+    prompts = read_prompts(prompts_file) if prompts_file else list(LATENCY_PROMPTS)
+    if nb_prompts is not None:
+        _check_positive("--nb-prompts", nb_prompts)
+        prompts = prompts[:nb_prompts]
+    return prompts
+
+
+def _progress() -> Progress:
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=console, transient=True)
+
+
+def _fmt(value: float, digits: int = 1, pct: bool = False) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "–"
+    return f"{100 * value:.{digits}f}%" if pct else f"{value:.{digits}f}"
+
+
+# --- models ----------------------------------------------------------------------------------
+@app.command("models")
+def models_cmd(ctx: typer.Context) -> None:
+    """List the registry: name, source, precision, placement, and whether it is on disk."""
+    reg = settings(ctx).registry
+    table = Table(title=f"Models in {reg.source}")
+    for col in ("name", "path", "dtype", "quant", "placement", "local"):
+        table.add_column(col)
+    for spec in reg.models.values():
+        tag = " (default target)" if spec.name == reg.default_target else " (default draft)" if spec.name == reg.default_draft else ""
+        placement = spec.device_map or "auto"
+        if spec.gpus:
+            placement += f", {spec.gpus} GPUs"
+        if spec.max_memory:
+            placement += f", max_memory {spec.max_memory}"
+        source = f"random init: {spec.config if isinstance(spec.config, str) else 'custom config'}" if spec.is_random else spec.path
+        local = spec.available_locally()
+        table.add_row(spec.name + tag, source, spec.dtype, spec.quantization, placement,
+                      Text("yes", style="green") if local else Text("no", style="dim"))
+    console.print(table)
+
+
+# --- latency ---------------------------------------------------------------------------------
+@app.command()
+def latency(
+    ctx: typer.Context,
+    target: Annotated[Optional[str], typer.Argument(help="Target model (default: the registry's default_target).")] = None,
+    draft: Annotated[Optional[str], typer.Option(help="Draft model; times SSp (and RSp unless --no-baseline).")] = None,
+    default_pair: Annotated[bool, typer.Option("--default-pair", help="Use the registry's default draft too.")] = False,
+    k: Annotated[str, typer.Option("--k", help="Draft length, or a comma list to sweep: 2,4,8.")] = "4",
+    max_new_tokens: MaxNewOpt = 64,
+    prompts: Annotated[Optional[Path], typer.Option(help="File with one prompt per line.")] = None,
+    nb_prompts: Annotated[Optional[int], typer.Option(help="Use only the first N prompts.")] = None,
+    temperature: Annotated[float, typer.Option(help="0 is greedy.")] = 0.0,
+    top_k: TopKOpt = 0,
+    top_p: TopPOpt = 1.0,
+    no_baseline: Annotated[bool, typer.Option("--no-baseline", help="Skip timing RSp.")] = False,
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the run's summary as JSON here.")] = None,
+    plot: Annotated[bool, typer.Option(help="Draw this run's charts into the results directory.")] = False,
+) -> None:
+    """ms/token of RSp and SSp on a fixed prompt list, measured side by side in one run."""
+    from lssp.latency import run_latency
+    from lssp.prompts import WARMUP_PROMPT
+
+    s = settings(ctx)
+    ks = _parse_ks(k)
+    _check_positive("--max-new-tokens", max_new_tokens)
+    prompt_list = _read_prompt_list(prompts, nb_prompts)
+    params = _params(temperature, top_k, top_p)
+    use_draft = draft is not None or default_pair or target is None
+    t, d, vocab = _load_pair(s, target, draft, need_draft=use_draft)
+    modes = (0 if no_baseline and d is not None else 1) + (len(ks) if d else 0)
+    with _progress() as bar:
+        task = bar.add_task("timing", total=modes * (len(prompt_list) + 1))
+        run = run_latency(t, d, prompt_list, WARMUP_PROMPT, ks, params, max_new_tokens, s.seed,
+                          baseline=not no_baseline, vocab_size=vocab,
+                          progress=lambda msg: bar.update(task, advance=1, description=msg))
+    run_id = report.new_run_id()
+    env = report.environment(t.device)
+    rows = []
+    for m in run.summaries:
+        row = {"timestamp": report.timestamp(), "run_id": run_id, "mode": m.mode, "target": t.name,
+               "draft": d.name if d and m.mode == "ssp" else "", "k": m.k, **params.as_dict(),
+               "max_new_tokens": max_new_tokens, **{k_: v for k_, v in asdict(m).items() if k_ not in ("mode", "k")},
+               "acceptance_by_position": ";".join(f"{x:.4f}" for x in m.acceptance_by_position),
+               "target_precision": t.precision, "draft_precision": d.precision if d else "", **env}
+        rows.append(row)
+    report.append_csv(s.results_dir / "latency.csv", rows)
+    report.append_csv(s.results_dir / "latency_prompts.csv", [
+        {"run_id": run_id, "mode": p.mode, "k": p.k, "prompt_index": p.prompt_index, "new_tokens": p.stats.new_tokens,
+         "ms_per_token": p.stats.ms_per_token, "ttft_ms": 1000 * p.stats.ttft_s,
+         "acceptance_rate": p.stats.acceptance_rate, "target": t.name, "draft": d.name if d else ""}
+        for p in run.timings])
+    md_cols = ["mode", "k", "ms_per_token", "ms_per_token_median", "ms_per_token_min", "ms_per_token_max", "ttft_ms",
+               "acceptance_rate", "mean_accepted", "speedup"]
+    md = (f"# latency run {run_id}\n\ntarget `{t.name}` ({t.precision}), draft `{d.name if d else '-'}`, "
+          f"{len(prompt_list)} prompts x {max_new_tokens} new tokens, {params}\n\n{env['device']}, torch {env['torch']}, "
+          f"transformers {env['transformers']}, commit {env['git_commit']}\n\n" + report.markdown_table(rows, md_cols))
+    (s.results_dir / f"latency-{run_id}.md").write_text(md)
+    if json_out:
+        report.write_json(json_out, report.json_safe([{
+            "mode": r["mode"], "target": r["target"], "draft": r["draft"] or None, "k": r["k"],
+            "ms_per_token": r["ms_per_token"], "ttft_ms": r["ttft_ms"], "acceptance_rate": r["acceptance_rate"],
+            "mean_accepted": r["mean_accepted"], "speedup": r["speedup"], "ms_per_token_median": r["ms_per_token_median"],
+            "acceptance_by_position": [round(x, 4) for x in next(m for m in run.summaries if (m.mode, m.k) == (r["mode"], r["k"])).acceptance_by_position],
+            "run_id": run_id, "device": env["device"]} for r in rows]))
+    _render_latency(run, t, d, params, len(prompt_list), max_new_tokens, env, run_id, s.results_dir)
+    if plot:
+        _plot(s, run_id=run_id, kinds=("latency",))
+
+
+def _render_latency(run, t, d, params, n_prompts, max_new_tokens, env, run_id, results_dir) -> None:
+    table = Table(title=f"{t.name}" + (f" with draft {d.name}" if d else "") +
+                  f" — {n_prompts} prompts × {max_new_tokens} tokens, T={params.temperature:g}"
+                  + (f", top-k {params.top_k}" if params.top_k else "") + (f", top-p {params.top_p:g}" if params.top_p < 1 else ""))
+    for col, justify in [("mode", "left"), ("K", "right"), ("ms/token", "right"), ("median [min–max]", "right"),
+                         ("TTFT ms", "right"), ("accept", "right"), ("tokens/fwd", "right"),
+                         ("draft/target/other", "right"), ("speedup", "right")]:
+        table.add_column(col, justify=justify)
+    for m in run.summaries:
+        split = f"{m.draft_share:.0%}/{m.target_share:.0%}/{m.other_share:.0%}"
+        table.add_row(
+            m.mode.upper() + (" ★" if m.best and len([x for x in run.summaries if x.mode == "ssp"]) > 1 else ""),
+            str(m.k) if m.mode == "ssp" else "–", f"{m.ms_per_token:.1f}",
+            f"{m.ms_per_token_median:.1f} [{m.ms_per_token_min:.1f}–{m.ms_per_token_max:.1f}]", f"{m.ttft_ms:.0f}",
+            _fmt(m.acceptance_rate, 0, pct=True), _fmt(m.mean_accepted, 2), split,
+            Text(f"{m.speedup:.2f}×", style="bold green" if m.speedup > 1 else "bold red") if not math.isnan(m.speedup) else "–",
+            style="bold" if m.best else None)
+    console.print(table)
+    for m in run.summaries:
+        if m.mode == "ssp":
+            console.print(f"  acceptance by draft position (K={m.k}): " +
+                          " ".join(f"{i + 1}:{_fmt(x, 0, pct=True)}" for i, x in enumerate(m.acceptance_by_position)))
+    c = run.cost_ratio
+    if not math.isnan(c):
+        console.print(f"  draft/target cost ratio c = {c:.3f} (draft ms per forward ÷ target ms per 1-token forward)")
+    if t.spec.is_random or (d is not None and d.spec.is_random):
+        console.print("[yellow]  Random weights: timings are real, acceptance figures mean nothing.[/yellow]")
+    console.print(f"[dim]{env['device']} · torch {env['torch']} · transformers {env['transformers']} · "
+                  f"commit {env['git_commit']} · run {run_id} → {results_dir}/latency.csv[/dim]")
+
+
+# --- eval ------------------------------------------------------------------------------------
+@app.command("eval")
+def eval_cmd(
+    ctx: typer.Context,
+    target: Annotated[Optional[str], typer.Argument(help="Target model (default: the registry's default_target).")] = None,
+    draft: Annotated[Optional[str], typer.Option(help="Draft model: evaluate SSp.")] = None,
+    both: Annotated[bool, typer.Option("--both", help="Evaluate RSp and SSp on the same prompts and compare.")] = False,
+    nb_prompts: Annotated[int, typer.Option(help="Number of multiplication problems.")] = 1000,
+    k: KOpt = 4,
+    max_new_tokens: MaxNewOpt = 8,
+    temperature: Annotated[float, typer.Option(help="0 is greedy.")] = 1.0,
+    top_k: TopKOpt = 0,
+    top_p: TopPOpt = 1.0,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue the newest interrupted run with the same settings.")] = False,
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the run's summary as JSON here.")] = None,
+    plot: Annotated[bool, typer.Option(help="Draw this run's chart into the results directory.")] = False,
+) -> None:
+    """Multiplication accuracy ("a * b = ", a and b uniform in 1..99) with 95% intervals."""
+    from lssp.evals import run_eval
+
+    s = settings(ctx)
+    _check_positive("--nb-prompts", nb_prompts)
+    _check_positive("--k", k)
+    _check_positive("--max-new-tokens", max_new_tokens)
+    params = _params(temperature, top_k, top_p)
+    if target is None and draft is None:  # the default pair
+        draft = s.registry.draft_name(None)
+    if both and draft is None:
+        draft = s.registry.draft_name(None)
+    modes = ["rsp", "ssp"] if both else ["ssp"] if draft else ["rsp"]
+    t, d, vocab = _load_pair(s, target, draft, need_draft=draft is not None)
+    config = {"target": t.name, "draft": d.name if d else None, "modes": modes, "nb_prompts": nb_prompts, "seed": s.seed,
+              "k": k, "max_new_tokens": max_new_tokens, **params.as_dict()}
+    run_id = report.new_run_id()
+    with _progress() as bar:
+        task = bar.add_task("eval", total=nb_prompts * len(modes))
+        correct = {m: 0 for m in modes}
+
+        def on_record(r) -> None:
+            correct[r.mode] += r.correct
+            bar.update(task, advance=1, description="eval " + " ".join(f"{m.upper()} {c}✓" for m, c in correct.items()))
+
+        run = run_eval(t, d, modes, nb_prompts, s.seed, params, max_new_tokens, k, s.results_dir / "eval_records",
+                       run_id, config, resume=resume, vocab_size=vocab, on_record=on_record)
+    env = report.environment(t.device)
+    cmp = run.comparison
+    rows = [{"timestamp": report.timestamp(), "run_id": run.run_id, "mode": m.mode, "target": t.name,
+             "draft": d.name if d and m.mode == "ssp" else "", "k": k if m.mode == "ssp" else 0, **params.as_dict(),
+             "max_new_tokens": max_new_tokens, "seed": s.seed, "trials": m.trials, "successes": m.successes,
+             "success_rate": m.success_rate, "wald_low": m.wald.low, "wald_high": m.wald.high,
+             "wilson_low": m.wilson.low, "wilson_high": m.wilson.high,
+             "diff_rsp_minus_ssp": cmp.difference.estimate if cmp else float("nan"),
+             "diff_low": cmp.difference.low if cmp else float("nan"), "diff_high": cmp.difference.high if cmp else float("nan"),
+             "mcnemar_p": cmp.mcnemar_p if cmp else float("nan"), "records": str(run.records_path),
+             "target_precision": t.precision, "draft_precision": d.precision if d else "", **env} for m in run.summaries]
+    report.append_csv(s.results_dir / "eval.csv", rows)
+    md = (f"# eval run {run.run_id}\n\ntarget `{t.name}`, draft `{d.name if d else '-'}`, {nb_prompts} problems, "
+          f"{params}, {env['device']}, commit {env['git_commit']}\n\n" +
+          report.markdown_table(rows, ["mode", "trials", "successes", "success_rate", "wald_low", "wald_high",
+                                       "wilson_low", "wilson_high", "diff_low", "diff_high", "mcnemar_p"]))
+    (s.results_dir / f"eval-{run.run_id}.md").write_text(md)
+    if json_out:
+        report.write_json(json_out, report.json_safe([{k_: r[k_] for k_ in (
+            "mode", "target", "draft", "trials", "successes", "success_rate", "wald_low", "wald_high", "wilson_low",
+            "wilson_high", "diff_rsp_minus_ssp", "diff_low", "diff_high", "mcnemar_p", "run_id")} for r in rows]))
+    table = Table(title=f"Multiplication eval: {t.name}" + (f" (draft {d.name}, K={k})" if d else "") +
+                  f", {nb_prompts} problems, T={params.temperature:g}")
+    for col in ("mode", "successes / trials", "success rate", "95% Wald", "95% Wilson"):
+        table.add_column(col, justify="right")
+    for m in run.summaries:
+        table.add_row(m.mode.upper(), f"{m.successes} / {m.trials}", f"{100 * m.success_rate:.1f}%",
+                      f"± {50 * (m.wald.high - m.wald.low):.1f} [{100 * m.wald.low:.1f}, {100 * m.wald.high:.1f}]",
+                      f"[{100 * m.wilson.low:.1f}, {100 * m.wilson.high:.1f}]")
+    console.print(table)
+    if cmp:
+        verdict = ("[green]contains 0: no evidence that SSp changes quality[/green]" if cmp.difference.contains(0)
+                   else "[red]excludes 0: SSp and RSp differ[/red]")
+        console.print(f"  RSp − SSp = {100 * cmp.difference.estimate:+.1f} points, 95% CI "
+                      f"[{100 * cmp.difference.low:+.1f}, {100 * cmp.difference.high:+.1f}] {verdict}; "
+                      f"McNemar p = {cmp.mcnemar_p:.3f} ({cmp.only_rsp} only-RSp vs {cmp.only_ssp} only-SSp correct)")
+    if run.resumed:
+        console.print(f"  resumed: {run.resumed} records reused from {run.records_path}")
+    console.print(f"[dim]{env['device']} · run {run.run_id} → {s.results_dir}/eval.csv, records {run.records_path}[/dim]")
+    if plot:
+        _plot(s, run_id=run.run_id, kinds=("eval",))
+
+
+# --- compare ---------------------------------------------------------------------------------
+@app.command()
+def compare(
+    ctx: typer.Context,
+    target: Annotated[Optional[str], typer.Argument(help="Target model (default: default_target).")] = None,
+    draft: Annotated[Optional[str], typer.Argument(help="Draft model (default: default_draft).")] = None,
+    prompt: Annotated[Optional[list[str]], typer.Option(help="Prompt(s); otherwise read from stdin or a > prompt.")] = None,
+    k: KOpt = 4,
+    max_new_tokens: MaxNewOpt = 64,
+    temperature: Annotated[float, typer.Option(help="0 is greedy.")] = 0.0,
+    top_k: TopKOpt = 0,
+    top_p: TopPOpt = 1.0,
+) -> None:
+    """Stream RSp then SSp completions of each prompt, with wall times and the speedup."""
+    from lssp.generation import generate_regular, generate_speculative
+    from lssp.prompts import WARMUP_PROMPT
+
+    s = settings(ctx)
+    _check_positive("--k", k)
+    _check_positive("--max-new-tokens", max_new_tokens)
+    params = _params(temperature, top_k, top_p)
+    t, d, vocab = _load_pair(s, target, draft)
+    import torch
+
+    def run_one(text: str, index: int) -> None:
+        ids = t.encode(text)
+        console.print(Text(f"\n=> Regular sampling with {t.name}", style="bold"))
+        stream = _TokenStream(t.tokenizer, text)
+        rsp = generate_regular(t.model, ids, max_new_tokens, params, torch.Generator(t.device).manual_seed(s.seed + index),
+                               on_tokens=stream.show)
+        rsp_ms = rsp.stats.total_time_s * 1000 / max(1, rsp.stats.new_tokens)
+        console.print(Text(f"\n   {rsp.stats.total_time_s:.2f}s, {rsp_ms:.1f} ms/token", style="bold red"))
+        console.print(Text(f"=> Speculative sampling with {t.name} helped by {d.name} (K={k}); ", style="bold")
+                      + Text("draft tokens accepted", style="green") + Text(" / ") + Text("made by the target", style="bold blue"))
+        stream = _TokenStream(t.tokenizer, text)
+        ssp = generate_speculative(t.model, d.model, ids, max_new_tokens, k, params,
+                                   torch.Generator(t.device).manual_seed(s.seed + index), vocab_size=vocab, on_tokens=stream.show)
+        ssp_ms = ssp.stats.total_time_s * 1000 / max(1, ssp.stats.new_tokens)
+        console.print(Text(f"\n   {ssp.stats.total_time_s:.2f}s, {ssp_ms:.1f} ms/token, acceptance "
+                           f"{_fmt(ssp.stats.acceptance_rate, 0, pct=True)}, {ssp.stats.tokens_per_target_forward:.2f} tokens "
+                           f"per target forward", style="bold green"))
+        speedup = rsp_ms / ssp_ms
+        console.print(Text(f"   speedup {speedup:.2f}×", style="bold green" if speedup > 1 else "bold red"))
+
+    with console.status("Warming up…"):
+        generate_speculative(t.model, d.model, t.encode(WARMUP_PROMPT), 8, k, params, vocab_size=vocab)
+        generate_regular(t.model, t.encode(WARMUP_PROMPT), 8, params)
+    console.print(f"Comparing {t.name} RSp with SSp helped by {d.name}. Ctrl-C or EOF (Ctrl-D) ends.")
+    try:
+        for index, text in enumerate(_prompt_source(prompt)):
+            run_one(text, index)
+    except KeyboardInterrupt:
+        console.print("\n[dim]interrupted[/dim]")
+
+
+def _prompt_source(prompts: list[str] | None):
+    if prompts:
+        yield from prompts
+        return
+    interactive = sys.stdin.isatty()
+    while True:
+        try:
+            line = input("> ") if interactive else sys.stdin.readline()
+        except EOFError:
+            return
+        if not interactive and line == "":
+            return
+        line = line.rstrip("\n")
+        if line.strip():
+            yield line
+
+
+class _TokenStream:
+    """Prints each new token's text as it arrives, coloured by who produced it."""
+
+    def __init__(self, tokenizer, prompt: str) -> None:
+        self.tokenizer = tokenizer
+        self.tokens: list[int] = []
+        self.shown = ""
+        console.print(Text(prompt, style="dim"), end="")
+
+    def show(self, tokens: list[int], drafted: list[bool]) -> None:
+        for token, from_draft in zip(tokens, drafted):
+            self.tokens.append(token)
+            text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+            piece, self.shown = text[len(self.shown):], text
+            console.print(Text(piece, style="green" if from_draft else "bold blue"), end="")
+        console.file.flush()
+
+
+# --- distill ---------------------------------------------------------------------------------
+@app.command()
+def distill(
+    ctx: typer.Context,
+    target: Annotated[Optional[str], typer.Argument(help="Target model (default: default_target).")] = None,
+    out: Annotated[Path, typer.Option(help="Output folder for the draft (and its checkpoints).")] = Path("drafts/draft"),
+    hidden_size: Annotated[int, typer.Option(help="Draft width.")] = 256,
+    layers: Annotated[int, typer.Option(help="Draft depth.")] = 4,
+    heads: Annotated[int, typer.Option(help="Attention heads.")] = 4,
+    intermediate_size: Annotated[int, typer.Option(help="MLP width.")] = 768,
+    data_tokens: Annotated[int, typer.Option(help="Target tokens to collect.")] = 100_000,
+    batch_prompts: Annotated[int, typer.Option(help="Prompts generated together.")] = 16,
+    new_tokens: Annotated[int, typer.Option(help="Tokens the target generates per prompt.")] = 96,
+    train_minutes: Annotated[float, typer.Option(help="Training time budget.")] = 10.0,
+    max_steps: Annotated[int, typer.Option(help="Stop after this many steps (0: time budget only).")] = 0,
+    epochs: Annotated[float, typer.Option(help="Passes over the data at most.")] = 4.0,
+    lr: Annotated[float, typer.Option(help="Peak learning rate.")] = 3e-3,
+    data_dir: Annotated[Optional[Path], typer.Option(help="Where collected data and checkpoints go (default: OUT/work).")] = None,
+) -> None:
+    """Make a small Llama draft for TARGET from its own continuations (resumable)."""
+    from lssp import distill as dst
+    from lssp.latency import run_latency
+    from lssp.loading import check_compatible, load_model
+    from lssp.prompts import LATENCY_PROMPTS, WARMUP_PROMPT
+    from lssp.registry import ModelSpec
+
+    s = settings(ctx)
+    for name, value in [("--hidden-size", hidden_size), ("--layers", layers), ("--data-tokens", data_tokens),
+                        ("--batch-prompts", batch_prompts), ("--new-tokens", new_tokens)]:
+        _check_positive(name, value)
+    if hidden_size % heads:
+        raise UserError(f"--hidden-size {hidden_size} must be a multiple of --heads {heads}")
+    t = _load(s, s.registry.target_name(target))
+    if t.tokenizer is None:
+        raise UserError(f"model {t.name!r} has no tokenizer to share with a draft")
+    cfg = dst.DistillConfig(hidden_size=hidden_size, layers=layers, heads=heads, intermediate_size=intermediate_size,
+                            data_tokens=data_tokens, batch_prompts=batch_prompts, new_tokens=new_tokens,
+                            train_minutes=train_minutes, max_steps=max_steps, epochs=epochs, lr=lr, seed=s.seed)
+    work = data_dir or out / "work"
+    work.mkdir(parents=True, exist_ok=True)
+    rep = dst.DistillReport(target=t.name, config=asdict(cfg))
+    with _progress() as bar:
+        tasks: dict[str, int] = {}
+
+        def progress(phase: str, fraction: float, message: str) -> None:
+            if phase not in tasks:
+                tasks[phase] = bar.add_task(phase, total=1000)
+            bar.update(tasks[phase], completed=int(1000 * fraction), description=f"{phase}: {message}")
+
+        rep.data_tokens, rep.collect_seconds = dst.collect(t.model, t.tokenizer, work, cfg, progress)
+        model = dst.train(t.model, work, cfg, rep, progress)
+    rep.parameters = sum(p.numel() for p in model.parameters())
+    command = "python llamassp.py " + " ".join(sys.argv[1:]) if sys.argv and "llamassp" in sys.argv[0] else "llamassp distill …"
+    dst.write_draft(model, t.tokenizer, out, rep, command)
+    # Measure what the card promises: greedy acceptance on held-out prompts, through the real loader.
+    drafted = load_model(ModelSpec(name=out.name, path=str(out.resolve()), dtype="bfloat16"), s.device)
+    vocab = check_compatible(t, drafted)
+    with console.status("Measuring acceptance on held-out prompts…"):
+        run = run_latency(t, drafted, LATENCY_PROMPTS[:4], WARMUP_PROMPT, [4], SamplingParams(0), 32, s.seed,
+                          baseline=False, vocab_size=vocab)
+    rep.acceptance = {"latency prompts 1-4, greedy, K=4, 32 tokens": run.summaries[0].acceptance_rate}
+    dst.write_draft(model, t.tokenizer, out, rep, command)
+    console.print(f"Draft written to {out}: {rep.parameters / 1e6:.1f}M parameters, {rep.data_tokens} data tokens, "
+                  f"{rep.steps} steps, final loss {rep.final_loss:.3f}, greedy acceptance {run.summaries[0].acceptance_rate:.1%}")
+
+
+# --- plot placeholder hook -------------------------------------------------------------------
+def _plot(s: Settings, run_id: str | None = None, kinds: tuple[str, ...] = ()) -> None:
+    try:
+        from lssp import plot as plotting
+    except ImportError:
+        raise UserError("plotting needs matplotlib (run ./setup.sh)") from None
+    for path in plotting.plot_results(s.results_dir, run_id=run_id, kinds=kinds):
+        console.print(f"  chart: {path}")
+
+
+# --- entry point -----------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    """Run the app; user mistakes become one red line and exit code 2 (tracebacks with -v)."""
+    verbose = any(a in ("-v", "--verbose") for a in (argv if argv is not None else sys.argv[1:]))
+    try:
+        app(args=argv, standalone_mode=False)
+    except UserError as exc:
+        return _fail(str(exc), verbose)
+    except typer.Exit as exc:
+        return exc.exit_code
+    except typer.Abort:
+        console.print("[dim]aborted[/dim]")
+        return 130
+    except KeyboardInterrupt:
+        console.print("\n[dim]interrupted[/dim]")
+        return 130
+    except Exception as exc:  # noqa: BLE001 - classify, then one line
+        import click
+
+        if isinstance(exc, click.ClickException):
+            exc.show()
+            return exc.exit_code
+        if type(exc).__name__ == "OutOfMemoryError":
+            return _fail("CUDA out of memory: try an 8bit/4bit entry, more GPUs (gpus: N), or fewer --max-new-tokens", verbose)
+        if verbose:
+            raise
+        return _fail(f"{type(exc).__name__}: {exc} (run with -v for the traceback)", True)
+    return 0
+
+
+def _fail(message: str, verbose: bool) -> int:
+    if verbose and sys.exc_info()[0] is not None:
+        console.print_exception()
+    Console(stderr=True, highlight=False).print(f"[bold red]error:[/bold red] {message}", soft_wrap=True)
+    return 2

@@ -1,0 +1,141 @@
+"""Latency of RSp and SSp on a prompt list, measured side by side in one run."""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from statistics import median
+
+import torch
+
+from lssp.generation import GenerationStats, generate_regular, generate_speculative
+from lssp.loading import LoadedModel
+from lssp.sampling import SamplingParams
+
+Progress = Callable[[str], None]  # called with a short description after each timed completion
+
+
+@dataclass
+class PromptTiming:
+    """One timed completion of one prompt in one mode."""
+
+    prompt_index: int
+    mode: str
+    k: int
+    stats: GenerationStats
+
+
+@dataclass
+class ModeSummary:
+    """Figures for one mode (rsp, or ssp at one k) over all prompts of a run."""
+
+    mode: str
+    k: int
+    prompts: int
+    new_tokens: int
+    ms_per_token: float  # total decode time / total new tokens
+    ms_per_token_median: float
+    ms_per_token_min: float
+    ms_per_token_max: float
+    ttft_ms: float  # mean time to first token, prefill included
+    acceptance_rate: float = float("nan")
+    mean_accepted: float = float("nan")  # tokens per target forward (the bonus counted)
+    acceptance_by_position: list[float] = field(default_factory=list)
+    draft_share: float = 0.0  # of decode time
+    target_share: float = 0.0
+    other_share: float = 0.0
+    target_ms_per_forward: float = float("nan")
+    draft_ms_per_forward: float = float("nan")
+    speedup: float = float("nan")  # RSp ms/token / this ms/token, same run
+    best: bool = False
+
+
+def summarize(mode: str, k: int, timings: Sequence[PromptTiming]) -> ModeSummary:
+    stats = [t.stats for t in timings]
+    per_prompt = [s.ms_per_token for s in stats]
+    tokens = sum(s.new_tokens for s in stats)
+    decode = sum(s.decode_time_s for s in stats)
+    drafted, accepted = sum(s.drafted for s in stats), sum(s.accepted for s in stats)
+    target_fw, draft_fw = sum(s.target_forwards for s in stats), sum(s.draft_forwards for s in stats)
+    target_t, draft_t = sum(s.target_time_s for s in stats), sum(s.draft_time_s for s in stats)
+    by_position = []
+    if mode == "ssp":
+        for i in range(k):
+            d = sum(s.drafted_at[i] for s in stats)
+            by_position.append(sum(s.accepted_at[i] for s in stats) / d if d else float("nan"))
+    nan = float("nan")
+    return ModeSummary(
+        mode=mode, k=k, prompts=len(stats), new_tokens=tokens,
+        ms_per_token=1000 * decode / tokens if tokens else nan,
+        ms_per_token_median=median(per_prompt), ms_per_token_min=min(per_prompt), ms_per_token_max=max(per_prompt),
+        ttft_ms=1000 * sum(s.ttft_s for s in stats) / len(stats),
+        acceptance_rate=accepted / drafted if drafted else nan,
+        mean_accepted=tokens / target_fw if mode == "ssp" and target_fw else nan,
+        acceptance_by_position=by_position,
+        draft_share=draft_t / decode if decode else nan,
+        target_share=target_t / decode if decode else nan,
+        other_share=(decode - draft_t - target_t) / decode if decode else nan,
+        target_ms_per_forward=1000 * target_t / target_fw if target_fw else nan,
+        draft_ms_per_forward=1000 * draft_t / draft_fw if draft_fw else nan,
+    )
+
+
+@dataclass
+class LatencyRun:
+    summaries: list[ModeSummary]
+    timings: list[PromptTiming]
+
+    @property
+    def baseline(self) -> ModeSummary | None:
+        return next((s for s in self.summaries if s.mode == "rsp"), None)
+
+    @property
+    def cost_ratio(self) -> float:
+        """c: draft ms per forward / target ms per 1-token forward (from RSp)."""
+        base = self.baseline
+        drafts = [s.draft_ms_per_forward for s in self.summaries if s.mode == "ssp"]
+        if base is None or not drafts:
+            return float("nan")
+        return median(drafts) / base.target_ms_per_forward
+
+
+def run_latency(
+    target: LoadedModel, draft: LoadedModel | None, prompts: Sequence[str], warmup_prompt: str, ks: Sequence[int], params: SamplingParams,
+    max_new_tokens: int, seed: int, baseline: bool = True, vocab_size: int | None = None,
+    progress: Progress | None = None,
+) -> LatencyRun:
+    """Time RSp and SSp (each k) on every prompt, interleaved prompt by prompt.
+
+    Each completion runs to exactly ``max_new_tokens`` (no early stop at EOS), after one
+    untimed warm-up completion per mode.
+    """
+    modes: list[tuple[str, int]] = ([("rsp", 0)] if baseline or draft is None else [])
+    if draft is not None:
+        modes += [("ssp", k) for k in ks]
+
+    def complete(mode: str, k: int, text: str, index: int) -> GenerationStats:
+        ids = target.encode(text)
+        generator = torch.Generator(device=target.device).manual_seed(seed + index)
+        if mode == "rsp":
+            return generate_regular(target.model, ids, max_new_tokens, params, generator).stats
+        return generate_speculative(target.model, draft.model, ids, max_new_tokens, k, params, generator,
+                                    vocab_size=vocab_size).stats
+
+    for mode, k in modes:
+        complete(mode, k, warmup_prompt, -1)
+        if progress:
+            progress(f"warm-up {mode}" + (f" k={k}" if k else ""))
+    timings = []
+    for index, text in enumerate(prompts):
+        for mode, k in modes:
+            timings.append(PromptTiming(index, mode, k, complete(mode, k, text, index)))
+            if progress:
+                progress(f"prompt {index + 1}/{len(prompts)} {mode}" + (f" k={k}" if k else ""))
+    summaries = [summarize(mode, k, [t for t in timings if (t.mode, t.k) == (mode, k)]) for mode, k in modes]
+    rsp = next((s for s in summaries if s.mode == "rsp"), None)
+    ssp = [s for s in summaries if s.mode == "ssp"]
+    for s in ssp:
+        if rsp is not None:
+            s.speedup = rsp.ms_per_token / s.ms_per_token
+    if ssp:
+        min(ssp, key=lambda s: s.ms_per_token).best = True
+    return LatencyRun(summaries, timings)

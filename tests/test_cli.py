@@ -1,0 +1,181 @@
+"""The command line, end to end on tiny models saved to a temporary folder."""
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+
+from lssp.cli import main
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+
+@pytest.fixture()
+def run(tiny_dir, tmp_path, capsys):
+    """Call the CLI like a user would; returns (exit code, stdout, stderr)."""
+
+    def _run(*args: str, config=None) -> tuple[int, str, str]:
+        argv = ["--config", str(config or tiny_dir / "models.yaml"), "--results-dir", str(tmp_path / "results"), *args]
+        code = main(argv)
+        out = capsys.readouterr()
+        return code, out.out, out.err
+
+    return _run
+
+
+def test_models_lists_the_registry(run):
+    code, out, _ = run("models")
+    assert code == 0
+    for name in ("tiny-target", "tiny-draft", "tiny-target-8bit", "tiny-random"):
+        assert name in out
+    assert "(default target)" in out
+
+
+def test_latency_writes_csv_markdown_and_json(run, tmp_path):
+    code, out, err = run("latency", "tiny-target", "--draft", "tiny-draft", "--k", "1,3", "--nb-prompts", "2",
+                         "--max-new-tokens", "12", "--json", str(tmp_path / "l.json"))
+    assert code == 0, err
+    assert "speedup" in out and "acceptance by draft position (K=3)" in out
+    rows = pd.read_csv(tmp_path / "results" / "latency.csv")
+    assert list(rows["mode"]) == ["rsp", "ssp", "ssp"] and list(rows["k"]) == [0, 1, 3]
+    for col in ("timestamp", "run_id", "target", "draft", "temperature", "top_k", "top_p", "max_new_tokens", "prompts",
+                "ms_per_token", "ttft_ms", "acceptance_rate", "mean_accepted", "speedup", "device", "torch",
+                "transformers", "git_commit", "target_precision"):
+        assert col in rows.columns, col
+    assert (rows["ms_per_token"] > 0).all() and (rows["prompts"] == 2).all()
+    ssp = rows[rows["mode"] == "ssp"]
+    assert ssp["acceptance_rate"].between(0, 1).all() and (ssp["mean_accepted"] >= 1).all()
+    assert (ssp["speedup"] > 0).all() and ssp["best"].sum() == 1
+    summary = json.loads((tmp_path / "l.json").read_text())
+    assert [s["mode"] for s in summary] == ["rsp", "ssp", "ssp"]
+    for key in ("mode", "target", "draft", "k", "ms_per_token", "ttft_ms", "acceptance_rate", "mean_accepted", "speedup"):
+        assert key in summary[1]
+    assert len(list((tmp_path / "results").glob("latency-*.md"))) == 1
+    prompts = pd.read_csv(tmp_path / "results" / "latency_prompts.csv")
+    assert len(prompts) == 6 and (prompts["new_tokens"] == 12).all()  # EOS never ends a timed completion
+
+
+def test_latency_appends_rows_never_overwrites(run, tmp_path):
+    for _ in range(2):
+        assert run("latency", "tiny-target", "--nb-prompts", "1", "--max-new-tokens", "4")[0] == 0
+    rows = pd.read_csv(tmp_path / "results" / "latency.csv")
+    assert len(rows) == 2 and rows["run_id"].nunique() == 2 and (rows["mode"] == "rsp").all()
+
+
+def test_latency_with_default_pair_and_no_baseline(run, tmp_path):
+    code, _, err = run("latency", "--nb-prompts", "1", "--max-new-tokens", "6", "--no-baseline")
+    assert code == 0, err
+    rows = pd.read_csv(tmp_path / "results" / "latency.csv")
+    assert list(rows["mode"]) == ["ssp"] and rows["draft"][0] == "tiny-draft"
+
+
+def test_eval_both_reports_intervals_and_resumes(run, tmp_path):
+    code, out, err = run("eval", "tiny-target", "--draft", "tiny-draft", "--both", "--nb-prompts", "6",
+                         "--json", str(tmp_path / "e.json"))
+    assert code == 0, err
+    assert "RSp − SSp" in out
+    summary = json.loads((tmp_path / "e.json").read_text())
+    assert [s["mode"] for s in summary] == ["rsp", "ssp"]
+    for s in summary:
+        assert s["trials"] == 6 and 0 <= s["successes"] <= 6
+        assert s["wald_low"] <= s["success_rate"] <= s["wald_high"]
+        assert s["wilson_low"] <= s["wilson_high"]
+    records = tmp_path / "results" / "eval_records"
+    (path,) = records.glob("eval-*.jsonl")
+    lines = path.read_text().splitlines()
+    assert json.loads(lines[0])["config"]["nb_prompts"] == 6
+    assert len(lines) == 1 + 12
+    row = json.loads(lines[1])
+    assert {"prompt", "expected", "completion", "correct"} <= set(row)
+    assert row["prompt"].startswith("8 * 12 = 96\n25 * 4 = 100\n37 * 85 = 3145\n")
+    # Interrupt: keep the header and the first 5 records, as if the run died there.
+    path.write_text("\n".join(lines[:6]) + "\n")
+    code, out, err = run("eval", "tiny-target", "--draft", "tiny-draft", "--both", "--nb-prompts", "6", "--resume")
+    assert code == 0, err
+    assert "resumed: 5 records reused" in out
+    resumed = path.read_text().splitlines()
+    assert len(resumed) == 1 + 12
+    assert sorted((json.loads(x)["mode"], json.loads(x)["index"]) for x in resumed[1:]) == sorted(
+        (m, i) for m in ("rsp", "ssp") for i in range(6))
+    assert resumed[:6] == lines[:6]  # earlier records untouched
+    rows = pd.read_csv(tmp_path / "results" / "eval.csv")
+    assert len(rows) == 4 and rows["run_id"].nunique() == 1  # resumed run keeps its id
+
+
+def test_eval_rsp_only(run, tmp_path):
+    code, _, err = run("eval", "tiny-target", "--nb-prompts", "3", "--temperature", "0")
+    assert code == 0, err
+    rows = pd.read_csv(tmp_path / "results" / "eval.csv")
+    assert list(rows["mode"]) == ["rsp"] and rows["trials"][0] == 3
+
+
+def test_compare_streams_both_completions(run):
+    code, out, err = run("compare", "tiny-target", "tiny-draft", "--prompt", "hello", "--max-new-tokens", "10", "--k", "3")
+    assert code == 0, err
+    assert "Regular sampling with tiny-target" in out and "Speculative sampling" in out
+    assert "speedup" in out and "ms/token" in out
+
+
+def test_compare_reads_prompts_from_stdin_until_eof(run, monkeypatch):
+    import io
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("one\ntwo\n"))
+    code, out, _ = run("compare", "--max-new-tokens", "4")
+    assert code == 0
+    assert out.count("Regular sampling") == 2
+
+
+@pytest.mark.parametrize("args, message", [
+    (("latency", "nope"), "unknown model 'nope'"),
+    (("latency", "tiny-targte"), "did you mean 'tiny-target'"),
+    (("latency", "tiny-target", "--draft", "tiny-draft", "--k", "0"), "--k values must be at least 1"),
+    (("eval", "tiny-target", "--nb-prompts", "0"), "--nb-prompts must be at least 1"),
+    (("latency", "tiny-target", "--prompts", "/no/such/file"), "cannot read prompts file /no/such/file"),
+    (("latency", "tiny-target", "--draft", "tiny-other-vocab"), "does not share target 'tiny-target''s tokenizer"),
+    (("latency", "tiny-target", "--temperature", "-1"), "temperature must be >= 0"),
+])
+def test_bad_input_gives_one_line_and_nonzero_exit(run, args, message):
+    code, out, err = run(*args)
+    assert code == 2
+    assert message in err
+    assert "Traceback" not in err + out
+    assert len([line for line in err.splitlines() if line.strip()]) <= 2  # one message (rich may wrap it once)
+
+
+def test_malformed_registry_is_one_line(run, tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("models:\n  a:\n    path: x\n    colour: red\n")
+    code, out, err = run("models", config=bad)
+    assert code == 2 and "bad.yaml:4: model 'a': unknown key 'colour'" in err and "Traceback" not in err
+
+
+def test_gpu_only_entry_without_gpu(run, tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    cfg = tmp_path / "gpu.yaml"
+    cfg.write_text("models:\n  big: {path: x/y, gpus: 8}\n")
+    code, _, err = run("latency", "big", config=cfg)
+    assert code == 2 and "needs 8 GPU(s) and none is visible" in err
+
+
+def test_stats_against_hand_computed_values():
+    from lssp.stats import difference, expected_tokens_per_iteration, mcnemar, predicted_speedup, wald, wilson
+
+    w = wald(284, 1000)  # the reference's 7B figure: 28.4% on 1000 prompts
+    assert w.estimate == 0.284 and w.high - w.estimate == pytest.approx(1.959964 * (0.284 * 0.716 / 1000) ** 0.5)
+    assert w.low == pytest.approx(0.256051, abs=1e-6) and w.high == pytest.approx(0.311949, abs=1e-6)
+    wi = wilson(0, 20)
+    assert wi.low == pytest.approx(0.0, abs=1e-12) and wi.high == pytest.approx(0.161125, abs=1e-6)
+    wi = wilson(7, 10)
+    assert (wi.low, wi.high) == (pytest.approx(0.39678, abs=1e-5), pytest.approx(0.89221, abs=1e-5))
+    d = difference(284, 1000, 281, 1000)
+    assert d.estimate == pytest.approx(0.003)
+    assert d.high - d.estimate == pytest.approx(1.959964 * (0.284 * 0.716 / 1000 + 0.281 * 0.719 / 1000) ** 0.5)
+    assert d.contains(0)
+    assert mcnemar(0, 0) == 1.0 and mcnemar(10, 0) == pytest.approx(2 * 0.5 ** 10)
+    assert expected_tokens_per_iteration(0.5, 3) == pytest.approx(1.875)
+    assert predicted_speedup(0.8, 4, 0.1) == pytest.approx((1 - 0.8 ** 5) / (0.2 * 1.4))
+    assert predicted_speedup(1.0, 4, 0.0) == 5.0
