@@ -506,13 +506,112 @@ def distill(
                   f"{rep.steps} steps, final loss {rep.final_loss:.3f}, greedy acceptance {run.summaries[0].acceptance_rate:.1%}")
 
 
-# --- plot placeholder hook -------------------------------------------------------------------
-def _plot(s: Settings, run_id: str | None = None, kinds: tuple[str, ...] = ()) -> None:
+# --- verify ----------------------------------------------------------------------------------
+@app.command()
+def verify(
+    ctx: typer.Context,
+    target: Annotated[Optional[str], typer.Argument(help="Target model (default: default_target).")] = None,
+    draft: Annotated[Optional[str], typer.Argument(help="Draft model (default: default_draft).")] = None,
+    prompts: Annotated[Optional[Path], typer.Option(help="File with one prompt per line.")] = None,
+    nb_prompts: Annotated[int, typer.Option(help="Use the first N prompts.")] = 3,
+    samples: Annotated[int, typer.Option(help="SSp runs per prompt (sampled mode).")] = 1000,
+    depth: Annotated[int, typer.Option(help="Emitted positions checked per prompt (2+ exercises cache rollback).")] = 3,
+    k: KOpt = 4,
+    temperature: Annotated[float, typer.Option(help="0 checks greedy equality instead.")] = 1.0,
+    top_k: TopKOpt = 0,
+    top_p: TopPOpt = 1.0,
+    significance: Annotated[float, typer.Option(help="Family-wise significance level.")] = 0.01,
+    max_new_tokens: Annotated[int, typer.Option(help="Greedy mode: tokens compared per prompt.")] = 64,
+    tie_tolerance: Annotated[float, typer.Option(help="Greedy mode: a top-2 logit gap up to this is a numerical near-tie.")] = 0.1,
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the report as JSON here.")] = None,
+) -> None:
+    """Check that SSp samples exactly from the target (exit 1 when it does not)."""
+    from lssp import verify as vf
+    from lssp.prompts import LATENCY_PROMPTS
+
+    s = settings(ctx)
+    for name, value in [("--nb-prompts", nb_prompts), ("--samples", samples), ("--depth", depth), ("--k", k),
+                        ("--max-new-tokens", max_new_tokens)]:
+        _check_positive(name, value)
+    if not 0 < significance < 1:
+        raise UserError(f"--significance must be in (0, 1), got {significance}")
+    params = _params(temperature, top_k, top_p)
+    prompt_list = (_read_prompt_list(prompts, None) if prompts else list(LATENCY_PROMPTS))[:nb_prompts]
+    t, d, vocab = _load_pair(s, target, draft)
+    with _progress() as bar:
+        task = bar.add_task("verify", total=len(prompt_list) * (1 if params.greedy else samples // 50))
+        tick = lambda msg: bar.update(task, advance=1, description=msg)  # noqa: E731
+        if params.greedy:
+            rep = vf.verify_greedy(t, d, prompt_list, k, max_new_tokens, vocab, tie_tolerance, tick)
+        else:
+            rep = vf.verify_sampled(t, d, prompt_list, params, k, samples, depth, s.seed, vocab, significance, tick)
+    run_id = report.new_run_id()
+    env = report.environment(t.device)
+    base = {"timestamp": report.timestamp(), "run_id": run_id, "target": t.name, "draft": d.name, "k": k,
+            **params.as_dict(), "verdict": "lossless" if rep.lossless else "not lossless",
+            "acceptance_rate": rep.acceptance_rate, "target_precision": t.precision, "draft_precision": d.precision, **env}
+    rows = [{**base, **asdict(c), "prefix": " ".join(map(str, c.prefix))} for c in rep.positions] + \
+           [{**base, **asdict(g)} for g in rep.greedy]
+    report.append_csv(s.results_dir / "verify.csv", rows)
+    if json_out:
+        report.write_json(json_out, report.json_safe({"mode": rep.mode, "lossless": rep.lossless, "significance": rep.significance,
+                                                      "correction": rep.correction, "acceptance_rate": rep.acceptance_rate,
+                                                      "checks": [asdict(c) for c in rep.positions] + [asdict(g) for g in rep.greedy],
+                                                      "run_id": run_id, "device": env["device"]}))
+    _render_verify(rep, t, d, params, k)
+    if not rep.lossless:
+        raise typer.Exit(1)
+
+
+def _render_verify(rep, t, d, params, k) -> None:
+    title = f"verify {t.name} with draft {d.name}, K={k}, {params}"
+    table = Table(title=title)
+    if rep.mode == "greedy":
+        for col in ("prompt", "identical", "first difference", "top-2 logit gap", "near-tie"):
+            table.add_column(col, justify="right")
+        for g in rep.greedy:
+            table.add_row(str(g.prompt_index + 1), "yes" if g.identical else "no", "–" if g.identical else str(g.first_difference),
+                          "–" if g.top2_gap is None else f"{g.top2_gap:.4f}", "yes" if g.near_tie else "–")
+        console.print(table)
+        console.print(f"  identical continuations: {rep.identical_share:.0%} of prompts; a difference at a top-2 gap ≤ "
+                      f"{rep.tie_tolerance} is a numerical near-tie (a 1-token and a K+1-token forward round differently), not a bug")
+    else:
+        for col in ("prompt", "pos", "samples", "χ² p-value", "cells", "TV", "TV noise (mean±sd)", "exact α", "ok"):
+            table.add_column(col, justify="right")
+        for c in rep.positions:
+            table.add_row(str(c.prompt_index + 1), str(c.position), str(c.samples), f"{c.chi2_p_value:.3g}", str(c.chi2_cells),
+                          f"{c.tv:.3f}", f"{c.tv_null_mean:.3f}±{c.tv_null_sd:.3f}", f"{c.exact_alpha:.2f}",
+                          Text("✓", style="green") if c.passed else Text("✗", style="bold red"))
+        console.print(table)
+        for note in rep.skipped:
+            console.print(f"  [dim]skipped {note} (fewer than 20; raise --samples)[/dim]")
+        console.print(f"  measured acceptance {_fmt(rep.acceptance_rate, 1, pct=True)}; each test rejects at p < "
+                      f"{rep.threshold:.2g} ({rep.significance} family-wise, {rep.correction})")
+    verdict = Text("LOSSLESS", style="bold green") if rep.lossless else Text("NOT LOSSLESS", style="bold red")
+    console.print(Text("  verdict: ") + verdict)
+
+
+# --- plot ------------------------------------------------------------------------------------
+@app.command("plot")
+def plot_cmd(
+    ctx: typer.Context,
+    run_id: Annotated[Optional[str], typer.Option(help="Only this run.")] = None,
+    target: Annotated[Optional[str], typer.Option(help="Only runs of this target.")] = None,
+    draft: Annotated[Optional[str], typer.Option(help="Only runs with this draft.")] = None,
+    out: Annotated[Optional[Path], typer.Option(help="Folder for the PNGs (default: RESULTS_DIR/plots).")] = None,
+) -> None:
+    """Draw PNG charts from the CSVs in the results directory."""
+    _plot(settings(ctx), run_id=run_id, target=target, draft=draft, out=out)
+
+
+# --- plotting ------------------------------------------------------------------------------
+def _plot(s: Settings, run_id: str | None = None, kinds: tuple[str, ...] = (), target: str | None = None,
+          draft: str | None = None, out: Path | None = None) -> None:
     try:
         from lssp import plot as plotting
     except ImportError:
         raise UserError("plotting needs matplotlib (run ./setup.sh)") from None
-    for path in plotting.plot_results(s.results_dir, run_id=run_id, kinds=kinds):
+    for path in plotting.plot_results(s.results_dir, out, run_id=run_id, target=target, draft=draft, kinds=kinds):
         console.print(f"  chart: {path}")
 
 

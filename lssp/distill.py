@@ -249,7 +249,7 @@ def train(target: PreTrainedModel, out: Path, cfg: DistillConfig, report: Distil
         step += 1
         seen += sum(len(e["top_ids"]) for e in batch)
         seconds += time.perf_counter() - start
-        recent.append(float(loss))
+        recent.append(float(loss.detach()))
         if step % 25 == 0 or step == total_steps:
             report.loss_curve.append((step, seen, sum(recent) / len(recent)))
             recent.clear()

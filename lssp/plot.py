@@ -1,0 +1,162 @@
+"""Charts from the CSVs in a results folder (matplotlib, headless)."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+
+from lssp.errors import UserError  # noqa: E402
+from lssp.stats import predicted_speedup  # noqa: E402
+
+KINDS = ("latency", "speedup", "acceptance", "eval")
+
+
+def _caption(fig: Figure, frame: pd.DataFrame) -> None:
+    devices = sorted(set(frame["device"].dropna().astype(str))) if "device" in frame else []
+    runs = sorted(set(frame["run_id"].astype(str)))
+    text = "; ".join(devices) + (f" — run {runs[0]}" if len(runs) == 1 else f" — {len(runs)} runs")
+    fig.text(0.01, 0.01, text, fontsize=7, color="0.35")
+
+
+def _filter(frame: pd.DataFrame, run_id: str | None, target: str | None, draft: str | None) -> pd.DataFrame:
+    if run_id:
+        frame = frame[frame["run_id"].astype(str) == run_id]
+    if target:
+        frame = frame[frame["target"] == target]
+    if draft:
+        runs = frame.loc[frame["draft"].fillna("") == draft, "run_id"]
+        frame = frame[frame["run_id"].isin(runs)]
+    return frame
+
+
+def _latest_run_per_pair(frame: pd.DataFrame) -> pd.DataFrame:
+    """The newest run for each (target, draft) pair; a run's pair is its SSp draft, if any."""
+    pairs = frame.groupby("run_id").agg(target=("target", "first"), draft=("draft", lambda d: ",".join(sorted(set(d.dropna()) - {""}))),
+                                       timestamp=("timestamp", "max"))
+    latest = pairs.sort_values("timestamp").groupby(["target", "draft"]).tail(1).index
+    return frame[frame["run_id"].isin(latest)]
+
+
+def latency_figure(frame: pd.DataFrame) -> Figure:
+    """ms/token per mode for each target/draft pair, error bars from the per-prompt min and max."""
+    frame = _latest_run_per_pair(frame)
+    labels, values, low, high, colours = [], [], [], [], []
+    for run_id, rows in frame.groupby("run_id", sort=False):
+        for _, r in rows.iterrows():
+            pair = r["target"] if r["mode"] == "rsp" else f"{r['target']} + {r['draft']}"
+            labels.append(f"{pair}\n{r['mode'].upper()}" + (f" K={int(r['k'])}" if r["mode"] == "ssp" else ""))
+            values.append(r["ms_per_token"])
+            low.append(max(0.0, r["ms_per_token"] - r["ms_per_token_min"]))
+            high.append(max(0.0, r["ms_per_token_max"] - r["ms_per_token"]))
+            colours.append("tab:gray" if r["mode"] == "rsp" else "tab:green")
+    fig, ax = plt.subplots(figsize=(max(5, 1.2 * len(labels)), 4.2))
+    ax.bar(range(len(values)), values, yerr=[low, high], capsize=4, color=colours)
+    ax.set_xticks(range(len(values)), labels, fontsize=7)
+    ax.set_ylabel("decode time per token (ms)")
+    ax.set_title("RSp vs SSp latency (bars: all prompts; whiskers: per-prompt min–max)")
+    _caption(fig, frame)
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    return fig
+
+
+def speedup_figure(frame: pd.DataFrame) -> Figure:
+    """Measured speedup against K, with the standard model's curve from the measured α and c."""
+    fig, ax = plt.subplots(figsize=(6, 4.2))
+    for run_id, rows in _latest_run_per_pair(frame).groupby("run_id", sort=False):
+        rsp, ssp = rows[rows["mode"] == "rsp"], rows[rows["mode"] == "ssp"].sort_values("k")
+        if rsp.empty or ssp.empty:
+            continue
+        label = f"{ssp['target'].iloc[0]} + {ssp['draft'].iloc[0]}"
+        ax.plot(ssp["k"], ssp["speedup"], "o", label=f"{label}: measured")
+        alpha = float(ssp["acceptance_rate"].mean())
+        c = float(ssp["draft_ms_per_forward"].median() / rsp["target_ms_per_forward"].iloc[0])
+        ks = np.arange(1, max(int(ssp["k"].max()), 8) + 1)
+        ax.plot(ks, [predicted_speedup(alpha, int(k), c) for k in ks], "--",
+                label=f"{label}: model, α={alpha:.2f}, c={c:.2f}")
+    ax.axhline(1.0, color="0.6", lw=0.8)
+    ax.set_xlabel("draft length K (tokens)")
+    ax.set_ylabel("speedup over RSp (×)")
+    ax.set_title("SSp speedup against K")
+    ax.legend(fontsize=7)
+    _caption(fig, frame)
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    return fig
+
+
+def acceptance_figure(frame: pd.DataFrame) -> Figure:
+    """Acceptance rate at each draft position, one group of bars per K."""
+    ssp = _latest_run_per_pair(frame)
+    ssp = ssp[ssp["mode"] == "ssp"]
+    fig, ax = plt.subplots(figsize=(6, 4.2))
+    width = 0.8 / max(1, len(ssp))
+    for i, (_, r) in enumerate(ssp.iterrows()):
+        rates = [float(x) for x in str(r["acceptance_by_position"]).split(";") if x not in ("", "nan")]
+        ax.bar(np.arange(1, len(rates) + 1) + (i - (len(ssp) - 1) / 2) * width, rates, width,
+               label=f"{r['target']} + {r['draft']}, K={int(r['k'])}")
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("acceptance rate (given the earlier drafts were accepted)")
+    ax.set_ylim(0, 1)
+    ax.set_title("Acceptance by draft position")
+    ax.legend(fontsize=7)
+    _caption(fig, frame)
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    return fig
+
+
+def eval_figure(frame: pd.DataFrame) -> Figure:
+    """Success rate with its 95% Wald interval, RSp and SSp side by side."""
+    frame = _latest_run_per_pair(frame)
+    fig, ax = plt.subplots(figsize=(max(4, 1.4 * len(frame)), 4.2))
+    labels = [f"{r['target']}\n{r['mode'].upper()}" + (f" ({r['draft']})" if r["mode"] == "ssp" else "")
+              for _, r in frame.iterrows()]
+    rates = frame["success_rate"].to_numpy() * 100
+    err = [rates - frame["wald_low"].to_numpy() * 100, frame["wald_high"].to_numpy() * 100 - rates]
+    ax.bar(range(len(rates)), rates, yerr=err, capsize=5,
+           color=["tab:gray" if m == "rsp" else "tab:green" for m in frame["mode"]])
+    ax.set_xticks(range(len(rates)), labels, fontsize=7)
+    ax.set_ylabel("multiplications correct (%)")
+    ax.set_title("Eval success rate with 95% Wald intervals")
+    _caption(fig, frame)
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    return fig
+
+
+def plot_results(results_dir: Path, out_dir: Path | None = None, run_id: str | None = None, target: str | None = None,
+                 draft: str | None = None, kinds: Sequence[str] = ()) -> list[Path]:
+    """Write the charts the selected rows allow; returns the PNG paths."""
+    out_dir = out_dir or results_dir / "plots"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    kinds = tuple(kinds) or KINDS
+    written: list[Path] = []
+    makers = {"latency": ("latency.csv", latency_figure), "speedup": ("latency.csv", speedup_figure),
+              "acceptance": ("latency.csv", acceptance_figure), "eval": ("eval.csv", eval_figure)}
+    if "latency" in kinds:
+        kinds = tuple(dict.fromkeys(kinds + ("speedup", "acceptance")))
+    for kind in kinds:
+        csv, make = makers[kind]
+        path = results_dir / csv
+        if not path.exists():
+            continue
+        frame = _filter(pd.read_csv(path), run_id, target, draft)
+        if kind in ("speedup", "acceptance") and not (frame["mode"] == "ssp").any():
+            continue
+        if kind == "speedup" and not (frame["mode"] == "rsp").any():
+            continue
+        if frame.empty:
+            continue
+        fig = make(frame)
+        suffix = f"-{run_id}" if run_id else ""
+        png = out_dir / f"{kind}{suffix}.png"
+        fig.savefig(png, dpi=110)
+        plt.close(fig)
+        written.append(png)
+    if not written:
+        raise UserError(f"nothing to plot in {results_dir} with these filters")
+    return written

@@ -1,0 +1,172 @@
+"""Statistical check that SSp samples from the target's distribution, on real models.
+
+Sampled mode: for each prompt, the exact next-token law p after a prefix comes from one
+target forward. SSp runs many times from the prompt with independent seeds; the token it
+emits at position j, among the runs whose first j tokens equal a prefix (the commonest
+emitted tokens; choosing it from earlier positions leaves position j's conditional law
+untouched), must follow p(· | prompt + prefix). Positions j >= 1 are often produced
+after a rejection and a cache rollback, so rollback bugs show there.
+
+Greedy mode: SSp's and RSp's continuations must be identical; where they differ, the
+target's top-2 logit gap at the first difference tells a numerical near-tie from a bug.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from lssp.generation import forward_logits, generate_regular, generate_speculative, new_cache
+from lssp.loading import LoadedModel
+from lssp.sampling import SamplingParams, warp
+from lssp.stats import chi_square_gof
+
+Progress = Callable[[str], None]
+
+
+@dataclass
+class PositionCheck:
+    prompt_index: int
+    position: int  # 0: first emitted token
+    prefix: list[int]  # the emitted tokens conditioned on
+    samples: int
+    chi2_p_value: float
+    chi2_cells: int
+    tv: float  # total-variation distance between empirical and exact laws
+    tv_null_mean: float  # the same distance expected from sampling noise alone
+    tv_null_sd: float
+    exact_alpha: float  # sum_x min(p(x), q(x)) at this position
+    passed: bool = True
+
+
+@dataclass
+class GreedyCheck:
+    prompt_index: int
+    identical: bool
+    first_difference: int | None = None
+    top2_gap: float | None = None  # target logit gap between its two best tokens there
+    near_tie: bool = False
+
+
+@dataclass
+class VerifyReport:
+    mode: str  # "sampled" or "greedy"
+    significance: float
+    correction: str
+    positions: list[PositionCheck] = field(default_factory=list)
+    greedy: list[GreedyCheck] = field(default_factory=list)
+    acceptance_rate: float = float("nan")
+    tie_tolerance: float = 0.0
+    skipped: list[str] = field(default_factory=list)
+
+    @property
+    def threshold(self) -> float:
+        return self.significance / max(1, len(self.positions))
+
+    @property
+    def lossless(self) -> bool:
+        if self.mode == "greedy":
+            return all(g.identical or g.near_tie for g in self.greedy)
+        return all(p.passed for p in self.positions)
+
+    @property
+    def identical_share(self) -> float:
+        return sum(g.identical for g in self.greedy) / len(self.greedy) if self.greedy else float("nan")
+
+
+@torch.inference_mode()
+def next_token_law(model: LoadedModel, ids: torch.Tensor, params: SamplingParams, vocab: int) -> torch.Tensor:
+    logits = forward_logits(model.model, ids.to(model.device), new_cache(model.model), 1)[0, :vocab]
+    return warp(logits.float(), params).cpu()
+
+
+def _tv_null(p: torch.Tensor, n: int, generator: torch.Generator, reps: int = 200) -> tuple[float, float]:
+    """Mean and sd of TV(empirical, p) for n exact draws from p: the distance noise alone gives."""
+    draws = torch.multinomial(p.double(), n * reps, replacement=True, generator=generator).view(reps, n)
+    freq = torch.zeros(reps, p.numel(), dtype=torch.float64).scatter_add_(1, draws, torch.ones_like(draws, dtype=torch.float64)) / n
+    tv = 0.5 * (freq - p.double()).abs().sum(-1)
+    return float(tv.mean()), float(tv.std())
+
+
+def verify_sampled(
+    target: LoadedModel, draft: LoadedModel, prompts: Sequence[str], params: SamplingParams, k: int, samples: int,
+    depth: int, seed: int, vocab: int, significance: float = 0.01, progress: Progress | None = None,
+) -> VerifyReport:
+    """Chi-square and TV checks of SSp's emitted tokens at positions 0..depth-1 against the exact law."""
+    report = VerifyReport("sampled", significance, "Bonferroni")
+    generator = torch.Generator(device=target.device)
+    null_gen = torch.Generator().manual_seed(seed)
+    drafted = accepted = 0
+    for index, text in enumerate(prompts):
+        ids = target.encode(text)
+        outputs: list[list[int]] = []
+        for run in range(samples):
+            generator.manual_seed(seed * 1_000_003 + index * 100_003 + run)
+            out = generate_speculative(target.model, draft.model, ids, depth + k, k, params, generator, vocab_size=vocab)
+            outputs.append(out.tokens[:depth].tolist())
+            drafted += out.stats.drafted
+            accepted += out.stats.accepted
+            if progress and (run + 1) % 50 == 0:
+                progress(f"prompt {index + 1}/{len(prompts)}: {run + 1}/{samples} SSp runs")
+        prefix: list[int] = []
+        for position in range(depth):
+            context = torch.cat([ids, torch.tensor([prefix], dtype=torch.long)], 1) if prefix else ids
+            p = next_token_law(target, context, params, vocab)
+            q = next_token_law(draft, context, params, vocab)
+            kept = [o[position] for o in outputs if o[:position] == prefix]
+            counts = Counter(kept)
+            support = sorted(set(torch.nonzero(p > 0).flatten().tolist()) | set(counts))
+            observed = [counts.get(t, 0) for t in support]
+            expected = p[support].tolist()
+            if len(kept) >= 20:
+                chi = chi_square_gof(observed, expected)
+                freq = torch.zeros_like(p, dtype=torch.float64)
+                for t, c in counts.items():
+                    freq[t] = c / len(kept)
+                tv = float(0.5 * (freq - p.double()).abs().sum())
+                null_mean, null_sd = _tv_null(p, len(kept), null_gen)
+                report.positions.append(PositionCheck(index, position, list(prefix), len(kept), chi.p_value, chi.cells, tv,
+                                                      null_mean, null_sd, float(torch.minimum(p, q).sum())))
+            else:
+                report.skipped.append(f"prompt {index + 1} position {position}: only {len(kept)} runs share the prefix")
+            if not counts:
+                break
+            prefix.append(counts.most_common(1)[0][0])  # condition deeper on the commonest emitted token
+    report.correction = f"Bonferroni over {len(report.positions)} tests"
+    for check in report.positions:
+        check.passed = check.chi2_p_value > report.threshold
+    report.acceptance_rate = accepted / drafted if drafted else float("nan")
+    return report
+
+
+def verify_greedy(
+    target: LoadedModel, draft: LoadedModel, prompts: Sequence[str], k: int, max_new_tokens: int, vocab: int,
+    tie_tolerance: float, progress: Progress | None = None,
+) -> VerifyReport:
+    """SSp and RSp continuations must match token for token, except at numerical near-ties."""
+    params = SamplingParams(temperature=0)
+    report = VerifyReport("greedy", 0.0, "none (deterministic)", tie_tolerance=tie_tolerance)
+    drafted = accepted = 0
+    for index, text in enumerate(prompts):
+        ids = target.encode(text)
+        rsp = generate_regular(target.model, ids, max_new_tokens, params).tokens.tolist()
+        out = generate_speculative(target.model, draft.model, ids, max_new_tokens, k, params, vocab_size=vocab)
+        ssp = out.tokens.tolist()
+        drafted += out.stats.drafted
+        accepted += out.stats.accepted
+        if rsp == ssp:
+            report.greedy.append(GreedyCheck(index, True))
+        else:
+            at = next(i for i, (a, b) in enumerate(zip(rsp, ssp)) if a != b)
+            context = torch.cat([ids, torch.tensor([rsp[:at]], dtype=torch.long)], 1)
+            with torch.inference_mode():
+                logits = forward_logits(target.model, context.to(target.device), new_cache(target.model), 1)[0, :vocab].float()
+            top2 = logits.topk(2).values
+            gap = float(top2[0] - top2[1])
+            report.greedy.append(GreedyCheck(index, False, at, gap, gap <= tie_tolerance))
+        if progress:
+            progress(f"prompt {index + 1}/{len(prompts)}")
+    report.acceptance_rate = accepted / drafted if drafted else float("nan")
+    return report

@@ -1,0 +1,121 @@
+"""`verify` catches broken verifiers on tiny models; `plot` draws the data it is given."""
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+import torch
+
+import lssp.generation as generation
+from conftest import char_tokenizer, tiny_llama
+from lssp.loading import LoadedModel
+from lssp.plot import acceptance_figure, eval_figure, latency_figure, plot_results, speedup_figure
+from lssp.registry import ModelSpec
+from lssp.sampling import SamplingParams
+from lssp.verify import verify_greedy, verify_sampled
+
+PROMPTS = ["ab", "hello", "12 * 3"]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    tok = char_tokenizer()
+    target = LoadedModel(ModelSpec("t"), tiny_llama(30, vocab_size=64, scale=12.0), tok)
+    draft = LoadedModel(ModelSpec("d"), tiny_llama(31, vocab_size=64, hidden=16, layers=1, scale=12.0), tok)
+    return target, draft
+
+
+def sampled(pair, **kw):
+    target, draft = pair
+    return verify_sampled(target, draft, PROMPTS[:2], SamplingParams(1.0), k=3, samples=500, depth=2, seed=0, vocab=64, **kw)
+
+
+def test_verify_passes_the_real_speculative_sampler(pair):
+    rep = sampled(pair)
+    assert rep.lossless
+    assert {c.position for c in rep.positions} == {0, 1}  # a deeper position was tested too
+    assert all(c.samples >= 20 and 0 <= c.exact_alpha <= 1 for c in rep.positions)
+    assert all(c.tv < c.tv_null_mean + 5 * c.tv_null_sd for c in rep.positions)
+    assert rep.threshold == pytest.approx(0.01 / len(rep.positions))
+
+
+def test_verify_fails_an_always_accept_verifier(pair, monkeypatch):
+    monkeypatch.setattr(generation, "accepted_prefix", lambda p, q, drafts, params, gen: drafts.shape[0])
+    rep = sampled(pair)
+    assert not rep.lossless
+    assert min(c.chi2_p_value for c in rep.positions) < rep.threshold
+
+
+def test_verify_fails_a_residual_without_max0(pair, monkeypatch):
+    # Without max(0, .) the replacement token can only be drawn from p itself (clamping is what removes q's mass).
+    monkeypatch.setattr(generation, "residual_distribution", lambda p, q: p)
+    assert not sampled(pair).lossless
+
+
+def test_greedy_report_identical_and_planted_divergence(pair, monkeypatch):
+    target, draft = pair
+    rep = verify_greedy(target, draft, PROMPTS, k=3, max_new_tokens=20, vocab=64, tie_tolerance=1e-3)
+    assert rep.lossless and rep.identical_share == 1.0
+    # Plant a bug: after a rejection, emit the draft's token instead of the target's.
+    monkeypatch.setattr(generation, "residual_distribution", lambda p, q: q)
+    rep = verify_greedy(target, draft, PROMPTS, k=3, max_new_tokens=20, vocab=64, tie_tolerance=1e-3)
+    assert not rep.lossless and rep.identical_share < 1.0
+    bad = [g for g in rep.greedy if not g.identical]
+    assert all(g.first_difference is not None and g.top2_gap > 1e-3 and not g.near_tie for g in bad)
+
+
+# --- plot ------------------------------------------------------------------------------------
+def latency_rows() -> pd.DataFrame:
+    base = {"timestamp": "2026-01-01T00:00:00", "run_id": "r1", "target": "T", "temperature": 0.0, "device": "CPU: test",
+            "ms_per_token_min": 8.0, "ms_per_token_max": 12.0, "target_ms_per_forward": 10.0}
+    rows = [{**base, "mode": "rsp", "draft": "", "k": 0, "ms_per_token": 10.0, "speedup": float("nan"),
+             "acceptance_rate": float("nan"), "draft_ms_per_forward": float("nan"), "acceptance_by_position": ""}]
+    for k, ms in [(2, 7.0), (4, 6.0), (8, 6.5)]:
+        rows.append({**base, "mode": "ssp", "draft": "D", "k": k, "ms_per_token": ms, "speedup": 10.0 / ms,
+                     "acceptance_rate": 0.7, "draft_ms_per_forward": 1.0,
+                     "acceptance_by_position": ";".join(["0.8"] + ["0.6"] * (k - 1))})
+    return pd.DataFrame(rows)
+
+
+def test_latency_figure_has_a_bar_per_mode_with_error_bars():
+    fig = latency_figure(latency_rows())
+    ax = fig.axes[0]
+    heights = [p.get_height() for p in ax.patches]
+    assert heights == [10.0, 7.0, 6.0, 6.5]
+    assert "ms" in ax.get_ylabel() and "CPU: test" in fig.texts[0].get_text()
+
+
+def test_speedup_figure_plots_measured_points_and_model_curve():
+    ax = speedup_figure(latency_rows()).axes[0]
+    measured, model = ax.lines[0], ax.lines[1]
+    assert list(measured.get_xdata()) == [2, 4, 8]
+    assert list(measured.get_ydata()) == pytest.approx([10 / 7, 10 / 6, 10 / 6.5])
+    from lssp.stats import predicted_speedup
+
+    assert model.get_ydata()[3] == pytest.approx(predicted_speedup(0.7, 4, 0.1))  # K=4, c = 1 ms / 10 ms
+
+
+def test_acceptance_figure_has_one_bar_per_position_per_k():
+    ax = acceptance_figure(latency_rows()).axes[0]
+    assert len(ax.patches) == 2 + 4 + 8
+    assert max(p.get_height() for p in ax.patches) == pytest.approx(0.8)
+
+
+def test_eval_figure_bars_and_intervals():
+    frame = pd.DataFrame([
+        {"timestamp": "t", "run_id": "e1", "mode": m, "target": "T", "draft": d, "success_rate": r, "wald_low": r - 0.05,
+         "wald_high": r + 0.05, "device": "CPU: test"} for m, d, r in [("rsp", "", 0.30), ("ssp", "D", 0.28)]])
+    ax = eval_figure(frame).axes[0]
+    assert [p.get_height() for p in ax.patches] == pytest.approx([30.0, 28.0])
+    segments = ax.containers[0].errorbar.lines[2][0].get_segments()
+    assert [(s[0][1], s[1][1]) for s in segments] == [pytest.approx((25.0, 35.0)), pytest.approx((23.0, 33.0))]
+
+
+def test_plot_results_writes_pngs_and_filters(tmp_path):
+    latency_rows().to_csv(tmp_path / "latency.csv", index=False)
+    paths = plot_results(tmp_path)
+    assert {p.name for p in paths} == {"latency.png", "speedup.png", "acceptance.png"}
+    assert all(p.stat().st_size > 5000 for p in paths)
+    from lssp.errors import UserError
+
+    with pytest.raises(UserError, match="nothing to plot"):
+        plot_results(tmp_path, run_id="no-such-run")
