@@ -106,7 +106,8 @@ def test_eval_figure_bars_and_intervals():
          "wald_high": r + 0.05, "device": "CPU: test"} for m, d, r in [("rsp", "", 0.30), ("ssp", "D", 0.28)]])
     ax = eval_figure(frame).axes[0]
     assert [p.get_height() for p in ax.patches] == pytest.approx([30.0, 28.0])
-    segments = ax.containers[0].errorbar.lines[2][0].get_segments()
+    errorbar = next(c for c in ax.containers if c.has_yerr)
+    segments = errorbar.lines[2][0].get_segments()
     assert [(s[0][1], s[1][1]) for s in segments] == [pytest.approx((25.0, 35.0)), pytest.approx((23.0, 33.0))]
 
 
