@@ -236,7 +236,7 @@ def _render_latency(run, t, d, params, n_prompts, max_new_tokens, env, run_id, r
     table = Table(title=f"{t.name}" + (f" with draft {d.name}" if d else "") +
                   f" — {n_prompts} prompts × {max_new_tokens} tokens, T={params.temperature:g}"
                   + (f", top-k {params.top_k}" if params.top_k else "") + (f", top-p {params.top_p:g}" if params.top_p < 1 else ""))
-    for col, justify in [("mode", "left"), ("K", "right"), ("ms/token", "right"), ("median [min–max]", "right"),
+    for col, justify in [("mode", "left"), ("K", "right"), ("ms/token", "right"), ("median \\[min–max]", "right"),
                          ("TTFT ms", "right"), ("accept", "right"), ("tokens/fwd", "right"),
                          ("draft/target/other", "right"), ("speedup", "right")]:
         table.add_column(col, justify=justify)
@@ -504,6 +504,106 @@ def distill(
     dst.write_draft(model, t.tokenizer, out, rep, command)
     console.print(f"Draft written to {out}: {rep.parameters / 1e6:.1f}M parameters, {rep.data_tokens} data tokens, "
                   f"{rep.steps} steps, final loss {rep.final_loss:.3f}, greedy acceptance {run.summaries[0].acceptance_rate:.1%}")
+
+
+# --- bench -----------------------------------------------------------------------------------
+@app.command()
+def bench(
+    ctx: typer.Context,
+    target: Annotated[Optional[str], typer.Argument(help="Target model (default: default_target).")] = None,
+    draft: Annotated[Optional[str], typer.Argument(help="Draft model (default: default_draft).")] = None,
+    k: KOpt = 4,
+    max_new_tokens: MaxNewOpt = 64,
+    prompts: Annotated[Optional[Path], typer.Option(help="File with one prompt per line.")] = None,
+    nb_prompts: Annotated[Optional[int], typer.Option(help="Use only the first N prompts.")] = None,
+    temperature: Annotated[float, typer.Option(help="0 is greedy.")] = 0.0,
+    top_k: TopKOpt = 0,
+    top_p: TopPOpt = 1.0,
+    alpha: Annotated[Optional[str], typer.Option(help="Acceptance rates to predict the speedup for: 0.6,0.7,0.8.")] = None,
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the run's summary as JSON here.")] = None,
+) -> None:
+    """Ours vs transformers: RSp vs generate(), SSp vs assisted generation, same prompts, one run."""
+    from lssp.bench import copy_bandwidth, run_bench
+    from lssp.prompts import WARMUP_PROMPT
+    from lssp.stats import predicted_speedup
+
+    s = settings(ctx)
+    _check_positive("--k", k)
+    _check_positive("--max-new-tokens", max_new_tokens)
+    alphas = _parse_floats("--alpha", alpha) if alpha else []
+    prompt_list = _read_prompt_list(prompts, nb_prompts)
+    params = _params(temperature, top_k, top_p)
+    t, d, vocab = _load_pair(s, target, draft)
+    with _progress() as bar:
+        task = bar.add_task("bench", total=4 * (len(prompt_list) + 1))
+        run = run_bench(t, d, prompt_list, WARMUP_PROMPT, k, params, max_new_tokens, s.seed, vocab,
+                        progress=lambda msg: bar.update(task, advance=1, description=msg))
+    with console.status("Measuring copy bandwidth…"):
+        bandwidth = copy_bandwidth(t.device)
+    floor_ms = 1000 * t.weight_bytes / bandwidth
+    run_id = report.new_run_id()
+    env = report.environment(t.device)
+    by = {x.engine: x for x in run.summaries}
+    measured_speedup = by["ours-rsp"].ms_per_token / by["ours-ssp"].ms_per_token
+    predicted = predicted_speedup(run.acceptance_rate, k, run.cost_ratio)
+    rows = [{"timestamp": report.timestamp(), "run_id": run_id, "engine": x.engine, "target": t.name, "draft": d.name, "k": k,
+             **params.as_dict(), "max_new_tokens": max_new_tokens, "prompts": len(prompt_list),
+             "ms_per_token": x.ms_per_token, "ms_per_token_median": x.ms_per_token_median, "ms_per_token_min": x.ms_per_token_min,
+             "ms_per_token_max": x.ms_per_token_max, "ours_over_hf_median": x.ratio_median, "ours_over_hf_min": x.ratio_min,
+             "ours_over_hf_max": x.ratio_max, "greedy_agreement": run.greedy_agreement.get(x.engine, float("nan")),
+             "ssp_overhead_share": run.ssp_overhead_share, "acceptance_rate": run.acceptance_rate, "cost_ratio": run.cost_ratio,
+             "ssp_speedup_measured": measured_speedup, "ssp_speedup_predicted": predicted,
+             "target_weight_bytes": t.weight_bytes, "copy_bandwidth_gbs": bandwidth / 1e9, "bandwidth_floor_ms": floor_ms,
+             "target_precision": t.precision, "draft_precision": d.precision, **env} for x in run.summaries]
+    report.append_csv(s.results_dir / "bench.csv", rows)
+    md_cols = ["engine", "ms_per_token", "ms_per_token_median", "ms_per_token_min", "ms_per_token_max",
+               "ours_over_hf_median", "ours_over_hf_min", "ours_over_hf_max", "greedy_agreement"]
+    (s.results_dir / f"bench-{run_id}.md").write_text(
+        f"# bench run {run_id}\n\ntarget `{t.name}` ({t.precision}), draft `{d.name}`, K={k}, {len(prompt_list)} prompts x "
+        f"{max_new_tokens} tokens, {params}\n\n{env['device']}, torch {env['torch']}, transformers {env['transformers']}, "
+        f"commit {env['git_commit']}\n\n" + report.markdown_table(rows, md_cols) +
+        f"\nour SSp overhead outside forwards: {run.ssp_overhead_share:.1%} of decode time; acceptance {run.acceptance_rate:.3f}; "
+        f"c = {run.cost_ratio:.3f}; SSp speedup measured {measured_speedup:.2f}x, predicted {predicted:.2f}x\n\n"
+        f"target weights {t.weight_bytes / 1e6:.0f} MB, copy bandwidth {bandwidth / 1e9:.1f} GB/s, floor {floor_ms:.2f} ms/token, "
+        f"ours-rsp {by['ours-rsp'].ms_per_token / floor_ms:.2f}x the floor\n")
+    if json_out:
+        report.write_json(json_out, report.json_safe(rows))
+    table = Table(title=f"{t.name} + {d.name}, K={k}, {len(prompt_list)} prompts × {max_new_tokens} tokens, T={params.temperature:g}")
+    for col in ("engine", "ms/token", "median \\[min–max]", "ours ÷ hf (median \\[min–max])", "same tokens as ours-rsp"):
+        table.add_column(col, justify="right")
+    for x in run.summaries:
+        ratio = "–" if math.isnan(x.ratio_median) else f"{x.ratio_median:.2f} [{x.ratio_min:.2f}–{x.ratio_max:.2f}]"
+        agree = run.greedy_agreement.get(x.engine)
+        table.add_row(x.engine, f"{x.ms_per_token:.1f}", f"{x.ms_per_token_median:.1f} [{x.ms_per_token_min:.1f}–{x.ms_per_token_max:.1f}]",
+                      ratio, "–" if agree is None else f"{agree:.0%}")
+    console.print(table)
+    console.print(f"  our SSp: {run.ssp_overhead_share:.1%} of decode time outside the two models' forwards; acceptance "
+                  f"{run.acceptance_rate:.1%}; c = {run.cost_ratio:.3f}; speedup over our RSp {measured_speedup:.2f}× measured, "
+                  f"{predicted:.2f}× predicted by (1−α^(K+1))/((1−α)(Kc+1))")
+    console.print(f"  target weights {t.weight_bytes / 1e6:.0f} MB ÷ copy bandwidth {bandwidth / 1e9:.1f} GB/s = floor "
+                  f"{floor_ms:.2f} ms/token; ours-rsp is {by['ours-rsp'].ms_per_token / floor_ms:.2f}× the floor")
+    if alphas:
+        pt = Table(title=f"Predicted SSp speedup for c = {run.cost_ratio:.3f}")
+        pt.add_column("α")
+        ks = [1, 2, 3, 4, 6, 8]
+        for kk in ks:
+            pt.add_column(f"K={kk}", justify="right")
+        for a in alphas:
+            pt.add_row(f"{a:g}", *[f"{predicted_speedup(a, kk, run.cost_ratio):.2f}×" for kk in ks])
+        console.print(pt)
+    if t.spec.is_random or d.spec.is_random:
+        console.print("[yellow]  Random weights: timings and c are real; acceptance and measured speedup mean nothing.[/yellow]")
+    console.print(f"[dim]{env['device']} · run {run_id} → {s.results_dir}/bench.csv[/dim]")
+
+
+def _parse_floats(name: str, text: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UserError(f"{name} takes numbers separated by commas, got {text!r}") from None
+    if not values or any(not 0 <= v < 1 for v in values):
+        raise UserError(f"{name} values must be in [0, 1), got {text!r}")
+    return values
 
 
 # --- verify ----------------------------------------------------------------------------------

@@ -47,9 +47,16 @@ class LoadedModel:
         return sum(t.numel() * t.element_size() for t in (*self.model.parameters(), *self.model.buffers()))
 
     def encode(self, text: str) -> torch.Tensor:
+        """Token ids (1, T). A model without a tokenizer (random init) gets its UTF-8 bytes as ids."""
         if self.tokenizer is None:
-            raise UserError(f"model {self.name!r} has no tokenizer; set 'tokenizer' in its registry entry")
+            vocab = self.model.get_input_embeddings().weight.shape[0]
+            return torch.tensor([[b % vocab for b in text.encode()]], dtype=torch.long)
         return self.tokenizer(text, return_tensors="pt").input_ids
+
+    def decode(self, ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return " ".join(map(str, ids))
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
 
 @cache

@@ -11,7 +11,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
 
-def tiny_llama(seed: int, vocab_size: int = 64, hidden: int = 32, layers: int = 2, scale: float = 1.0) -> LlamaForCausalLM:
+def tiny_llama(seed: int, vocab_size: int = 64, hidden: int = 32, layers: int = 2, scale: float = 1.0,
+               eos: int | None = 1) -> LlamaForCausalLM:
     """A random Llama small enough to run thousands of forwards in seconds, in float32."""
     torch.manual_seed(seed)
     config = LlamaConfig(
@@ -24,7 +25,7 @@ def tiny_llama(seed: int, vocab_size: int = 64, hidden: int = 32, layers: int = 
         max_position_embeddings=256,
         tie_word_embeddings=False,
         bos_token_id=0,
-        eos_token_id=1,
+        eos_token_id=eos,
         pad_token_id=None,
     )
     model = LlamaForCausalLM(config).eval()

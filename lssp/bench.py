@@ -1,0 +1,175 @@
+"""Our RSp and SSp against transformers' generate() and assisted generation, in one run.
+
+The four engines run the same prompts, token budget, K and sampling parameters,
+interleaved prompt by prompt so that machine drift hits all of them alike. Every engine
+completes exactly ``max_new_tokens`` tokens (EOS disabled), counted from ids.
+"""
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from statistics import median
+
+import torch
+
+from lssp.generation import generate_regular, generate_speculative
+from lssp.loading import LoadedModel
+from lssp.sampling import SamplingParams
+from lssp.timing import Clock
+
+ENGINES = ("ours-rsp", "hf-generate", "ours-ssp", "hf-assisted")
+Progress = Callable[[str], None]
+
+
+@dataclass
+class EngineRun:
+    engine: str
+    prompt_index: int
+    tokens: list[int]
+    seconds: float
+    ssp_other_s: float = float("nan")  # ours-ssp: decode time outside both models' forwards
+    ssp_decode_s: float = float("nan")
+    acceptance_rate: float = float("nan")
+    draft_ms_per_forward: float = float("nan")
+    target_ms_per_forward: float = float("nan")
+
+    @property
+    def ms_per_token(self) -> float:
+        return 1000 * self.seconds / len(self.tokens)
+
+
+@dataclass
+class EngineSummary:
+    engine: str
+    ms_per_token: float  # all prompts: total time / total tokens
+    ms_per_token_median: float
+    ms_per_token_min: float
+    ms_per_token_max: float
+    ratio_median: float = float("nan")  # ours / hf per prompt (ours-* rows only)
+    ratio_min: float = float("nan")
+    ratio_max: float = float("nan")
+
+
+@dataclass
+class BenchRun:
+    k: int
+    runs: list[EngineRun]
+    summaries: list[EngineSummary] = field(default_factory=list)
+    ssp_overhead_share: float = float("nan")
+    acceptance_rate: float = float("nan")
+    cost_ratio: float = float("nan")  # c = draft ms/forward ÷ target ms per 1-token forward
+    greedy_agreement: dict[str, float] = field(default_factory=dict)  # share of prompts equal to ours-rsp
+
+
+def _hf_config(model: LoadedModel, max_new_tokens: int, params: SamplingParams):
+    cfg = copy.deepcopy(model.model.generation_config)
+    cfg.max_new_tokens = cfg.min_new_tokens = max_new_tokens  # never stop early: the same work as ours
+    cfg.do_sample = not params.greedy
+    cfg.temperature = params.temperature if not params.greedy else None
+    cfg.top_k = params.top_k if not params.greedy else None
+    cfg.top_p = params.top_p if not params.greedy else None
+    cfg.pad_token_id = model.tokenizer.pad_token_id if model.tokenizer is not None and model.tokenizer.pad_token_id is not None else 0
+    return cfg
+
+
+def hf_generate(target: LoadedModel, ids: torch.Tensor, max_new_tokens: int, params: SamplingParams, seed: int,
+                draft: LoadedModel | None = None, k: int = 0) -> tuple[list[int], float]:
+    """transformers' generate(), plain or assisted with a constant ``k`` (state reset every call)."""
+    cfg = _hf_config(target, max_new_tokens, params)
+    kwargs = {}
+    if draft is not None:
+        saved = draft.model.generation_config
+        assistant = copy.deepcopy(saved)  # fresh schedule state: transformers keeps it across calls
+        assistant.num_assistant_tokens = k
+        assistant.num_assistant_tokens_schedule = "constant"
+        assistant.assistant_confidence_threshold = 0.0  # always draft k tokens, as ours does
+        draft.model.generation_config = assistant
+        kwargs["assistant_model"] = draft.model
+    ids = ids.to(target.device)
+    clock = Clock(target.device)
+    torch.manual_seed(seed)
+    try:
+        start = clock.now()
+        with torch.inference_mode():
+            out = target.model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=cfg, **kwargs)
+        seconds = clock.now() - start
+    finally:
+        if draft is not None:
+            draft.model.generation_config = saved
+    return out[0, ids.shape[1]:].tolist(), seconds
+
+
+def run_bench(target: LoadedModel, draft: LoadedModel, prompts: Sequence[str], warmup_prompt: str, k: int,
+              params: SamplingParams, max_new_tokens: int, seed: int, vocab_size: int | None = None,
+              engines: Sequence[str] = ENGINES, progress: Progress | None = None) -> BenchRun:
+    def once(engine: str, text: str, index: int) -> EngineRun:
+        ids = target.encode(text)
+        s = seed + index
+        if engine.startswith("hf-"):
+            tokens, seconds = hf_generate(target, ids, max_new_tokens, params, s, draft if engine == "hf-assisted" else None, k)
+            return EngineRun(engine, index, tokens, seconds)
+        gen = torch.Generator(device=target.device).manual_seed(s)
+        if engine == "ours-rsp":
+            out = generate_regular(target.model, ids, max_new_tokens, params, gen)
+        else:
+            out = generate_speculative(target.model, draft.model, ids, max_new_tokens, k, params, gen, vocab_size=vocab_size)
+        st = out.stats
+        return EngineRun(engine, index, out.tokens.tolist(), st.total_time_s, st.other_time_s, st.decode_time_s,
+                         st.acceptance_rate, 1000 * st.draft_time_s / st.draft_forwards if st.draft_forwards else float("nan"),
+                         1000 * st.target_time_s / st.target_forwards)
+
+    for engine in engines:
+        once(engine, warmup_prompt, -1)
+        if progress:
+            progress(f"warm-up {engine}")
+    runs = []
+    for index, text in enumerate(prompts):
+        for engine in engines:
+            runs.append(once(engine, text, index))
+            if progress:
+                progress(f"prompt {index + 1}/{len(prompts)} {engine}")
+    return summarize(k, runs, engines)
+
+
+def summarize(k: int, runs: list[EngineRun], engines: Sequence[str] = ENGINES) -> BenchRun:
+    bench = BenchRun(k, runs)
+    by = {e: [r for r in runs if r.engine == e] for e in engines}
+    for engine in engines:
+        rs = by[engine]
+        per = [r.ms_per_token for r in rs]
+        summary = EngineSummary(engine, 1000 * sum(r.seconds for r in rs) / sum(len(r.tokens) for r in rs),
+                                median(per), min(per), max(per))
+        rival = {"ours-rsp": "hf-generate", "ours-ssp": "hf-assisted"}.get(engine)
+        if rival in by:
+            ratios = [a.ms_per_token / b.ms_per_token for a, b in zip(rs, by[rival])]
+            summary.ratio_median, summary.ratio_min, summary.ratio_max = median(ratios), min(ratios), max(ratios)
+        bench.summaries.append(summary)
+    if "ours-ssp" in by:
+        ssp = by["ours-ssp"]
+        bench.ssp_overhead_share = sum(r.ssp_other_s for r in ssp) / sum(r.ssp_decode_s for r in ssp)
+        bench.acceptance_rate = median(r.acceptance_rate for r in ssp)
+        if "ours-rsp" in by:
+            bench.cost_ratio = median(r.draft_ms_per_forward for r in ssp) / median(r.target_ms_per_forward for r in by["ours-rsp"])
+    if "ours-rsp" in by:
+        reference = {r.prompt_index: r.tokens for r in by["ours-rsp"]}
+        for engine in engines:
+            same = [r.tokens == reference[r.prompt_index] for r in by[engine]]
+            bench.greedy_agreement[engine] = sum(same) / len(same)
+    return bench
+
+
+def copy_bandwidth(device: torch.device | str, megabytes: int = 1024, repeats: int = 5) -> float:
+    """Bytes per second of a large device-to-device copy (bytes read plus written)."""
+    device = torch.device(device)
+    n = megabytes * 2**20 // 4
+    src = torch.empty(n, dtype=torch.float32, device=device).fill_(1.0)
+    dst = torch.empty_like(src)
+    clock = Clock(device)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(repeats):
+        start = clock.now()
+        dst.copy_(src)
+        best = min(best, clock.now() - start)
+    return 2 * src.numel() * src.element_size() / best
