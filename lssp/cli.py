@@ -77,6 +77,12 @@ KOpt = Annotated[int, typer.Option("--k", help="Draft tokens per iteration.")]
 MaxNewOpt = Annotated[int, typer.Option(help="Tokens to generate per prompt.")]
 TopKOpt = Annotated[int, typer.Option(help="Keep the k most likely tokens (0: off).")]
 TopPOpt = Annotated[float, typer.Option(help="Nucleus sampling mass (1: off).")]
+TemperatureOpt = Annotated[float, typer.Option(help="0 is greedy.")]
+TargetArg = Annotated[Optional[str], typer.Argument(help="Target model (default: the registry's default_target).")]
+DraftArg = Annotated[Optional[str], typer.Argument(help="Draft model (default: the registry's default_draft).")]
+PromptsOpt = Annotated[Optional[Path], typer.Option(help="File with one prompt per line.")]
+JsonOpt = Annotated[Optional[Path], typer.Option("--json", help="Write the run's summary as JSON here.")]
+PlotOpt = Annotated[bool, typer.Option(help="Draw this run's charts into the results directory.")]
 
 
 def _params(temperature: float, top_k: int, top_p: float) -> SamplingParams:
@@ -167,19 +173,19 @@ def models_cmd(ctx: typer.Context) -> None:
 @app.command()
 def latency(
     ctx: typer.Context,
-    target: Annotated[Optional[str], typer.Argument(help="Target model (default: the registry's default_target).")] = None,
+    target: TargetArg = None,
     draft: Annotated[Optional[str], typer.Option(help="Draft model; times SSp (and RSp unless --no-baseline).")] = None,
     default_pair: Annotated[bool, typer.Option("--default-pair", help="Use the registry's default draft too.")] = False,
     k: Annotated[str, typer.Option("--k", help="Draft length, or a comma list to sweep: 2,4,8.")] = "4",
     max_new_tokens: MaxNewOpt = 64,
-    prompts: Annotated[Optional[Path], typer.Option(help="File with one prompt per line.")] = None,
+    prompts: PromptsOpt = None,
     nb_prompts: Annotated[Optional[int], typer.Option(help="Use only the first N prompts.")] = None,
-    temperature: Annotated[float, typer.Option(help="0 is greedy.")] = 0.0,
+    temperature: TemperatureOpt = 0.0,
     top_k: TopKOpt = 0,
     top_p: TopPOpt = 1.0,
     no_baseline: Annotated[bool, typer.Option("--no-baseline", help="Skip timing RSp.")] = False,
-    json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the run's summary as JSON here.")] = None,
-    plot: Annotated[bool, typer.Option(help="Draw this run's charts into the results directory.")] = False,
+    json_out: JsonOpt = None,
+    plot: PlotOpt = False,
 ) -> None:
     """ms/token of RSp and SSp on a fixed prompt list, measured side by side in one run."""
     from lssp.latency import run_latency
@@ -267,18 +273,18 @@ def _render_latency(run, t, d, params, n_prompts, max_new_tokens, env, run_id, r
 @app.command("eval")
 def eval_cmd(
     ctx: typer.Context,
-    target: Annotated[Optional[str], typer.Argument(help="Target model (default: the registry's default_target).")] = None,
+    target: TargetArg = None,
     draft: Annotated[Optional[str], typer.Option(help="Draft model: evaluate SSp.")] = None,
     both: Annotated[bool, typer.Option("--both", help="Evaluate RSp and SSp on the same prompts and compare.")] = False,
     nb_prompts: Annotated[int, typer.Option(help="Number of multiplication problems.")] = 1000,
     k: KOpt = 4,
     max_new_tokens: MaxNewOpt = 8,
-    temperature: Annotated[float, typer.Option(help="0 is greedy.")] = 1.0,
+    temperature: TemperatureOpt = 1.0,
     top_k: TopKOpt = 0,
     top_p: TopPOpt = 1.0,
     resume: Annotated[bool, typer.Option("--resume", help="Continue the newest interrupted run with the same settings.")] = False,
-    json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the run's summary as JSON here.")] = None,
-    plot: Annotated[bool, typer.Option(help="Draw this run's chart into the results directory.")] = False,
+    json_out: JsonOpt = None,
+    plot: PlotOpt = False,
 ) -> None:
     """Multiplication accuracy ("a * b = ", a and b uniform in 1..99) with 95% intervals."""
     from lssp.evals import run_eval
@@ -354,12 +360,12 @@ def eval_cmd(
 @app.command()
 def compare(
     ctx: typer.Context,
-    target: Annotated[Optional[str], typer.Argument(help="Target model (default: default_target).")] = None,
-    draft: Annotated[Optional[str], typer.Argument(help="Draft model (default: default_draft).")] = None,
+    target: TargetArg = None,
+    draft: DraftArg = None,
     prompt: Annotated[Optional[list[str]], typer.Option(help="Prompt(s); otherwise read from stdin or a > prompt.")] = None,
     k: KOpt = 4,
     max_new_tokens: MaxNewOpt = 64,
-    temperature: Annotated[float, typer.Option(help="0 is greedy.")] = 0.0,
+    temperature: TemperatureOpt = 0.0,
     top_k: TopKOpt = 0,
     top_p: TopPOpt = 1.0,
 ) -> None:
@@ -444,7 +450,7 @@ class _TokenStream:
 @app.command()
 def distill(
     ctx: typer.Context,
-    target: Annotated[Optional[str], typer.Argument(help="Target model (default: default_target).")] = None,
+    target: TargetArg = None,
     out: Annotated[Path, typer.Option(help="Output folder for the draft (and its checkpoints).")] = Path("drafts/draft"),
     hidden_size: Annotated[int, typer.Option(help="Draft width.")] = 256,
     layers: Annotated[int, typer.Option(help="Draft depth.")] = 4,
@@ -510,17 +516,17 @@ def distill(
 @app.command()
 def bench(
     ctx: typer.Context,
-    target: Annotated[Optional[str], typer.Argument(help="Target model (default: default_target).")] = None,
-    draft: Annotated[Optional[str], typer.Argument(help="Draft model (default: default_draft).")] = None,
+    target: TargetArg = None,
+    draft: DraftArg = None,
     k: KOpt = 4,
     max_new_tokens: MaxNewOpt = 64,
-    prompts: Annotated[Optional[Path], typer.Option(help="File with one prompt per line.")] = None,
+    prompts: PromptsOpt = None,
     nb_prompts: Annotated[Optional[int], typer.Option(help="Use only the first N prompts.")] = None,
-    temperature: Annotated[float, typer.Option(help="0 is greedy.")] = 0.0,
+    temperature: TemperatureOpt = 0.0,
     top_k: TopKOpt = 0,
     top_p: TopPOpt = 1.0,
     alpha: Annotated[Optional[str], typer.Option(help="Acceptance rates to predict the speedup for: 0.6,0.7,0.8.")] = None,
-    json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the run's summary as JSON here.")] = None,
+    json_out: JsonOpt = None,
 ) -> None:
     """Ours vs transformers: RSp vs generate(), SSp vs assisted generation, same prompts, one run."""
     from lssp.bench import copy_bandwidth, run_bench
@@ -610,9 +616,9 @@ def _parse_floats(name: str, text: str) -> list[float]:
 @app.command()
 def verify(
     ctx: typer.Context,
-    target: Annotated[Optional[str], typer.Argument(help="Target model (default: default_target).")] = None,
-    draft: Annotated[Optional[str], typer.Argument(help="Draft model (default: default_draft).")] = None,
-    prompts: Annotated[Optional[Path], typer.Option(help="File with one prompt per line.")] = None,
+    target: TargetArg = None,
+    draft: DraftArg = None,
+    prompts: PromptsOpt = None,
     nb_prompts: Annotated[int, typer.Option(help="Use the first N prompts.")] = 3,
     samples: Annotated[int, typer.Option(help="SSp runs per prompt (sampled mode).")] = 1000,
     depth: Annotated[int, typer.Option(help="Emitted positions checked per prompt (2+ exercises cache rollback).")] = 3,

@@ -36,6 +36,18 @@ def _filter(frame: pd.DataFrame, run_id: str | None, target: str | None, draft: 
     return frame
 
 
+def _finish(fig: Figure, ax, frame: pd.DataFrame, title: str, xlabel: str | None, ylabel: str, legend: bool = False) -> Figure:
+    ax.set_title(title)
+    if xlabel:
+        ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    if legend:
+        ax.legend(fontsize=7)
+    _caption(fig, frame)
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    return fig
+
+
 def _latest_run_per_pair(frame: pd.DataFrame) -> pd.DataFrame:
     """The newest run for each (target, draft) pair; a run's pair is its SSp draft, if any."""
     pairs = frame.groupby("run_id").agg(target=("target", "first"), draft=("draft", lambda d: ",".join(sorted(set(d.dropna()) - {""}))),
@@ -59,11 +71,8 @@ def latency_figure(frame: pd.DataFrame) -> Figure:
     fig, ax = plt.subplots(figsize=(max(5, 1.2 * len(labels)), 4.2))
     ax.bar(range(len(values)), values, yerr=[low, high], capsize=4, color=colours)
     ax.set_xticks(range(len(values)), labels, fontsize=7)
-    ax.set_ylabel("decode time per token (ms)")
-    ax.set_title("RSp vs SSp latency (bars: all prompts; whiskers: per-prompt min–max)")
-    _caption(fig, frame)
-    fig.tight_layout(rect=(0, 0.04, 1, 1))
-    return fig
+    return _finish(fig, ax, frame, "RSp vs SSp latency (bars: all prompts; whiskers: per-prompt min–max)", None,
+                   "decode time per token (ms)")
 
 
 def speedup_figure(frame: pd.DataFrame) -> Figure:
@@ -81,13 +90,7 @@ def speedup_figure(frame: pd.DataFrame) -> Figure:
         ax.plot(ks, [predicted_speedup(alpha, int(k), c) for k in ks], "--",
                 label=f"{label}: model, α={alpha:.2f}, c={c:.2f}")
     ax.axhline(1.0, color="0.6", lw=0.8)
-    ax.set_xlabel("draft length K (tokens)")
-    ax.set_ylabel("speedup over RSp (×)")
-    ax.set_title("SSp speedup against K")
-    ax.legend(fontsize=7)
-    _caption(fig, frame)
-    fig.tight_layout(rect=(0, 0.04, 1, 1))
-    return fig
+    return _finish(fig, ax, frame, "SSp speedup against K", "draft length K (tokens)", "speedup over RSp (×)", legend=True)
 
 
 def acceptance_figure(frame: pd.DataFrame) -> Figure:
@@ -100,14 +103,9 @@ def acceptance_figure(frame: pd.DataFrame) -> Figure:
         rates = [float(x) for x in str(r["acceptance_by_position"]).split(";") if x not in ("", "nan")]
         ax.bar(np.arange(1, len(rates) + 1) + (i - (len(ssp) - 1) / 2) * width, rates, width,
                label=f"{r['target']} + {r['draft']}, K={int(r['k'])}")
-    ax.set_xlabel("draft position")
-    ax.set_ylabel("acceptance rate (given the earlier drafts were accepted)")
     ax.set_ylim(0, 1)
-    ax.set_title("Acceptance by draft position")
-    ax.legend(fontsize=7)
-    _caption(fig, frame)
-    fig.tight_layout(rect=(0, 0.04, 1, 1))
-    return fig
+    return _finish(fig, ax, frame, "Acceptance by draft position", "draft position",
+                   "acceptance rate (given the earlier drafts were accepted)", legend=True)
 
 
 def eval_figure(frame: pd.DataFrame) -> Figure:
@@ -121,11 +119,7 @@ def eval_figure(frame: pd.DataFrame) -> Figure:
     ax.bar(range(len(rates)), rates, yerr=err, capsize=5,
            color=["tab:gray" if m == "rsp" else "tab:green" for m in frame["mode"]])
     ax.set_xticks(range(len(rates)), labels, fontsize=7)
-    ax.set_ylabel("multiplications correct (%)")
-    ax.set_title("Eval success rate with 95% Wald intervals")
-    _caption(fig, frame)
-    fig.tight_layout(rect=(0, 0.04, 1, 1))
-    return fig
+    return _finish(fig, ax, frame, "Eval success rate with 95% Wald intervals", None, "multiplications correct (%)")
 
 
 def plot_results(results_dir: Path, out_dir: Path | None = None, run_id: str | None = None, target: str | None = None,
