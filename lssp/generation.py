@@ -157,8 +157,8 @@ def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """norm(max(0, p - q)): the law of the token that replaces a rejected draft."""
     residual = (p - q).clamp_(min=0)
     total = residual.sum()
-    # p == q up to rounding leaves no residual mass; p itself is then the right law.
-    return residual / total if total > 0 else p
+    # p == q up to rounding leaves no residual mass; p itself is then the right law (no host sync).
+    return torch.where(total > 0, residual / total.clamp_min(torch.finfo(p.dtype).tiny), p)
 
 
 @torch.inference_mode()
@@ -171,35 +171,45 @@ def generate_regular(
     stopping: Stopping = NO_STOP,
     on_tokens: TokenCallback | None = None,
 ) -> GenerationOutput:
-    """Sample ``max_new_tokens`` tokens from ``model``: prefill once, then one token per forward."""
+    """Sample ``max_new_tokens`` tokens from ``model``: prefill once, then one token per forward.
+
+    Tokens stay on the device unless a stop condition or a callback needs them on the host,
+    so a GPU never waits for the CPU between steps.
+    """
     device = _device(model)
     clock = Clock(device)
     stats = GenerationStats(mode="rsp")
+    host_needed = bool(on_tokens or stopping.token_ids or stopping.strings)
     seq = input_ids.to(device)
+    out = torch.empty(max_new_tokens, dtype=torch.long, device=device)
     tokens: list[int] = []
     stopped = False
     start = clock.now()
     kv = _prefill(model, seq)
     stats.prefill_time_s = clock.now() - start
-    while len(tokens) < max_new_tokens:
+    next_ids = seq[:, -1:]
+    n = 0
+    while n < max_new_tokens:
         t0 = clock.now()
-        logits = forward_logits(model, seq[:, kv.get_seq_length():], kv, 1)
+        logits = forward_logits(model, next_ids, kv, 1)
         stats.target_time_s += clock.now() - t0
         stats.target_forwards += 1
         token = sample(warp(logits, params), params, generator)
-        seq = torch.cat([seq, token.view(1, 1).to(device)], dim=1)
-        tokens.append(int(token))
-        if len(tokens) == 1:
+        out[n] = token[0]
+        next_ids = token.view(1, 1)
+        n += 1
+        if n == 1:
             stats.ttft_s = clock.now() - start
-        if on_tokens:
-            on_tokens(tokens[-1:], [False])
-        keep = stopping.cut(tokens, len(tokens) - 1)
-        if keep is not None:
-            stopped = True
-            break
+        if host_needed:
+            tokens.append(int(token))
+            if on_tokens:
+                on_tokens(tokens[-1:], [False])
+            if stopping.cut(tokens, n - 1) is not None:
+                stopped = True
+                break
     stats.total_time_s = clock.now() - start
-    stats.new_tokens = len(tokens)
-    return GenerationOutput(torch.tensor(tokens, dtype=torch.long), stats, stopped)
+    stats.new_tokens = n
+    return GenerationOutput(out[:n].cpu(), stats, stopped)
 
 
 @torch.inference_mode()
@@ -263,10 +273,11 @@ def generate_speculative(
         extra = sample(last, params, generator)
 
         # 4. Emit, then roll both caches back to what is still valid.
-        new = drafts[:n].tolist() + [int(extra)]
+        emitted = torch.cat([drafts[:n], extra.view(1)])
         target_kv.crop(-(k_now - n))
         draft_kv.crop(-max(0, k_now - 1 - n))
-        seq = torch.cat([seq, torch.tensor([new], device=device)], dim=1)
+        seq = torch.cat([seq, emitted.view(1, -1)], dim=1)
+        new = emitted.tolist()
         stats.drafted += k_now
         stats.accepted += n
         for i in range(k_now):
@@ -282,8 +293,8 @@ def generate_speculative(
         if first_new == 0:
             stats.ttft_s = clock.now() - start
         if on_tokens and len(tokens) > first_new:
-            emitted = tokens[first_new:]
-            on_tokens(emitted, [i < n for i in range(len(emitted))])
+            shown = tokens[first_new:]
+            on_tokens(shown, [i < n for i in range(len(shown))])
     stats.total_time_s = clock.now() - start
     stats.new_tokens = len(tokens)
     return GenerationOutput(torch.tensor(tokens, dtype=torch.long), stats, stopped)
