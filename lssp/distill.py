@@ -54,6 +54,7 @@ class DistillReport:
     train_seconds: float = 0.0
     final_loss: float = float("nan")
     loss_curve: list[tuple[int, int, float]] = field(default_factory=list)  # (step, tokens seen, loss)
+    agreement_curve: list[tuple[int, int, float]] = field(default_factory=list)  # (step, tokens seen, held-out top-1)
     acceptance: dict[str, float] = field(default_factory=dict)
     parameters: int = 0
 
@@ -200,7 +201,7 @@ def _loss(draft: LlamaForCausalLM, batch: list[dict[str, torch.Tensor]], cfg: Di
         cols.append(torch.arange(e["start"], e["start"] + n))
         top_ids.append(e["top_ids"])
         top_lp.append(e["top_lp"])
-        hard.append(e["ids"][e["start"] + 1: e["start"] + 1 + n])
+        hard.append(e["top_ids"][:, 0])  # the target's own argmax: what greedy acceptance needs
     h = hidden[torch.cat(rows), torch.cat(cols)]
     logq = draft.lm_head(h).float().log_softmax(-1)
     top_ids_t, p = torch.cat(top_ids), torch.cat(top_lp).exp()
@@ -209,12 +210,37 @@ def _loss(draft: LlamaForCausalLM, batch: list[dict[str, torch.Tensor]], cfg: Di
     return (1 - cfg.hard_weight) * soft + cfg.hard_weight * hard_loss
 
 
+@torch.no_grad()
+def top1_agreement(draft: LlamaForCausalLM, examples: list[dict[str, torch.Tensor]], batch_size: int = 16) -> float:
+    """Share of positions where the draft's argmax is the target's (teacher-forced): a cheap proxy for greedy α."""
+    was_training = draft.training
+    draft.eval()
+    hits = total = 0
+    for i in range(0, len(examples), batch_size):
+        batch = examples[i: i + batch_size]
+        width = max(len(e["ids"]) for e in batch)
+        ids = torch.zeros(len(batch), width, dtype=torch.long)
+        for r, e in enumerate(batch):
+            ids[r, : len(e["ids"])] = e["ids"]
+        logits = draft(input_ids=ids).logits
+        for r, e in enumerate(batch):
+            n = len(e["top_ids"])
+            guess = logits[r, e["start"]: e["start"] + n].argmax(-1)
+            hits += int((guess == e["top_ids"][:, 0]).sum())
+            total += n
+    draft.train(was_training)
+    return hits / total if total else float("nan")
+
+
 def train(target: PreTrainedModel, out: Path, cfg: DistillConfig, report: DistillReport,
           progress: Progress | None = None) -> LlamaForCausalLM:
     """Train (or resume training) the draft on the collected shards."""
     examples = _examples(out, cfg)
     if not examples:
         raise UserError(f"no training data in {out / 'data'}")
+    # Hold out ~2% of the sequences (at most 64) to measure top-1 agreement as training goes.
+    held = min(64, len(examples) // 50)
+    examples, held_out = (examples[:-held], examples[-held:]) if held else (examples, [])
     ckpt_path = out / "checkpoint.pt"
     draft = init_draft(target, cfg)
     opt = torch.optim.AdamW(draft.parameters(), lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.98))
@@ -228,6 +254,7 @@ def train(target: PreTrainedModel, out: Path, cfg: DistillConfig, report: Distil
         opt.load_state_dict(state["optimizer"])
         step, seconds, seen = state["step"], state["seconds"], state["seen"]
         report.loss_curve = [tuple(x) for x in state["loss_curve"]]
+        report.agreement_curve = [tuple(x) for x in state.get("agreement_curve", [])]
     generator = torch.Generator().manual_seed(cfg.seed)
     draft.train()
     recent: list[float] = []
@@ -238,7 +265,8 @@ def train(target: PreTrainedModel, out: Path, cfg: DistillConfig, report: Distil
         pick = torch.randint(len(examples), (cfg.batch_size,), generator=generator).tolist()
         batch = [examples[i] for i in pick]
         warmup = min(1.0, (step + 1) / 50)
-        decay = 0.5 * (1 + math.cos(math.pi * min(1.0, step / total_steps)))
+        done = max(step / total_steps, seconds / (cfg.train_minutes * 60))  # whichever budget ends first
+        decay = 0.5 * (1 + math.cos(math.pi * min(1.0, done)))
         for group in opt.param_groups:
             group["lr"] = cfg.lr * warmup * (0.1 + 0.9 * decay)
         loss = _loss(draft, batch, cfg)
@@ -253,15 +281,20 @@ def train(target: PreTrainedModel, out: Path, cfg: DistillConfig, report: Distil
         if step % 25 == 0 or step == total_steps:
             report.loss_curve.append((step, seen, sum(recent) / len(recent)))
             recent.clear()
+            if held_out and (step % 200 == 0 or step == total_steps):
+                report.agreement_curve.append((step, seen, top1_agreement(draft, held_out)))
             if progress:
+                agree = f", held-out top-1 {report.agreement_curve[-1][2]:.3f}" if report.agreement_curve else ""
                 progress("train", min(step / total_steps, seconds / (cfg.train_minutes * 60)),
-                         f"step {step}, loss {report.loss_curve[-1][2]:.3f}, {seen / tokens_per_epoch:.2f} epochs")
+                         f"step {step}, loss {report.loss_curve[-1][2]:.3f}, {seen / tokens_per_epoch:.2f} epochs{agree}")
         if time.perf_counter() - last_save > 120 or step == total_steps:
             _save_checkpoint(ckpt_path, draft, opt, step, seconds, seen, report)
             last_save = time.perf_counter()
     _save_checkpoint(ckpt_path, draft, opt, step, seconds, seen, report)
     report.steps, report.train_seconds = step, seconds
     report.final_loss = report.loss_curve[-1][2] if report.loss_curve else float("nan")
+    if held_out:
+        report.agreement_curve.append((step, seen, top1_agreement(draft, held_out)))
     draft.eval()
     return draft
 
@@ -270,7 +303,7 @@ def _save_checkpoint(path: Path, draft: LlamaForCausalLM, opt: torch.optim.Optim
                      seen: int, report: DistillReport) -> None:
     tmp = path.with_suffix(".tmp")
     torch.save({"model": draft.state_dict(), "optimizer": opt.state_dict(), "step": step, "seconds": seconds,
-                "seen": seen, "loss_curve": report.loss_curve}, tmp)
+                "seen": seen, "loss_curve": report.loss_curve, "agreement_curve": report.agreement_curve}, tmp)
     tmp.replace(path)
 
 
@@ -282,6 +315,7 @@ def write_draft(draft: LlamaForCausalLM, tokenizer: PreTrainedTokenizerBase, out
     (out / "distill_report.json").write_text(json.dumps(asdict(report), indent=1))
     curve = "\n".join(f"| {s} | {t} | {loss:.3f} |" for s, t, loss in report.loss_curve[:: max(1, len(report.loss_curve) // 12)])
     accept = "\n".join(f"| {k} | {v:.3f} |" for k, v in report.acceptance.items())
+    agreement = "\n".join(f"| {s} | {t} | {a:.3f} |" for s, t, a in report.agreement_curve)
     (out / "README.md").write_text(f"""# Draft for {report.target}, made by `llamassp distill`
 
 A {draft.config.num_hidden_layers}-layer Llama (hidden {draft.config.hidden_size}, {report.parameters / 1e6:.1f}M parameters,
@@ -304,4 +338,9 @@ Made with: `{command}`
 | step | target tokens seen | loss |
 |---|---|---|
 {curve}
+
+## Held-out top-1 agreement (teacher-forced, a proxy for greedy acceptance)
+| step | target tokens seen | agreement |
+|---|---|---|
+{agreement}
 """)

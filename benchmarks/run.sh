@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The project's benchmark: writes to results/ (CSV rows, Markdown tables, JSON, charts).
+# On any machine: the default pair (SmolLM2-135M + shipped draft) - latency sweep greedy and at
+# T=0.7, our engines against transformers', losslessness checks and the multiplication eval.
+# On a CUDA machine also: random-init Llama-2-7B-shaped target with a 1B-shaped draft (timing only).
+# Usage: benchmarks/run.sh [quick]   ("quick" cuts prompts and samples for a smoke run)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1}
+OUT=${RESULTS_DIR:-results}
+L=(--results-dir "$OUT")
+
+if [ "${1:-}" = "quick" ]; then
+    N=(--nb-prompts 2); SAMPLES=(--samples 100); EVALN=(--nb-prompts 10)
+else
+    N=(); SAMPLES=(); EVALN=(--nb-prompts 200)
+fi
+
+# 1. Latency on the default pair: greedy K sweep, then sampling at T=0.7.
+$PY llamassp.py "${L[@]}" latency --k 2,3,4,6 "${N[@]}" --json "$OUT/latency-default-greedy.json"
+$PY llamassp.py "${L[@]}" latency --k 3 --temperature 0.7 "${N[@]}" --json "$OUT/latency-default-t0.7.json"
+
+# 2. Ours vs transformers (greedy, K=3).
+$PY llamassp.py "${L[@]}" bench --k 3 "${N[@]}" --alpha 0.5,0.6,0.7,0.8 --json "$OUT/bench-default.json"
+
+# 3. Quality: RSp vs SSp on the same multiplication problems, and the losslessness checks.
+$PY llamassp.py "${L[@]}" eval --both "${EVALN[@]}" --json "$OUT/eval-default.json"
+$PY llamassp.py "${L[@]}" verify --temperature 1.0 "${SAMPLES[@]}" --json "$OUT/verify-default-t1.0.json" || true
+$PY llamassp.py "${L[@]}" verify --temperature 0.7 --top-k 50 "${SAMPLES[@]}" --json "$OUT/verify-default-t0.7-topk50.json" || true
+$PY llamassp.py "${L[@]}" verify --temperature 0 --json "$OUT/verify-default-greedy.json" || true
+
+# 4. GPU only: hardware side of SSp with random weights in real shapes.
+if $PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    $PY llamassp.py "${L[@]}" bench llama-2-7b-random llama-2-1b-random --k 4 "${N[@]}" --alpha 0.6,0.7,0.8 \
+        --json "$OUT/bench-gpu-llama2-7b-random.json"
+fi
+
+$PY llamassp.py "${L[@]}" plot
