@@ -105,24 +105,28 @@ class Stopping:
 NO_STOP = Stopping()
 
 
+def _device(model: PreTrainedModel) -> torch.device:
+    return model.get_input_embeddings().weight.device
+
+
 @cache
 def _accepts_logits_to_keep(model_class: type) -> bool:
     return "logits_to_keep" in inspect.signature(model_class.forward).parameters
 
 
 def forward_logits(model: PreTrainedModel, ids: torch.Tensor, kv: DynamicCache, last: int) -> torch.Tensor:
-    """Logits of the ``last`` final positions, shape (last, vocab), extending ``kv``."""
+    """Logits of the ``last`` final positions, shape (last, vocab), extending ``kv``.
+
+    They are returned on the device of the input embeddings, where sampling happens, also
+    when accelerate has split the model over several GPUs.
+    """
     kwargs = {"logits_to_keep": last} if _accepts_logits_to_keep(type(model)) else {}
     out = model(input_ids=ids, past_key_values=kv, use_cache=True, **kwargs)
-    return out.logits[0, -last:]
+    return out.logits[0, -last:].to(_device(model))
 
 
 def new_cache(model: PreTrainedModel) -> DynamicCache:
     return DynamicCache(config=model.config)
-
-
-def _device(model: PreTrainedModel) -> torch.device:
-    return model.get_input_embeddings().weight.device
 
 
 def _prefill(model: PreTrainedModel, seq: torch.Tensor) -> DynamicCache:
