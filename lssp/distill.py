@@ -32,7 +32,7 @@ class DistillConfig:
     data_tokens: int = 100_000  # target-generated tokens to collect
     batch_prompts: int = 16
     new_tokens: int = 96  # tokens generated per prompt
-    temperatures: tuple[float, ...] = (0.0, 0.7, 1.0)
+    temperatures: tuple[float, ...] = (0.0, 0.7, 0.0, 1.0)  # cycled per batch: half greedy
     top_k_saved: int = 32
     train_minutes: float = 10.0
     max_steps: int = 0  # 0: until train_minutes run out
