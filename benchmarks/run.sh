@@ -12,9 +12,9 @@ OUT=${RESULTS_DIR:-results}
 L=(--results-dir "$OUT")
 
 if [ "${1:-}" = "quick" ]; then
-    N=(--nb-prompts 2); SAMPLES=(--samples 100); EVALN=(--nb-prompts 10)
+    N=(--nb-prompts 2); SAMPLES=(--samples 100 --depth 2); EVALN=(--nb-prompts 10)
 else
-    N=(); SAMPLES=(); EVALN=(--nb-prompts 200)
+    N=(); SAMPLES=(--samples 600 --depth 2); EVALN=(--nb-prompts 200)
 fi
 
 # 1. Latency on the default pair: greedy K sweep, then sampling at T=0.7.
