@@ -463,6 +463,7 @@ def distill(
     max_steps: Annotated[int, typer.Option(help="Stop after this many steps (0: time budget only).")] = 0,
     epochs: Annotated[float, typer.Option(help="Passes over the data at most.")] = 4.0,
     lr: Annotated[float, typer.Option(help="Peak learning rate.")] = 3e-3,
+    hard_weight: Annotated[float, typer.Option(help="Weight of cross-entropy on the target's argmax (rest: soft top-k).")] = 0.3,
     data_dir: Annotated[Optional[Path], typer.Option(help="Where collected data and checkpoints go (default: OUT/work).")] = None,
 ) -> None:
     """Make a small Llama draft for TARGET from its own continuations (resumable)."""
@@ -483,7 +484,8 @@ def distill(
         raise UserError(f"model {t.name!r} has no tokenizer to share with a draft")
     cfg = dst.DistillConfig(hidden_size=hidden_size, layers=layers, heads=heads, intermediate_size=intermediate_size,
                             data_tokens=data_tokens, batch_prompts=batch_prompts, new_tokens=new_tokens,
-                            train_minutes=train_minutes, max_steps=max_steps, epochs=epochs, lr=lr, seed=s.seed)
+                            train_minutes=train_minutes, max_steps=max_steps, epochs=epochs, lr=lr,
+                            hard_weight=hard_weight, seed=s.seed)
     work = data_dir or out / "work"
     work.mkdir(parents=True, exist_ok=True)
     rep = dst.DistillReport(target=t.name, config=asdict(cfg))

@@ -39,7 +39,7 @@ class DistillConfig:
     epochs: float = 4.0
     batch_size: int = 16
     lr: float = 3e-3
-    hard_weight: float = 0.2
+    hard_weight: float = 0.3
     seed: int = 0
     max_seq_len: int = 160
 
@@ -326,7 +326,7 @@ Made with: `{command}`
 - data: {report.data_tokens} tokens of the target's own continuations (collected in {report.collect_seconds / 60:.1f} min),
   with the target's top-{report.config['top_k_saved']} log-probabilities at every position
 - training: {report.steps} steps in {report.train_seconds / 60:.1f} min; loss = soft cross-entropy to the target's
-  top-k distribution + {report.config['hard_weight']} x cross-entropy on the sampled token; final loss {report.final_loss:.3f}
+  top-k distribution + {report.config['hard_weight']} x cross-entropy on the target's argmax; final loss {report.final_loss:.3f}
 - prompts: written by `lssp/distill_data.py`; none of the `latency`, `compare` or `eval` prompts
 
 ## Measured acceptance (greedy, held-out prompts)
