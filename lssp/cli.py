@@ -228,11 +228,11 @@ def latency(
     (s.results_dir / f"latency-{run_id}.md").write_text(md)
     if json_out:
         report.write_json(json_out, report.json_safe([{
-            "mode": r["mode"], "target": r["target"], "draft": r["draft"] or None, "k": r["k"],
-            "ms_per_token": r["ms_per_token"], "ttft_ms": r["ttft_ms"], "acceptance_rate": r["acceptance_rate"],
-            "mean_accepted": r["mean_accepted"], "speedup": r["speedup"], "ms_per_token_median": r["ms_per_token_median"],
-            "acceptance_by_position": [round(x, 4) for x in next(m for m in run.summaries if (m.mode, m.k) == (r["mode"], r["k"])).acceptance_by_position],
-            "run_id": run_id, "device": env["device"]} for r in rows]))
+            "mode": m.mode, "target": t.name, "draft": r["draft"] or None, "k": m.k, "ms_per_token": m.ms_per_token,
+            "ttft_ms": m.ttft_ms, "acceptance_rate": m.acceptance_rate, "mean_accepted": m.mean_accepted,
+            "speedup": m.speedup, "ms_per_token_median": m.ms_per_token_median,
+            "acceptance_by_position": [round(x, 4) for x in m.acceptance_by_position], "run_id": run_id,
+            "device": env["device"]} for m, r in zip(run.summaries, rows)]))
     _render_latency(run, t, d, params, len(prompt_list), max_new_tokens, env, run_id, s.results_dir)
     if plot:
         _plot(s, run_id=run_id, kinds=("latency",))
