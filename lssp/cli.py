@@ -740,16 +740,14 @@ def main(argv: list[str] | None = None) -> int:
         console.print("\n[dim]interrupted[/dim]")
         return 130
     except Exception as exc:  # noqa: BLE001 - classify, then one line
-        import click
-
-        if isinstance(exc, click.ClickException):
+        if hasattr(exc, "show") and hasattr(exc, "exit_code"):  # a usage error (typer vendors click's)
             exc.show()
             return exc.exit_code
         if type(exc).__name__ == "OutOfMemoryError":
             return _fail("CUDA out of memory: try an 8bit/4bit entry, more GPUs (gpus: N), or fewer --max-new-tokens", verbose)
         if verbose:
             raise
-        return _fail(f"{type(exc).__name__}: {exc} (run with -v for the traceback)", True)
+        return _fail(f"{type(exc).__name__}: {exc} (run with -v for the traceback)", False)
     return 0
 
 

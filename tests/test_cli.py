@@ -143,6 +143,11 @@ def test_bad_input_gives_one_line_and_nonzero_exit(run, args, message):
     assert len([line for line in err.splitlines() if line.strip()]) <= 2  # one message (rich may wrap it once)
 
 
+def test_unknown_option_is_a_usage_error_not_a_traceback(run):
+    code, out, err = run("latency", "--bogus")
+    assert code == 2 and "No such option: --bogus" in err and "Traceback" not in err + out
+
+
 def test_malformed_registry_is_one_line(run, tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("models:\n  a:\n    path: x\n    colour: red\n")
