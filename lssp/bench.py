@@ -16,6 +16,7 @@ import torch
 from lssp.generation import generate_regular, generate_speculative
 from lssp.loading import LoadedModel
 from lssp.sampling import SamplingParams
+from lssp.stats import alpha_estimate
 from lssp.timing import Clock
 
 ENGINES = ("ours-rsp", "hf-generate", "ours-ssp", "hf-assisted")
@@ -31,6 +32,8 @@ class EngineRun:
     ssp_other_s: float = float("nan")  # ours-ssp: decode time outside both models' forwards
     ssp_decode_s: float = float("nan")
     acceptance_rate: float = float("nan")
+    accepted: int = 0
+    rejections: int = 0
     draft_ms_per_forward: float = float("nan")
     target_ms_per_forward: float = float("nan")
 
@@ -57,7 +60,8 @@ class BenchRun:
     runs: list[EngineRun]
     summaries: list[EngineSummary] = field(default_factory=list)
     ssp_overhead_share: float = float("nan")
-    acceptance_rate: float = float("nan")
+    acceptance_rate: float = float("nan")  # accepted / drafted, median over prompts
+    alpha: float = float("nan")  # per-token acceptance of the i.i.d. model, all prompts
     cost_ratio: float = float("nan")  # c = draft ms/forward ÷ target ms per 1-token forward
     greedy_agreement: dict[str, float] = field(default_factory=dict)  # share of prompts equal to ours-rsp
 
@@ -116,7 +120,8 @@ def run_bench(target: LoadedModel, draft: LoadedModel, prompts: Sequence[str], w
             out = generate_speculative(target.model, draft.model, ids, max_new_tokens, k, params, gen, vocab_size=vocab_size)
         st = out.stats
         return EngineRun(engine, index, out.tokens.tolist(), st.total_time_s, st.other_time_s, st.decode_time_s,
-                         st.acceptance_rate, 1000 * st.draft_time_s / st.draft_forwards if st.draft_forwards else float("nan"),
+                         st.acceptance_rate, st.accepted, st.rejections,
+                         1000 * st.draft_time_s / st.draft_forwards if st.draft_forwards else float("nan"),
                          1000 * st.target_time_s / st.target_forwards)
 
     for engine in engines:
@@ -149,6 +154,7 @@ def summarize(k: int, runs: list[EngineRun], engines: Sequence[str] = ENGINES) -
         ssp = by["ours-ssp"]
         bench.ssp_overhead_share = sum(r.ssp_other_s for r in ssp) / sum(r.ssp_decode_s for r in ssp)
         bench.acceptance_rate = median(r.acceptance_rate for r in ssp)
+        bench.alpha = alpha_estimate(sum(r.accepted for r in ssp), sum(r.rejections for r in ssp))
         if "ours-rsp" in by:
             bench.cost_ratio = median(r.draft_ms_per_forward for r in ssp) / median(r.target_ms_per_forward for r in by["ours-rsp"])
     if "ours-rsp" in by:

@@ -221,7 +221,7 @@ def latency(
          "acceptance_rate": p.stats.acceptance_rate, "target": t.name, "draft": d.name if d else ""}
         for p in run.timings])
     md_cols = ["mode", "k", "ms_per_token", "ms_per_token_median", "ms_per_token_min", "ms_per_token_max", "ttft_ms",
-               "acceptance_rate", "mean_accepted", "speedup"]
+               "acceptance_rate", "alpha", "mean_accepted", "speedup"]
     md = (f"# latency run {run_id}\n\ntarget `{t.name}` ({t.precision}), draft `{d.name if d else '-'}`, "
           f"{len(prompt_list)} prompts x {max_new_tokens} new tokens, {params}\n\n{env['device']}, torch {env['torch']}, "
           f"transformers {env['transformers']}, commit {env['git_commit']}\n\n" + report.markdown_table(rows, md_cols))
@@ -229,7 +229,7 @@ def latency(
     if json_out:
         report.write_json(json_out, report.json_safe([{
             "mode": m.mode, "target": t.name, "draft": r["draft"] or None, "k": m.k, "ms_per_token": m.ms_per_token,
-            "ttft_ms": m.ttft_ms, "acceptance_rate": m.acceptance_rate, "mean_accepted": m.mean_accepted,
+            "ttft_ms": m.ttft_ms, "acceptance_rate": m.acceptance_rate, "alpha": m.alpha, "mean_accepted": m.mean_accepted,
             "speedup": m.speedup, "ms_per_token_median": m.ms_per_token_median,
             "acceptance_by_position": [round(x, 4) for x in m.acceptance_by_position], "run_id": run_id,
             "device": env["device"]} for m, r in zip(run.summaries, rows)]))
@@ -243,7 +243,7 @@ def _render_latency(run, t, d, params, n_prompts, max_new_tokens, env, run_id, r
                   f" — {n_prompts} prompts × {max_new_tokens} tokens, T={params.temperature:g}"
                   + (f", top-k {params.top_k}" if params.top_k else "") + (f", top-p {params.top_p:g}" if params.top_p < 1 else ""))
     for col, justify in [("mode", "left"), ("K", "right"), ("ms/token", "right"), ("median \\[min–max]", "right"),
-                         ("TTFT ms", "right"), ("accept", "right"), ("tokens/fwd", "right"),
+                         ("TTFT ms", "right"), ("accepted/drafted", "right"), ("α", "right"), ("tokens/fwd", "right"),
                          ("draft/target/other", "right"), ("speedup", "right")]:
         table.add_column(col, justify=justify)
     for m in run.summaries:
@@ -252,13 +252,13 @@ def _render_latency(run, t, d, params, n_prompts, max_new_tokens, env, run_id, r
             m.mode.upper() + (" ★" if m.best and len([x for x in run.summaries if x.mode == "ssp"]) > 1 else ""),
             str(m.k) if m.mode == "ssp" else "–", f"{m.ms_per_token:.1f}",
             f"{m.ms_per_token_median:.1f} [{m.ms_per_token_min:.1f}–{m.ms_per_token_max:.1f}]", f"{m.ttft_ms:.0f}",
-            _fmt(m.acceptance_rate, 0, pct=True), _fmt(m.mean_accepted, 2), split,
+            _fmt(m.acceptance_rate, 0, pct=True), _fmt(m.alpha, 2), _fmt(m.mean_accepted, 2), split,
             Text(f"{m.speedup:.2f}×", style="bold green" if m.speedup > 1 else "bold red") if not math.isnan(m.speedup) else "–",
             style="bold" if m.best else None)
     console.print(table)
     for m in run.summaries:
         if m.mode == "ssp":
-            console.print(f"  acceptance by draft position (K={m.k}): " +
+            console.print(f"  share of iterations accepting draft i (K={m.k}): " +
                           " ".join(f"{i + 1}:{_fmt(x, 0, pct=True)}" for i, x in enumerate(m.acceptance_by_position)))
     c = run.cost_ratio
     if not math.isnan(c):
@@ -553,13 +553,14 @@ def bench(
     env = report.environment(t.device)
     by = {x.engine: x for x in run.summaries}
     measured_speedup = by["ours-rsp"].ms_per_token / by["ours-ssp"].ms_per_token
-    predicted = predicted_speedup(run.acceptance_rate, k, run.cost_ratio)
+    predicted = predicted_speedup(run.alpha, k, run.cost_ratio)
     rows = [{"timestamp": report.timestamp(), "run_id": run_id, "engine": x.engine, "target": t.name, "draft": d.name, "k": k,
              **params.as_dict(), "max_new_tokens": max_new_tokens, "prompts": len(prompt_list),
              "ms_per_token": x.ms_per_token, "ms_per_token_median": x.ms_per_token_median, "ms_per_token_min": x.ms_per_token_min,
              "ms_per_token_max": x.ms_per_token_max, "ours_over_hf_median": x.ratio_median, "ours_over_hf_min": x.ratio_min,
              "ours_over_hf_max": x.ratio_max, "greedy_agreement": run.greedy_agreement.get(x.engine, float("nan")),
-             "ssp_overhead_share": run.ssp_overhead_share, "acceptance_rate": run.acceptance_rate, "cost_ratio": run.cost_ratio,
+             "ssp_overhead_share": run.ssp_overhead_share, "acceptance_rate": run.acceptance_rate, "alpha": run.alpha,
+             "cost_ratio": run.cost_ratio,
              "ssp_speedup_measured": measured_speedup, "ssp_speedup_predicted": predicted,
              "target_weight_bytes": t.weight_bytes, "copy_bandwidth_gbs": bandwidth / 1e9, "bandwidth_floor_ms": floor_ms,
              "target_precision": t.precision, "draft_precision": d.precision, **env} for x in run.summaries]
@@ -570,7 +571,7 @@ def bench(
         f"# bench run {run_id}\n\ntarget `{t.name}` ({t.precision}), draft `{d.name}`, K={k}, {len(prompt_list)} prompts x "
         f"{max_new_tokens} tokens, {params}\n\n{env['device']}, torch {env['torch']}, transformers {env['transformers']}, "
         f"commit {env['git_commit']}\n\n" + report.markdown_table(rows, md_cols) +
-        f"\nour SSp overhead outside forwards: {run.ssp_overhead_share:.1%} of decode time; acceptance {run.acceptance_rate:.3f}; "
+        f"\nour SSp overhead outside forwards: {run.ssp_overhead_share:.1%} of decode time; α {run.alpha:.3f}; "
         f"c = {run.cost_ratio:.3f}; SSp speedup measured {measured_speedup:.2f}x, predicted {predicted:.2f}x\n\n"
         f"target weights {t.weight_bytes / 1e6:.0f} MB, copy bandwidth {bandwidth / 1e9:.1f} GB/s, floor {floor_ms:.2f} ms/token, "
         f"ours-rsp {by['ours-rsp'].ms_per_token / floor_ms:.2f}x the floor\n")
@@ -585,8 +586,8 @@ def bench(
         table.add_row(x.engine, f"{x.ms_per_token:.1f}", f"{x.ms_per_token_median:.1f} [{x.ms_per_token_min:.1f}–{x.ms_per_token_max:.1f}]",
                       ratio, "–" if agree is None else f"{agree:.0%}")
     console.print(table)
-    console.print(f"  our SSp: {run.ssp_overhead_share:.1%} of decode time outside the two models' forwards; acceptance "
-                  f"{run.acceptance_rate:.1%}; c = {run.cost_ratio:.3f}; speedup over our RSp {measured_speedup:.2f}× measured, "
+    console.print(f"  our SSp: {run.ssp_overhead_share:.1%} of decode time outside the two models' forwards; α = "
+                  f"{run.alpha:.2f} (accepted/drafted {run.acceptance_rate:.1%}); c = {run.cost_ratio:.3f}; speedup over our RSp {measured_speedup:.2f}× measured, "
                   f"{predicted:.2f}× predicted by (1−α^(K+1))/((1−α)(Kc+1))")
     console.print(f"  target weights {t.weight_bytes / 1e6:.0f} MB ÷ copy bandwidth {bandwidth / 1e9:.1f} GB/s = floor "
                   f"{floor_ms:.2f} ms/token; ours-rsp is {by['ours-rsp'].ms_per_token / floor_ms:.2f}× the floor")
@@ -630,7 +631,7 @@ def verify(
     top_p: TopPOpt = 1.0,
     significance: Annotated[float, typer.Option(help="Family-wise significance level.")] = 0.01,
     max_new_tokens: Annotated[int, typer.Option(help="Greedy mode: tokens compared per prompt.")] = 64,
-    tie_tolerance: Annotated[float, typer.Option(help="Greedy mode: a top-2 logit gap up to this is a numerical near-tie.")] = 0.1,
+    tie_tolerance: Annotated[float, typer.Option(help="Greedy mode: a top-2 logit gap up to this (or 2 ulp of the logits' dtype) is a near-tie.")] = 0.1,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the report as JSON here.")] = None,
 ) -> None:
     """Check that SSp samples exactly from the target (exit 1 when it does not)."""
@@ -682,7 +683,8 @@ def _render_verify(rep, t, d, params, k) -> None:
                           "–" if g.top2_gap is None else f"{g.top2_gap:.4f}", "yes" if g.near_tie else "–")
         console.print(table)
         console.print(f"  identical continuations: {rep.identical_share:.0%} of prompts; a difference at a top-2 gap ≤ "
-                      f"{rep.tie_tolerance} is a numerical near-tie (a 1-token and a K+1-token forward round differently), not a bug")
+                      f"{rep.tie_tolerance}, or within two units in the last place of the logits' dtype, is a numerical "
+                      "near-tie (a 1-token and a K+1-token forward round differently), not a bug")
     else:
         for col in ("prompt", "pos", "samples", "χ² p-value", "cells", "TV", "TV noise (mean±sd)", "exact α", "ok"):
             table.add_column(col, justify="right")

@@ -21,7 +21,8 @@ from functools import cache
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
-from lssp.sampling import SamplingParams, sample, warp
+from lssp.sampling import SamplingParams, sample, sample_logits, warp
+from lssp.stats import alpha_estimate
 from lssp.timing import Clock
 
 # Called with each block of newly emitted token ids and, per token, whether the draft proposed it.
@@ -39,6 +40,7 @@ class GenerationStats:
     draft_forwards: int = 0
     drafted: int = 0
     accepted: int = 0
+    rejections: int = 0  # iterations that ended on a rejected draft
     drafted_at: list[int] = field(default_factory=list)
     accepted_at: list[int] = field(default_factory=list)
     prefill_time_s: float = 0.0
@@ -50,6 +52,11 @@ class GenerationStats:
     @property
     def acceptance_rate(self) -> float:
         return self.accepted / self.drafted if self.drafted else float("nan")
+
+    @property
+    def alpha(self) -> float:
+        """Per-token acceptance α of the i.i.d. model (its maximum-likelihood estimate)."""
+        return alpha_estimate(self.accepted, self.rejections)
 
     @property
     def tokens_per_target_forward(self) -> float:
@@ -198,7 +205,7 @@ def generate_regular(
         logits = forward_logits(model, next_ids, kv, 1)
         stats.target_time_s += clock.now() - t0
         stats.target_forwards += 1
-        token = sample(warp(logits, params), params, generator)
+        token = sample_logits(logits, params, generator)
         out[n] = token[0]
         next_ids = token.view(1, 1)
         n += 1
@@ -284,6 +291,7 @@ def generate_speculative(
         new = emitted.tolist()
         stats.drafted += k_now
         stats.accepted += n
+        stats.rejections += int(n < k_now)
         for i in range(k_now):
             stats.drafted_at[i] += 1
             stats.accepted_at[i] += int(i < n)

@@ -10,6 +10,7 @@ import torch
 from lssp.generation import GenerationStats, generate_regular, generate_speculative
 from lssp.loading import LoadedModel
 from lssp.sampling import SamplingParams
+from lssp.stats import alpha_estimate
 
 Progress = Callable[[str], None]  # called with a short description after each timed completion
 
@@ -37,7 +38,8 @@ class ModeSummary:
     ms_per_token_min: float
     ms_per_token_max: float
     ttft_ms: float  # mean time to first token, prefill included
-    acceptance_rate: float = float("nan")
+    acceptance_rate: float = float("nan")  # accepted / drafted
+    alpha: float = float("nan")  # per-token acceptance of the i.i.d. model (accepted / (accepted + rejections))
     mean_accepted: float = float("nan")  # tokens per target forward (the bonus counted)
     acceptance_by_position: list[float] = field(default_factory=list)
     draft_share: float = 0.0  # of decode time
@@ -69,6 +71,7 @@ def summarize(mode: str, k: int, timings: Sequence[PromptTiming]) -> ModeSummary
         ms_per_token_median=median(per_prompt), ms_per_token_min=min(per_prompt), ms_per_token_max=max(per_prompt),
         ttft_ms=1000 * sum(s.ttft_s for s in stats) / len(stats),
         acceptance_rate=accepted / drafted if drafted else nan,
+        alpha=alpha_estimate(accepted, sum(s.rejections for s in stats)),
         mean_accepted=tokens / target_fw if mode == "ssp" and target_fw else nan,
         acceptance_by_position=by_position,
         draft_share=draft_t / decode if decode else nan,

@@ -13,7 +13,7 @@ import pandas as pd  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
 from lssp.errors import UserError  # noqa: E402
-from lssp.stats import predicted_speedup  # noqa: E402
+from lssp.stats import alpha_from_tokens_per_iteration, predicted_speedup  # noqa: E402
 
 KINDS = ("latency", "speedup", "acceptance", "eval")
 
@@ -75,6 +75,13 @@ def latency_figure(frame: pd.DataFrame) -> Figure:
                    "decode time per token (ms)")
 
 
+def _alpha(ssp: pd.DataFrame) -> float:
+    """Per-token α of the SSp rows: the recorded estimate, or inverted from tokens per target forward."""
+    if "alpha" in ssp and ssp["alpha"].notna().all():
+        return float(ssp["alpha"].mean())
+    return float(np.nanmean([alpha_from_tokens_per_iteration(m, int(k)) for m, k in zip(ssp["mean_accepted"], ssp["k"])]))
+
+
 def speedup_figure(frame: pd.DataFrame) -> Figure:
     """Measured speedup against K, with the standard model's curve from the measured α and c."""
     fig, ax = plt.subplots(figsize=(6, 4.2))
@@ -84,7 +91,7 @@ def speedup_figure(frame: pd.DataFrame) -> Figure:
             continue
         label = f"{ssp['target'].iloc[0]} + {ssp['draft'].iloc[0]}"
         ax.plot(ssp["k"], ssp["speedup"], "o", label=f"{label}: measured")
-        alpha = float(ssp["acceptance_rate"].mean())
+        alpha = _alpha(ssp)
         c = float(ssp["draft_ms_per_forward"].median() / rsp["target_ms_per_forward"].iloc[0])
         ks = np.arange(1, max(int(ssp["k"].max()), 8) + 1)
         ax.plot(ks, [predicted_speedup(alpha, int(k), c) for k in ks], "--",
@@ -104,8 +111,8 @@ def acceptance_figure(frame: pd.DataFrame) -> Figure:
         ax.bar(np.arange(1, len(rates) + 1) + (i - (len(ssp) - 1) / 2) * width, rates, width,
                label=f"{r['target']} + {r['draft']}, K={int(r['k'])}")
     ax.set_ylim(0, 1)
-    return _finish(fig, ax, frame, "Acceptance by draft position", "draft position",
-                   "acceptance rate (given the earlier drafts were accepted)", legend=True)
+    return _finish(fig, ax, frame, "Acceptance by draft position", "draft position i",
+                   "share of iterations accepting draft i", legend=True)
 
 
 def eval_figure(frame: pd.DataFrame) -> Figure:

@@ -92,7 +92,9 @@ def _cell(value: Any) -> str:
     if isinstance(value, float):
         if math.isnan(value):
             return "–"
-        return f"{value:.3g}" if abs(value) < 1 else f"{value:.1f}" if abs(value) < 1000 else f"{value:.0f}"
+        if abs(value) < 1:
+            return f"{value:.3g}"
+        return f"{value:.2f}" if abs(value) < 10 else f"{value:.1f}" if abs(value) < 1000 else f"{value:.0f}"
     return str(value).replace("|", "\\|").replace("\n", " ")
 
 

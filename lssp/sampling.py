@@ -63,9 +63,8 @@ def sample(probs: torch.Tensor, params: SamplingParams, generator: torch.Generat
     return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
 
 
-def warp_and_sample(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The warped distribution and a token drawn from it; RSp and SSp's draft both use this."""
-    probs = warp(logits, params)
-    return sample(probs, params, generator), probs
+def sample_logits(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+    """A token from the warped distribution of ``logits``; greedy takes the argmax without building it."""
+    if params.greedy:
+        return logits.argmax(-1)
+    return sample(warp(logits, params), params, generator)

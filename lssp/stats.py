@@ -94,3 +94,27 @@ def expected_tokens_per_iteration(alpha: float, k: int) -> float:
 def predicted_speedup(alpha: float, k: int, c: float) -> float:
     """(1 − α^(k+1)) / ((1 − α)(k·c + 1)) for draft/target cost ratio c."""
     return expected_tokens_per_iteration(alpha, k) / (k * c + 1)
+
+
+def alpha_estimate(accepted: int, rejections: int) -> float:
+    """α of the i.i.d. acceptance model from SSp counts: each draft is a trial until the first rejection.
+
+    ``accepted / drafted`` (vLLM's draft acceptance rate) is lower: drafts after a rejection
+    are never tried, yet counted.
+    """
+    trials = accepted + rejections
+    return accepted / trials if trials else float("nan")
+
+
+def alpha_from_tokens_per_iteration(tokens: float, k: int) -> float:
+    """Invert (1 − α^(k+1)) / (1 − α) = tokens for α in [0, 1] (bisection)."""
+    if not 1.0 <= tokens <= k + 1:
+        return float("nan")
+    low, high = 0.0, 1.0
+    for _ in range(60):
+        mid = (low + high) / 2
+        if expected_tokens_per_iteration(mid, k) < tokens:
+            low = mid
+        else:
+            high = mid
+    return (low + high) / 2

@@ -36,7 +36,7 @@ def test_latency_writes_csv_markdown_and_json(run, tmp_path):
     code, out, err = run("latency", "tiny-target", "--draft", "tiny-draft", "--k", "1,3", "--nb-prompts", "2",
                          "--max-new-tokens", "12", "--json", str(tmp_path / "l.json"))
     assert code == 0, err
-    assert "speedup" in out and "acceptance by draft position (K=3)" in out
+    assert "speedup" in out and "share of iterations accepting draft i (K=3)" in out
     rows = pd.read_csv(tmp_path / "results" / "latency.csv")
     assert list(rows["mode"]) == ["rsp", "ssp", "ssp"] and list(rows["k"]) == [0, 1, 3]
     for col in ("timestamp", "run_id", "target", "draft", "temperature", "top_k", "top_p", "max_new_tokens", "prompts",
@@ -184,3 +184,9 @@ def test_stats_against_hand_computed_values():
     assert expected_tokens_per_iteration(0.5, 3) == pytest.approx(1.875)
     assert predicted_speedup(0.8, 4, 0.1) == pytest.approx((1 - 0.8 ** 5) / (0.2 * 1.4))
     assert predicted_speedup(1.0, 4, 0.0) == 5.0
+    from lssp.stats import alpha_estimate, alpha_from_tokens_per_iteration
+
+    # 3 iterations of K=4: accepted 4 (no rejection), 1 then rejected, 0 then rejected: 5 / (5 + 2)
+    assert alpha_estimate(5, 2) == pytest.approx(5 / 7)
+    assert alpha_from_tokens_per_iteration(1.875, 3) == pytest.approx(0.5)
+    assert alpha_from_tokens_per_iteration(1.0, 4) == pytest.approx(0.0, abs=1e-9)

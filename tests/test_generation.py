@@ -53,7 +53,7 @@ def test_greedy_speculative_equals_greedy_regular(soft_target, soft_draft, k):
         same = generate_speculative(soft_target, soft_target, ids, 30, k, GREEDY)
         assert other.tokens.tolist() == expected
         assert same.tokens.tolist() == expected
-        assert same.stats.acceptance_rate == 1.0
+        assert same.stats.acceptance_rate == 1.0 and same.stats.rejections == 0 and same.stats.alpha == 1.0
         assert same.stats.target_forwards == -(-30 // (k + 1))  # every iteration emits k + 1
 
 
@@ -69,6 +69,8 @@ def test_statistics_are_consistent(soft_target, soft_draft, params):
         assert s.drafted == sum(s.drafted_at) and s.accepted == sum(s.accepted_at)
         assert all(a <= d for a, d in zip(s.accepted_at, s.drafted_at))
         assert s.draft_forwards == s.drafted
+        assert s.rejections <= s.target_forwards  # at most one rejection per iteration
+        assert s.accepted + s.rejections <= s.drafted
         assert s.total_time_s >= s.target_time_s + s.draft_time_s > 0
 
 

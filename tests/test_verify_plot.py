@@ -71,7 +71,7 @@ def latency_rows() -> pd.DataFrame:
              "acceptance_rate": float("nan"), "draft_ms_per_forward": float("nan"), "acceptance_by_position": ""}]
     for k, ms in [(2, 7.0), (4, 6.0), (8, 6.5)]:
         rows.append({**base, "mode": "ssp", "draft": "D", "k": k, "ms_per_token": ms, "speedup": 10.0 / ms,
-                     "acceptance_rate": 0.7, "draft_ms_per_forward": 1.0,
+                     "acceptance_rate": 0.5, "alpha": 0.7, "draft_ms_per_forward": 1.0,
                      "acceptance_by_position": ";".join(["0.8"] + ["0.6"] * (k - 1))})
     return pd.DataFrame(rows)
 
@@ -92,6 +92,15 @@ def test_speedup_figure_plots_measured_points_and_model_curve():
     from lssp.stats import predicted_speedup
 
     assert model.get_ydata()[3] == pytest.approx(predicted_speedup(0.7, 4, 0.1))  # K=4, c = 1 ms / 10 ms
+
+
+def test_speedup_model_falls_back_to_alpha_from_tokens_per_forward():
+    from lssp.stats import expected_tokens_per_iteration, predicted_speedup
+
+    rows = latency_rows().drop(columns=["alpha"])
+    rows["mean_accepted"] = [float("nan")] + [expected_tokens_per_iteration(0.6, k) for k in (2, 4, 8)]
+    model = speedup_figure(rows).axes[0].lines[1]
+    assert model.get_ydata()[0] == pytest.approx(predicted_speedup(0.6, 1, 0.1))
 
 
 def test_acceptance_figure_has_one_bar_per_position_per_k():

@@ -1,0 +1,58 @@
+"""Print Markdown tables of chosen runs from the CSVs in results/ (for the README).
+
+Usage: python benchmarks/tables.py [RESULTS_DIR] > results/README-tables.md
+Takes the newest run of each kind on the default pair unless run ids are given with --runs.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from lssp.report import markdown_table  # noqa: E402
+
+LATENCY = ["mode", "k", "ms_per_token", "ms_per_token_median", "ms_per_token_min", "ms_per_token_max", "ttft_ms",
+           "acceptance_rate", "alpha", "mean_accepted", "speedup"]
+BENCH = ["engine", "ms_per_token", "ms_per_token_median", "ours_over_hf_median", "ours_over_hf_min", "ours_over_hf_max",
+         "greedy_agreement"]
+EVAL = ["mode", "trials", "successes", "success_rate", "wald_low", "wald_high", "wilson_low", "wilson_high", "diff_low",
+        "diff_high", "mcnemar_p"]
+
+
+def runs_of(frame: pd.DataFrame, wanted: list[str] | None) -> list[str]:
+    ids = list(dict.fromkeys(frame.sort_values("timestamp")["run_id"]))
+    if wanted:
+        return [r for r in ids if r in wanted]
+    return ids
+
+
+def describe(rows: pd.DataFrame, extra: str = "") -> str:
+    r = rows.iloc[0]
+    return (f"run `{r['run_id']}` · {r['device']} · torch {r['torch']} · transformers {r['transformers']} · commit "
+            f"{r['git_commit']} · T={r['temperature']:g}{extra}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("results", nargs="?", default="results")
+    ap.add_argument("--runs", nargs="*", help="run ids to show (default: all)")
+    args = ap.parse_args()
+    root = Path(args.results)
+    for name, columns in (("latency", LATENCY), ("bench", BENCH), ("eval", EVAL)):
+        path = root / f"{name}.csv"
+        if not path.exists():
+            continue
+        frame = pd.read_csv(path)
+        for run_id in runs_of(frame, args.runs):
+            rows = frame[frame["run_id"] == run_id]
+            extra = f", {int(rows['prompts'].iloc[0])} prompts × {int(rows['max_new_tokens'].iloc[0])} tokens" if "prompts" in rows else ""
+            print(f"#### {name}: {rows['target'].iloc[0]} + {rows['draft'].fillna('').max() or '-'}\n")
+            print(describe(rows, extra) + "\n")
+            print(markdown_table(rows.to_dict("records"), columns))
+
+
+if __name__ == "__main__":
+    main()
