@@ -21,7 +21,7 @@ KINDS = ("latency", "speedup", "acceptance", "eval")
 def _caption(fig: Figure, frame: pd.DataFrame) -> None:
     devices = sorted(set(frame["device"].dropna().astype(str))) if "device" in frame else []
     runs = sorted(set(frame["run_id"].astype(str)))
-    text = "; ".join(devices) + (f" — run {runs[0]}" if len(runs) == 1 else f" — {len(runs)} runs")
+    text = "; ".join(devices) + (f" — run {runs[0]}" if len(runs) == 1 else f" — runs {', '.join(runs)}")
     fig.text(0.01, 0.01, text, fontsize=7, color="0.35")
 
 
@@ -49,30 +49,44 @@ def _finish(fig: Figure, ax, frame: pd.DataFrame, title: str, xlabel: str | None
 
 
 def _latest_run_per_pair(frame: pd.DataFrame) -> pd.DataFrame:
-    """The newest run for each (target, draft) pair; a run's pair is its SSp draft, if any."""
-    pairs = frame.groupby("run_id").agg(target=("target", "first"), draft=("draft", lambda d: ",".join(sorted(set(d.dropna()) - {""}))),
-                                       timestamp=("timestamp", "max"))
-    latest = pairs.sort_values("timestamp").groupby(["target", "draft"]).tail(1).index
+    """The newest run for each (target, draft, sampling parameters); a run's draft is its SSp draft, if any."""
+    params = [c for c in ("temperature", "top_k", "top_p") if c in frame]
+    runs = frame.groupby("run_id").agg(target=("target", "first"), draft=("draft", lambda d: ",".join(sorted(set(d.dropna()) - {""}))),
+                                      timestamp=("timestamp", "max"), **{c: (c, "first") for c in params})
+    latest = runs.sort_values("timestamp").groupby(["target", "draft", *params]).tail(1).index
     return frame[frame["run_id"].isin(latest)]
+
+
+def _setting(row: pd.Series) -> str:
+    """T=0.7, top-k 50: the sampling parameters of a row, short."""
+    if "temperature" not in row:
+        return ""
+    text = "greedy" if row["temperature"] == 0 else f"T={row['temperature']:g}"
+    if row.get("top_k", 0):
+        text += f", top-k {int(row['top_k'])}"
+    if row.get("top_p", 1.0) < 1:
+        text += f", top-p {row['top_p']:g}"
+    return text
 
 
 def latency_figure(frame: pd.DataFrame) -> Figure:
     """ms/token per mode for each target/draft pair, error bars from the per-prompt min and max."""
     frame = _latest_run_per_pair(frame)
-    labels, values, low, high, colours = [], [], [], [], []
+    labels, values, low, high, colours, pairs = [], [], [], [], [], set()
     for run_id, rows in frame.groupby("run_id", sort=False):
         for _, r in rows.iterrows():
-            pair = r["target"] if r["mode"] == "rsp" else f"{r['target']} + {r['draft']}"
-            labels.append(f"{pair}\n{r['mode'].upper()}" + (f" K={int(r['k'])}" if r["mode"] == "ssp" else ""))
+            if r["mode"] == "ssp":
+                pairs.add(f"{r['target']} + {r['draft']}")
+            labels.append(("RSp" if r["mode"] == "rsp" else f"SSp K={int(r['k'])}") + f"\n{_setting(r)}")
             values.append(r["ms_per_token"])
             low.append(max(0.0, r["ms_per_token"] - r["ms_per_token_min"]))
             high.append(max(0.0, r["ms_per_token_max"] - r["ms_per_token"]))
             colours.append("tab:gray" if r["mode"] == "rsp" else "tab:green")
-    fig, ax = plt.subplots(figsize=(max(5, 1.2 * len(labels)), 4.2))
+    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(labels)), 4.4))
     ax.bar(range(len(values)), values, yerr=[low, high], capsize=4, color=colours)
     ax.set_xticks(range(len(values)), labels, fontsize=7)
-    return _finish(fig, ax, frame, "RSp vs SSp latency (bars: all prompts; whiskers: per-prompt min–max)", None,
-                   "decode time per token (ms)")
+    title = f"RSp vs SSp: {', '.join(sorted(pairs)) or frame['target'].iloc[0]}\n(bars: all prompts; whiskers: per-prompt min–max)"
+    return _finish(fig, ax, frame, title, None, "decode time per token (ms)")
 
 
 def _alpha(ssp: pd.DataFrame) -> float:
@@ -84,12 +98,13 @@ def _alpha(ssp: pd.DataFrame) -> float:
 
 def speedup_figure(frame: pd.DataFrame) -> Figure:
     """Measured speedup against K, with the standard model's curve from the measured α and c."""
-    fig, ax = plt.subplots(figsize=(6, 4.2))
-    for run_id, rows in _latest_run_per_pair(frame).groupby("run_id", sort=False):
+    frame = _latest_run_per_pair(frame)
+    fig, ax = plt.subplots(figsize=(6.5, 4.4))
+    for run_id, rows in frame.groupby("run_id", sort=False):
         rsp, ssp = rows[rows["mode"] == "rsp"], rows[rows["mode"] == "ssp"].sort_values("k")
         if rsp.empty or ssp.empty:
             continue
-        label = f"{ssp['target'].iloc[0]} + {ssp['draft'].iloc[0]}"
+        label = f"{ssp['target'].iloc[0]} + {ssp['draft'].iloc[0]}, {_setting(ssp.iloc[0])}"
         ax.plot(ssp["k"], ssp["speedup"], "o", label=f"{label}: measured")
         alpha = _alpha(ssp)
         c = float(ssp["draft_ms_per_forward"].median() / rsp["target_ms_per_forward"].iloc[0])
@@ -102,14 +117,14 @@ def speedup_figure(frame: pd.DataFrame) -> Figure:
 
 def acceptance_figure(frame: pd.DataFrame) -> Figure:
     """Acceptance rate at each draft position, one group of bars per K."""
-    ssp = _latest_run_per_pair(frame)
-    ssp = ssp[ssp["mode"] == "ssp"]
+    frame = _latest_run_per_pair(frame)
+    ssp = frame[frame["mode"] == "ssp"]
     fig, ax = plt.subplots(figsize=(6, 4.2))
     width = 0.8 / max(1, len(ssp))
     for i, (_, r) in enumerate(ssp.iterrows()):
         rates = [float(x) for x in str(r["acceptance_by_position"]).split(";") if x not in ("", "nan")]
         ax.bar(np.arange(1, len(rates) + 1) + (i - (len(ssp) - 1) / 2) * width, rates, width,
-               label=f"{r['target']} + {r['draft']}, K={int(r['k'])}")
+               label=f"K={int(r['k'])}, {_setting(r)}")
     ax.set_ylim(0, 1)
     return _finish(fig, ax, frame, "Acceptance by draft position", "draft position i",
                    "share of iterations accepting draft i", legend=True)
