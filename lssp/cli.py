@@ -227,12 +227,12 @@ def latency(
           f"transformers {env['transformers']}, commit {env['git_commit']}\n\n" + report.markdown_table(rows, md_cols))
     (s.results_dir / f"latency-{run_id}.md").write_text(md)
     if json_out:
-        report.write_json(json_out, report.json_safe([{
+        report.write_json(json_out, [{
             "mode": m.mode, "target": t.name, "draft": r["draft"] or None, "k": m.k, "ms_per_token": m.ms_per_token,
             "ttft_ms": m.ttft_ms, "acceptance_rate": m.acceptance_rate, "alpha": m.alpha, "mean_accepted": m.mean_accepted,
             "speedup": m.speedup, "ms_per_token_median": m.ms_per_token_median,
             "acceptance_by_position": [round(x, 4) for x in m.acceptance_by_position], "run_id": run_id,
-            "device": env["device"]} for m, r in zip(run.summaries, rows)]))
+            "device": env["device"]} for m, r in zip(run.summaries, rows)])
     _render_latency(run, t, d, params, len(prompt_list), max_new_tokens, env, run_id, s.results_dir)
     if plot:
         _plot(s, run_id=run_id, kinds=("latency",))
@@ -331,9 +331,9 @@ def eval_cmd(
                                        "wilson_low", "wilson_high", "diff_low", "diff_high", "mcnemar_p"]))
     (s.results_dir / f"eval-{run.run_id}.md").write_text(md)
     if json_out:
-        report.write_json(json_out, report.json_safe([{k_: r[k_] for k_ in (
+        report.write_json(json_out, [{k_: r[k_] for k_ in (
             "mode", "target", "draft", "trials", "successes", "success_rate", "wald_low", "wald_high", "wilson_low",
-            "wilson_high", "diff_rsp_minus_ssp", "diff_low", "diff_high", "mcnemar_p", "run_id")} for r in rows]))
+            "wilson_high", "diff_rsp_minus_ssp", "diff_low", "diff_high", "mcnemar_p", "run_id")} for r in rows])
     table = Table(title=f"Multiplication eval: {t.name}" + (f" (draft {d.name}, K={k})" if d else "") +
                   f", {nb_prompts} problems, T={params.temperature:g}")
     for col in ("mode", "successes / trials", "success rate", "95% Wald", "95% Wilson"):
@@ -576,7 +576,7 @@ def bench(
         f"target weights {t.weight_bytes / 1e6:.0f} MB, copy bandwidth {bandwidth / 1e9:.1f} GB/s, floor {floor_ms:.2f} ms/token, "
         f"ours-rsp {by['ours-rsp'].ms_per_token / floor_ms:.2f}x the floor\n")
     if json_out:
-        report.write_json(json_out, report.json_safe(rows))
+        report.write_json(json_out, rows)
     table = Table(title=f"{t.name} + {d.name}, K={k}, {len(prompt_list)} prompts × {max_new_tokens} tokens, T={params.temperature:g}")
     for col in ("engine", "ms/token", "median \\[min–max]", "ours ÷ hf (median \\[min–max])", "same tokens as ours-rsp"):
         table.add_column(col, justify="right")
@@ -663,10 +663,10 @@ def verify(
            [{**base, **asdict(g)} for g in rep.greedy]
     report.append_csv(s.results_dir / "verify.csv", rows)
     if json_out:
-        report.write_json(json_out, report.json_safe({"mode": rep.mode, "lossless": rep.lossless, "significance": rep.significance,
+        report.write_json(json_out, {"mode": rep.mode, "lossless": rep.lossless, "significance": rep.significance,
                                                       "correction": rep.correction, "acceptance_rate": rep.acceptance_rate,
                                                       "checks": [asdict(c) for c in rep.positions] + [asdict(g) for g in rep.greedy],
-                                                      "run_id": run_id, "device": env["device"]}))
+                                                      "run_id": run_id, "device": env["device"]})
     _render_verify(rep, t, d, params, k)
     if not rep.lossless:
         raise typer.Exit(1)

@@ -105,24 +105,17 @@ def markdown_table(rows: list[Mapping[str, Any]], columns: list[str]) -> str:
 
 
 def write_json(path: Path, payload: Any) -> None:
+    """JSON with NaN written as null (JSON has no NaN) and paths as strings."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(payload, indent=2, default=_json_default) + "\n")
+    path.write_text(json.dumps(_json_safe(payload), indent=2, default=str) + "\n")
 
 
-def _json_default(value: Any) -> Any:
-    if isinstance(value, float) and math.isnan(value):
-        return None
-    if isinstance(value, Path):
-        return str(value)
-    raise TypeError(f"not JSON serializable: {type(value).__name__}")
-
-
-def json_safe(value: Any) -> Any:
+def _json_safe(value: Any) -> Any:
     """NaN becomes None, recursively (JSON has no NaN)."""
     if isinstance(value, float) and math.isnan(value):
         return None
     if isinstance(value, dict):
-        return {k: json_safe(v) for k, v in value.items()}
+        return {k: _json_safe(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [json_safe(v) for v in value]
+        return [_json_safe(v) for v in value]
     return value
