@@ -465,6 +465,7 @@ def distill(
     lr: Annotated[float, typer.Option(help="Peak learning rate.")] = 3e-3,
     hard_weight: Annotated[float, typer.Option(help="Weight of cross-entropy on the target's argmax (rest: soft top-k).")] = 0.3,
     data_dir: Annotated[Optional[Path], typer.Option(help="Where collected data and checkpoints go (default: OUT/work).")] = None,
+    init_draft: Annotated[Optional[Path], typer.Option(help="Go on training this draft (its shape wins over the size options).")] = None,
 ) -> None:
     """Make a small Llama draft for TARGET from its own continuations (resumable)."""
     from lssp import distill as dst
@@ -485,10 +486,12 @@ def distill(
     cfg = dst.DistillConfig(hidden_size=hidden_size, layers=layers, heads=heads, intermediate_size=intermediate_size,
                             data_tokens=data_tokens, batch_prompts=batch_prompts, new_tokens=new_tokens,
                             train_minutes=train_minutes, max_steps=max_steps, epochs=epochs, lr=lr,
-                            hard_weight=hard_weight, seed=s.seed)
+                            hard_weight=hard_weight, seed=s.seed, init_from=str(init_draft) if init_draft else None)
     work = data_dir or out / "work"
     work.mkdir(parents=True, exist_ok=True)
     rep = dst.DistillReport(target=t.name, config=asdict(cfg))
+    if init_draft:
+        rep.started_from = dst.earlier_training(init_draft)
     with _progress() as bar:
         tasks: dict[str, int] = {}
 

@@ -6,10 +6,11 @@ Both phases checkpoint into the output folder, so an interrupted run resumes.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrai
 
 from lssp.distill_data import training_prompts
 from lssp.errors import UserError
+from lssp.generation import logit_width, model_device
 
 Progress = Callable[[str, float, str], None]  # phase, fraction done, message
 
@@ -42,6 +44,7 @@ class DistillConfig:
     hard_weight: float = 0.3
     seed: int = 0
     max_seq_len: int = 160
+    init_from: str | None = None  # a draft folder whose weights (and shape) training starts from
 
 
 @dataclass
@@ -57,10 +60,7 @@ class DistillReport:
     agreement_curve: list[tuple[int, int, float]] = field(default_factory=list)  # (step, tokens seen, held-out top-1)
     acceptance: dict[str, float] = field(default_factory=dict)
     parameters: int = 0
-
-
-def _device(model: PreTrainedModel) -> torch.device:
-    return model.get_input_embeddings().weight.device
+    started_from: dict = field(default_factory=dict)  # the --init-draft's own report and command, if any
 
 
 def _encode(tokenizer: PreTrainedTokenizerBase, prompt: str, chat: bool) -> list[int]:
@@ -78,7 +78,7 @@ def _generate_batch(
     """Left-padded batched sampling that records the target's top-k log-probs at each new position."""
     from transformers import DynamicCache
 
-    device = _device(target)
+    device = model_device(target)
     width = max(map(len, prompts))
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -109,6 +109,29 @@ def _generate_batch(
             "top_ids": torch.stack(top_ids, 1), "top_lp": torch.stack(top_lp, 1)}
 
 
+def _batches(prompts: list[tuple[str, bool]], cfg: DistillConfig) -> Iterator[tuple[list[tuple[str, bool]], float]]:
+    """The prompts and temperature of each shard, in order (deterministic, so a resumed run continues it).
+
+    Greedy continuations of a prompt are all the same, so a greedy batch skips prompts already run
+    greedily (until every distinct prompt has been).
+    """
+    done_greedy: set[tuple[str, bool]] = set()
+    distinct = len(set(prompts))
+    at = 0
+    for shard in itertools.count():
+        temperature = cfg.temperatures[shard % len(cfg.temperatures)]
+        batch: list[tuple[str, bool]] = []
+        while len(batch) < cfg.batch_prompts:
+            prompt = prompts[at % len(prompts)]
+            at += 1
+            if temperature == 0:
+                if prompt in done_greedy and len(done_greedy) < distinct:
+                    continue
+                done_greedy.add(prompt)
+            batch.append(prompt)
+        yield batch, temperature
+
+
 def collect(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out: Path, cfg: DistillConfig,
             progress: Progress | None = None) -> tuple[int, float]:
     """Write shards of target continuations to ``out/data`` until ``cfg.data_tokens``; resumes."""
@@ -116,16 +139,17 @@ def collect(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out: Pa
     data.mkdir(parents=True, exist_ok=True)
     eos = set(tokenizer.all_special_ids)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    prompts = training_prompts(1_000_000 // cfg.new_tokens + 1000, cfg.seed)
+    prompts = training_prompts(2_000_000 // cfg.new_tokens + 1000, cfg.seed)
     meta_path = data / "meta.json"
     meta = json.loads(meta_path.read_text()) if meta_path.exists() else {"shards": 0, "tokens": 0, "seconds": 0.0}
-    generator = torch.Generator(device=_device(target)).manual_seed(cfg.seed)
-    while meta["tokens"] < cfg.data_tokens:
-        shard = meta["shards"]
+    generator = torch.Generator(device=model_device(target)).manual_seed(cfg.seed)
+    for shard, (batch, temperature) in enumerate(_batches(prompts, cfg)):
+        if meta["tokens"] >= cfg.data_tokens:
+            break
+        if shard < meta["shards"]:
+            continue
         start = time.perf_counter()
         generator.manual_seed(cfg.seed * 100_003 + shard)
-        batch = prompts[(shard * cfg.batch_prompts) % len(prompts):][: cfg.batch_prompts]
-        temperature = cfg.temperatures[shard % len(cfg.temperatures)]
         encoded = [_encode(tokenizer, p, chat) for p, chat in batch]
         record = _generate_batch(target, encoded, cfg.new_tokens, temperature, cfg.top_k_saved, pad_id, generator)
         # Keep each row up to and including its first special token.
@@ -162,7 +186,7 @@ def _examples(out: Path, cfg: DistillConfig) -> list[dict[str, torch.Tensor]]:
 def draft_config(target: PreTrainedModel, cfg: DistillConfig) -> LlamaConfig:
     tc = target.config
     return LlamaConfig(
-        vocab_size=target.get_output_embeddings().weight.shape[0], hidden_size=cfg.hidden_size,
+        vocab_size=logit_width(target), hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads,
         num_key_value_heads=cfg.heads, max_position_embeddings=getattr(tc, "max_position_embeddings", 2048),
         rope_theta=getattr(tc, "rope_theta", 10000.0), rms_norm_eps=getattr(tc, "rms_norm_eps", 1e-5),
@@ -182,6 +206,34 @@ def init_draft(target: PreTrainedModel, cfg: DistillConfig) -> LlamaForCausalLM:
     projected *= emb.std() / projected.std()
     with torch.no_grad():
         draft.get_input_embeddings().weight.copy_(projected[: draft.config.vocab_size])
+    return draft
+
+
+def earlier_training(folder: str | Path) -> dict:
+    """What a draft folder's own card says of how it was made: its report and command, where present."""
+    folder = Path(folder)
+    found: dict = {"path": str(folder)}
+    report = folder / "distill_report.json"
+    if report.exists():
+        earlier = json.loads(report.read_text())
+        found.update({key: earlier.get(key) for key in ("data_tokens", "collect_seconds", "steps", "train_seconds")})
+        found["started_from"] = earlier.get("started_from") or {}
+    card = folder / "README.md"
+    if card.exists():
+        made_with = [line for line in card.read_text().splitlines() if line.startswith("Made with:")]
+        if made_with:
+            found["command"] = made_with[0].removeprefix("Made with:").strip().strip("`")
+    return found
+
+
+def load_initial_draft(target: PreTrainedModel, cfg: DistillConfig) -> LlamaForCausalLM:
+    """An earlier draft to go on training, in float32; it must cover the target's vocabulary."""
+    try:
+        draft = LlamaForCausalLM.from_pretrained(cfg.init_from, dtype=torch.float32)
+    except (OSError, ValueError) as exc:
+        raise UserError(f"cannot load --init-draft {cfg.init_from}: {str(exc).splitlines()[0]}") from None
+    if logit_width(draft) != logit_width(target):
+        raise UserError(f"--init-draft {cfg.init_from} has {logit_width(draft)} logits, the target {logit_width(target)}")
     return draft
 
 
@@ -242,7 +294,7 @@ def train(target: PreTrainedModel, out: Path, cfg: DistillConfig, report: Distil
     held = min(64, len(examples) // 50)
     examples, held_out = (examples[:-held], examples[-held:]) if held else (examples, [])
     ckpt_path = out / "checkpoint.pt"
-    draft = init_draft(target, cfg)
+    draft = load_initial_draft(target, cfg) if cfg.init_from else init_draft(target, cfg)
     opt = torch.optim.AdamW(draft.parameters(), lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.98))
     tokens_per_epoch = sum(len(e["top_ids"]) for e in examples)
     steps_per_epoch = max(1, len(examples) // cfg.batch_size)
@@ -255,6 +307,7 @@ def train(target: PreTrainedModel, out: Path, cfg: DistillConfig, report: Distil
         step, seconds, seen = state["step"], state["seconds"], state["seen"]
         report.loss_curve = [tuple(x) for x in state["loss_curve"]]
         report.agreement_curve = [tuple(x) for x in state.get("agreement_curve", [])]
+        report.started_from = state.get("started_from", report.started_from)  # read before OUT was overwritten
     generator = torch.Generator().manual_seed(cfg.seed)
     draft.train()
     recent: list[float] = []
@@ -303,7 +356,8 @@ def _save_checkpoint(path: Path, draft: LlamaForCausalLM, opt: torch.optim.Optim
                      seen: int, report: DistillReport) -> None:
     tmp = path.with_suffix(".tmp")
     torch.save({"model": draft.state_dict(), "optimizer": opt.state_dict(), "step": step, "seconds": seconds,
-                "seen": seen, "loss_curve": report.loss_curve, "agreement_curve": report.agreement_curve}, tmp)
+                "seen": seen, "loss_curve": report.loss_curve, "agreement_curve": report.agreement_curve,
+                "started_from": report.started_from}, tmp)
     tmp.replace(path)
 
 
@@ -315,6 +369,13 @@ def write_draft(draft: LlamaForCausalLM, tokenizer: PreTrainedTokenizerBase, out
     (out / "distill_report.json").write_text(json.dumps(asdict(report), indent=1))
     curve = "\n".join(f"| {s} | {t} | {loss:.3f} |" for s, t, loss in report.loss_curve[:: max(1, len(report.loss_curve) // 12)])
     accept = "\n".join(f"| {k} | {v:.3f} |" for k, v in report.acceptance.items())
+    lineage, earlier = "", report.started_from
+    while earlier:
+        lineage += (f"- started from the weights of `{earlier['path']}`, which had been trained {earlier.get('steps')} steps "
+                    f"({(earlier.get('train_seconds') or 0) / 60:.1f} min) on {earlier.get('data_tokens')} other target tokens"
+                    f" ({(earlier.get('collect_seconds') or 0) / 60:.1f} min of collection)"
+                    + (f" by `{earlier['command']}`" if earlier.get("command") else "") + "\n")
+        earlier = earlier.get("started_from") or {}
     agreement = "\n".join(f"| {s} | {t} | {a:.3f} |" for s, t, a in report.agreement_curve)
     (out / "README.md").write_text(f"""# Draft for {report.target}, made by `llamassp distill`
 
@@ -328,7 +389,7 @@ Made with: `{command}`
 - training: {report.steps} steps in {report.train_seconds / 60:.1f} min; loss = soft cross-entropy to the target's
   top-k distribution + {report.config['hard_weight']} x cross-entropy on the target's argmax; final loss {report.final_loss:.3f}
 - prompts: written by `lssp/distill_data.py`; none of the `latency`, `compare` or `eval` prompts
-
+{lineage}
 ## Measured acceptance (greedy, held-out prompts)
 | prompts | acceptance rate |
 |---|---|

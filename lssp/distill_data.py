@@ -31,6 +31,26 @@ CODE_STARTS = ["def fibonacci(n):\n", "# Python function to reverse a string\nde
                "for i in range(10):\n", "SELECT name, age FROM users WHERE", "function add(a, b) {\n",
                "def read_csv(path):\n", "# Sort a list of numbers\nnumbers = [5, 3, 8, 1]\n", "def factorial(n):\n",
                "#include <stdio.h>\n\nint main() {\n", "def count_words(text):\n", "public class Hello {\n"]
+# Narrative and descriptive prose, first and third person: the register of plain text continuation.
+SUBJECTS = ["The old man", "My sister", "The stranger", "Nobody", "The little boy", "Our teacher", "The captain",
+            "Her father", "The woman next door", "The soldier", "My best friend", "The young doctor", "The girl",
+            "The writer", "Everyone in town", "The boy with the red hat", "The guard", "My grandfather"]
+ACTIONS = ["opened the door", "looked up at the sky", "closed the book", "stopped in the middle of the road",
+           "picked up the phone", "turned around", "smiled for the first time in years", "ran toward the river",
+           "sat down on the bench", "read the letter twice", "heard footsteps behind", "lit a candle",
+           "packed a small bag", "climbed the hill", "knocked on the door", "found the map"]
+TIMES = ["at dawn", "late at night", "on the first day of winter", "after the storm", "that summer",
+         "in the spring of 1952", "just before midnight", "the next morning", "on a cold Monday", "years later"]
+SCENES = ["The rain fell steadily on the roof of the old house", "A thick fog covered the harbor",
+          "The streets were empty and silent", "The fire crackled in the fireplace", "Snow had buried the village",
+          "The market was loud and full of color", "The wind howled through the trees", "The moon hung low over the fields",
+          "The kitchen smelled of cinnamon and coffee", "The city lights flickered in the distance",
+          "The train slowed down as it reached the border", "Birds sang in the garden"]
+FEELINGS = ["afraid", "happy", "tired", "lost", "hopeful", "angry", "curious", "alone", "free", "nervous"]
+NARRATIVES = ["{S} {a} {w}.", "{S} {a} and waited.", "{s2}, and {s} {a}.", "{s2} {w}.", "I {a} {w}.",
+              "I had never felt so {f}.", "{S} felt {f} as {s} {a}.", "When I {a}, I knew something was wrong.",
+              "{s2}. I was {f}.", "{S} {a}. It was the last time anyone saw {o}.", "We {a} {w}, {f} and quiet.",
+              "Years ago, {s} {a}, and nothing was ever the same."]
 QUESTIONS = ["What is the tallest mountain in the world?", "How do airplanes fly?", "Who wrote Romeo and Juliet?",
              "What causes the seasons?", "How many legs does a spider have?", "What is the speed of light?",
              "Why do we dream?", "What is the largest ocean?", "How do I boil an egg?", "What is a prime number?",
@@ -45,6 +65,13 @@ def _arithmetic(rng: random.Random) -> str:
                        f"If I have {a} apples and buy {b} more, how many do I have?", f"What is {a} divided by {b}?"])
 
 
+def _narrative(rng: random.Random) -> str:
+    subject = rng.choice(SUBJECTS)
+    return rng.choice(NARRATIVES).format(
+        S=subject, s=subject[0].lower() + subject[1:], a=rng.choice(ACTIONS), w=rng.choice(TIMES), s2=rng.choice(SCENES), f=rng.choice(FEELINGS),
+        o=rng.choice(["him", "her", "them"]))
+
+
 def _fill(template: str, rng: random.Random) -> str:
     c, p, t = rng.choice(CHARACTERS), rng.choice(PLACES), rng.choice(TOPICS)
     return template.format(c=c, C=c[0].upper() + c[1:], p=p, t=t, T=t[0].upper() + t[1:])
@@ -55,6 +82,7 @@ def training_prompts(n: int, seed: int, chat_share: float = 0.4) -> list[tuple[s
     rng = random.Random(seed)
     kinds = [
         lambda: _fill(rng.choice(STORY_OPENERS), rng),
+        lambda: _narrative(rng),
         lambda: _fill(rng.choice(FACT_STARTS), rng),
         lambda: _fill(rng.choice(TASKS), rng),
         lambda: rng.choice(QUESTIONS),

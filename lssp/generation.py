@@ -112,8 +112,14 @@ class Stopping:
 NO_STOP = Stopping()
 
 
-def _device(model: PreTrainedModel) -> torch.device:
+def model_device(model: PreTrainedModel) -> torch.device:
+    """Where the input embeddings live: where ids go in and sampling happens."""
     return model.get_input_embeddings().weight.device
+
+
+def logit_width(model: PreTrainedModel) -> int:
+    """How many logits the model's output layer gives (its vocabulary, padded or not)."""
+    return model.get_output_embeddings().out_features
 
 
 @cache
@@ -129,7 +135,7 @@ def forward_logits(model: PreTrainedModel, ids: torch.Tensor, kv: DynamicCache, 
     """
     kwargs = {"logits_to_keep": last} if _accepts_logits_to_keep(type(model)) else {}
     out = model(input_ids=ids, past_key_values=kv, use_cache=True, **kwargs)
-    return out.logits[0, -last:].to(_device(model))
+    return out.logits[0, -last:].to(model_device(model))
 
 
 def new_cache(model: PreTrainedModel) -> DynamicCache:
@@ -140,7 +146,7 @@ def _prefill(model: PreTrainedModel, seq: torch.Tensor) -> DynamicCache:
     """A cache holding all of ``seq`` but its last token, which the first decode step feeds."""
     kv = new_cache(model)
     if seq.shape[1] > 1:
-        forward_logits(model, seq[:, :-1].to(_device(model)), kv, 1)
+        forward_logits(model, seq[:, :-1].to(model_device(model)), kv, 1)
     return kv
 
 
@@ -187,7 +193,7 @@ def generate_regular(
     Tokens stay on the device unless a stop condition or a callback needs them on the host,
     so a GPU never waits for the CPU between steps.
     """
-    device = _device(model)
+    device = model_device(model)
     clock = Clock(device)
     stats = GenerationStats(mode="rsp")
     host_needed = bool(on_tokens or stopping.token_ids or stopping.strings)
@@ -243,9 +249,9 @@ def generate_speculative(
     """
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
-    device, draft_device = _device(target), _device(draft)
+    device, draft_device = model_device(target), model_device(draft)
     clock = Clock(device)
-    vocab = vocab_size or min(target.get_output_embeddings().weight.shape[0], draft.get_output_embeddings().weight.shape[0])
+    vocab = vocab_size or min(logit_width(target), logit_width(draft))
     stats = GenerationStats(mode="ssp", k=k, drafted_at=[0] * k, accepted_at=[0] * k)
     seq = input_ids.to(device)
     tokens: list[int] = []

@@ -12,9 +12,11 @@ import yaml
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from lssp.errors import IncompatibleModelsError, UserError
-from lssp.registry import ModelSpec
+from lssp.generation import logit_width, model_device
+from lssp.registry import DYNAMIC_QUANTIZATIONS, ModelSpec
 
 log = logging.getLogger(__name__)
+DynamicLinear = torch.ao.nn.quantized.dynamic.Linear
 ARCHITECTURES_FILE = Path(__file__).with_name("architectures.yaml")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -39,12 +41,21 @@ class LoadedModel:
 
     @property
     def precision(self) -> str:
-        """dtype, or the bitsandbytes quantization where there is one."""
-        return self.dtype if self.spec.quantization == "none" else f"{self.spec.quantization} (bnb)"
+        """dtype, or the quantization where there is one."""
+        quantization = self.spec.quantization
+        if quantization == "none":
+            return self.dtype
+        return f"{quantization} (torch)" if quantization in DYNAMIC_QUANTIZATIONS else f"{quantization} (bnb)"
 
     @property
     def weight_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.model.parameters(), *self.model.buffers()))
+        """Bytes of every weight, the prepacked ones of dynamically quantized layers included."""
+        total = sum(t.numel() * t.element_size() for t in (*self.model.parameters(), *self.model.buffers()))
+        for module in self.model.modules():
+            if isinstance(module, DynamicLinear):
+                packed = module._packed_params.dtype  # float16 or qint8; weight() unpacks it
+                total += module.in_features * module.out_features * (2 if packed == torch.float16 else 1)
+        return total
 
     def encode(self, text: str) -> torch.Tensor:
         """Token ids (1, T). A model without a tokenizer (random init) gets its UTF-8 bytes as ids."""
@@ -105,7 +116,7 @@ def _placement(spec: ModelSpec, device: str | None) -> dict[str, Any]:
 
 
 def _quantization(spec: ModelSpec, dtype: torch.dtype | str) -> dict[str, Any]:
-    if spec.quantization == "none":
+    if spec.quantization == "none" or spec.quantization in DYNAMIC_QUANTIZATIONS:
         return {}
     from transformers import BitsAndBytesConfig
 
@@ -158,8 +169,31 @@ def load_model(spec: ModelSpec, device: str | None = None) -> LoadedModel:
             model = AutoModelForCausalLM.from_pretrained(where, **kwargs, **extra)
         except OSError as exc:
             raise UserError(f"model {spec.name!r}: cannot load {where}: {_first_line(exc)}") from None
+    if spec.quantization in DYNAMIC_QUANTIZATIONS:
+        model = dynamic_quantize(model, spec)
     model.eval()
     return LoadedModel(spec, model, load_tokenizer(spec))
+
+
+def dynamic_quantize(model: PreTrainedModel, spec: ModelSpec) -> PreTrainedModel:
+    """Every Linear layer as a dynamically quantized one (fp16 or int8 weights, fp32 compute).
+
+    The rest of the model (embeddings, norms) runs in float32. This is a CPU technique: on a
+    GPU the model is left in the entry's dtype.
+    """
+    if model_device(model).type != "cpu":
+        log.info("%s: %s applies on the CPU only; keeping %s on %s", spec.name, spec.quantization, spec.dtype,
+                 model_device(model))
+        return model
+    import warnings
+
+    from torch.ao.quantization import quantize_dynamic
+
+    weights = torch.float16 if spec.quantization == "dynamic-fp16" else torch.qint8
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.ao.quantization announces its move to torchao
+        model = model.to(torch.float32)
+        return quantize_dynamic(model, {torch.nn.Linear}, dtype=weights, inplace=True)
 
 
 def _random_model(spec: ModelSpec, dtype: torch.dtype | str, device_map: str) -> PreTrainedModel:
@@ -209,7 +243,7 @@ def check_compatible(target: LoadedModel, draft: LoadedModel) -> int:
                 f"draft {draft.name!r} and target {target.name!r} tokenize the same text differently from token {at}: "
                 f"{t_ids[at:at + 5]} vs {d_ids[at:at + 5]}"
             )
-    widths = [m.model.get_output_embeddings().weight.shape[0] for m in (target, draft)]
+    widths = [logit_width(m.model) for m in (target, draft)]
     if t_tok is None and d_tok is None and widths[0] != widths[1]:
         raise IncompatibleModelsError(
             f"draft {draft.name!r} ({widths[1]} logits) and target {target.name!r} ({widths[0]}) have no tokenizer to compare "

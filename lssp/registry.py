@@ -12,7 +12,10 @@ import yaml
 from lssp.errors import UserError
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
-QUANTIZATIONS = ("none", "8bit", "4bit")
+# 8bit/4bit: bitsandbytes. dynamic-*: torch's dynamic quantization of every Linear layer (CPU only):
+# fbgemm keeps the weights prepacked, so a (K+1)-token verification forward costs about a 1-token one.
+QUANTIZATIONS = ("none", "8bit", "4bit", "dynamic-fp16", "dynamic-int8")
+DYNAMIC_QUANTIZATIONS = ("dynamic-fp16", "dynamic-int8")
 INITS = ("pretrained", "random")
 SPEC_KEYS = {
     "path", "tokenizer", "dtype", "quantization", "device_map", "gpus", "max_memory",

@@ -78,6 +78,13 @@ models:
   tiny-target-8bit:
     path: ./tiny-target
     quantization: 8bit
+  tiny-target-fp16dyn:
+    path: ./tiny-target
+    dtype: bfloat16
+    quantization: dynamic-fp16
+  tiny-draft-int8dyn:
+    path: ./tiny-draft
+    quantization: dynamic-int8
   tiny-other-vocab:
     path: ./tiny-other
     dtype: float32

@@ -6,6 +6,7 @@ import json
 import torch
 
 from lssp.cli import main
+from lssp.distill import DistillConfig, _batches
 from lssp.distill_data import training_prompts
 from lssp.loading import check_compatible, load_model
 from lssp.prompts import HELD_OUT
@@ -20,6 +21,17 @@ def test_training_prompts_are_varied_and_held_out():
     assert len(set(texts)) > 1000
     assert 0.3 < sum(chat for _, chat in prompts) / len(prompts) < 0.5
     assert any("def " in t for t in texts) and any("?" in t for t in texts)
+
+
+def test_greedy_batches_do_not_repeat_a_prompt_until_all_have_run():
+    prompts = [(f"p{i % 30}", False) for i in range(90)]  # 30 distinct prompts, each three times
+    cfg = DistillConfig(batch_prompts=4, temperatures=(0.0, 1.0))
+    batches = [b for b, _ in zip(_batches(prompts, cfg), range(20))]
+    greedy = [p for batch, temperature in batches if temperature == 0 for p in batch]
+    assert all(len(batch) == 4 for batch, _ in batches) and len(greedy) == 40
+    assert len(set(greedy[:30])) == 30  # every distinct prompt once before any repeat
+    again = [b for b, _ in zip(_batches(prompts, cfg), range(20))]
+    assert again == batches  # deterministic: a resumed run continues the same sequence
 
 
 def test_distill_makes_a_loadable_draft_and_resumes(tiny_dir, tmp_path, capsys):
@@ -53,3 +65,21 @@ def test_distill_rejects_bad_sizes(tiny_dir, tmp_path, capsys):
     code = main(["--config", str(tiny_dir / "models.yaml"), "distill", "tiny-target", "--out", str(tmp_path / "d"),
                  "--hidden-size", "30", "--heads", "4"])
     assert code == 2 and "multiple of --heads" in capsys.readouterr().err
+
+
+def test_distill_goes_on_from_an_earlier_draft(tiny_dir, tmp_path, capsys):
+    first, second = tmp_path / "first", tmp_path / "second"
+    common = ["--config", str(tiny_dir / "models.yaml"), "--results-dir", str(tmp_path / "results"), "distill", "tiny-target",
+              "--batch-prompts", "4", "--new-tokens", "8", "--data-tokens", "40", "--max-steps", "2"]
+    assert main(common + ["--out", str(first), "--hidden-size", "16", "--layers", "1", "--heads", "2",
+                          "--intermediate-size", "32"]) == 0, capsys.readouterr().err
+    # The earlier draft's shape wins over the (default) size options.
+    assert main(common + ["--out", str(second), "--init-draft", str(first), "--data-dir", str(tmp_path / "w2")]) == 0
+    report = json.loads((second / "distill_report.json").read_text())
+    assert report["started_from"]["path"] == str(first) and report["started_from"]["steps"] == 2
+    assert "--max-steps 2" in report["started_from"]["command"] or report["started_from"]["command"]
+    assert f"started from the weights of `{first}`" in (second / "README.md").read_text()
+    config = json.loads((second / "config.json").read_text())
+    assert (config["hidden_size"], config["num_hidden_layers"]) == (16, 1)
+    code = main(common + ["--out", str(tmp_path / "third"), "--init-draft", str(tmp_path / "missing")])
+    assert code == 2 and "cannot load --init-draft" in capsys.readouterr().err

@@ -111,6 +111,26 @@ def test_8bit_bitsandbytes_model_loads_and_generates_on_cpu(tiny_dir):
     assert len(out.tokens) == 5
 
 
+def test_dynamic_quantization_prepacks_linears_and_keeps_ssp_exact(tiny_dir):
+    reg = load_registry(tiny_dir / "models.yaml")
+    plain = load_model(reg.get("tiny-target"))
+    target = load_model(reg.get("tiny-target-fp16dyn"))
+    draft = load_model(reg.get("tiny-draft-int8dyn"))
+    assert target.precision == "dynamic-fp16 (torch)" and draft.precision == "dynamic-int8 (torch)"
+    linear = target.model.model.layers[0].mlp.up_proj
+    assert isinstance(linear, torch.ao.nn.quantized.dynamic.Linear) and linear._packed_params.dtype == torch.float16
+    assert target.dtype == "float32"  # embeddings and norms run in float32
+    assert check_compatible(target, draft) == 64  # the logit width is read from the quantized output layer
+    # Packed weights count: fp16 halves the float32 Linear bytes.
+    linear_params = sum(m.weight.numel() for m in plain.model.modules() if isinstance(m, torch.nn.Linear))
+    assert target.weight_bytes == plain.weight_bytes - 2 * linear_params
+    ids = target.encode("12 * 4 = ")
+    rsp = generate_regular(target.model, ids, 12, SamplingParams(0)).tokens.tolist()
+    assert rsp == generate_regular(plain.model, ids, 12, SamplingParams(0)).tokens.tolist()  # fp16 weights: same argmaxes
+    for k in (1, 3):
+        assert generate_speculative(target.model, draft.model, ids, 12, k, SamplingParams(0)).tokens.tolist() == rsp
+
+
 def test_random_init_builds_the_declared_shapes(tiny_dir):
     reg = load_registry(tiny_dir / "models.yaml")
     loaded = load_model(reg.get("tiny-random"))
