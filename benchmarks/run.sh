@@ -17,6 +17,9 @@ else
     N=(); SAMPLES=(--samples 600 --depth 2); EVALN=(--nb-prompts 200)
 fi
 
+# 0. What a forward costs here, by precision and tokens per forward (why the default pair is dynamic-fp16/int8 on a CPU).
+$PY llamassp.py "${L[@]}" cost --json "$OUT/cost-default.json"
+
 # 1. Latency on the default pair: greedy K sweep, then sampling at T=0.7.
 $PY llamassp.py "${L[@]}" latency --k 1,2,3,4 "${N[@]}" --json "$OUT/latency-default-greedy.json"
 $PY llamassp.py "${L[@]}" latency --k 1,2 --temperature 0.7 "${N[@]}" --json "$OUT/latency-default-t0.7.json"

@@ -94,14 +94,14 @@ def _check_positive(name: str, value: int) -> None:
         raise UserError(f"{name} must be at least 1, got {value}")
 
 
-def _parse_ks(text: str) -> list[int]:
+def _parse_ints(name: str, text: str) -> list[int]:
     try:
-        ks = [int(part) for part in text.split(",") if part.strip()]
+        values = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
-        raise UserError(f"--k takes whole numbers separated by commas, got {text!r}") from None
-    if not ks or any(k < 1 for k in ks):
-        raise UserError(f"--k values must be at least 1, got {text!r}")
-    return ks
+        raise UserError(f"{name} takes whole numbers separated by commas, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise UserError(f"{name} values must be at least 1, got {text!r}")
+    return values
 
 
 def _load(s: Settings, name: str):
@@ -192,7 +192,7 @@ def latency(
     from lssp.prompts import WARMUP_PROMPT
 
     s = settings(ctx)
-    ks = _parse_ks(k)
+    ks = _parse_ints("--k", k)
     _check_positive("--max-new-tokens", max_new_tokens)
     prompt_list = _read_prompt_list(prompts, nb_prompts)
     params = _params(temperature, top_k, top_p)
@@ -616,6 +616,69 @@ def _parse_floats(name: str, text: str) -> list[float]:
     if not values or any(not 0 <= v < 1 for v in values):
         raise UserError(f"{name} values must be in [0, 1), got {text!r}")
     return values
+
+
+# --- cost ------------------------------------------------------------------------------------
+@app.command()
+def cost(
+    ctx: typer.Context,
+    models: Annotated[Optional[list[str]], typer.Argument(help="Models to time (default: the default target and draft).")] = None,
+    precisions: Annotated[str, typer.Option(help="Float dtypes and CPU dynamic quantizations to compare.")] =
+        "bfloat16,float32,dynamic-fp16,dynamic-int8",
+    tokens: Annotated[str, typer.Option(help="Tokens fed in one forward (K+1 for a verification).")] = "1,2,3,5",
+    context: Annotated[int, typer.Option(help="Tokens already in the KV cache.")] = 64,
+    repeats: Annotated[int, typer.Option(help="Timed forwards per point (median taken).")] = 15,
+    json_out: JsonOpt = None,
+) -> None:
+    """Forward ms by precision and by tokens per forward: does verifying K drafts cost about one forward here?"""
+    from dataclasses import replace
+
+    from lssp.cost import forward_costs
+    from lssp.loading import load_model
+    from lssp.registry import DTYPES, QUANTIZATIONS
+
+    s = settings(ctx)
+    counts = _parse_ints("--tokens", tokens)
+    _check_positive("--context", context)
+    _check_positive("--repeats", repeats)
+    chosen = [p.strip() for p in precisions.split(",") if p.strip()]
+    allowed = [d for d in DTYPES if d != "auto"] + [q for q in QUANTIZATIONS if q.startswith("dynamic")]
+    if not chosen or any(p not in allowed for p in chosen):
+        raise UserError(f"--precisions takes some of {','.join(allowed)}, got {precisions!r}")
+    names = models or [s.registry.target_name(None), s.registry.draft_name(None)]
+    loaded = []
+    for name in names:
+        spec = replace(s.registry.get(name), quantization="none")  # each precision is made from the plain weights
+        with console.status(f"Loading {name}…"):
+            loaded.append(load_model(spec, s.device))
+    with console.status("Timing forwards…") as status:
+        costs = forward_costs(loaded, chosen, counts, context, repeats, progress=lambda m: status.update(f"Timing {m}…"))
+    run_id = report.new_run_id()
+    env = report.environment(loaded[0].device)
+    rows = [{"timestamp": report.timestamp(), "run_id": run_id, **asdict(c), "context": context, "repeats": repeats, **env}
+            for c in costs]
+    report.append_csv(s.results_dir / "cost.csv", rows)
+    (s.results_dir / f"cost-{run_id}.md").write_text(
+        f"# cost run {run_id}\n\n{env['device']}, torch {env['torch']}, transformers {env['transformers']}, "
+        f"commit {env['git_commit']}; forwards of N tokens after {context} cached, median of {repeats}\n\n"
+        + report.markdown_table(rows, ["model", "precision", "tokens", "ms", "relative"]))
+    if json_out:
+        report.write_json(json_out, rows)
+    all_counts = sorted({c.tokens for c in costs})
+    table = Table(title=f"Forward ms after {context} cached tokens (× a 1-token forward) — {env['device']}")
+    for col in ["model", "precision", *(f"{n} token{'s' * (n > 1)}" for n in all_counts)]:
+        table.add_column(col, justify="right")
+    by_key: dict[tuple[str, str], dict[int, tuple[float, float]]] = {}
+    for c in costs:
+        by_key.setdefault((c.model, c.precision), {})[c.tokens] = (c.ms, c.relative)
+    for (model, precision), cells in by_key.items():
+        table.add_row(model, precision, *(f"{cells[n][0]:.1f} (×{cells[n][1]:.2f})" for n in all_counts))
+    console.print(table)
+    if len(loaded) >= 2:
+        draft_name, target_name = loaded[1].name, loaded[0].name
+        ratios = [f"{p}: {by_key[(draft_name, p)][1][0] / by_key[(target_name, p)][1][0]:.3f}"
+                  for p in chosen if (target_name, p) in by_key and (draft_name, p) in by_key]
+        console.print(f"  c = {draft_name} ÷ {target_name} per 1-token forward — " + ", ".join(ratios))
 
 
 # --- verify ----------------------------------------------------------------------------------

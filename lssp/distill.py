@@ -308,6 +308,8 @@ def train(target: PreTrainedModel, out: Path, cfg: DistillConfig, report: Distil
         report.loss_curve = [tuple(x) for x in state["loss_curve"]]
         report.agreement_curve = [tuple(x) for x in state.get("agreement_curve", [])]
         report.started_from = state.get("started_from", report.started_from)  # read before OUT was overwritten
+    if step == 0 and held_out:
+        report.agreement_curve.append((0, 0, top1_agreement(draft, held_out)))  # the starting point
     generator = torch.Generator().manual_seed(cfg.seed)
     draft.train()
     recent: list[float] = []

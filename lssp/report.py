@@ -28,14 +28,27 @@ def timestamp() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
-def cpu_name() -> str:
+def _cpuinfo(field: str) -> str | None:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
+            if line.startswith(field):
                 return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return None
+
+
+def cpu_name() -> str:
+    return _cpuinfo("model name") or platform.processor() or platform.machine()
+
+
+def cpu_features() -> str:
+    """The vector ISA torch uses and whether the CPU computes bf16 natively: the same model name can
+    hide both, and bf16 matmuls without native support cost about K times more for K tokens."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    flags = set((_cpuinfo("flags") or "").split())
+    native = sorted(flags & {"avx512_bf16", "amx_bf16"})
+    return f"{capability}, " + (f"bf16: {'+'.join(native)}" if native else "no native bf16")
 
 
 def device_description(device: torch.device | str | None = None) -> str:
@@ -47,7 +60,7 @@ def device_description(device: torch.device | str | None = None) -> str:
         for n in names:
             counts[n] = counts.get(n, 0) + 1
         return " + ".join(f"{c}x {n}" for n, c in counts.items())
-    return f"CPU: {cpu_name()} ({os.cpu_count()} cores, {torch.get_num_threads()} threads)"
+    return f"CPU: {cpu_name()} ({os.cpu_count()} cores, {torch.get_num_threads()} threads, {cpu_features()})"
 
 
 @cache

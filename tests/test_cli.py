@@ -190,3 +190,18 @@ def test_stats_against_hand_computed_values():
     assert alpha_estimate(5, 2) == pytest.approx(5 / 7)
     assert alpha_from_tokens_per_iteration(1.875, 3) == pytest.approx(0.5)
     assert alpha_from_tokens_per_iteration(1.0, 4) == pytest.approx(0.0, abs=1e-9)
+
+
+def test_cost_times_each_precision_and_token_count(tiny_dir, tmp_path, capsys):
+    results = tmp_path / "results"
+    code = main(["--config", str(tiny_dir / "models.yaml"), "--results-dir", str(results), "cost", "tiny-target", "tiny-draft",
+                 "--precisions", "float32,dynamic-int8", "--tokens", "1,3", "--repeats", "2", "--json", str(tmp_path / "c.json")])
+    assert code == 0, capsys.readouterr().err
+    rows = json.loads((tmp_path / "c.json").read_text())
+    assert {(r["model"], r["precision"], r["tokens"]) for r in rows} == {
+        (m, p, n) for m in ("tiny-target", "tiny-draft") for p in ("float32", "dynamic-int8") for n in (1, 3)}
+    assert all(r["ms"] > 0 and (r["tokens"] > 1 or r["relative"] == 1.0) for r in rows)
+    assert "no native bf16" in rows[0]["device"] or "bf16:" in rows[0]["device"]
+    assert (results / "cost.csv").exists() and "c = tiny-draft ÷ tiny-target" in capsys.readouterr().out
+    code = main(["--config", str(tiny_dir / "models.yaml"), "cost", "--precisions", "int4"])
+    assert code == 2 and "--precisions takes some of" in capsys.readouterr().err

@@ -1,0 +1,83 @@
+"""What a forward costs on this machine, by precision and by the number of tokens fed at once.
+
+Speculative sampling pays off when scoring K+1 tokens in one target forward costs about as
+much as scoring one. That holds where decoding is memory-bound (GPUs, CPUs with native bf16),
+and fails where a precision is emulated: on an AVX2 CPU a bf16 forward of K+1 tokens costs
+about K+1 times a 1-token one. These timings show which precision keeps verification cheap.
+"""
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from statistics import median
+
+import torch
+from transformers import PreTrainedModel
+
+from lssp.generation import forward_logits, model_device, new_cache
+from lssp.loading import LoadedModel, dynamic_quantize
+from lssp.registry import DYNAMIC_QUANTIZATIONS
+from lssp.timing import Clock
+
+PRECISIONS = ("bfloat16", "float32", "dynamic-fp16", "dynamic-int8")
+Progress = Callable[[str], None]
+
+
+@dataclass
+class ForwardCost:
+    model: str
+    precision: str
+    tokens: int  # fed in one forward, after `context` cached tokens
+    ms: float  # median over repeats
+    relative: float  # ms ÷ the same precision's 1-token forward
+
+
+def with_precision(loaded: LoadedModel, precision: str) -> PreTrainedModel:
+    """A copy of ``loaded``'s model in a float dtype or a dynamic quantization."""
+    model = copy.deepcopy(loaded.model)
+    if precision in DYNAMIC_QUANTIZATIONS:
+        return dynamic_quantize(model, replace(loaded.spec, quantization=precision))
+    return model.to(getattr(torch, precision))
+
+
+@torch.inference_mode()
+def time_forwards(model: PreTrainedModel, token_counts: Sequence[int], context: int = 64, repeats: int = 15,
+                  warmup: int = 3) -> dict[int, float]:
+    """Median ms of a forward of n tokens on top of a ``context``-token cache, for each n."""
+    device = model_device(model)
+    clock = Clock(device)
+    vocab = model.get_input_embeddings().weight.shape[0]
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(vocab // 10, vocab // 2, (1, context + max(token_counts)), generator=generator).to(device)
+    kv = new_cache(model)
+    forward_logits(model, ids[:, :context], kv, 1)
+    result = {}
+    for n in token_counts:
+        times = []
+        for i in range(warmup + repeats):
+            start = clock.now()
+            forward_logits(model, ids[:, context: context + n], kv, n)
+            if i >= warmup:
+                times.append(clock.now() - start)
+            kv.crop(-n)
+        result[n] = 1000 * median(times)
+    return result
+
+
+def forward_costs(models: Sequence[LoadedModel], precisions: Sequence[str], token_counts: Sequence[int],
+                  context: int = 64, repeats: int = 15, progress: Progress | None = None) -> list[ForwardCost]:
+    """Every model under every precision (dynamic quantizations only on the CPU)."""
+    counts = sorted({1, *token_counts})
+    costs = []
+    for loaded in models:
+        for precision in precisions:
+            if precision in DYNAMIC_QUANTIZATIONS and loaded.device.type != "cpu":
+                continue
+            if progress:
+                progress(f"{loaded.name} in {precision}")
+            model = with_precision(loaded, precision)
+            ms = time_forwards(model, counts, context, repeats)
+            costs += [ForwardCost(loaded.name, precision, n, ms[n], ms[n] / ms[1]) for n in counts]
+            del model
+    return costs
