@@ -1,7 +1,7 @@
 """Print Markdown tables of chosen runs from the CSVs in results/ (for the README).
 
 Usage: python benchmarks/tables.py [RESULTS_DIR] > results/README-tables.md
-Takes the newest run of each kind on the default pair unless run ids are given with --runs.
+Prints every run of each kind (cost, latency, bench, eval), or only the run ids given with --runs.
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ LATENCY = ["mode", "k", "ms_per_token", "ms_per_token_median", "ms_per_token_min
            "acceptance_rate", "alpha", "mean_accepted", "speedup"]
 BENCH = ["engine", "ms_per_token", "ms_per_token_median", "ours_over_hf_median", "ours_over_hf_min", "ours_over_hf_max",
          "greedy_agreement"]
+COST = ["model", "precision", "tokens", "ms", "relative"]
 EVAL = ["mode", "trials", "successes", "success_rate", "wald_low", "wald_high", "wilson_low", "wilson_high", "diff_low",
         "diff_high", "mcnemar_p"]
 
@@ -31,8 +32,9 @@ def runs_of(frame: pd.DataFrame, wanted: list[str] | None) -> list[str]:
 
 def describe(rows: pd.DataFrame, extra: str = "") -> str:
     r = rows.iloc[0]
+    sampling = f" · T={r['temperature']:g}" if "temperature" in r else ""
     return (f"run `{r['run_id']}` · {r['device']} · torch {r['torch']} · transformers {r['transformers']} · commit "
-            f"{r['git_commit']} · T={r['temperature']:g}{extra}")
+            f"{r['git_commit']}{sampling}{extra}")
 
 
 def main() -> None:
@@ -41,7 +43,7 @@ def main() -> None:
     ap.add_argument("--runs", nargs="*", help="run ids to show (default: all)")
     args = ap.parse_args()
     root = Path(args.results)
-    for name, columns in (("latency", LATENCY), ("bench", BENCH), ("eval", EVAL)):
+    for name, columns in (("cost", COST), ("latency", LATENCY), ("bench", BENCH), ("eval", EVAL)):
         path = root / f"{name}.csv"
         if not path.exists():
             continue
@@ -49,7 +51,9 @@ def main() -> None:
         for run_id in runs_of(frame, args.runs):
             rows = frame[frame["run_id"] == run_id]
             extra = f", {int(rows['prompts'].iloc[0])} prompts × {int(rows['max_new_tokens'].iloc[0])} tokens" if "prompts" in rows else ""
-            print(f"#### {name}: {rows['target'].iloc[0]} + {rows['draft'].fillna('').max() or '-'}\n")
+            models = (f"{rows['target'].iloc[0]} + {rows['draft'].fillna('').max() or '-'}" if "target" in rows
+                      else " + ".join(dict.fromkeys(rows["model"])))
+            print(f"#### {name}: {models}\n")
             print(describe(rows, extra) + "\n")
             print(markdown_table(rows.to_dict("records"), columns))
 

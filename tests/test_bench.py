@@ -1,6 +1,8 @@
 """bench: the four engines agree token for token when greedy; the summary is consistent."""
 from __future__ import annotations
 
+import copy
+
 import pandas as pd
 import pytest
 
@@ -68,3 +70,15 @@ def test_random_init_pair_warns_that_acceptance_means_nothing(tiny_dir, tmp_path
                  "--nb-prompts", "1", "--max-new-tokens", "6", "--alpha", "0.7"])
     assert code == 0
     assert "acceptance and measured speedup mean nothing" in capsys.readouterr().out
+
+
+def test_four_engines_agree_on_dynamically_quantized_models(pair):
+    from dataclasses import replace
+
+    from lssp.loading import dynamic_quantize
+
+    quantized = [LoadedModel(replace(m.spec, quantization=q), dynamic_quantize(copy.deepcopy(m.model), replace(m.spec, quantization=q)),
+                             m.tokenizer) for m, q in zip(pair, ("dynamic-fp16", "dynamic-int8"))]
+    run = run_bench(*quantized, ["hello there", "abc"], "warm", 3, SamplingParams(0), 16, seed=0)
+    assert run.greedy_agreement == {e: 1.0 for e in ENGINES}
+    assert quantized[0].weight_bytes < pair[0].weight_bytes
