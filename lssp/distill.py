@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import subprocess
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -213,6 +214,12 @@ def earlier_training(folder: str | Path) -> dict:
     """What a draft folder's own card says of how it was made: its report and command, where present."""
     folder = Path(folder)
     found: dict = {"path": str(folder)}
+    try:  # a draft kept in git: the last commit that changed it names these exact weights
+        log = subprocess.run(["git", "log", "-1", "--format=%h", "--", "."], cwd=folder, capture_output=True, text=True, timeout=5)
+        if log.returncode == 0 and log.stdout.strip():
+            found["commit"] = log.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
     report = folder / "distill_report.json"
     if report.exists():
         earlier = json.loads(report.read_text())
@@ -373,7 +380,8 @@ def write_draft(draft: LlamaForCausalLM, tokenizer: PreTrainedTokenizerBase, out
     accept = "\n".join(f"| {k} | {v:.3f} |" for k, v in report.acceptance.items())
     lineage, earlier = "", report.started_from
     while earlier:
-        lineage += (f"- started from the weights of `{earlier['path']}`, which had been trained {earlier.get('steps')} steps "
+        at_commit = f" as of commit {earlier['commit']}" if earlier.get("commit") else ""
+        lineage += (f"- started from the weights of `{earlier['path']}`{at_commit}, which had been trained {earlier.get('steps')} steps "
                     f"({(earlier.get('train_seconds') or 0) / 60:.1f} min) on {earlier.get('data_tokens')} other target tokens"
                     f" ({(earlier.get('collect_seconds') or 0) / 60:.1f} min of collection)"
                     + (f" by `{earlier['command']}`" if earlier.get("command") else "") + "\n")
