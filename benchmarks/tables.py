@@ -23,6 +23,13 @@ EVAL = ["mode", "trials", "successes", "success_rate", "wald_low", "wald_high", 
         "diff_high", "mcnemar_p"]
 
 
+def cost_pivot(rows: pd.DataFrame) -> pd.DataFrame:
+    cells = rows.assign(cell=[f"{ms:.1f} (×{rel:.2f})" for ms, rel in zip(rows["ms"], rows["relative"])])
+    table = cells.pivot_table(index=["model", "precision"], columns="tokens", values="cell", aggfunc="first", sort=False)
+    table.columns = [f"{n} token{'s' * (n > 1)}, ms (× 1 token)" for n in table.columns]
+    return table.reset_index()
+
+
 def runs_of(frame: pd.DataFrame, wanted: list[str] | None) -> list[str]:
     ids = list(dict.fromkeys(frame.sort_values("timestamp")["run_id"]))
     if wanted:
@@ -55,6 +62,9 @@ def main() -> None:
                       else " + ".join(dict.fromkeys(rows["model"])))
             print(f"#### {name}: {models}\n")
             print(describe(rows, extra) + "\n")
+            if name == "cost":  # one row per model and precision, one column per tokens-per-forward
+                rows = cost_pivot(rows)
+                columns = list(rows.columns)
             print(markdown_table(rows.to_dict("records"), columns))
 
 
