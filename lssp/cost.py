@@ -8,20 +8,18 @@ about K+1 times a 1-token one. These timings show which precision keeps verifica
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from statistics import median
 
 import torch
 from transformers import PreTrainedModel
 
+from lssp.bench import Progress
 from lssp.generation import forward_logits, model_device, new_cache
 from lssp.loading import LoadedModel, dynamic_quantize
 from lssp.registry import DYNAMIC_QUANTIZATIONS
 from lssp.timing import Clock
-
-PRECISIONS = ("bfloat16", "float32", "dynamic-fp16", "dynamic-int8")
-Progress = Callable[[str], None]
 
 
 @dataclass
