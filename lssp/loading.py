@@ -33,7 +33,7 @@ class LoadedModel:
 
     @property
     def device(self) -> torch.device:
-        return self.model.get_input_embeddings().weight.device
+        return model_device(self.model)
 
     @property
     def dtype(self) -> str:
