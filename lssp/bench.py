@@ -67,7 +67,7 @@ class BenchRun:
 
 
 def _hf_config(model: LoadedModel, max_new_tokens: int, params: SamplingParams):
-    cfg = copy.deepcopy(model.model.generation_config)
+    cfg = copy.deepcopy(model.hf_model.generation_config)
     cfg.max_new_tokens = cfg.min_new_tokens = max_new_tokens  # never stop early: the same work as ours
     cfg.do_sample = not params.greedy
     cfg.temperature = params.temperature if not params.greedy else None
@@ -83,24 +83,24 @@ def hf_generate(target: LoadedModel, ids: torch.Tensor, max_new_tokens: int, par
     cfg = _hf_config(target, max_new_tokens, params)
     kwargs = {}
     if draft is not None:
-        saved = draft.model.generation_config
+        saved = draft.hf_model.generation_config
         assistant = copy.deepcopy(saved)  # fresh schedule state: transformers keeps it across calls
         assistant.num_assistant_tokens = k
         assistant.num_assistant_tokens_schedule = "constant"
         assistant.assistant_confidence_threshold = 0.0  # always draft k tokens, as ours does
-        draft.model.generation_config = assistant
-        kwargs["assistant_model"] = draft.model
+        draft.hf_model.generation_config = assistant
+        kwargs["assistant_model"] = draft.hf_model
     ids = ids.to(target.device)
     clock = Clock(target.device)
     torch.manual_seed(seed)
     try:
         start = clock.now()
         with torch.inference_mode():
-            out = target.model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=cfg, **kwargs)
+            out = target.hf_model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=cfg, **kwargs)
         seconds = clock.now() - start
     finally:
         if draft is not None:
-            draft.model.generation_config = saved
+            draft.hf_model.generation_config = saved
     return out[0, ids.shape[1]:].tolist(), seconds
 
 

@@ -466,6 +466,7 @@ def distill(
     hard_weight: Annotated[float, typer.Option(help="Weight of cross-entropy on the target's argmax (rest: soft top-k).")] = 0.3,
     data_dir: Annotated[Optional[Path], typer.Option(help="Where collected data and checkpoints go (default: OUT/work).")] = None,
     init_draft: Annotated[Optional[Path], typer.Option(help="Go on training this draft (its shape wins over the size options).")] = None,
+    head_tokens: Annotated[int, typer.Option(help="Output layer over the target's N most frequent tokens only (0: all).")] = 0,
 ) -> None:
     """Make a small Llama draft for TARGET from its own continuations (resumable)."""
     from lssp import distill as dst
@@ -480,13 +481,16 @@ def distill(
         _check_positive(name, value)
     if hidden_size % heads:
         raise UserError(f"--hidden-size {hidden_size} must be a multiple of --heads {heads}")
+    if head_tokens < 0:
+        raise UserError(f"--head-tokens must be >= 0, got {head_tokens}")
     t = _load(s, s.registry.target_name(target))
     if t.tokenizer is None:
         raise UserError(f"model {t.name!r} has no tokenizer to share with a draft")
     cfg = dst.DistillConfig(hidden_size=hidden_size, layers=layers, heads=heads, intermediate_size=intermediate_size,
                             data_tokens=data_tokens, batch_prompts=batch_prompts, new_tokens=new_tokens,
                             train_minutes=train_minutes, max_steps=max_steps, epochs=epochs, lr=lr,
-                            hard_weight=hard_weight, seed=s.seed, init_from=str(init_draft) if init_draft else None)
+                            hard_weight=hard_weight, seed=s.seed, init_from=str(init_draft) if init_draft else None,
+                            head_tokens=head_tokens)
     work = data_dir or out / "work"
     work.mkdir(parents=True, exist_ok=True)
     rep = dst.DistillReport(target=t.name, config=asdict(cfg))

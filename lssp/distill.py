@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
 from lssp.distill_data import training_prompts
+from lssp.draft_head import attach_subset_head, has_subset_head, load_subset_head_model, most_frequent, subset_head
 from lssp.errors import UserError
 from lssp.generation import logit_width, model_device
 
@@ -46,6 +47,7 @@ class DistillConfig:
     seed: int = 0
     max_seq_len: int = 160
     init_from: str | None = None  # a draft folder whose weights (and shape) training starts from
+    head_tokens: int = 0  # >0: the output layer covers only the target's most frequent tokens (see draft_head)
 
 
 @dataclass
@@ -236,7 +238,10 @@ def earlier_training(folder: str | Path) -> dict:
 def load_initial_draft(target: PreTrainedModel, cfg: DistillConfig) -> LlamaForCausalLM:
     """An earlier draft to go on training, in float32; it must cover the target's vocabulary."""
     try:
-        draft = LlamaForCausalLM.from_pretrained(cfg.init_from, dtype=torch.float32)
+        if has_subset_head(cfg.init_from):
+            draft = load_subset_head_model(cfg.init_from, torch.float32)
+        else:
+            draft = LlamaForCausalLM.from_pretrained(cfg.init_from, dtype=torch.float32)
     except (OSError, ValueError) as exc:
         raise UserError(f"cannot load --init-draft {cfg.init_from}: {str(exc).splitlines()[0]}") from None
     if logit_width(draft) != logit_width(target):
@@ -262,10 +267,17 @@ def _loss(draft: LlamaForCausalLM, batch: list[dict[str, torch.Tensor]], cfg: Di
         top_lp.append(e["top_lp"])
         hard.append(e["top_ids"][:, 0])  # the target's own argmax: what greedy acceptance needs
     h = hidden[torch.cat(rows), torch.cat(cols)]
-    logq = draft.lm_head(h).float().log_softmax(-1)
-    top_ids_t, p = torch.cat(top_ids), torch.cat(top_lp).exp()
+    top_ids_t, p, hard_t = torch.cat(top_ids), torch.cat(top_lp).exp(), torch.cat(hard)
+    head = subset_head(draft)
+    if head is None:
+        logq = draft.lm_head(h).float().log_softmax(-1)
+    else:  # train the head's own rows; target tokens outside it are out of the draft's reach
+        logq = head.linear(h).float().log_softmax(-1)
+        top_ids_t, hard_t = head.position[top_ids_t], head.position[hard_t]
+        p = p * (top_ids_t >= 0)
+        top_ids_t, hard_t = top_ids_t.clamp(min=0), hard_t.masked_fill(hard_t < 0, -100)
     soft = -(p * logq.gather(-1, top_ids_t)).sum(-1).mean()
-    hard_loss = F.nll_loss(logq, torch.cat(hard))
+    hard_loss = F.nll_loss(logq, hard_t) if (hard_t >= 0).any() else logq.sum() * 0
     return (1 - cfg.hard_weight) * soft + cfg.hard_weight * hard_loss
 
 
@@ -302,6 +314,11 @@ def train(target: PreTrainedModel, out: Path, cfg: DistillConfig, report: Distil
     examples, held_out = (examples[:-held], examples[-held:]) if held else (examples, [])
     ckpt_path = out / "checkpoint.pt"
     draft = load_initial_draft(target, cfg) if cfg.init_from else init_draft(target, cfg)
+    if cfg.head_tokens and subset_head(draft) is None:
+        counts = torch.zeros(logit_width(draft), dtype=torch.long)
+        for e in examples:
+            counts += torch.bincount(e["ids"][e["start"] + 1:], minlength=len(counts))
+        attach_subset_head(draft, most_frequent(counts, cfg.head_tokens))
     opt = torch.optim.AdamW(draft.parameters(), lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.98))
     tokens_per_epoch = sum(len(e["top_ids"]) for e in examples)
     steps_per_epoch = max(1, len(examples) // cfg.batch_size)
@@ -378,6 +395,10 @@ def write_draft(draft: LlamaForCausalLM, tokenizer: PreTrainedTokenizerBase, out
     (out / "distill_report.json").write_text(json.dumps(asdict(report), indent=1))
     curve = "\n".join(f"| {s} | {t} | {loss:.3f} |" for s, t, loss in report.loss_curve[:: max(1, len(report.loss_curve) // 12)])
     accept = "\n".join(f"| {k} | {v:.3f} |" for k, v in report.acceptance.items())
+    head = subset_head(draft)
+    output_layer = (f"an output layer over the target's {len(head.token_ids)} most frequent tokens (the others are never "
+                    f"proposed) and a {draft.config.vocab_size}-token input embedding" if head else
+                    f"tied {draft.config.vocab_size}-token embedding")
     lineage, earlier = "", report.started_from
     while earlier:
         at_commit = f" as of commit {earlier['commit']}" if earlier.get("commit") else ""
@@ -390,7 +411,7 @@ def write_draft(draft: LlamaForCausalLM, tokenizer: PreTrainedTokenizerBase, out
     (out / "README.md").write_text(f"""# Draft for {report.target}, made by `llamassp distill`
 
 A {draft.config.num_hidden_layers}-layer Llama (hidden {draft.config.hidden_size}, {report.parameters / 1e6:.1f}M parameters,
-tied {draft.config.vocab_size}-token embedding) sharing {report.target}'s tokenizer. Weights in bfloat16.
+{output_layer}) sharing {report.target}'s tokenizer. Weights in bfloat16.
 
 Made with: `{command}`
 

@@ -139,7 +139,9 @@ def forward_logits(model: PreTrainedModel, ids: torch.Tensor, kv: DynamicCache, 
 
 
 def new_cache(model: PreTrainedModel) -> DynamicCache:
-    return DynamicCache(config=model.config)
+    """An empty KV cache of the kind ``model`` takes (a compact forward brings its own)."""
+    make = getattr(model, "new_cache", None)
+    return make() if make else DynamicCache(config=model.config)
 
 
 def _prefill(model: PreTrainedModel, seq: torch.Tensor) -> DynamicCache:

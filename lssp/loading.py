@@ -11,6 +11,8 @@ import torch
 import yaml
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from lssp.compact import CompactLlama, supports_compact
+from lssp.draft_head import has_subset_head, load_subset_head_model
 from lssp.errors import IncompatibleModelsError, UserError
 from lssp.generation import logit_width, model_device
 from lssp.registry import DYNAMIC_QUANTIZATIONS, ModelSpec
@@ -36,22 +38,30 @@ class LoadedModel:
         return model_device(self.model)
 
     @property
+    def hf_model(self) -> PreTrainedModel:
+        """The transformers model itself (under a compact forward, the one it wraps)."""
+        return getattr(self.model, "hf", self.model)
+
+    @property
     def dtype(self) -> str:
         return str(self.model.get_input_embeddings().weight.dtype).removeprefix("torch.")
 
     @property
     def precision(self) -> str:
-        """dtype, or the quantization where there is one."""
+        """dtype, or the quantization where there is one; and a compact forward if used."""
         quantization = self.spec.quantization
         if quantization == "none":
-            return self.dtype
-        return f"{quantization} (torch)" if quantization in DYNAMIC_QUANTIZATIONS else f"{quantization} (bnb)"
+            weights = self.dtype
+        else:
+            weights = f"{quantization} (torch)" if quantization in DYNAMIC_QUANTIZATIONS else f"{quantization} (bnb)"
+        return f"{weights}, compact forward" if self.hf_model is not self.model else weights
 
     @property
     def weight_bytes(self) -> int:
         """Bytes of every weight, the prepacked ones of dynamically quantized layers included."""
-        total = sum(t.numel() * t.element_size() for t in (*self.model.parameters(), *self.model.buffers()))
-        for module in self.model.modules():
+        model = self.hf_model
+        total = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+        for module in model.modules():
             if isinstance(module, DynamicLinear):
                 packed = module._packed_params.dtype  # float16 or qint8; weight() unpacks it
                 total += module.in_features * module.out_features * (2 if packed == torch.float16 else 1)
@@ -166,13 +176,29 @@ def load_model(spec: ModelSpec, device: str | None = None) -> LoadedModel:
         where, extra = _source(spec)
         log.info("loading %s from %s %s", spec.name, where, extra)
         try:
-            model = AutoModelForCausalLM.from_pretrained(where, **kwargs, **extra)
+            if has_subset_head(where):
+                if spec.quantization in ("8bit", "4bit"):
+                    raise UserError(f"model {spec.name!r}: a draft with a frequent-token head loads without bitsandbytes")
+                torch_dtype = dtype if isinstance(dtype, torch.dtype) else torch.float32
+                model = load_subset_head_model(where, torch_dtype, _single_device(placement["device_map"]))
+            else:
+                model = AutoModelForCausalLM.from_pretrained(where, **kwargs, **extra)
         except OSError as exc:
             raise UserError(f"model {spec.name!r}: cannot load {where}: {_first_line(exc)}") from None
+    if spec.forward == "compact":
+        model = compact(model, spec)  # first, so that a dynamic quantization also covers its fused layers
     if spec.quantization in DYNAMIC_QUANTIZATIONS:
         model = dynamic_quantize(model, spec)
     model.eval()
     return LoadedModel(spec, model, load_tokenizer(spec))
+
+
+def compact(model: PreTrainedModel, spec: ModelSpec) -> CompactLlama:
+    """``model`` behind the compact forward, or a one-line error saying why it cannot be."""
+    reason = supports_compact(model)
+    if reason:
+        raise UserError(f"model {spec.name!r}: 'forward: compact' does not support {reason}")
+    return CompactLlama(model).eval()
 
 
 def dynamic_quantize(model: PreTrainedModel, spec: ModelSpec) -> PreTrainedModel:
@@ -199,13 +225,17 @@ def dynamic_quantize(model: PreTrainedModel, spec: ModelSpec) -> PreTrainedModel
 def _random_model(spec: ModelSpec, dtype: torch.dtype | str, device_map: str) -> PreTrainedModel:
     """Random weights built directly on the target device (no download, no CPU copy first)."""
     config = random_config(spec)
-    device = "cuda" if device_map in ("auto", "balanced", "sequential") and torch.cuda.is_available() else device_map
-    if device in ("auto", "balanced", "sequential"):
-        device = "cpu"
     torch_dtype = dtype if isinstance(dtype, torch.dtype) else torch.float32
-    with torch.device(device):
+    with torch.device(_single_device(device_map)):
         model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
     return model
+
+
+def _single_device(device_map: str) -> str:
+    """The one device a model built outside from_pretrained goes to: the first GPU if any, else the CPU."""
+    if device_map in ("auto", "balanced", "sequential"):
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device_map
 
 
 def _first_line(exc: BaseException) -> str:

@@ -17,9 +17,12 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 QUANTIZATIONS = ("none", "8bit", "4bit", "dynamic-fp16", "dynamic-int8")
 DYNAMIC_QUANTIZATIONS = ("dynamic-fp16", "dynamic-int8")
 INITS = ("pretrained", "random")
+# transformers: the model's own forward. compact: lssp.compact's fused batch-1 forward for small
+# Llama models (a draft's cost ratio c is mostly per-call overhead).
+FORWARDS = ("transformers", "compact")
 SPEC_KEYS = {
     "path", "tokenizer", "dtype", "quantization", "device_map", "gpus", "max_memory",
-    "attn_implementation", "revision", "init", "config", "description",
+    "attn_implementation", "revision", "init", "config", "description", "forward",
 }
 TOP_KEYS = {"default_target", "default_draft", "models"}
 PACKAGE_PREFIX = "pkg:"
@@ -42,6 +45,7 @@ class ModelSpec:
     init: str = "pretrained"
     config: dict[str, Any] | str | None = None
     description: str = ""
+    forward: str = "transformers"
     base_dir: Path = field(default=Path("."), compare=False)
 
     @property
@@ -208,7 +212,7 @@ def _check_value(name: str, key: str, value: Any, at: str) -> None:
     def bad(expected: str) -> UserError:
         return UserError(f"{at}: model {name!r}: bad {key} {value!r}; expected {expected}")
 
-    choices = {"dtype": DTYPES, "quantization": QUANTIZATIONS, "init": INITS}.get(key)
+    choices = {"dtype": DTYPES, "quantization": QUANTIZATIONS, "init": INITS, "forward": FORWARDS}.get(key)
     if choices is not None:
         if value not in choices:
             raise UserError(f"{at}: model {name!r}: bad {key} {value!r}; expected one of {', '.join(choices)}")

@@ -85,6 +85,10 @@ models:
   tiny-draft-int8dyn:
     path: ./tiny-draft
     quantization: dynamic-int8
+  tiny-draft-compact:
+    path: ./tiny-draft
+    dtype: float32
+    forward: compact
   tiny-other-vocab:
     path: ./tiny-other
     dtype: float32

@@ -83,3 +83,34 @@ def test_distill_goes_on_from_an_earlier_draft(tiny_dir, tmp_path, capsys):
     assert (config["hidden_size"], config["num_hidden_layers"]) == (16, 1)
     code = main(common + ["--out", str(tmp_path / "third"), "--init-draft", str(tmp_path / "missing")])
     assert code == 2 and "cannot load --init-draft" in capsys.readouterr().err
+
+
+def test_distill_with_a_frequent_token_head(tiny_dir, tmp_path, capsys):
+    first, second = tmp_path / "headed", tmp_path / "again"
+    common = ["--config", str(tiny_dir / "models.yaml"), "--results-dir", str(tmp_path / "results"), "distill", "tiny-target",
+              "--batch-prompts", "4", "--new-tokens", "8", "--data-tokens", "40", "--max-steps", "2"]
+    assert main(common + ["--out", str(first), "--hidden-size", "16", "--layers", "1", "--heads", "2",
+                          "--intermediate-size", "32", "--head-tokens", "12"]) == 0, capsys.readouterr().err
+    config = json.loads((first / "config.json").read_text())
+    ids = config["head_token_ids"]
+    assert len(ids) == 12 and ids == sorted(set(ids)) and not config["tie_word_embeddings"]
+    # The head holds the tokens the target emitted most often in the collected data.
+    counts = torch.zeros(64, dtype=torch.long)
+    for shard in (first / "work" / "data").glob("shard_*.pt"):
+        rec = torch.load(shard)
+        for row, n in zip(rec["tokens"], rec["lengths"].tolist()):
+            counts += torch.bincount(row[:n].long(), minlength=64)
+    assert counts[ids].min() >= counts[[i for i in range(64) if i not in ids]].max()
+    assert "12 most frequent tokens" in (first / "README.md").read_text()
+    report = json.loads((first / "distill_report.json").read_text())
+    assert all(loss == loss and loss < 1e6 for _, _, loss in report["loss_curve"])  # finite: no -inf logits in the loss
+    # Going on from it keeps its head; the registry loader gives a compatible draft.
+    assert main(common + ["--out", str(second), "--init-draft", str(first), "--data-dir", str(tmp_path / "w2")]) == 0
+    assert json.loads((second / "config.json").read_text())["head_token_ids"] == ids
+    from lssp.registry import ModelSpec
+
+    target = load_model(load_registry(tiny_dir / "models.yaml").get("tiny-target"))
+    draft = load_model(ModelSpec(name="d", path=str(second), dtype="float32", forward="compact"))
+    assert check_compatible(target, draft) == 64
+    code = main(common + ["--out", str(tmp_path / "x"), "--head-tokens", "-1"])
+    assert code == 2 and "--head-tokens" in capsys.readouterr().err

@@ -1,0 +1,138 @@
+"""The compact forward and the frequent-token draft head: same logits, same tokens, same law."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from conftest import char_tokenizer, tiny_llama
+from lssp.compact import CompactCache, CompactLlama, supports_compact
+from lssp.draft_head import attach_subset_head, has_subset_head, load_subset_head_model, most_frequent, subset_head
+from lssp.errors import UserError
+from lssp.generation import forward_logits, generate_regular, generate_speculative, new_cache
+from lssp.loading import dynamic_quantize, load_model
+from lssp.registry import ModelSpec, load_registry
+from lssp.sampling import SamplingParams
+from lssp.stats import chi_square_gof
+from test_generation import SIGNIFICANCE, VOCAB, exact_two_token_law, two_token_counts
+
+GREEDY = SamplingParams(0)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(30, scale=4.0)  # 4 query heads over 2 key/value heads: the grouped-query path
+
+
+def test_compact_logits_equal_the_transformers_forward_through_prefill_decode_and_crop(model):
+    compact = CompactLlama(model)
+    ids = torch.randint(0, 64, (1, 20), generator=torch.Generator().manual_seed(0))
+    hf_kv, kv = new_cache(model), new_cache(compact)
+    steps = [(0, 12, 12), (12, 15, 3), (15, 16, 1)]  # prefill, a 3-token verification, one decode step
+    for start, end, last in steps:
+        expected = forward_logits(model, ids[:, start:end], hf_kv, last)
+        got = forward_logits(compact, ids[:, start:end], kv, last)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    hf_kv.crop(-3)
+    kv.crop(-3)
+    assert kv.get_seq_length() == hf_kv.get_seq_length() == 13
+    torch.testing.assert_close(forward_logits(compact, ids[:, 13:17], kv, 4),
+                               forward_logits(model, ids[:, 13:17], hf_kv, 4), rtol=1e-5, atol=1e-5)
+
+
+def test_compact_cache_grows_past_its_first_capacity(model):
+    compact = CompactLlama(model)
+    ids = torch.randint(0, 64, (1, 40), generator=torch.Generator().manual_seed(1))
+    kv = CompactCache(2, 2, 8, torch.float32, torch.device("cpu"), capacity=8)
+    hf_kv = new_cache(model)
+    for start, end in [(0, 20), (20, 40)]:  # 8 -> 20 -> 40 positions
+        torch.testing.assert_close(forward_logits(compact, ids[:, start:end], kv, end - start),
+                                   forward_logits(model, ids[:, start:end], hf_kv, end - start), rtol=1e-5, atol=1e-5)
+    assert kv.get_seq_length() == 40 and kv.keys.shape[4] >= 40
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_greedy_ssp_with_a_compact_draft_equals_greedy_rsp(model, k):
+    draft = CompactLlama(tiny_llama(31, hidden=16, layers=1, scale=4.0))
+    for prompt in ([0, 5, 9, 3], [7]):
+        ids = torch.tensor([prompt])
+        expected = generate_regular(model, ids, 30, GREEDY).tokens.tolist()
+        assert generate_speculative(model, draft, ids, 30, k, GREEDY).tokens.tolist() == expected
+        assert generate_regular(CompactLlama(model), ids, 30, GREEDY).tokens.tolist() == expected
+
+
+def test_compact_fused_layers_take_the_dynamic_quantization(model):
+    spec = ModelSpec(name="m", quantization="dynamic-fp16")
+    quantized = dynamic_quantize(CompactLlama(copy.deepcopy(model)), spec)
+    assert all(type(layer).__name__ == "Linear" and type(layer).__module__.startswith("torch.ao") for layer in quantized.qkv)
+    ids = torch.tensor([[0, 5, 9, 3, 8]])
+    torch.testing.assert_close(forward_logits(quantized, ids, quantized.new_cache(), 5),
+                               forward_logits(model, ids, new_cache(model), 5), rtol=0, atol=5e-2)
+
+
+def test_unsupported_models_are_refused_in_one_line(model, tiny_dir):
+    other = copy.deepcopy(model)
+    other.config.rope_parameters = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
+    assert "rope type 'linear'" in supports_compact(other)
+    with pytest.raises(ValueError):
+        CompactLlama(other)
+    registry = load_registry(tiny_dir / "models.yaml")
+    loaded = load_model(registry.get("tiny-draft-compact"))
+    assert loaded.precision == "float32, compact forward"
+    assert loaded.hf_model is loaded.model.hf
+    bad = tiny_dir / "bad-forward.yaml"
+    bad.write_text("models:\n  m: {path: ./tiny-target, forward: fast}\n")
+    with pytest.raises(UserError, match="bad forward 'fast'; expected one of transformers, compact"):
+        load_registry(bad)
+
+
+# --- the frequent-token head --------------------------------------------------------------
+
+def test_subset_head_keeps_its_rows_and_masks_the_rest(model):
+    headed = attach_subset_head(copy.deepcopy(model), [3, 5, 60])
+    ids = torch.tensor([[0, 5, 9]])
+    with torch.no_grad():
+        full, part = model(ids).logits, headed(ids).logits
+    assert part.shape == full.shape
+    torch.testing.assert_close(part[..., [3, 5, 60]], full[..., [3, 5, 60]])
+    assert torch.isinf(part[..., [0, 1, 2, 4, 63]]).all()
+    assert subset_head(headed).position[5] == 1 and subset_head(headed).position[4] == -1
+    assert most_frequent(torch.tensor([5, 0, 9, 1, 7]), 3) == [0, 2, 4]
+
+
+def test_subset_head_draft_saves_and_loads_through_the_registry(model, tmp_path, tiny_dir):
+    headed = attach_subset_head(copy.deepcopy(model), list(range(0, 64, 2)))
+    headed.save_pretrained(tmp_path / "headed")
+    char_tokenizer().save_pretrained(tmp_path / "headed")
+    assert has_subset_head(tmp_path / "headed") and not has_subset_head(tiny_dir / "tiny-target")
+    reloaded = load_subset_head_model(tmp_path / "headed", torch.float32)
+    ids = torch.tensor([[0, 5, 9, 11]])
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, headed(ids).logits)
+    spec = ModelSpec(name="headed", path=str(tmp_path / "headed"), dtype="float32", forward="compact")
+    loaded = load_model(spec)
+    assert loaded.precision == "float32, compact forward"
+    torch.testing.assert_close(forward_logits(loaded.model, ids, loaded.model.new_cache(), 4),
+                               forward_logits(headed, ids, new_cache(headed), 4), rtol=1e-5, atol=1e-5)
+
+
+def test_greedy_ssp_with_a_subset_head_draft_equals_greedy_rsp(model):
+    draft = attach_subset_head(tiny_llama(32, hidden=16, layers=1, scale=4.0), list(range(0, 64, 3)))
+    for prompt in ([0, 5, 9, 3], [7]):
+        ids = torch.tensor([prompt])
+        expected = generate_regular(model, ids, 30, GREEDY).tokens.tolist()
+        out = generate_speculative(model, draft, ids, 30, 3, GREEDY)
+        assert out.tokens.tolist() == expected
+        assert out.stats.accepted < out.stats.drafted  # tokens outside the head get rejected, not emitted wrongly
+
+
+def test_ssp_with_a_subset_head_draft_recovers_the_target_distribution():
+    params = SamplingParams(1.0)
+    target = tiny_llama(20, vocab_size=VOCAB, scale=8.0)
+    draft = attach_subset_head(tiny_llama(21, vocab_size=VOCAB, hidden=16, layers=1, scale=8.0), [0, 2, 3, 5])
+    prompt = torch.tensor([[1, 2, 3]])
+    law = exact_two_token_law(target, prompt, params)
+    assert law.view(VOCAB, VOCAB)[[1, 4, 6, 7]].sum() > 0.05  # the target often picks tokens the draft never proposes
+    result = chi_square_gof(two_token_counts(target, draft, prompt, params), law.tolist())
+    assert result.p_value > SIGNIFICANCE, result
