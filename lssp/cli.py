@@ -630,6 +630,7 @@ def cost(
     precisions: Annotated[str, typer.Option(help="Float dtypes and CPU dynamic quantizations to compare.")] =
         "bfloat16,float32,dynamic-fp16,dynamic-int8",
     tokens: Annotated[str, typer.Option(help="Tokens fed in one forward (K+1 for a verification).")] = "1,2,3,5",
+    forwards: Annotated[Optional[str], typer.Option(help="Time these forwards: transformers,compact (default: each entry's).")] = None,
     context: Annotated[int, typer.Option(help="Tokens already in the KV cache.")] = 64,
     repeats: Annotated[int, typer.Option(help="Timed forwards per point (median taken).")] = 15,
     json_out: JsonOpt = None,
@@ -639,10 +640,13 @@ def cost(
 
     from lssp.cost import forward_costs
     from lssp.loading import load_model
-    from lssp.registry import DTYPES, QUANTIZATIONS
+    from lssp.registry import DTYPES, FORWARDS, QUANTIZATIONS
 
     s = settings(ctx)
     counts = _parse_ints("--tokens", tokens)
+    forward_list = [f.strip() for f in (forwards or "").split(",") if f.strip()]
+    if forwards is not None and (not forward_list or any(f not in FORWARDS for f in forward_list)):
+        raise UserError(f"--forwards takes some of {','.join(FORWARDS)}, got {forwards!r}")
     _check_positive("--context", context)
     _check_positive("--repeats", repeats)
     chosen = [p.strip() for p in precisions.split(",") if p.strip()]
@@ -653,8 +657,9 @@ def cost(
     loaded = []
     for name in names:
         spec = replace(s.registry.get(name), quantization="none")  # each precision is made from the plain weights
-        with console.status(f"Loading {name}…"):
-            loaded.append(load_model(spec, s.device))
+        for forward in forward_list or [spec.forward]:
+            with console.status(f"Loading {name} ({forward} forward)…"):
+                loaded.append(load_model(replace(spec, forward=forward), s.device))
     with console.status("Timing forwards…") as status:
         costs = forward_costs(loaded, chosen, counts, context, repeats, progress=lambda m: status.update(f"Timing {m}…"))
     run_id = report.new_run_id()
@@ -665,24 +670,26 @@ def cost(
     (s.results_dir / f"cost-{run_id}.md").write_text(
         f"# cost run {run_id}\n\n{env['device']}, torch {env['torch']}, transformers {env['transformers']}, "
         f"commit {env['git_commit']}; forwards of N tokens after {context} cached, median of {repeats}\n\n"
-        + report.markdown_table(rows, ["model", "precision", "tokens", "ms", "relative"]))
+        + report.markdown_table(rows, ["model", "forward", "precision", "tokens", "ms", "relative"]))
     if json_out:
         report.write_json(json_out, rows)
     all_counts = sorted({c.tokens for c in costs})
     table = Table(title=f"Forward ms after {context} cached tokens (× a 1-token forward) — {env['device']}")
-    for col in ["model", "precision", *(f"{n} token{'s' * (n > 1)}" for n in all_counts)]:
+    for col in ["model", "forward", "precision", *(f"{n} token{'s' * (n > 1)}" for n in all_counts)]:
         table.add_column(col, justify="right")
-    by_key: dict[tuple[str, str], dict[int, tuple[float, float]]] = {}
+    by_key: dict[tuple[str, str, str], dict[int, tuple[float, float]]] = {}
     for c in costs:
-        by_key.setdefault((c.model, c.precision), {})[c.tokens] = (c.ms, c.relative)
-    for (model, precision), cells in by_key.items():
-        table.add_row(model, precision, *(f"{cells[n][0]:.1f} (×{cells[n][1]:.2f})" for n in all_counts))
+        by_key.setdefault((c.model, c.forward, c.precision), {})[c.tokens] = (c.ms, c.relative)
+    for (model, forward, precision), cells in by_key.items():
+        table.add_row(model, forward, precision, *(f"{cells[n][0]:.1f} (×{cells[n][1]:.2f})" for n in all_counts))
     console.print(table)
-    if len(loaded) >= 2:
-        draft_name, target_name = loaded[1].name, loaded[0].name
-        ratios = [f"{p}: {by_key[(draft_name, p)][1][0] / by_key[(target_name, p)][1][0]:.3f}"
-                  for p in chosen if (target_name, p) in by_key and (draft_name, p) in by_key]
-        console.print(f"  c = {draft_name} ÷ {target_name} per 1-token forward — " + ", ".join(ratios))
+    names_timed = list(dict.fromkeys(x.name for x in loaded))
+    if len(names_timed) >= 2:
+        target_name, draft_name = names_timed[:2]
+        target_forward = s.registry.get(target_name).forward
+        ratios = [f"{p} ({f}): {by_key[(draft_name, f, p)][1][0] / by_key[(target_name, target_forward, p)][1][0]:.3f}"
+                  for (m, f, p) in by_key if m == draft_name and (target_name, target_forward, p) in by_key]
+        console.print(f"  c = {draft_name} ÷ {target_name} ({target_forward} forward) per 1-token forward — " + ", ".join(ratios))
 
 
 # --- verify ----------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ class ForwardCost:
     tokens: int  # fed in one forward, after `context` cached tokens
     ms: float  # median over repeats
     relative: float  # ms ÷ the same precision's 1-token forward
+    forward: str = "transformers"  # or "compact" (lssp.compact)
 
 
 def with_precision(loaded: LoadedModel, precision: str) -> PreTrainedModel:
@@ -76,6 +77,7 @@ def forward_costs(models: Sequence[LoadedModel], precisions: Sequence[str], toke
                 progress(f"{loaded.name} in {precision}")
             model = with_precision(loaded, precision)
             ms = time_forwards(model, counts, context, repeats)
-            costs += [ForwardCost(loaded.name, precision, n, ms[n], ms[n] / ms[1]) for n in counts]
+            forward = loaded.spec.forward
+            costs += [ForwardCost(loaded.name, precision, n, ms[n], ms[n] / ms[1], forward) for n in counts]
             del model
     return costs

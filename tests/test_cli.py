@@ -205,3 +205,17 @@ def test_cost_times_each_precision_and_token_count(tiny_dir, tmp_path, capsys):
     assert (results / "cost.csv").exists() and "c = tiny-draft ÷ tiny-target" in capsys.readouterr().out
     code = main(["--config", str(tiny_dir / "models.yaml"), "cost", "--precisions", "int4"])
     assert code == 2 and "--precisions takes some of" in capsys.readouterr().err
+
+
+def test_cost_compares_the_two_forwards(tiny_dir, tmp_path, capsys):
+    code = main(["--config", str(tiny_dir / "models.yaml"), "--results-dir", str(tmp_path / "results"), "cost", "tiny-target",
+                 "tiny-draft", "--precisions", "float32", "--tokens", "1,2", "--repeats", "2", "--forwards",
+                 "transformers,compact", "--json", str(tmp_path / "c.json")])
+    assert code == 0, capsys.readouterr().err
+    rows = json.loads((tmp_path / "c.json").read_text())
+    assert {(r["model"], r["forward"]) for r in rows} == {
+        (m, f) for m in ("tiny-target", "tiny-draft") for f in ("transformers", "compact")}
+    out = capsys.readouterr().out
+    assert "float32 (compact):" in out and "float32 (transformers):" in out
+    code = main(["--config", str(tiny_dir / "models.yaml"), "cost", "--forwards", "fast"])
+    assert code == 2 and "--forwards takes some of" in capsys.readouterr().err
