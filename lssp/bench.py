@@ -63,6 +63,7 @@ class BenchRun:
     acceptance_rate: float = float("nan")  # accepted / drafted, median over prompts
     alpha: float = float("nan")  # per-token acceptance of the i.i.d. model, all prompts
     cost_ratio: float = float("nan")  # c = draft ms/forward ÷ target ms per 1-token forward
+    verify_ratio: float = float("nan")  # v = target ms per SSp (K+1-token) forward ÷ per RSp forward
     greedy_agreement: dict[str, float] = field(default_factory=dict)  # share of prompts equal to ours-rsp
 
 
@@ -156,7 +157,9 @@ def summarize(k: int, runs: list[EngineRun], engines: Sequence[str] = ENGINES) -
         bench.acceptance_rate = median(r.acceptance_rate for r in ssp)
         bench.alpha = alpha_estimate(sum(r.accepted for r in ssp), sum(r.rejections for r in ssp))
         if "ours-rsp" in by:
-            bench.cost_ratio = median(r.draft_ms_per_forward for r in ssp) / median(r.target_ms_per_forward for r in by["ours-rsp"])
+            one_token_ms = median(r.target_ms_per_forward for r in by["ours-rsp"])
+            bench.cost_ratio = median(r.draft_ms_per_forward for r in ssp) / one_token_ms
+            bench.verify_ratio = median(r.target_ms_per_forward for r in ssp) / one_token_ms
     if "ours-rsp" in by:
         reference = {r.prompt_index: r.tokens for r in by["ours-rsp"]}
         for engine in engines:

@@ -561,6 +561,7 @@ def bench(
     by = {x.engine: x for x in run.summaries}
     measured_speedup = by["ours-rsp"].ms_per_token / by["ours-ssp"].ms_per_token
     predicted = predicted_speedup(run.alpha, k, run.cost_ratio)
+    predicted_v = predicted_speedup(run.alpha, k, run.cost_ratio, run.verify_ratio)
     rows = [{"timestamp": report.timestamp(), "run_id": run_id, "engine": x.engine, "target": t.name, "draft": d.name, "k": k,
              **params.as_dict(), "max_new_tokens": max_new_tokens, "prompts": len(prompt_list),
              "ms_per_token": x.ms_per_token, "ms_per_token_median": x.ms_per_token_median, "ms_per_token_min": x.ms_per_token_min,
@@ -568,7 +569,8 @@ def bench(
              "ours_over_hf_max": x.ratio_max, "greedy_agreement": run.greedy_agreement.get(x.engine, float("nan")),
              "ssp_overhead_share": run.ssp_overhead_share, "acceptance_rate": run.acceptance_rate, "alpha": run.alpha,
              "cost_ratio": run.cost_ratio,
-             "ssp_speedup_measured": measured_speedup, "ssp_speedup_predicted": predicted,
+             "verify_ratio": run.verify_ratio, "ssp_speedup_measured": measured_speedup, "ssp_speedup_predicted": predicted,
+             "ssp_speedup_predicted_v": predicted_v,
              "target_weight_bytes": t.weight_bytes, "copy_bandwidth_gbs": bandwidth / 1e9, "bandwidth_floor_ms": floor_ms,
              "target_precision": t.precision, "draft_precision": d.precision, **env} for x in run.summaries]
     report.append_csv(s.results_dir / "bench.csv", rows)
@@ -579,7 +581,8 @@ def bench(
         f"{max_new_tokens} tokens, {params}\n\n{env['device']}, torch {env['torch']}, transformers {env['transformers']}, "
         f"commit {env['git_commit']}\n\n" + report.markdown_table(rows, md_cols) +
         f"\nour SSp overhead outside forwards: {run.ssp_overhead_share:.1%} of decode time; α {run.alpha:.3f}; "
-        f"c = {run.cost_ratio:.3f}; SSp speedup measured {measured_speedup:.2f}x, predicted {predicted:.2f}x\n\n"
+        f"c = {run.cost_ratio:.3f}; v = {run.verify_ratio:.3f}; SSp speedup measured {measured_speedup:.2f}x, predicted "
+        f"{predicted:.2f}x (v = 1), {predicted_v:.2f}x (measured v)\n\n"
         f"target weights {t.weight_bytes / 1e6:.0f} MB, copy bandwidth {bandwidth / 1e9:.1f} GB/s, floor {floor_ms:.2f} ms/token, "
         f"ours-rsp {by['ours-rsp'].ms_per_token / floor_ms:.2f}x the floor\n")
     if json_out:
@@ -595,11 +598,12 @@ def bench(
     console.print(table)
     console.print(f"  our SSp: {run.ssp_overhead_share:.1%} of decode time outside the two models' forwards; α = "
                   f"{run.alpha:.2f} (accepted/drafted {run.acceptance_rate:.1%}); c = {run.cost_ratio:.3f}; speedup over our RSp {measured_speedup:.2f}× measured, "
-                  f"{predicted:.2f}× predicted by (1−α^(K+1))/((1−α)(Kc+1))")
+                  f"{predicted:.2f}× predicted by (1−α^(K+1))/((1−α)(Kc+1)), {predicted_v:.2f}× with the measured cost "
+                  f"of a (K+1)-token verification, v = {run.verify_ratio:.2f} 1-token forwards: (1−α^(K+1))/((1−α)(Kc+v))")
     console.print(f"  target weights {t.weight_bytes / 1e6:.0f} MB ÷ copy bandwidth {bandwidth / 1e9:.1f} GB/s = floor "
                   f"{floor_ms:.2f} ms/token; ours-rsp is {by['ours-rsp'].ms_per_token / floor_ms:.2f}× the floor")
     if alphas:
-        pt = Table(title=f"Predicted SSp speedup for c = {run.cost_ratio:.3f}")
+        pt = Table(title=f"Predicted SSp speedup for c = {run.cost_ratio:.3f}, v = 1")
         pt.add_column("α")
         ks = [1, 2, 3, 4, 6, 8]
         for kk in ks:

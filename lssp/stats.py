@@ -91,9 +91,13 @@ def expected_tokens_per_iteration(alpha: float, k: int) -> float:
     return (1 - alpha ** (k + 1)) / (1 - alpha)
 
 
-def predicted_speedup(alpha: float, k: int, c: float) -> float:
-    """(1 − α^(k+1)) / ((1 − α)(k·c + 1)) for draft/target cost ratio c."""
-    return expected_tokens_per_iteration(alpha, k) / (k * c + 1)
+def predicted_speedup(alpha: float, k: int, c: float, v: float = 1.0) -> float:
+    """(1 − α^(k+1)) / ((1 − α)(k·c + v)) for draft/target cost ratio c.
+
+    ``v`` is what a (k+1)-token verification forward costs in 1-token forwards: 1 in the
+    papers' model, measured by ``bench``.
+    """
+    return expected_tokens_per_iteration(alpha, k) / (k * c + v)
 
 
 def alpha_estimate(accepted: int, rejections: int) -> float:

@@ -9,8 +9,8 @@ import pytest
 from conftest import char_tokenizer, tiny_llama
 from lssp.bench import ENGINES, copy_bandwidth, run_bench
 from lssp.cli import main
-from lssp.loading import LoadedModel
-from lssp.registry import ModelSpec
+from lssp.loading import LoadedModel, load_model
+from lssp.registry import ModelSpec, load_registry
 from lssp.sampling import SamplingParams
 
 
@@ -36,7 +36,7 @@ def test_four_engines_agree_token_for_token_when_greedy(pair, k):
     assert run.greedy_agreement == {e: 1.0 for e in ENGINES}
     ours_rsp, hf_gen = (next(s for s in run.summaries if s.engine == e) for e in ("ours-rsp", "hf-generate"))
     assert ours_rsp.ratio_min <= ours_rsp.ratio_median <= ours_rsp.ratio_max
-    assert 0 <= run.ssp_overhead_share < 1 and run.cost_ratio > 0
+    assert 0 <= run.ssp_overhead_share < 1 and run.cost_ratio > 0 and run.verify_ratio > 0
     assert hf_gen.ms_per_token > 0
 
 
@@ -61,6 +61,19 @@ def test_bench_cli_writes_table_and_predictions(tiny_dir, tmp_path, capsys):
     assert list(rows["engine"]) == list(ENGINES)
     assert (rows["ms_per_token"] > 0).all() and (rows["bandwidth_floor_ms"] > 0).all()
     assert rows.loc[rows["engine"] == "ours-rsp", "ours_over_hf_median"].notna().all()
+    from lssp.stats import predicted_speedup
+
+    row = rows.iloc[0]
+    assert row["ssp_speedup_predicted_v"] == pytest.approx(
+        predicted_speedup(row["alpha"], 2, row["cost_ratio"], row["verify_ratio"]))
+    assert "measured cost of a (K+1)-token verification" in out
+
+
+def test_bench_with_a_compact_draft_gives_transformers_the_wrapped_model(tiny_dir):
+    registry = load_registry(tiny_dir / "models.yaml")
+    target, draft = load_model(registry.get("tiny-target")), load_model(registry.get("tiny-draft-compact"))
+    run = run_bench(target, draft, ["hello there", "abc"], "warm", 3, SamplingParams(0), 16, seed=0)
+    assert run.greedy_agreement == {e: 1.0 for e in ENGINES}
 
 
 def test_random_init_pair_warns_that_acceptance_means_nothing(tiny_dir, tmp_path, capsys):
