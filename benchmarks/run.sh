@@ -17,14 +17,15 @@ else
     N=(); SAMPLES=(--samples 600 --depth 2); EVALN=(--nb-prompts 200)
 fi
 
-# 0. What a forward costs here, by precision and tokens per forward (why the default pair is dynamic-fp16/int8 on a CPU).
-$PY llamassp.py "${L[@]}" cost --json "$OUT/cost-default.json"
+# 0. What a forward costs here, by precision and tokens per forward (why the default pair is dynamic-fp16 on a CPU),
+#    under transformers' forward and the compact one (why the default draft uses it).
+$PY llamassp.py "${L[@]}" cost --forwards transformers,compact --json "$OUT/cost-default.json"
 
 # 1. Latency on the default pair: greedy K sweep, then sampling at T=0.7.
 $PY llamassp.py "${L[@]}" latency --k 1,2,3,4 "${N[@]}" --json "$OUT/latency-default-greedy.json"
 $PY llamassp.py "${L[@]}" latency --k 1,2 --temperature 0.7 "${N[@]}" --json "$OUT/latency-default-t0.7.json"
 
-# 2. Ours vs transformers (greedy, K=3).
+# 2. Ours vs transformers (greedy, K=2).
 $PY llamassp.py "${L[@]}" bench --k 2 "${N[@]}" --alpha 0.5,0.6,0.7,0.8 --json "$OUT/bench-default.json"
 
 # 3. Quality: RSp vs SSp on the same multiplication problems, and the losslessness checks.

@@ -25,7 +25,11 @@ EVAL = ["mode", "trials", "successes", "success_rate", "wald_low", "wald_high", 
 
 def cost_pivot(rows: pd.DataFrame) -> pd.DataFrame:
     cells = rows.assign(cell=[f"{ms:.1f} (×{rel:.2f})" for ms, rel in zip(rows["ms"], rows["relative"])])
-    table = cells.pivot_table(index=["model", "precision"], columns="tokens", values="cell", aggfunc="first", sort=False)
+    if "forward" not in cells:  # runs from before the compact forward
+        cells = cells.assign(forward="transformers")
+    cells["forward"] = cells["forward"].fillna("transformers")
+    table = cells.pivot_table(index=["model", "forward", "precision"], columns="tokens", values="cell", aggfunc="first",
+                              sort=False)
     table.columns = [f"{n} token{'s' * (n > 1)}, ms (× 1 token)" for n in table.columns]
     return table.reset_index()
 
@@ -62,7 +66,7 @@ def main() -> None:
                       else " + ".join(dict.fromkeys(rows["model"])))
             print(f"#### {name}: {models}\n")
             print(describe(rows, extra) + "\n")
-            if name == "cost":  # one row per model and precision, one column per tokens-per-forward
+            if name == "cost":  # one row per model, forward and precision, one column per tokens-per-forward
                 rows = cost_pivot(rows)
                 columns = list(rows.columns)
             print(markdown_table(rows.to_dict("records"), columns))
