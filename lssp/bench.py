@@ -79,7 +79,7 @@ def _hf_config(model: LoadedModel, max_new_tokens: int, params: SamplingParams):
 
 
 def hf_generate(target: LoadedModel, ids: torch.Tensor, max_new_tokens: int, params: SamplingParams, seed: int,
-                draft: LoadedModel | None = None, k: int = 0) -> tuple[list[int], float]:
+                draft: LoadedModel | None = None, k: int = 0, confidence: float = 0.0) -> tuple[list[int], float]:
     """transformers' generate(), plain or assisted with a constant ``k`` (state reset every call)."""
     cfg = _hf_config(target, max_new_tokens, params)
     kwargs = {}
@@ -88,7 +88,7 @@ def hf_generate(target: LoadedModel, ids: torch.Tensor, max_new_tokens: int, par
         assistant = copy.deepcopy(saved)  # fresh schedule state: transformers keeps it across calls
         assistant.num_assistant_tokens = k
         assistant.num_assistant_tokens_schedule = "constant"
-        assistant.assistant_confidence_threshold = 0.0  # always draft k tokens, as ours does
+        assistant.assistant_confidence_threshold = confidence  # 0: always draft k tokens, as ours does then
         draft.hf_model.generation_config = assistant
         kwargs["assistant_model"] = draft.hf_model
     ids = ids.to(target.device)
@@ -107,18 +107,21 @@ def hf_generate(target: LoadedModel, ids: torch.Tensor, max_new_tokens: int, par
 
 def run_bench(target: LoadedModel, draft: LoadedModel, prompts: Sequence[str], warmup_prompt: str, k: int,
               params: SamplingParams, max_new_tokens: int, seed: int, vocab_size: int | None = None,
-              engines: Sequence[str] = ENGINES, progress: Progress | None = None) -> BenchRun:
+              engines: Sequence[str] = ENGINES, progress: Progress | None = None, confidence: float = 0.0) -> BenchRun:
+    """Every engine on every prompt, interleaved; ``confidence`` > 0 lets both SSp engines stop drafting early."""
     def once(engine: str, text: str, index: int) -> EngineRun:
         ids = target.encode(text)
         s = seed + index
         if engine.startswith("hf-"):
-            tokens, seconds = hf_generate(target, ids, max_new_tokens, params, s, draft if engine == "hf-assisted" else None, k)
+            tokens, seconds = hf_generate(target, ids, max_new_tokens, params, s, draft if engine == "hf-assisted" else None, k,
+                                          confidence)
             return EngineRun(engine, index, tokens, seconds)
         gen = torch.Generator(device=target.device).manual_seed(s)
         if engine == "ours-rsp":
             out = generate_regular(target.model, ids, max_new_tokens, params, gen)
         else:
-            out = generate_speculative(target.model, draft.model, ids, max_new_tokens, k, params, gen, vocab_size=vocab_size)
+            out = generate_speculative(target.model, draft.model, ids, max_new_tokens, k, params, gen, vocab_size=vocab_size,
+                                       confidence=confidence)
         st = out.stats
         return EngineRun(engine, index, out.tokens.tolist(), st.total_time_s, st.other_time_s, st.decode_time_s,
                          st.acceptance_rate, st.accepted, st.rejections,

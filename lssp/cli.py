@@ -74,6 +74,9 @@ def _configure_logging(verbose: bool) -> None:
 
 # --- shared option types -------------------------------------------------------------------
 KOpt = Annotated[int, typer.Option("--k", help="Draft tokens per iteration.")]
+ConfidenceOpt = Annotated[str, typer.Option(
+    "--draft-confidence", help="Stop drafting once the draft's own probability of its token falls below this "
+    "(K becomes a maximum; a comma list sweeps; 0: always K).")]
 MaxNewOpt = Annotated[int, typer.Option(help="Tokens to generate per prompt.")]
 TopKOpt = Annotated[int, typer.Option(help="Keep the k most likely tokens (0: off).")]
 TopPOpt = Annotated[float, typer.Option(help="Nucleus sampling mass (1: off).")]
@@ -184,6 +187,7 @@ def latency(
     top_k: TopKOpt = 0,
     top_p: TopPOpt = 1.0,
     no_baseline: Annotated[bool, typer.Option("--no-baseline", help="Skip timing RSp.")] = False,
+    draft_confidence: ConfidenceOpt = "0",
     json_out: JsonOpt = None,
     plot: PlotOpt = False,
 ) -> None:
@@ -193,17 +197,18 @@ def latency(
 
     s = settings(ctx)
     ks = _parse_ints("--k", k)
+    confidences = _parse_floats("--draft-confidence", draft_confidence)
     _check_positive("--max-new-tokens", max_new_tokens)
     prompt_list = _read_prompt_list(prompts, nb_prompts)
     params = _params(temperature, top_k, top_p)
     use_draft = draft is not None or default_pair or target is None
     t, d, vocab = _load_pair(s, target, draft, need_draft=use_draft)
-    modes = (0 if no_baseline and d is not None else 1) + (len(ks) if d else 0)
+    modes = (0 if no_baseline and d is not None else 1) + (len(ks) * len(confidences) if d else 0)
     with _progress() as bar:
         task = bar.add_task("timing", total=modes * (len(prompt_list) + 1))
         run = run_latency(t, d, prompt_list, WARMUP_PROMPT, ks, params, max_new_tokens, s.seed,
                           baseline=not no_baseline, vocab_size=vocab,
-                          progress=lambda msg: bar.update(task, advance=1, description=msg))
+                          progress=lambda msg: bar.update(task, advance=1, description=msg), confidences=confidences)
     run_id = report.new_run_id()
     env = report.environment(t.device)
     rows = []
@@ -216,19 +221,21 @@ def latency(
         rows.append(row)
     report.append_csv(s.results_dir / "latency.csv", rows)
     report.append_csv(s.results_dir / "latency_prompts.csv", [
-        {"run_id": run_id, "mode": p.mode, "k": p.k, "prompt_index": p.prompt_index, "new_tokens": p.stats.new_tokens,
+        {"run_id": run_id, "mode": p.mode, "k": p.k, "confidence": p.confidence, "prompt_index": p.prompt_index,
+         "new_tokens": p.stats.new_tokens,
          "ms_per_token": p.stats.ms_per_token, "ttft_ms": 1000 * p.stats.ttft_s,
          "acceptance_rate": p.stats.acceptance_rate, "target": t.name, "draft": d.name if d else ""}
         for p in run.timings])
-    md_cols = ["mode", "k", "ms_per_token", "ms_per_token_median", "ms_per_token_min", "ms_per_token_max", "ttft_ms",
-               "acceptance_rate", "alpha", "mean_accepted", "speedup"]
+    md_cols = ["mode", "k", *(["confidence"] if any(confidences) else []), "ms_per_token", "ms_per_token_median",
+               "ms_per_token_min", "ms_per_token_max", "ttft_ms", "acceptance_rate", "alpha", "mean_accepted", "speedup"]
     md = (f"# latency run {run_id}\n\ntarget `{t.name}` ({t.precision}), draft `{d.name if d else '-'}`, "
           f"{len(prompt_list)} prompts x {max_new_tokens} new tokens, {params}\n\n{env['device']}, torch {env['torch']}, "
           f"transformers {env['transformers']}, commit {env['git_commit']}\n\n" + report.markdown_table(rows, md_cols))
     (s.results_dir / f"latency-{run_id}.md").write_text(md)
     if json_out:
         report.write_json(json_out, [{
-            "mode": m.mode, "target": t.name, "draft": r["draft"] or None, "k": m.k, "ms_per_token": m.ms_per_token,
+            "mode": m.mode, "target": t.name, "draft": r["draft"] or None, "k": m.k, "confidence": m.confidence,
+            "ms_per_token": m.ms_per_token,
             "ttft_ms": m.ttft_ms, "acceptance_rate": m.acceptance_rate, "alpha": m.alpha, "mean_accepted": m.mean_accepted,
             "speedup": m.speedup, "ms_per_token_median": m.ms_per_token_median,
             "acceptance_by_position": [round(x, 4) for x in m.acceptance_by_position], "run_id": run_id,
@@ -236,6 +243,11 @@ def latency(
     _render_latency(run, t, d, params, len(prompt_list), max_new_tokens, env, run_id, s.results_dir)
     if plot:
         _plot(s, run_id=run_id, kinds=("latency",))
+
+
+def _k_label(k: int, confidence: float) -> str:
+    """K, or "≤K p≥0.4" where drafting stops early below a draft probability."""
+    return f"≤{k} p≥{confidence:g}" if confidence else str(k)
 
 
 def _render_latency(run, t, d, params, n_prompts, max_new_tokens, env, run_id, results_dir) -> None:
@@ -250,7 +262,7 @@ def _render_latency(run, t, d, params, n_prompts, max_new_tokens, env, run_id, r
         split = f"{m.draft_share:.0%}/{m.target_share:.0%}/{m.other_share:.0%}"
         table.add_row(
             m.mode.upper() + (" ★" if m.best and len([x for x in run.summaries if x.mode == "ssp"]) > 1 else ""),
-            str(m.k) if m.mode == "ssp" else "–", f"{m.ms_per_token:.1f}",
+            _k_label(m.k, m.confidence) if m.mode == "ssp" else "–", f"{m.ms_per_token:.1f}",
             f"{m.ms_per_token_median:.1f} [{m.ms_per_token_min:.1f}–{m.ms_per_token_max:.1f}]", f"{m.ttft_ms:.0f}",
             _fmt(m.acceptance_rate, 0, pct=True), _fmt(m.alpha, 2), _fmt(m.mean_accepted, 2), split,
             Text(f"{m.speedup:.2f}×", style="bold green" if m.speedup > 1 else "bold red") if not math.isnan(m.speedup) else "–",
@@ -258,7 +270,7 @@ def _render_latency(run, t, d, params, n_prompts, max_new_tokens, env, run_id, r
     console.print(table)
     for m in run.summaries:
         if m.mode == "ssp":
-            console.print(f"  share of iterations accepting draft i (K={m.k}): " +
+            console.print(f"  share of iterations accepting draft i (K={_k_label(m.k, m.confidence)}): " +
                           " ".join(f"{i + 1}:{_fmt(x, 0, pct=True)}" for i, x in enumerate(m.acceptance_by_position)))
     c = run.cost_ratio
     if not math.isnan(c):
@@ -535,6 +547,7 @@ def bench(
     top_k: TopKOpt = 0,
     top_p: TopPOpt = 1.0,
     alpha: Annotated[Optional[str], typer.Option(help="Acceptance rates to predict the speedup for: 0.6,0.7,0.8.")] = None,
+    draft_confidence: ConfidenceOpt = "0",
     json_out: JsonOpt = None,
 ) -> None:
     """Ours vs transformers: RSp vs generate(), SSp vs assisted generation, same prompts, one run."""
@@ -546,13 +559,16 @@ def bench(
     _check_positive("--k", k)
     _check_positive("--max-new-tokens", max_new_tokens)
     alphas = _parse_floats("--alpha", alpha) if alpha else []
+    confidences = _parse_floats("--draft-confidence", draft_confidence)
+    if len(confidences) != 1:
+        raise UserError(f"bench takes one --draft-confidence, got {draft_confidence!r}")
     prompt_list = _read_prompt_list(prompts, nb_prompts)
     params = _params(temperature, top_k, top_p)
     t, d, vocab = _load_pair(s, target, draft)
     with _progress() as bar:
         task = bar.add_task("bench", total=4 * (len(prompt_list) + 1))
         run = run_bench(t, d, prompt_list, WARMUP_PROMPT, k, params, max_new_tokens, s.seed, vocab,
-                        progress=lambda msg: bar.update(task, advance=1, description=msg))
+                        progress=lambda msg: bar.update(task, advance=1, description=msg), confidence=confidences[0])
     with console.status("Measuring copy bandwidth…"):
         bandwidth = copy_bandwidth(t.device)
     floor_ms = 1000 * t.weight_bytes / bandwidth
@@ -563,6 +579,7 @@ def bench(
     predicted = predicted_speedup(run.alpha, k, run.cost_ratio)
     predicted_v = predicted_speedup(run.alpha, k, run.cost_ratio, run.verify_ratio)
     rows = [{"timestamp": report.timestamp(), "run_id": run_id, "engine": x.engine, "target": t.name, "draft": d.name, "k": k,
+             "draft_confidence": confidences[0],
              **params.as_dict(), "max_new_tokens": max_new_tokens, "prompts": len(prompt_list),
              "ms_per_token": x.ms_per_token, "ms_per_token_median": x.ms_per_token_median, "ms_per_token_min": x.ms_per_token_min,
              "ms_per_token_max": x.ms_per_token_max, "ours_over_hf_median": x.ratio_median, "ours_over_hf_min": x.ratio_min,

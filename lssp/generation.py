@@ -172,6 +172,11 @@ def accepted_prefix(
     return int(accept.cumprod(0).sum())
 
 
+def _probability(logits: torch.Tensor, token: torch.Tensor) -> float:
+    """softmax(logits)[token], read on the host."""
+    return float((logits[token].float() - logits.float().logsumexp(-1)).exp())
+
+
 def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """norm(max(0, p - q)): the law of the token that replaces a rejected draft."""
     residual = (p - q).clamp_(min=0)
@@ -243,11 +248,15 @@ def generate_speculative(
     stopping: Stopping = NO_STOP,
     on_tokens: TokenCallback | None = None,
     vocab_size: int | None = None,
+    confidence: float = 0.0,
 ) -> GenerationOutput:
     """Sample ``max_new_tokens`` tokens from ``target``'s distribution with ``draft`` proposing ``k`` at a time.
 
     ``vocab_size`` limits both models' logits to a common prefix (embedding matrices padded
-    to different sizes); by default the smaller of the two output widths.
+    to different sizes); by default the smaller of the two output widths. With ``confidence``
+    > 0, the draft stops proposing early once its own (untempered) probability of the token it
+    just proposed falls below it, like transformers' ``assistant_confidence_threshold``: ``k``
+    is then a maximum. The rule looks at the draft alone, so sampling stays exact.
     """
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
@@ -276,6 +285,10 @@ def generate_speculative(
             q[i] = warp(logits[:, :vocab].to(device), params)[0]
             drafts[i] = sample(q[i], params, generator)
             pending = drafts[i].view(1, 1)
+            if confidence and i + 1 < k_now and _probability(logits[0, :vocab], drafts[i]) < confidence:
+                k_now = i + 1
+                drafts, q = drafts[:k_now], q[:k_now]
+                break
         stats.draft_forwards += k_now
 
         # 2. One target forward scores every draft position and the bonus position.

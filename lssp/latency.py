@@ -23,6 +23,7 @@ class PromptTiming:
     mode: str
     k: int
     stats: GenerationStats
+    confidence: float = 0.0  # SSp: the draft stops early below this own-probability (0: always k)
 
 
 @dataclass
@@ -49,9 +50,11 @@ class ModeSummary:
     draft_ms_per_forward: float = float("nan")
     speedup: float = float("nan")  # RSp ms/token / this ms/token, same run
     best: bool = False
+    confidence: float = 0.0  # SSp: k is a maximum, drafting stops below this draft probability
+    draft_forwards_per_iteration: float = float("nan")
 
 
-def summarize(mode: str, k: int, timings: Sequence[PromptTiming]) -> ModeSummary:
+def summarize(mode: str, k: int, timings: Sequence[PromptTiming], confidence: float = 0.0) -> ModeSummary:
     stats = [t.stats for t in timings]
     per_prompt = [s.ms_per_token for s in stats]
     tokens = sum(s.new_tokens for s in stats)
@@ -79,6 +82,8 @@ def summarize(mode: str, k: int, timings: Sequence[PromptTiming]) -> ModeSummary
         other_share=(decode - draft_t - target_t) / decode if decode else nan,
         target_ms_per_forward=1000 * target_t / target_fw if target_fw else nan,
         draft_ms_per_forward=1000 * draft_t / draft_fw if draft_fw else nan,
+        confidence=confidence,
+        draft_forwards_per_iteration=draft_fw / target_fw if mode == "ssp" and target_fw else nan,
     )
 
 
@@ -104,36 +109,40 @@ class LatencyRun:
 def run_latency(
     target: LoadedModel, draft: LoadedModel | None, prompts: Sequence[str], warmup_prompt: str, ks: Sequence[int], params: SamplingParams,
     max_new_tokens: int, seed: int, baseline: bool = True, vocab_size: int | None = None,
-    progress: Progress | None = None,
+    progress: Progress | None = None, confidences: Sequence[float] = (0.0,),
 ) -> LatencyRun:
-    """Time RSp and SSp (each k) on every prompt, interleaved prompt by prompt.
+    """Time RSp and SSp (each k, and each draft confidence threshold) on every prompt, interleaved prompt by prompt.
 
     Each completion runs to exactly ``max_new_tokens`` (no early stop at EOS), after one
     untimed warm-up completion per mode.
     """
-    modes: list[tuple[str, int]] = ([("rsp", 0)] if baseline or draft is None else [])
+    modes: list[tuple[str, int, float]] = ([("rsp", 0, 0.0)] if baseline or draft is None else [])
     if draft is not None:
-        modes += [("ssp", k) for k in ks]
+        modes += [("ssp", k, c) for c in confidences for k in ks]
 
-    def complete(mode: str, k: int, text: str, index: int) -> GenerationStats:
+    def complete(mode: str, k: int, confidence: float, text: str, index: int) -> GenerationStats:
         ids = target.encode(text)
         generator = torch.Generator(device=target.device).manual_seed(seed + index)
         if mode == "rsp":
             return generate_regular(target.model, ids, max_new_tokens, params, generator).stats
         return generate_speculative(target.model, draft.model, ids, max_new_tokens, k, params, generator,
-                                    vocab_size=vocab_size).stats
+                                    vocab_size=vocab_size, confidence=confidence).stats
 
-    for mode, k in modes:
-        complete(mode, k, warmup_prompt, -1)
+    def name(mode: str, k: int, confidence: float) -> str:
+        return mode + (f" k={k}" if k else "") + (f" p>={confidence:g}" if confidence else "")
+
+    for mode, k, confidence in modes:
+        complete(mode, k, confidence, warmup_prompt, -1)
         if progress:
-            progress(f"warm-up {mode}" + (f" k={k}" if k else ""))
+            progress("warm-up " + name(mode, k, confidence))
     timings = []
     for index, text in enumerate(prompts):
-        for mode, k in modes:
-            timings.append(PromptTiming(index, mode, k, complete(mode, k, text, index)))
+        for mode, k, confidence in modes:
+            timings.append(PromptTiming(index, mode, k, complete(mode, k, confidence, text, index), confidence))
             if progress:
-                progress(f"prompt {index + 1}/{len(prompts)} {mode}" + (f" k={k}" if k else ""))
-    summaries = [summarize(mode, k, [t for t in timings if (t.mode, t.k) == (mode, k)]) for mode, k in modes]
+                progress(f"prompt {index + 1}/{len(prompts)} " + name(mode, k, confidence))
+    summaries = [summarize(mode, k, [t for t in timings if (t.mode, t.k, t.confidence) == (mode, k, confidence)], confidence)
+                 for mode, k, confidence in modes]
     rsp = next((s for s in summaries if s.mode == "rsp"), None)
     ssp = [s for s in summaries if s.mode == "ssp"]
     for s in ssp:

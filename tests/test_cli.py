@@ -219,3 +219,15 @@ def test_cost_compares_the_two_forwards(tiny_dir, tmp_path, capsys):
     assert "float32 (compact):" in out and "float32 (transformers):" in out
     code = main(["--config", str(tiny_dir / "models.yaml"), "cost", "--forwards", "fast"])
     assert code == 2 and "--forwards takes some of" in capsys.readouterr().err
+
+
+def test_latency_sweeps_draft_confidence(tiny_dir, tmp_path, capsys):
+    code = main(["--config", str(tiny_dir / "models.yaml"), "--results-dir", str(tmp_path), "latency", "--default-pair",
+                 "--k", "3", "--draft-confidence", "0,0.5", "--nb-prompts", "2", "--max-new-tokens", "8",
+                 "--json", str(tmp_path / "l.json")])
+    assert code == 0, capsys.readouterr().err
+    rows = json.loads((tmp_path / "l.json").read_text())
+    assert [(r["mode"], r["k"], r["confidence"]) for r in rows] == [("rsp", 0, 0.0), ("ssp", 3, 0.0), ("ssp", 3, 0.5)]
+    assert "≤3 p≥0.5" in capsys.readouterr().out
+    code = main(["--config", str(tiny_dir / "models.yaml"), "latency", "--draft-confidence", "1.5"])
+    assert code == 2 and "--draft-confidence" in capsys.readouterr().err

@@ -122,12 +122,12 @@ def exact_two_token_law(model, prompt: torch.Tensor, params: SamplingParams) -> 
     return (p1[:, None] * torch.stack(rows)).flatten()
 
 
-def two_token_counts(target, draft, prompt, params, k: int = 3) -> list[int]:
+def two_token_counts(target, draft, prompt, params, k: int = 3, **options) -> list[int]:
     counts = [0] * VOCAB * VOCAB
     gen = torch.Generator()
     for seed in range(N_RUNS):
         gen.manual_seed(seed)
-        first, second = generate_speculative(target, draft, prompt, 4, k, params, gen).tokens[:2].tolist()
+        first, second = generate_speculative(target, draft, prompt, 4, k, params, gen, **options).tokens[:2].tolist()
         counts[first * VOCAB + second] += 1
     return counts
 
@@ -159,3 +159,25 @@ def test_distribution_test_rejects_a_residual_without_max0(small_vocab_pair, mon
     monkeypatch.setattr(generation, "residual_distribution", lambda p, q: p)  # resample from p: biased
     result = chi_square_gof(two_token_counts(target, draft, prompt, params), exact_two_token_law(target, prompt, params).tolist())
     assert result.p_value < SIGNIFICANCE, result
+
+
+def test_a_confident_draft_stops_early_and_greedy_output_is_unchanged(soft_target, soft_draft):
+    for prompt in PROMPTS:
+        ids = torch.tensor([prompt])
+        expected = generate_regular(soft_target, ids, 30, GREEDY).tokens.tolist()
+        fixed = generate_speculative(soft_target, soft_draft, ids, 30, 4, GREEDY)
+        early = generate_speculative(soft_target, soft_draft, ids, 30, 4, GREEDY, confidence=0.9)
+        assert early.tokens.tolist() == expected
+        assert early.stats.drafted < fixed.stats.drafted  # it stopped before K some of the time
+        assert early.stats.drafted_at[0] >= early.stats.target_forwards - 1  # but drafts one (the last may have no room)
+
+
+def test_speculative_sampling_with_early_stopping_recovers_the_target_distribution(small_vocab_pair):
+    target, draft = small_vocab_pair
+    params = SamplingParams(1.0)
+    prompt = torch.tensor([[1, 2, 3]])
+    stops = generate_speculative(target, draft, prompt, 40, 3, params, torch.Generator().manual_seed(0), confidence=0.6)
+    assert stops.stats.drafted < 3 * stops.stats.target_forwards  # the threshold does cut drafting short here
+    result = chi_square_gof(two_token_counts(target, draft, prompt, params, confidence=0.6),
+                            exact_two_token_law(target, prompt, params).tolist())
+    assert result.p_value > SIGNIFICANCE, result
