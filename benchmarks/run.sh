@@ -22,11 +22,12 @@ fi
 $PY llamassp.py "${L[@]}" cost --forwards transformers,compact --json "$OUT/cost-default.json"
 
 # 1. Latency on the default pair: greedy K sweep, then sampling at T=0.7.
-$PY llamassp.py "${L[@]}" latency --k 1,2,3,4 "${N[@]}" --json "$OUT/latency-default-greedy.json"
-$PY llamassp.py "${L[@]}" latency --k 1,2 --temperature 0.7 "${N[@]}" --json "$OUT/latency-default-t0.7.json"
+#    The greedy sweep also times early-stopping drafts (K a maximum, stop below draft probability 0.3).
+$PY llamassp.py "${L[@]}" latency --k 1,2,3,4 --draft-confidence 0,0.3 "${N[@]}" --json "$OUT/latency-default-greedy.json"
+$PY llamassp.py "${L[@]}" latency --k 1,2,3 --temperature 0.7 "${N[@]}" --json "$OUT/latency-default-t0.7.json"
 
-# 2. Ours vs transformers (greedy, K=2).
-$PY llamassp.py "${L[@]}" bench --k 2 "${N[@]}" --alpha 0.5,0.6,0.7,0.8 --json "$OUT/bench-default.json"
+# 2. Ours vs transformers (greedy, K=3).
+$PY llamassp.py "${L[@]}" bench --k 3 "${N[@]}" --alpha 0.5,0.6,0.7,0.8 --json "$OUT/bench-default.json"
 
 # 3. Quality: RSp vs SSp on the same multiplication problems, and the losslessness checks.
 $PY llamassp.py "${L[@]}" eval --both "${EVALN[@]}" --json "$OUT/eval-default.json"
