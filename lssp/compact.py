@@ -77,8 +77,10 @@ def supports_compact(model: PreTrainedModel) -> str | None:
         return "biased projections"
     if getattr(config, "hidden_act", "silu") != "silu":
         return f"activation {config.hidden_act!r}"
-    if getattr(config, "quantization_config", None) is not None:
-        return "bitsandbytes quantization"
+    projections = [module for layer in model.model.layers
+                   for module in (*layer.self_attn.children(), *layer.mlp.children()) if hasattr(module, "in_features")]
+    if not all(type(m) is nn.Linear or type(m).__module__.startswith("torch.ao.nn.quantized") for m in projections):
+        return f"{type(projections[0]).__name__} projections (only float or torch dynamically quantized Linear layers)"
     return None
 
 

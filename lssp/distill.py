@@ -403,7 +403,7 @@ def write_draft(draft: LlamaForCausalLM, tokenizer: PreTrainedTokenizerBase, out
     while earlier:
         at_commit = f" as of commit {earlier['commit']}" if earlier.get("commit") else ""
         lineage += (f"- started from the weights of `{earlier['path']}`{at_commit}, which had been trained {earlier.get('steps')} steps "
-                    f"({(earlier.get('train_seconds') or 0) / 60:.1f} min) on {earlier.get('data_tokens')} other target tokens"
+                    f"({(earlier.get('train_seconds') or 0) / 60:.1f} min) on {earlier.get('data_tokens')} target tokens"
                     f" ({(earlier.get('collect_seconds') or 0) / 60:.1f} min of collection)"
                     + (f" by `{earlier['command']}`" if earlier.get("command") else "") + "\n")
         earlier = earlier.get("started_from") or {}

@@ -78,6 +78,8 @@ def test_unsupported_models_are_refused_in_one_line(model, tiny_dir):
     with pytest.raises(ValueError):
         CompactLlama(other)
     registry = load_registry(tiny_dir / "models.yaml")
+    packed = load_model(registry.get("tiny-target-8bit")).model
+    assert "Linear8bitLt projections" in supports_compact(packed)
     loaded = load_model(registry.get("tiny-draft-compact"))
     assert loaded.precision == "float32, compact forward"
     assert loaded.hf_model is loaded.model.hf
