@@ -69,7 +69,11 @@ def main() -> None:
             if name == "cost":  # one row per model, forward and precision, one column per tokens-per-forward
                 rows = cost_pivot(rows)
                 columns = list(rows.columns)
-            print(markdown_table(rows.to_dict("records"), columns))
+            shown = columns
+            if name == "latency" and "confidence" in rows and rows["confidence"].fillna(0).any():
+                shown = columns[:2] + ["confidence"] + columns[2:]  # early-stopping drafts: K is a maximum
+                rows = rows.assign(confidence=rows["confidence"].fillna(0))
+            print(markdown_table(rows.to_dict("records"), shown))
 
 
 if __name__ == "__main__":
