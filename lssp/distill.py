@@ -64,6 +64,7 @@ class DistillReport:
     acceptance: dict[str, float] = field(default_factory=dict)
     parameters: int = 0
     started_from: dict = field(default_factory=dict)  # the --init-draft's own report and command, if any
+    head_coverage: float = float("nan")  # share of the training tokens a frequent-token head covers
 
 
 def _encode(tokenizer: PreTrainedTokenizerBase, prompt: str, chat: bool) -> list[int]:
@@ -314,11 +315,13 @@ def train(target: PreTrainedModel, out: Path, cfg: DistillConfig, report: Distil
     examples, held_out = (examples[:-held], examples[-held:]) if held else (examples, [])
     ckpt_path = out / "checkpoint.pt"
     draft = load_initial_draft(target, cfg) if cfg.init_from else init_draft(target, cfg)
-    if cfg.head_tokens and subset_head(draft) is None:
+    if cfg.head_tokens or subset_head(draft) is not None:
         counts = torch.zeros(logit_width(draft), dtype=torch.long)
         for e in examples:
             counts += torch.bincount(e["ids"][e["start"] + 1:], minlength=len(counts))
-        attach_subset_head(draft, most_frequent(counts, cfg.head_tokens))
+        if subset_head(draft) is None:
+            attach_subset_head(draft, most_frequent(counts, cfg.head_tokens))
+        report.head_coverage = float(counts[subset_head(draft).token_ids].sum() / counts.sum())
     opt = torch.optim.AdamW(draft.parameters(), lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.98))
     tokens_per_epoch = sum(len(e["top_ids"]) for e in examples)
     steps_per_epoch = max(1, len(examples) // cfg.batch_size)
@@ -396,8 +399,9 @@ def write_draft(draft: LlamaForCausalLM, tokenizer: PreTrainedTokenizerBase, out
     curve = "\n".join(f"| {s} | {t} | {loss:.3f} |" for s, t, loss in report.loss_curve[:: max(1, len(report.loss_curve) // 12)])
     accept = "\n".join(f"| {k} | {v:.3f} |" for k, v in report.acceptance.items())
     head = subset_head(draft)
-    output_layer = (f"an output layer over the target's {len(head.token_ids)} most frequent tokens (the others are never "
-                    f"proposed) and a {draft.config.vocab_size}-token input embedding" if head else
+    output_layer = (f"an output layer over the target's {len(head.token_ids)} most frequent tokens, "
+                    f"{report.head_coverage:.1%} of the target tokens it was trained on (the others are never proposed), "
+                    f"and a {draft.config.vocab_size}-token input embedding" if head else
                     f"tied {draft.config.vocab_size}-token embedding")
     lineage, earlier = "", report.started_from
     while earlier:

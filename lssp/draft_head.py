@@ -1,8 +1,8 @@
 """A draft output layer over the target's most frequent tokens only.
 
 A small draft with a 49k-token vocabulary reads most of its bytes in the output layer. A
-head over the N tokens the target emits most often (8192 cover ~98% of SmolLM2's own
-continuations) costs a fraction of that. Its logits come out full width, -inf elsewhere,
+head over the N tokens the target emits most often costs a fraction of that, and misses
+only the rare tokens (distill records the share of the training tokens it covers). Its logits come out full width, -inf elsewhere,
 so a token outside the head is simply never proposed: speculative sampling stays exact,
 the residual max(0, p - q) gives those tokens their full probability.
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from lssp.cli import main
@@ -101,8 +102,9 @@ def test_distill_with_a_frequent_token_head(tiny_dir, tmp_path, capsys):
         for row, n in zip(rec["tokens"], rec["lengths"].tolist()):
             counts += torch.bincount(row[:n].long(), minlength=64)
     assert counts[ids].min() >= counts[[i for i in range(64) if i not in ids]].max()
-    assert "12 most frequent tokens" in (first / "README.md").read_text()
     report = json.loads((first / "distill_report.json").read_text())
+    assert report["head_coverage"] == pytest.approx(float(counts[ids].sum() / counts.sum()))
+    assert f"12 most frequent tokens, {report['head_coverage']:.1%} of the target tokens it was trained on" in (first / "README.md").read_text()
     assert all(loss == loss and loss < 1e6 for _, _, loss in report["loss_curve"])  # finite: no -inf logits in the loss
     # Going on from it keeps its head; the registry loader gives a compatible draft.
     assert main(common + ["--out", str(second), "--init-draft", str(first), "--data-dir", str(tmp_path / "w2")]) == 0
