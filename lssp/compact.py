@@ -91,7 +91,7 @@ class CompactLlama(nn.Module):
         super().__init__()
         reason = supports_compact(model)
         if reason:
-            raise ValueError(f"compact forward does not support {reason}")
+            raise ValueError(f"'forward: compact' does not support {reason}")
         self.hf = model
         config = model.config
         self.config = config
@@ -125,8 +125,7 @@ class CompactLlama(nn.Module):
 
     def new_cache(self) -> CompactCache:
         weight = self.get_input_embeddings().weight
-        dtype = weight.dtype if weight.is_floating_point() else torch.float32
-        return CompactCache(self.config.num_hidden_layers, self.kv_heads, self.head_dim, dtype, weight.device)
+        return CompactCache(self.config.num_hidden_layers, self.kv_heads, self.head_dim, weight.dtype, weight.device)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x.float(), weight.shape, eps=self.eps).to(x.dtype) * weight

@@ -2,9 +2,10 @@
 
 A small draft with a 49k-token vocabulary reads most of its bytes in the output layer. A
 head over the N tokens the target emits most often costs a fraction of that, and misses
-only the rare tokens (distill records the share of the training tokens it covers). Its logits come out full width, -inf elsewhere,
-so a token outside the head is simply never proposed: speculative sampling stays exact,
-the residual max(0, p - q) gives those tokens their full probability.
+only the rare tokens (distill records the share of the training tokens it covers). Its
+logits come out full width, -inf elsewhere, so a token outside the head is simply never
+proposed: speculative sampling stays exact, the residual max(0, p - q) gives those tokens
+their full probability.
 
 The chosen ids are kept in the draft's config.json as ``head_token_ids``.
 """

@@ -11,7 +11,7 @@ import torch
 import yaml
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from lssp.compact import CompactLlama, supports_compact
+from lssp.compact import CompactLlama
 from lssp.draft_head import has_subset_head, load_subset_head_model
 from lssp.errors import IncompatibleModelsError, UserError
 from lssp.generation import logit_width, model_device
@@ -195,10 +195,10 @@ def load_model(spec: ModelSpec, device: str | None = None) -> LoadedModel:
 
 def compact(model: PreTrainedModel, spec: ModelSpec) -> CompactLlama:
     """``model`` behind the compact forward, or a one-line error saying why it cannot be."""
-    reason = supports_compact(model)
-    if reason:
-        raise UserError(f"model {spec.name!r}: 'forward: compact' does not support {reason}")
-    return CompactLlama(model).eval()
+    try:
+        return CompactLlama(model).eval()
+    except ValueError as exc:
+        raise UserError(f"model {spec.name!r}: {exc}") from None
 
 
 def dynamic_quantize(model: PreTrainedModel, spec: ModelSpec) -> PreTrainedModel:
