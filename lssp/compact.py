@@ -20,29 +20,35 @@ from transformers import PreTrainedModel
 
 
 class CompactCache:
-    """Keys and values of every layer in one growing buffer (batch, layers, heads, positions, head_dim).
+    """Keys and values of every layer in one growing buffer (layers, 2, kv_heads, positions, head_dim).
 
     It answers what the samplers ask of a transformers DynamicCache: ``get_seq_length``
-    and ``crop`` (a negative argument drops that many positions).
+    and ``crop`` (a negative argument drops that many positions, 0 none).
     """
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
                  capacity: int = 256) -> None:
-        self.keys = torch.empty(2, layers, 1, kv_heads, capacity, head_dim, dtype=dtype, device=device)
+        self.keys = torch.empty(layers, 2, 1, kv_heads, capacity, head_dim, dtype=dtype, device=device)
         self.length = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[4]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.length
 
-    def crop(self, max_length: int) -> None:
-        self.length = max(0, self.length + max_length if max_length < 0 else min(max_length, self.length))
+    def crop(self, tokens: int) -> None:
+        """Drop the last ``-tokens`` positions (``tokens`` <= 0; 0 keeps all, as in transformers 5)."""
+        if tokens > 0:
+            raise ValueError(f"crop takes the negative number of positions to drop, got {tokens}")
+        self.length = max(0, self.length + tokens)
 
     def reserve(self, total: int) -> None:
         """Room for ``total`` positions (the buffer doubles when it runs out)."""
-        capacity = self.keys.shape[4]
-        if total > capacity:
-            grown = self.keys.new_empty(*self.keys.shape[:4], max(total, 2 * capacity), self.keys.shape[5])
-            grown[:, :, :, :, :self.length] = self.keys[:, :, :, :, :self.length]
+        if total > self.capacity:
+            grown = self.keys.new_empty(*self.keys.shape[:4], max(total, 2 * self.capacity), self.keys.shape[5])
+            grown[..., :self.length, :] = self.keys[..., :self.length, :]
             self.keys = grown
 
 
@@ -52,12 +58,22 @@ def float_weight(linear: nn.Module) -> torch.Tensor:
     return weight.dequantize() if weight.is_quantized else weight
 
 
-def fused_linear(*linears: nn.Module, dtype: torch.dtype) -> nn.Linear:
-    """One bias-free Linear whose output is the concatenated outputs of ``linears``."""
-    weight = torch.cat([float_weight(lin).to(dtype) for lin in linears])
+def fused_linear(*linears: nn.Module, dtype: torch.dtype, norm: torch.Tensor | None = None) -> nn.Linear:
+    """One bias-free Linear whose output is the concatenated outputs of ``linears``.
+
+    ``norm``, the weight of an RMSNorm feeding them, is folded into the columns: W(g * x) = (W diag g) x.
+    """
+    weight = torch.cat([float_weight(lin).float() for lin in linears])
+    if norm is not None:
+        weight = weight * norm.float()
     fused = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=dtype)
-    fused.weight = nn.Parameter(weight, requires_grad=False)
+    fused.weight = nn.Parameter(weight.to(dtype), requires_grad=False)
     return fused
+
+
+def _linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``layer(x)``; a plain Linear skips nn.Module's call machinery (a few microseconds a call)."""
+    return F.linear(x, layer.weight) if type(layer) is nn.Linear else layer(x)
 
 
 @dataclass
@@ -106,11 +122,14 @@ class CompactLlama(nn.Module):
             persistent=False,
         )
         dtype = self.get_input_embeddings().weight.dtype
-        self.qkv = nn.ModuleList(fused_linear(l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj, dtype=dtype)
-                                 for l in model.model.layers)
-        self.o = nn.ModuleList(fused_linear(l.self_attn.o_proj, dtype=dtype) for l in model.model.layers)
-        self.gate_up = nn.ModuleList(fused_linear(l.mlp.gate_proj, l.mlp.up_proj, dtype=dtype) for l in model.model.layers)
-        self.down = nn.ModuleList(fused_linear(l.mlp.down_proj, dtype=dtype) for l in model.model.layers)
+        layers = model.model.layers
+        self.qkv = nn.ModuleList(fused_linear(l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj, dtype=dtype,
+                                              norm=l.input_layernorm.weight) for l in layers)
+        self.o = nn.ModuleList(fused_linear(l.self_attn.o_proj, dtype=dtype) for l in layers)
+        self.gate_up = nn.ModuleList(fused_linear(l.mlp.gate_proj, l.mlp.up_proj, dtype=dtype,
+                                                  norm=l.post_attention_layernorm.weight) for l in layers)
+        self.down = nn.ModuleList(fused_linear(l.mlp.down_proj, dtype=dtype) for l in layers)
+        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
         self.to(self.get_input_embeddings().weight.device)
 
     @property
@@ -127,8 +146,22 @@ class CompactLlama(nn.Module):
         weight = self.get_input_embeddings().weight
         return CompactCache(self.config.num_hidden_layers, self.kv_heads, self.head_dim, weight.dtype, weight.device)
 
-    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x.float(), weight.shape, eps=self.eps).to(x.dtype) * weight
+    def _rms_norm(self, x: torch.Tensor) -> torch.Tensor:
+        """RMSNorm without its weight (folded into the Linear that follows)."""
+        return F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
+
+    def _rotary(self, start: int, end: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin of positions start..end-1, (1, positions, head_dim), from a table that doubles as needed.
+
+        The sin table is negated on its first half, so rotating x is x*cos + swap_halves(x)*sin.
+        """
+        table = self._rope
+        if table is None or table[0].shape[1] < end or table[0].device != like.device or table[0].dtype != like.dtype:
+            size = max(256, 2 * end)
+            freqs = torch.arange(size, device=like.device, dtype=torch.float)[:, None] * self.inv_freq.to(like.device)
+            cos, sin = freqs.cos(), freqs.sin()
+            table = self._rope = (torch.cat((cos, cos), -1)[None].to(like.dtype), torch.cat((-sin, sin), -1)[None].to(like.dtype))
+        return table[0][:, start:end], table[1][:, start:end]
 
     def forward(self, input_ids: torch.Tensor, past_key_values: CompactCache, use_cache: bool = True,
                 logits_to_keep: int = 0) -> CompactOutput:
@@ -138,29 +171,23 @@ class CompactLlama(nn.Module):
         start, n = kv.length, input_ids.shape[1]
         end = start + n
         kv.reserve(end)
-        hidden = self.hf.model.embed_tokens(input_ids)
-        freqs = torch.arange(start, end, device=hidden.device, dtype=torch.float)[:, None] * self.inv_freq
-        angles = torch.cat((freqs, freqs), dim=-1)[:, None]  # (n, 1, head_dim): broadcast over heads
-        cos, sin = angles.cos().to(hidden.dtype), angles.sin().to(hidden.dtype)
+        hidden = self.hf.model.embed_tokens(input_ids)  # (1, n, hidden)
+        cos, sin = self._rotary(start, end, hidden)
         # Queries see every cached position and the new ones up to their own.
         mask = None if n == 1 else torch.ones(n, end, dtype=torch.bool, device=hidden.device).tril(diagonal=start)
-        half, rotated = self.head_dim // 2, self.heads + self.kv_heads
-        for i, layer in enumerate(self.hf.model.layers):
-            x = self._rms_norm(hidden, layer.input_layernorm.weight)
-            qkv = self.qkv[i](x).view(1, n, rotated + self.kv_heads, self.head_dim)
-            qk = qkv[:, :, :rotated]  # rotary position embedding on queries and keys at once
-            qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin
-            q = qk[:, :, :self.heads].transpose(1, 2)
-            kv.keys[0, i, :, :, start:end] = qk[:, :, self.heads:].transpose(1, 2)
-            kv.keys[1, i, :, :, start:end] = qkv[:, :, rotated:].transpose(1, 2)
-            out = F.scaled_dot_product_attention(
-                q, kv.keys[0, i, :, :, :end], kv.keys[1, i, :, :, :end], attn_mask=mask, scale=self.scale,
-                enable_gqa=self.kv_heads != self.heads,
-            )
-            hidden = hidden + self.o[i](out.transpose(1, 2).reshape(1, n, -1))
-            x = self._rms_norm(hidden, layer.post_attention_layernorm.weight)
-            gate, up = self.gate_up[i](x).chunk(2, dim=-1)
-            hidden = hidden + self.down[i](F.silu(gate) * up)
+        heads, half, rotated = self.heads, self.head_dim // 2, self.heads + self.kv_heads
+        for i, (qkv_layer, o_layer, gate_up_layer, down_layer) in enumerate(zip(self.qkv, self.o, self.gate_up, self.down)):
+            cache = kv.keys[i]
+            qkv = _linear(qkv_layer, self._rms_norm(hidden)).view(1, n, -1, self.head_dim).transpose(1, 2)
+            qk = qkv[:, :rotated]  # (1, heads + kv_heads, n, head_dim): rotary embedding on queries and keys at once
+            qk = torch.addcmul(qk * cos, torch.cat((qk[..., half:], qk[..., :half]), dim=-1), sin)
+            cache[0, :, :, start:end] = qk[:, heads:]
+            cache[1, :, :, start:end] = qkv[:, rotated:]
+            out = F.scaled_dot_product_attention(qk[:, :heads], cache[0, :, :, :end], cache[1, :, :, :end],
+                                                 attn_mask=mask, scale=self.scale, enable_gqa=self.kv_heads != heads)
+            hidden = hidden + _linear(o_layer, out.transpose(1, 2).reshape(1, n, -1))
+            gate, up = _linear(gate_up_layer, self._rms_norm(hidden)).chunk(2, dim=-1)
+            hidden = hidden + _linear(down_layer, F.silu(gate) * up)
         kv.length = end
-        hidden = self._rms_norm(hidden[:, -logits_to_keep:] if logits_to_keep else hidden, self.hf.model.norm.weight)
-        return CompactOutput(self.hf.lm_head(hidden))
+        hidden = hidden[:, -logits_to_keep:] if logits_to_keep else hidden
+        return CompactOutput(self.hf.lm_head(self._rms_norm(hidden) * self.hf.model.norm.weight))

@@ -41,6 +41,31 @@ def test_compact_logits_equal_the_transformers_forward_through_prefill_decode_an
                                forward_logits(model, ids[:, 13:17], hf_kv, 4), rtol=1e-5, atol=1e-5)
 
 
+def test_compact_cache_crop_drops_only_what_it_is_told(model):
+    """crop(0) keeps everything, as transformers' DynamicCache.crop(0) does: SSp calls it after a full acceptance."""
+    kv = CompactCache(2, 2, 8, torch.float32, torch.device("cpu"))
+    kv.length = 10
+    kv.crop(0)
+    assert kv.get_seq_length() == 10
+    kv.crop(-3)
+    assert kv.get_seq_length() == 7
+    kv.crop(-20)
+    assert kv.get_seq_length() == 0
+    with pytest.raises(ValueError):
+        kv.crop(5)
+
+
+def test_ssp_never_refeeds_a_compact_draft_its_whole_sequence(model):
+    """With draft == target every draft is accepted, so each draft forward takes at most 2 new tokens."""
+    compact = CompactLlama(model)
+    fed = []
+    original = compact.forward
+    compact.forward = lambda input_ids, **kw: fed.append(input_ids.shape[1]) or original(input_ids, **kw)
+    out = generate_speculative(model, compact, torch.tensor([[0, 5, 9, 3]]), 24, 3, GREEDY)
+    assert out.stats.accepted == out.stats.drafted
+    assert fed[0] == 3 and max(fed[1:]) <= 2, fed
+
+
 def test_compact_cache_grows_past_its_first_capacity(model):
     compact = CompactLlama(model)
     ids = torch.randint(0, 64, (1, 40), generator=torch.Generator().manual_seed(1))
@@ -49,7 +74,7 @@ def test_compact_cache_grows_past_its_first_capacity(model):
     for start, end in [(0, 20), (20, 40)]:  # 8 -> 20 -> 40 positions
         torch.testing.assert_close(forward_logits(compact, ids[:, start:end], kv, end - start),
                                    forward_logits(model, ids[:, start:end], hf_kv, end - start), rtol=1e-5, atol=1e-5)
-    assert kv.get_seq_length() == 40 and kv.keys.shape[4] >= 40
+    assert kv.get_seq_length() == 40 and kv.capacity >= 40
 
 
 @pytest.mark.parametrize("k", [1, 3])
