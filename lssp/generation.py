@@ -4,7 +4,7 @@ SSp follows Chen et al. 2023 (Alg. 2) / Leviathan et al. 2022 (Alg. 1): the draf
 ``k`` tokens, the target scores them all in one forward, token i is kept with probability
 min(1, p_i(x)/q_i(x)), the first rejection is replaced by a draw from norm(max(0, p - q)),
 and a full acceptance earns a bonus token from p_{k+1}. Both caches then roll back to the
-accepted length.
+accepted length. Greedy decoding is that rule with one-hot p and q, so it runs on argmaxes.
 
 Both models first prefill the prompt but its last token. Invariant between iterations: each
 model's cache holds a prefix of ``seq``; whatever of ``seq`` it has not seen yet (one token,
@@ -152,24 +152,27 @@ def _prefill(model: PreTrainedModel, seq: torch.Tensor) -> DynamicCache:
     return kv
 
 
-def accepted_prefix(
-    p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
-) -> int:
+def accepted_prefix(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, generator: torch.Generator | None) -> int:
     """How many leading drafts pass: draft i is kept with probability min(1, p_i(x)/q_i(x)).
 
     All k uniforms are drawn at once and the run is counted on the device, so the
-    iteration synchronizes once. Greedy keeps a draft exactly when it is the target's argmax.
+    iteration synchronizes once.
     """
     k = drafts.shape[0]
     if k == 0:
         return 0
     rows = torch.arange(k, device=drafts.device)
     p_draft, q_draft = p[rows, drafts], q[rows, drafts]
-    if params.greedy:
-        accept = p_draft > 0
-    else:
-        accept = torch.rand(k, device=drafts.device, generator=generator) * q_draft < p_draft
+    accept = torch.rand(k, device=drafts.device, generator=generator) * q_draft < p_draft
     return int(accept.cumprod(0).sum())
+
+
+def greedy_verification(logits: torch.Tensor, drafts: torch.Tensor) -> tuple[int, torch.Tensor]:
+    """The rule above with one-hot p and q: drafts pass while they are the target's argmax,
+    and the next token is the target's argmax where the run stopped (or after it)."""
+    best = logits.argmax(-1)
+    n = int((drafts == best[:drafts.shape[0]]).cumprod(0).sum())
+    return n, best[n]
 
 
 def _probability(logits: torch.Tensor, token: torch.Tensor) -> float:
@@ -282,8 +285,11 @@ def generate_speculative(
             t0 = clock.now()
             logits = forward_logits(draft, pending.to(draft_device), draft_kv, 1)
             stats.draft_time_s += clock.now() - t0
-            q[i] = warp(logits[:, :vocab].to(device), params)[0]
-            drafts[i] = sample(q[i], params, generator)
+            if params.greedy:  # q is one-hot: only its argmax matters
+                drafts[i] = logits[0, :vocab].argmax().to(device)
+            else:
+                q[i] = warp(logits[:, :vocab].to(device), params)[0]
+                drafts[i] = sample(q[i], params, generator)
             pending = drafts[i].view(1, 1)
             if confidence and i + 1 < k_now and _probability(logits[0, :vocab], drafts[i]) < confidence:
                 k_now = i + 1
@@ -297,12 +303,15 @@ def generate_speculative(
         logits = forward_logits(target, target_in, target_kv, k_now + 1)
         stats.target_time_s += clock.now() - t0
         stats.target_forwards += 1
-        p = warp(logits[:, :vocab], params)
 
         # 3. Accept the longest run of drafts that passes, then draw one more token.
-        n = accepted_prefix(p, q, drafts, params, generator)
-        last = residual_distribution(p[n], q[n]) if n < k_now else p[k_now]
-        extra = sample(last, params, generator)
+        if params.greedy:
+            n, extra = greedy_verification(logits[:, :vocab], drafts)
+        else:
+            p = warp(logits[:, :vocab], params)
+            n = accepted_prefix(p, q, drafts, generator)
+            last = residual_distribution(p[n], q[n]) if n < k_now else p[k_now]
+            extra = sample(last, params, generator)
 
         # 4. Emit, then roll both caches back to what is still valid.
         emitted = torch.cat([drafts[:n], extra.view(1)])

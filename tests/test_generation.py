@@ -147,7 +147,7 @@ def test_distribution_test_rejects_an_always_accept_verifier(small_vocab_pair, m
     target, draft = small_vocab_pair
     params = SamplingParams(1.0)
     prompt = torch.tensor([[1, 2, 3]])
-    monkeypatch.setattr(generation, "accepted_prefix", lambda p, q, drafts, params, gen: drafts.shape[0])
+    monkeypatch.setattr(generation, "accepted_prefix", lambda p, q, drafts, gen: drafts.shape[0])
     result = chi_square_gof(two_token_counts(target, draft, prompt, params), exact_two_token_law(target, prompt, params).tolist())
     assert result.p_value < SIGNIFICANCE, result
 

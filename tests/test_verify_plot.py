@@ -38,7 +38,7 @@ def test_verify_passes_the_real_speculative_sampler(pair):
 
 
 def test_verify_fails_an_always_accept_verifier(pair, monkeypatch):
-    monkeypatch.setattr(generation, "accepted_prefix", lambda p, q, drafts, params, gen: drafts.shape[0])
+    monkeypatch.setattr(generation, "accepted_prefix", lambda p, q, drafts, gen: drafts.shape[0])
     rep = sampled(pair)
     assert not rep.lossless
     assert min(c.chi2_p_value for c in rep.positions) < rep.threshold
@@ -55,7 +55,12 @@ def test_greedy_report_identical_and_planted_divergence(pair, monkeypatch):
     rep = verify_greedy(target, draft, PROMPTS, k=3, max_new_tokens=20, vocab=64, tie_tolerance=1e-3)
     assert rep.lossless and rep.identical_share == 1.0
     # Plant a bug: after a rejection, emit the draft's token instead of the target's.
-    monkeypatch.setattr(generation, "residual_distribution", lambda p, q: q)
+    def wrong_token(logits, drafts):
+        n, extra = real(logits, drafts)
+        return n, drafts[n] if n < drafts.shape[0] else extra
+
+    real = generation.greedy_verification
+    monkeypatch.setattr(generation, "greedy_verification", wrong_token)
     rep = verify_greedy(target, draft, PROMPTS, k=3, max_new_tokens=20, vocab=64, tie_tolerance=1e-3)
     assert not rep.lossless and rep.identical_share < 1.0
     bad = [g for g in rep.greedy if not g.identical]
