@@ -1,13 +1,19 @@
 """Load registry entries through transformers, accelerate placement and bitsandbytes."""
 from __future__ import annotations
 
+import copy
+import hashlib
 import logging
+import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
 import yaml
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
@@ -145,8 +151,54 @@ def _source(spec: ModelSpec) -> tuple[str, dict[str, Any]]:
     if not local.exists():
         raise UserError(f"model {spec.name!r}: {local} does not exist")
     if spec.is_gguf:
+        converted = gguf_copy_dir(local, spec.dtype)
+        if (converted / "model.safetensors").exists():
+            return str(converted), extra
         return str(local.parent), {**extra, "gguf_file": local.name}
     return str(local), extra
+
+
+def gguf_copy_dir(gguf: Path, dtype: str) -> Path:
+    """Where the converted copy of a GGUF file lives: $LLAMASSP_CACHE, else ~/.cache/llamassp.
+
+    transformers takes ~20 s to dequantize a GGUF model and read its tokenizer; the copy
+    (safetensors and tokenizer files) loads in under a second. Its name covers the file's path,
+    size and mtime, the dtype and the transformers version.
+    """
+    stat = gguf.stat()
+    key = f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{dtype}|{transformers.__version__}"
+    root = Path(os.environ.get("LLAMASSP_CACHE") or Path.home() / ".cache" / "llamassp")
+    return root / "gguf" / f"{gguf.stem}-{hashlib.sha1(key.encode()).hexdigest()[:12]}"
+
+
+def save_gguf_copy(model: PreTrainedModel, spec: ModelSpec, where: str, extra: dict[str, Any]) -> None:
+    """Write the converted copy of a model just loaded from a GGUF file (a failure only logs)."""
+    from safetensors.torch import save_file
+
+    target = gguf_copy_dir(spec.local_path(), spec.dtype)
+    tmp = None
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".partial-"))
+        config = copy.deepcopy(model.config)
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config  # the weights are dequantized: a plain checkpoint
+        config.save_pretrained(tmp)
+        model.generation_config.save_pretrained(tmp)
+        state = model.state_dict()
+        if config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        save_file({k: v.detach().cpu().contiguous() for k, v in state.items()}, tmp / "model.safetensors",
+                  metadata={"format": "pt"})
+        AutoTokenizer.from_pretrained(where, **extra).save_pretrained(tmp)
+        shutil.rmtree(target, ignore_errors=True)
+        os.replace(tmp, target)
+    except (OSError, RuntimeError, ValueError) as exc:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        log.warning("could not keep a converted copy of %s in %s: %s", spec.path, target, _first_line(exc))
+        return
+    log.info("kept a converted copy of %s in %s", spec.path, target)
 
 
 def load_tokenizer(spec: ModelSpec) -> PreTrainedTokenizerBase | None:
@@ -183,6 +235,8 @@ def load_model(spec: ModelSpec, device: str | None = None) -> LoadedModel:
                 model = load_subset_head_model(where, torch_dtype, _single_device(placement["device_map"]))
             else:
                 model = AutoModelForCausalLM.from_pretrained(where, **kwargs, **extra)
+                if "gguf_file" in extra:
+                    save_gguf_copy(model, spec, where, extra)
         except OSError as exc:
             raise UserError(f"model {spec.name!r}: cannot load {where}: {_first_line(exc)}") from None
     if spec.forward == "compact":

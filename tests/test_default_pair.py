@@ -55,3 +55,23 @@ def test_eval_on_the_default_pair(run, tmp_path):
     _, out = run("eval", "--nb-prompts", "5", "--json", str(tmp_path / "e.json"))
     (summary,) = json.loads((tmp_path / "e.json").read_text())
     assert summary["mode"] == "ssp" and summary["trials"] == 5
+
+
+def test_a_gguf_target_is_converted_once_and_then_loads_from_its_copy(tmp_path, monkeypatch):
+    import torch
+
+    from lssp import loading
+
+    monkeypatch.setenv("LLAMASSP_CACHE", str(tmp_path / "cache"))
+    spec = load_registry(ROOT / "models.yaml").get("smollm2-135m")
+    first = loading.load_model(spec)  # from the GGUF file; writes the copy
+    copy_dir = loading.gguf_copy_dir(spec.local_path(), spec.dtype)
+    assert (copy_dir / "model.safetensors").exists() and (copy_dir / "tokenizer.json").exists()
+    assert loading._source(spec) == (str(copy_dir), {})
+    second = loading.load_model(spec)
+    ids = torch.tensor([[1, 504, 3000, 22, 9000]])
+    with torch.inference_mode():
+        assert torch.equal(first.model(ids).logits, second.model(ids).logits)
+    text = "<|im_start|>user\n12 * 34 = ?<|im_end|> ünïcode"
+    assert first.tokenizer(text).input_ids == second.tokenizer(text).input_ids
+    assert first.tokenizer.chat_template == second.tokenizer.chat_template
