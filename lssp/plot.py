@@ -96,8 +96,16 @@ def _alpha(ssp: pd.DataFrame) -> float:
     return float(np.nanmean([alpha_from_tokens_per_iteration(m, int(k)) for m, k in zip(ssp["mean_accepted"], ssp["k"])]))
 
 
+def verification_slope(rsp: pd.DataFrame, ssp: pd.DataFrame) -> float:
+    """s in v(K) = 1 + s·K, fitted through the origin to each K's target forward ÷ RSp's one-token forward."""
+    ks = ssp["k"].to_numpy(float)
+    extra = ssp["target_ms_per_forward"].to_numpy(float) / float(rsp["target_ms_per_forward"].iloc[0]) - 1.0
+    keep = np.isfinite(extra)
+    return float((ks[keep] * extra[keep]).sum() / (ks[keep] ** 2).sum()) if keep.any() else 0.0
+
+
 def speedup_figure(frame: pd.DataFrame) -> Figure:
-    """Measured speedup against K, with the standard model's curve from the measured α and c."""
+    """Measured speedup against K, with the standard model's curve from the measured α, c and verification cost."""
     frame = _latest_run_per_pair(frame)
     fig, ax = plt.subplots(figsize=(6.5, 4.4))
     for run_id, rows in frame.groupby("run_id", sort=False):
@@ -109,8 +117,9 @@ def speedup_figure(frame: pd.DataFrame) -> Figure:
         alpha = _alpha(ssp)
         c = float(ssp["draft_ms_per_forward"].median() / rsp["target_ms_per_forward"].iloc[0])
         ks = np.arange(1, max(int(ssp["k"].max()), 8) + 1)
-        ax.plot(ks, [predicted_speedup(alpha, int(k), c) for k in ks], "--",
-                label=f"{label}: model, α={alpha:.2f}, c={c:.2f}")
+        slope = verification_slope(rsp, ssp)
+        ax.plot(ks, [predicted_speedup(alpha, int(k), c, 1.0 + slope * k) for k in ks], "--",
+                label=f"{label}: model, α={alpha:.2f}, c={c:.2f}, v=1+{slope:.3f}K")
     ax.axhline(1.0, color="0.6", lw=0.8)
     return _finish(fig, ax, frame, "SSp speedup against K", "draft length K (tokens)", "speedup over RSp (×)", legend=True)
 

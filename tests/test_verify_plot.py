@@ -98,6 +98,17 @@ def test_speedup_figure_plots_measured_points_and_model_curve():
     assert model.get_ydata()[3] == pytest.approx(predicted_speedup(0.7, 4, 0.1))  # K=4, c = 1 ms / 10 ms
 
 
+def test_speedup_model_counts_the_measured_cost_of_verification():
+    from lssp.stats import predicted_speedup
+
+    rows = latency_rows()
+    ssp = rows["mode"] == "ssp"
+    rows.loc[ssp, "target_ms_per_forward"] = 10.0 + 0.5 * rows.loc[ssp, "k"]  # a (K+1)-token forward: 1 + 0.05 K
+    model = speedup_figure(rows).axes[0].lines[1]
+    assert model.get_ydata()[3] == pytest.approx(predicted_speedup(0.7, 4, 0.1, 1.2))
+    assert "v=1+0.050K" in model.get_label()
+
+
 def test_speedup_model_falls_back_to_alpha_from_tokens_per_forward():
     from lssp.stats import expected_tokens_per_iteration, predicted_speedup
 
