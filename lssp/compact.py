@@ -58,14 +58,14 @@ def float_weight(linear: nn.Module) -> torch.Tensor:
     return weight.dequantize() if weight.is_quantized else weight
 
 
-def fused_linear(*linears: nn.Module, dtype: torch.dtype, scale: torch.Tensor | None = None) -> nn.Linear:
+def fused_linear(*linears: nn.Module, dtype: torch.dtype, norm: torch.Tensor | None = None) -> nn.Linear:
     """One bias-free Linear whose output is the concatenated outputs of ``linears``.
 
-    ``scale`` multiplies the input columns: W(s * x) = (W diag s) x, which folds an RMSNorm weight in.
+    ``norm``, the weight of an RMSNorm feeding them, is folded into the columns: W(g * x) = (W diag g) x.
     """
     weight = torch.cat([float_weight(lin).float() for lin in linears])
-    if scale is not None:
-        weight = weight * scale.float()
+    if norm is not None:
+        weight = weight * norm.float()
     fused = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=dtype)
     fused.weight = nn.Parameter(weight.to(dtype), requires_grad=False)
     return fused
@@ -123,15 +123,11 @@ class CompactLlama(nn.Module):
         )
         dtype = self.get_input_embeddings().weight.dtype
         layers = model.model.layers
-        # RMSNorm(x) * g = sqrt(d) * x / sqrt(|x|^2 + d * eps) * g: sqrt(d) * g goes into the next Linear's columns.
-        root_d = config.hidden_size ** 0.5
-        self.register_buffer("norm_floor", torch.tensor((config.hidden_size * self.eps) ** 0.5, dtype=dtype), persistent=False)
-        self.register_buffer("final_norm", (model.model.norm.weight.float() * root_d).to(dtype), persistent=False)
         self.qkv = nn.ModuleList(fused_linear(l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj, dtype=dtype,
-                                              scale=l.input_layernorm.weight * root_d) for l in layers)
+                                              norm=l.input_layernorm.weight) for l in layers)
         self.o = nn.ModuleList(fused_linear(l.self_attn.o_proj, dtype=dtype) for l in layers)
         self.gate_up = nn.ModuleList(fused_linear(l.mlp.gate_proj, l.mlp.up_proj, dtype=dtype,
-                                                  scale=l.post_attention_layernorm.weight * root_d) for l in layers)
+                                                  norm=l.post_attention_layernorm.weight) for l in layers)
         self.down = nn.ModuleList(fused_linear(l.mlp.down_proj, dtype=dtype) for l in layers)
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
         self.to(self.get_input_embeddings().weight.device)
@@ -150,9 +146,9 @@ class CompactLlama(nn.Module):
         weight = self.get_input_embeddings().weight
         return CompactCache(self.config.num_hidden_layers, self.kv_heads, self.head_dim, weight.dtype, weight.device)
 
-    def _unit(self, x: torch.Tensor) -> torch.Tensor:
-        """x / sqrt(|x|^2 + d * eps): RMSNorm up to the factor sqrt(d) * weight, which the next layer holds."""
-        return x / torch.hypot(torch.linalg.vector_norm(x, dim=-1, keepdim=True), self.norm_floor)
+    def _rms_norm(self, x: torch.Tensor) -> torch.Tensor:
+        """RMSNorm without its weight (folded into the Linear that follows)."""
+        return F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
 
     def _rotary(self, start: int, end: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin of positions start..end-1, (1, positions, head_dim), from a table that doubles as needed.
@@ -182,7 +178,7 @@ class CompactLlama(nn.Module):
         heads, half, rotated = self.heads, self.head_dim // 2, self.heads + self.kv_heads
         for i, (qkv_layer, o_layer, gate_up_layer, down_layer) in enumerate(zip(self.qkv, self.o, self.gate_up, self.down)):
             cache = kv.keys[i]
-            qkv = _linear(qkv_layer, self._unit(hidden)).view(1, n, -1, self.head_dim).transpose(1, 2)
+            qkv = _linear(qkv_layer, self._rms_norm(hidden)).view(1, n, -1, self.head_dim).transpose(1, 2)
             qk = qkv[:, :rotated]  # (1, heads + kv_heads, n, head_dim): rotary embedding on queries and keys at once
             qk = torch.addcmul(qk * cos, torch.cat((qk[..., half:], qk[..., :half]), dim=-1), sin)
             cache[0, :, :, start:end] = qk[:, heads:]
@@ -190,8 +186,8 @@ class CompactLlama(nn.Module):
             out = F.scaled_dot_product_attention(qk[:, :heads], cache[0, :, :, :end], cache[1, :, :, :end],
                                                  attn_mask=mask, scale=self.scale, enable_gqa=self.kv_heads != heads)
             hidden = hidden + _linear(o_layer, out.transpose(1, 2).reshape(1, n, -1))
-            gate, up = _linear(gate_up_layer, self._unit(hidden)).chunk(2, dim=-1)
+            gate, up = _linear(gate_up_layer, self._rms_norm(hidden)).chunk(2, dim=-1)
             hidden = hidden + _linear(down_layer, F.silu(gate) * up)
         kv.length = end
         hidden = hidden[:, -logits_to_keep:] if logits_to_keep else hidden
-        return CompactOutput(self.hf.lm_head(self._unit(hidden) * self.final_norm))
+        return CompactOutput(self.hf.lm_head(self._rms_norm(hidden) * self.hf.model.norm.weight))
