@@ -20,7 +20,7 @@ from transformers import PreTrainedModel
 
 
 class CompactCache:
-    """Keys and values of every layer in one growing buffer (layers, 2, kv_heads, positions, head_dim).
+    """Keys and values of every layer in one growing buffer (layers, keys|values, 1, kv_heads, positions, head_dim).
 
     It answers what the samplers ask of a transformers DynamicCache: ``get_seq_length``
     and ``crop`` (a negative argument drops that many positions, 0 none).
@@ -58,16 +58,11 @@ def float_weight(linear: nn.Module) -> torch.Tensor:
     return weight.dequantize() if weight.is_quantized else weight
 
 
-def fused_linear(*linears: nn.Module, dtype: torch.dtype, norm: torch.Tensor | None = None) -> nn.Linear:
-    """One bias-free Linear whose output is the concatenated outputs of ``linears``.
-
-    ``norm``, the weight of an RMSNorm feeding them, is folded into the columns: W(g * x) = (W diag g) x.
-    """
-    weight = torch.cat([float_weight(lin).float() for lin in linears])
-    if norm is not None:
-        weight = weight * norm.float()
+def fused_linear(*linears: nn.Module, dtype: torch.dtype) -> nn.Linear:
+    """One bias-free Linear whose output is the concatenated outputs of ``linears``."""
+    weight = torch.cat([float_weight(lin).to(dtype) for lin in linears])
     fused = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=dtype)
-    fused.weight = nn.Parameter(weight.to(dtype), requires_grad=False)
+    fused.weight = nn.Parameter(weight, requires_grad=False)
     return fused
 
 
@@ -123,11 +118,10 @@ class CompactLlama(nn.Module):
         )
         dtype = self.get_input_embeddings().weight.dtype
         layers = model.model.layers
-        self.qkv = nn.ModuleList(fused_linear(l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj, dtype=dtype,
-                                              norm=l.input_layernorm.weight) for l in layers)
+        self.qkv = nn.ModuleList(fused_linear(l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj, dtype=dtype)
+                                 for l in layers)
         self.o = nn.ModuleList(fused_linear(l.self_attn.o_proj, dtype=dtype) for l in layers)
-        self.gate_up = nn.ModuleList(fused_linear(l.mlp.gate_proj, l.mlp.up_proj, dtype=dtype,
-                                                  norm=l.post_attention_layernorm.weight) for l in layers)
+        self.gate_up = nn.ModuleList(fused_linear(l.mlp.gate_proj, l.mlp.up_proj, dtype=dtype) for l in layers)
         self.down = nn.ModuleList(fused_linear(l.mlp.down_proj, dtype=dtype) for l in layers)
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
         self.to(self.get_input_embeddings().weight.device)
@@ -146,9 +140,8 @@ class CompactLlama(nn.Module):
         weight = self.get_input_embeddings().weight
         return CompactCache(self.config.num_hidden_layers, self.kv_heads, self.head_dim, weight.dtype, weight.device)
 
-    def _rms_norm(self, x: torch.Tensor) -> torch.Tensor:
-        """RMSNorm without its weight (folded into the Linear that follows)."""
-        return F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x.float(), weight.shape, eps=self.eps).to(x.dtype) * weight
 
     def _rotary(self, start: int, end: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin of positions start..end-1, (1, positions, head_dim), from a table that doubles as needed.
@@ -176,18 +169,20 @@ class CompactLlama(nn.Module):
         # Queries see every cached position and the new ones up to their own.
         mask = None if n == 1 else torch.ones(n, end, dtype=torch.bool, device=hidden.device).tril(diagonal=start)
         heads, half, rotated = self.heads, self.head_dim // 2, self.heads + self.kv_heads
-        for i, (qkv_layer, o_layer, gate_up_layer, down_layer) in enumerate(zip(self.qkv, self.o, self.gate_up, self.down)):
+        for i, layer in enumerate(self.hf.model.layers):
             cache = kv.keys[i]
-            qkv = _linear(qkv_layer, self._rms_norm(hidden)).view(1, n, -1, self.head_dim).transpose(1, 2)
+            x = self._rms_norm(hidden, layer.input_layernorm.weight)
+            qkv = _linear(self.qkv[i], x).view(1, n, -1, self.head_dim).transpose(1, 2)
             qk = qkv[:, :rotated]  # (1, heads + kv_heads, n, head_dim): rotary embedding on queries and keys at once
             qk = torch.addcmul(qk * cos, torch.cat((qk[..., half:], qk[..., :half]), dim=-1), sin)
             cache[0, :, :, start:end] = qk[:, heads:]
             cache[1, :, :, start:end] = qkv[:, rotated:]
             out = F.scaled_dot_product_attention(qk[:, :heads], cache[0, :, :, :end], cache[1, :, :, :end],
                                                  attn_mask=mask, scale=self.scale, enable_gqa=self.kv_heads != heads)
-            hidden = hidden + _linear(o_layer, out.transpose(1, 2).reshape(1, n, -1))
-            gate, up = _linear(gate_up_layer, self._rms_norm(hidden)).chunk(2, dim=-1)
-            hidden = hidden + _linear(down_layer, F.silu(gate) * up)
+            hidden = hidden + _linear(self.o[i], out.transpose(1, 2).reshape(1, n, -1))
+            x = self._rms_norm(hidden, layer.post_attention_layernorm.weight)
+            gate, up = _linear(self.gate_up[i], x).chunk(2, dim=-1)
+            hidden = hidden + _linear(self.down[i], F.silu(gate) * up)
         kv.length = end
         hidden = hidden[:, -logits_to_keep:] if logits_to_keep else hidden
-        return CompactOutput(self.hf.lm_head(self._rms_norm(hidden) * self.hf.model.norm.weight))
+        return CompactOutput(self.hf.lm_head(self._rms_norm(hidden, self.hf.model.norm.weight)))
