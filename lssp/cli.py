@@ -86,6 +86,7 @@ DraftArg = Annotated[Optional[str], typer.Argument(help="Draft model (default: t
 PromptsOpt = Annotated[Optional[Path], typer.Option(help="File with one prompt per line.")]
 JsonOpt = Annotated[Optional[Path], typer.Option("--json", help="Write the run's summary as JSON here.")]
 PlotOpt = Annotated[bool, typer.Option(help="Draw this run's charts into the results directory.")]
+ChatOpt = Annotated[bool, typer.Option("--chat", help="Feed each prompt as a user turn in the target's chat template.")]
 
 
 def _params(temperature: float, top_k: int, top_p: float) -> SamplingParams:
@@ -188,6 +189,7 @@ def latency(
     top_p: TopPOpt = 1.0,
     no_baseline: Annotated[bool, typer.Option("--no-baseline", help="Skip timing RSp.")] = False,
     draft_confidence: ConfidenceOpt = "0",
+    chat: ChatOpt = False,
     json_out: JsonOpt = None,
     plot: PlotOpt = False,
 ) -> None:
@@ -208,14 +210,15 @@ def latency(
         task = bar.add_task("timing", total=modes * (len(prompt_list) + 1))
         run = run_latency(t, d, prompt_list, WARMUP_PROMPT, ks, params, max_new_tokens, s.seed,
                           baseline=not no_baseline, vocab_size=vocab,
-                          progress=lambda msg: bar.update(task, advance=1, description=msg), confidences=confidences)
+                          progress=lambda msg: bar.update(task, advance=1, description=msg), confidences=confidences,
+                          chat=chat)
     run_id = report.new_run_id()
     env = report.environment(t.device)
     rows = []
     for m in run.summaries:
         row = {"timestamp": report.timestamp(), "run_id": run_id, "mode": m.mode, "target": t.name,
                "draft": d.name if d and m.mode == "ssp" else "", "k": m.k, **params.as_dict(),
-               "max_new_tokens": max_new_tokens, **{k_: v for k_, v in asdict(m).items() if k_ not in ("mode", "k")},
+               "max_new_tokens": max_new_tokens, "prompt_format": "chat" if chat else "raw", **{k_: v for k_, v in asdict(m).items() if k_ not in ("mode", "k")},
                "acceptance_by_position": ";".join(f"{x:.4f}" for x in m.acceptance_by_position),
                "target_precision": t.precision, "draft_precision": d.precision if d else "", **env}
         rows.append(row)
@@ -229,7 +232,8 @@ def latency(
     md_cols = ["mode", "k", *(["confidence"] if any(confidences) else []), "ms_per_token", "ms_per_token_median",
                "ms_per_token_min", "ms_per_token_max", "ttft_ms", "acceptance_rate", "alpha", "mean_accepted", "speedup"]
     md = (f"# latency run {run_id}\n\ntarget `{t.name}` ({t.precision}), draft `{d.name if d else '-'}`, "
-          f"{len(prompt_list)} prompts x {max_new_tokens} new tokens, {params}\n\n{env['device']}, torch {env['torch']}, "
+          f"{len(prompt_list)} prompts{' in the chat template' if chat else ''} x {max_new_tokens} new tokens, "
+          f"{params}\n\n{env['device']}, torch {env['torch']}, "
           f"transformers {env['transformers']}, commit {env['git_commit']}\n\n" + report.markdown_table(rows, md_cols))
     (s.results_dir / f"latency-{run_id}.md").write_text(md)
     if json_out:
@@ -240,7 +244,7 @@ def latency(
             "speedup": m.speedup, "ms_per_token_median": m.ms_per_token_median,
             "acceptance_by_position": [round(x, 4) for x in m.acceptance_by_position], "run_id": run_id,
             "device": env["device"]} for m, r in zip(run.summaries, rows)])
-    _render_latency(run, t, d, params, len(prompt_list), max_new_tokens, env, run_id, s.results_dir)
+    _render_latency(run, t, d, params, len(prompt_list), max_new_tokens, env, run_id, s.results_dir, chat)
     if plot:
         _plot(s, run_id=run_id, kinds=("latency",))
 
@@ -250,9 +254,10 @@ def _k_label(k: int, confidence: float) -> str:
     return f"≤{k} p≥{confidence:g}" if confidence else str(k)
 
 
-def _render_latency(run, t, d, params, n_prompts, max_new_tokens, env, run_id, results_dir) -> None:
+def _render_latency(run, t, d, params, n_prompts, max_new_tokens, env, run_id, results_dir, chat=False) -> None:
     table = Table(title=f"{t.name}" + (f" with draft {d.name}" if d else "") +
-                  f" — {n_prompts} prompts × {max_new_tokens} tokens, T={params.temperature:g}"
+                  f" — {n_prompts} prompts{' (chat template)' if chat else ''} × {max_new_tokens} tokens, "
+                  f"T={params.temperature:g}"
                   + (f", top-k {params.top_k}" if params.top_k else "") + (f", top-p {params.top_p:g}" if params.top_p < 1 else ""))
     for col, justify in [("mode", "left"), ("K", "right"), ("ms/token", "right"), ("median \\[min–max]", "right"),
                          ("TTFT ms", "right"), ("accepted/drafted", "right"), ("α", "right"), ("tokens/fwd", "right"),
@@ -380,6 +385,7 @@ def compare(
     temperature: TemperatureOpt = 0.0,
     top_k: TopKOpt = 0,
     top_p: TopPOpt = 1.0,
+    chat: ChatOpt = False,
 ) -> None:
     """Stream RSp then SSp completions of each prompt, with wall times and the speedup."""
     from lssp.generation import generate_regular, generate_speculative
@@ -393,7 +399,7 @@ def compare(
     import torch
 
     def run_one(text: str, index: int) -> None:
-        ids = t.encode(text)
+        ids = t.encode(text, chat=chat)
         console.print(Text(f"\n=> Regular sampling with {t.name}", style="bold"))
         stream = _TokenStream(t.tokenizer, text)
         rsp = generate_regular(t.model, ids, max_new_tokens, params, torch.Generator(t.device).manual_seed(s.seed + index),

@@ -23,6 +23,7 @@ from lssp.distill_data import training_prompts
 from lssp.draft_head import attach_subset_head, has_subset_head, load_subset_head_model, most_frequent, subset_head
 from lssp.errors import UserError
 from lssp.generation import logit_width, model_device
+from lssp.loading import encode_prompt
 
 Progress = Callable[[str, float, str], None]  # phase, fraction done, message
 
@@ -65,13 +66,6 @@ class DistillReport:
     parameters: int = 0
     started_from: dict = field(default_factory=dict)  # the --init-draft's own report and command, if any
     head_coverage: float = float("nan")  # share of the training tokens a frequent-token head covers
-
-
-def _encode(tokenizer: PreTrainedTokenizerBase, prompt: str, chat: bool) -> list[int]:
-    if chat and getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
-        return tokenizer(text, add_special_tokens=False).input_ids
-    return tokenizer(prompt).input_ids
 
 
 @torch.inference_mode()
@@ -154,7 +148,7 @@ def collect(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out: Pa
             continue
         start = time.perf_counter()
         generator.manual_seed(cfg.seed * 100_003 + shard)
-        encoded = [_encode(tokenizer, p, chat) for p, chat in batch]
+        encoded = [encode_prompt(tokenizer, p, chat) for p, chat in batch]
         record = _generate_batch(target, encoded, cfg.new_tokens, temperature, cfg.top_k_saved, pad_id, generator)
         # Keep each row up to and including its first special token.
         lengths = []

@@ -109,19 +109,20 @@ class LatencyRun:
 def run_latency(
     target: LoadedModel, draft: LoadedModel | None, prompts: Sequence[str], warmup_prompt: str, ks: Sequence[int], params: SamplingParams,
     max_new_tokens: int, seed: int, baseline: bool = True, vocab_size: int | None = None,
-    progress: Progress | None = None, confidences: Sequence[float] = (0.0,),
+    progress: Progress | None = None, confidences: Sequence[float] = (0.0,), chat: bool = False,
 ) -> LatencyRun:
     """Time RSp and SSp (each k, and each draft confidence threshold) on every prompt, interleaved prompt by prompt.
 
     Each completion runs to exactly ``max_new_tokens`` (no early stop at EOS), after one
-    untimed warm-up completion per mode.
+    untimed warm-up completion per mode. ``chat`` feeds each prompt as a user turn in the
+    target's chat template.
     """
     modes: list[tuple[str, int, float]] = ([("rsp", 0, 0.0)] if baseline or draft is None else [])
     if draft is not None:
         modes += [("ssp", k, c) for c in confidences for k in ks]
 
     def complete(mode: str, k: int, confidence: float, text: str, index: int) -> GenerationStats:
-        ids = target.encode(text)
+        ids = target.encode(text, chat=chat)
         generator = torch.Generator(device=target.device).manual_seed(seed + index)
         if mode == "rsp":
             return generate_regular(target.model, ids, max_new_tokens, params, generator).stats

@@ -29,6 +29,15 @@ ARCHITECTURES_FILE = Path(__file__).with_name("architectures.yaml")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
+def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str, chat: bool) -> list[int]:
+    """Token ids of ``text``, as a user turn in the chat template when ``chat`` and the tokenizer has one."""
+    if chat and getattr(tokenizer, "chat_template", None):
+        templated = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                                  add_generation_prompt=True)
+        return tokenizer(templated, add_special_tokens=False).input_ids
+    return tokenizer(text).input_ids
+
+
 @dataclass
 class LoadedModel:
     spec: ModelSpec
@@ -73,12 +82,19 @@ class LoadedModel:
                 total += module.in_features * module.out_features * (2 if packed == torch.float16 else 1)
         return total
 
-    def encode(self, text: str) -> torch.Tensor:
-        """Token ids (1, T). A model without a tokenizer (random init) gets its UTF-8 bytes as ids."""
+    def encode(self, text: str, chat: bool = False) -> torch.Tensor:
+        """Token ids (1, T); ``chat`` wraps ``text`` as a user turn in the tokenizer's chat template.
+
+        A model without a tokenizer (random init) gets its UTF-8 bytes as ids.
+        """
         if self.tokenizer is None:
+            if chat:
+                raise UserError(f"model {self.name!r} has no tokenizer, so no chat template")
             vocab = self.model.get_input_embeddings().weight.shape[0]
             return torch.tensor([[b % vocab for b in text.encode()]], dtype=torch.long)
-        return self.tokenizer(text, return_tensors="pt").input_ids
+        if chat and not getattr(self.tokenizer, "chat_template", None):
+            raise UserError(f"model {self.name!r}: its tokenizer has no chat template")
+        return torch.tensor([encode_prompt(self.tokenizer, text, chat)], dtype=torch.long)
 
     def decode(self, ids: list[int]) -> str:
         if self.tokenizer is None:

@@ -50,7 +50,9 @@ def _finish(fig: Figure, ax, frame: pd.DataFrame, title: str, xlabel: str | None
 
 def _latest_run_per_pair(frame: pd.DataFrame) -> pd.DataFrame:
     """The newest run for each (target, draft, sampling parameters); a run's draft is its SSp draft, if any."""
-    params = [c for c in ("temperature", "top_k", "top_p") if c in frame]
+    params = [c for c in ("temperature", "top_k", "top_p", "prompt_format") if c in frame]
+    if "prompt_format" in frame:
+        frame = frame.assign(prompt_format=frame["prompt_format"].fillna("raw"))
     runs = frame.groupby("run_id").agg(target=("target", "first"), draft=("draft", lambda d: ",".join(sorted(set(d.dropna()) - {""}))),
                                       timestamp=("timestamp", "max"), **{c: (c, "first") for c in params})
     latest = runs.sort_values("timestamp").groupby(["target", "draft", *params]).tail(1).index
@@ -66,6 +68,8 @@ def _setting(row: pd.Series) -> str:
         text += f", top-k {int(row['top_k'])}"
     if row.get("top_p", 1.0) < 1:
         text += f", top-p {row['top_p']:g}"
+    if row.get("prompt_format") == "chat":
+        text += ", chat prompts"
     return text
 
 

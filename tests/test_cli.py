@@ -134,6 +134,7 @@ def test_compare_reads_prompts_from_stdin_until_eof(run, monkeypatch):
     (("latency", "tiny-target", "--prompts", "/no/such/file"), "cannot read prompts file /no/such/file"),
     (("latency", "tiny-target", "--draft", "tiny-other-vocab"), "does not share target 'tiny-target''s tokenizer"),
     (("latency", "tiny-target", "--temperature", "-1"), "temperature must be >= 0"),
+    (("latency", "tiny-target", "--chat"), "its tokenizer has no chat template"),
 ])
 def test_bad_input_gives_one_line_and_nonzero_exit(run, args, message):
     code, out, err = run(*args)

@@ -46,6 +46,13 @@ def test_latency_on_the_default_pair(run, tmp_path):
     assert (prompts["new_tokens"] == 8).all()
 
 
+def test_latency_on_chat_prompts(run, tmp_path):
+    run("latency", "--nb-prompts", "1", "--max-new-tokens", "4", "--chat")
+    rows = pd.read_csv(tmp_path / "latency.csv")
+    assert (rows["prompt_format"] == "chat").all() and list(rows["mode"]) == ["rsp", "ssp"]
+    assert "in the chat template" in next(tmp_path.glob("latency-*.md")).read_text()
+
+
 def test_compare_on_the_default_pair(run):
     _, out = run("compare", "--prompt", "The capital of France is", "--max-new-tokens", "8")
     assert "Regular sampling with smollm2-135m" in out and "speedup" in out
