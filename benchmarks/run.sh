@@ -9,6 +9,7 @@ cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1}
 OUT=${RESULTS_DIR:-results}
+OTHER_TARGET=smollm2-135m  # the default target under transformers' forward (the default runs the compact one)
 L=(--results-dir "$OUT")
 
 if [ "${1:-}" = "quick" ]; then
@@ -23,8 +24,11 @@ $PY llamassp.py "${L[@]}" cost --forwards transformers,compact --json "$OUT/cost
 
 # 1. Latency on the default pair: greedy K sweep, then sampling at T=0.7.
 #    The greedy sweep also times early-stopping drafts (K a maximum, stop below draft probability 0.3).
+#    Then the same draft with the target under its other forward, and the prompts in the chat template.
 $PY llamassp.py "${L[@]}" latency --k 1,2,3,4 --draft-confidence 0,0.3 "${N[@]}" --json "$OUT/latency-default-greedy.json"
 $PY llamassp.py "${L[@]}" latency --k 1,2,3 --temperature 0.7 "${N[@]}" --json "$OUT/latency-default-t0.7.json"
+$PY llamassp.py "${L[@]}" latency "$OTHER_TARGET" --default-pair --k 2,3,4 "${N[@]}" --json "$OUT/latency-other-forward-greedy.json"
+$PY llamassp.py "${L[@]}" latency --chat --k 1,2,3 "${N[@]}" --json "$OUT/latency-default-chat-greedy.json"
 
 # 2. Ours vs transformers (greedy, K=3).
 $PY llamassp.py "${L[@]}" bench --k 3 "${N[@]}" --alpha 0.5,0.6,0.7,0.8 --json "$OUT/bench-default.json"

@@ -522,8 +522,9 @@ def distill(
                 tasks[phase] = bar.add_task(phase, total=1000)
             bar.update(tasks[phase], completed=int(1000 * fraction), description=f"{phase}: {message}")
 
-        rep.data_tokens, rep.collect_seconds = dst.collect(t.model, t.tokenizer, work, cfg, progress)
-        model = dst.train(t.model, work, cfg, rep, progress)
+        # Batched collection and training need the transformers model (a compact forward runs batch 1).
+        rep.data_tokens, rep.collect_seconds = dst.collect(t.hf_model, t.tokenizer, work, cfg, progress)
+        model = dst.train(t.hf_model, work, cfg, rep, progress)
     rep.parameters = sum(p.numel() for p in model.parameters())
     command = "python llamassp.py " + " ".join(sys.argv[1:]) if sys.argv and "llamassp" in sys.argv[0] else "llamassp distill …"
     dst.write_draft(model, t.tokenizer, out, rep, command)

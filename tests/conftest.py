@@ -89,6 +89,10 @@ models:
     path: ./tiny-draft
     dtype: float32
     forward: compact
+  tiny-target-compact:
+    path: ./tiny-target
+    dtype: float32
+    forward: compact
   tiny-other-vocab:
     path: ./tiny-other
     dtype: float32

@@ -40,7 +40,7 @@ def test_latency_on_the_default_pair(run, tmp_path):
     _, out = run("latency", "--nb-prompts", "2", "--max-new-tokens", "8", "--json", str(tmp_path / "l.json"))
     summary = json.loads((tmp_path / "l.json").read_text())
     assert [s["mode"] for s in summary] == ["rsp", "ssp"]
-    assert summary[1]["target"] == "smollm2-135m" and summary[1]["draft"] == "smollm2-135m-draft"
+    assert summary[1]["target"] == "smollm2-135m-compact" and summary[1]["draft"] == "smollm2-135m-draft"
     assert all(s["ms_per_token"] > 0 for s in summary)
     prompts = pd.read_csv(tmp_path / "latency_prompts.csv")
     assert (prompts["new_tokens"] == 8).all()

@@ -62,6 +62,16 @@ def test_distill_makes_a_loadable_draft_and_resumes(tiny_dir, tmp_path, capsys):
     assert draft.model.config.num_hidden_layers == 1 and draft.model.dtype == torch.float32
 
 
+def test_distill_a_target_under_the_compact_forward(tiny_dir, tmp_path, capsys):
+    """Collection runs batches, so it uses the transformers model a compact forward wraps."""
+    out = tmp_path / "draft"
+    argv = ["--config", str(tiny_dir / "models.yaml"), "--results-dir", str(tmp_path / "results"), "distill",
+            "tiny-target-compact", "--out", str(out), "--hidden-size", "16", "--layers", "1", "--heads", "2",
+            "--intermediate-size", "32", "--batch-prompts", "4", "--new-tokens", "8", "--data-tokens", "40", "--max-steps", "2"]
+    assert main(argv) == 0, capsys.readouterr().err
+    assert json.loads((out / "distill_report.json").read_text())["target"] == "tiny-target-compact"
+
+
 def test_distill_rejects_bad_sizes(tiny_dir, tmp_path, capsys):
     code = main(["--config", str(tiny_dir / "models.yaml"), "distill", "tiny-target", "--out", str(tmp_path / "d"),
                  "--hidden-size", "30", "--heads", "4"])
