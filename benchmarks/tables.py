@@ -62,6 +62,8 @@ def main() -> None:
         for run_id in runs_of(frame, args.runs):
             rows = frame[frame["run_id"] == run_id]
             extra = f", {int(rows['prompts'].iloc[0])} prompts × {int(rows['max_new_tokens'].iloc[0])} tokens" if "prompts" in rows else ""
+            if "prompt_format" in rows and rows["prompt_format"].iloc[0] == "chat":
+                extra += " in the chat template"
             models = (f"{rows['target'].iloc[0]} + {rows['draft'].fillna('').max() or '-'}" if "target" in rows
                       else " + ".join(dict.fromkeys(rows["model"])))
             print(f"#### {name}: {models}\n")
