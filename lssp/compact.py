@@ -67,8 +67,13 @@ def fused_linear(*linears: nn.Module, dtype: torch.dtype) -> nn.Linear:
 
 
 def _linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``layer(x)``; a plain Linear skips nn.Module's call machinery (a few microseconds a call)."""
-    return F.linear(x, layer.weight) if type(layer) is nn.Linear else layer(x)
+    """``layer(x)`` without nn.Module's call machinery, a few microseconds a call (7% of a draft forward)."""
+    if type(layer) is nn.Linear:
+        return F.linear(x, layer.weight)
+    packed = getattr(layer, "_packed_params", None)
+    if packed is not None and packed.dtype == torch.float16:  # the op torch's dynamic fp16 Linear calls
+        return torch.ops.quantized.linear_dynamic_fp16(x, packed._packed_params)
+    return layer(x)
 
 
 @dataclass
