@@ -218,7 +218,8 @@ def latency(
     for m in run.summaries:
         row = {"timestamp": report.timestamp(), "run_id": run_id, "mode": m.mode, "target": t.name,
                "draft": d.name if d and m.mode == "ssp" else "", "k": m.k, **params.as_dict(),
-               "max_new_tokens": max_new_tokens, "prompt_format": "chat" if chat else "raw", **{k_: v for k_, v in asdict(m).items() if k_ not in ("mode", "k")},
+               "max_new_tokens": max_new_tokens, "prompt_format": "chat" if chat else "raw",
+               **{k_: v for k_, v in asdict(m).items() if k_ not in ("mode", "k")},
                "acceptance_by_position": ";".join(f"{x:.4f}" for x in m.acceptance_by_position),
                "target_precision": t.precision, "draft_precision": d.precision if d else "", **env}
         rows.append(row)

@@ -28,12 +28,12 @@ class CompactCache:
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
                  capacity: int = 256) -> None:
-        self.keys = torch.empty(layers, 2, 1, kv_heads, capacity, head_dim, dtype=dtype, device=device)
+        self.keys_values = torch.empty(layers, 2, 1, kv_heads, capacity, head_dim, dtype=dtype, device=device)
         self.length = 0
 
     @property
     def capacity(self) -> int:
-        return self.keys.shape[4]
+        return self.keys_values.shape[4]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.length
@@ -47,9 +47,10 @@ class CompactCache:
     def reserve(self, total: int) -> None:
         """Room for ``total`` positions (the buffer doubles when it runs out)."""
         if total > self.capacity:
-            grown = self.keys.new_empty(*self.keys.shape[:4], max(total, 2 * self.capacity), self.keys.shape[5])
-            grown[..., :self.length, :] = self.keys[..., :self.length, :]
-            self.keys = grown
+            shape = self.keys_values.shape
+            grown = self.keys_values.new_empty(*shape[:4], max(total, 2 * self.capacity), shape[5])
+            grown[..., :self.length, :] = self.keys_values[..., :self.length, :]
+            self.keys_values = grown
 
 
 def float_weight(linear: nn.Module) -> torch.Tensor:
@@ -175,7 +176,7 @@ class CompactLlama(nn.Module):
         mask = None if n == 1 else torch.ones(n, end, dtype=torch.bool, device=hidden.device).tril(diagonal=start)
         heads, half, rotated = self.heads, self.head_dim // 2, self.heads + self.kv_heads
         for i, layer in enumerate(self.hf.model.layers):
-            cache = kv.keys[i]
+            cache = kv.keys_values[i]
             x = self._rms_norm(hidden, layer.input_layernorm.weight)
             qkv = _linear(self.qkv[i], x).view(1, n, -1, self.head_dim).transpose(1, 2)
             qk = qkv[:, :rotated]  # (1, heads + kv_heads, n, head_dim): rotary embedding on queries and keys at once

@@ -277,9 +277,9 @@ def generate_speculative(
         # Never draft past the budget: the iteration then emits at most what is left.
         k_now = min(k, max_new_tokens - len(tokens) - 1)
 
-        # 1. The draft proposes k_now tokens, keeping its distributions q_1..q_k.
+        # 1. The draft proposes k_now tokens, keeping its distributions q_1..q_k (greedy needs only argmaxes).
         drafts = torch.empty(k_now, dtype=torch.long, device=device)
-        q = torch.empty(k_now, vocab, device=device)
+        q = None if params.greedy else torch.empty(k_now, vocab, device=device)
         pending = seq[:, draft_kv.get_seq_length():]
         for i in range(k_now):
             t0 = clock.now()
@@ -293,7 +293,7 @@ def generate_speculative(
             pending = drafts[i].view(1, 1)
             if confidence and i + 1 < k_now and _probability(logits[0, :vocab], drafts[i]) < confidence:
                 k_now = i + 1
-                drafts, q = drafts[:k_now], q[:k_now]
+                drafts = drafts[:k_now]  # q's unused rows are never read
                 break
         stats.draft_forwards += k_now
 
