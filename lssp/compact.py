@@ -147,6 +147,8 @@ class CompactLlama(nn.Module):
         return CompactCache(self.config.num_hidden_layers, self.kv_heads, self.head_dim, weight.dtype, weight.device)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if x.dtype == weight.dtype == torch.float32:  # one fused call
+            return F.rms_norm(x, weight.shape, weight, eps=self.eps)
         return F.rms_norm(x.float(), weight.shape, eps=self.eps).to(x.dtype) * weight
 
     def _rotary(self, start: int, end: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,7 +21,7 @@ from functools import cache
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
-from lssp.sampling import SamplingParams, sample, sample_logits, warp
+from lssp.sampling import SamplingParams, argmax, sample, sample_logits, warp
 from lssp.stats import alpha_estimate
 from lssp.timing import Clock
 
@@ -170,7 +170,7 @@ def accepted_prefix(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, gene
 def greedy_verification(logits: torch.Tensor, drafts: torch.Tensor) -> tuple[int, torch.Tensor]:
     """The rule above with one-hot p and q: drafts pass while they are the target's argmax,
     and the next token is the target's argmax where the run stopped (or after it)."""
-    best = logits.argmax(-1)
+    best = argmax(logits)
     n = int((drafts == best[:drafts.shape[0]]).cumprod(0).sum())
     return n, best[n]
 
@@ -286,7 +286,7 @@ def generate_speculative(
             logits = forward_logits(draft, pending.to(draft_device), draft_kv, 1)
             stats.draft_time_s += clock.now() - t0
             if params.greedy:  # q is one-hot: only its argmax matters
-                drafts[i] = logits[0, :vocab].argmax().to(device)
+                drafts[i] = argmax(logits[0, :vocab]).to(device)
             else:
                 q[i] = warp(logits[:, :vocab].to(device), params)[0]
                 drafts[i] = sample(q[i], params, generator)

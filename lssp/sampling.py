@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+import numpy as np
 import torch
 
 from lssp.errors import UserError
@@ -32,6 +33,14 @@ class SamplingParams:
         return asdict(self)
 
 
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(-1)`` (first maximum on ties). On the CPU it runs through NumPy, whose
+    vectorized argmax takes ~5 us over a 49k vocabulary where torch's takes ~50 us."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return torch.from_numpy(np.asarray(logits.detach().numpy().argmax(-1)))
+    return logits.argmax(-1)
+
+
 def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Probabilities (float32, same shape as ``logits``) after temperature, top-k and top-p.
 
@@ -40,7 +49,7 @@ def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """
     if params.greedy:
         probs = torch.zeros_like(logits, dtype=torch.float32)
-        return probs.scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+        return probs.scatter_(-1, argmax(logits).unsqueeze(-1), 1.0)
     logits = logits.float() / params.temperature
     if 0 < params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
@@ -58,7 +67,7 @@ def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 def sample(probs: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
     """One token id per row of ``probs`` (shape ``probs.shape[:-1]``)."""
     if params.greedy:
-        return probs.argmax(-1)
+        return argmax(probs)
     flat = probs.reshape(-1, probs.shape[-1])
     return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
 
@@ -66,5 +75,5 @@ def sample(probs: torch.Tensor, params: SamplingParams, generator: torch.Generat
 def sample_logits(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
     """A token from the warped distribution of ``logits``; greedy takes the argmax without building it."""
     if params.greedy:
-        return logits.argmax(-1)
+        return argmax(logits)
     return sample(warp(logits, params), params, generator)

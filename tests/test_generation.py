@@ -9,7 +9,7 @@ import torch
 import lssp.generation as generation
 from conftest import tiny_llama
 from lssp.generation import Stopping, generate_regular, generate_speculative
-from lssp.sampling import SamplingParams, warp
+from lssp.sampling import SamplingParams, argmax, warp
 from lssp.stats import chi_square_gof
 
 GREEDY = SamplingParams(temperature=0)
@@ -181,3 +181,12 @@ def test_speculative_sampling_with_early_stopping_recovers_the_target_distributi
     result = chi_square_gof(two_token_counts(target, draft, prompt, params, confidence=0.6),
                             exact_two_token_law(target, prompt, params).tolist())
     assert result.p_value > SIGNIFICANCE, result
+
+
+def test_argmax_matches_torch_with_ties_slices_and_other_dtypes():
+    logits = torch.randn(4, 1000)
+    logits[1, [7, 500]] = 100.0  # a tie: the first maximum wins, as in torch
+    logits[2, 3] = float("nan")
+    for x in (logits, logits[0], logits[:, 10:900], logits.T.contiguous().T, logits.to(torch.bfloat16)):
+        assert torch.equal(argmax(x), x.argmax(-1))
+    assert int(argmax(logits[1])) == 7
