@@ -486,9 +486,12 @@ def distill(
     data_dir: Annotated[Optional[Path], typer.Option(help="Where collected data and checkpoints go (default: OUT/work).")] = None,
     init_draft: Annotated[Optional[Path], typer.Option(help="Go on training this draft (its shape wins over the size options).")] = None,
     head_tokens: Annotated[int, typer.Option(help="Output layer over the target's N most frequent tokens only (0: all).")] = 0,
+    on_policy: Annotated[float, typer.Option(help="Share of newly collected shards written by --init-draft and scored by "
+                                             "the target (on-policy data, cheaper per token).")] = 0.0,
 ) -> None:
     """Make a small Llama draft for TARGET from its own continuations (resumable)."""
     from lssp import distill as dst
+    from lssp.generation import model_device
     from lssp.latency import run_latency
     from lssp.loading import check_compatible, load_model
     from lssp.prompts import LATENCY_PROMPTS, WARMUP_PROMPT
@@ -502,6 +505,10 @@ def distill(
         raise UserError(f"--hidden-size {hidden_size} must be a multiple of --heads {heads}")
     if head_tokens < 0:
         raise UserError(f"--head-tokens must be >= 0, got {head_tokens}")
+    if not 0.0 <= on_policy <= 1.0:
+        raise UserError(f"--on-policy must be in [0, 1], got {on_policy}")
+    if on_policy and not init_draft:
+        raise UserError("--on-policy needs --init-draft: the draft that writes the on-policy data")
     t = _load(s, s.registry.target_name(target))
     if t.tokenizer is None:
         raise UserError(f"model {t.name!r} has no tokenizer to share with a draft")
@@ -509,7 +516,7 @@ def distill(
                             data_tokens=data_tokens, batch_prompts=batch_prompts, new_tokens=new_tokens,
                             train_minutes=train_minutes, max_steps=max_steps, epochs=epochs, lr=lr,
                             hard_weight=hard_weight, seed=s.seed, init_from=str(init_draft) if init_draft else None,
-                            head_tokens=head_tokens)
+                            head_tokens=head_tokens, on_policy=on_policy)
     work = data_dir or out / "work"
     work.mkdir(parents=True, exist_ok=True)
     rep = dst.DistillReport(target=t.name, config=asdict(cfg))
@@ -524,7 +531,9 @@ def distill(
             bar.update(tasks[phase], completed=int(1000 * fraction), description=f"{phase}: {message}")
 
         # Batched collection and training need the transformers model (a compact forward runs batch 1).
-        rep.data_tokens, rep.collect_seconds = dst.collect(t.hf_model, t.tokenizer, work, cfg, progress)
+        writer = dst.load_initial_draft(t.hf_model, cfg).to(model_device(t.hf_model)).eval() if on_policy else None
+        rep.data_tokens, rep.collect_seconds, rep.draft_written_tokens = dst.collect(
+            t.hf_model, t.tokenizer, work, cfg, progress, draft=writer)
         model = dst.train(t.hf_model, work, cfg, rep, progress)
     rep.parameters = sum(p.numel() for p in model.parameters())
     command = "python llamassp.py " + " ".join(sys.argv[1:]) if sys.argv and "llamassp" in sys.argv[0] else "llamassp distill …"

@@ -49,6 +49,7 @@ class DistillConfig:
     max_seq_len: int = 160
     init_from: str | None = None  # a draft folder whose weights (and shape) training starts from
     head_tokens: int = 0  # >0: the output layer covers only the target's most frequent tokens (see draft_head)
+    on_policy: float = 0.0  # share of new shards the init_from draft writes and the target scores (teacher-forced)
 
 
 @dataclass
@@ -66,17 +67,18 @@ class DistillReport:
     parameters: int = 0
     started_from: dict = field(default_factory=dict)  # the --init-draft's own report and command, if any
     head_coverage: float = float("nan")  # share of the training tokens a frequent-token head covers
+    draft_written_tokens: int = 0  # of data_tokens, those the starting draft wrote (on-policy) and the target scored
 
 
 @torch.inference_mode()
 def _generate_batch(
-    target: PreTrainedModel, prompts: list[list[int]], new_tokens: int, temperature: float, top_k: int, pad_id: int,
+    model: PreTrainedModel, prompts: list[list[int]], new_tokens: int, temperature: float, top_k: int, pad_id: int,
     generator: torch.Generator,
 ) -> dict[str, torch.Tensor]:
-    """Left-padded batched sampling that records the target's top-k log-probs at each new position."""
+    """Left-padded batched sampling that records ``model``'s top-k log-probs at each new position."""
     from transformers import DynamicCache
 
-    device = model_device(target)
+    device = model_device(model)
     width = max(map(len, prompts))
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -84,9 +86,9 @@ def _generate_batch(
         ids[row, width - len(p):] = torch.tensor(p)
         mask[row, width - len(p):] = 1
     ids, mask = ids.to(device), mask.to(device)
-    kv = DynamicCache(config=target.config)
+    kv = DynamicCache(config=model.config)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    logits = target(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=kv, use_cache=True,
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=kv, use_cache=True,
                     logits_to_keep=1).logits[:, -1]
     top_ids, top_lp, tokens = [], [], []
     for _ in range(new_tokens):
@@ -101,10 +103,43 @@ def _generate_batch(
         tokens.append(nxt.cpu())
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
         positions = positions[:, -1:] + 1
-        logits = target(input_ids=nxt[:, None], attention_mask=mask, position_ids=positions, past_key_values=kv,
+        logits = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=positions, past_key_values=kv,
                         use_cache=True).logits[:, -1]
     return {"prompts": [torch.tensor(p, dtype=torch.int32) for p in prompts], "tokens": torch.stack(tokens, 1).int(),
             "top_ids": torch.stack(top_ids, 1), "top_lp": torch.stack(top_lp, 1)}
+
+
+@torch.inference_mode()
+def _score_batch(
+    target: PreTrainedModel, prompts: list[list[int]], tokens: torch.Tensor, top_k: int, pad_id: int, rows: int = 16,
+) -> dict[str, torch.Tensor]:
+    """The target's top-k log-probs at every position of given continuations: one teacher-forced
+    forward per ``rows`` sequences, several times cheaper per token than generating them."""
+    device = model_device(target)
+    new_tokens = tokens.shape[1]
+    width = max(map(len, prompts)) + new_tokens
+    top_ids, top_lp = [], []
+    for at in range(0, len(prompts), rows):
+        chunk = prompts[at: at + rows]
+        ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, p in enumerate(chunk):  # left-padded: every continuation ends at the last column
+            ids[row, width - new_tokens - len(p):] = torch.cat([torch.tensor(p), tokens[at + row].long()])
+            mask[row, width - new_tokens - len(p):] = 1
+        ids, mask = ids.to(device), mask.to(device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        logits = target(input_ids=ids, attention_mask=mask, position_ids=positions,
+                        logits_to_keep=new_tokens + 1).logits[:, :-1]  # the position before each continuation token
+        lp, ix = logits.float().log_softmax(-1).topk(top_k, dim=-1)
+        top_ids.append(ix.int().cpu())
+        top_lp.append(lp.half().cpu())
+    return {"prompts": [torch.tensor(p, dtype=torch.int32) for p in prompts], "tokens": tokens.int(),
+            "top_ids": torch.cat(top_ids), "top_lp": torch.cat(top_lp)}
+
+
+def on_policy_shard(shard: int, share: float) -> bool:
+    """Whether shard number ``shard`` is written by the draft: ``share`` of them, spread evenly."""
+    return math.floor((shard + 1) * share) > math.floor(shard * share)
 
 
 def _batches(prompts: list[tuple[str, bool]], cfg: DistillConfig) -> Iterator[tuple[list[tuple[str, bool]], float]]:
@@ -131,8 +166,12 @@ def _batches(prompts: list[tuple[str, bool]], cfg: DistillConfig) -> Iterator[tu
 
 
 def collect(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out: Path, cfg: DistillConfig,
-            progress: Progress | None = None) -> tuple[int, float]:
-    """Write shards of target continuations to ``out/data`` until ``cfg.data_tokens``; resumes."""
+            progress: Progress | None = None, draft: PreTrainedModel | None = None) -> tuple[int, float, int]:
+    """Write shards of continuations to ``out/data`` until ``cfg.data_tokens``; resumes.
+
+    The target writes them, except the ``cfg.on_policy`` share that ``draft`` writes (on-policy
+    data: the contexts the draft itself gets into); every position carries the target's top-k.
+    """
     data = out / "data"
     data.mkdir(parents=True, exist_ok=True)
     eos = set(tokenizer.all_special_ids)
@@ -140,6 +179,7 @@ def collect(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out: Pa
     prompts = training_prompts(2_000_000 // cfg.new_tokens + 1000, cfg.seed)
     meta_path = data / "meta.json"
     meta = json.loads(meta_path.read_text()) if meta_path.exists() else {"shards": 0, "tokens": 0, "seconds": 0.0}
+    meta.setdefault("draft_tokens", 0)
     generator = torch.Generator(device=model_device(target)).manual_seed(cfg.seed)
     for shard, (batch, temperature) in enumerate(_batches(prompts, cfg)):
         if meta["tokens"] >= cfg.data_tokens:
@@ -149,7 +189,12 @@ def collect(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out: Pa
         start = time.perf_counter()
         generator.manual_seed(cfg.seed * 100_003 + shard)
         encoded = [encode_prompt(tokenizer, p, chat) for p, chat in batch]
-        record = _generate_batch(target, encoded, cfg.new_tokens, temperature, cfg.top_k_saved, pad_id, generator)
+        if draft is not None and on_policy_shard(shard, cfg.on_policy):
+            written = _generate_batch(draft, encoded, cfg.new_tokens, temperature, 1, pad_id, generator)["tokens"]
+            record = _score_batch(target, encoded, written, cfg.top_k_saved, pad_id)
+            record["source"] = "draft"
+        else:
+            record = _generate_batch(target, encoded, cfg.new_tokens, temperature, cfg.top_k_saved, pad_id, generator)
         # Keep each row up to and including its first special token.
         lengths = []
         for row in record["tokens"].tolist():
@@ -159,12 +204,14 @@ def collect(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out: Pa
         torch.save(record, data / f"shard_{shard:05d}.pt")
         meta["shards"] += 1
         meta["tokens"] += int(sum(lengths))
+        meta["draft_tokens"] += int(sum(lengths)) if "source" in record else 0
         meta["seconds"] += time.perf_counter() - start
         meta_path.write_text(json.dumps(meta))
         if progress:
             progress("collect", min(1.0, meta["tokens"] / cfg.data_tokens),
-                     f"{meta['tokens']} tokens, {meta['tokens'] / max(meta['seconds'], 1e-9):.0f} tokens/s")
-    return meta["tokens"], meta["seconds"]
+                     f"{meta['tokens']} tokens ({meta['draft_tokens']} draft-written), "
+                     f"{meta['tokens'] / max(meta['seconds'], 1e-9):.0f} tokens/s")
+    return meta["tokens"], meta["seconds"], meta["draft_tokens"]
 
 
 def _examples(out: Path, cfg: DistillConfig) -> list[dict[str, torch.Tensor]]:
@@ -406,6 +453,9 @@ def write_draft(draft: LlamaForCausalLM, tokenizer: PreTrainedTokenizerBase, out
                     + (f" by `{earlier['command']}`" if earlier.get("command") else "") + "\n")
         earlier = earlier.get("started_from") or {}
     agreement = "\n".join(f"| {s} | {t} | {a:.3f} |" for s, t, a in report.agreement_curve)
+    on_policy = (f"{report.data_tokens - report.draft_written_tokens} written by the target and {report.draft_written_tokens} "
+                 f"by the starting draft (on-policy, scored by the target in one forward per batch)," if report.draft_written_tokens
+                 else "all written by the target,")
     (out / "README.md").write_text(f"""# Draft for {report.target}, made by `llamassp distill`
 
 A {draft.config.num_hidden_layers}-layer Llama (hidden {draft.config.hidden_size}, {report.parameters / 1e6:.1f}M parameters,
@@ -413,7 +463,7 @@ A {draft.config.num_hidden_layers}-layer Llama (hidden {draft.config.hidden_size
 
 Made with: `{command}`
 
-- data: {report.data_tokens} tokens of the target's own continuations (collected in {report.collect_seconds / 60:.1f} min),
+- data: {report.data_tokens} tokens of continuations (collected in {report.collect_seconds / 60:.1f} min), {on_policy}
   with the target's top-{report.config['top_k_saved']} log-probabilities at every position
 - training: {report.steps} steps in {report.train_seconds / 60:.1f} min; loss = soft cross-entropy to the target's
   top-k distribution + {report.config['hard_weight']} x cross-entropy on the target's argmax; final loss {report.final_loss:.3f}

@@ -6,8 +6,10 @@ import json
 import pytest
 import torch
 
+from conftest import tiny_llama
+
 from lssp.cli import main
-from lssp.distill import DistillConfig, _batches
+from lssp.distill import DistillConfig, _batches, _generate_batch, _score_batch, on_policy_shard
 from lssp.distill_data import training_prompts
 from lssp.loading import check_compatible, load_model
 from lssp.prompts import HELD_OUT
@@ -126,3 +128,41 @@ def test_distill_with_a_frequent_token_head(tiny_dir, tmp_path, capsys):
     assert check_compatible(target, draft) == 64
     code = main(common + ["--out", str(tmp_path / "x"), "--head-tokens", "-1"])
     assert code == 2 and "--head-tokens" in capsys.readouterr().err
+
+
+def test_scoring_given_tokens_matches_what_generation_recorded():
+    """Teacher-forced scoring of the target's own greedy continuation gives the top-k it saw while generating
+    (prompts of different lengths: left padding and positions line up)."""
+    target = tiny_llama(3).eval()
+    prompts = [[5, 9, 2, 7], [3], [11, 12, 13, 14, 15, 16, 17]]
+    generated = _generate_batch(target, prompts, 6, 0.0, 4, 0, torch.Generator().manual_seed(0))
+    scored = _score_batch(target, prompts, generated["tokens"], 4, 0, rows=2)
+    assert torch.equal(scored["top_ids"], generated["top_ids"])
+    assert torch.allclose(scored["top_lp"].float(), generated["top_lp"].float(), atol=1e-2)
+    assert torch.equal(scored["tokens"], generated["tokens"])
+
+
+def test_on_policy_shards_are_spread_evenly():
+    assert [on_policy_shard(i, 0.5) for i in range(4)] == [False, True, False, True]
+    assert sum(on_policy_shard(i, 0.25) for i in range(100)) == 25
+    assert all(on_policy_shard(i, 1.0) for i in range(10)) and not any(on_policy_shard(i, 0.0) for i in range(10))
+
+
+def test_distill_on_policy_data_from_the_starting_draft(tiny_dir, tmp_path, capsys):
+    first, second, work = tmp_path / "first", tmp_path / "second", tmp_path / "w"
+    common = ["--config", str(tiny_dir / "models.yaml"), "--results-dir", str(tmp_path / "results"), "distill", "tiny-target",
+              "--batch-prompts", "4", "--new-tokens", "8", "--max-steps", "2", "--data-dir", str(work)]
+    assert main(common + ["--out", str(first), "--hidden-size", "16", "--layers", "1", "--heads", "2",
+                          "--intermediate-size", "32", "--data-tokens", "30"]) == 0, capsys.readouterr().err
+    before = len(list((work / "data").glob("shard_*.pt")))
+    (work / "checkpoint.pt").unlink()  # a new training run over the grown data
+    assert main(common + ["--out", str(second), "--init-draft", str(first), "--data-tokens", "90", "--on-policy", "1"]) == 0
+    shards = sorted((work / "data").glob("shard_*.pt"))
+    sources = [torch.load(path).get("source", "target") for path in shards]
+    assert sources[:before] == ["target"] * before and len(shards) > before and set(sources[before:]) == {"draft"}
+    report = json.loads((second / "distill_report.json").read_text())
+    written = sum(int(torch.load(path)["lengths"].sum()) for path in shards[before:])
+    assert report["draft_written_tokens"] == written > 0 and report["data_tokens"] >= 90
+    assert f"{written} by the starting draft (on-policy" in (second / "README.md").read_text()
+    code = main(common + ["--out", str(tmp_path / "x"), "--data-tokens", "30", "--on-policy", "0.5"])
+    assert code == 2 and "--on-policy needs --init-draft" in capsys.readouterr().err
