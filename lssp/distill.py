@@ -70,6 +70,15 @@ class DistillReport:
     draft_written_tokens: int = 0  # of data_tokens, those the starting draft wrote (on-policy) and the target scored
 
 
+def _last_logits(model: PreTrainedModel, **inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Logits at each row's last position; for a draft with a frequent-token head, only the head's
+    rows and their vocabulary ids (a full-width -inf scatter costs more than the batch's forward)."""
+    head = subset_head(model)
+    if head is None:
+        return model(**inputs, logits_to_keep=1).logits[:, -1], None
+    return head.linear(model.model(**inputs).last_hidden_state[:, -1]), head.token_ids
+
+
 @torch.inference_mode()
 def _generate_batch(
     model: PreTrainedModel, prompts: list[list[int]], new_tokens: int, temperature: float, top_k: int, pad_id: int,
@@ -88,23 +97,25 @@ def _generate_batch(
     ids, mask = ids.to(device), mask.to(device)
     kv = DynamicCache(config=model.config)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=kv, use_cache=True,
-                    logits_to_keep=1).logits[:, -1]
+    logits, vocab_ids = _last_logits(model, input_ids=ids, attention_mask=mask, position_ids=positions,
+                                     past_key_values=kv, use_cache=True)
     top_ids, top_lp, tokens = [], [], []
     for _ in range(new_tokens):
         logprobs = logits.float().log_softmax(-1)
         lp, ix = logprobs.topk(top_k, dim=-1)
-        top_ids.append(ix.int().cpu())
-        top_lp.append(lp.half().cpu())
         if temperature == 0:
             nxt = logprobs.argmax(-1)
         else:
             nxt = torch.multinomial((logprobs / temperature).softmax(-1), 1, generator=generator)[:, 0]
+        if vocab_ids is not None:
+            ix, nxt = vocab_ids[ix], vocab_ids[nxt]
+        top_ids.append(ix.int().cpu())
+        top_lp.append(lp.half().cpu())
         tokens.append(nxt.cpu())
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
         positions = positions[:, -1:] + 1
-        logits = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=positions, past_key_values=kv,
-                        use_cache=True).logits[:, -1]
+        logits, _ = _last_logits(model, input_ids=nxt[:, None], attention_mask=mask, position_ids=positions,
+                                 past_key_values=kv, use_cache=True)
     return {"prompts": [torch.tensor(p, dtype=torch.int32) for p in prompts], "tokens": torch.stack(tokens, 1).int(),
             "top_ids": torch.stack(top_ids, 1), "top_lp": torch.stack(top_lp, 1)}
 
@@ -114,7 +125,7 @@ def _score_batch(
     target: PreTrainedModel, prompts: list[list[int]], tokens: torch.Tensor, top_k: int, pad_id: int, rows: int = 16,
 ) -> dict[str, torch.Tensor]:
     """The target's top-k log-probs at every position of given continuations: one teacher-forced
-    forward per ``rows`` sequences, several times cheaper per token than generating them."""
+    forward per ``rows`` sequences (~2x the tokens/s of generating them on a 2-core CPU)."""
     device = model_device(target)
     new_tokens = tokens.shape[1]
     width = max(map(len, prompts)) + new_tokens

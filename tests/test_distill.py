@@ -166,3 +166,24 @@ def test_distill_on_policy_data_from_the_starting_draft(tiny_dir, tmp_path, caps
     assert f"{written} by the starting draft (on-policy" in (second / "README.md").read_text()
     code = main(common + ["--out", str(tmp_path / "x"), "--data-tokens", "30", "--on-policy", "0.5"])
     assert code == 2 and "--on-policy needs --init-draft" in capsys.readouterr().err
+
+
+def test_a_frequent_token_head_generates_as_its_full_width_logits_would(monkeypatch):
+    """Batched generation samples a subset-head draft over its own rows (no full-width scatter), same law."""
+    from lssp.draft_head import attach_subset_head
+
+    draft = attach_subset_head(tiny_llama(4), list(range(0, 64, 2))).eval()
+    prompts = [[5, 9, 2, 7], [3]]
+    for temperature in (0.0, 1.0):
+        fast = _generate_batch(draft, prompts, 6, temperature, 3, 0, torch.Generator().manual_seed(0))
+        with monkeypatch.context() as m:
+            m.setattr("lssp.distill.subset_head", lambda model: None)  # the head's own full-width -inf logits
+            slow = _generate_batch(draft, prompts, 6, temperature, 3, 0, torch.Generator().manual_seed(0))
+        # Sampled runs draw from 32 categories instead of 64 (half at zero): same law, other draws, so
+        # they agree up to the first sampled token; greedy runs agree everywhere.
+        same = slice(None) if temperature == 0 else slice(0, 1)
+        assert torch.equal(fast["top_ids"][:, same], slow["top_ids"][:, same])
+        assert torch.allclose(fast["top_lp"][:, same].float(), slow["top_lp"][:, same].float(), atol=1e-3)
+        assert set(fast["tokens"].flatten().tolist()) <= set(range(0, 64, 2))
+        if temperature == 0:
+            assert torch.equal(fast["tokens"], slow["tokens"])
