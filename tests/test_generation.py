@@ -9,7 +9,7 @@ import torch
 import lssp.generation as generation
 from conftest import tiny_llama
 from lssp.generation import Stopping, generate_regular, generate_speculative
-from lssp.sampling import SamplingParams, argmax, warp
+from lssp.sampling import SamplingParams, argmax, sample, warp
 from lssp.stats import chi_square_gof
 
 GREEDY = SamplingParams(temperature=0)
@@ -190,3 +190,14 @@ def test_argmax_matches_torch_with_ties_slices_and_other_dtypes():
     for x in (logits, logits[0], logits[:, 10:900], logits.T.contiguous().T, logits.to(torch.bfloat16)):
         assert torch.equal(argmax(x), x.argmax(-1))
     assert int(argmax(logits[1])) == 7
+
+
+def test_sample_draws_the_given_law_and_never_a_zero_probability_token():
+    law = torch.tensor([0.0, 0.5, 0.0, 0.3, 0.2, 0.0, 1e-3, 0.0])
+    law = law / law.sum()
+    draws = sample(law.expand(20000, 8), SamplingParams(1.0), torch.Generator().manual_seed(0))
+    assert draws.shape == (20000,)
+    counts = torch.bincount(draws, minlength=8)
+    assert counts[law == 0].sum() == 0
+    assert chi_square_gof(counts.tolist(), law.tolist()).p_value > 0.001
+    assert sample(law, SamplingParams(1.0), None).shape == ()  # one row in, one token out
