@@ -41,10 +41,17 @@ def _finish(fig: Figure, ax, frame: pd.DataFrame, title: str, xlabel: str | None
     if xlabel:
         ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
-    if legend:
-        ax.legend(fontsize=7)
+    bottom = 0.04  # the caption's line
+    if legend:  # below the axes, one entry a line, so it never covers the data
+        handles, labels = ax.get_legend_handles_labels()
+        width, height = fig.get_size_inches()
+        room = 0.15 * len(labels) + 0.1
+        fig.set_size_inches(width, height + room)
+        fig.legend(handles, labels, fontsize=7, loc="lower left", bbox_to_anchor=(0.01, 0.3 / (height + room)),
+                   frameon=False)
+        bottom = (room + 0.3) / (height + room)
     _caption(fig, frame)
-    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    fig.tight_layout(rect=(0, bottom, 1, 1))
     return fig
 
 
@@ -112,17 +119,17 @@ def speedup_figure(frame: pd.DataFrame) -> Figure:
     """Measured speedup against K, with the standard model's curve from the measured α, c and verification cost."""
     frame = _latest_run_per_pair(frame)
     fig, ax = plt.subplots(figsize=(6.5, 4.4))
-    for run_id, rows in frame.groupby("run_id", sort=False):
+    for color, (run_id, rows) in enumerate(frame.groupby("run_id", sort=False)):
         rsp, ssp = rows[rows["mode"] == "rsp"], rows[rows["mode"] == "ssp"].sort_values("k")
         if rsp.empty or ssp.empty:
             continue
         label = f"{ssp['target'].iloc[0]} + {ssp['draft'].iloc[0]}, {_setting(ssp.iloc[0])}"
-        ax.plot(ssp["k"], ssp["speedup"], "o", label=f"{label}: measured")
+        ax.plot(ssp["k"], ssp["speedup"], "o", color=f"C{color % 10}", label=f"{label}: measured")
         alpha = _alpha(ssp)
         c = float(ssp["draft_ms_per_forward"].median() / rsp["target_ms_per_forward"].iloc[0])
         ks = np.arange(1, max(int(ssp["k"].max()), 8) + 1)
         slope = verification_slope(rsp, ssp)
-        ax.plot(ks, [predicted_speedup(alpha, int(k), c, 1.0 + slope * k) for k in ks], "--",
+        ax.plot(ks, [predicted_speedup(alpha, int(k), c, 1.0 + slope * k) for k in ks], "--", color=f"C{color % 10}",
                 label=f"{label}: model, α={alpha:.2f}, c={c:.2f}, v=1+{slope:.3f}K")
     ax.axhline(1.0, color="0.6", lw=0.8)
     return _finish(fig, ax, frame, "SSp speedup against K", "draft length K (tokens)", "speedup over RSp (×)", legend=True)
@@ -137,7 +144,7 @@ def acceptance_figure(frame: pd.DataFrame) -> Figure:
     for i, (_, r) in enumerate(ssp.iterrows()):
         rates = [float(x) for x in str(r["acceptance_by_position"]).split(";") if x not in ("", "nan")]
         ax.bar(np.arange(1, len(rates) + 1) + (i - (len(ssp) - 1) / 2) * width, rates, width,
-               label=f"K={int(r['k'])}, {_setting(r)}")
+               label=f"{r['target']} + {r['draft']}, K={int(r['k'])}, {_setting(r)}")
     ax.set_ylim(0, 1)
     return _finish(fig, ax, frame, "Acceptance by draft position", "draft position i",
                    "share of iterations accepting draft i", legend=True)
