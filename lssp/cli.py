@@ -487,7 +487,7 @@ def distill(
     init_draft: Annotated[Optional[Path], typer.Option(help="Go on training this draft (its shape wins over the size options).")] = None,
     head_tokens: Annotated[int, typer.Option(help="Output layer over the target's N most frequent tokens only (0: all).")] = 0,
     on_policy: Annotated[float, typer.Option(help="Share of newly collected shards written by --init-draft and scored by "
-                                             "the target (on-policy data, cheaper per token).")] = 0.0,
+                                             "the target in one teacher-forced forward (on-policy data).")] = 0.0,
 ) -> None:
     """Make a small Llama draft for TARGET from its own continuations (resumable)."""
     from lssp import distill as dst

@@ -45,11 +45,11 @@ def _finish(fig: Figure, ax, frame: pd.DataFrame, title: str, xlabel: str | None
     if legend:  # below the axes, one entry a line, so it never covers the data
         handles, labels = ax.get_legend_handles_labels()
         width, height = fig.get_size_inches()
-        room = 0.15 * len(labels) + 0.1
+        room, caption = 0.15 * len(labels) + 0.1, 0.3  # inches
         fig.set_size_inches(width, height + room)
-        fig.legend(handles, labels, fontsize=7, loc="lower left", bbox_to_anchor=(0.01, 0.3 / (height + room)),
+        fig.legend(handles, labels, fontsize=7, loc="lower left", bbox_to_anchor=(0.01, caption / (height + room)),
                    frameon=False)
-        bottom = (room + 0.3) / (height + room)
+        bottom = (room + caption) / (height + room)
     _caption(fig, frame)
     fig.tight_layout(rect=(0, bottom, 1, 1))
     return fig
