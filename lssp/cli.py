@@ -488,6 +488,8 @@ def distill(
     head_tokens: Annotated[int, typer.Option(help="Output layer over the target's N most frequent tokens only (0: all).")] = 0,
     on_policy: Annotated[float, typer.Option(help="Share of newly collected shards written by --init-draft and scored by "
                                              "the target in one teacher-forced forward (on-policy data).")] = 0.0,
+    repeat_share: Annotated[float, typer.Option(help="Share of newly collected shards the target continues from "
+                                                "contexts that repeat a cue of earlier text (teaches the draft to copy).")] = 0.0,
 ) -> None:
     """Make a small Llama draft for TARGET from its own continuations (resumable)."""
     from lssp import distill as dst
@@ -505,8 +507,9 @@ def distill(
         raise UserError(f"--hidden-size {hidden_size} must be a multiple of --heads {heads}")
     if head_tokens < 0:
         raise UserError(f"--head-tokens must be >= 0, got {head_tokens}")
-    if not 0.0 <= on_policy <= 1.0:
-        raise UserError(f"--on-policy must be in [0, 1], got {on_policy}")
+    for name, share in [("--on-policy", on_policy), ("--repeat-share", repeat_share)]:
+        if not 0.0 <= share <= 1.0:
+            raise UserError(f"{name} must be in [0, 1], got {share}")
     if on_policy and not init_draft:
         raise UserError("--on-policy needs --init-draft: the draft that writes the on-policy data")
     t = _load(s, s.registry.target_name(target))
@@ -516,7 +519,7 @@ def distill(
                             data_tokens=data_tokens, batch_prompts=batch_prompts, new_tokens=new_tokens,
                             train_minutes=train_minutes, max_steps=max_steps, epochs=epochs, lr=lr,
                             hard_weight=hard_weight, seed=s.seed, init_from=str(init_draft) if init_draft else None,
-                            head_tokens=head_tokens, on_policy=on_policy)
+                            head_tokens=head_tokens, on_policy=on_policy, repeat_share=repeat_share)
     work = data_dir or out / "work"
     work.mkdir(parents=True, exist_ok=True)
     rep = dst.DistillReport(target=t.name, config=asdict(cfg))
@@ -532,8 +535,9 @@ def distill(
 
         # Batched collection and training need the transformers model (a compact forward runs batch 1).
         writer = dst.load_initial_draft(t.hf_model, cfg).to(model_device(t.hf_model)).eval() if on_policy else None
-        rep.data_tokens, rep.collect_seconds, rep.draft_written_tokens = dst.collect(
-            t.hf_model, t.tokenizer, work, cfg, progress, draft=writer)
+        got = dst.collect(t.hf_model, t.tokenizer, work, cfg, progress, draft=writer)
+        rep.data_tokens, rep.collect_seconds = got.tokens, got.seconds
+        rep.draft_written_tokens, rep.repeat_tokens = got.draft_tokens, got.repeat_tokens
         model = dst.train(t.hf_model, work, cfg, rep, progress)
     rep.parameters = sum(p.numel() for p in model.parameters())
     command = "python llamassp.py " + " ".join(sys.argv[1:]) if sys.argv and "llamassp" in sys.argv[0] else "llamassp distill …"

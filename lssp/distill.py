@@ -50,6 +50,7 @@ class DistillConfig:
     init_from: str | None = None  # a draft folder whose weights (and shape) training starts from
     head_tokens: int = 0  # >0: the output layer covers only the target's most frequent tokens (see draft_head)
     on_policy: float = 0.0  # share of new shards the init_from draft writes and the target scores (teacher-forced)
+    repeat_share: float = 0.0  # share of new shards the target continues from a cue repeated out of earlier text
 
 
 @dataclass
@@ -68,6 +69,15 @@ class DistillReport:
     started_from: dict = field(default_factory=dict)  # the --init-draft's own report and command, if any
     head_coverage: float = float("nan")  # share of the training tokens a frequent-token head covers
     draft_written_tokens: int = 0  # of data_tokens, those the starting draft wrote (on-policy) and the target scored
+    repeat_tokens: int = 0  # of data_tokens, the target's continuations of a repeated cue (see repeat_prompts)
+
+
+@dataclass
+class Collected:
+    tokens: int
+    seconds: float
+    draft_tokens: int
+    repeat_tokens: int
 
 
 def _last_logits(model: PreTrainedModel, **inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -145,9 +155,33 @@ def _score_batch(
             "top_ids": torch.cat(top_ids), "top_lp": torch.cat(top_lp)}
 
 
-def on_policy_shard(shard: int, share: float) -> bool:
-    """Whether shard number ``shard`` is written by the draft: ``share`` of them, spread evenly."""
+def chosen_shard(shard: int, share: float) -> bool:
+    """Whether shard number ``shard`` is among ``share`` of all shards, spread evenly."""
     return math.floor((shard + 1) * share) > math.floor(shard * share)
+
+
+REPEAT_WINDOW, REPEAT_CUE = 48, 4  # tokens of earlier text; tokens of it repeated at the end
+
+
+def repeat_prompts(source: dict[str, torch.Tensor], specials: set[int], generator: torch.Generator) -> list[list[int]]:
+    """Contexts that end by repeating the start of a span of earlier text.
+
+    Each row of an earlier shard gives a window (the end of its prompt and the start of its
+    continuation, REPEAT_WINDOW tokens) followed by REPEAT_CUE tokens copied from a random place
+    in it. The target's continuation then shows how it copies, which a small draft trained on
+    plain continuations does not learn (a 4-layer draft copied 0% of a repeated random span where
+    the target copies most of it), though greedy text repeats itself often.
+    """
+    contexts = []
+    for prompt, row, n in zip(source["prompts"], source["tokens"], source["lengths"].tolist()):
+        text = prompt.tolist() + row[:n].tolist()
+        if text[-1] in specials:
+            text = text[:-1]
+        window = text[: len(prompt) + REPEAT_WINDOW - 8][-REPEAT_WINDOW:]
+        last = max(0, len(window) - REPEAT_CUE - 8)
+        at = int(torch.randint(last + 1, (1,), generator=generator))
+        contexts.append(window + window[at: at + REPEAT_CUE])
+    return contexts
 
 
 def _batches(prompts: list[tuple[str, bool]], cfg: DistillConfig) -> Iterator[tuple[list[tuple[str, bool]], float]]:
@@ -174,11 +208,12 @@ def _batches(prompts: list[tuple[str, bool]], cfg: DistillConfig) -> Iterator[tu
 
 
 def collect(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out: Path, cfg: DistillConfig,
-            progress: Progress | None = None, draft: PreTrainedModel | None = None) -> tuple[int, float, int]:
+            progress: Progress | None = None, draft: PreTrainedModel | None = None) -> Collected:
     """Write shards of continuations to ``out/data`` until ``cfg.data_tokens``; resumes.
 
     The target writes them, except the ``cfg.on_policy`` share that ``draft`` writes (on-policy
     data: the contexts the draft itself gets into); every position carries the target's top-k.
+    A ``cfg.repeat_share`` of shards replaces the prompts by repeat_prompts of an earlier shard.
     """
     data = out / "data"
     data.mkdir(parents=True, exist_ok=True)
@@ -188,6 +223,8 @@ def collect(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out: Pa
     meta_path = data / "meta.json"
     meta = json.loads(meta_path.read_text()) if meta_path.exists() else {"shards": 0, "tokens": 0, "seconds": 0.0}
     meta.setdefault("draft_tokens", 0)
+    meta.setdefault("repeat_tokens", 0)
+    meta.setdefault("repeat_shards", [])
     generator = torch.Generator(device=model_device(target)).manual_seed(cfg.seed)
     for shard, (batch, temperature) in enumerate(_batches(prompts, cfg)):
         if meta["tokens"] >= cfg.data_tokens:
@@ -197,7 +234,12 @@ def collect(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out: Pa
         start = time.perf_counter()
         generator.manual_seed(cfg.seed * 100_003 + shard)
         encoded = [encode_prompt(tokenizer, p, chat) for p, chat in batch]
-        by_draft = draft is not None and on_policy_shard(shard, cfg.on_policy)
+        sources = sorted(set(range(shard)) - set(meta["repeat_shards"]))
+        repeat = bool(sources) and chosen_shard(shard, cfg.repeat_share)
+        by_draft = not repeat and draft is not None and chosen_shard(shard, cfg.on_policy)
+        if repeat:
+            source = torch.load(data / f"shard_{sources[shard * 7919 % len(sources)]:05d}.pt")
+            encoded = repeat_prompts(source, eos, torch.Generator().manual_seed(cfg.seed * 100_003 + shard))
         if by_draft:
             written = _generate_batch(draft, encoded, cfg.new_tokens, temperature, 1, pad_id, generator)["tokens"]
             record = _score_batch(target, encoded, written, cfg.top_k_saved, pad_id)
@@ -210,17 +252,21 @@ def collect(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out: Pa
             stop = next((i for i, t in enumerate(row) if t in eos), len(row) - 1)
             lengths.append(stop + 1)
         record["lengths"] = torch.tensor(lengths)
+        if repeat:
+            record["source"] = "repeat"
         torch.save(record, data / f"shard_{shard:05d}.pt")
         meta["shards"] += 1
         meta["tokens"] += int(sum(lengths))
         meta["draft_tokens"] += int(sum(lengths)) if by_draft else 0
+        meta["repeat_tokens"] += int(sum(lengths)) if repeat else 0
+        meta["repeat_shards"] += [shard] if repeat else []
         meta["seconds"] += time.perf_counter() - start
         meta_path.write_text(json.dumps(meta))
         if progress:
             progress("collect", min(1.0, meta["tokens"] / cfg.data_tokens),
-                     f"{meta['tokens']} tokens ({meta['draft_tokens']} draft-written), "
+                     f"{meta['tokens']} tokens ({meta['draft_tokens']} draft-written, {meta['repeat_tokens']} after a repeat), "
                      f"{meta['tokens'] / max(meta['seconds'], 1e-9):.0f} tokens/s")
-    return meta["tokens"], meta["seconds"], meta["draft_tokens"]
+    return Collected(meta["tokens"], meta["seconds"], meta["draft_tokens"], meta["repeat_tokens"])
 
 
 def _examples(out: Path, cfg: DistillConfig) -> list[dict[str, torch.Tensor]]:
@@ -465,6 +511,9 @@ def write_draft(draft: LlamaForCausalLM, tokenizer: PreTrainedTokenizerBase, out
     on_policy = (f"{report.data_tokens - report.draft_written_tokens} written by the target and {report.draft_written_tokens} "
                  f"by the starting draft (on-policy, scored by the target in one forward per batch)," if report.draft_written_tokens
                  else "all written by the target,")
+    if report.repeat_tokens:
+        on_policy += (f" {report.repeat_tokens} of them the target's continuations of contexts that end by repeating"
+                      f" {REPEAT_CUE} tokens of the {REPEAT_WINDOW} before (to teach the draft to copy),")
     (out / "README.md").write_text(f"""# Draft for {report.target}, made by `llamassp distill`
 
 A {draft.config.num_hidden_layers}-layer Llama (hidden {draft.config.hidden_size}, {report.parameters / 1e6:.1f}M parameters,

@@ -9,7 +9,8 @@ import torch
 from conftest import tiny_llama
 
 from lssp.cli import main
-from lssp.distill import DistillConfig, _batches, _generate_batch, _score_batch, on_policy_shard
+from lssp.distill import (REPEAT_CUE, REPEAT_WINDOW, DistillConfig, _batches, _generate_batch, _score_batch, chosen_shard,
+                          repeat_prompts)
 from lssp.distill_data import training_prompts
 from lssp.loading import check_compatible, load_model
 from lssp.prompts import HELD_OUT
@@ -142,10 +143,10 @@ def test_scoring_given_tokens_matches_what_generation_recorded():
     assert torch.equal(scored["tokens"], generated["tokens"])
 
 
-def test_on_policy_shards_are_spread_evenly():
-    assert [on_policy_shard(i, 0.5) for i in range(4)] == [False, True, False, True]
-    assert sum(on_policy_shard(i, 0.25) for i in range(100)) == 25
-    assert all(on_policy_shard(i, 1.0) for i in range(10)) and not any(on_policy_shard(i, 0.0) for i in range(10))
+def test_chosen_shards_are_spread_evenly():
+    assert [chosen_shard(i, 0.5) for i in range(4)] == [False, True, False, True]
+    assert sum(chosen_shard(i, 0.25) for i in range(100)) == 25
+    assert all(chosen_shard(i, 1.0) for i in range(10)) and not any(chosen_shard(i, 0.0) for i in range(10))
 
 
 def test_distill_on_policy_data_from_the_starting_draft(tiny_dir, tmp_path, capsys):
@@ -166,6 +167,43 @@ def test_distill_on_policy_data_from_the_starting_draft(tiny_dir, tmp_path, caps
     assert f"{written} by the starting draft (on-policy" in (second / "README.md").read_text()
     code = main(common + ["--out", str(tmp_path / "x"), "--data-tokens", "30", "--on-policy", "0.5"])
     assert code == 2 and "--on-policy needs --init-draft" in capsys.readouterr().err
+
+
+def test_repeat_contexts_end_with_a_cue_copied_from_their_window():
+    prompts = [torch.arange(100, 130, dtype=torch.int32), torch.tensor([7, 8], dtype=torch.int32)]
+    tokens = torch.arange(200, 296, dtype=torch.int32).view(1, -1).repeat(2, 1)
+    tokens[1, 5] = 2  # the second row stops at a special token, which the window leaves out
+    source = {"prompts": prompts, "tokens": tokens, "lengths": torch.tensor([96, 6])}
+    contexts = repeat_prompts(source, {2}, torch.Generator().manual_seed(0))
+    first, second = contexts
+    window = first[:-REPEAT_CUE]
+    assert len(window) == REPEAT_WINDOW and window == list(range(122, 130)) + list(range(200, 240))  # prompt end + start
+    cue = first[-REPEAT_CUE:]
+    assert any(window[i: i + REPEAT_CUE] == cue for i in range(len(window)))
+    assert second[:-REPEAT_CUE] == [7, 8, 200, 201, 202, 203, 204] and 2 not in second
+    assert second[-REPEAT_CUE:] == second[:REPEAT_CUE]  # a window too short to choose: the cue repeats its start
+    assert repeat_prompts(source, {2}, torch.Generator().manual_seed(0)) == contexts  # resumable: seeded per shard
+
+
+def test_distill_repeat_data_continues_earlier_text(tiny_dir, tmp_path, capsys):
+    work, out = tmp_path / "w", tmp_path / "d"
+    common = ["--config", str(tiny_dir / "models.yaml"), "--results-dir", str(tmp_path / "results"), "distill", "tiny-target",
+              "--batch-prompts", "4", "--new-tokens", "8", "--max-steps", "2", "--data-dir", str(work), "--out", str(out),
+              "--hidden-size", "16", "--layers", "1", "--heads", "2", "--intermediate-size", "32"]
+    assert main(common + ["--data-tokens", "100", "--repeat-share", "0.5"]) == 0, capsys.readouterr().err
+    records = [torch.load(path) for path in sorted((work / "data").glob("shard_*.pt"))]
+    sources = [r.get("source", "target") for r in records]
+    assert sources[0] == "target" and sources[1] == "repeat" and "target" in sources[2:] and "repeat" in sources[2:]
+    for record in (r for r in records if r.get("source") == "repeat"):
+        for prompt in record["prompts"]:
+            prompt = prompt.tolist()
+            cue = prompt[-REPEAT_CUE:]
+            assert any(prompt[i: i + REPEAT_CUE] == cue for i in range(len(prompt) - REPEAT_CUE))
+    report = json.loads((out / "distill_report.json").read_text())
+    repeated = sum(int(r["lengths"].sum()) for r in records if r.get("source") == "repeat")
+    assert report["repeat_tokens"] == repeated > 0
+    assert f"{repeated} of them the target's continuations of contexts that end by repeating" in (out / "README.md").read_text()
+    assert main(common + ["--repeat-share", "1.5"]) == 2 and "--repeat-share must be in [0, 1]" in capsys.readouterr().err
 
 
 def test_a_frequent_token_head_generates_as_its_full_width_logits_would(monkeypatch):
