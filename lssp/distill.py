@@ -168,9 +168,8 @@ def repeat_prompts(source: dict[str, torch.Tensor], specials: set[int], generato
 
     Each row of an earlier shard gives a window (the end of its prompt and the start of its
     continuation, REPEAT_WINDOW tokens) followed by REPEAT_CUE tokens copied from a random place
-    in it. The target's continuation then shows how it copies, which a small draft trained on
-    plain continuations does not learn (a 4-layer draft copied 0% of a repeated random span where
-    the target copies most of it), though greedy text repeats itself often.
+    in it. The target's continuation then shows how it copies: greedy text repeats itself often,
+    and a small draft trained on plain continuations need not learn to copy.
     """
     contexts = []
     for prompt, row, n in zip(source["prompts"], source["tokens"], source["lengths"].tolist()):
