@@ -176,11 +176,20 @@ def repeat_prompts(source: dict[str, torch.Tensor], specials: set[int], generato
         text = prompt.tolist() + row[:n].tolist()
         if text[-1] in specials:
             text = text[:-1]
-        window = text[: len(prompt) + REPEAT_WINDOW - 8][-REPEAT_WINDOW:]
-        last = max(0, len(window) - REPEAT_CUE - 8)
+        window = text[: len(prompt) + REPEAT_WINDOW - 8][-REPEAT_WINDOW:]  # at least 8 prompt tokens if there are
+        last = max(0, len(window) - REPEAT_CUE - 8)  # the cue's span goes on for 8 tokens or more in the window
         at = int(torch.randint(last + 1, (1,), generator=generator))
         contexts.append(window + window[at: at + REPEAT_CUE])
     return contexts
+
+
+def _repeat_source(shard: int, repeat_shards: list[int], share: float) -> int | None:
+    """The earlier shard whose text repeat shard ``shard`` repeats (never a repeat shard), or None
+    when ``shard`` is not one of the ``share`` or nothing earlier can be repeated."""
+    if not chosen_shard(shard, share):
+        return None
+    sources = sorted(set(range(shard)) - set(repeat_shards))
+    return sources[shard * 7919 % len(sources)] if sources else None
 
 
 def _batches(prompts: list[tuple[str, bool]], cfg: DistillConfig) -> Iterator[tuple[list[tuple[str, bool]], float]]:
@@ -231,14 +240,16 @@ def collect(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out: Pa
         if shard < meta["shards"]:
             continue
         start = time.perf_counter()
-        generator.manual_seed(cfg.seed * 100_003 + shard)
-        encoded = [encode_prompt(tokenizer, p, chat) for p, chat in batch]
-        sources = sorted(set(range(shard)) - set(meta["repeat_shards"]))
-        repeat = bool(sources) and chosen_shard(shard, cfg.repeat_share)
+        shard_seed = cfg.seed * 100_003 + shard
+        generator.manual_seed(shard_seed)
+        repeat_from = _repeat_source(shard, meta["repeat_shards"], cfg.repeat_share)
+        repeat = repeat_from is not None
         by_draft = not repeat and draft is not None and chosen_shard(shard, cfg.on_policy)
         if repeat:
-            source = torch.load(data / f"shard_{sources[shard * 7919 % len(sources)]:05d}.pt")
-            encoded = repeat_prompts(source, eos, torch.Generator().manual_seed(cfg.seed * 100_003 + shard))
+            source = torch.load(data / f"shard_{repeat_from:05d}.pt")
+            encoded = repeat_prompts(source, eos, torch.Generator().manual_seed(shard_seed))
+        else:
+            encoded = [encode_prompt(tokenizer, p, chat) for p, chat in batch]
         if by_draft:
             written = _generate_batch(draft, encoded, cfg.new_tokens, temperature, 1, pad_id, generator)["tokens"]
             record = _score_batch(target, encoded, written, cfg.top_k_saved, pad_id)
@@ -507,11 +518,11 @@ def write_draft(draft: LlamaForCausalLM, tokenizer: PreTrainedTokenizerBase, out
                     + (f" by `{earlier['command']}`" if earlier.get("command") else "") + "\n")
         earlier = earlier.get("started_from") or {}
     agreement = "\n".join(f"| {s} | {t} | {a:.3f} |" for s, t, a in report.agreement_curve)
-    on_policy = (f"{report.data_tokens - report.draft_written_tokens} written by the target and {report.draft_written_tokens} "
+    written_by = (f"{report.data_tokens - report.draft_written_tokens} written by the target and {report.draft_written_tokens} "
                  f"by the starting draft (on-policy, scored by the target in one forward per batch)," if report.draft_written_tokens
                  else "all written by the target,")
     if report.repeat_tokens:
-        on_policy += (f" {report.repeat_tokens} of them the target's continuations of contexts that end by repeating"
+        written_by += (f" {report.repeat_tokens} of them the target's continuations of contexts that end by repeating"
                       f" {REPEAT_CUE} tokens of the {REPEAT_WINDOW} before (to teach the draft to copy),")
     (out / "README.md").write_text(f"""# Draft for {report.target}, made by `llamassp distill`
 
@@ -520,7 +531,7 @@ A {draft.config.num_hidden_layers}-layer Llama (hidden {draft.config.hidden_size
 
 Made with: `{command}`
 
-- data: {report.data_tokens} tokens of continuations (collected in {report.collect_seconds / 60:.1f} min), {on_policy}
+- data: {report.data_tokens} tokens of continuations (collected in {report.collect_seconds / 60:.1f} min), {written_by}
   with the target's top-{report.config['top_k_saved']} log-probabilities at every position
 - training: {report.steps} steps in {report.train_seconds / 60:.1f} min; loss = soft cross-entropy to the target's
   top-k distribution + {report.config['hard_weight']} x cross-entropy on the target's argmax; final loss {report.final_loss:.3f}
