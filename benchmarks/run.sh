@@ -23,12 +23,13 @@ fi
 $PY llamassp.py "${L[@]}" cost --forwards transformers,compact --json "$OUT/cost-default.json"
 
 # 1. Latency on the default pair: greedy K sweep, then sampling at T=0.7.
-#    The greedy sweep also times early-stopping drafts (K a maximum, stop below draft probability 0.3).
+#    The greedy sweep also times early-stopping drafts (K a maximum, stop below draft probability 0.3),
+#    and every sweep but the other forward's the context lookup over 4-grams (--lookup 4).
 #    Then the same draft with the target under its other forward, and the prompts in the chat template.
-$PY llamassp.py "${L[@]}" latency --k 1,2,3,4 --draft-confidence 0,0.3 "${N[@]}" --json "$OUT/latency-default-greedy.json"
-$PY llamassp.py "${L[@]}" latency --k 1,2,3 --temperature 0.7 "${N[@]}" --json "$OUT/latency-default-t0.7.json"
+$PY llamassp.py "${L[@]}" latency --k 1,2,3,4 --draft-confidence 0,0.3 --lookup 0,4 "${N[@]}" --json "$OUT/latency-default-greedy.json"
+$PY llamassp.py "${L[@]}" latency --k 1,2,3 --temperature 0.7 --lookup 0,4 "${N[@]}" --json "$OUT/latency-default-t0.7.json"
 $PY llamassp.py "${L[@]}" latency "$OTHER_TARGET" --default-pair --k 2,3,4 "${N[@]}" --json "$OUT/latency-other-forward-greedy.json"
-$PY llamassp.py "${L[@]}" latency --chat --k 1,2,3 "${N[@]}" --json "$OUT/latency-default-chat-greedy.json"
+$PY llamassp.py "${L[@]}" latency --chat --k 1,2,3 --lookup 0,4 "${N[@]}" --json "$OUT/latency-default-chat-greedy.json"
 
 # 2. Ours vs transformers (greedy, K=3).
 $PY llamassp.py "${L[@]}" bench --k 3 "${N[@]}" --alpha 0.5,0.6,0.7,0.8 --json "$OUT/bench-default.json"
@@ -38,6 +39,9 @@ $PY llamassp.py "${L[@]}" eval --both "${EVALN[@]}" --json "$OUT/eval-default.js
 $PY llamassp.py "${L[@]}" verify --temperature 1.0 "${SAMPLES[@]}" --json "$OUT/verify-default-t1.0.json" || true
 $PY llamassp.py "${L[@]}" verify --temperature 0.7 --top-k 50 "${SAMPLES[@]}" --json "$OUT/verify-default-t0.7-topk50.json" || true
 $PY llamassp.py "${L[@]}" verify --temperature 0 --json "$OUT/verify-default-greedy.json" || true
+#    The same checks with the context lookup (1-grams at T=1, so that it fires within the first two tokens).
+$PY llamassp.py "${L[@]}" verify --temperature 1.0 --lookup 1 "${SAMPLES[@]}" --json "$OUT/verify-default-t1.0-lookup1.json" || true
+$PY llamassp.py "${L[@]}" verify --temperature 0 --lookup 4 --json "$OUT/verify-default-greedy-lookup4.json" || true
 
 # 4. GPU only: hardware side of SSp with random weights in real shapes.
 if $PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then

@@ -72,9 +72,10 @@ def main() -> None:
                 rows = cost_pivot(rows)
                 columns = list(rows.columns)
             shown = columns
-            if name == "latency" and "confidence" in rows and rows["confidence"].fillna(0).any():
-                shown = columns[:2] + ["confidence"] + columns[2:]  # early-stopping drafts: K is a maximum
-                rows = rows.assign(confidence=rows["confidence"].fillna(0))
+            for variant in ("confidence", "lookup"):  # early-stopping drafts (K a maximum), the context lookup
+                if name == "latency" and variant in rows and rows[variant].fillna(0).any():
+                    shown = shown[:2] + [variant] + shown[2:]
+                    rows = rows.assign(**{variant: rows[variant].fillna(0)})
             print(markdown_table(rows.to_dict("records"), shown))
 
 

@@ -77,6 +77,9 @@ KOpt = Annotated[int, typer.Option("--k", help="Draft tokens per iteration.")]
 ConfidenceOpt = Annotated[str, typer.Option(
     "--draft-confidence", help="Stop drafting once the draft's own probability of its token falls below this "
     "(K becomes a maximum; a comma list sweeps; 0: always K).")]
+LookupOpt = Annotated[int, typer.Option(
+    "--lookup", help="Context lookup: where the text's last N tokens occurred before and the draft is unsure, "
+    "propose what followed them (0: off).")]
 MaxNewOpt = Annotated[int, typer.Option(help="Tokens to generate per prompt.")]
 TopKOpt = Annotated[int, typer.Option(help="Keep the k most likely tokens (0: off).")]
 TopPOpt = Annotated[float, typer.Option(help="Nucleus sampling mass (1: off).")]
@@ -98,14 +101,19 @@ def _check_positive(name: str, value: int) -> None:
         raise UserError(f"{name} must be at least 1, got {value}")
 
 
-def _parse_ints(name: str, text: str) -> list[int]:
+def _parse_ints(name: str, text: str, minimum: int = 1) -> list[int]:
     try:
         values = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
         raise UserError(f"{name} takes whole numbers separated by commas, got {text!r}") from None
-    if not values or any(v < 1 for v in values):
-        raise UserError(f"{name} values must be at least 1, got {text!r}")
+    if not values or any(v < minimum for v in values):
+        raise UserError(f"{name} values must be at least {minimum}, got {text!r}")
     return values
+
+
+def _check_lookup(value: int) -> None:
+    if value < 0:
+        raise UserError(f"--lookup must be 0 (off) or an n-gram length, got {value}")
 
 
 def _load(s: Settings, name: str):
@@ -189,6 +197,8 @@ def latency(
     top_p: TopPOpt = 1.0,
     no_baseline: Annotated[bool, typer.Option("--no-baseline", help="Skip timing RSp.")] = False,
     draft_confidence: ConfidenceOpt = "0",
+    lookup: Annotated[str, typer.Option(
+        "--lookup", help="Context lookup n-gram length for SSp, or a comma list to sweep: 0,4 (0: off).")] = "0",
     chat: ChatOpt = False,
     json_out: JsonOpt = None,
     plot: PlotOpt = False,
@@ -200,18 +210,19 @@ def latency(
     s = settings(ctx)
     ks = _parse_ints("--k", k)
     confidences = _parse_floats("--draft-confidence", draft_confidence)
+    lookups = _parse_ints("--lookup", lookup, minimum=0)
     _check_positive("--max-new-tokens", max_new_tokens)
     prompt_list = _read_prompt_list(prompts, nb_prompts)
     params = _params(temperature, top_k, top_p)
     use_draft = draft is not None or default_pair or target is None
     t, d, vocab = _load_pair(s, target, draft, need_draft=use_draft)
-    modes = (0 if no_baseline and d is not None else 1) + (len(ks) * len(confidences) if d else 0)
+    modes = (0 if no_baseline and d is not None else 1) + (len(ks) * len(confidences) * len(lookups) if d else 0)
     with _progress() as bar:
         task = bar.add_task("timing", total=modes * (len(prompt_list) + 1))
         run = run_latency(t, d, prompt_list, WARMUP_PROMPT, ks, params, max_new_tokens, s.seed,
                           baseline=not no_baseline, vocab_size=vocab,
                           progress=lambda msg: bar.update(task, advance=1, description=msg), confidences=confidences,
-                          chat=chat)
+                          chat=chat, lookups=lookups)
     run_id = report.new_run_id()
     env = report.environment(t.device)
     rows = []
@@ -225,12 +236,13 @@ def latency(
         rows.append(row)
     report.append_csv(s.results_dir / "latency.csv", rows)
     report.append_csv(s.results_dir / "latency_prompts.csv", [
-        {"run_id": run_id, "mode": p.mode, "k": p.k, "confidence": p.confidence, "prompt_index": p.prompt_index,
+        {"run_id": run_id, "mode": p.mode, "k": p.k, "confidence": p.confidence, "lookup": p.lookup,
+         "prompt_index": p.prompt_index,
          "new_tokens": p.stats.new_tokens,
          "ms_per_token": p.stats.ms_per_token, "ttft_ms": 1000 * p.stats.ttft_s,
          "acceptance_rate": p.stats.acceptance_rate, "target": t.name, "draft": d.name if d else ""}
         for p in run.timings])
-    md_cols = ["mode", "k", *(["confidence"] if any(confidences) else []), "ms_per_token", "ms_per_token_median",
+    md_cols = ["mode", "k", *(["confidence"] if any(confidences) else []), *(["lookup"] if any(lookups) else []), "ms_per_token", "ms_per_token_median",
                "ms_per_token_min", "ms_per_token_max", "ttft_ms", "acceptance_rate", "alpha", "mean_accepted", "speedup"]
     md = (f"# latency run {run_id}\n\ntarget `{t.name}` ({t.precision}), draft `{d.name if d else '-'}`, "
           f"{len(prompt_list)} prompts{' in the chat template' if chat else ''} x {max_new_tokens} new tokens, "
@@ -240,7 +252,7 @@ def latency(
     if json_out:
         report.write_json(json_out, [{
             "mode": m.mode, "target": t.name, "draft": r["draft"] or None, "k": m.k, "confidence": m.confidence,
-            "ms_per_token": m.ms_per_token,
+            "lookup": m.lookup, "lookup_acceptance": m.lookup_acceptance, "ms_per_token": m.ms_per_token,
             "ttft_ms": m.ttft_ms, "acceptance_rate": m.acceptance_rate, "alpha": m.alpha, "mean_accepted": m.mean_accepted,
             "speedup": m.speedup, "ms_per_token_median": m.ms_per_token_median,
             "acceptance_by_position": [round(x, 4) for x in m.acceptance_by_position], "run_id": run_id,
@@ -250,9 +262,9 @@ def latency(
         _plot(s, run_id=run_id, kinds=("latency",))
 
 
-def _k_label(k: int, confidence: float) -> str:
-    """K, or "≤K p≥0.4" where drafting stops early below a draft probability."""
-    return f"≤{k} p≥{confidence:g}" if confidence else str(k)
+def _k_label(k: int, confidence: float, lookup: int = 0) -> str:
+    """K, or "≤K p≥0.4" where drafting stops early below a draft probability; "+lookup N" with the context lookup."""
+    return (f"≤{k} p≥{confidence:g}" if confidence else str(k)) + (f" +lookup {lookup}" if lookup else "")
 
 
 def _render_latency(run, t, d, params, n_prompts, max_new_tokens, env, run_id, results_dir, chat=False) -> None:
@@ -268,7 +280,7 @@ def _render_latency(run, t, d, params, n_prompts, max_new_tokens, env, run_id, r
         split = f"{m.draft_share:.0%}/{m.target_share:.0%}/{m.other_share:.0%}"
         table.add_row(
             m.mode.upper() + (" ★" if m.best and len([x for x in run.summaries if x.mode == "ssp"]) > 1 else ""),
-            _k_label(m.k, m.confidence) if m.mode == "ssp" else "–", f"{m.ms_per_token:.1f}",
+            _k_label(m.k, m.confidence, m.lookup) if m.mode == "ssp" else "–", f"{m.ms_per_token:.1f}",
             f"{m.ms_per_token_median:.1f} [{m.ms_per_token_min:.1f}–{m.ms_per_token_max:.1f}]", f"{m.ttft_ms:.0f}",
             _fmt(m.acceptance_rate, 0, pct=True), _fmt(m.alpha, 2), _fmt(m.mean_accepted, 2), split,
             Text(f"{m.speedup:.2f}×", style="bold green" if m.speedup > 1 else "bold red") if not math.isnan(m.speedup) else "–",
@@ -276,8 +288,11 @@ def _render_latency(run, t, d, params, n_prompts, max_new_tokens, env, run_id, r
     console.print(table)
     for m in run.summaries:
         if m.mode == "ssp":
-            console.print(f"  share of iterations accepting draft i (K={_k_label(m.k, m.confidence)}): " +
+            console.print(f"  share of iterations accepting draft i (K={_k_label(m.k, m.confidence, m.lookup)}): " +
                           " ".join(f"{i + 1}:{_fmt(x, 0, pct=True)}" for i, x in enumerate(m.acceptance_by_position)))
+            if m.lookup:
+                console.print(f"    the lookup proposed {_fmt(m.lookup_share, 0, pct=True)} of drafts, "
+                              f"{_fmt(m.lookup_acceptance, 0, pct=True)} of them accepted")
     c = run.cost_ratio
     if not math.isnan(c):
         console.print(f"  draft/target cost ratio c = {c:.3f} (draft ms per forward ÷ target ms per 1-token forward)")
@@ -301,6 +316,7 @@ def eval_cmd(
     top_k: TopKOpt = 0,
     top_p: TopPOpt = 1.0,
     resume: Annotated[bool, typer.Option("--resume", help="Continue the newest interrupted run with the same settings.")] = False,
+    lookup: LookupOpt = 0,
     json_out: JsonOpt = None,
     plot: PlotOpt = False,
 ) -> None:
@@ -311,6 +327,7 @@ def eval_cmd(
     _check_positive("--nb-prompts", nb_prompts)
     _check_positive("--k", k)
     _check_positive("--max-new-tokens", max_new_tokens)
+    _check_lookup(lookup)
     params = _params(temperature, top_k, top_p)
     if target is None and draft is None:  # the default pair
         draft = s.registry.draft_name(None)
@@ -319,7 +336,7 @@ def eval_cmd(
     modes = ["rsp", "ssp"] if both else ["ssp"] if draft else ["rsp"]
     t, d, vocab = _load_pair(s, target, draft, need_draft=draft is not None)
     config = {"target": t.name, "draft": d.name if d else None, "modes": modes, "nb_prompts": nb_prompts, "seed": s.seed,
-              "k": k, "max_new_tokens": max_new_tokens, **params.as_dict()}
+              "k": k, "max_new_tokens": max_new_tokens, **params.as_dict(), **({"lookup": lookup} if lookup else {})}
     run_id = report.new_run_id()
     with _progress() as bar:
         task = bar.add_task("eval", total=nb_prompts * len(modes))
@@ -330,12 +347,12 @@ def eval_cmd(
             bar.update(task, advance=1, description="eval " + " ".join(f"{m.upper()} {c}✓" for m, c in correct.items()))
 
         run = run_eval(t, d, modes, nb_prompts, s.seed, params, max_new_tokens, k, s.results_dir / "eval_records",
-                       run_id, config, resume=resume, vocab_size=vocab, on_record=on_record)
+                       run_id, config, resume=resume, vocab_size=vocab, on_record=on_record, lookup=lookup)
     env = report.environment(t.device)
     cmp = run.comparison
     rows = [{"timestamp": report.timestamp(), "run_id": run.run_id, "mode": m.mode, "target": t.name,
-             "draft": d.name if d and m.mode == "ssp" else "", "k": k if m.mode == "ssp" else 0, **params.as_dict(),
-             "max_new_tokens": max_new_tokens, "seed": s.seed, "trials": m.trials, "successes": m.successes,
+             "draft": d.name if d and m.mode == "ssp" else "", "k": k if m.mode == "ssp" else 0,
+             "lookup": lookup if m.mode == "ssp" else 0, **params.as_dict(), "max_new_tokens": max_new_tokens, "seed": s.seed, "trials": m.trials, "successes": m.successes,
              "success_rate": m.success_rate, "wald_low": m.wald.low, "wald_high": m.wald.high,
              "wilson_low": m.wilson.low, "wilson_high": m.wilson.high,
              "diff_rsp_minus_ssp": cmp.difference.estimate if cmp else float("nan"),
@@ -352,7 +369,7 @@ def eval_cmd(
         report.write_json(json_out, [{k_: r[k_] for k_ in (
             "mode", "target", "draft", "trials", "successes", "success_rate", "wald_low", "wald_high", "wilson_low",
             "wilson_high", "diff_rsp_minus_ssp", "diff_low", "diff_high", "mcnemar_p", "run_id")} for r in rows])
-    table = Table(title=f"Multiplication eval: {t.name}" + (f" (draft {d.name}, K={k})" if d else "") +
+    table = Table(title=f"Multiplication eval: {t.name}" + (f" (draft {d.name}, K={_k_label(k, 0, lookup)})" if d else "") +
                   f", {nb_prompts} problems, T={params.temperature:g}")
     for col in ("mode", "successes / trials", "success rate", "95% Wald", "95% Wilson"):
         table.add_column(col, justify="right")
@@ -387,6 +404,7 @@ def compare(
     top_k: TopKOpt = 0,
     top_p: TopPOpt = 1.0,
     chat: ChatOpt = False,
+    lookup: LookupOpt = 0,
 ) -> None:
     """Stream RSp then SSp completions of each prompt, with wall times and the speedup."""
     from lssp.generation import generate_regular, generate_speculative
@@ -395,6 +413,7 @@ def compare(
     s = settings(ctx)
     _check_positive("--k", k)
     _check_positive("--max-new-tokens", max_new_tokens)
+    _check_lookup(lookup)
     params = _params(temperature, top_k, top_p)
     t, d, vocab = _load_pair(s, target, draft)
     import torch
@@ -407,11 +426,12 @@ def compare(
                                on_tokens=stream.show)
         rsp_ms = rsp.stats.total_time_s * 1000 / max(1, rsp.stats.new_tokens)
         console.print(Text(f"\n   {rsp.stats.total_time_s:.2f}s, {rsp_ms:.1f} ms/token", style="bold red"))
-        console.print(Text(f"=> Speculative sampling with {t.name} helped by {d.name} (K={k}); ", style="bold")
+        console.print(Text(f"=> Speculative sampling with {t.name} helped by {d.name} (K={_k_label(k, 0, lookup)}); ", style="bold")
                       + Text("draft tokens accepted", style="green") + Text(" / ") + Text("made by the target", style="bold blue"))
         stream = _TokenStream(t.tokenizer, text)
         ssp = generate_speculative(t.model, d.model, ids, max_new_tokens, k, params,
-                                   torch.Generator(t.device).manual_seed(s.seed + index), vocab_size=vocab, on_tokens=stream.show)
+                                   torch.Generator(t.device).manual_seed(s.seed + index), vocab_size=vocab, on_tokens=stream.show,
+                                   lookup=lookup)
         ssp_ms = ssp.stats.total_time_s * 1000 / max(1, ssp.stats.new_tokens)
         console.print(Text(f"\n   {ssp.stats.total_time_s:.2f}s, {ssp_ms:.1f} ms/token, acceptance "
                            f"{_fmt(ssp.stats.acceptance_rate, 0, pct=True)}, {ssp.stats.tokens_per_target_forward:.2f} tokens "
@@ -420,7 +440,7 @@ def compare(
         console.print(Text(f"   speedup {speedup:.2f}×", style="bold green" if speedup > 1 else "bold red"))
 
     with console.status("Warming up…"):
-        generate_speculative(t.model, d.model, t.encode(WARMUP_PROMPT), 8, k, params, vocab_size=vocab)
+        generate_speculative(t.model, d.model, t.encode(WARMUP_PROMPT), 8, k, params, vocab_size=vocab, lookup=lookup)
         generate_regular(t.model, t.encode(WARMUP_PROMPT), 8, params)
     console.print(f"Comparing {t.name} RSp with SSp helped by {d.name}. Ctrl-C or EOF (Ctrl-D) ends.")
     try:
@@ -751,6 +771,7 @@ def verify(
     significance: Annotated[float, typer.Option(help="Family-wise significance level.")] = 0.01,
     max_new_tokens: Annotated[int, typer.Option(help="Greedy mode: tokens compared per prompt.")] = 64,
     tie_tolerance: Annotated[float, typer.Option(help="Greedy mode: a top-2 logit gap up to this (or 2 ulp of the logits' dtype) is a near-tie.")] = 0.1,
+    lookup: LookupOpt = 0,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the report as JSON here.")] = None,
 ) -> None:
     """Check that SSp samples exactly from the target (exit 1 when it does not)."""
@@ -763,6 +784,7 @@ def verify(
         _check_positive(name, value)
     if not 0 < significance < 1:
         raise UserError(f"--significance must be in (0, 1), got {significance}")
+    _check_lookup(lookup)
     params = _params(temperature, top_k, top_p)
     prompt_list = (_read_prompt_list(prompts, None) if prompts else list(LATENCY_PROMPTS))[:nb_prompts]
     t, d, vocab = _load_pair(s, target, draft)
@@ -770,13 +792,13 @@ def verify(
         task = bar.add_task("verify", total=len(prompt_list) * (1 if params.greedy else samples // 50))
         tick = lambda msg: bar.update(task, advance=1, description=msg)  # noqa: E731
         if params.greedy:
-            rep = vf.verify_greedy(t, d, prompt_list, k, max_new_tokens, vocab, tie_tolerance, tick)
+            rep = vf.verify_greedy(t, d, prompt_list, k, max_new_tokens, vocab, tie_tolerance, tick, lookup)
         else:
-            rep = vf.verify_sampled(t, d, prompt_list, params, k, samples, depth, s.seed, vocab, significance, tick)
+            rep = vf.verify_sampled(t, d, prompt_list, params, k, samples, depth, s.seed, vocab, significance, tick, lookup)
     run_id = report.new_run_id()
     env = report.environment(t.device)
     base = {"timestamp": report.timestamp(), "run_id": run_id, "target": t.name, "draft": d.name, "k": k,
-            **params.as_dict(), "verdict": "lossless" if rep.lossless else "not lossless",
+            "lookup": lookup, "looked_up": rep.looked_up, **params.as_dict(), "verdict": "lossless" if rep.lossless else "not lossless",
             "acceptance_rate": rep.acceptance_rate, "target_precision": t.precision, "draft_precision": d.precision, **env}
     rows = [{**base, **asdict(c), "prefix": " ".join(map(str, c.prefix))} for c in rep.positions] + \
            [{**base, **asdict(g)} for g in rep.greedy]
@@ -784,6 +806,7 @@ def verify(
     if json_out:
         report.write_json(json_out, {"mode": rep.mode, "lossless": rep.lossless, "significance": rep.significance,
                                                       "correction": rep.correction, "acceptance_rate": rep.acceptance_rate,
+                                                      "lookup": lookup, "looked_up": rep.looked_up,
                                                       "checks": [asdict(c) for c in rep.positions] + [asdict(g) for g in rep.greedy],
                                                       "run_id": run_id, "device": env["device"]})
     _render_verify(rep, t, d, params, k)
@@ -792,7 +815,7 @@ def verify(
 
 
 def _render_verify(rep, t, d, params, k) -> None:
-    title = f"verify {t.name} with draft {d.name}, K={k}, {params}"
+    title = f"verify {t.name} with draft {d.name}, K={_k_label(k, 0, rep.lookup)}, {params}"
     table = Table(title=title)
     if rep.mode == "greedy":
         for col in ("prompt", "identical", "first difference", "top-2 logit gap", "near-tie"):
@@ -816,6 +839,8 @@ def _render_verify(rep, t, d, params, k) -> None:
             console.print(f"  [dim]skipped {note} (fewer than 20; raise --samples)[/dim]")
         console.print(f"  measured acceptance {_fmt(rep.acceptance_rate, 1, pct=True)}; each test rejects at p < "
                       f"{rep.threshold:.2g} ({rep.significance} family-wise, {rep.correction})")
+    if rep.lookup:
+        console.print(f"  the context lookup proposed {rep.looked_up} drafts")
     verdict = Text("LOSSLESS", style="bold green") if rep.lossless else Text("NOT LOSSLESS", style="bold red")
     console.print(Text("  verdict: ") + verdict)
 

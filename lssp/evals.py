@@ -126,6 +126,7 @@ def run_eval(
     target: LoadedModel, draft: LoadedModel | None, modes: Sequence[str], nb_prompts: int, seed: int,
     params: SamplingParams, max_new_tokens: int, k: int, records_dir: Path, run_id: str, config: dict,
     resume: bool = False, vocab_size: int | None = None, on_record: Callable[[EvalRecord], None] | None = None,
+    lookup: int = 0,
 ) -> EvalRun:
     """Score each mode on the same ``nb_prompts`` problems, streaming records to JSONL as they come."""
     if nb_prompts < 1:
@@ -159,7 +160,7 @@ def run_eval(
                     out = generate_regular(target.model, ids, max_new_tokens, params, generator, stopping)
                 else:
                     out = generate_speculative(target.model, draft.model, ids, max_new_tokens, k, params, generator,
-                                               stopping, vocab_size=vocab_size)
+                                               stopping, vocab_size=vocab_size, lookup=lookup)
                 completion = target.tokenizer.decode(out.tokens, skip_special_tokens=True)
                 rate = out.stats.acceptance_rate if mode == "ssp" else None
                 record = EvalRecord(mode, index, a, b, prompt, a * b, completion, parse_answer(completion) == a * b,

@@ -6,6 +6,11 @@ min(1, p_i(x)/q_i(x)), the first rejection is replaced by a draw from norm(max(0
 and a full acceptance earns a bonus token from p_{k+1}. Both caches then roll back to the
 accepted length. Greedy decoding is that rule with one-hot p and q, so it runs on argmaxes.
 
+With ``lookup`` = n, the draft also looks back in the text (prompt lookup): where the last n
+tokens occurred before and the draft is unsure of its own top token, the token that followed
+them then is proposed instead (greedy), or gets half of q's mass (sampling). q is whatever the
+draft side proposes from, so the acceptance rule keeps SSp exact.
+
 Both models first prefill the prompt but its last token. Invariant between iterations: each
 model's cache holds a prefix of ``seq``; whatever of ``seq`` it has not seen yet (one token,
 two for the draft after a full acceptance) is fed at its next forward, so the draft never
@@ -25,6 +30,9 @@ from lssp.sampling import SamplingParams, argmax, sample, sample_logits, warp
 from lssp.stats import alpha_estimate
 from lssp.timing import Clock
 
+LOOKUP_BELOW = 0.5  # the lookup speaks only where the draft's own top probability is below this
+LOOKUP_WEIGHT = 0.5  # sampling: the share of q moved onto the looked-up token
+
 # Called with each block of newly emitted token ids and, per token, whether the draft proposed it.
 TokenCallback = Callable[[list[int], list[bool]], None]
 
@@ -41,6 +49,8 @@ class GenerationStats:
     drafted: int = 0
     accepted: int = 0
     rejections: int = 0  # iterations that ended on a rejected draft
+    looked_up: int = 0  # drafts the context lookup proposed (greedy) or reweighted q for (sampling)
+    looked_up_accepted: int = 0
     drafted_at: list[int] = field(default_factory=list)
     accepted_at: list[int] = field(default_factory=list)
     prefill_time_s: float = 0.0
@@ -112,6 +122,29 @@ class Stopping:
 NO_STOP = Stopping()
 
 
+class ContextLookup:
+    """The token that followed the latest earlier occurrence of the text's last ``n`` tokens."""
+
+    def __init__(self, n: int, tokens: Sequence[int]) -> None:
+        if n < 1:
+            raise ValueError(f"lookup n-gram length must be >= 1, got {n}")
+        self.n = n
+        self.tokens: list[int] = []
+        self.successor: dict[tuple[int, ...], int] = {}
+        self.extend(tokens)
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        for token in tokens:
+            if len(self.tokens) >= self.n:
+                self.successor[tuple(self.tokens[-self.n:])] = token
+            self.tokens.append(token)
+
+    def propose(self, drafted: Sequence[int] = ()) -> int | None:
+        """The hint for the token after the text plus ``drafted``, or None where the n-gram is new."""
+        tail = (self.tokens[-self.n:] + list(drafted))[-self.n:]
+        return self.successor.get(tuple(tail)) if len(tail) == self.n else None
+
+
 def model_device(model: PreTrainedModel) -> torch.device:
     """Where the input embeddings live: where ids go in and sampling happens."""
     return model.get_input_embeddings().weight.device
@@ -175,9 +208,17 @@ def greedy_verification(logits: torch.Tensor, drafts: torch.Tensor) -> tuple[int
     return n, best[n]
 
 
-def _probability(logits: torch.Tensor, token: torch.Tensor) -> float:
+def _probability(logits: torch.Tensor, token: torch.Tensor | int) -> float:
     """softmax(logits)[token], read on the host."""
     return float((logits[token].float() - logits.float().logsumexp(-1)).exp())
+
+
+def _lookup_hint(context: ContextLookup | None, drafted: Sequence[int], draft_logits: torch.Tensor) -> int | None:
+    """The lookup's token, where it has one and the draft is unsure of its own top token."""
+    hint = context.propose(drafted) if context else None
+    if hint is None or _probability(draft_logits, argmax(draft_logits)) >= LOOKUP_BELOW:
+        return None
+    return hint
 
 
 def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -252,6 +293,7 @@ def generate_speculative(
     on_tokens: TokenCallback | None = None,
     vocab_size: int | None = None,
     confidence: float = 0.0,
+    lookup: int = 0,
 ) -> GenerationOutput:
     """Sample ``max_new_tokens`` tokens from ``target``'s distribution with ``draft`` proposing ``k`` at a time.
 
@@ -259,7 +301,8 @@ def generate_speculative(
     to different sizes); by default the smaller of the two output widths. With ``confidence``
     > 0, the draft stops proposing early once its own (untempered) probability of the token it
     just proposed falls below it, like transformers' ``assistant_confidence_threshold``: ``k``
-    is then a maximum. The rule looks at the draft alone, so sampling stays exact.
+    is then a maximum. The rule looks at the draft alone, so sampling stays exact. ``lookup`` > 0
+    turns on the context lookup over n-grams of that length (module docstring).
     """
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
@@ -272,6 +315,7 @@ def generate_speculative(
     stopped = False
     start = clock.now()
     target_kv, draft_kv = _prefill(target, seq), _prefill(draft, seq)
+    context = ContextLookup(lookup, input_ids[0].tolist()) if lookup else None
     stats.prefill_time_s = clock.now() - start
     while len(tokens) < max_new_tokens and not stopped:
         # Never draft past the budget: the iteration then emits at most what is left.
@@ -281,17 +325,26 @@ def generate_speculative(
         drafts = torch.empty(k_now, dtype=torch.long, device=device)
         q = None if params.greedy else torch.empty(k_now, vocab, device=device)
         pending = seq[:, draft_kv.get_seq_length():]
+        drafted: list[int] = []  # the drafts on the host, kept for the lookup
+        hinted: list[bool] = []
         for i in range(k_now):
             t0 = clock.now()
             logits = forward_logits(draft, pending.to(draft_device), draft_kv, 1)
             stats.draft_time_s += clock.now() - t0
+            hint = _lookup_hint(context, drafted, logits[0, :vocab])
+            hinted.append(hint is not None)
             if params.greedy:  # q is one-hot: only its argmax matters
-                drafts[i] = argmax(logits[0, :vocab]).to(device)
+                drafts[i] = argmax(logits[0, :vocab]).to(device) if hint is None else hint
             else:
                 q[i] = warp(logits[:, :vocab].to(device), params)[0]
+                if hint is not None:
+                    q[i] *= 1 - LOOKUP_WEIGHT
+                    q[i, hint] += LOOKUP_WEIGHT
                 drafts[i] = sample(q[i], params, generator)
             pending = drafts[i].view(1, 1)
-            if confidence and i + 1 < k_now and _probability(logits[0, :vocab], drafts[i]) < confidence:
+            if context:
+                drafted.append(int(drafts[i]))
+            if confidence and hint is None and i + 1 < k_now and _probability(logits[0, :vocab], drafts[i]) < confidence:
                 k_now = i + 1
                 drafts = drafts[:k_now]  # q's unused rows are never read
                 break
@@ -319,6 +372,10 @@ def generate_speculative(
         draft_kv.crop(-max(0, k_now - 1 - n))
         seq = torch.cat([seq, emitted.view(1, -1)], dim=1)
         new = emitted.tolist()
+        if context:
+            context.extend(new)
+        stats.looked_up += sum(hinted)
+        stats.looked_up_accepted += sum(hinted[:n])
         stats.drafted += k_now
         stats.accepted += n
         stats.rejections += int(n < k_now)

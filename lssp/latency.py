@@ -4,6 +4,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from statistics import median
+from typing import NamedTuple
 
 import torch
 
@@ -24,6 +25,21 @@ class PromptTiming:
     k: int
     stats: GenerationStats
     confidence: float = 0.0  # SSp: the draft stops early below this own-probability (0: always k)
+    lookup: int = 0  # SSp: n-gram length of the context lookup (0: off)
+
+
+class Mode(NamedTuple):
+    """One way of generating that a run times: rsp, or ssp with its drafting settings."""
+
+    mode: str
+    k: int = 0
+    confidence: float = 0.0
+    lookup: int = 0
+
+    @property
+    def name(self) -> str:
+        return (self.mode + (f" k={self.k}" if self.k else "") + (f" p>={self.confidence:g}" if self.confidence else "")
+                + (f" lookup={self.lookup}" if self.lookup else ""))
 
 
 @dataclass
@@ -52,14 +68,19 @@ class ModeSummary:
     best: bool = False
     confidence: float = 0.0  # SSp: k is a maximum, drafting stops below this draft probability
     draft_forwards_per_iteration: float = float("nan")
+    lookup: int = 0  # SSp: n-gram length of the context lookup (0: off)
+    lookup_share: float = float("nan")  # of drafts, those the lookup proposed
+    lookup_acceptance: float = float("nan")  # of those, the share accepted
 
 
-def summarize(mode: str, k: int, timings: Sequence[PromptTiming], confidence: float = 0.0) -> ModeSummary:
+def summarize(timings: Sequence[PromptTiming], how: Mode = Mode("rsp")) -> ModeSummary:
+    mode, k = how.mode, how.k
     stats = [t.stats for t in timings]
     per_prompt = [s.ms_per_token for s in stats]
     tokens = sum(s.new_tokens for s in stats)
     decode = sum(s.decode_time_s for s in stats)
     drafted, accepted = sum(s.drafted for s in stats), sum(s.accepted for s in stats)
+    looked_up = sum(s.looked_up for s in stats)
     target_fw, draft_fw = sum(s.target_forwards for s in stats), sum(s.draft_forwards for s in stats)
     target_t, draft_t = sum(s.target_time_s for s in stats), sum(s.draft_time_s for s in stats)
     by_position = []
@@ -82,8 +103,11 @@ def summarize(mode: str, k: int, timings: Sequence[PromptTiming], confidence: fl
         other_share=(decode - draft_t - target_t) / decode if decode else nan,
         target_ms_per_forward=1000 * target_t / target_fw if target_fw else nan,
         draft_ms_per_forward=1000 * draft_t / draft_fw if draft_fw else nan,
-        confidence=confidence,
+        confidence=how.confidence,
         draft_forwards_per_iteration=draft_fw / target_fw if mode == "ssp" and target_fw else nan,
+        lookup=how.lookup,
+        lookup_share=looked_up / drafted if how.lookup and drafted else nan,
+        lookup_acceptance=sum(s.looked_up_accepted for s in stats) / looked_up if looked_up else nan,
     )
 
 
@@ -110,40 +134,37 @@ def run_latency(
     target: LoadedModel, draft: LoadedModel | None, prompts: Sequence[str], warmup_prompt: str, ks: Sequence[int], params: SamplingParams,
     max_new_tokens: int, seed: int, baseline: bool = True, vocab_size: int | None = None,
     progress: Progress | None = None, confidences: Sequence[float] = (0.0,), chat: bool = False,
+    lookups: Sequence[int] = (0,),
 ) -> LatencyRun:
-    """Time RSp and SSp (each k, and each draft confidence threshold) on every prompt, interleaved prompt by prompt.
+    """Time RSp and SSp (each k, draft confidence threshold and lookup length) on every prompt, interleaved prompt by prompt.
 
     Each completion runs to exactly ``max_new_tokens`` (no early stop at EOS), after one
     untimed warm-up completion per mode. ``chat`` feeds each prompt as a user turn in the
     target's chat template.
     """
-    modes: list[tuple[str, int, float]] = ([("rsp", 0, 0.0)] if baseline or draft is None else [])
+    modes = [Mode("rsp")] if baseline or draft is None else []
     if draft is not None:
-        modes += [("ssp", k, c) for c in confidences for k in ks]
+        modes += [Mode("ssp", k, c, n) for n in lookups for c in confidences for k in ks]
 
-    def complete(mode: str, k: int, confidence: float, text: str, index: int) -> GenerationStats:
+    def complete(how: Mode, text: str, index: int) -> GenerationStats:
         ids = target.encode(text, chat=chat)
         generator = torch.Generator(device=target.device).manual_seed(seed + index)
-        if mode == "rsp":
+        if how.mode == "rsp":
             return generate_regular(target.model, ids, max_new_tokens, params, generator).stats
-        return generate_speculative(target.model, draft.model, ids, max_new_tokens, k, params, generator,
-                                    vocab_size=vocab_size, confidence=confidence).stats
+        return generate_speculative(target.model, draft.model, ids, max_new_tokens, how.k, params, generator,
+                                    vocab_size=vocab_size, confidence=how.confidence, lookup=how.lookup).stats
 
-    def name(mode: str, k: int, confidence: float) -> str:
-        return mode + (f" k={k}" if k else "") + (f" p>={confidence:g}" if confidence else "")
-
-    for mode, k, confidence in modes:
-        complete(mode, k, confidence, warmup_prompt, -1)
+    for how in modes:
+        complete(how, warmup_prompt, -1)
         if progress:
-            progress("warm-up " + name(mode, k, confidence))
+            progress("warm-up " + how.name)
     timings = []
     for index, text in enumerate(prompts):
-        for mode, k, confidence in modes:
-            timings.append(PromptTiming(index, mode, k, complete(mode, k, confidence, text, index), confidence))
+        for how in modes:
+            timings.append(PromptTiming(index, how.mode, how.k, complete(how, text, index), how.confidence, how.lookup))
             if progress:
-                progress(f"prompt {index + 1}/{len(prompts)} " + name(mode, k, confidence))
-    summaries = [summarize(mode, k, [t for t in timings if (t.mode, t.k, t.confidence) == (mode, k, confidence)], confidence)
-                 for mode, k, confidence in modes]
+                progress(f"prompt {index + 1}/{len(prompts)} " + how.name)
+    summaries = [summarize([t for t in timings if Mode(t.mode, t.k, t.confidence, t.lookup) == how], how) for how in modes]
     rsp = next((s for s in summaries if s.mode == "rsp"), None)
     ssp = [s for s in summaries if s.mode == "ssp"]
     for s in ssp:

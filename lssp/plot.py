@@ -181,8 +181,9 @@ def plot_results(results_dir: Path, out_dir: Path | None = None, run_id: str | N
         if not path.exists():
             continue
         frame = _filter(pd.read_csv(path), run_id, target, draft)
-        if "confidence" in frame:  # the charts show fixed-K SSp: an early-stopping draft has no single K
-            frame = frame[frame["confidence"].fillna(0) == 0]
+        for variant in ("confidence", "lookup"):  # latency charts: the plain draft at fixed K, as the model curve assumes
+            if kind != "eval" and variant in frame:
+                frame = frame[frame[variant].fillna(0) == 0]
         if kind in ("speedup", "acceptance") and not (frame["mode"] == "ssp").any():
             continue
         if kind == "speedup" and not (frame["mode"] == "rsp").any():

@@ -60,6 +60,8 @@ class VerifyReport:
     acceptance_rate: float = float("nan")
     tie_tolerance: float = 0.0
     skipped: list[str] = field(default_factory=list)
+    lookup: int = 0  # n-gram length of SSp's context lookup (0: off)
+    looked_up: int = 0  # drafts the lookup proposed
 
     @property
     def threshold(self) -> float:
@@ -92,10 +94,10 @@ def _tv_null(p: torch.Tensor, n: int, generator: torch.Generator, reps: int = 20
 
 def verify_sampled(
     target: LoadedModel, draft: LoadedModel, prompts: Sequence[str], params: SamplingParams, k: int, samples: int,
-    depth: int, seed: int, vocab: int, significance: float = 0.01, progress: Progress | None = None,
+    depth: int, seed: int, vocab: int, significance: float = 0.01, progress: Progress | None = None, lookup: int = 0,
 ) -> VerifyReport:
     """Chi-square and TV checks of SSp's emitted tokens at positions 0..depth-1 against the exact law."""
-    report = VerifyReport("sampled", significance, "Bonferroni")
+    report = VerifyReport("sampled", significance, "Bonferroni", lookup=lookup)
     generator = torch.Generator(device=target.device)
     null_gen = torch.Generator().manual_seed(seed)
     drafted = accepted = 0
@@ -104,8 +106,10 @@ def verify_sampled(
         outputs: list[list[int]] = []
         for run in range(samples):
             generator.manual_seed(seed * 1_000_003 + index * 100_003 + run)
-            out = generate_speculative(target.model, draft.model, ids, depth + k, k, params, generator, vocab_size=vocab)
+            out = generate_speculative(target.model, draft.model, ids, depth + k, k, params, generator, vocab_size=vocab,
+                                       lookup=lookup)
             outputs.append(out.tokens[:depth].tolist())
+            report.looked_up += out.stats.looked_up
             drafted += out.stats.drafted
             accepted += out.stats.accepted
             if progress and (run + 1) % 50 == 0:
@@ -143,17 +147,18 @@ def verify_sampled(
 
 def verify_greedy(
     target: LoadedModel, draft: LoadedModel, prompts: Sequence[str], k: int, max_new_tokens: int, vocab: int,
-    tie_tolerance: float, progress: Progress | None = None,
+    tie_tolerance: float, progress: Progress | None = None, lookup: int = 0,
 ) -> VerifyReport:
     """SSp and RSp continuations must match token for token, except at numerical near-ties."""
     params = SamplingParams(temperature=0)
-    report = VerifyReport("greedy", 0.0, "none (deterministic)", tie_tolerance=tie_tolerance)
+    report = VerifyReport("greedy", 0.0, "none (deterministic)", tie_tolerance=tie_tolerance, lookup=lookup)
     drafted = accepted = 0
     for index, text in enumerate(prompts):
         ids = target.encode(text)
         rsp = generate_regular(target.model, ids, max_new_tokens, params).tokens.tolist()
-        out = generate_speculative(target.model, draft.model, ids, max_new_tokens, k, params, vocab_size=vocab)
+        out = generate_speculative(target.model, draft.model, ids, max_new_tokens, k, params, vocab_size=vocab, lookup=lookup)
         ssp = out.tokens.tolist()
+        report.looked_up += out.stats.looked_up
         drafted += out.stats.drafted
         accepted += out.stats.accepted
         if rsp == ssp:

@@ -232,3 +232,24 @@ def test_latency_sweeps_draft_confidence(tiny_dir, tmp_path, capsys):
     assert "≤3 p≥0.5" in capsys.readouterr().out
     code = main(["--config", str(tiny_dir / "models.yaml"), "latency", "--draft-confidence", "1.5"])
     assert code == 2 and "--draft-confidence" in capsys.readouterr().err
+
+
+def test_latency_sweeps_the_context_lookup_and_other_commands_take_it(tiny_dir, tmp_path, capsys):
+    config = ["--config", str(tiny_dir / "models.yaml"), "--results-dir", str(tmp_path)]
+    code = main([*config, "latency", "--default-pair", "--k", "2", "--lookup", "0,1", "--nb-prompts", "2",
+                 "--max-new-tokens", "8", "--json", str(tmp_path / "l.json")])
+    assert code == 0, capsys.readouterr().err
+    rows = json.loads((tmp_path / "l.json").read_text())
+    assert [(r["mode"], r["k"], r["lookup"]) for r in rows] == [("rsp", 0, 0), ("ssp", 2, 0), ("ssp", 2, 1)]
+    assert "2 +lookup 1" in capsys.readouterr().out
+    assert set(pd.read_csv(tmp_path / "latency.csv")["lookup"]) == {0, 1}
+    code = main([*config, "verify", "--temperature", "0", "--nb-prompts", "1", "--max-new-tokens", "8", "--lookup", "1",
+                 "--json", str(tmp_path / "v.json")])
+    assert code == 0, capsys.readouterr().err
+    assert json.loads((tmp_path / "v.json").read_text())["lookup"] == 1
+    code = main([*config, "eval", "--both", "--nb-prompts", "2", "--lookup", "1"])
+    assert code == 0, capsys.readouterr().err
+    assert list(pd.read_csv(tmp_path / "eval.csv")["lookup"]) == [0, 1]
+    for command in (["latency", "--lookup", "-1"], ["compare", "--prompt", "x", "--lookup", "-1"]):
+        assert main([*config, *command]) == 2
+        assert "--lookup" in capsys.readouterr().err

@@ -8,7 +8,7 @@ import torch
 
 import lssp.generation as generation
 from conftest import tiny_llama
-from lssp.generation import Stopping, generate_regular, generate_speculative
+from lssp.generation import ContextLookup, Stopping, generate_regular, generate_speculative
 from lssp.sampling import SamplingParams, argmax, sample, warp
 from lssp.stats import chi_square_gof
 
@@ -180,6 +180,46 @@ def test_speculative_sampling_with_early_stopping_recovers_the_target_distributi
     assert stops.stats.drafted < 3 * stops.stats.target_forwards  # the threshold does cut drafting short here
     result = chi_square_gof(two_token_counts(target, draft, prompt, params, confidence=0.6),
                             exact_two_token_law(target, prompt, params).tolist())
+    assert result.p_value > SIGNIFICANCE, result
+
+
+# --- Context lookup ----------------------------------------------------------------------
+REPEATING = [0, 5, 9, 3, 12, 5, 9, 3, 12, 5, 9]  # every 2-gram of its tail occurred before
+
+
+def test_context_lookup_proposes_what_followed_the_latest_occurrence():
+    lookup = ContextLookup(2, [1, 2, 5, 1, 2, 7, 4])
+    assert lookup.propose() is None  # (7, 4) is new
+    assert lookup.propose([1, 2]) == 7  # the latest "1 2" was followed by 7, not 5
+    assert lookup.propose([9]) is None
+    lookup.extend([1, 2, 3])
+    assert lookup.propose([1, 2]) == 3 and lookup.propose([4, 1]) == 2  # drafts and emitted tokens both count
+    assert ContextLookup(3, [1, 2]).propose() is None  # shorter than n
+    with pytest.raises(ValueError):
+        ContextLookup(0, [])
+
+
+def test_greedy_speculative_with_the_lookup_equals_greedy_regular(soft_target, soft_draft):
+    looked_up = 0
+    for prompt in [*PROMPTS, REPEATING]:
+        ids = torch.tensor([prompt])
+        expected = generate_regular(soft_target, ids, 30, GREEDY).tokens.tolist()
+        for n in (1, 2, 3):
+            out = generate_speculative(soft_target, soft_draft, ids, 30, 3, GREEDY, lookup=n)
+            assert out.tokens.tolist() == expected
+            assert out.stats.looked_up_accepted <= out.stats.looked_up <= out.stats.drafted
+            looked_up += out.stats.looked_up
+    assert looked_up > 0  # the lookup did propose
+
+
+def test_speculative_sampling_with_the_lookup_recovers_the_target_distribution(small_vocab_pair):
+    target, draft = small_vocab_pair
+    params = SamplingParams(1.0)
+    prompt = torch.tensor([[1, 2, 3, 1, 2, 3, 1, 2]])  # the lookup proposes 3 at the first draft, 1 after it
+    hinted = generate_speculative(target, draft, prompt, 40, 3, params, torch.Generator().manual_seed(0), lookup=2)
+    assert hinted.stats.looked_up > 0
+    law = exact_two_token_law(target, prompt, params)
+    result = chi_square_gof(two_token_counts(target, draft, prompt, params, lookup=2), law.tolist())
     assert result.p_value > SIGNIFICANCE, result
 
 
