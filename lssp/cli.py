@@ -96,9 +96,9 @@ def _params(temperature: float, top_k: int, top_p: float) -> SamplingParams:
     return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
 
 
-def _check_positive(name: str, value: int) -> None:
-    if value < 1:
-        raise UserError(f"{name} must be at least 1, got {value}")
+def _check_positive(name: str, value: int, minimum: int = 1) -> None:
+    if value < minimum:
+        raise UserError(f"{name} must be at least {minimum}, got {value}")
 
 
 def _parse_ints(name: str, text: str, minimum: int = 1) -> list[int]:
@@ -110,10 +110,6 @@ def _parse_ints(name: str, text: str, minimum: int = 1) -> list[int]:
         raise UserError(f"{name} values must be at least {minimum}, got {text!r}")
     return values
 
-
-def _check_lookup(value: int) -> None:
-    if value < 0:
-        raise UserError(f"--lookup must be 0 (off) or an n-gram length, got {value}")
 
 
 def _load(s: Settings, name: str):
@@ -327,7 +323,7 @@ def eval_cmd(
     _check_positive("--nb-prompts", nb_prompts)
     _check_positive("--k", k)
     _check_positive("--max-new-tokens", max_new_tokens)
-    _check_lookup(lookup)
+    _check_positive("--lookup", lookup, minimum=0)
     params = _params(temperature, top_k, top_p)
     if target is None and draft is None:  # the default pair
         draft = s.registry.draft_name(None)
@@ -413,7 +409,7 @@ def compare(
     s = settings(ctx)
     _check_positive("--k", k)
     _check_positive("--max-new-tokens", max_new_tokens)
-    _check_lookup(lookup)
+    _check_positive("--lookup", lookup, minimum=0)
     params = _params(temperature, top_k, top_p)
     t, d, vocab = _load_pair(s, target, draft)
     import torch
@@ -784,7 +780,7 @@ def verify(
         _check_positive(name, value)
     if not 0 < significance < 1:
         raise UserError(f"--significance must be in (0, 1), got {significance}")
-    _check_lookup(lookup)
+    _check_positive("--lookup", lookup, minimum=0)
     params = _params(temperature, top_k, top_p)
     prompt_list = (_read_prompt_list(prompts, None) if prompts else list(LATENCY_PROMPTS))[:nb_prompts]
     t, d, vocab = _load_pair(s, target, draft)
