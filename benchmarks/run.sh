@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The project's benchmark: writes to results/ (CSV rows, Markdown tables, JSON, charts).
+# The project's benchmark: writes to benchmarks/results/ (CSV rows, Markdown tables, JSON, charts).
 # On any machine: the default pair (SmolLM2-135M + shipped draft) - latency sweep greedy and at
 # T=0.7, our engines against transformers', losslessness checks and the multiplication eval.
 # On a CUDA machine also: random-init Llama-2-7B-shaped target with a 1B-shaped draft (timing only).
@@ -8,7 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1}
-OUT=${RESULTS_DIR:-results}
+OUT=${RESULTS_DIR:-benchmarks/results}
 OTHER_TARGET=smollm2-135m  # the default target under transformers' forward (the default runs the compact one)
 L=(--results-dir "$OUT")
 

@@ -1,6 +1,6 @@
-"""Print Markdown tables of chosen runs from the CSVs in results/ (for the README).
+"""Print Markdown tables of chosen runs from the CSVs in benchmarks/results/ (for the README).
 
-Usage: python benchmarks/tables.py [RESULTS_DIR] > results/README-tables.md
+Usage: python benchmarks/tables.py [RESULTS_DIR] > benchmarks/results/README-tables.md
 Prints every run of each kind (cost, latency, bench, eval), or only the run ids given with --runs.
 """
 from __future__ import annotations
@@ -50,7 +50,7 @@ def describe(rows: pd.DataFrame, extra: str = "") -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("results", nargs="?", default="results")
+    ap.add_argument("results", nargs="?", default="benchmarks/results")
     ap.add_argument("--runs", nargs="*", help="run ids to show (default: all)")
     args = ap.parse_args()
     root = Path(args.results)
