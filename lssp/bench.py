@@ -10,13 +10,16 @@ import copy
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from statistics import median
+from typing import Any
 
 import torch
 
 from lssp.generation import generate_regular, generate_speculative
+from lssp.latency import NOISY_SPREAD, spread
 from lssp.loading import LoadedModel
 from lssp.sampling import SamplingParams
-from lssp.stats import alpha_estimate
+from lssp.report import RunInfo, markdown_table
+from lssp.stats import alpha_estimate, predicted_speedup
 from lssp.timing import Clock
 
 ENGINES = ("ours-rsp", "hf-generate", "ours-ssp", "hf-assisted")
@@ -55,16 +58,94 @@ class EngineSummary:
 
 
 @dataclass
+class BenchSetup:
+    """What a bench run was asked to do (recorded in every row)."""
+
+    target: str
+    draft: str
+    target_precision: str
+    draft_precision: str
+    target_weight_bytes: int
+    params: SamplingParams
+    max_new_tokens: int
+    prompts: int
+    confidence: float = 0.0
+
+
+@dataclass
 class BenchRun:
     k: int
     runs: list[EngineRun]
     summaries: list[EngineSummary] = field(default_factory=list)
+    setup: BenchSetup | None = None
+    info: RunInfo = field(default_factory=RunInfo)
+    bandwidth: float = float("nan")  # bytes/s of a large device-to-device copy
+    forward_spread: float = float("nan")  # max/min over prompts of the target's time per forward (worst engine)
     ssp_overhead_share: float = float("nan")
     acceptance_rate: float = float("nan")  # accepted / drafted, median over prompts
     alpha: float = float("nan")  # per-token acceptance of the i.i.d. model, all prompts
     cost_ratio: float = float("nan")  # c = draft ms/forward ÷ target ms per 1-token forward
     verify_ratio: float = float("nan")  # v = target ms per SSp (K+1-token) forward ÷ per RSp forward
     greedy_agreement: dict[str, float] = field(default_factory=dict)  # share of prompts equal to ours-rsp
+
+    @property
+    def noisy(self) -> bool:
+        return self.forward_spread > NOISY_SPREAD
+
+    def _ms(self, engine: str) -> float:
+        return next(x.ms_per_token for x in self.summaries if x.engine == engine)
+
+    @property
+    def measured_speedup(self) -> float:
+        return self._ms("ours-rsp") / self._ms("ours-ssp")
+
+    @property
+    def predicted_speedup(self) -> float:
+        """(1 − α^(K+1)) / ((1 − α)(K·c + 1)) from this run's α and c."""
+        return predicted_speedup(self.alpha, self.k, self.cost_ratio)
+
+    @property
+    def predicted_speedup_v(self) -> float:
+        """The same with the measured cost v of a (K+1)-token verification: (K·c + v)."""
+        return predicted_speedup(self.alpha, self.k, self.cost_ratio, self.verify_ratio)
+
+    @property
+    def floor_ms(self) -> float:
+        """The memory-bandwidth floor: every target weight read once per token."""
+        return 1000 * self.setup.target_weight_bytes / self.bandwidth
+
+    def rows(self) -> list[dict[str, Any]]:
+        setup = self.setup
+        return [{
+            **self.info.head(), "engine": x.engine, "target": setup.target, "draft": setup.draft, "k": self.k,
+            "draft_confidence": setup.confidence, **setup.params.as_dict(), "max_new_tokens": setup.max_new_tokens,
+            "prompts": setup.prompts, "ms_per_token": x.ms_per_token, "ms_per_token_median": x.ms_per_token_median,
+            "ms_per_token_min": x.ms_per_token_min, "ms_per_token_max": x.ms_per_token_max,
+            "ours_over_hf_median": x.ratio_median, "ours_over_hf_min": x.ratio_min, "ours_over_hf_max": x.ratio_max,
+            "greedy_agreement": self.greedy_agreement.get(x.engine, float("nan")),
+            "ssp_overhead_share": self.ssp_overhead_share, "acceptance_rate": self.acceptance_rate, "alpha": self.alpha,
+            "cost_ratio": self.cost_ratio, "verify_ratio": self.verify_ratio,
+            "ssp_speedup_measured": self.measured_speedup, "ssp_speedup_predicted": self.predicted_speedup,
+            "ssp_speedup_predicted_v": self.predicted_speedup_v, "target_weight_bytes": setup.target_weight_bytes,
+            "copy_bandwidth_gbs": self.bandwidth / 1e9, "bandwidth_floor_ms": self.floor_ms,
+            "forward_spread": self.forward_spread, "noisy": self.noisy,
+            "target_precision": setup.target_precision, "draft_precision": setup.draft_precision, **self.info.env,
+        } for x in self.summaries]
+
+    def markdown(self) -> str:
+        setup = self.setup
+        columns = ["engine", "ms_per_token", "ms_per_token_median", "ms_per_token_min", "ms_per_token_max",
+                   "ours_over_hf_median", "ours_over_hf_min", "ours_over_hf_max", "greedy_agreement"]
+        return (f"# bench run {self.info.run_id}\n\ntarget `{setup.target}` ({setup.target_precision}), draft "
+                f"`{setup.draft}`, K={self.k}, {setup.prompts} prompts x {setup.max_new_tokens} tokens, {setup.params}"
+                f"\n\n{self.info.describe()}\n\n" + markdown_table(self.rows(), columns) +
+                f"\nour SSp overhead outside forwards: {self.ssp_overhead_share:.1%} of decode time; α {self.alpha:.3f}; "
+                f"c = {self.cost_ratio:.3f}; v = {self.verify_ratio:.3f}; SSp speedup measured {self.measured_speedup:.2f}x, "
+                f"predicted {self.predicted_speedup:.2f}x (v = 1), {self.predicted_speedup_v:.2f}x (measured v)\n\n"
+                f"target weights {setup.target_weight_bytes / 1e6:.0f} MB, copy bandwidth {self.bandwidth / 1e9:.1f} GB/s, "
+                f"floor {self.floor_ms:.2f} ms/token, ours-rsp {self._ms('ours-rsp') / self.floor_ms:.2f}x the floor\n"
+                + (f"\nNoisy: the target's forward time varied {self.forward_spread:.1f}x across prompts.\n"
+                   if self.noisy else ""))
 
 
 def _hf_config(model: LoadedModel, max_new_tokens: int, params: SamplingParams):
@@ -107,8 +188,10 @@ def hf_generate(target: LoadedModel, ids: torch.Tensor, max_new_tokens: int, par
 
 def run_bench(target: LoadedModel, draft: LoadedModel, prompts: Sequence[str], warmup_prompt: str, k: int,
               params: SamplingParams, max_new_tokens: int, seed: int, vocab_size: int | None = None,
-              engines: Sequence[str] = ENGINES, progress: Progress | None = None, confidence: float = 0.0) -> BenchRun:
-    """Every engine on every prompt, interleaved; ``confidence`` > 0 lets both SSp engines stop drafting early."""
+              engines: Sequence[str] = ENGINES, progress: Progress | None = None, confidence: float = 0.0,
+              measure_bandwidth: bool = False) -> BenchRun:
+    """Every engine on every prompt, interleaved; ``confidence`` > 0 lets both SSp engines stop drafting early.
+    ``measure_bandwidth`` adds the device's copy bandwidth (for the memory-bandwidth floor)."""
     def once(engine: str, text: str, index: int) -> EngineRun:
         ids = target.encode(text)
         s = seed + index
@@ -138,7 +221,15 @@ def run_bench(target: LoadedModel, draft: LoadedModel, prompts: Sequence[str], w
             runs.append(once(engine, text, index))
             if progress:
                 progress(f"prompt {index + 1}/{len(prompts)} {engine}")
-    return summarize(k, runs, engines)
+    bench = summarize(k, runs, engines)
+    bench.setup = BenchSetup(target.name, draft.name, target.precision, draft.precision, target.weight_bytes, params,
+                             max_new_tokens, len(prompts), confidence)
+    bench.info = RunInfo.here(target.device)
+    if measure_bandwidth:
+        bench.bandwidth = copy_bandwidth(target.device)
+        if progress:
+            progress("copy bandwidth")
+    return bench
 
 
 def summarize(k: int, runs: list[EngineRun], engines: Sequence[str] = ENGINES) -> BenchRun:
@@ -163,6 +254,11 @@ def summarize(k: int, runs: list[EngineRun], engines: Sequence[str] = ENGINES) -
             one_token_ms = median(r.target_ms_per_forward for r in by["ours-rsp"])
             bench.cost_ratio = median(r.draft_ms_per_forward for r in ssp) / one_token_ms
             bench.verify_ratio = median(r.target_ms_per_forward for r in ssp) / one_token_ms
+    # Noise: the target's time per forward (ours), or per token without speculation (hf-generate), is the same
+    # work on every prompt, so its spread across prompts measures the machine, not the text.
+    spreads = [spread([r.target_ms_per_forward for r in by[e]]) for e in ("ours-rsp", "ours-ssp") if e in by]
+    spreads += [spread([r.ms_per_token for r in by["hf-generate"]])] if "hf-generate" in by else []
+    bench.forward_spread = max((x for x in spreads if x == x), default=float("nan"))
     if "ours-rsp" in by:
         reference = {r.prompt_index: r.tokens for r in by["ours-rsp"]}
         for engine in engines:

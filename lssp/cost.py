@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from statistics import median
+from typing import Any
 
 import torch
 from transformers import PreTrainedModel
@@ -19,6 +20,7 @@ from lssp.bench import Progress
 from lssp.generation import forward_logits, model_device, new_cache
 from lssp.loading import LoadedModel, dynamic_quantize
 from lssp.registry import DYNAMIC_QUANTIZATIONS
+from lssp.report import RunInfo, markdown_table
 from lssp.timing import Clock
 
 
@@ -81,3 +83,42 @@ def forward_costs(models: Sequence[LoadedModel], precisions: Sequence[str], toke
             costs += [ForwardCost(loaded.name, precision, n, ms[n], ms[n] / ms[1], forward) for n in counts]
             del model
     return costs
+
+
+@dataclass
+class CostRun:
+    """A run of ``forward_costs`` with what it was asked and where it ran."""
+
+    costs: list[ForwardCost]
+    context: int
+    repeats: int
+    info: RunInfo = field(default_factory=RunInfo)
+
+    def rows(self) -> list[dict[str, Any]]:
+        return [{**self.info.head(), **asdict(c), "context": self.context, "repeats": self.repeats, **self.info.env}
+                for c in self.costs]
+
+    def markdown(self) -> str:
+        return (f"# cost run {self.info.run_id}\n\n{self.info.describe()}; forwards of N tokens after {self.context} "
+                f"cached, median of {self.repeats}\n\n"
+                + markdown_table(self.rows(), ["model", "forward", "precision", "tokens", "ms", "relative"]))
+
+    def cells(self) -> dict[tuple[str, str, str], dict[int, ForwardCost]]:
+        """(model, forward, precision) → tokens → cost."""
+        out: dict[tuple[str, str, str], dict[int, ForwardCost]] = {}
+        for c in self.costs:
+            out.setdefault((c.model, c.forward, c.precision), {})[c.tokens] = c
+        return out
+
+    def cost_ratios(self, target: str, target_forward: str, draft: str) -> dict[tuple[str, str], float]:
+        """c = the draft's 1-token forward ÷ the target's (under its own forward), per (precision, draft forward)."""
+        cells = self.cells()
+        return {(precision, forward): cell[1].ms / cells[(target, target_forward, precision)][1].ms
+                for (model, forward, precision), cell in cells.items()
+                if model == draft and (target, target_forward, precision) in cells}
+
+
+def run_costs(models: Sequence[LoadedModel], precisions: Sequence[str], token_counts: Sequence[int],
+              context: int = 64, repeats: int = 15, progress: Progress | None = None) -> CostRun:
+    costs = forward_costs(models, precisions, token_counts, context, repeats, progress)
+    return CostRun(costs, context, repeats, RunInfo.here(models[0].device))

@@ -2,14 +2,15 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from statistics import median
-from typing import NamedTuple
+from dataclasses import asdict, dataclass, field
+from statistics import median, stdev
+from typing import Any, NamedTuple
 
 import torch
 
 from lssp.generation import GenerationStats, generate_regular, generate_speculative
 from lssp.loading import LoadedModel
+from lssp.report import RunInfo, markdown_table, plural
 from lssp.sampling import SamplingParams
 from lssp.stats import alpha_estimate
 
@@ -26,6 +27,16 @@ class PromptTiming:
     stats: GenerationStats
     confidence: float = 0.0  # SSp: the draft stops early below this own-probability (0: always k)
     lookup: int = 0  # SSp: n-gram length of the context lookup (0: off)
+    repeat: int = 0  # which pass over the prompts (--repeats)
+
+    @property
+    def how(self) -> Mode:
+        return Mode(self.mode, self.k, self.confidence, self.lookup)
+
+    @property
+    def ms_per_target_forward(self) -> float:
+        s = self.stats
+        return 1000 * s.target_time_s / s.target_forwards if s.target_forwards else float("nan")
 
 
 class Mode(NamedTuple):
@@ -71,6 +82,24 @@ class ModeSummary:
     lookup: int = 0  # SSp: n-gram length of the context lookup (0: off)
     lookup_share: float = float("nan")  # of drafts, those the lookup proposed
     lookup_acceptance: float = float("nan")  # of those, the share accepted
+    forward_spread: float = float("nan")  # max/min over prompts of the mean ms per target forward
+    speedup_sd: float = float("nan")  # sd of the speedup over --repeats passes (nan for one pass)
+    repeats: int = 1
+
+    @property
+    def noisy(self) -> bool:
+        return self.forward_spread > NOISY_SPREAD
+
+
+# A quiet machine keeps the target's mean forward time within ~10% across prompts (measured
+# 1.03-1.10 on 2 EPYC cores); other processes on the CPU, or throttling, push it far beyond.
+NOISY_SPREAD = 1.5
+
+
+def spread(values: Sequence[float]) -> float:
+    """max / min of the finite values (nan when there are none)."""
+    finite = [v for v in values if v == v and v > 0]
+    return max(finite) / min(finite) if finite else float("nan")
 
 
 def summarize(timings: Sequence[PromptTiming], how: Mode = Mode("rsp")) -> ModeSummary:
@@ -108,13 +137,33 @@ def summarize(timings: Sequence[PromptTiming], how: Mode = Mode("rsp")) -> ModeS
         lookup=how.lookup,
         lookup_share=looked_up / drafted if how.lookup and drafted else nan,
         lookup_acceptance=sum(s.looked_up_accepted for s in stats) / looked_up if looked_up else nan,
+        forward_spread=spread([t.ms_per_target_forward for t in timings]),
+        repeats=len({t.repeat for t in timings}),
     )
+
+
+@dataclass
+class LatencySetup:
+    """What a latency run was asked to do (recorded in every row)."""
+
+    target: str
+    draft: str | None
+    target_precision: str
+    draft_precision: str
+    params: SamplingParams
+    max_new_tokens: int
+    prompts: int
+    chat: bool = False
+    repeats: int = 1
 
 
 @dataclass
 class LatencyRun:
     summaries: list[ModeSummary]
     timings: list[PromptTiming]
+    setup: LatencySetup | None = None
+    info: RunInfo = field(default_factory=RunInfo)
+    interrupted: bool = False  # Ctrl-C: the summaries cover the prompts completed in every mode
 
     @property
     def baseline(self) -> ModeSummary | None:
@@ -129,22 +178,104 @@ class LatencyRun:
             return float("nan")
         return median(drafts) / base.target_ms_per_forward
 
+    @property
+    def noisy(self) -> bool:
+        """The target's forward time varied across prompts beyond what a quiet machine shows."""
+        return any(s.noisy for s in self.summaries)
+
+    @property
+    def prompts_done(self) -> int:
+        return len({(t.repeat, t.prompt_index) for t in self.timings})
+
+    def rows(self) -> list[dict[str, Any]]:
+        """One CSV row per mode."""
+        setup, info = self.setup, self.info
+        return [{
+            **info.head(), "mode": m.mode, "target": setup.target, "draft": setup.draft if m.mode == "ssp" else "",
+            "k": m.k, **setup.params.as_dict(), "max_new_tokens": setup.max_new_tokens,
+            "prompt_format": "chat" if setup.chat else "raw",
+            **{key: value for key, value in asdict(m).items() if key not in ("mode", "k")},
+            "acceptance_by_position": ";".join(f"{x:.4f}" for x in m.acceptance_by_position),
+            "noisy": m.noisy, "interrupted": self.interrupted,
+            "target_precision": setup.target_precision, "draft_precision": setup.draft_precision or "", **info.env,
+        } for m in self.summaries]
+
+    def prompt_rows(self) -> list[dict[str, Any]]:
+        """One CSV row per timed completion."""
+        setup = self.setup
+        return [{"run_id": self.info.run_id, "mode": p.mode, "k": p.k, "confidence": p.confidence, "lookup": p.lookup,
+                 "repeat": p.repeat, "prompt_index": p.prompt_index, "new_tokens": p.stats.new_tokens,
+                 "ms_per_token": p.stats.ms_per_token, "ms_per_target_forward": p.ms_per_target_forward,
+                 "ttft_ms": 1000 * p.stats.ttft_s, "acceptance_rate": p.stats.acceptance_rate,
+                 "target": setup.target, "draft": setup.draft or ""} for p in self.timings]
+
+    def summary_json(self) -> list[dict[str, Any]]:
+        """The run for scripts (``--json``)."""
+        keys = ("mode", "target", "draft", "k", "confidence", "lookup", "lookup_acceptance", "ms_per_token", "ttft_ms",
+                "acceptance_rate", "alpha", "mean_accepted", "speedup", "speedup_sd", "ms_per_token_median",
+                "forward_spread", "noisy", "interrupted", "run_id", "device")
+        return [{**{key: row[key] for key in keys}, "draft": row["draft"] or None,
+                 "acceptance_by_position": [round(x, 4) for x in m.acceptance_by_position]}
+                for m, row in zip(self.summaries, self.rows())]
+
+    def markdown(self) -> str:
+        setup, rows = self.setup, self.rows()
+        columns = ["mode", "k", *(["confidence"] if any(m.confidence for m in self.summaries) else []),
+                   *(["lookup"] if any(m.lookup for m in self.summaries) else []), "ms_per_token", "ms_per_token_median",
+                   "ms_per_token_min", "ms_per_token_max", "ttft_ms", "acceptance_rate", "alpha", "mean_accepted",
+                   "speedup", *(["speedup_sd"] if setup.repeats > 1 else []), "forward_spread"]
+        notes = (" Interrupted: only the prompts completed in every mode are counted." if self.interrupted else "") + (
+            f" Noisy: the target's forward time varied more than {NOISY_SPREAD}x across prompts; the speedup is "
+            "unreliable." if self.noisy else "")
+        return (f"# latency run {self.info.run_id}\n\ntarget `{setup.target}` ({setup.target_precision}), draft "
+                f"`{setup.draft or '-'}`, {plural(self.prompts_done // setup.repeats, 'prompt')}"
+                f"{' in the chat template' if setup.chat else ''} x {setup.max_new_tokens} new tokens"
+                f"{f' x {setup.repeats} passes' if setup.repeats > 1 else ''}, {setup.params}\n\n{self.info.describe()}"
+                f"\n\n{markdown_table(rows, columns)}" + (f"\n{notes.strip()}\n" if notes else ""))
+
+
+def _summaries(timings: Sequence[PromptTiming], modes: Sequence[Mode]) -> list[ModeSummary]:
+    summaries = [summarize([t for t in timings if t.how == how], how) for how in modes]
+    rsp = next((s for s in summaries if s.mode == "rsp"), None)
+    ssp = [s for s in summaries if s.mode == "ssp"]
+    repeats = sorted({t.repeat for t in timings})
+    for s in ssp:
+        if rsp is None:
+            continue
+        s.speedup = rsp.ms_per_token / s.ms_per_token
+        if len(repeats) > 1:
+            how = Mode(s.mode, s.k, s.confidence, s.lookup)
+            per_pass = [_ms_per_token([t for t in timings if t.repeat == r and t.mode == "rsp"])
+                        / _ms_per_token([t for t in timings if t.repeat == r and t.how == how]) for r in repeats]
+            s.speedup_sd = stdev(per_pass)
+    if ssp:
+        min(ssp, key=lambda s: s.ms_per_token).best = True
+    return summaries
+
+
+def _ms_per_token(timings: Sequence[PromptTiming]) -> float:
+    return 1000 * sum(t.stats.decode_time_s for t in timings) / sum(t.stats.new_tokens for t in timings)
+
 
 def run_latency(
     target: LoadedModel, draft: LoadedModel | None, prompts: Sequence[str], warmup_prompt: str, ks: Sequence[int], params: SamplingParams,
     max_new_tokens: int, seed: int, baseline: bool = True, vocab_size: int | None = None,
     progress: Progress | None = None, confidences: Sequence[float] = (0.0,), chat: bool = False,
-    lookups: Sequence[int] = (0,),
+    lookups: Sequence[int] = (0,), repeats: int = 1,
 ) -> LatencyRun:
     """Time RSp and SSp (each k, draft confidence threshold and lookup length) on every prompt, interleaved prompt by prompt.
 
     Each completion runs to exactly ``max_new_tokens`` (no early stop at EOS), after one
     untimed warm-up completion per mode. ``chat`` feeds each prompt as a user turn in the
-    target's chat template.
+    target's chat template. ``repeats`` passes over the prompts give the speedup's spread.
+    Ctrl-C after at least one prompt returns the prompts completed in every mode (``interrupted``).
     """
     modes = [Mode("rsp")] if baseline or draft is None else []
     if draft is not None:
         modes += [Mode("ssp", k, c, n) for n in lookups for c in confidences for k in ks]
+    info = RunInfo.here(target.device)
+    setup = LatencySetup(target.name, draft.name if draft else None, target.precision, draft.precision if draft else "",
+                         params, max_new_tokens, len(prompts), chat, repeats)
 
     def complete(how: Mode, text: str, index: int) -> GenerationStats:
         ids = target.encode(text, chat=chat)
@@ -158,18 +289,20 @@ def run_latency(
         complete(how, warmup_prompt, -1)
         if progress:
             progress("warm-up " + how.name)
-    timings = []
-    for index, text in enumerate(prompts):
-        for how in modes:
-            timings.append(PromptTiming(index, how.mode, how.k, complete(how, text, index), how.confidence, how.lookup))
-            if progress:
-                progress(f"prompt {index + 1}/{len(prompts)} " + how.name)
-    summaries = [summarize([t for t in timings if Mode(t.mode, t.k, t.confidence, t.lookup) == how], how) for how in modes]
-    rsp = next((s for s in summaries if s.mode == "rsp"), None)
-    ssp = [s for s in summaries if s.mode == "ssp"]
-    for s in ssp:
-        if rsp is not None:
-            s.speedup = rsp.ms_per_token / s.ms_per_token
-    if ssp:
-        min(ssp, key=lambda s: s.ms_per_token).best = True
-    return LatencyRun(summaries, timings)
+    timings: list[PromptTiming] = []
+    interrupted = False
+    try:
+        for repeat in range(repeats):
+            for index, text in enumerate(prompts):
+                for how in modes:
+                    timings.append(PromptTiming(index, how.mode, how.k, complete(how, text, index), how.confidence,
+                                                how.lookup, repeat))
+                    if progress:
+                        progress(f"prompt {index + 1}/{len(prompts)}" + (f" pass {repeat + 1}" if repeats > 1 else "")
+                                 + " " + how.name)
+    except KeyboardInterrupt:
+        done = len(timings) // len(modes) * len(modes)  # whole prompts only: every mode on the same prompts
+        if done == 0:
+            raise
+        timings, interrupted = timings[:done], True
+    return LatencyRun(_summaries(timings, modes), timings, setup, info, interrupted)

@@ -13,6 +13,7 @@ import pandas as pd  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
 from lssp.errors import UserError  # noqa: E402
+from lssp.report import read_csv_parts  # noqa: E402
 from lssp.stats import alpha_from_tokens_per_iteration, predicted_speedup  # noqa: E402
 
 KINDS = ("latency", "speedup", "acceptance", "eval")
@@ -177,10 +178,10 @@ def plot_results(results_dir: Path, out_dir: Path | None = None, run_id: str | N
         kinds = tuple(dict.fromkeys(kinds + ("speedup", "acceptance")))
     for kind in kinds:
         csv, make = makers[kind]
-        path = results_dir / csv
-        if not path.exists():
+        frame = read_csv_parts(results_dir / csv)
+        if frame.empty:
             continue
-        frame = _filter(pd.read_csv(path), run_id, target, draft)
+        frame = _filter(frame, run_id, target, draft)
         for variant in ("confidence", "lookup"):  # latency charts: the plain draft at fixed K, as the model curve assumes
             if kind != "eval" and variant in frame:
                 frame = frame[frame[variant].fillna(0) == 0]

@@ -1,13 +1,18 @@
 """Results on disk: CSV rows appended with the environment, Markdown tables, JSON summaries."""
 from __future__ import annotations
 
+import csv
+import io
+import itertools
 import json
 import math
 import os
 import platform
 import subprocess
+import tempfile
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from functools import cache
 from pathlib import Path
@@ -16,6 +21,8 @@ from typing import Any
 import pandas as pd
 import torch
 import transformers
+
+from lssp.errors import UserError
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -85,21 +92,181 @@ def environment(device: torch.device | str | None = None) -> dict[str, str]:
     }
 
 
-def append_csv(path: Path, rows: Iterable[Mapping[str, Any]]) -> pd.DataFrame:
-    """Append rows to a CSV, keeping every earlier row (new columns are added, never dropped)."""
-    new = pd.DataFrame(list(rows))
+@dataclass
+class RunInfo:
+    """What every row of one run carries: its id, when it ran, and where."""
+
+    run_id: str = field(default_factory=new_run_id)
+    timestamp: str = field(default_factory=timestamp)
+    env: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def here(cls, device: torch.device | str | None = None) -> RunInfo:
+        return cls(env=environment(device))
+
+    def head(self) -> dict[str, str]:
+        return {"timestamp": self.timestamp, "run_id": self.run_id}
+
+    def describe(self) -> str:
+        """One line naming the machine and the code, for Markdown files and table footers."""
+        env = self.env
+        return (f"{env.get('device', '?')}, torch {env.get('torch', '?')}, transformers {env.get('transformers', '?')}, "
+                f"commit {env.get('git_commit', '?')}")
+
+
+def _csv_cell(value: Any) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return ""
+    return str(value)
+
+
+def csv_problem(path: Path) -> str | None:
+    """Why new rows cannot be appended to this CSV as it is (None: they can)."""
+    text = path.read_text(errors="replace")
+    if not text:
+        return None
+    if not text.endswith("\n"):
+        return "its last line is cut short"
+    try:
+        lines = list(csv.reader(io.StringIO(text)))
+    except csv.Error as exc:
+        return f"it does not parse ({exc})"
+    width = len(lines[0])
+    for number, fields in enumerate(lines[1:], start=2):
+        if len(fields) != width:
+            return f"line {number} has {len(fields)} fields where its header has {width}"
+    return None
+
+
+def _header(path: Path) -> list[str]:
+    with path.open(newline="") as f:
+        return next(csv.reader(f), [])
+
+
+@dataclass
+class Appended:
+    """Where rows went: the file asked for, or a part beside it (and why)."""
+
+    path: Path
+    note: str = ""
+
+
+def append_csv(path: Path, rows: Iterable[Mapping[str, Any]]) -> Appended:
+    """Append rows to a CSV without rewriting a byte of it.
+
+    Rows whose columns the header lacks, or a malformed file, send the rows to the first
+    part beside it that takes them (``latency.1.csv``, ``latency.2.csv``, …); earlier
+    files are left as they are. ``read_csv_parts`` reads them back together.
+    """
+    rows = [dict(r) for r in rows]
+    columns = list(dict.fromkeys(c for r in rows for c in r))
     path.parent.mkdir(parents=True, exist_ok=True)
-    if path.exists() and path.stat().st_size > 0:
-        old = pd.read_csv(path)
-        if list(new.columns) == list(old.columns):
-            new.to_csv(path, mode="a", header=False, index=False)
-            return new
-        new = pd.concat([old, new], ignore_index=True)
-        columns = list(old.columns) + [c for c in new.columns if c not in old.columns]
-        new[columns].to_csv(path, index=False)
-        return new
-    new.to_csv(path, index=False)
-    return new
+    note = ""
+    for part in _parts(path, existing_only=False):
+        if not part.exists() or part.stat().st_size == 0:
+            header = columns
+            with part.open("w", newline="") as f:
+                csv.writer(f).writerow(header)
+            break
+        problem = csv_problem(part)
+        header = _header(part) if problem is None else []
+        if problem is None and set(columns) <= set(header):
+            break
+        if part == path:
+            note = (f"{path} is malformed ({problem}) and is left as it is" if problem
+                    else f"{path} lacks columns {', '.join(c for c in columns if c not in header)}")
+    with part.open("a", newline="") as f:
+        writer = csv.writer(f)
+        for row in rows:
+            writer.writerow([_csv_cell(row.get(c)) for c in header])
+    return Appended(part, f"{note}; new rows went to {part}" if note else "")
+
+
+def _parts(path: Path, existing_only: bool = True) -> Iterator[Path]:
+    """``name.csv``, then ``name.1.csv``, ``name.2.csv``, … (only those on disk, or without end)."""
+    yield path
+    for n in itertools.count(1):
+        part = path.with_name(f"{path.stem}.{n}{path.suffix}")
+        if existing_only and not part.exists():
+            return
+        yield part
+
+
+def read_csv_parts(path: Path) -> pd.DataFrame:
+    """A results CSV with the parts ``append_csv`` put beside it; malformed parts are skipped."""
+    frames = []
+    for part in _parts(path):
+        if part.exists() and part.stat().st_size and csv_problem(part) is None:
+            frames.append(pd.read_csv(part))
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+
+
+def check_writable_dir(folder: Path) -> None:
+    """Make the folder if needed and prove a file can be written there; one clear line if not."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".write-test-"):
+            pass
+    except OSError as exc:
+        raise UserError(f"results directory {folder} is not writable: {exc.strerror or exc}") from None
+
+
+class ResultWriter:
+    """Writes a run's files; a failed write names the file and its reason, and the content goes
+    to a fallback folder instead, so that nothing measured is lost."""
+
+    def __init__(self, results_dir: Path, run_id: str) -> None:
+        self.results_dir = results_dir
+        self.run_id = run_id
+        self.written: list[Path] = []
+        self.notes: list[str] = []
+        self.failed = False
+
+    def _fallback(self, path: Path) -> Path:
+        return Path(tempfile.gettempdir()) / f"llamassp-{self.run_id}" / path.name
+
+    def _write(self, path: Path, write: Callable[[Path], Path]) -> None:
+        try:
+            self.written.append(write(path))
+            return
+        except OSError as exc:
+            reason = exc.strerror or str(exc)
+        self.failed = True
+        fallback = self._fallback(path)
+        try:
+            fallback.parent.mkdir(parents=True, exist_ok=True)
+            self.written.append(write(fallback))
+            self.notes.append(f"could not write {path} ({reason}); wrote {fallback} instead")
+        except OSError as exc:
+            self.notes.append(f"could not write {path} ({reason}) nor {fallback} ({exc.strerror or exc})")
+
+    def csv(self, name: str, rows: list[Mapping[str, Any]]) -> None:
+        def write(path: Path) -> Path:
+            appended = append_csv(path, rows)
+            if appended.note:
+                self.notes.append(appended.note)
+            return appended.path
+
+        self._write(self.results_dir / name, write)
+
+    def text(self, name: str, content: str) -> None:
+        def write(path: Path) -> Path:
+            path.write_text(content)
+            return path
+
+        self._write(self.results_dir / name, write)
+
+    def json(self, path: Path, payload: Any) -> None:
+        def write(p: Path) -> Path:
+            write_json(p, payload)
+            return p
+
+        self._write(path, write)
+
+
+def plural(count: int, noun: str) -> str:
+    """"1 prompt", "3 prompts"."""
+    return f"{count} {noun}{'' if count == 1 else 's'}"
 
 
 def _cell(value: Any) -> str:

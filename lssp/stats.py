@@ -21,10 +21,10 @@ class Interval:
 
 
 def wald(successes: int, trials: int, z: float = Z95) -> Interval:
-    """p ± z·sqrt(p(1−p)/n). Degenerate (zero width) at p = 0 or 1."""
+    """p ± z·sqrt(p(1−p)/n), clipped to [0, 1] (a rate has no other values). Zero width at p = 0 or 1."""
     p = successes / trials
     half = z * math.sqrt(p * (1 - p) / trials)
-    return Interval(p, p - half, p + half)
+    return Interval(p, max(0.0, p - half), min(1.0, p + half))
 
 
 def wilson(successes: int, trials: int, z: float = Z95) -> Interval:

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 
 from lssp.generation import forward_logits, generate_regular, generate_speculative, new_cache
 from lssp.loading import LoadedModel
+from lssp.report import RunInfo
 from lssp.sampling import SamplingParams, warp
 from lssp.stats import chi_square_gof
 
@@ -62,6 +64,22 @@ class VerifyReport:
     skipped: list[str] = field(default_factory=list)
     lookup: int = 0  # n-gram length of SSp's context lookup (0: off)
     looked_up: int = 0  # drafts the lookup proposed
+
+    def rows(self, info: RunInfo, target: LoadedModel, draft: LoadedModel, k: int,
+             params: SamplingParams) -> list[dict[str, Any]]:
+        """One CSV row per check (a position in sampled mode, a prompt in greedy mode)."""
+        base = {**info.head(), "target": target.name, "draft": draft.name, "k": k, "lookup": self.lookup,
+                "looked_up": self.looked_up, **params.as_dict(), "verdict": "lossless" if self.lossless else "not lossless",
+                "acceptance_rate": self.acceptance_rate, "target_precision": target.precision,
+                "draft_precision": draft.precision, **info.env}
+        return ([{**base, **asdict(c), "prefix": " ".join(map(str, c.prefix))} for c in self.positions]
+                + [{**base, **asdict(g)} for g in self.greedy])
+
+    def summary_json(self, info: RunInfo) -> dict[str, Any]:
+        return {"mode": self.mode, "lossless": self.lossless, "significance": self.significance,
+                "correction": self.correction, "acceptance_rate": self.acceptance_rate, "lookup": self.lookup,
+                "looked_up": self.looked_up, "checks": [asdict(c) for c in self.positions] + [asdict(g) for g in self.greedy],
+                "run_id": info.run_id, "device": info.env.get("device")}
 
     @property
     def threshold(self) -> float:

@@ -1,0 +1,65 @@
+"""The llamassp command line: one module per command; each parses, calls the library, renders."""
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from lssp.cli import bench, compare, cost, distill, latency, models, plot, verify  # noqa: F401  (registers)
+from lssp.cli import eval as eval_command  # noqa: F401  (registers; the module is named after its command)
+from lssp.cli.common import GLOBAL_FLAGS, GLOBAL_OPTIONS_WITH_VALUE, app, console, err_console
+from lssp.errors import UserError
+
+__all__ = ["app", "main"]
+
+
+def hoist_global_options(argv: list[str]) -> list[str]:
+    """Move global options written after the subcommand (``eval --seed 7``) in front of it."""
+    front, rest, i = [], [], 0
+    while i < len(argv):
+        arg = argv[i]
+        name = arg.split("=", 1)[0]
+        if arg == "--":
+            rest += argv[i:]
+            break
+        if name in GLOBAL_OPTIONS_WITH_VALUE:
+            takes_next = "=" not in arg and i + 1 < len(argv)
+            front += argv[i:i + 1 + takes_next]
+            i += 1 + takes_next
+            continue
+        (front if arg in GLOBAL_FLAGS else rest).append(arg)
+        i += 1
+    return front + rest
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the app; user mistakes become one red line and exit code 2 (tracebacks with -v);
+    Ctrl-C exits 130."""
+    args = hoist_global_options(list(sys.argv[1:] if argv is None else argv))
+    verbose = any(a in GLOBAL_FLAGS for a in args)
+    try:
+        app(args=args, standalone_mode=False)
+    except UserError as exc:
+        return _fail(str(exc), verbose)
+    except typer.Exit as exc:
+        return exc.exit_code
+    except (typer.Abort, KeyboardInterrupt):
+        err_console.print("\ninterrupted")
+        return 130
+    except Exception as exc:  # noqa: BLE001 - classify, then one line
+        if hasattr(exc, "show") and hasattr(exc, "exit_code"):  # a usage error (typer vendors click's)
+            exc.show()
+            return exc.exit_code
+        if type(exc).__name__ == "OutOfMemoryError":
+            return _fail("CUDA out of memory: try an 8bit/4bit entry, more GPUs (gpus: N), or fewer --max-new-tokens", verbose)
+        if verbose:
+            raise
+        return _fail(f"{type(exc).__name__}: {exc} (run with -v for the traceback)", False)
+    return 0
+
+
+def _fail(message: str, verbose: bool) -> int:
+    if verbose and sys.exc_info()[0] is not None:
+        console.print_exception()
+    err_console.print(f"[bold red]error:[/bold red] {message}", soft_wrap=True)
+    return 2

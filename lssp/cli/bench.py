@@ -1,0 +1,99 @@
+"""`bench`: ours vs transformers — RSp vs generate(), SSp vs assisted generation, in one run."""
+from __future__ import annotations
+
+import math
+from typing import Annotated, Optional
+
+import typer
+
+from lssp.cli.common import (
+    DraftArg, JsonOpt, KOpt, ConfidenceOpt, MaxNewOpt, NbPromptsOpt, PromptsOpt, TargetArg, TemperatureOpt, TopKOpt,
+    TopPOpt, app, check_positive, console, exit_with, finish, load_pair, parse_fractions, progress, read_prompt_list,
+    sampling_params, settings, table,
+)
+from lssp.errors import UserError
+from lssp.report import ResultWriter
+
+
+@app.command()
+def bench(
+    ctx: typer.Context,
+    target: TargetArg = None,
+    draft: DraftArg = None,
+    k: KOpt = 4,
+    max_new_tokens: MaxNewOpt = 64,
+    prompts: PromptsOpt = None,
+    nb_prompts: NbPromptsOpt = None,
+    temperature: TemperatureOpt = 0.0,
+    top_k: TopKOpt = 0,
+    top_p: TopPOpt = 1.0,
+    alpha: Annotated[Optional[str], typer.Option(help="Acceptance rates to predict the speedup for: 0.6,0.7,0.8.")] = None,
+    draft_confidence: ConfidenceOpt = "0",
+    json_out: JsonOpt = None,
+) -> None:
+    """Ours vs transformers: RSp vs generate(), SSp vs assisted generation, same prompts, one run."""
+    from lssp.bench import ENGINES, run_bench
+
+    from lssp.prompts import WARMUP_PROMPT
+
+    s = settings(ctx)
+    check_positive("--k", k)
+    check_positive("--max-new-tokens", max_new_tokens)
+    alphas = parse_fractions("--alpha", alpha) if alpha else []
+    confidences = parse_fractions("--draft-confidence", draft_confidence)
+    if len(confidences) != 1:
+        raise UserError(f"bench takes one --draft-confidence, got {draft_confidence!r}")
+    prompt_list = read_prompt_list(prompts, nb_prompts)
+    params = sampling_params(temperature, top_k, top_p)
+    results = s.writable_results_dir()
+    t, d, vocab = load_pair(s, target, draft)
+    with progress(len(ENGINES) * (len(prompt_list) + 1) + 1, "bench") as tick:
+        run = run_bench(t, d, prompt_list, WARMUP_PROMPT, k, params, max_new_tokens, s.seed, vocab, progress=tick,
+                        confidence=confidences[0], measure_bandwidth=True)
+    render(run, alphas, t.spec.is_random or d.spec.is_random)
+    writer = ResultWriter(results, run.info.run_id)
+    writer.csv("bench.csv", run.rows())
+    writer.text(f"bench-{run.info.run_id}.md", run.markdown())
+    if json_out:
+        writer.json(json_out, run.rows())
+    exit_with(finish(writer, f"{run.info.env['device']} · run {run.info.run_id}"))
+
+
+def render(run, alphas: list[float], random_weights: bool) -> None:
+    from lssp.latency import NOISY_SPREAD
+    from lssp.stats import predicted_speedup
+
+    setup = run.setup
+    out = table(f"{setup.target} + {setup.draft}, K={run.k}, {setup.prompts} prompts × {setup.max_new_tokens} tokens, "
+                f"T={setup.params.temperature:g}",
+                [(c, "right") for c in ("engine", "ms/token", "median [min–max]", "ours ÷ hf median [min–max]",
+                                        "same tokens as ours-rsp")])
+    for x in run.summaries:
+        ratio = "–" if math.isnan(x.ratio_median) else f"{x.ratio_median:.2f} [{x.ratio_min:.2f}–{x.ratio_max:.2f}]"
+        agree = run.greedy_agreement.get(x.engine)
+        out.add_row(x.engine, f"{x.ms_per_token:.1f}",
+                    f"{x.ms_per_token_median:.1f} [{x.ms_per_token_min:.1f}–{x.ms_per_token_max:.1f}]", ratio,
+                    "–" if agree is None else f"{agree:.0%}")
+    console.print(out)
+    rsp_ms = next(x.ms_per_token for x in run.summaries if x.engine == "ours-rsp")
+    console.print(f"  our SSp: {run.ssp_overhead_share:.1%} of decode time outside the two models' forwards; α = "
+                  f"{run.alpha:.2f} (accepted/drafted {run.acceptance_rate:.1%}); c = {run.cost_ratio:.3f}; speedup over "
+                  f"our RSp {run.measured_speedup:.2f}× measured, {run.predicted_speedup:.2f}× predicted by "
+                  f"(1−α^(K+1))/((1−α)(Kc+1)), {run.predicted_speedup_v:.2f}× with the measured cost of a (K+1)-token "
+                  f"verification, v = {run.verify_ratio:.2f} 1-token forwards: (1−α^(K+1))/((1−α)(Kc+v))")
+    console.print(f"  target weights {setup.target_weight_bytes / 1e6:.0f} MB ÷ copy bandwidth {run.bandwidth / 1e9:.1f} "
+                  f"GB/s = floor {run.floor_ms:.2f} ms/token; ours-rsp is {rsp_ms / run.floor_ms:.2f}× the floor")
+    if run.noisy:
+        console.print(f"[bold yellow]  busy machine: the target's time per forward varied {run.forward_spread:.1f}× "
+                      f"across prompts (a quiet machine stays under {NOISY_SPREAD}×): these ratios are unreliable"
+                      "[/bold yellow]")
+    if alphas:
+        ks = [1, 2, 3, 4, 6, 8]
+        predicted = table(f"Predicted SSp speedup for c = {run.cost_ratio:.3f}, v = 1",
+                          [("α", "left"), *((f"K={kk}", "right") for kk in ks)])
+        for a in alphas:
+            predicted.add_row(f"{a:g}", *[f"{predicted_speedup(a, kk, run.cost_ratio):.2f}×" for kk in ks])
+        console.print(predicted)
+    if random_weights:
+        console.print("[yellow]  Random weights: timings and c are real; acceptance and measured speedup mean nothing."
+                      "[/yellow]")

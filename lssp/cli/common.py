@@ -1,0 +1,306 @@
+"""What every command shares: the app, global settings, option types, loading, progress and saving."""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from lssp.errors import UserError
+from lssp.registry import Registry, load_registry
+from lssp.report import ResultWriter, check_writable_dir, plural
+from lssp.sampling import SamplingParams
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Measure speculative sampling (SSp) against regular sampling (RSp).")
+
+
+def _width() -> int | None:
+    """The terminal's width; 80 columns (or $COLUMNS) when output goes to a file or a pipe."""
+    if sys.stdout.isatty():
+        return None
+    columns = os.environ.get("COLUMNS", "")
+    return int(columns) if columns.isdigit() else 80
+
+
+console = Console(highlight=False, width=_width())
+err_console = Console(stderr=True, highlight=False)
+log = logging.getLogger("lssp")
+
+# Options every command accepts before or after its name (main() moves them in front).
+GLOBAL_OPTIONS_WITH_VALUE = ("--config", "--results-dir", "--seed", "--device")
+GLOBAL_FLAGS = ("-v", "--verbose")
+
+
+@dataclass
+class Settings:
+    config: Path
+    results_dir: Path
+    seed: int
+    verbose: bool
+    device: str | None
+    _registry: Registry | None = None
+
+    @property
+    def registry(self) -> Registry:
+        if self._registry is None:
+            self._registry = load_registry(self.config)
+        return self._registry
+
+    def writable_results_dir(self) -> Path:
+        """The results directory, made if needed and proven writable, before any model loads."""
+        check_writable_dir(self.results_dir)
+        return self.results_dir
+
+
+def settings(ctx: typer.Context) -> Settings:
+    return ctx.find_root().obj
+
+
+@app.callback()
+def main_options(
+    ctx: typer.Context,
+    config: Annotated[Path, typer.Option(help="Model registry.")] = Path("models.yaml"),
+    results_dir: Annotated[Path, typer.Option(help="Where CSV, Markdown and JSON results go.")] = Path("results"),
+    seed: Annotated[int, typer.Option(help="Seed for sampling and prompt draws.")] = 0,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log progress; show tracebacks.")] = False,
+    device: Annotated[Optional[str], typer.Option(help="Override placement: cpu, cuda, cuda:1, auto.")] = None,
+) -> None:
+    """Global options go before or after the subcommand: llamassp.py latency --seed 1 ..."""
+    ctx.obj = Settings(config, results_dir, seed, verbose, device)
+    _configure_logging(verbose)
+
+
+def _configure_logging(verbose: bool) -> None:
+    from rich.logging import RichHandler
+
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(message)s",
+                        handlers=[RichHandler(console=err_console, show_path=False)], force=True)
+    import transformers
+
+    transformers.logging.set_verbosity_info() if verbose else transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+# --- shared option types -------------------------------------------------------------------
+KOpt = Annotated[int, typer.Option("--k", help="Draft tokens per iteration.")]
+ConfidenceOpt = Annotated[str, typer.Option(
+    "--draft-confidence", help="Stop drafting once the draft's own probability of its token falls below this "
+    "(K becomes a maximum; a comma list sweeps; 0: always K).")]
+LookupOpt = Annotated[int, typer.Option(
+    "--lookup", help="Context lookup: where the text's last N tokens occurred before and the draft is unsure, "
+    "propose what followed them (0: off).")]
+MaxNewOpt = Annotated[int, typer.Option(help="Tokens to generate per prompt.")]
+TopKOpt = Annotated[int, typer.Option(help="Keep the k most likely tokens (0: off).")]
+TopPOpt = Annotated[float, typer.Option(help="Nucleus sampling mass (1: off).")]
+TemperatureOpt = Annotated[float, typer.Option(help="0 is greedy.")]
+TargetArg = Annotated[Optional[str], typer.Argument(help="Target model (default: the registry's default_target).")]
+DraftArg = Annotated[Optional[str], typer.Argument(help="Draft model (default: the registry's default_draft).")]
+PromptsOpt = Annotated[Optional[Path], typer.Option(help="File with one prompt per line.")]
+NbPromptsOpt = Annotated[Optional[int], typer.Option(help="Use only the first N prompts.")]
+JsonOpt = Annotated[Optional[Path], typer.Option("--json", help="Write the run's summary as JSON here.")]
+PlotOpt = Annotated[bool, typer.Option(help="Draw this run's charts into the results directory.")]
+ChatOpt = Annotated[bool, typer.Option("--chat", help="Feed each prompt as a user turn in the target's chat template.")]
+WideOpt = Annotated[bool, typer.Option("--wide", help="Show every column (wider than 80 characters).")]
+
+
+def sampling_params(temperature: float, top_k: int, top_p: float) -> SamplingParams:
+    return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+
+
+def check_positive(name: str, value: int, minimum: int = 1) -> None:
+    if value < minimum:
+        raise UserError(f"{name} must be at least {minimum}, got {value}")
+
+
+def _comma_list(name: str, text: str, kind: str) -> list[str]:
+    parts = [part.strip() for part in text.split(",")]
+    if not text.strip() or any(not part for part in parts):
+        raise UserError(f"{name} takes {kind} separated by commas, got {text!r}")
+    return parts
+
+
+def parse_ints(name: str, text: str, minimum: int = 1) -> list[int]:
+    try:
+        values = [int(part) for part in _comma_list(name, text, "whole numbers")]
+    except ValueError:
+        raise UserError(f"{name} takes whole numbers separated by commas, got {text!r}") from None
+    if any(v < minimum for v in values):
+        raise UserError(f"{name} values must be at least {minimum}, got {text!r}")
+    return values
+
+
+def parse_fractions(name: str, text: str) -> list[float]:
+    """Numbers in [0, 1), comma-separated."""
+    try:
+        values = [float(part) for part in _comma_list(name, text, "numbers")]
+    except ValueError:
+        raise UserError(f"{name} takes numbers separated by commas, got {text!r}") from None
+    if any(not 0 <= v < 1 for v in values):
+        raise UserError(f"{name} values must be in [0, 1), got {text!r}")
+    return values
+
+
+def load(s: Settings, name: str):
+    from lssp.loading import load_model
+
+    spec = s.registry.get(name)
+    with err_console.status(f"Loading {name} ({spec.path or 'random init'})…"):
+        loaded = load_model(spec, s.device)
+    log.info("%s: %s on %s, %.1f MB", name, loaded.precision, loaded.device, loaded.weight_bytes / 1e6)
+    return loaded
+
+
+def load_pair(s: Settings, target_name: str | None, draft_name: str | None, need_draft: bool = True):
+    from lssp.loading import check_compatible
+
+    t_name = s.registry.target_name(target_name)
+    d_name = s.registry.draft_name(draft_name) if (draft_name or need_draft) else None
+    target = load(s, t_name)
+    if d_name is None:
+        return target, None, None
+    draft = load(s, d_name)
+    return target, draft, check_compatible(target, draft)
+
+
+def read_prompt_list(prompts_file: Path | None, nb_prompts: int | None) -> list[str]:
+    from lssp.prompts import LATENCY_PROMPTS, read_prompts
+
+    prompts = read_prompts(prompts_file) if prompts_file else list(LATENCY_PROMPTS)
+    if nb_prompts is not None:
+        check_positive("--nb-prompts", nb_prompts)
+        if nb_prompts > len(prompts):
+            source = prompts_file or "the built-in list"
+            raise UserError(f"--nb-prompts {nb_prompts}: {source} has only {plural(len(prompts), 'prompt')}"
+                            + ("" if prompts_file else " (give more with --prompts FILE)"))
+        prompts = prompts[:nb_prompts]
+    return prompts
+
+
+Tick = Callable[[str], None]
+LOG_EVERY_S = 5.0  # without a terminal, at most one progress line per this many seconds
+
+
+class ProgressLog:
+    """Progress as lines on stderr (for logs and pipes): at most one per LOG_EVERY_S, with the
+    elapsed time and, from the fraction done, an estimate of the rest."""
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+        self.start = time.perf_counter()
+        self.last = -math.inf
+
+    def show(self, fraction: float, message: str, count: str = "") -> None:
+        now = time.perf_counter()
+        if now - self.last < LOG_EVERY_S and fraction < 1:
+            return
+        self.last = now
+        elapsed = now - self.start
+        rest = f", ~{_duration(elapsed / fraction * (1 - fraction))} left" if fraction > 0 else ""
+        err_console.print(f"{count}{self.label}: {message} · {_duration(elapsed)} elapsed{rest}", soft_wrap=True)
+
+
+def _bar() -> Progress:
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=err_console, transient=True)
+
+
+@contextmanager
+def progress(total: int, label: str) -> Iterator[Tick]:
+    """A bar on a terminal, ProgressLog lines elsewhere. Yields ``tick(description)``, called after each of
+    ``total`` steps."""
+    if err_console.is_terminal:
+        with _bar() as bar:
+            task = bar.add_task(label, total=total)
+            yield lambda message: bar.update(task, advance=1, description=message)
+        return
+    lines, done = ProgressLog(label), 0
+
+    def tick(message: str) -> None:
+        nonlocal done
+        done += 1
+        lines.show(done / total, message, f"[{done}/{total}] ")
+
+    yield tick
+
+
+@contextmanager
+def phase_progress() -> Iterator[Callable[[str, float, str], None]]:
+    """Like ``progress`` for work in phases that report the fraction done: yields ``update(phase, fraction, message)``."""
+    if err_console.is_terminal:
+        with _bar() as bar:
+            tasks: dict[str, int] = {}
+
+            def update(phase: str, fraction: float, message: str) -> None:
+                if phase not in tasks:
+                    tasks[phase] = bar.add_task(phase, total=1000)
+                bar.update(tasks[phase], completed=int(1000 * fraction), description=f"{phase}: {message}")
+
+            yield update
+        return
+    logs: dict[str, ProgressLog] = {}
+
+    def update(phase: str, fraction: float, message: str) -> None:
+        logs.setdefault(phase, ProgressLog(phase)).show(fraction, message, f"[{fraction:.0%}] ")
+
+    yield update
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
+
+
+def fmt(value: float | None, digits: int = 1, pct: bool = False) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "–"
+    return f"{100 * value:.{digits}f}%" if pct else f"{value:.{digits}f}"
+
+
+def k_label(k: int, confidence: float, lookup: int = 0) -> str:
+    """K, or "≤K p≥0.4" where drafting stops early below a draft probability; "+lookup N" with the context lookup."""
+    return (f"≤{k} p≥{confidence:g}" if confidence else str(k)) + (f" +lookup {lookup}" if lookup else "")
+
+
+def table(title: str, columns: list[tuple[str, str]], keep_whole: tuple[str, ...] = ()) -> Table:
+    """A table whose long cells fold onto more lines instead of being cut at 80 columns;
+    the ``keep_whole`` columns (names) never wrap."""
+    out = Table(title=title)
+    for name, justify in columns:
+        out.add_column(name, justify=justify, overflow="fold", no_wrap=name in keep_whole)
+    return out
+
+
+def finish(writer: ResultWriter, run_line: str) -> int:
+    """Print where the run's files went (and any write that failed); 1 if one failed, else 0."""
+    written = ", ".join(str(p) for p in dict.fromkeys(writer.written))
+    console.print(f"[dim]{run_line} → {written or 'nothing written'}[/dim]", soft_wrap=False)
+    for note in writer.notes:
+        err_console.print(f"[yellow]warning:[/yellow] {note}", soft_wrap=True)
+    return 1 if writer.failed else 0
+
+
+def exit_with(code: int) -> None:
+    if code:
+        raise typer.Exit(code)
+
+
+def plot_charts(s: Settings, **filters: Any) -> None:
+    try:
+        from lssp import plot as plotting
+    except ImportError:
+        raise UserError("plotting needs matplotlib (run ./setup.sh)") from None
+    for path in plotting.plot_results(s.results_dir, **filters):
+        console.print(f"  chart: {path}")

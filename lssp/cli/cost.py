@@ -1,0 +1,73 @@
+"""`cost`: forward ms by precision and by tokens per forward."""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Annotated, Optional
+
+import typer
+
+from lssp.cli.common import (
+    JsonOpt, app, check_positive, console, err_console, exit_with, finish, parse_ints, settings, table,
+)
+from lssp.errors import UserError
+from lssp.report import ResultWriter
+
+
+@app.command()
+def cost(
+    ctx: typer.Context,
+    models: Annotated[Optional[list[str]], typer.Argument(help="Models to time (default: the default target and draft).")] = None,
+    precisions: Annotated[str, typer.Option(help="Float dtypes and CPU dynamic quantizations to compare.")] =
+        "bfloat16,float32,dynamic-fp16,dynamic-int8",
+    tokens: Annotated[str, typer.Option(help="Tokens fed in one forward (K+1 for a verification).")] = "1,2,3,5",
+    forwards: Annotated[Optional[str], typer.Option(help="Time these forwards: transformers,compact (default: each entry's).")] = None,
+    context: Annotated[int, typer.Option(help="Tokens already in the KV cache.")] = 64,
+    repeats: Annotated[int, typer.Option(help="Timed forwards per point (median taken).")] = 15,
+    json_out: JsonOpt = None,
+) -> None:
+    """Forward ms by precision and by tokens per forward: does verifying K drafts cost about one forward here?"""
+    from lssp.cost import run_costs
+    from lssp.loading import load_model
+    from lssp.registry import DTYPES, FORWARDS, QUANTIZATIONS
+
+    s = settings(ctx)
+    counts = parse_ints("--tokens", tokens)
+    forward_list = [f.strip() for f in (forwards or "").split(",") if f.strip()]
+    if forwards is not None and (not forward_list or any(f not in FORWARDS for f in forward_list)):
+        raise UserError(f"--forwards takes some of {','.join(FORWARDS)}, got {forwards!r}")
+    check_positive("--context", context)
+    check_positive("--repeats", repeats)
+    chosen = [p.strip() for p in precisions.split(",") if p.strip()]
+    allowed = [d for d in DTYPES if d != "auto"] + [q for q in QUANTIZATIONS if q.startswith("dynamic")]
+    if not chosen or any(p not in allowed for p in chosen):
+        raise UserError(f"--precisions takes some of {','.join(allowed)}, got {precisions!r}")
+    names = models or [s.registry.target_name(None), s.registry.draft_name(None)]
+    results = s.writable_results_dir()
+    loaded = []
+    for name in names:
+        spec = replace(s.registry.get(name), quantization="none")  # each precision is made from the plain weights
+        for forward in forward_list or [spec.forward]:
+            with err_console.status(f"Loading {name} ({forward} forward)…"):
+                loaded.append(load_model(replace(spec, forward=forward), s.device))
+    with err_console.status("Timing forwards…") as status:
+        run = run_costs(loaded, chosen, counts, context, repeats, progress=lambda m: status.update(f"Timing {m}…"))
+    counts_timed = sorted({c.tokens for c in run.costs})
+    out = table(f"Forward ms after {context} cached tokens (× a 1-token forward) — {run.info.env['device']}",
+                [(c, "left") for c in ("model", "forward", "precision")]
+                + [(f"{n} token{'s' * (n > 1)}", "right") for n in counts_timed])
+    for (model, forward, precision), cells in run.cells().items():
+        out.add_row(model, forward, precision, *(f"{cells[n].ms:.1f} ×{cells[n].relative:.2f}" for n in counts_timed))
+    console.print(out)
+    names_timed = list(dict.fromkeys(x.name for x in loaded))
+    if len(names_timed) >= 2:
+        target_name, draft_name = names_timed[:2]
+        target_forward = s.registry.get(target_name).forward
+        ratios = run.cost_ratios(target_name, target_forward, draft_name)
+        console.print(f"  c = {draft_name} ÷ {target_name} ({target_forward} forward) per 1-token forward — "
+                      + ", ".join(f"{p} ({f}): {c:.3f}" for (p, f), c in ratios.items()))
+    writer = ResultWriter(results, run.info.run_id)
+    writer.csv("cost.csv", run.rows())
+    writer.text(f"cost-{run.info.run_id}.md", run.markdown())
+    if json_out:
+        writer.json(json_out, run.rows())
+    exit_with(finish(writer, f"run {run.info.run_id}"))

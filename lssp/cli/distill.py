@@ -1,0 +1,86 @@
+"""`distill`: make a small Llama draft for a target from the target's own continuations."""
+from __future__ import annotations
+
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from lssp.cli.common import TargetArg, app, check_positive, console, err_console, load, phase_progress, settings
+from lssp.errors import UserError
+
+
+@app.command()
+def distill(
+    ctx: typer.Context,
+    target: TargetArg = None,
+    out: Annotated[Path, typer.Option(help="Output folder for the draft (and its checkpoints).")] = Path("drafts/draft"),
+    hidden_size: Annotated[int, typer.Option(help="Draft width.")] = 256,
+    layers: Annotated[int, typer.Option(help="Draft depth.")] = 4,
+    heads: Annotated[int, typer.Option(help="Attention heads.")] = 4,
+    intermediate_size: Annotated[int, typer.Option(help="MLP width.")] = 768,
+    data_tokens: Annotated[int, typer.Option(help="Target tokens to collect.")] = 100_000,
+    batch_prompts: Annotated[int, typer.Option(help="Prompts generated together.")] = 16,
+    new_tokens: Annotated[int, typer.Option(help="Tokens the target generates per prompt.")] = 96,
+    train_minutes: Annotated[float, typer.Option(help="Training time budget.")] = 10.0,
+    max_steps: Annotated[int, typer.Option(help="Stop after this many steps (0: time budget only).")] = 0,
+    epochs: Annotated[float, typer.Option(help="Passes over the data at most.")] = 4.0,
+    lr: Annotated[float, typer.Option(help="Peak learning rate.")] = 3e-3,
+    hard_weight: Annotated[float, typer.Option(help="Weight of cross-entropy on the target's argmax (rest: soft top-k).")] = 0.3,
+    data_dir: Annotated[Optional[Path], typer.Option(help="Where collected data and checkpoints go (default: OUT/work).")] = None,
+    init_draft: Annotated[Optional[Path], typer.Option(help="Go on training this draft (its shape wins over the size options).")] = None,
+    head_tokens: Annotated[int, typer.Option(help="Output layer over the target's N most frequent tokens only (0: all).")] = 0,
+    on_policy: Annotated[float, typer.Option(help="Share of newly collected shards written by --init-draft and scored by "
+                                             "the target in one teacher-forced forward (on-policy data).")] = 0.0,
+    repeat_share: Annotated[float, typer.Option(help="Share of newly collected shards the target continues from "
+                                                "contexts that repeat a cue of earlier text (teaches the draft to copy).")] = 0.0,
+) -> None:
+    """Make a small Llama draft for TARGET from its own continuations (resumable)."""
+    from lssp import distill as dst
+    from lssp.generation import model_device
+
+    s = settings(ctx)
+    for name, value in [("--hidden-size", hidden_size), ("--layers", layers), ("--data-tokens", data_tokens),
+                        ("--batch-prompts", batch_prompts), ("--new-tokens", new_tokens)]:
+        check_positive(name, value)
+    if hidden_size % heads:
+        raise UserError(f"--hidden-size {hidden_size} must be a multiple of --heads {heads}")
+    if head_tokens < 0:
+        raise UserError(f"--head-tokens must be >= 0, got {head_tokens}")
+    for name, share in [("--on-policy", on_policy), ("--repeat-share", repeat_share)]:
+        if not 0.0 <= share <= 1.0:
+            raise UserError(f"{name} must be in [0, 1], got {share}")
+    if on_policy and not init_draft:
+        raise UserError("--on-policy needs --init-draft: the draft that writes the on-policy data")
+    t = load(s, s.registry.target_name(target))
+    if t.tokenizer is None:
+        raise UserError(f"model {t.name!r} has no tokenizer to share with a draft")
+    cfg = dst.DistillConfig(hidden_size=hidden_size, layers=layers, heads=heads, intermediate_size=intermediate_size,
+                            data_tokens=data_tokens, batch_prompts=batch_prompts, new_tokens=new_tokens,
+                            train_minutes=train_minutes, max_steps=max_steps, epochs=epochs, lr=lr,
+                            hard_weight=hard_weight, seed=s.seed, init_from=str(init_draft) if init_draft else None,
+                            head_tokens=head_tokens, on_policy=on_policy, repeat_share=repeat_share)
+    work = data_dir or out / "work"
+    work.mkdir(parents=True, exist_ok=True)
+    rep = dst.DistillReport(target=t.name, config=asdict(cfg))
+    if init_draft:
+        rep.started_from = dst.earlier_training(init_draft)
+    with phase_progress() as progress:
+        # Batched collection and training need the transformers model (a compact forward runs batch 1).
+        writer = dst.load_initial_draft(t.hf_model, cfg).to(model_device(t.hf_model)).eval() if on_policy else None
+        got = dst.collect(t.hf_model, t.tokenizer, work, cfg, progress, draft=writer)
+        rep.data_tokens, rep.collect_seconds = got.tokens, got.seconds
+        rep.draft_written_tokens, rep.repeat_tokens = got.draft_tokens, got.repeat_tokens
+        model = dst.train(t.hf_model, work, cfg, rep, progress)
+    rep.parameters = sum(p.numel() for p in model.parameters())
+    command = "python llamassp.py " + " ".join(sys.argv[1:]) if sys.argv and "llamassp" in sys.argv[0] else "llamassp distill …"
+    dst.write_draft(model, t.tokenizer, out, rep, command)
+    # Measure what the card promises: greedy acceptance on held-out prompts, through the real loader.
+    with err_console.status("Measuring acceptance on held-out prompts…"):
+        rep.acceptance = dst.held_out_acceptance(t, out, s.seed, s.device)
+    dst.write_draft(model, t.tokenizer, out, rep, command)
+    console.print(f"Draft written to {out}: {rep.parameters / 1e6:.1f}M parameters, {rep.data_tokens} data tokens, "
+                  f"{rep.steps} steps, final loss {rep.final_loss:.3f}, greedy acceptance "
+                  f"{rep.acceptance[dst.HELD_OUT_ACCEPTANCE]:.1%}")

@@ -1,0 +1,89 @@
+"""`eval`: multiplication accuracy with 95% intervals, RSp and SSp on the same problems."""
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+from lssp.cli.common import (
+    JsonOpt, KOpt, LookupOpt, MaxNewOpt, PlotOpt, TargetArg, TemperatureOpt, TopKOpt, TopPOpt, app, check_positive,
+    console, err_console, exit_with, finish, k_label, load_pair, plot_charts, progress, sampling_params, settings, table,
+)
+from lssp.report import ResultWriter, plural
+
+
+@app.command("eval")
+def eval_cmd(
+    ctx: typer.Context,
+    target: TargetArg = None,
+    draft: Annotated[Optional[str], typer.Option(help="Draft model: evaluate SSp.")] = None,
+    both: Annotated[bool, typer.Option("--both", help="Evaluate RSp and SSp on the same prompts and compare.")] = False,
+    nb_prompts: Annotated[int, typer.Option(help="Number of multiplication problems.")] = 1000,
+    k: KOpt = 4,
+    max_new_tokens: MaxNewOpt = 8,
+    temperature: TemperatureOpt = 1.0,
+    top_k: TopKOpt = 0,
+    top_p: TopPOpt = 1.0,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue the newest interrupted run with the same settings.")] = False,
+    lookup: LookupOpt = 0,
+    json_out: JsonOpt = None,
+    plot: PlotOpt = False,
+) -> None:
+    """Multiplication accuracy ("a * b = ", a and b uniform in 1..99) with 95% intervals."""
+    from lssp.evals import EvalInterrupted, run_eval
+
+    s = settings(ctx)
+    check_positive("--nb-prompts", nb_prompts)
+    check_positive("--k", k)
+    check_positive("--max-new-tokens", max_new_tokens)
+    check_positive("--lookup", lookup, minimum=0)
+    params = sampling_params(temperature, top_k, top_p)
+    if (target is None and draft is None) or (both and draft is None):  # the default pair
+        draft = s.registry.draft_name(None)
+    modes = ["rsp", "ssp"] if both else ["ssp"] if draft else ["rsp"]
+    results = s.writable_results_dir()
+    t, d, vocab = load_pair(s, target, draft, need_draft=draft is not None)
+    correct = {m: 0 for m in modes}
+    try:
+        with progress(nb_prompts * len(modes), "eval") as tick:
+            def on_record(r) -> None:
+                correct[r.mode] += r.correct
+                tick(" ".join(f"{m.upper()} {c}✓" for m, c in correct.items()))
+
+            run = run_eval(t, d, modes, nb_prompts, s.seed, params, max_new_tokens, k, results / "eval_records",
+                           resume=resume, vocab_size=vocab, on_record=on_record, lookup=lookup)
+    except EvalInterrupted as stop:
+        err_console.print(f"interrupted: {plural(stop.records, 'record')} kept in {stop.records_path}; "
+                          "the same command with --resume continues it")
+        raise typer.Exit(130) from None
+    render(run, t, d)
+    writer = ResultWriter(results, run.run_id)
+    writer.csv("eval.csv", run.rows())
+    writer.text(f"eval-{run.run_id}.md", run.markdown())
+    if json_out:
+        writer.json(json_out, run.summary_json())
+    code = finish(writer, f"{run.info.env['device']} · run {run.run_id} · records {run.records_path}")
+    if plot:
+        plot_charts(s, run_id=run.run_id, kinds=("eval",))
+    exit_with(code)
+
+
+def render(run, t, d) -> None:
+    setup = run.setup
+    out = table(f"Multiplication eval: {t.name}" + (f" (draft {d.name}, K={k_label(setup.k, 0, setup.lookup)})" if d else "")
+                + f", {plural(setup.nb_prompts, 'problem')}, T={setup.params.temperature:g}",
+                [(c, "right") for c in ("mode", "successes / trials", "success rate", "95% Wald", "95% Wilson")])
+    for m in run.summaries:
+        out.add_row(m.mode.upper(), f"{m.successes} / {m.trials}", f"{100 * m.success_rate:.1f}%",
+                    f"± {100 * max(m.wald.high - m.success_rate, m.success_rate - m.wald.low):.1f} [{100 * m.wald.low:.1f}, {100 * m.wald.high:.1f}]",
+                    f"[{100 * m.wilson.low:.1f}, {100 * m.wilson.high:.1f}]")
+    console.print(out)
+    cmp = run.comparison
+    if cmp:
+        verdict = ("[green]contains 0: no evidence that SSp changes quality[/green]" if cmp.difference.contains(0)
+                   else "[red]excludes 0: SSp and RSp differ[/red]")
+        console.print(f"  RSp − SSp = {100 * cmp.difference.estimate:+.1f} points, 95% CI "
+                      f"[{100 * cmp.difference.low:+.1f}, {100 * cmp.difference.high:+.1f}] {verdict}; "
+                      f"McNemar p = {cmp.mcnemar_p:.3f} ({cmp.only_rsp} only-RSp vs {cmp.only_ssp} only-SSp correct)")
+    if run.resumed:
+        console.print(f"  resumed: {run.resumed} records reused from {run.records_path}")

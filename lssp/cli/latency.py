@@ -1,0 +1,126 @@
+"""`latency`: ms/token of RSp and SSp on a prompt list, side by side in one run."""
+from __future__ import annotations
+
+import math
+from typing import Annotated, Optional
+
+import typer
+from rich.text import Text
+
+from lssp.cli.common import (
+    ChatOpt, ConfidenceOpt, JsonOpt, MaxNewOpt, NbPromptsOpt, PlotOpt, PromptsOpt, TargetArg, TemperatureOpt, TopKOpt,
+    TopPOpt, WideOpt, app, check_positive, console, err_console, exit_with, finish, fmt, k_label, load_pair,
+    parse_fractions, parse_ints, plot_charts, progress, read_prompt_list, sampling_params, settings, table,
+)
+from lssp.report import ResultWriter, plural
+
+
+@app.command()
+def latency(
+    ctx: typer.Context,
+    target: TargetArg = None,
+    draft: Annotated[Optional[str], typer.Option(help="Draft model; times SSp (and RSp unless --no-baseline).")] = None,
+    default_pair: Annotated[bool, typer.Option("--default-pair", help="Use the registry's default draft too.")] = False,
+    k: Annotated[str, typer.Option("--k", help="Draft length, or a comma list to sweep: 2,4,8.")] = "4",
+    max_new_tokens: MaxNewOpt = 64,
+    prompts: PromptsOpt = None,
+    nb_prompts: NbPromptsOpt = None,
+    temperature: TemperatureOpt = 0.0,
+    top_k: TopKOpt = 0,
+    top_p: TopPOpt = 1.0,
+    no_baseline: Annotated[bool, typer.Option("--no-baseline", help="Skip timing RSp.")] = False,
+    draft_confidence: ConfidenceOpt = "0",
+    lookup: Annotated[str, typer.Option(
+        "--lookup", help="Context lookup n-gram length for SSp, or a comma list to sweep: 0,4 (0: off).")] = "0",
+    repeats: Annotated[int, typer.Option(help="Passes over the prompts (interleaved); the speedup's sd is over them.")] = 1,
+    chat: ChatOpt = False,
+    wide: WideOpt = False,
+    json_out: JsonOpt = None,
+    plot: PlotOpt = False,
+) -> None:
+    """ms/token of RSp and SSp on a fixed prompt list, measured side by side in one run."""
+    from lssp.latency import run_latency
+    from lssp.prompts import WARMUP_PROMPT
+
+    s = settings(ctx)
+    ks = parse_ints("--k", k)
+    confidences = parse_fractions("--draft-confidence", draft_confidence)
+    lookups = parse_ints("--lookup", lookup, minimum=0)
+    check_positive("--max-new-tokens", max_new_tokens)
+    check_positive("--repeats", repeats)
+    prompt_list = read_prompt_list(prompts, nb_prompts)
+    params = sampling_params(temperature, top_k, top_p)
+    results = s.writable_results_dir()
+    use_draft = draft is not None or default_pair or target is None
+    t, d, vocab = load_pair(s, target, draft, need_draft=use_draft)
+    modes = (0 if no_baseline and d is not None else 1) + (len(ks) * len(confidences) * len(lookups) if d else 0)
+    with progress(modes * (repeats * len(prompt_list) + 1), "latency") as tick:
+        run = run_latency(t, d, prompt_list, WARMUP_PROMPT, ks, params, max_new_tokens, s.seed,
+                          baseline=not no_baseline, vocab_size=vocab, progress=tick, confidences=confidences,
+                          chat=chat, lookups=lookups, repeats=repeats)
+    render(run, t, d, wide)
+    writer = ResultWriter(results, run.info.run_id)
+    writer.csv("latency.csv", run.rows())
+    writer.csv("latency_prompts.csv", run.prompt_rows())
+    writer.text(f"latency-{run.info.run_id}.md", run.markdown())
+    if json_out:
+        writer.json(json_out, run.summary_json())
+    code = finish(writer, f"{run.info.env['device']} · run {run.info.run_id}")
+    if plot and not run.interrupted:
+        plot_charts(s, run_id=run.info.run_id, kinds=("latency",))
+    if run.interrupted:
+        err_console.print(f"interrupted after {plural(run.prompts_done, 'prompt')}: the table and files cover them")
+        raise typer.Exit(130)
+    exit_with(code)
+
+
+def render(run, t, d, wide: bool = False) -> None:
+    setup = run.setup
+    params = setup.params
+    several = len([x for x in run.summaries if x.mode == "ssp"]) > 1
+    title = (f"{t.name}" + (f" with draft {d.name}" if d else "") + f" — {plural(run.prompts_done // setup.repeats, 'prompt')}"
+             + (" (chat template)" if setup.chat else "") + f" × {setup.max_new_tokens} tokens"
+             + (f" × {setup.repeats} passes" if setup.repeats > 1 else "") + f", T={params.temperature:g}"
+             + (f", top-k {params.top_k}" if params.top_k else "") + (f", top-p {params.top_p:g}" if params.top_p < 1 else ""))
+    columns = [("mode", "left"), ("K", "left"), ("ms/token", "right"), ("min–max", "right")]
+    if wide:
+        columns += [("median", "right"), ("TTFT ms", "right"), ("accepted/ drafted", "right")]
+    columns += [("α", "right"), ("tokens/ fwd", "right")]
+    if wide:
+        columns += [("draft/ target/ other", "right")]
+    columns += [("speedup", "right")]
+    out = table(title, columns)
+    for m in run.summaries:
+        speedup = "–" if math.isnan(m.speedup) else f"{m.speedup:.2f}×" + (
+            f" ±{m.speedup_sd:.2f}" if not math.isnan(m.speedup_sd) else "")
+        cells = [m.mode.upper() + (" ★" if m.best and several else ""),
+                 k_label(m.k, m.confidence, m.lookup) if m.mode == "ssp" else "–", f"{m.ms_per_token:.1f}",
+                 f"{m.ms_per_token_min:.1f}–{m.ms_per_token_max:.1f}"]
+        if wide:
+            cells += [f"{m.ms_per_token_median:.1f}", f"{m.ttft_ms:.0f}", fmt(m.acceptance_rate, 0, pct=True)]
+        cells += [fmt(m.alpha, 2), fmt(m.mean_accepted, 2)]
+        if wide:
+            cells += [f"{m.draft_share:.0%}/{m.target_share:.0%}/{m.other_share:.0%}"]
+        style = "bold green" if m.speedup > 1 else "bold red"
+        out.add_row(*cells, Text(speedup, style=style) if not math.isnan(m.speedup) else speedup,
+                    style="bold" if m.best else None)
+    console.print(out)
+    for m in run.summaries:
+        if m.mode == "ssp":
+            console.print(f"  share of iterations accepting draft i (K={k_label(m.k, m.confidence, m.lookup)}): " +
+                          " ".join(f"{i + 1}:{fmt(x, 0, pct=True)}" for i, x in enumerate(m.acceptance_by_position)))
+            if m.lookup:
+                console.print(f"    the lookup proposed {fmt(m.lookup_share, 0, pct=True)} of drafts, "
+                              f"{fmt(m.lookup_acceptance, 0, pct=True)} of them accepted")
+    if not math.isnan(run.cost_ratio):
+        console.print(f"  draft/target cost ratio c = {run.cost_ratio:.3f} (draft ms per forward ÷ target ms per "
+                      "1-token forward)")
+    if run.noisy:
+        from lssp.latency import NOISY_SPREAD
+
+        worst = max(run.summaries, key=lambda m: m.forward_spread if m.forward_spread == m.forward_spread else 0)
+        console.print(f"[bold yellow]  busy machine: the target's forward time varied {worst.forward_spread:.1f}× "
+                      f"across prompts ({worst.mode.upper()}; a quiet machine stays under {NOISY_SPREAD}×): "
+                      "the speedup is unreliable; rerun on a quiet machine or with --repeats[/bold yellow]")
+    if t.spec.is_random or (d is not None and d.spec.is_random):
+        console.print("[yellow]  Random weights: timings are real, acceptance figures mean nothing.[/yellow]")

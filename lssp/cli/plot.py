@@ -1,0 +1,21 @@
+"""`plot`: PNG charts from the CSVs in the results directory."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from lssp.cli.common import app, plot_charts, settings
+
+
+@app.command("plot")
+def plot_cmd(
+    ctx: typer.Context,
+    run_id: Annotated[Optional[str], typer.Option(help="Only this run.")] = None,
+    target: Annotated[Optional[str], typer.Option(help="Only runs of this target.")] = None,
+    draft: Annotated[Optional[str], typer.Option(help="Only runs with this draft.")] = None,
+    out: Annotated[Optional[Path], typer.Option(help="Folder for the PNGs (default: RESULTS_DIR/plots).")] = None,
+) -> None:
+    """Draw PNG charts from the CSVs in the results directory."""
+    plot_charts(settings(ctx), run_id=run_id, target=target, draft=draft, out_dir=out)

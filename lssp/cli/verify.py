@@ -1,0 +1,95 @@
+"""`verify`: a statistical check that SSp samples exactly from the target (exit 1 when it does not)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.text import Text
+
+from lssp.cli.common import (
+    DraftArg, KOpt, LookupOpt, PromptsOpt, TargetArg, TopKOpt, TopPOpt, app, check_positive, console, exit_with, finish,
+    fmt, k_label, load_pair, progress, read_prompt_list, sampling_params, settings, table,
+)
+from lssp.errors import UserError
+from lssp.report import ResultWriter, RunInfo
+
+
+@app.command()
+def verify(
+    ctx: typer.Context,
+    target: TargetArg = None,
+    draft: DraftArg = None,
+    prompts: PromptsOpt = None,
+    nb_prompts: Annotated[int, typer.Option(help="Use the first N prompts.")] = 3,
+    samples: Annotated[int, typer.Option(help="SSp runs per prompt (sampled mode).")] = 1000,
+    depth: Annotated[int, typer.Option(help="Emitted positions checked per prompt (2+ exercises cache rollback).")] = 3,
+    k: KOpt = 4,
+    temperature: Annotated[float, typer.Option(help="0 checks greedy equality instead.")] = 1.0,
+    top_k: TopKOpt = 0,
+    top_p: TopPOpt = 1.0,
+    significance: Annotated[float, typer.Option(help="Family-wise significance level.")] = 0.01,
+    max_new_tokens: Annotated[int, typer.Option(help="Greedy mode: tokens compared per prompt.")] = 64,
+    tie_tolerance: Annotated[float, typer.Option(
+        help="Greedy mode: a top-2 logit gap up to this (or 2 ulp of the logits' dtype) is a near-tie.")] = 0.1,
+    lookup: LookupOpt = 0,
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the report as JSON here.")] = None,
+) -> None:
+    """Check that SSp samples exactly from the target (exit 1 when it does not)."""
+    from lssp import verify as vf
+
+    s = settings(ctx)
+    for name, value in [("--nb-prompts", nb_prompts), ("--samples", samples), ("--depth", depth), ("--k", k),
+                        ("--max-new-tokens", max_new_tokens)]:
+        check_positive(name, value)
+    if not 0 < significance < 1:
+        raise UserError(f"--significance must be in (0, 1), got {significance}")
+    check_positive("--lookup", lookup, minimum=0)
+    params = sampling_params(temperature, top_k, top_p)
+    prompt_list = read_prompt_list(prompts, nb_prompts)
+    results = s.writable_results_dir()
+    t, d, vocab = load_pair(s, target, draft)
+    with progress(len(prompt_list) * (1 if params.greedy else samples // 50), "verify") as tick:
+        if params.greedy:
+            rep = vf.verify_greedy(t, d, prompt_list, k, max_new_tokens, vocab, tie_tolerance, tick, lookup)
+        else:
+            rep = vf.verify_sampled(t, d, prompt_list, params, k, samples, depth, s.seed, vocab, significance, tick, lookup)
+    info = RunInfo.here(t.device)
+    render(rep, t, d, params, k)
+    writer = ResultWriter(results, info.run_id)
+    writer.csv("verify.csv", rep.rows(info, t, d, k, params))
+    if json_out:
+        writer.json(json_out, rep.summary_json(info))
+    code = finish(writer, f"{info.env['device']} · run {info.run_id}")
+    exit_with(1 if not rep.lossless else code)
+
+
+def render(rep, t, d, params, k) -> None:
+    title = f"verify {t.name} with draft {d.name}, K={k_label(k, 0, rep.lookup)}, {params}"
+    if rep.mode == "greedy":
+        out = table(title, [(c, "right") for c in ("prompt", "identical", "first difference", "top-2 logit gap",
+                                                    "near-tie")])
+        for g in rep.greedy:
+            out.add_row(str(g.prompt_index + 1), "yes" if g.identical else "no",
+                        "–" if g.identical else str(g.first_difference),
+                        "–" if g.top2_gap is None else f"{g.top2_gap:.4f}", "yes" if g.near_tie else "–")
+        console.print(out)
+        console.print(f"  identical continuations: {rep.identical_share:.0%} of prompts; a difference at a top-2 gap ≤ "
+                      f"{rep.tie_tolerance}, or within two units in the last place of the logits' dtype, is a numerical "
+                      "near-tie (a 1-token and a K+1-token forward round differently), not a bug")
+    else:
+        out = table(title, [(c, "right") for c in ("prompt", "pos", "samples", "χ² p", "cells", "TV",
+                                                    "TV noise mean±sd", "exact α", "ok")])
+        for c in rep.positions:
+            out.add_row(str(c.prompt_index + 1), str(c.position), str(c.samples), f"{c.chi2_p_value:.3g}",
+                        str(c.chi2_cells), f"{c.tv:.3f}", f"{c.tv_null_mean:.3f}±{c.tv_null_sd:.3f}",
+                        f"{c.exact_alpha:.2f}", Text("✓", style="green") if c.passed else Text("✗", style="bold red"))
+        console.print(out)
+        for note in rep.skipped:
+            console.print(f"  [dim]skipped {note} (fewer than 20; raise --samples)[/dim]")
+        console.print(f"  measured acceptance {fmt(rep.acceptance_rate, 1, pct=True)}; each test rejects at p < "
+                      f"{rep.threshold:.2g} ({rep.significance} family-wise, {rep.correction})")
+    if rep.lookup:
+        console.print(f"  the context lookup proposed {rep.looked_up} drafts")
+    verdict = Text("LOSSLESS", style="bold green") if rep.lossless else Text("NOT LOSSLESS", style="bold red")
+    console.print(Text("  verdict: ") + verdict)
