@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import torch
@@ -9,12 +10,15 @@ import torch
 from conftest import tiny_llama
 
 from lssp.cli import main
-from lssp.distill import (REPEAT_CUE, REPEAT_WINDOW, DistillConfig, _batches, _generate_batch, _score_batch, chosen_shard,
-                          repeat_prompts)
-from lssp.distill_data import training_prompts
+from lssp.distill import REPEAT_CUE, REPEAT_WINDOW, DistillConfig, chosen_shard, held_out_acceptance, repeat_prompts
+from lssp.distill.collection import _batches, _generate_batch, _last_logits, _score_batch
+from lssp.distill.data import training_prompts
+from lssp.errors import IncompatibleModelsError
 from lssp.loading import check_compatible, load_model
 from lssp.prompts import HELD_OUT
 from lssp.registry import load_registry
+
+ACCEPTANCE = "latency prompts 1-4, greedy, K=4, 32 tokens"
 
 
 def test_training_prompts_are_varied_and_held_out():
@@ -46,16 +50,19 @@ def test_distill_makes_a_loadable_draft_and_resumes(tiny_dir, tmp_path, capsys):
     assert main(base + ["--max-steps", "3"]) == 0, capsys.readouterr().err
     assert (out / "model.safetensors").exists() and (out / "README.md").exists()
     card = (out / "README.md").read_text()
-    assert "Made with:" in card and "acceptance" in card
     report = json.loads((out / "distill_report.json").read_text())
     assert report["steps"] == 3 and report["data_tokens"] >= 40
-    assert 0 <= report["acceptance"]["latency prompts 1-4, greedy, K=4, 32 tokens"] <= 1
-    shards = sorted((out / "work" / "data").glob("shard_*.pt"))
+    assert list(report["acceptance"]) == [ACCEPTANCE] and 0 <= report["acceptance"][ACCEPTANCE] <= 1
+    assert "Made with: `" in card and f"| {ACCEPTANCE} | {report['acceptance'][ACCEPTANCE]:.3f} |" in card
+    shards = {path: path.stat().st_mtime_ns for path in (out / "work" / "data").glob("shard_*.pt")}
+    assert shards
     # Resume: more data and more steps continue from what is on disk.
     assert main(base[:-1] + ["80", "--max-steps", "5"]) == 0
     report = json.loads((out / "distill_report.json").read_text())
     assert report["steps"] == 5 and report["data_tokens"] >= 80
-    assert sorted((out / "work" / "data").glob("shard_*.pt"))[: len(shards)] == shards
+    assert [step for step, _, _ in report["loss_curve"]] == [3, 5]  # the first run's 3 steps, then 2 more
+    after = {path: path.stat().st_mtime_ns for path in (out / "work" / "data").glob("shard_*.pt")}
+    assert len(after) > len(shards) and all(after[path] == mtime for path, mtime in shards.items())  # kept, not rewritten
     reg = load_registry(tiny_dir / "models.yaml")
     target = load_model(reg.get("tiny-target"))
     from lssp.registry import ModelSpec
@@ -81,17 +88,19 @@ def test_distill_rejects_bad_sizes(tiny_dir, tmp_path, capsys):
     assert code == 2 and "multiple of --heads" in capsys.readouterr().err
 
 
-def test_distill_goes_on_from_an_earlier_draft(tiny_dir, tmp_path, capsys):
+def test_distill_goes_on_from_an_earlier_draft(tiny_dir, tmp_path, capsys, monkeypatch):
     first, second = tmp_path / "first", tmp_path / "second"
     common = ["--config", str(tiny_dir / "models.yaml"), "--results-dir", str(tmp_path / "results"), "distill", "tiny-target",
               "--batch-prompts", "4", "--new-tokens", "8", "--data-tokens", "40", "--max-steps", "2"]
-    assert main(common + ["--out", str(first), "--hidden-size", "16", "--layers", "1", "--heads", "2",
-                          "--intermediate-size", "32"]) == 0, capsys.readouterr().err
+    first_args = common + ["--out", str(first), "--hidden-size", "16", "--layers", "1", "--heads", "2", "--intermediate-size", "32"]
+    monkeypatch.setattr(sys, "argv", ["llamassp.py"] + first_args)  # the command the card records
+    assert main(first_args) == 0, capsys.readouterr().err
+    monkeypatch.undo()
     # The earlier draft's shape wins over the (default) size options.
     assert main(common + ["--out", str(second), "--init-draft", str(first), "--data-dir", str(tmp_path / "w2")]) == 0
     report = json.loads((second / "distill_report.json").read_text())
     assert report["started_from"]["path"] == str(first) and report["started_from"]["steps"] == 2
-    assert "--max-steps 2" in report["started_from"]["command"] or report["started_from"]["command"]
+    assert report["started_from"]["command"] == "python llamassp.py " + " ".join(first_args)
     assert f"started from the weights of `{first}`" in (second / "README.md").read_text()
     config = json.loads((second / "config.json").read_text())
     assert (config["hidden_size"], config["num_hidden_layers"]) == (16, 1)
@@ -118,7 +127,8 @@ def test_distill_with_a_frequent_token_head(tiny_dir, tmp_path, capsys):
     report = json.loads((first / "distill_report.json").read_text())
     assert report["head_coverage"] == pytest.approx(float(counts[ids].sum() / counts.sum()))
     assert f"12 most frequent tokens, {report['head_coverage']:.1%} of the target tokens it was trained on" in (first / "README.md").read_text()
-    assert all(loss == loss and loss < 1e6 for _, _, loss in report["loss_curve"])  # finite: no -inf logits in the loss
+    losses = [loss for _, _, loss in report["loss_curve"]]
+    assert losses and all(loss == loss and loss < 1e6 for loss in losses)  # finite: no -inf logits in the loss
     # Going on from it keeps its head; the registry loader gives a compatible draft.
     assert main(common + ["--out", str(second), "--init-draft", str(first), "--data-dir", str(tmp_path / "w2")]) == 0
     assert json.loads((second / "config.json").read_text())["head_token_ids"] == ids
@@ -211,11 +221,13 @@ def test_a_frequent_token_head_generates_as_its_full_width_logits_would(monkeypa
     from lssp.draft_head import attach_subset_head
 
     draft = attach_subset_head(tiny_llama(4), list(range(0, 64, 2))).eval()
+    assert _last_logits(draft, input_ids=torch.tensor([[5]]))[1] is not None  # the head's own rows
     prompts = [[5, 9, 2, 7], [3]]
     for temperature in (0.0, 1.0):
         fast = _generate_batch(draft, prompts, 6, temperature, 3, 0, torch.Generator().manual_seed(0))
         with monkeypatch.context() as m:
-            m.setattr("lssp.distill.subset_head", lambda model: None)  # the head's own full-width -inf logits
+            m.setattr("lssp.distill.collection.subset_head", lambda model: None)  # the head's own full-width -inf logits
+            assert _last_logits(draft, input_ids=torch.tensor([[5]]))[1] is None  # the patch reaches generation
             slow = _generate_batch(draft, prompts, 6, temperature, 3, 0, torch.Generator().manual_seed(0))
         # Sampled runs draw from 32 categories instead of 64 (half at zero): same law, other draws, so
         # they agree up to the first sampled token; greedy runs agree everywhere.
@@ -225,3 +237,14 @@ def test_a_frequent_token_head_generates_as_its_full_width_logits_would(monkeypa
         assert set(fast["tokens"].flatten().tolist()) <= set(range(0, 64, 2))
         if temperature == 0:
             assert torch.equal(fast["tokens"], slow["tokens"])
+
+
+def test_held_out_acceptance_of_a_written_draft(tiny_dir):
+    """The target as its own draft is always accepted; an unrelated draft is not; another tokenizer is refused."""
+    target = load_model(load_registry(tiny_dir / "models.yaml").get("tiny-target"))
+    itself = held_out_acceptance(target, tiny_dir / "tiny-target", seed=0, device=None)
+    assert list(itself) == [ACCEPTANCE] and itself[ACCEPTANCE] > 0.9  # bfloat16 draft, float32 target: near-ties may differ
+    other = held_out_acceptance(target, tiny_dir / "tiny-draft", seed=0)
+    assert list(other) == [ACCEPTANCE] and 0 <= other[ACCEPTANCE] < 0.5
+    with pytest.raises(IncompatibleModelsError, match="does not share target"):
+        held_out_acceptance(target, tiny_dir / "tiny-other", seed=0)

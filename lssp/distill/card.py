@@ -1,0 +1,95 @@
+"""A draft folder's files and model card, and reading back how an earlier draft was made."""
+from __future__ import annotations
+
+import json
+import subprocess
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from transformers import LlamaForCausalLM, PreTrainedTokenizerBase
+
+from lssp.distill.collection import REPEAT_CUE, REPEAT_WINDOW
+from lssp.distill.config import DistillReport
+from lssp.draft_head import subset_head
+
+
+def write_draft(draft: LlamaForCausalLM, tokenizer: PreTrainedTokenizerBase, out: Path, report: DistillReport,
+                command: str) -> None:
+    """safetensors weights in bf16, the tokenizer, and a model card with how it was made."""
+    draft.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    (out / "distill_report.json").write_text(json.dumps(asdict(report), indent=1))
+    curve = "\n".join(f"| {s} | {t} | {loss:.3f} |" for s, t, loss in report.loss_curve[:: max(1, len(report.loss_curve) // 12)])
+    accept = "\n".join(f"| {k} | {v:.3f} |" for k, v in report.acceptance.items())
+    head = subset_head(draft)
+    output_layer = (f"an output layer over the target's {len(head.token_ids)} most frequent tokens, "
+                    f"{report.head_coverage:.1%} of the target tokens it was trained on (the others are never proposed), "
+                    f"and a {draft.config.vocab_size}-token input embedding" if head else
+                    f"tied {draft.config.vocab_size}-token embedding")
+    lineage, earlier = "", report.started_from
+    while earlier:
+        at_commit = f" as of commit {earlier['commit']}" if earlier.get("commit") else ""
+        lineage += (f"- started from the weights of `{earlier['path']}`{at_commit}, which had been trained {earlier.get('steps')} steps "
+                    f"({(earlier.get('train_seconds') or 0) / 60:.1f} min) on {earlier.get('data_tokens')} target tokens"
+                    f" ({(earlier.get('collect_seconds') or 0) / 60:.1f} min of collection)"
+                    + (f" by `{earlier['command']}`" if earlier.get("command") else "") + "\n")
+        earlier = earlier.get("started_from") or {}
+    agreement = "\n".join(f"| {s} | {t} | {a:.3f} |" for s, t, a in report.agreement_curve)
+    written_by = (f"{report.data_tokens - report.draft_written_tokens} written by the target and {report.draft_written_tokens} "
+                 f"by the starting draft (on-policy, scored by the target in one forward per batch)," if report.draft_written_tokens
+                 else "all written by the target,")
+    if report.repeat_tokens:
+        written_by += (f" {report.repeat_tokens} of them the target's continuations of contexts that end by repeating"
+                      f" {REPEAT_CUE} tokens of the {REPEAT_WINDOW} before (to teach the draft to copy),")
+    (out / "README.md").write_text(f"""# Draft for {report.target}, made by `llamassp distill`
+
+A {draft.config.num_hidden_layers}-layer Llama (hidden {draft.config.hidden_size}, {report.parameters / 1e6:.1f}M parameters,
+{output_layer}) sharing {report.target}'s tokenizer. Weights in bfloat16.
+
+Made with: `{command}`
+
+- data: {report.data_tokens} tokens of continuations (collected in {report.collect_seconds / 60:.1f} min), {written_by}
+  with the target's top-{report.config['top_k_saved']} log-probabilities at every position
+- training: {report.steps} steps in {report.train_seconds / 60:.1f} min; loss = soft cross-entropy to the target's
+  top-k distribution + {report.config['hard_weight']} x cross-entropy on the target's argmax; final loss {report.final_loss:.3f}
+- prompts: written by `lssp/distill/data.py`; none of the `latency`, `compare` or `eval` prompts
+{lineage}
+## Measured acceptance (greedy, held-out prompts)
+| prompts | acceptance rate |
+|---|---|
+{accept}
+
+## Loss curve
+| step | target tokens seen | loss |
+|---|---|---|
+{curve}
+
+## Held-out top-1 agreement (teacher-forced, a proxy for greedy acceptance)
+| step | target tokens seen | agreement |
+|---|---|---|
+{agreement}
+""")
+
+
+def earlier_training(folder: str | Path) -> dict:
+    """What a draft folder's own card says of how it was made: its report and command, where present."""
+    folder = Path(folder)
+    found: dict = {"path": str(folder)}
+    try:  # a draft kept in git: the last commit that changed it names these exact weights
+        log = subprocess.run(["git", "log", "-1", "--format=%h", "--", "."], cwd=folder, capture_output=True, text=True, timeout=5)
+        if log.returncode == 0 and log.stdout.strip():
+            found["commit"] = log.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    report = folder / "distill_report.json"
+    if report.exists():
+        earlier = json.loads(report.read_text())
+        found.update({key: earlier.get(key) for key in ("data_tokens", "collect_seconds", "steps", "train_seconds")})
+        found["started_from"] = earlier.get("started_from") or {}
+    card = folder / "README.md"
+    if card.exists():
+        made_with = [line for line in card.read_text().splitlines() if line.startswith("Made with:")]
+        if made_with:
+            found["command"] = made_with[0].removeprefix("Made with:").strip().strip("`")
+    return found

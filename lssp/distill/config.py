@@ -1,0 +1,59 @@
+"""Settings of a distillation run and what it reports."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+Progress = Callable[[str, float, str], None]  # phase, fraction done, message
+
+
+@dataclass
+class DistillConfig:
+    hidden_size: int = 256
+    layers: int = 4
+    heads: int = 4
+    intermediate_size: int = 768
+    data_tokens: int = 100_000  # target-generated tokens to collect
+    batch_prompts: int = 16
+    new_tokens: int = 96  # tokens generated per prompt
+    temperatures: tuple[float, ...] = (0.0, 0.7, 0.0, 1.0)  # cycled per batch: half greedy
+    top_k_saved: int = 32
+    train_minutes: float = 10.0
+    max_steps: int = 0  # 0: until train_minutes run out
+    epochs: float = 4.0
+    batch_size: int = 16
+    lr: float = 3e-3
+    hard_weight: float = 0.3
+    seed: int = 0
+    max_seq_len: int = 160
+    init_from: str | None = None  # a draft folder whose weights (and shape) training starts from
+    head_tokens: int = 0  # >0: the output layer covers only the target's most frequent tokens (see draft_head)
+    on_policy: float = 0.0  # share of new shards the init_from draft writes and the target scores (teacher-forced)
+    repeat_share: float = 0.0  # share of new shards the target continues from a cue repeated out of earlier text
+
+
+@dataclass
+class DistillReport:
+    target: str
+    config: dict
+    data_tokens: int = 0
+    collect_seconds: float = 0.0
+    steps: int = 0
+    train_seconds: float = 0.0
+    final_loss: float = float("nan")
+    loss_curve: list[tuple[int, int, float]] = field(default_factory=list)  # (step, tokens seen, loss)
+    agreement_curve: list[tuple[int, int, float]] = field(default_factory=list)  # (step, tokens seen, held-out top-1)
+    acceptance: dict[str, float] = field(default_factory=dict)
+    parameters: int = 0
+    started_from: dict = field(default_factory=dict)  # the --init-draft's own report and command, if any
+    head_coverage: float = float("nan")  # share of the training tokens a frequent-token head covers
+    draft_written_tokens: int = 0  # of data_tokens, those the starting draft wrote (on-policy) and the target scored
+    repeat_tokens: int = 0  # of data_tokens, the target's continuations of a repeated cue (see repeat_prompts)
+
+
+@dataclass
+class Collected:
+    tokens: int
+    seconds: float
+    draft_tokens: int
+    repeat_tokens: int
