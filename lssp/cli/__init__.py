@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     args = hoist_global_options(list(sys.argv[1:] if argv is None else argv))
     verbose = any(a in GLOBAL_FLAGS for a in args)
     try:
-        app(args=args, standalone_mode=False)
+        code = app(args=args, standalone_mode=False)  # returns typer.Exit's code (130 on click's Abort)
     except UserError as exc:
         return _fail(str(exc), verbose)
     except typer.Exit as exc:
@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         if verbose:
             raise
         return _fail(f"{type(exc).__name__}: {exc} (run with -v for the traceback)", False)
-    return 0
+    return code if isinstance(code, int) else 0
 
 
 def _fail(message: str, verbose: bool) -> int:

@@ -43,6 +43,11 @@ GLOBAL_OPTIONS_WITH_VALUE = ("--config", "--results-dir", "--seed", "--device")
 GLOBAL_FLAGS = ("-v", "--verbose")
 
 
+def flag(*decls: str, help: str) -> Any:
+    """A boolean option shown without typer's "<bool>" in --help."""
+    return typer.Option(*decls, help=help, metavar="")
+
+
 @dataclass
 class Settings:
     config: Path
@@ -74,7 +79,7 @@ def main_options(
     config: Annotated[Path, typer.Option(help="Model registry.")] = Path("models.yaml"),
     results_dir: Annotated[Path, typer.Option(help="Where CSV, Markdown and JSON results go.")] = Path("results"),
     seed: Annotated[int, typer.Option(help="Seed for sampling and prompt draws.")] = 0,
-    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log progress; show tracebacks.")] = False,
+    verbose: Annotated[bool, flag("--verbose", "-v", help="Log progress; show tracebacks.")] = False,
     device: Annotated[Optional[str], typer.Option(help="Override placement: cpu, cuda, cuda:1, auto.")] = None,
 ) -> None:
     """Global options go before or after the subcommand: llamassp.py latency --seed 1 ..."""
@@ -111,9 +116,10 @@ DraftArg = Annotated[Optional[str], typer.Argument(help="Draft model (default: t
 PromptsOpt = Annotated[Optional[Path], typer.Option(help="File with one prompt per line.")]
 NbPromptsOpt = Annotated[Optional[int], typer.Option(help="Use only the first N prompts.")]
 JsonOpt = Annotated[Optional[Path], typer.Option("--json", help="Write the run's summary as JSON here.")]
-PlotOpt = Annotated[bool, typer.Option(help="Draw this run's charts into the results directory.")]
-ChatOpt = Annotated[bool, typer.Option("--chat", help="Feed each prompt as a user turn in the target's chat template.")]
-WideOpt = Annotated[bool, typer.Option("--wide", help="Show every column (wider than 80 characters).")]
+PlotOpt = Annotated[bool, flag(help="Draw this run's charts into the results directory.")]
+ChatOpt = Annotated[bool, flag("--chat", help="Feed each prompt as a user turn in the target's chat template.")]
+WideOpt = Annotated[bool, flag("--wide", help="Also show a second table: median, TTFT, accepted/drafted, where the "
+                               "time went, and the spread of forward times.")]
 
 
 def sampling_params(temperature: float, top_k: int, top_p: float) -> SamplingParams:
@@ -190,7 +196,8 @@ def read_prompt_list(prompts_file: Path | None, nb_prompts: int | None) -> list[
 
 
 Tick = Callable[[str], None]
-LOG_EVERY_S = 5.0  # without a terminal, at most one progress line per this many seconds
+# Without a terminal, at most one progress line per this many seconds ($LLAMASSP_LOG_EVERY; 0: every step).
+LOG_EVERY_S = float(os.environ.get("LLAMASSP_LOG_EVERY", "5"))
 
 
 class ProgressLog:

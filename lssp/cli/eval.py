@@ -6,6 +6,7 @@ from typing import Annotated, Optional
 import typer
 
 from lssp.cli.common import (
+    flag,
     JsonOpt, KOpt, LookupOpt, MaxNewOpt, PlotOpt, TargetArg, TemperatureOpt, TopKOpt, TopPOpt, app, check_positive,
     console, err_console, exit_with, finish, k_label, load_pair, plot_charts, progress, sampling_params, settings, table,
 )
@@ -17,14 +18,14 @@ def eval_cmd(
     ctx: typer.Context,
     target: TargetArg = None,
     draft: Annotated[Optional[str], typer.Option(help="Draft model: evaluate SSp.")] = None,
-    both: Annotated[bool, typer.Option("--both", help="Evaluate RSp and SSp on the same prompts and compare.")] = False,
+    both: Annotated[bool, flag("--both", help="Evaluate RSp and SSp on the same prompts and compare.")] = False,
     nb_prompts: Annotated[int, typer.Option(help="Number of multiplication problems.")] = 1000,
     k: KOpt = 4,
     max_new_tokens: MaxNewOpt = 8,
     temperature: TemperatureOpt = 1.0,
     top_k: TopKOpt = 0,
     top_p: TopPOpt = 1.0,
-    resume: Annotated[bool, typer.Option("--resume", help="Continue the newest interrupted run with the same settings.")] = False,
+    resume: Annotated[bool, flag("--resume", help="Continue the newest interrupted run with the same settings.")] = False,
     lookup: LookupOpt = 0,
     json_out: JsonOpt = None,
     plot: PlotOpt = False,

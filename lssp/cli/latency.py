@@ -8,6 +8,7 @@ import typer
 from rich.text import Text
 
 from lssp.cli.common import (
+    flag,
     ChatOpt, ConfidenceOpt, JsonOpt, MaxNewOpt, NbPromptsOpt, PlotOpt, PromptsOpt, TargetArg, TemperatureOpt, TopKOpt,
     TopPOpt, WideOpt, app, check_positive, console, err_console, exit_with, finish, fmt, k_label, load_pair,
     parse_fractions, parse_ints, plot_charts, progress, read_prompt_list, sampling_params, settings, table,
@@ -20,7 +21,7 @@ def latency(
     ctx: typer.Context,
     target: TargetArg = None,
     draft: Annotated[Optional[str], typer.Option(help="Draft model; times SSp (and RSp unless --no-baseline).")] = None,
-    default_pair: Annotated[bool, typer.Option("--default-pair", help="Use the registry's default draft too.")] = False,
+    default_pair: Annotated[bool, flag("--default-pair", help="Use the registry's default draft too.")] = False,
     k: Annotated[str, typer.Option("--k", help="Draft length, or a comma list to sweep: 2,4,8.")] = "4",
     max_new_tokens: MaxNewOpt = 64,
     prompts: PromptsOpt = None,
@@ -28,7 +29,7 @@ def latency(
     temperature: TemperatureOpt = 0.0,
     top_k: TopKOpt = 0,
     top_p: TopPOpt = 1.0,
-    no_baseline: Annotated[bool, typer.Option("--no-baseline", help="Skip timing RSp.")] = False,
+    no_baseline: Annotated[bool, flag("--no-baseline", help="Skip timing RSp.")] = False,
     draft_confidence: ConfidenceOpt = "0",
     lookup: Annotated[str, typer.Option(
         "--lookup", help="Context lookup n-gram length for SSp, or a comma list to sweep: 0,4 (0: off).")] = "0",
@@ -82,29 +83,28 @@ def render(run, t, d, wide: bool = False) -> None:
              + (" (chat template)" if setup.chat else "") + f" × {setup.max_new_tokens} tokens"
              + (f" × {setup.repeats} passes" if setup.repeats > 1 else "") + f", T={params.temperature:g}"
              + (f", top-k {params.top_k}" if params.top_k else "") + (f", top-p {params.top_p:g}" if params.top_p < 1 else ""))
-    columns = [("mode", "left"), ("K", "left"), ("ms/token", "right"), ("min–max", "right")]
-    if wide:
-        columns += [("median", "right"), ("TTFT ms", "right"), ("accepted/ drafted", "right")]
-    columns += [("α", "right"), ("tokens/ fwd", "right")]
-    if wide:
-        columns += [("draft/ target/ other", "right")]
-    columns += [("speedup", "right")]
-    out = table(title, columns)
+    out = table(title, [("mode", "left"), ("K", "left"), ("ms/token", "right"), ("min–max", "right"), ("α", "right"),
+                        ("tokens/ fwd", "right"), ("speedup", "right")])
+    details = table("Details: where the decode time went, and the spread of forward times", [("mode", "left"), ("K", "left"), ("median ms/token", "right"),
+                                                  ("TTFT ms", "right"), ("accepted/ drafted", "right"),
+                                                  ("decode time draft/ target/other", "right"),
+                                                  ("forward spread", "right")])
     for m in run.summaries:
         speedup = "–" if math.isnan(m.speedup) else f"{m.speedup:.2f}×" + (
             f" ±{m.speedup_sd:.2f}" if not math.isnan(m.speedup_sd) else "")
-        cells = [m.mode.upper() + (" ★" if m.best and several else ""),
-                 k_label(m.k, m.confidence, m.lookup) if m.mode == "ssp" else "–", f"{m.ms_per_token:.1f}",
-                 f"{m.ms_per_token_min:.1f}–{m.ms_per_token_max:.1f}"]
-        if wide:
-            cells += [f"{m.ms_per_token_median:.1f}", f"{m.ttft_ms:.0f}", fmt(m.acceptance_rate, 0, pct=True)]
-        cells += [fmt(m.alpha, 2), fmt(m.mean_accepted, 2)]
-        if wide:
-            cells += [f"{m.draft_share:.0%}/{m.target_share:.0%}/{m.other_share:.0%}"]
-        style = "bold green" if m.speedup > 1 else "bold red"
-        out.add_row(*cells, Text(speedup, style=style) if not math.isnan(m.speedup) else speedup,
-                    style="bold" if m.best else None)
+        mode = m.mode.upper() + (" ★" if m.best and several else "")
+        k = k_label(m.k, m.confidence, m.lookup) if m.mode == "ssp" else "–"
+        style = "bold" if m.best else None
+        out.add_row(mode, k, f"{m.ms_per_token:.1f}", f"{m.ms_per_token_min:.1f}–{m.ms_per_token_max:.1f}",
+                    fmt(m.alpha, 2), fmt(m.mean_accepted, 2),
+                    Text(speedup, style="bold green" if m.speedup > 1 else "bold red") if not math.isnan(m.speedup)
+                    else speedup, style=style)
+        details.add_row(mode, k, f"{m.ms_per_token_median:.1f}", f"{m.ttft_ms:.0f}", fmt(m.acceptance_rate, 0, pct=True),
+                        f"{m.draft_share:.0%}/{m.target_share:.0%}/{m.other_share:.0%}", f"{m.forward_spread:.2f}×",
+                        style=style)
     console.print(out)
+    if wide:
+        console.print(details)
     for m in run.summaries:
         if m.mode == "ssp":
             console.print(f"  share of iterations accepting draft i (K={k_label(m.k, m.confidence, m.lookup)}): " +
