@@ -12,7 +12,7 @@ from pathlib import Path
 import pandas as pd
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from lssp.report import markdown_table  # noqa: E402
+from lssp.report import markdown_table, read_csv_parts  # noqa: E402
 
 LATENCY = ["mode", "k", "ms_per_token", "ms_per_token_median", "ms_per_token_min", "ms_per_token_max", "ttft_ms",
            "acceptance_rate", "alpha", "mean_accepted", "speedup"]
@@ -55,10 +55,9 @@ def main() -> None:
     args = ap.parse_args()
     root = Path(args.results)
     for name, columns in (("cost", COST), ("latency", LATENCY), ("bench", BENCH), ("eval", EVAL)):
-        path = root / f"{name}.csv"
-        if not path.exists():
+        frame = read_csv_parts(root / f"{name}.csv")
+        if frame.empty:
             continue
-        frame = pd.read_csv(path)
         for run_id in runs_of(frame, args.runs):
             rows = frame[frame["run_id"] == run_id]
             extra = f", {int(rows['prompts'].iloc[0])} prompts × {int(rows['max_new_tokens'].iloc[0])} tokens" if "prompts" in rows else ""

@@ -178,13 +178,24 @@ def gguf_copy_dir(gguf: Path, dtype: str) -> Path:
     """Where the converted copy of a GGUF file lives: $LLAMASSP_CACHE, else ~/.cache/llamassp.
 
     transformers takes ~20 s to dequantize a GGUF model and read its tokenizer; the copy
-    (safetensors and tokenizer files) loads in under a second. Its name covers the file's path,
-    size and mtime, the dtype and the transformers version.
+    (safetensors and tokenizer files) loads in under a second. Its name covers the file's
+    content (size, first and last MiB: the same file in two virtual environments shares one
+    copy), the dtype and the transformers version.
     """
-    stat = gguf.stat()
-    key = f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{dtype}|{transformers.__version__}"
+    key = f"{_content_key(gguf)}|{dtype}|{transformers.__version__}"
     root = Path(os.environ.get("LLAMASSP_CACHE") or Path.home() / ".cache" / "llamassp")
     return root / "gguf" / f"{gguf.stem}-{hashlib.sha1(key.encode()).hexdigest()[:12]}"
+
+
+def _content_key(path: Path, chunk: int = 2**20) -> str:
+    """Size and a digest of the first and last ``chunk`` bytes: cheap, and the same wherever the file lies."""
+    size = path.stat().st_size
+    digest = hashlib.sha1()
+    with path.open("rb") as f:
+        digest.update(f.read(chunk))
+        f.seek(max(0, size - chunk))
+        digest.update(f.read(chunk))
+    return f"{size}:{digest.hexdigest()}"
 
 
 def save_gguf_copy(model: PreTrainedModel, spec: ModelSpec, where: str, extra: dict[str, Any]) -> None:

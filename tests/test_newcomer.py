@@ -304,3 +304,26 @@ def test_a_run_leaves_the_git_checkout_clean(tiny_dir, tmp_path):
     assert (clone / "results" / "latency.csv").exists() and (clone / "results" / "plots").is_dir()
     status = subprocess.run(["git", "status", "--porcelain"], cwd=clone, capture_output=True, text=True).stdout
     assert status == "", status
+
+
+def test_one_converted_copy_per_gguf_content(tmp_path, monkeypatch):
+    from lssp.loading import gguf_copy_dir
+
+    monkeypatch.setenv("LLAMASSP_CACHE", str(tmp_path / "cache"))
+    content = b"GGUF" + bytes(range(256)) * 10_000
+    first, second = tmp_path / "venv1" / "m.gguf", tmp_path / "venv2" / "m.gguf"
+    for path in (first, second):
+        path.parent.mkdir()
+        path.write_bytes(content)
+    assert gguf_copy_dir(first, "bfloat16") == gguf_copy_dir(second, "bfloat16")  # two environments, one copy
+    assert gguf_copy_dir(first, "bfloat16") != gguf_copy_dir(first, "float32")
+    second.write_bytes(content[:-1] + b"x")
+    assert gguf_copy_dir(first, "bfloat16") != gguf_copy_dir(second, "bfloat16")
+
+
+def test_verify_exits_1_when_not_lossless(run, monkeypatch):
+    import lssp.verify
+
+    monkeypatch.setattr(lssp.verify.VerifyReport, "lossless", property(lambda self: False))
+    code, out, err = run("verify", "--temperature", "0", "--nb-prompts", "1", "--max-new-tokens", "4")
+    assert code == 1 and "NOT LOSSLESS" in out
