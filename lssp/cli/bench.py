@@ -8,11 +8,10 @@ import typer
 
 from lssp.cli.common import (
     DraftArg, JsonOpt, KOpt, ConfidenceOpt, MaxNewOpt, NbPromptsOpt, PromptsOpt, TargetArg, TemperatureOpt, TopKOpt,
-    TopPOpt, app, check_positive, console, exit_with, finish, load_pair, parse_fractions, progress, read_prompt_list,
+    TopPOpt, app, check_positive, console, exit_with, save, load_pair, parse_fractions, progress, read_prompt_list,
     sampling_params, settings, table,
 )
 from lssp.errors import UserError
-from lssp.report import ResultWriter
 
 
 @app.command()
@@ -51,12 +50,9 @@ def bench(
         run = run_bench(t, d, prompt_list, WARMUP_PROMPT, k, params, max_new_tokens, s.seed, vocab, progress=tick,
                         confidence=confidences[0], measure_bandwidth=True)
     render(run, alphas, t.spec.is_random or d.spec.is_random)
-    writer = ResultWriter(results, run.info.run_id)
-    writer.csv("bench.csv", run.rows())
-    writer.text(f"bench-{run.info.run_id}.md", run.markdown())
-    if json_out:
-        writer.json(json_out, run.rows())
-    exit_with(finish(writer, f"{run.info.env['device']} · run {run.info.run_id}"))
+    rows = run.rows()
+    exit_with(save(results, run.info.run_id, "bench", rows, run.markdown(), json_out, rows,
+                   f"{run.info.env['device']} · run {run.info.run_id}"))
 
 
 def render(run, alphas: list[float], random_weights: bool) -> None:

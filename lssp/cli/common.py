@@ -290,6 +290,21 @@ def table(title: str, columns: list[tuple[str, str]], keep_whole: tuple[str, ...
     return out
 
 
+def save(results: Path, run_id: str, name: str, rows: list[dict[str, Any]], markdown: str | None,
+         json_out: Path | None, json_payload: Any, run_line: str, more_csv: dict[str, list[dict[str, Any]]] | None = None,
+         ) -> int:
+    """Write a run's files — NAME.csv (and ``more_csv``), NAME-RUNID.md, the --json file — then say where
+    they went; 1 if a write failed (its content went to a fallback file), else 0."""
+    writer = ResultWriter(results, run_id)
+    for csv_name, csv_rows in {f"{name}.csv": rows, **(more_csv or {})}.items():
+        writer.csv(csv_name, csv_rows)
+    if markdown is not None:
+        writer.text(f"{name}-{run_id}.md", markdown)
+    if json_out:
+        writer.json(json_out, json_payload)
+    return finish(writer, run_line)
+
+
 def finish(writer: ResultWriter, run_line: str) -> int:
     """Print where the run's files went (and any write that failed); 1 if one failed, else 0."""
     written = ", ".join(str(p) for p in dict.fromkeys(writer.written))

@@ -7,10 +7,9 @@ from typing import Annotated, Optional
 import typer
 
 from lssp.cli.common import (
-    JsonOpt, app, check_positive, console, err_console, exit_with, finish, parse_ints, settings, table,
+    JsonOpt, app, check_positive, console, err_console, exit_with, save, parse_ints, settings, table,
 )
 from lssp.errors import UserError
-from lssp.report import ResultWriter
 
 
 @app.command()
@@ -65,9 +64,5 @@ def cost(
         ratios = run.cost_ratios(target_name, target_forward, draft_name)
         console.print(f"  c = {draft_name} ÷ {target_name} ({target_forward} forward) per 1-token forward — "
                       + ", ".join(f"{p} ({f}): {c:.3f}" for (p, f), c in ratios.items()))
-    writer = ResultWriter(results, run.info.run_id)
-    writer.csv("cost.csv", run.rows())
-    writer.text(f"cost-{run.info.run_id}.md", run.markdown())
-    if json_out:
-        writer.json(json_out, run.rows())
-    exit_with(finish(writer, f"run {run.info.run_id}"))
+    rows = run.rows()
+    exit_with(save(results, run.info.run_id, "cost", rows, run.markdown(), json_out, rows, f"run {run.info.run_id}"))

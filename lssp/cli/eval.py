@@ -8,9 +8,9 @@ import typer
 from lssp.cli.common import (
     flag,
     JsonOpt, KOpt, LookupOpt, MaxNewOpt, PlotOpt, TargetArg, TemperatureOpt, TopKOpt, TopPOpt, app, check_positive,
-    console, err_console, exit_with, finish, k_label, load_pair, plot_charts, progress, sampling_params, settings, table,
+    console, err_console, exit_with, save, k_label, load_pair, plot_charts, progress, sampling_params, settings, table,
 )
-from lssp.report import ResultWriter, plural
+from lssp.report import plural
 
 
 @app.command("eval")
@@ -58,12 +58,8 @@ def eval_cmd(
                           "the same command with --resume continues it")
         raise typer.Exit(130) from None
     render(run, t, d)
-    writer = ResultWriter(results, run.run_id)
-    writer.csv("eval.csv", run.rows())
-    writer.text(f"eval-{run.run_id}.md", run.markdown())
-    if json_out:
-        writer.json(json_out, run.summary_json())
-    code = finish(writer, f"{run.info.env['device']} · run {run.run_id} · records {run.records_path}")
+    code = save(results, run.run_id, "eval", run.rows(), run.markdown(), json_out, run.summary_json(),
+                f"{run.info.env['device']} · run {run.run_id} · records {run.records_path}")
     if plot:
         plot_charts(s, run_id=run.run_id, kinds=("eval",))
     exit_with(code)

@@ -10,10 +10,10 @@ from rich.text import Text
 from lssp.cli.common import (
     flag,
     ChatOpt, ConfidenceOpt, JsonOpt, MaxNewOpt, NbPromptsOpt, PlotOpt, PromptsOpt, TargetArg, TemperatureOpt, TopKOpt,
-    TopPOpt, WideOpt, app, check_positive, console, err_console, exit_with, finish, fmt, k_label, load_pair,
+    TopPOpt, WideOpt, app, check_positive, console, err_console, exit_with, save, fmt, k_label, load_pair,
     parse_fractions, parse_ints, plot_charts, progress, read_prompt_list, sampling_params, settings, table,
 )
-from lssp.report import ResultWriter, plural
+from lssp.report import plural
 
 
 @app.command()
@@ -60,13 +60,8 @@ def latency(
                           baseline=not no_baseline, vocab_size=vocab, progress=tick, confidences=confidences,
                           chat=chat, lookups=lookups, repeats=repeats)
     render(run, t, d, wide)
-    writer = ResultWriter(results, run.info.run_id)
-    writer.csv("latency.csv", run.rows())
-    writer.csv("latency_prompts.csv", run.prompt_rows())
-    writer.text(f"latency-{run.info.run_id}.md", run.markdown())
-    if json_out:
-        writer.json(json_out, run.summary_json())
-    code = finish(writer, f"{run.info.env['device']} · run {run.info.run_id}")
+    code = save(results, run.info.run_id, "latency", run.rows(), run.markdown(), json_out, run.summary_json(),
+                f"{run.info.env['device']} · run {run.info.run_id}", {"latency_prompts.csv": run.prompt_rows()})
     if plot and not run.interrupted:
         plot_charts(s, run_id=run.info.run_id, kinds=("latency",))
     if run.interrupted:

@@ -8,11 +8,11 @@ import typer
 from rich.text import Text
 
 from lssp.cli.common import (
-    DraftArg, KOpt, LookupOpt, PromptsOpt, TargetArg, TopKOpt, TopPOpt, app, check_positive, console, exit_with, finish,
+    DraftArg, KOpt, LookupOpt, PromptsOpt, TargetArg, TopKOpt, TopPOpt, app, check_positive, console, exit_with, save,
     fmt, k_label, load_pair, progress, read_prompt_list, sampling_params, settings, table,
 )
 from lssp.errors import UserError
-from lssp.report import ResultWriter, RunInfo
+from lssp.report import RunInfo
 
 
 @app.command()
@@ -56,11 +56,8 @@ def verify(
             rep = vf.verify_sampled(t, d, prompt_list, params, k, samples, depth, s.seed, vocab, significance, tick, lookup)
     info = RunInfo.here(t.device)
     render(rep, t, d, params, k)
-    writer = ResultWriter(results, info.run_id)
-    writer.csv("verify.csv", rep.rows(info, t, d, k, params))
-    if json_out:
-        writer.json(json_out, rep.summary_json(info))
-    code = finish(writer, f"{info.env['device']} · run {info.run_id}")
+    code = save(results, info.run_id, "verify", rep.rows(info, t, d, k, params), None, json_out, rep.summary_json(info),
+                f"{info.env['device']} · run {info.run_id}")
     exit_with(1 if not rep.lossless else code)
 
 
