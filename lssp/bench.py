@@ -18,7 +18,7 @@ from lssp.generation import generate_regular, generate_speculative
 from lssp.latency import NOISY_SPREAD, spread
 from lssp.loading import LoadedModel
 from lssp.sampling import SamplingParams
-from lssp.report import RunInfo, markdown_table
+from lssp.report import RunInfo, markdown_table, plural
 from lssp.stats import alpha_estimate, predicted_speedup
 from lssp.timing import Clock
 
@@ -137,7 +137,7 @@ class BenchRun:
         columns = ["engine", "ms_per_token", "ms_per_token_median", "ms_per_token_min", "ms_per_token_max",
                    "ours_over_hf_median", "ours_over_hf_min", "ours_over_hf_max", "greedy_agreement"]
         return (f"# bench run {self.info.run_id}\n\ntarget `{setup.target}` ({setup.target_precision}), draft "
-                f"`{setup.draft}`, K={self.k}, {setup.prompts} prompts x {setup.max_new_tokens} tokens, {setup.params}"
+                f"`{setup.draft}`, K={self.k}, {plural(setup.prompts, 'prompt')} x {setup.max_new_tokens} tokens, {setup.params}"
                 f"\n\n{self.info.describe()}\n\n" + markdown_table(self.rows(), columns) +
                 f"\nour SSp overhead outside forwards: {self.ssp_overhead_share:.1%} of decode time; α {self.alpha:.3f}; "
                 f"c = {self.cost_ratio:.3f}; v = {self.verify_ratio:.3f}; SSp speedup measured {self.measured_speedup:.2f}x, "

@@ -66,7 +66,7 @@ def test_latency_wide_shows_the_other_columns(run):
     code, out, err = run("latency", "--nb-prompts", "1", "--max-new-tokens", "6", "--k", "2", "--wide")
     assert code == 0, err
     tables = out.split("share of iterations")[0]
-    assert "TTFT" in tables and "median" in tables and "other" in tables
+    assert "TTFT" in tables and "median" in tables and "spread" in tables
     assert_fits_80_columns(tables)
 
 

@@ -12,6 +12,7 @@ from lssp.cli.common import (
     sampling_params, settings, table,
 )
 from lssp.errors import UserError
+from lssp.report import plural
 
 
 @app.command()
@@ -60,10 +61,10 @@ def render(run, alphas: list[float], random_weights: bool) -> None:
     from lssp.stats import predicted_speedup
 
     setup = run.setup
-    out = table(f"{setup.target} + {setup.draft}, K={run.k}, {setup.prompts} prompts × {setup.max_new_tokens} tokens, "
+    out = table(f"{setup.target} + {setup.draft}, K={run.k}, {plural(setup.prompts, 'prompt')} × {setup.max_new_tokens} tokens, "
                 f"T={setup.params.temperature:g}",
-                [(c, "right") for c in ("engine", "ms/token", "median [min–max]", "ours ÷ hf median [min–max]",
-                                        "same tokens as ours-rsp")])
+                [("engine", "left"), *((c, "right") for c in ("ms/token", "median [min–max]", "ours÷hf [min–max]",
+                                                           "= ours-rsp"))])
     for x in run.summaries:
         ratio = "–" if math.isnan(x.ratio_median) else f"{x.ratio_median:.2f} [{x.ratio_min:.2f}–{x.ratio_max:.2f}]"
         agree = run.greedy_agreement.get(x.engine)
@@ -71,6 +72,8 @@ def render(run, alphas: list[float], random_weights: bool) -> None:
                     f"{x.ms_per_token_median:.1f} [{x.ms_per_token_min:.1f}–{x.ms_per_token_max:.1f}]", ratio,
                     "–" if agree is None else f"{agree:.0%}")
     console.print(out)
+    console.print("  ours÷hf: our time ÷ transformers' per prompt (median [min–max]); = ours-rsp: share of prompts "
+                  "whose tokens equal our RSp's")
     rsp_ms = next(x.ms_per_token for x in run.summaries if x.engine == "ours-rsp")
     console.print(f"  our SSp: {run.ssp_overhead_share:.1%} of decode time outside the two models' forwards; α = "
                   f"{run.alpha:.2f} (accepted/drafted {run.acceptance_rate:.1%}); c = {run.cost_ratio:.3f}; speedup over "

@@ -282,11 +282,11 @@ def k_label(k: int, confidence: float, lookup: int = 0) -> str:
 
 
 def table(title: str, columns: list[tuple[str, str]], keep_whole: tuple[str, ...] = ()) -> Table:
-    """A table whose long cells fold onto more lines instead of being cut at 80 columns;
-    the ``keep_whole`` columns (names) never wrap."""
+    """A table for 80 columns: right-justified columns (numbers, under headers no wider than them)
+    and ``keep_whole`` ones never wrap; the others wrap at spaces, or fold, rather than being cut."""
     out = Table(title=title)
     for name, justify in columns:
-        out.add_column(name, justify=justify, overflow="fold", no_wrap=name in keep_whole)
+        out.add_column(name, justify=justify, overflow="fold", no_wrap=justify == "right" or name in keep_whole)
     return out
 
 

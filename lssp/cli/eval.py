@@ -69,7 +69,7 @@ def render(run, t, d) -> None:
     setup = run.setup
     out = table(f"Multiplication eval: {t.name}" + (f" (draft {d.name}, K={k_label(setup.k, 0, setup.lookup)})" if d else "")
                 + f", {plural(setup.nb_prompts, 'problem')}, T={setup.params.temperature:g}",
-                [(c, "right") for c in ("mode", "successes / trials", "success rate", "95% Wald", "95% Wilson")])
+                [("mode", "left"), *((c, "right") for c in ("correct/trials", "rate", "95% Wald", "95% Wilson"))])
     for m in run.summaries:
         out.add_row(m.mode.upper(), f"{m.successes} / {m.trials}", f"{100 * m.success_rate:.1f}%",
                     f"± {100 * max(m.wald.high - m.success_rate, m.success_rate - m.wald.low):.1f} [{100 * m.wald.low:.1f}, {100 * m.wald.high:.1f}]",

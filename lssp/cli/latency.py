@@ -78,25 +78,25 @@ def render(run, t, d, wide: bool = False) -> None:
              + (" (chat template)" if setup.chat else "") + f" × {setup.max_new_tokens} tokens"
              + (f" × {setup.repeats} passes" if setup.repeats > 1 else "") + f", T={params.temperature:g}"
              + (f", top-k {params.top_k}" if params.top_k else "") + (f", top-p {params.top_p:g}" if params.top_p < 1 else ""))
+    repeated = setup.repeats > 1
     out = table(title, [("mode", "left"), ("K", "left"), ("ms/token", "right"), ("min–max", "right"), ("α", "right"),
-                        ("tokens/ fwd", "right"), ("speedup", "right")])
-    details = table("Details: where the decode time went, and the spread of forward times", [("mode", "left"), ("K", "left"), ("median ms/token", "right"),
-                                                  ("TTFT ms", "right"), ("accepted/ drafted", "right"),
-                                                  ("decode time draft/ target/other", "right"),
-                                                  ("forward spread", "right")])
+                        ("tok/fwd", "right"), ("speedup", "right"), *([("±sd", "right")] if repeated else [])])
+    details = table("Details: median ms/token, time to first token, accepted/drafted, shares of decode time in the "
+                    "draft's and the target's forwards, and the spread (max/min over prompts) of the target's forward "
+                    "time", [("mode", "left"), ("median", "right"), ("TTFT ms", "right"), ("accepted", "right"),
+                             ("draft", "right"), ("target", "right"), ("spread", "right")])
     for m in run.summaries:
-        speedup = "–" if math.isnan(m.speedup) else f"{m.speedup:.2f}×" + (
-            f" ±{m.speedup_sd:.2f}" if not math.isnan(m.speedup_sd) else "")
         mode = m.mode.upper() + (" ★" if m.best and several else "")
         k = k_label(m.k, m.confidence, m.lookup) if m.mode == "ssp" else "–"
         style = "bold" if m.best else None
+        speedup = ("–" if math.isnan(m.speedup)
+                   else Text(f"{m.speedup:.2f}×", style="bold green" if m.speedup > 1 else "bold red"))
         out.add_row(mode, k, f"{m.ms_per_token:.1f}", f"{m.ms_per_token_min:.1f}–{m.ms_per_token_max:.1f}",
-                    fmt(m.alpha, 2), fmt(m.mean_accepted, 2),
-                    Text(speedup, style="bold green" if m.speedup > 1 else "bold red") if not math.isnan(m.speedup)
-                    else speedup, style=style)
-        details.add_row(mode, k, f"{m.ms_per_token_median:.1f}", f"{m.ttft_ms:.0f}", fmt(m.acceptance_rate, 0, pct=True),
-                        f"{m.draft_share:.0%}/{m.target_share:.0%}/{m.other_share:.0%}", f"{m.forward_spread:.2f}×",
-                        style=style)
+                    fmt(m.alpha, 2), fmt(m.mean_accepted, 2), speedup, *([fmt(m.speedup_sd, 2)] if repeated else []),
+                    style=style)
+        details.add_row(mode + ("" if m.mode == "rsp" else f" K={k}"), f"{m.ms_per_token_median:.1f}", f"{m.ttft_ms:.0f}",
+                        fmt(m.acceptance_rate, 0, pct=True), f"{m.draft_share:.0%}", f"{m.target_share:.0%}",
+                        f"{m.forward_spread:.2f}×", style=style)
     console.print(out)
     if wide:
         console.print(details)

@@ -64,8 +64,7 @@ def verify(
 def render(rep, t, d, params, k) -> None:
     title = f"verify {t.name} with draft {d.name}, K={k_label(k, 0, rep.lookup)}, {params}"
     if rep.mode == "greedy":
-        out = table(title, [(c, "right") for c in ("prompt", "identical", "first difference", "top-2 logit gap",
-                                                    "near-tie")])
+        out = table(title, [(c, "right") for c in ("prompt", "identical", "first diff", "top-2 gap", "near-tie")])
         for g in rep.greedy:
             out.add_row(str(g.prompt_index + 1), "yes" if g.identical else "no",
                         "–" if g.identical else str(g.first_difference),
@@ -75,8 +74,8 @@ def render(rep, t, d, params, k) -> None:
                       f"{rep.tie_tolerance}, or within two units in the last place of the logits' dtype, is a numerical "
                       "near-tie (a 1-token and a K+1-token forward round differently), not a bug")
     else:
-        out = table(title, [(c, "right") for c in ("prompt", "pos", "samples", "χ² p", "cells", "TV",
-                                                    "TV noise mean±sd", "exact α", "ok")])
+        out = table(title + "; TV noise: mean±sd of TV under sampling noise alone; α: exact Σ min(p, q)",
+                    [(c, "right") for c in ("prompt", "pos", "n", "χ² p", "cells", "TV", "TV noise", "α", "ok")])
         for c in rep.positions:
             out.add_row(str(c.prompt_index + 1), str(c.position), str(c.samples), f"{c.chi2_p_value:.3g}",
                         str(c.chi2_cells), f"{c.tv:.3f}", f"{c.tv_null_mean:.3f}±{c.tv_null_sd:.3f}",
