@@ -158,6 +158,18 @@ def test_ctrl_c_in_latency_exits_130_and_keeps_the_completed_prompts(tiny_dir, t
     assert len(prompts) % 2 == 0 and len(prompts) >= 2  # whole prompts only, both modes on each
 
 
+def test_sigterm_stops_latency_like_ctrl_c(tiny_dir, tmp_path):
+    results = tmp_path / "results"
+    proc = _cli(tiny_dir, results, "latency", "--no-baseline", "--k", "2", "--max-new-tokens", "60", "--nb-prompts", "16")
+    seen, deadline = "", time.monotonic() + 120
+    while "prompt 1/16" not in seen and time.monotonic() < deadline and proc.poll() is None:
+        seen += proc.stderr.readline()
+    proc.terminate()
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "interrupted after" in err, seen + err
+    assert pd.read_csv(results / "latency.csv")["interrupted"].all()
+
+
 def test_ctrl_c_in_compare_exits_130(tiny_dir, tmp_path):
     proc = _cli(tiny_dir, tmp_path, "compare", "--max-new-tokens", "4")
     proc.stdin.write("hello\n")

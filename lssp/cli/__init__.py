@@ -1,7 +1,9 @@
 """The llamassp command line: one module per command; each parses, calls the library, renders."""
 from __future__ import annotations
 
+import signal
 import sys
+import threading
 
 import typer
 
@@ -32,9 +34,16 @@ def hoist_global_options(argv: list[str]) -> list[str]:
     return front + rest
 
 
+def _terminate(signum: int, frame: object) -> None:
+    """SIGTERM (``timeout``, a batch scheduler) stops a run like Ctrl-C: what was complete is saved."""
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the app; user mistakes become one red line and exit code 2 (tracebacks with -v);
-    Ctrl-C exits 130."""
+    Ctrl-C (or SIGTERM) exits 130."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _terminate)
     args = hoist_global_options(list(sys.argv[1:] if argv is None else argv))
     verbose = any(a in GLOBAL_FLAGS for a in args)
     try:
