@@ -8,7 +8,10 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-torch.set_num_threads(min(2, torch.get_num_threads()))
+# One intra-op thread: these models are too small to gain from a second, and on a busy 2-core machine
+# every op that opens a parallel region (softmax does, even over 8 logits) waits for a core, ~1 ms
+# a call: the sampling law tests ran ~10x slower with 2 threads while other processes ran.
+torch.set_num_threads(1)
 
 
 def tiny_llama(seed: int, vocab_size: int = 64, hidden: int = 32, layers: int = 2, scale: float = 1.0,

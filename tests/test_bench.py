@@ -7,11 +7,13 @@ import pandas as pd
 import pytest
 
 from conftest import char_tokenizer, tiny_llama
-from lssp.bench import ENGINES, copy_bandwidth, run_bench
+import lssp.bench as bench
+from lssp.bench import ENGINES, BenchSetup, EngineRun, copy_bandwidth, run_bench, summarize
 from lssp.cli import main
 from lssp.loading import LoadedModel, load_model
 from lssp.registry import ModelSpec, load_registry
 from lssp.sampling import SamplingParams
+from lssp.stats import predicted_speedup
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +49,63 @@ def test_hf_assisted_schedule_state_does_not_leak_between_calls(pair):
     assert draft.model.generation_config.to_dict() == before
 
 
-def test_copy_bandwidth_is_positive():
-    assert copy_bandwidth("cpu", megabytes=16, repeats=2) > 1e8
+def test_copy_bandwidth_counts_bytes_read_and_written_over_the_fastest_untimed_warm_copy(monkeypatch):
+    class ScriptedClock:  # the copies took 0.5 s, 0.25 s and 0.4 s; the warm-up copy is not timed
+        readings = iter([10.0, 10.5, 20.0, 20.25, 30.0, 30.4])
+
+        def __init__(self, device) -> None:
+            pass
+
+        def now(self) -> float:
+            return next(self.readings)
+
+    monkeypatch.setattr(bench, "Clock", ScriptedClock)
+    assert copy_bandwidth("cpu", megabytes=2, repeats=3) == pytest.approx(2 * 2 * 2**20 / 0.25)
+    assert next(ScriptedClock.readings, None) is None  # two readings per timed copy, none for the warm-up
+
+
+def test_summary_figures_against_hand_computed_values():
+    """Two prompts x four engines with round timings: every figure of the summary worked out by hand."""
+    same, other = [1, 2, 3, 4], [1, 2, 3, 9]
+    runs = [
+        EngineRun("ours-rsp", 0, same, 0.04, target_ms_per_forward=10.0),
+        EngineRun("hf-generate", 0, same, 0.05),
+        EngineRun("ours-ssp", 0, same, 0.02, ssp_other_s=0.002, ssp_decode_s=0.018, acceptance_rate=0.5, accepted=3,
+                  rejections=1, draft_ms_per_forward=2.0, target_ms_per_forward=12.0),
+        EngineRun("hf-assisted", 0, same, 0.04),
+        EngineRun("ours-rsp", 1, same, 0.08, target_ms_per_forward=20.0),
+        EngineRun("hf-generate", 1, other, 0.08),
+        EngineRun("ours-ssp", 1, same, 0.04, ssp_other_s=0.006, ssp_decode_s=0.036, acceptance_rate=0.75, accepted=5,
+                  rejections=1, draft_ms_per_forward=4.0, target_ms_per_forward=24.0),
+        EngineRun("hf-assisted", 1, same, 0.04),
+    ]
+    run = summarize(3, runs)
+    by = {x.engine: x for x in run.summaries}
+    assert [x.engine for x in run.summaries] == list(ENGINES)
+    rsp, ssp = by["ours-rsp"], by["ours-ssp"]
+    assert (rsp.ms_per_token, rsp.ms_per_token_median, rsp.ms_per_token_min, rsp.ms_per_token_max) == pytest.approx((15, 15, 10, 20))
+    assert (rsp.ratio_median, rsp.ratio_min, rsp.ratio_max) == pytest.approx((0.9, 0.8, 1.0))  # 10/12.5 and 20/20
+    assert (ssp.ms_per_token, ssp.ratio_min, ssp.ratio_max) == pytest.approx((7.5, 0.5, 1.0))  # 5/10 and 10/10
+    assert by["hf-generate"].ratio_median != by["hf-generate"].ratio_median  # nan: hf rows have no rival
+    assert run.ssp_overhead_share == pytest.approx(0.008 / 0.054)
+    assert run.acceptance_rate == pytest.approx(0.625)  # median over prompts
+    assert run.alpha == pytest.approx(8 / 10)  # accepted / (accepted + rejections), all prompts
+    assert run.cost_ratio == pytest.approx(3 / 15) and run.verify_ratio == pytest.approx(18 / 15)  # medians over rsp's 15 ms
+    assert run.forward_spread == pytest.approx(2.0) and run.noisy  # 20 ms vs 10 ms per target forward
+    assert run.greedy_agreement == {"ours-rsp": 1.0, "hf-generate": 0.5, "ours-ssp": 1.0, "hf-assisted": 1.0}
+    assert run.measured_speedup == pytest.approx(2.0)
+    assert run.predicted_speedup == pytest.approx((1 - 0.8**4) / (0.2 * (3 * 0.2 + 1)))
+    assert run.predicted_speedup_v == pytest.approx((1 - 0.8**4) / (0.2 * (3 * 0.2 + 1.2)))
+    run.setup = BenchSetup("T", "D", "float32", "float32", 2 * 10**9, SamplingParams(0), 4, 2)
+    run.bandwidth = 10**12
+    assert run.floor_ms == pytest.approx(2.0)
+    rows = {r["engine"]: r for r in run.rows()}
+    assert rows["hf-generate"]["greedy_agreement"] == 0.5 and rows["ours-ssp"]["ours_over_hf_min"] == pytest.approx(0.5)
+    assert all(r["bandwidth_floor_ms"] == pytest.approx(2.0) and r["k"] == 3 and r["noisy"] for r in rows.values())
+    text = run.markdown()
+    assert "α 0.800; c = 0.200; v = 1.200; SSp speedup measured 2.00x" in text and "floor 2.00 ms/token" in text
+    assert f"predicted {run.predicted_speedup:.2f}x (v = 1), {run.predicted_speedup_v:.2f}x (measured v)" in text
+    assert "ours-rsp 7.50x the floor" in text and "Noisy: the target's forward time varied 2.0x" in text
 
 
 def test_bench_cli_writes_table_and_predictions(tiny_dir, tmp_path, capsys):
@@ -59,14 +116,28 @@ def test_bench_cli_writes_table_and_predictions(tiny_dir, tmp_path, capsys):
     assert "Predicted SSp speedup" in out and "floor" in out
     rows = pd.read_csv(tmp_path / "bench.csv")
     assert list(rows["engine"]) == list(ENGINES)
-    assert (rows["ms_per_token"] > 0).all() and (rows["bandwidth_floor_ms"] > 0).all()
-    assert rows.loc[rows["engine"] == "ours-rsp", "ours_over_hf_median"].notna().all()
-    from lssp.stats import predicted_speedup
-
+    assert (rows[["k", "prompts", "max_new_tokens", "temperature"]].values == [2, 2, 8, 0]).all()
+    assert (rows["greedy_agreement"] == 1.0).all()  # greedy: the four engines emit the same tokens
+    ms = rows.set_index("engine")["ms_per_token"]
+    assert (ms > 0).all()
+    assert rows["ssp_speedup_measured"].tolist() == pytest.approx([ms["ours-rsp"] / ms["ours-ssp"]] * 4)
+    assert rows["ours_over_hf_median"].isna().tolist() == [False, True, False, True]  # ours rows only
+    ours = rows[rows["engine"].str.startswith("ours-")]
+    assert (ours["ours_over_hf_min"] <= ours["ours_over_hf_median"]).all() and (ours["ours_over_hf_median"] <= ours["ours_over_hf_max"]).all()
+    weights = load_model(load_registry(tiny_dir / "models.yaml").get("tiny-target")).weight_bytes
+    assert (rows["target_weight_bytes"] == weights).all()
+    assert rows["bandwidth_floor_ms"].tolist() == pytest.approx((1000 * weights / (rows["copy_bandwidth_gbs"] * 1e9)).tolist())
     row = rows.iloc[0]
+    assert 0 <= row["alpha"] <= 1 and 0 <= row["ssp_overhead_share"] < 1
+    assert row["ssp_speedup_predicted"] == pytest.approx(predicted_speedup(row["alpha"], 2, row["cost_ratio"]))
     assert row["ssp_speedup_predicted_v"] == pytest.approx(
         predicted_speedup(row["alpha"], 2, row["cost_ratio"], row["verify_ratio"]))
-    assert "measured cost of a (K+1)-token verification" in out
+    assert "measured cost of a (K+1)-token verification" in " ".join(out.split())  # the console wraps at 80 columns
+    # The prediction table: one line per --alpha, the model's figure for each K at the run's c.
+    for a in (0.6, 0.8):
+        line = next(x for x in out.splitlines() if x.strip(" │|").startswith(f"{a:g} "))
+        assert [f"{predicted_speedup(a, kk, row['cost_ratio']):.2f}×" for kk in (1, 2, 3, 4, 6, 8)] == [
+            cell.strip() for cell in line.strip(" │|").split("│")[1:]]
 
 
 def test_bench_with_a_compact_draft_gives_transformers_the_wrapped_model(tiny_dir):
@@ -82,7 +153,7 @@ def test_random_init_pair_warns_that_acceptance_means_nothing(tiny_dir, tmp_path
     code = main(["--config", str(cfg), "--results-dir", str(tmp_path), "bench", "tiny-random", "tiny-draft",
                  "--nb-prompts", "1", "--max-new-tokens", "6", "--alpha", "0.7"])
     assert code == 0
-    assert "acceptance and measured speedup mean nothing" in capsys.readouterr().out
+    assert "acceptance and measured speedup mean nothing" in " ".join(capsys.readouterr().out.split())
 
 
 def test_four_engines_agree_on_dynamically_quantized_models(pair):

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
+from statistics import median
 
 import pandas as pd
 import pytest
@@ -38,12 +40,25 @@ def test_default_pair_is_on_disk():
 
 def test_latency_on_the_default_pair(run, tmp_path):
     _, out = run("latency", "--nb-prompts", "2", "--max-new-tokens", "8", "--json", str(tmp_path / "l.json"))
-    summary = json.loads((tmp_path / "l.json").read_text())
-    assert [s["mode"] for s in summary] == ["rsp", "ssp"]
-    assert summary[1]["target"] == "smollm2-135m-compact" and summary[1]["draft"] == "smollm2-135m-draft"
-    assert all(s["ms_per_token"] > 0 for s in summary)
+    rsp, ssp = json.loads((tmp_path / "l.json").read_text())
+    assert (rsp["mode"], ssp["mode"]) == ("rsp", "ssp")
+    assert ssp["target"] == "smollm2-135m-compact" and ssp["draft"] == "smollm2-135m-draft" and ssp["k"] == 4
+    assert ssp["speedup"] == pytest.approx(rsp["ms_per_token"] / ssp["ms_per_token"])
+    # Greedy on two fixed prompts: deterministic. The shipped draft predicts the target (about 0.6 here; a
+    # draft that shares nothing with it, or a broken tokenizer match, is near 0).
+    assert 0.3 < ssp["alpha"] <= 1 and 1 < ssp["mean_accepted"] <= 5
+    assert len(ssp["acceptance_by_position"]) == 4 and all(0 <= x <= 1 for x in ssp["acceptance_by_position"])
+    # accepted = tokens - target forwards; acceptance = accepted / drafted with at most K drafts per forward.
+    tokens = 2 * 8
+    forwards = tokens / ssp["mean_accepted"]
+    assert forwards == round(forwards)
+    assert ssp["acceptance_rate"] >= (tokens - forwards) / (4 * forwards) - 1e-9
     prompts = pd.read_csv(tmp_path / "latency_prompts.csv")
-    assert (prompts["new_tokens"] == 8).all()
+    assert sorted(prompts["mode"]) == ["rsp", "rsp", "ssp", "ssp"] and (prompts["new_tokens"] == 8).all()
+    for summary in (rsp, ssp):  # the summary's median is over the per-prompt rows
+        per_prompt = prompts.loc[prompts["mode"] == summary["mode"], "ms_per_token"]
+        assert summary["ms_per_token_median"] == pytest.approx(median(per_prompt))
+        assert per_prompt.min() <= summary["ms_per_token"] <= per_prompt.max()
 
 
 def test_latency_on_chat_prompts(run, tmp_path):
@@ -53,15 +68,36 @@ def test_latency_on_chat_prompts(run, tmp_path):
     assert "in the chat template" in next(tmp_path.glob("latency-*.md")).read_text()
 
 
-def test_compare_on_the_default_pair(run):
-    _, out = run("compare", "--prompt", "The capital of France is", "--max-new-tokens", "8")
-    assert "Regular sampling with smollm2-135m" in out and "speedup" in out
+def test_compare_on_the_default_pair_streams_the_same_greedy_text_twice(run):
+    prompt = "The capital of France is"
+    _, out = run("compare", "--prompt", prompt, "--max-new-tokens", "8")
+    # Each completion is streamed after its header and followed by "   <seconds>s, ..." (headers may wrap).
+    rsp = re.search(r"=> Regular sampling with smollm2-135m-compact\n(.*?)\n   [\d.]+s, ", out, re.S)
+    ssp = re.search(r"made\s+by\s+the\s+target\n(.*?)\n   [\d.]+s, ", out, re.S)
+    assert rsp and ssp, out
+    assert rsp.group(1).startswith(prompt) and len(rsp.group(1)) > len(prompt) + 3
+    assert ssp.group(1) == rsp.group(1)  # greedy SSp is lossless: the same text
+    assert re.search(r"speedup [\d.]+×", out)
 
 
-def test_eval_on_the_default_pair(run, tmp_path):
-    _, out = run("eval", "--nb-prompts", "5", "--json", str(tmp_path / "e.json"))
-    (summary,) = json.loads((tmp_path / "e.json").read_text())
-    assert summary["mode"] == "ssp" and summary["trials"] == 5
+def test_eval_on_the_default_pair_gives_rsp_and_ssp_the_same_greedy_answers(run, tmp_path):
+    from lssp.evals import multiplication_problems, parse_answer, read_records
+
+    _, out = run("eval", "--both", "--temperature", "0", "--nb-prompts", "5", "--json", str(tmp_path / "e.json"))
+    rsp, ssp = json.loads((tmp_path / "e.json").read_text())
+    assert (rsp["mode"], ssp["mode"], rsp["trials"], ssp["trials"]) == ("rsp", "ssp", 5, 5)
+    (path,) = (tmp_path / "eval_records").glob("eval-*.jsonl")
+    records = read_records(path)
+    by_mode = {m: sorted((r for r in records if r.mode == m), key=lambda r: r.index) for m in ("rsp", "ssp")}
+    assert [(r.a, r.b) for r in by_mode["rsp"]] == [(r.a, r.b) for r in by_mode["ssp"]] == multiplication_problems(5, 0)
+    for a, b in zip(by_mode["rsp"], by_mode["ssp"]):
+        assert a.completion == b.completion and a.new_tokens == b.new_tokens  # greedy SSp is lossless
+        assert a.expected == a.a * a.b and a.correct == (parse_answer(a.completion) == a.expected)
+    assert rsp["successes"] == ssp["successes"] == sum(r.correct for r in by_mode["rsp"])
+    assert (rsp["diff_rsp_minus_ssp"], rsp["mcnemar_p"]) == (0.0, 1.0)
+    for m in (rsp, ssp):
+        assert m["success_rate"] == m["successes"] / 5
+        assert m["wilson_low"] <= m["success_rate"] <= m["wilson_high"] and m["wald_low"] <= m["success_rate"] <= m["wald_high"]
 
 
 def test_a_gguf_target_is_converted_once_and_then_loads_from_its_copy(tmp_path, monkeypatch):

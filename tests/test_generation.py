@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 
 import pytest
 import torch
+from torch import nn
 
 import lssp.generation as generation
 from conftest import tiny_llama
@@ -105,14 +107,91 @@ def test_callback_sees_every_token_and_which_were_drafted(soft_target):
 # With an 8-token vocabulary the law of the first two emitted tokens has 64 cells that can be
 # enumerated exactly. SSp's empirical frequencies over N seeded runs must fit it; the test
 # rejects at SIGNIFICANCE (fixed seeds make the outcome deterministic).
+#
+# SSp is exact for any pair of causal LMs, so these tests run on PrefixTableLM below, whose
+# forward is a table lookup instead of a transformers forward of a tiny Llama: the same 3000
+# runs per test take seconds instead of about a minute each. Its logits are a fixed random
+# function of the whole prefix, so a target scoring the wrong context (a cache not rolled back,
+# a token skipped) reads an unrelated row and moves the law a lot. transformers' caches under
+# sampling stay covered by test_compact's subset-head law test (a real draft layout) and by
+# test_verify_plot's sampled verification; the greedy tests above cover them token for token.
+#
+# Power: N is the same for the exactness tests and the planted-bug tests below, so those show
+# what the exactness tests catch. At T = 1, 56 of the 64 cells expect >= 5 counts (55 degrees of
+# freedom, critical value 93.2 at 0.001). A bug moving the law by total variation d adds at least
+# 4·N·d² to the statistic's mean (Cauchy-Schwarz): d = 0.07 gives >= 59, caught 88% of the time
+# at N = 3000. The planted bugs below give statistics of 370 (residual) to 2500 (always accept).
 SIGNIFICANCE = 0.001
 N_RUNS = 3000
 VOCAB = 8
 
 
+class PrefixCache:
+    """What the samplers ask of a KV cache: the running prefix hash after every position it has seen."""
+
+    def __init__(self) -> None:
+        self.hashes: list[int] = []
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return len(self.hashes)
+
+    def crop(self, tokens: int) -> None:
+        """Drop the last ``-tokens`` positions (transformers 5's DynamicCache.crop: 0 keeps all, > 0 is refused)."""
+        if tokens > 0:
+            raise ValueError(f"crop takes the negative number of positions to drop, got {tokens}")
+        if tokens:
+            del self.hashes[tokens:]
+
+
+@dataclass
+class TableOutput:
+    logits: torch.Tensor
+
+
+class PrefixTableLM(nn.Module):
+    """A causal LM whose next-token logits are row hash(prefix) of a fixed random table.
+
+    ``like`` and ``mix`` make a draft: its table is ``mix`` x the other's plus fresh noise, so
+    the two laws agree in part and SSp both accepts and rejects at every draft position.
+    """
+
+    MOD = (1 << 61) - 1
+
+    def __init__(self, seed: int, vocab: int = VOCAB, scale: float = 1.0, rows: int = 4096,
+                 like: PrefixTableLM | None = None, mix: float = 0.0) -> None:
+        super().__init__()
+        table = scale * torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed))
+        if like is not None:
+            table = mix * like.table + (1 - mix) * table
+        self.register_buffer("table", table)
+        self.embed = nn.Embedding(vocab, 1)  # where ids go in (model_device)
+        self.head = nn.Linear(1, vocab, bias=False)  # how wide the logits are (logit_width)
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.embed
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.head
+
+    def new_cache(self) -> PrefixCache:
+        return PrefixCache()
+
+    def forward(self, input_ids: torch.Tensor, past_key_values: PrefixCache | None = None, use_cache: bool = True,
+                logits_to_keep: int = 0) -> TableOutput:
+        kv = past_key_values if past_key_values is not None else PrefixCache()
+        start = len(kv.hashes)
+        h = kv.hashes[-1] if kv.hashes else 0
+        for token in input_ids[0].tolist():
+            h = (h * 1_000_003 + token + 1) % self.MOD
+            kv.hashes.append(h)
+        rows = [x % self.table.shape[0] for x in kv.hashes[start:]]
+        return TableOutput(self.table[rows[-logits_to_keep:] if logits_to_keep else rows][None])
+
+
 @pytest.fixture(scope="module")
 def small_vocab_pair():
-    return tiny_llama(20, vocab_size=VOCAB, scale=8.0), tiny_llama(21, vocab_size=VOCAB, hidden=16, layers=1, scale=8.0)
+    target = PrefixTableLM(20)
+    return target, PrefixTableLM(21, like=target, mix=0.6)
 
 
 def exact_two_token_law(model, prompt: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -122,14 +201,45 @@ def exact_two_token_law(model, prompt: torch.Tensor, params: SamplingParams) -> 
     return (p1[:, None] * torch.stack(rows)).flatten()
 
 
-def two_token_counts(target, draft, prompt, params, k: int = 3, **options) -> list[int]:
+def two_token_counts(target, draft, prompt, params, k: int = 3, runs: int = N_RUNS, **options) -> list[int]:
     counts = [0] * VOCAB * VOCAB
     gen = torch.Generator()
-    for seed in range(N_RUNS):
+    for seed in range(runs):
         gen.manual_seed(seed)
         first, second = generate_speculative(target, draft, prompt, 4, k, params, gen, **options).tokens[:2].tolist()
         counts[first * VOCAB + second] += 1
     return counts
+
+
+def test_the_table_lm_is_a_causal_lm_its_cache_rolls_back(small_vocab_pair):
+    target, _ = small_vocab_pair
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
+    full = target(ids).logits
+    kv = target.new_cache()
+    steps = [target(ids[:, :4], past_key_values=kv, logits_to_keep=4).logits,
+             target(ids[:, 4:], past_key_values=kv, logits_to_keep=1).logits]
+    assert torch.equal(torch.cat([steps[0], steps[1]], 1), full[:, [0, 1, 2, 3, 5]])
+    kv.crop(-3)
+    kv.crop(0)
+    assert kv.get_seq_length() == 3
+    assert torch.equal(target(ids[:, 3:], past_key_values=kv).logits, full[:, 3:])
+    assert not torch.equal(target(torch.tensor([[2, 1]])).logits[0, 1], target(torch.tensor([[1, 1]])).logits[0, 1])
+    with pytest.raises(ValueError):
+        kv.crop(2)
+
+
+def test_the_law_test_pair_exercises_every_branch(small_vocab_pair):
+    """Acceptance and rejection at every draft position, and the bonus token: all of them feed the law tests."""
+    target, draft = small_vocab_pair
+    drafted, accepted, bonus = [0] * 3, [0] * 3, 0
+    for seed in range(200):
+        s = generate_speculative(target, draft, torch.tensor([[1, 2, 3]]), 4, 3, SamplingParams(1.0),
+                                 torch.Generator().manual_seed(seed)).stats
+        drafted = [a + b for a, b in zip(drafted, s.drafted_at)]
+        accepted = [a + b for a, b in zip(accepted, s.accepted_at)]
+        bonus += s.accepted_at[2] > 0  # the first iteration accepted all three: the fourth token is the bonus
+    assert all(0.3 < a / d < 0.9 for a, d in zip(accepted, drafted)), (accepted, drafted)  # 0.79, 0.58, 0.47
+    assert 50 < bonus < 150
 
 
 @pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.7, top_k=4)], ids=["t1.0", "t0.7-topk4"])
@@ -161,6 +271,21 @@ def test_distribution_test_rejects_a_residual_without_max0(small_vocab_pair, mon
     assert result.p_value < SIGNIFICANCE, result
 
 
+def test_distribution_test_rejects_a_verifier_that_counts_passes_instead_of_the_leading_run(small_vocab_pair, monkeypatch):
+    """A subtler bug: a draft after a failed one still counts, so a rejected draft is emitted when a later one passes."""
+    target, draft = small_vocab_pair
+    params = SamplingParams(1.0)
+    prompt = torch.tensor([[1, 2, 3]])
+
+    def passes(p, q, drafts, gen):
+        rows = torch.arange(drafts.shape[0])
+        return int((torch.rand(drafts.shape[0], generator=gen) * q[rows, drafts] < p[rows, drafts]).sum())
+
+    monkeypatch.setattr(generation, "accepted_prefix", passes)
+    result = chi_square_gof(two_token_counts(target, draft, prompt, params), exact_two_token_law(target, prompt, params).tolist())
+    assert result.p_value < SIGNIFICANCE, result
+
+
 def test_a_confident_draft_stops_early_and_greedy_output_is_unchanged(soft_target, soft_draft):
     for prompt in PROMPTS:
         ids = torch.tensor([prompt])
@@ -176,9 +301,10 @@ def test_speculative_sampling_with_early_stopping_recovers_the_target_distributi
     target, draft = small_vocab_pair
     params = SamplingParams(1.0)
     prompt = torch.tensor([[1, 2, 3]])
-    stops = generate_speculative(target, draft, prompt, 40, 3, params, torch.Generator().manual_seed(0), confidence=0.6)
-    assert stops.stats.drafted < 3 * stops.stats.target_forwards  # the threshold does cut drafting short here
-    result = chi_square_gof(two_token_counts(target, draft, prompt, params, confidence=0.6),
+    stops = generate_speculative(target, draft, prompt, 100, 3, params, torch.Generator().manual_seed(0), confidence=0.2)
+    drafted_at = stops.stats.drafted_at
+    assert drafted_at[0] > drafted_at[1] > drafted_at[2] > 0  # the threshold cuts drafting short, at varying depths
+    result = chi_square_gof(two_token_counts(target, draft, prompt, params, confidence=0.2),
                             exact_two_token_law(target, prompt, params).tolist())
     assert result.p_value > SIGNIFICANCE, result
 

@@ -102,13 +102,28 @@ def test_padded_embeddings_use_the_common_prefix(tiny_dir):
     assert out.tokens.tolist() == generate_regular(target.model, ids, 12, SamplingParams(0)).tokens.tolist()
 
 
-def test_8bit_bitsandbytes_model_loads_and_generates_on_cpu(tiny_dir):
+def test_8bit_bitsandbytes_model_keeps_the_float_logits_and_ssp_stays_exact(tiny_dir):
     reg = load_registry(tiny_dir / "models.yaml")
     loaded = load_model(reg.get("tiny-target-8bit"))
+    plain = load_model(reg.get("tiny-target"))
+    draft = load_model(reg.get("tiny-draft"))
     assert loaded.precision == "8bit (bnb)"
-    assert any(p.dtype == torch.int8 for p in loaded.model.parameters())
-    out = generate_regular(loaded.model, loaded.encode("hello"), 5, SamplingParams(0))
-    assert len(out.tokens) == 5
+    # The layers' projections are int8, one byte a weight; embeddings, norms and the output layer stay float32.
+    int8 = sum(p.numel() for p in loaded.model.parameters() if p.dtype == torch.int8)
+    linears = [m for m in plain.model.model.layers.modules() if isinstance(m, torch.nn.Linear)]
+    assert int8 == sum(m.weight.numel() for m in linears)
+    saved = plain.weight_bytes - loaded.weight_bytes  # 3 of 4 bytes a weight, less at most a float32 scale per row
+    assert 3 * int8 - 4 * sum(m.out_features for m in linears) <= saved <= 3 * int8
+    assert check_compatible(loaded, draft) == 64
+    ids = loaded.encode("12 * 4 = ")
+    with torch.inference_mode():
+        quantized, exact = loaded.model(ids).logits, plain.model(ids).logits
+    # int8 weights move the logits by ~1% of their range (0.012 of 1.2 here); a wrong scale or a skipped layer moves them by far more.
+    assert (quantized - exact).abs().max() < 0.05 * exact.abs().max()
+    rsp = generate_regular(loaded.model, ids, 12, SamplingParams(0)).tokens.tolist()
+    assert len(rsp) == 12
+    for k in (1, 3):  # SSp is exact for any target: verifying with the 8-bit model gives its own greedy text
+        assert generate_speculative(loaded.model, draft.model, ids, 12, k, SamplingParams(0)).tokens.tolist() == rsp
 
 
 def test_dynamic_quantization_prepacks_linears_and_keeps_ssp_exact(tiny_dir):
