@@ -80,7 +80,7 @@ class BenchRun:
     setup: BenchSetup | None = None
     info: RunInfo = field(default_factory=RunInfo)
     bandwidth: float = float("nan")  # bytes/s of a large device-to-device copy
-    forward_spread: float = float("nan")  # max/min over prompts of the target's time per forward (worst engine)
+    forward_spread: float = float("nan")  # slowest ÷ median prompt's time per target forward (worst engine)
     ssp_overhead_share: float = float("nan")
     acceptance_rate: float = float("nan")  # accepted / drafted, median over prompts
     alpha: float = float("nan")  # per-token acceptance of the i.i.d. model, all prompts
@@ -144,7 +144,7 @@ class BenchRun:
                 f"predicted {self.predicted_speedup:.2f}x (v = 1), {self.predicted_speedup_v:.2f}x (measured v)\n\n"
                 f"target weights {setup.target_weight_bytes / 1e6:.0f} MB, copy bandwidth {self.bandwidth / 1e9:.1f} GB/s, "
                 f"floor {self.floor_ms:.2f} ms/token, ours-rsp {self._ms('ours-rsp') / self.floor_ms:.2f}x the floor\n"
-                + (f"\nNoisy: the target's forward time varied {self.forward_spread:.1f}x across prompts.\n"
+                + (f"\nNoisy: the slowest prompt's target forwards took {self.forward_spread:.1f}x the median prompt's.\n"
                    if self.noisy else ""))
 
 

@@ -235,8 +235,8 @@ def test_spread_and_noisy_summary():
 
     quiet = summarize([timing(0, 0.20), timing(1, 0.21), timing(2, 0.22)], Mode("rsp"))
     busy = summarize([timing(0, 0.20), timing(1, 0.85), timing(2, 0.21)], Mode("rsp"))
-    assert quiet.forward_spread == pytest.approx(1.1) and not quiet.noisy
-    assert busy.forward_spread == pytest.approx(4.25) and busy.noisy
+    assert quiet.forward_spread == pytest.approx(0.22 / 0.21) and not quiet.noisy  # slowest ÷ median
+    assert busy.forward_spread == pytest.approx(0.85 / 0.21) and busy.noisy
 
 
 def test_repeats_give_the_speedup_a_spread(run, tmp_path):

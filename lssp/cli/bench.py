@@ -83,8 +83,9 @@ def render(run, alphas: list[float], random_weights: bool) -> None:
     console.print(f"  target weights {setup.target_weight_bytes / 1e6:.0f} MB ÷ copy bandwidth {run.bandwidth / 1e9:.1f} "
                   f"GB/s = floor {run.floor_ms:.2f} ms/token; ours-rsp is {rsp_ms / run.floor_ms:.2f}× the floor")
     if run.noisy:
-        console.print(f"[bold yellow]  busy machine: the target's time per forward varied {run.forward_spread:.1f}× "
-                      f"across prompts (a quiet machine stays under {NOISY_SPREAD}×): these ratios are unreliable"
+        console.print(f"[bold yellow]  busy machine: the slowest prompt's target forwards took "
+                      f"{run.forward_spread:.1f}× the median prompt's (a quiet machine stays under {NOISY_SPREAD}×): "
+                      "these ratios are unreliable"
                       "[/bold yellow]")
     if alphas:
         ks = [1, 2, 3, 4, 6, 8]

@@ -82,8 +82,8 @@ def render(run, t, d, wide: bool = False) -> None:
     out = table(title, [("mode", "left"), ("K", "left"), ("ms/token", "right"), ("min–max", "right"), ("α", "right"),
                         ("tok/fwd", "right"), ("speedup", "right"), *([("±sd", "right")] if repeated else [])])
     details = table("Details: median ms/token, time to first token, accepted/drafted, shares of decode time in the "
-                    "draft's and the target's forwards, and the spread (max/min over prompts) of the target's forward "
-                    "time", [("mode", "left"), ("median", "right"), ("TTFT ms", "right"), ("accepted", "right"),
+                    "draft's and the target's forwards, and the spread of the target's forward time (slowest ÷ median "
+                    "prompt)", [("mode", "left"), ("median", "right"), ("TTFT ms", "right"), ("accepted", "right"),
                              ("draft", "right"), ("target", "right"), ("spread", "right")])
     for m in run.summaries:
         mode = m.mode.upper() + (" ★" if m.best and several else "")
@@ -114,8 +114,9 @@ def render(run, t, d, wide: bool = False) -> None:
         from lssp.latency import NOISY_SPREAD
 
         worst = max(run.summaries, key=lambda m: m.forward_spread if m.forward_spread == m.forward_spread else 0)
-        console.print(f"[bold yellow]  busy machine: the target's forward time varied {worst.forward_spread:.1f}× "
-                      f"across prompts ({worst.mode.upper()}; a quiet machine stays under {NOISY_SPREAD}×): "
+        console.print(f"[bold yellow]  busy machine: the slowest prompt's target forwards took "
+                      f"{worst.forward_spread:.1f}× the median prompt's ({worst.mode.upper()}; a quiet machine stays "
+                      f"under {NOISY_SPREAD}×): "
                       "the speedup is unreliable; rerun on a quiet machine or with --repeats[/bold yellow]")
     if t.spec.is_random or (d is not None and d.spec.is_random):
         console.print("[yellow]  Random weights: timings are real, acceptance figures mean nothing.[/yellow]")
