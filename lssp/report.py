@@ -171,6 +171,7 @@ def append_csv(path: Path, rows: Iterable[Mapping[str, Any]]) -> Appended:
         problem = csv_problem(part)
         header = _header(part) if problem is None else []
         if problem is None and set(columns) <= set(header):
+            note = ""  # an earlier run already said why rows go to this part
             break
         if part == path:
             note = (f"{path} is malformed ({problem}) and is left as it is" if problem

@@ -81,8 +81,10 @@ def test_append_csv_never_rewrites_earlier_lines(tmp_path):
     appended = append_csv(path, [{"run_id": "D", "k": 1, "ms": 18.0, "noisy": True}])
     assert appended.path == tmp_path / "latency.1.csv" and "lacks columns noisy" in appended.note
     assert path.read_text() == earlier + "C,3,19.25\n"
+    again = append_csv(path, [{"run_id": "E", "k": 2, "ms": 17.0, "noisy": False}])
+    assert again.path == appended.path and again.note == ""  # said once, when the part was made
     frame = read_csv_parts(path)
-    assert list(frame["run_id"]) == ["A", "B", "C", "D"] and frame["noisy"].tolist()[-1] is True
+    assert list(frame["run_id"]) == ["A", "B", "C", "D", "E"] and frame["noisy"].tolist()[-2:] == [True, False]
 
 
 def test_malformed_csv_is_left_untouched_and_rows_go_beside(run, tmp_path):
