@@ -163,6 +163,25 @@ def find_resumable(records_dir: Path, config: dict) -> Path | None:
     return candidates[-1] if candidates else None
 
 
+def eval_config(target: str, draft: str | None, modes: Sequence[str], nb_prompts: int, seed: int, k: int,
+                max_new_tokens: int, params: SamplingParams, lookup: int = 0) -> dict:
+    """What a resumed run must match exactly (its hash names the records file)."""
+    return {"target": target, "draft": draft, "modes": list(modes), "nb_prompts": nb_prompts, "seed": seed, "k": k,
+            "max_new_tokens": max_new_tokens, **params.as_dict(), **({"lookup": lookup} if lookup else {})}
+
+
+def resume_point(records_dir: Path, config: dict) -> tuple[Path, list[EvalRecord]]:
+    """The interrupted run to continue and its records; a UserError when there is none (no run with these
+    settings, or the newest one completed), so that a completed run is never counted twice."""
+    path = find_resumable(records_dir, config) if records_dir.is_dir() else None
+    if path is None:
+        raise UserError(f"nothing to resume: no eval run with these settings in {records_dir}")
+    done = read_records(path)
+    if len({(r.mode, r.index) for r in done}) >= config["nb_prompts"] * len(config["modes"]):
+        raise UserError(f"nothing to resume: the newest eval run with these settings ({path.name}) completed")
+    return path, done
+
+
 def read_records(path: Path) -> list[EvalRecord]:
     records = []
     with path.open() as f:
@@ -208,18 +227,12 @@ def run_eval(
         raise UserError("--nb-prompts must be at least 1")
     if "ssp" in modes and draft is None:
         raise UserError("SSp evaluation needs a draft model")
-    config = {"target": target.name, "draft": draft.name if draft else None, "modes": list(modes),
-              "nb_prompts": nb_prompts, "seed": seed, "k": k, "max_new_tokens": max_new_tokens, **params.as_dict(),
-              **({"lookup": lookup} if lookup else {})}  # a resumed run must match it exactly
+    config = eval_config(target.name, draft.name if draft else None, modes, nb_prompts, seed, k, max_new_tokens,
+                         params, lookup)
     info = RunInfo.here(target.device)
     run_id = info.run_id
     records_dir.mkdir(parents=True, exist_ok=True)
-    path = find_resumable(records_dir, config) if resume else None
-    done: list[EvalRecord] = read_records(path) if path else []
-    if resume and path is None:
-        raise UserError(f"nothing to resume: no eval run with these settings in {records_dir}")
-    if resume and len({(r.mode, r.index) for r in done}) >= nb_prompts * len(modes):
-        raise UserError(f"nothing to resume: the newest eval run with these settings ({path.name}) completed")
+    path, done = resume_point(records_dir, config) if resume else (None, [])
     if path is None:
         path = records_dir / f"eval-{run_id}-{config_key(config)}.jsonl"
         path.write_text(json.dumps({"config": config, "run_id": run_id}) + "\n")

@@ -197,7 +197,10 @@ def test_ctrl_c_in_eval_exits_130_and_resume_finishes_it(tiny_dir, tmp_path, run
     assert list(rows["trials"]) == [60, 60]
 
 
-def test_resume_with_nothing_to_resume_says_so(run, tmp_path):
+def test_resume_with_nothing_to_resume_says_so(run, tmp_path, monkeypatch):
+    import lssp.loading
+
+    monkeypatch.setattr(lssp.loading, "load_model", lambda *a, **k: pytest.fail("loaded a model for nothing"))
     code, out, err = run("eval", "--nb-prompts", "3", "--resume")
     assert code == 2 and "nothing to resume: no eval run with these settings" in err
     assert not (tmp_path / "results" / "eval.csv").exists()

@@ -31,7 +31,7 @@ def eval_cmd(
     plot: PlotOpt = False,
 ) -> None:
     """Multiplication accuracy ("a * b = ", a and b uniform in 1..99) with 95% intervals."""
-    from lssp.evals import EvalInterrupted, run_eval
+    from lssp.evals import EvalInterrupted, eval_config, resume_point, run_eval
 
     s = settings(ctx)
     check_positive("--nb-prompts", nb_prompts)
@@ -43,6 +43,10 @@ def eval_cmd(
         draft = s.registry.draft_name(None)
     modes = ["rsp", "ssp"] if both else ["ssp"] if draft else ["rsp"]
     results = s.writable_results_dir()
+    if resume:  # say "nothing to resume" before loading anything
+        resume_point(results / "eval_records", eval_config(
+            s.registry.target_name(target), s.registry.draft_name(draft) if draft else None, modes, nb_prompts, s.seed,
+            k, max_new_tokens, params, lookup))
     t, d, vocab = load_pair(s, target, draft, need_draft=draft is not None)
     correct = {m: 0 for m in modes}
     try:
