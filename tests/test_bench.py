@@ -91,7 +91,7 @@ def test_summary_figures_against_hand_computed_values():
     assert run.acceptance_rate == pytest.approx(0.625)  # median over prompts
     assert run.alpha == pytest.approx(8 / 10)  # accepted / (accepted + rejections), all prompts
     assert run.cost_ratio == pytest.approx(3 / 15) and run.verify_ratio == pytest.approx(18 / 15)  # medians over rsp's 15 ms
-    assert run.forward_spread == pytest.approx(2.0) and run.noisy  # 20 ms vs 10 ms per target forward
+    assert run.forward_spread == pytest.approx(20 / 15) and not run.noisy  # slowest ÷ median ms per target forward (ours-rsp)
     assert run.greedy_agreement == {"ours-rsp": 1.0, "hf-generate": 0.5, "ours-ssp": 1.0, "hf-assisted": 1.0}
     assert run.measured_speedup == pytest.approx(2.0)
     assert run.predicted_speedup == pytest.approx((1 - 0.8**4) / (0.2 * (3 * 0.2 + 1)))
@@ -101,11 +101,13 @@ def test_summary_figures_against_hand_computed_values():
     assert run.floor_ms == pytest.approx(2.0)
     rows = {r["engine"]: r for r in run.rows()}
     assert rows["hf-generate"]["greedy_agreement"] == 0.5 and rows["ours-ssp"]["ours_over_hf_min"] == pytest.approx(0.5)
-    assert all(r["bandwidth_floor_ms"] == pytest.approx(2.0) and r["k"] == 3 and r["noisy"] for r in rows.values())
+    assert all(r["bandwidth_floor_ms"] == pytest.approx(2.0) and r["k"] == 3 and not r["noisy"] for r in rows.values())
     text = run.markdown()
     assert "α 0.800; c = 0.200; v = 1.200; SSp speedup measured 2.00x" in text and "floor 2.00 ms/token" in text
     assert f"predicted {run.predicted_speedup:.2f}x (v = 1), {run.predicted_speedup_v:.2f}x (measured v)" in text
-    assert "ours-rsp 7.50x the floor" in text and "Noisy: the target's forward time varied 2.0x" in text
+    assert "ours-rsp 7.50x the floor" in text and "Noisy" not in text
+    run.forward_spread = 2.0  # as if one prompt's forwards had taken twice the median's
+    assert run.noisy and "Noisy: the slowest prompt's target forwards took 2.0x the median prompt's" in run.markdown()
 
 
 def test_bench_cli_writes_table_and_predictions(tiny_dir, tmp_path, capsys):
