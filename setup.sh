@@ -16,7 +16,7 @@ PIP="$PY -m pip install --disable-pip-version-check -q"
 if ! $PY -c "import torch" 2>/dev/null; then
     if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
         echo "setup: NVIDIA GPU found, installing the CUDA build of torch"
-        $PIP "torch>=2.4"
+        $PIP "torch>=2.5"
     else
         echo "setup: no GPU found, installing torch==$TORCH_VERSION (CPU build)"
         $PIP "torch==$TORCH_VERSION" \

@@ -173,7 +173,7 @@ def hf_generate(target: LoadedModel, ids: torch.Tensor, max_new_tokens: int, par
         draft.hf_model.generation_config = assistant
         kwargs["assistant_model"] = draft.hf_model
     ids = ids.to(target.device)
-    clock = Clock(target.device)
+    clock = Clock.for_models(target.model, *([draft.model] if draft is not None else []))
     torch.manual_seed(seed)
     try:
         start = clock.now()

@@ -47,7 +47,7 @@ def time_forwards(model: PreTrainedModel, token_counts: Sequence[int], context: 
                   warmup: int = 3) -> dict[int, float]:
     """Median ms of a forward of n tokens on top of a ``context``-token cache, for each n."""
     device = model_device(model)
-    clock = Clock(device)
+    clock = Clock.for_models(model)
     vocab = model.get_input_embeddings().weight.shape[0]
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(vocab // 10, vocab // 2, (1, context + max(token_counts)), generator=generator).to(device)

@@ -177,6 +177,13 @@ def new_cache(model: PreTrainedModel) -> DynamicCache:
     return make() if make else DynamicCache(config=model.config)
 
 
+def drop(kv: DynamicCache, positions: int) -> None:
+    """Roll the cache back by ``positions`` (none when <= 0). Never ``crop(0)``: before transformers
+    5.17 it empties a DynamicCache, and every full acceptance would re-feed the whole sequence."""
+    if positions > 0:
+        kv.crop(-positions)
+
+
 def _prefill(model: PreTrainedModel, seq: torch.Tensor) -> DynamicCache:
     """A cache holding all of ``seq`` but its last token, which the first decode step feeds."""
     kv = new_cache(model)
@@ -245,7 +252,7 @@ def generate_regular(
     so a GPU never waits for the CPU between steps.
     """
     device = model_device(model)
-    clock = Clock(device)
+    clock = Clock.for_models(model)
     stats = GenerationStats(mode="rsp")
     host_needed = bool(on_tokens or stopping.token_ids or stopping.strings)
     seq = input_ids.to(device)
@@ -307,7 +314,7 @@ def generate_speculative(
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
     device, draft_device = model_device(target), model_device(draft)
-    clock = Clock(device)
+    clock = Clock.for_models(target, draft)
     vocab = vocab_size or min(logit_width(target), logit_width(draft))
     stats = GenerationStats(mode="ssp", k=k, drafted_at=[0] * k, accepted_at=[0] * k)
     seq = input_ids.to(device)
@@ -368,8 +375,8 @@ def generate_speculative(
 
         # 4. Emit, then roll both caches back to what is still valid.
         emitted = torch.cat([drafts[:n], extra.view(1)])
-        target_kv.crop(-(k_now - n))
-        draft_kv.crop(-max(0, k_now - 1 - n))
+        drop(target_kv, k_now - n)
+        drop(draft_kv, k_now - 1 - n)
         seq = torch.cat([seq, emitted.view(1, -1)], dim=1)
         new = emitted.tolist()
         if context:

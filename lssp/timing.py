@@ -1,19 +1,36 @@
-"""Wall clocks that wait for the accelerator before every reading."""
+"""Wall clocks that wait for every accelerator the models use before each reading."""
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 
 import torch
 
 
-class Clock:
-    """``perf_counter`` that synchronizes CUDA first, so queued kernels are counted."""
+def cuda_devices(*models: torch.nn.Module) -> list[torch.device]:
+    """Every CUDA device holding a weight or buffer of these models (a split model spans several)."""
+    found = {t.device for m in models for t in (*m.parameters(), *m.buffers()) if t.device.type == "cuda"}
+    return sorted(found, key=lambda d: d.index or 0)
 
-    def __init__(self, device: torch.device | str) -> None:
-        self.cuda = torch.device(device).type == "cuda"
+
+class Clock:
+    """``perf_counter`` that synchronizes each given CUDA device first, so queued kernels are counted.
+
+    ``torch.cuda.synchronize()`` with no argument waits on the current device only: a model split
+    over GPUs, or placed on ``cuda:1``, would be read before its work is done.
+    """
+
+    def __init__(self, devices: Iterable[torch.device | str] | torch.device | str = ()) -> None:
+        if isinstance(devices, (str, torch.device)):
+            devices = [devices]
+        found = {torch.device(d) for d in devices}
+        self.cuda = sorted((d for d in found if d.type == "cuda"), key=lambda d: d.index or 0)
+
+    @classmethod
+    def for_models(cls, *models: torch.nn.Module) -> Clock:
+        return cls(cuda_devices(*models))
 
     def now(self) -> float:
-        if self.cuda:
-            torch.cuda.synchronize()
+        for device in self.cuda:
+            torch.cuda.synchronize(device)
         return time.perf_counter()
-
