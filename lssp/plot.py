@@ -26,7 +26,16 @@ def _caption(fig: Figure, frame: pd.DataFrame) -> None:
     fig.text(0.01, 0.01, text, fontsize=7, color="0.35")
 
 
-def _filter(frame: pd.DataFrame, run_id: str | None, target: str | None, draft: str | None) -> pd.DataFrame:
+def _filter(frame: pd.DataFrame, run_id: str | None, target: str | None, draft: str | None,
+            machine: str | None = None) -> pd.DataFrame:
+    """The selected rows, from one machine: ``machine`` (a part of the device description; "all" keeps every
+    machine) or, by default, the machine of the newest row, so that a chart never mixes two computers."""
+    if machine != "all" and "device" in frame and not frame.empty:
+        if machine:
+            frame = frame[frame["device"].astype(str).str.contains(machine, regex=False)]
+        elif run_id is None:
+            newest = frame.sort_values("timestamp")["device"].iloc[-1] if "timestamp" in frame else frame["device"].iloc[-1]
+            frame = frame[frame["device"] == newest]
     if run_id:
         frame = frame[frame["run_id"].astype(str) == run_id]
     if target:
@@ -166,7 +175,7 @@ def eval_figure(frame: pd.DataFrame) -> Figure:
 
 
 def plot_results(results_dir: Path, out_dir: Path | None = None, run_id: str | None = None, target: str | None = None,
-                 draft: str | None = None, kinds: Sequence[str] = ()) -> list[Path]:
+                 draft: str | None = None, kinds: Sequence[str] = (), machine: str | None = None) -> list[Path]:
     """Write the charts the selected rows allow; returns the PNG paths."""
     out_dir = out_dir or results_dir / "plots"
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -181,7 +190,7 @@ def plot_results(results_dir: Path, out_dir: Path | None = None, run_id: str | N
         frame = read_csv_parts(results_dir / csv)
         if frame.empty:
             continue
-        frame = _filter(frame, run_id, target, draft)
+        frame = _filter(frame, run_id, target, draft, machine)
         for variant in ("confidence", "lookup"):  # latency charts: the plain draft at fixed K, as the model curve assumes
             if kind != "eval" and variant in frame:
                 frame = frame[frame[variant].fillna(0) == 0]

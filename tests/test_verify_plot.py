@@ -144,3 +144,15 @@ def test_plot_results_writes_pngs_and_filters(tmp_path):
 
     with pytest.raises(UserError, match="nothing to plot"):
         plot_results(tmp_path, run_id="no-such-run")
+
+
+def test_a_chart_keeps_to_one_machine(tmp_path):
+    from lssp.plot import _filter
+
+    rows = latency_rows()
+    other = rows.assign(run_id="r-other", device="CPU: another machine", timestamp="2099-01-01T00:00:00")
+    frame = pd.concat([rows, other], ignore_index=True)
+    assert set(_filter(frame, None, None, None)["device"]) == {"CPU: another machine"}  # the newest row's machine
+    assert set(_filter(frame, None, None, None, machine="another")["run_id"]) == {"r-other"}
+    assert len(_filter(frame, None, None, None, machine="all")) == len(frame)
+    assert set(_filter(frame, str(rows["run_id"].iloc[0]), None, None)["run_id"]) == {rows["run_id"].iloc[0]}

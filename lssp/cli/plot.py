@@ -16,6 +16,8 @@ def plot_cmd(
     target: Annotated[Optional[str], typer.Option(help="Only runs of this target.")] = None,
     draft: Annotated[Optional[str], typer.Option(help="Only runs with this draft.")] = None,
     out: Annotated[Optional[Path], typer.Option(help="Folder for the PNGs (default: RESULTS_DIR/plots).")] = None,
+    machine: Annotated[Optional[str], typer.Option(
+        help="Only runs whose device contains this text, or 'all' (default: the machine of the newest run).")] = None,
 ) -> None:
-    """Draw PNG charts from the CSVs in the results directory."""
-    plot_charts(settings(ctx), run_id=run_id, target=target, draft=draft, out_dir=out)
+    """Draw PNG charts from the CSVs in the results directory (one machine per chart)."""
+    plot_charts(settings(ctx), run_id=run_id, target=target, draft=draft, out_dir=out, machine=machine)
