@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import torch
@@ -72,8 +72,10 @@ class VerifyReport:
                 "looked_up": self.looked_up, **params.as_dict(), "verdict": "lossless" if self.lossless else "not lossless",
                 "acceptance_rate": self.acceptance_rate, "target_precision": target.precision,
                 "draft_precision": draft.precision, **info.env}
-        return ([{**base, **asdict(c), "prefix": " ".join(map(str, c.prefix))} for c in self.positions]
-                + [{**base, **asdict(g)} for g in self.greedy])
+        # The same columns in both modes, so that every verify run appends to one file.
+        blank = {f.name: None for kind in (PositionCheck, GreedyCheck) for f in fields(kind)}
+        return ([{**base, **blank, **asdict(c), "prefix": " ".join(map(str, c.prefix))} for c in self.positions]
+                + [{**base, **blank, **asdict(g)} for g in self.greedy])
 
     def summary_json(self, info: RunInfo) -> dict[str, Any]:
         return {"mode": self.mode, "lossless": self.lossless, "significance": self.significance,

@@ -292,10 +292,14 @@ def test_one_prompt_is_singular_and_wald_stays_in_range(run):
     assert low.low == 0.0 and low.high > low.estimate
 
 
-def test_verify_says_where_it_wrote(run, tmp_path):
+def test_verify_says_where_it_wrote_and_both_modes_share_one_file(run, tmp_path):
     code, out, err = run("verify", "--temperature", "0", "--nb-prompts", "1", "--max-new-tokens", "6")
     assert code == 0, err
     assert "verify.csv" in out.replace("\n", "")
+    code, out, err = run("verify", "--nb-prompts", "1", "--samples", "40", "--depth", "1")
+    assert code == 0 and "new rows went to" not in err, err
+    rows = pd.read_csv(tmp_path / "results" / "verify.csv")
+    assert rows["identical"].notna().sum() == 1 and rows["chi2_p_value"].notna().sum() >= 1
 
 
 # --- the checkout stays clean ----------------------------------------------------------------
