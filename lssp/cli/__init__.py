@@ -42,9 +42,17 @@ def _terminate(signum: int, frame: object) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Run the app; user mistakes become one red line and exit code 2 (tracebacks with -v);
     Ctrl-C (or SIGTERM) exits 130."""
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _terminate)
-    args = hoist_global_options(list(sys.argv[1:] if argv is None else argv))
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
+    try:
+        return _run(hoist_global_options(list(sys.argv[1:] if argv is None else argv)))
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _run(args: list[str]) -> int:
+    """The app, with every way it can end turned into an exit code."""
     verbose = any(a in GLOBAL_FLAGS for a in args)
     try:
         code = app(args=args, standalone_mode=False)  # returns typer.Exit's code (130 on click's Abort)
