@@ -81,6 +81,7 @@ class BenchRun:
     info: RunInfo = field(default_factory=RunInfo)
     bandwidth: float = float("nan")  # bytes/s of a large device-to-device copy
     forward_spread: float = float("nan")  # slowest ÷ median prompt's time per target forward (worst engine)
+    interrupted: bool = False  # Ctrl-C: the figures cover the prompts every engine completed
     ssp_overhead_share: float = float("nan")
     acceptance_rate: float = float("nan")  # accepted / drafted, median over prompts
     alpha: float = float("nan")  # per-token acceptance of the i.i.d. model, all prompts
@@ -128,7 +129,7 @@ class BenchRun:
             "ssp_speedup_measured": self.measured_speedup, "ssp_speedup_predicted": self.predicted_speedup,
             "ssp_speedup_predicted_v": self.predicted_speedup_v, "target_weight_bytes": setup.target_weight_bytes,
             "copy_bandwidth_gbs": self.bandwidth / 1e9, "bandwidth_floor_ms": self.floor_ms,
-            "forward_spread": self.forward_spread, "noisy": self.noisy,
+            "forward_spread": self.forward_spread, "noisy": self.noisy, "interrupted": self.interrupted,
             "target_precision": setup.target_precision, "draft_precision": setup.draft_precision, **self.info.env,
         } for x in self.summaries]
 
@@ -215,15 +216,23 @@ def run_bench(target: LoadedModel, draft: LoadedModel, prompts: Sequence[str], w
         once(engine, warmup_prompt, -1)
         if progress:
             progress(f"warm-up {engine}")
-    runs = []
-    for index, text in enumerate(prompts):
-        for engine in engines:
-            runs.append(once(engine, text, index))
-            if progress:
-                progress(f"prompt {index + 1}/{len(prompts)} {engine}")
+    runs: list[EngineRun] = []
+    interrupted = False
+    try:
+        for index, text in enumerate(prompts):
+            for engine in engines:
+                runs.append(once(engine, text, index))
+                if progress:
+                    progress(f"prompt {index + 1}/{len(prompts)} {engine}")
+    except KeyboardInterrupt:
+        done = len(runs) // len(engines) * len(engines)  # whole prompts only: every engine on the same prompts
+        if done == 0:
+            raise
+        runs, interrupted = runs[:done], True
     bench = summarize(k, runs, engines)
+    bench.interrupted = interrupted
     bench.setup = BenchSetup(target.name, draft.name, target.precision, draft.precision, target.weight_bytes, params,
-                             max_new_tokens, len(prompts), confidence)
+                             max_new_tokens, len(runs) // len(engines), confidence)
     bench.info = RunInfo.here(target.device)
     if measure_bandwidth:
         bench.bandwidth = copy_bandwidth(target.device)

@@ -168,3 +168,22 @@ def test_four_engines_agree_on_dynamically_quantized_models(pair):
     run = run_bench(*quantized, ["hello there", "abc"], "warm", 3, SamplingParams(0), 16, seed=0)
     assert run.greedy_agreement == {e: 1.0 for e in ENGINES}
     assert quantized[0].weight_bytes < pair[0].weight_bytes
+
+
+def test_ctrl_c_keeps_the_prompts_every_engine_completed(pair):
+    target, draft = pair
+
+    def interrupt_at(moment: str):
+        def progress(message: str) -> None:
+            if message == moment:
+                raise KeyboardInterrupt
+        return progress
+
+    run = run_bench(target, draft, ["hello there", "abc", "xyz"], "warm", 2, SamplingParams(0), 8, seed=0,
+                    progress=interrupt_at("prompt 2/3 ours-rsp"))  # Ctrl-C in the middle of the second prompt
+    assert run.interrupted and run.setup.prompts == 1
+    assert sorted(r.engine for r in run.runs) == sorted(ENGINES) and {r.prompt_index for r in run.runs} == {0}
+    assert all(row["interrupted"] for row in run.rows())
+    with pytest.raises(KeyboardInterrupt):  # nothing complete yet: the interruption goes on up
+        run_bench(target, draft, ["hello"], "warm", 2, SamplingParams(0), 8, seed=0,
+                  progress=interrupt_at("prompt 1/1 hf-generate"))

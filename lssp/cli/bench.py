@@ -8,8 +8,8 @@ import typer
 
 from lssp.cli.common import (
     DraftArg, JsonOpt, KOpt, ConfidenceOpt, MaxNewOpt, NbPromptsOpt, PromptsOpt, TargetArg, TemperatureOpt, TopKOpt,
-    TopPOpt, app, check_positive, console, exit_with, save, load_pair, parse_fractions, progress, read_prompt_list,
-    sampling_params, settings, table,
+    TopPOpt, app, check_positive, console, err_console, exit_with, load_pair, parse_fractions, progress,
+    read_prompt_list, sampling_params, save, settings, table,
 )
 from lssp.errors import UserError
 from lssp.report import plural
@@ -52,8 +52,12 @@ def bench(
                         confidence=confidences[0], measure_bandwidth=True)
     render(run, alphas, t.spec.is_random or d.spec.is_random)
     rows = run.rows()
-    exit_with(save(results, run.info.run_id, "bench", rows, run.markdown(), json_out, rows,
-                   f"{run.info.env['device']} · run {run.info.run_id}"))
+    code = save(results, run.info.run_id, "bench", rows, run.markdown(), json_out, rows,
+                f"{run.info.env['device']} · run {run.info.run_id}")
+    if run.interrupted:
+        err_console.print(f"interrupted after {plural(run.setup.prompts, 'prompt')}: the table and files cover them")
+        raise typer.Exit(130)
+    exit_with(code)
 
 
 def render(run, alphas: list[float], random_weights: bool) -> None:
