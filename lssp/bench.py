@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from lssp.generation import generate_regular, generate_speculative
-from lssp.latency import NOISY_SPREAD, spread
+from lssp.latency import NOISY_SPREAD, SAME_PASS, SEPARATE_PASS, separate_split_pass, spread
 from lssp.loading import LoadedModel
 from lssp.sampling import SamplingParams
 from lssp.report import RunInfo, markdown_table, plural
@@ -39,6 +39,7 @@ class EngineRun:
     rejections: int = 0
     draft_ms_per_forward: float = float("nan")
     target_ms_per_forward: float = float("nan")
+    split_pass: bool = False  # ours, on a GPU: a pass synchronized around every forward, for c, v and shares only
 
     @property
     def ms_per_token(self) -> float:
@@ -70,6 +71,7 @@ class BenchSetup:
     max_new_tokens: int
     prompts: int
     confidence: float = 0.0
+    split_timing: str = SAME_PASS  # where ours' c, v and overhead share were measured
 
 
 @dataclass
@@ -130,6 +132,7 @@ class BenchRun:
             "ssp_speedup_predicted_v": self.predicted_speedup_v, "target_weight_bytes": setup.target_weight_bytes,
             "copy_bandwidth_gbs": self.bandwidth / 1e9, "bandwidth_floor_ms": self.floor_ms,
             "forward_spread": self.forward_spread, "noisy": self.noisy, "interrupted": self.interrupted,
+            "split_timing": setup.split_timing,
             "target_precision": setup.target_precision, "draft_precision": setup.draft_precision, **self.info.env,
         } for x in self.summaries]
 
@@ -193,7 +196,10 @@ def run_bench(target: LoadedModel, draft: LoadedModel, prompts: Sequence[str], w
               measure_bandwidth: bool = False) -> BenchRun:
     """Every engine on every prompt, interleaved; ``confidence`` > 0 lets both SSp engines stop drafting early.
     ``measure_bandwidth`` adds the device's copy bandwidth (for the memory-bandwidth floor)."""
-    def once(engine: str, text: str, index: int) -> EngineRun:
+    ours = [e for e in engines if e.startswith("ours-")]
+    separate = separate_split_pass("auto", target.model, draft.model)
+
+    def once(engine: str, text: str, index: int, split_pass: bool = False) -> EngineRun:
         ids = target.encode(text)
         s = seed + index
         if engine.startswith("hf-"):
@@ -201,16 +207,18 @@ def run_bench(target: LoadedModel, draft: LoadedModel, prompts: Sequence[str], w
                                           confidence)
             return EngineRun(engine, index, tokens, seconds)
         gen = torch.Generator(device=target.device).manual_seed(s)
+        timed = split_pass or not separate
         if engine == "ours-rsp":
-            out = generate_regular(target.model, ids, max_new_tokens, params, gen)
+            out = generate_regular(target.model, ids, max_new_tokens, params, gen, time_forwards=timed)
         else:
             out = generate_speculative(target.model, draft.model, ids, max_new_tokens, k, params, gen, vocab_size=vocab_size,
-                                       confidence=confidence)
+                                       confidence=confidence, time_forwards=timed)
         st = out.stats
-        return EngineRun(engine, index, out.tokens.tolist(), st.total_time_s, st.other_time_s, st.decode_time_s,
-                         st.acceptance_rate, st.accepted, st.rejections,
-                         1000 * st.draft_time_s / st.draft_forwards if st.draft_forwards else float("nan"),
-                         1000 * st.target_time_s / st.target_forwards)
+        nan = float("nan")
+        return EngineRun(engine, index, out.tokens.tolist(), st.total_time_s, st.other_time_s if timed else nan,
+                         st.decode_time_s, st.acceptance_rate, st.accepted, st.rejections,
+                         1000 * st.draft_time_s / st.draft_forwards if timed and st.draft_forwards else nan,
+                         1000 * st.target_time_s / st.target_forwards if timed else nan, split_pass)
 
     for engine in engines:
         once(engine, warmup_prompt, -1)
@@ -224,15 +232,24 @@ def run_bench(target: LoadedModel, draft: LoadedModel, prompts: Sequence[str], w
                 runs.append(once(engine, text, index))
                 if progress:
                     progress(f"prompt {index + 1}/{len(prompts)} {engine}")
+        if separate:  # c, v and the overhead share need a sync around each forward: a pass of their own
+            for index, text in enumerate(prompts):
+                for engine in ours:
+                    runs.append(once(engine, text, index, split_pass=True))
+                    if progress:
+                        progress(f"prompt {index + 1}/{len(prompts)} {engine} split pass")
     except KeyboardInterrupt:
-        done = len(runs) // len(engines) * len(engines)  # whole prompts only: every engine on the same prompts
+        timed = [r for r in runs if not r.split_pass]
+        done = len(timed) // len(engines) * len(engines)  # whole prompts only: every engine on the same prompts
         if done == 0:
             raise
-        runs, interrupted = runs[:done], True
+        split = [r for r in runs if r.split_pass]
+        runs, interrupted = timed[:done] + split[:len(split) // len(ours) * len(ours)], True
     bench = summarize(k, runs, engines)
     bench.interrupted = interrupted
     bench.setup = BenchSetup(target.name, draft.name, target.precision, draft.precision, target.weight_bytes, params,
-                             max_new_tokens, len(runs) // len(engines), confidence)
+                             max_new_tokens, len([r for r in runs if not r.split_pass]) // len(engines), confidence,
+                             SEPARATE_PASS if separate else SAME_PASS)
     bench.info = RunInfo.here(target.device)
     if measure_bandwidth:
         bench.bandwidth = copy_bandwidth(target.device)
@@ -242,8 +259,10 @@ def run_bench(target: LoadedModel, draft: LoadedModel, prompts: Sequence[str], w
 
 
 def summarize(k: int, runs: list[EngineRun], engines: Sequence[str] = ENGINES) -> BenchRun:
+    """Engine figures from the timed runs; ours' c, v, overhead share and spread from the split pass where there is one."""
     bench = BenchRun(k, runs)
-    by = {e: [r for r in runs if r.engine == e] for e in engines}
+    by = {e: [r for r in runs if r.engine == e and not r.split_pass] for e in engines}
+    split = {e: [r for r in runs if r.engine == e and r.split_pass] or by[e] for e in engines}
     for engine in engines:
         rs = by[engine]
         per = [r.ms_per_token for r in rs]
@@ -255,17 +274,17 @@ def summarize(k: int, runs: list[EngineRun], engines: Sequence[str] = ENGINES) -
             summary.ratio_median, summary.ratio_min, summary.ratio_max = median(ratios), min(ratios), max(ratios)
         bench.summaries.append(summary)
     if "ours-ssp" in by:
-        ssp = by["ours-ssp"]
-        bench.ssp_overhead_share = sum(r.ssp_other_s for r in ssp) / sum(r.ssp_decode_s for r in ssp)
+        ssp, ssp_split = by["ours-ssp"], split["ours-ssp"]
+        bench.ssp_overhead_share = sum(r.ssp_other_s for r in ssp_split) / sum(r.ssp_decode_s for r in ssp_split)
         bench.acceptance_rate = median(r.acceptance_rate for r in ssp)
         bench.alpha = alpha_estimate(sum(r.accepted for r in ssp), sum(r.rejections for r in ssp))
         if "ours-rsp" in by:
-            one_token_ms = median(r.target_ms_per_forward for r in by["ours-rsp"])
-            bench.cost_ratio = median(r.draft_ms_per_forward for r in ssp) / one_token_ms
-            bench.verify_ratio = median(r.target_ms_per_forward for r in ssp) / one_token_ms
+            one_token_ms = median(r.target_ms_per_forward for r in split["ours-rsp"])
+            bench.cost_ratio = median(r.draft_ms_per_forward for r in ssp_split) / one_token_ms
+            bench.verify_ratio = median(r.target_ms_per_forward for r in ssp_split) / one_token_ms
     # Noise: the target's time per forward (ours), or per token without speculation (hf-generate), is the same
     # work on every prompt, so its spread across prompts measures the machine, not the text.
-    spreads = [spread([r.target_ms_per_forward for r in by[e]]) for e in ("ours-rsp", "ours-ssp") if e in by]
+    spreads = [spread([r.target_ms_per_forward for r in split[e]]) for e in ("ours-rsp", "ours-ssp") if e in by]
     spreads += [spread([r.ms_per_token for r in by["hf-generate"]])] if "hf-generate" in by else []
     bench.forward_spread = max((x for x in spreads if x == x), default=float("nan"))
     if "ours-rsp" in by:

@@ -58,6 +58,7 @@ class GenerationStats:
     draft_time_s: float = 0.0
     total_time_s: float = 0.0
     ttft_s: float = 0.0
+    forwards_timed: bool = True  # False: no sync around forwards, so draft/target times are not measured (0)
 
     @property
     def acceptance_rate(self) -> float:
@@ -245,15 +246,17 @@ def generate_regular(
     generator: torch.Generator | None = None,
     stopping: Stopping = NO_STOP,
     on_tokens: TokenCallback | None = None,
+    time_forwards: bool = True,
 ) -> GenerationOutput:
     """Sample ``max_new_tokens`` tokens from ``model``: prefill once, then one token per forward.
 
     Tokens stay on the device unless a stop condition or a callback needs them on the host,
-    so a GPU never waits for the CPU between steps.
+    so a GPU never waits for the CPU between steps. ``time_forwards`` False synchronizes a GPU
+    only at the completion's start, end of prefill, first token and end (see ``Clock``).
     """
     device = model_device(model)
-    clock = Clock.for_models(model)
-    stats = GenerationStats(mode="rsp")
+    clock = Clock.for_models(model, per_forward=time_forwards)
+    stats = GenerationStats(mode="rsp", forwards_timed=clock.per_forward)
     host_needed = bool(on_tokens or stopping.token_ids or stopping.strings)
     seq = input_ids.to(device)
     out = torch.empty(max_new_tokens, dtype=torch.long, device=device)
@@ -265,9 +268,9 @@ def generate_regular(
     next_ids = seq[:, -1:]
     n = 0
     while n < max_new_tokens:
-        t0 = clock.now()
+        t0 = clock.forward_now()
         logits = forward_logits(model, next_ids, kv, 1)
-        stats.target_time_s += clock.now() - t0
+        stats.target_time_s += clock.forward_now() - t0
         stats.target_forwards += 1
         token = sample_logits(logits, params, generator)
         out[n] = token[0]
@@ -301,6 +304,7 @@ def generate_speculative(
     vocab_size: int | None = None,
     confidence: float = 0.0,
     lookup: int = 0,
+    time_forwards: bool = True,
 ) -> GenerationOutput:
     """Sample ``max_new_tokens`` tokens from ``target``'s distribution with ``draft`` proposing ``k`` at a time.
 
@@ -309,14 +313,15 @@ def generate_speculative(
     > 0, the draft stops proposing early once its own (untempered) probability of the token it
     just proposed falls below it, like transformers' ``assistant_confidence_threshold``: ``k``
     is then a maximum. The rule looks at the draft alone, so sampling stays exact. ``lookup`` > 0
-    turns on the context lookup over n-grams of that length (module docstring).
+    turns on the context lookup over n-grams of that length (module docstring). ``time_forwards``
+    as in ``generate_regular``.
     """
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
     device, draft_device = model_device(target), model_device(draft)
-    clock = Clock.for_models(target, draft)
+    clock = Clock.for_models(target, draft, per_forward=time_forwards)
     vocab = vocab_size or min(logit_width(target), logit_width(draft))
-    stats = GenerationStats(mode="ssp", k=k, drafted_at=[0] * k, accepted_at=[0] * k)
+    stats = GenerationStats(mode="ssp", k=k, drafted_at=[0] * k, accepted_at=[0] * k, forwards_timed=clock.per_forward)
     seq = input_ids.to(device)
     tokens: list[int] = []
     stopped = False
@@ -335,9 +340,9 @@ def generate_speculative(
         drafted: list[int] = []  # the drafts on the host, kept for the lookup
         hinted: list[bool] = []
         for i in range(k_now):
-            t0 = clock.now()
+            t0 = clock.forward_now()
             logits = forward_logits(draft, pending.to(draft_device), draft_kv, 1)
-            stats.draft_time_s += clock.now() - t0
+            stats.draft_time_s += clock.forward_now() - t0
             hint = _lookup_hint(context, drafted, logits[0, :vocab])
             hinted.append(hint is not None)
             if params.greedy:  # q is one-hot: only its argmax matters
@@ -359,9 +364,9 @@ def generate_speculative(
 
         # 2. One target forward scores every draft position and the bonus position.
         target_in = torch.cat([seq[:, target_kv.get_seq_length():], drafts.view(1, -1)], dim=1)
-        t0 = clock.now()
+        t0 = clock.forward_now()
         logits = forward_logits(target, target_in, target_kv, k_now + 1)
-        stats.target_time_s += clock.now() - t0
+        stats.target_time_s += clock.forward_now() - t0
         stats.target_forwards += 1
 
         # 3. Accept the longest run of drafts that passes, then draw one more token.

@@ -13,6 +13,7 @@ from lssp.loading import LoadedModel
 from lssp.report import RunInfo, markdown_table, plural
 from lssp.sampling import SamplingParams
 from lssp.stats import alpha_estimate
+from lssp.timing import Clock
 
 Progress = Callable[[str], None]  # called with a short description after each timed completion
 
@@ -28,6 +29,7 @@ class PromptTiming:
     confidence: float = 0.0  # SSp: the draft stops early below this own-probability (0: always k)
     lookup: int = 0  # SSp: n-gram length of the context lookup (0: off)
     repeat: int = 0  # which pass over the prompts (--repeats)
+    split_pass: bool = False  # a pass synchronized around every forward, for the draft/target split only
 
     @property
     def how(self) -> Mode:
@@ -70,9 +72,9 @@ class ModeSummary:
     alpha: float = float("nan")  # per-token acceptance of the i.i.d. model (accepted / (accepted + rejections))
     mean_accepted: float = float("nan")  # tokens per target forward (the bonus counted)
     acceptance_by_position: list[float] = field(default_factory=list)
-    draft_share: float = 0.0  # of decode time
-    target_share: float = 0.0
-    other_share: float = 0.0
+    draft_share: float = float("nan")  # of decode time (from the pass that timed forwards)
+    target_share: float = float("nan")
+    other_share: float = float("nan")
     target_ms_per_forward: float = float("nan")
     draft_ms_per_forward: float = float("nan")
     speedup: float = float("nan")  # RSp ms/token / this ms/token, same run
@@ -103,7 +105,10 @@ def spread(values: Sequence[float]) -> float:
     return max(finite) / median(finite) if finite else float("nan")
 
 
-def summarize(timings: Sequence[PromptTiming], how: Mode = Mode("rsp")) -> ModeSummary:
+def summarize(timings: Sequence[PromptTiming], how: Mode = Mode("rsp"),
+              split: Sequence[PromptTiming] | None = None) -> ModeSummary:
+    """Figures of one mode; the shares of decode time, ms per forward and the spread come from
+    ``split`` where given (a separate pass timed around every forward), else from ``timings``."""
     mode, k = how.mode, how.k
     stats = [t.stats for t in timings]
     per_prompt = [s.ms_per_token for s in stats]
@@ -112,7 +117,11 @@ def summarize(timings: Sequence[PromptTiming], how: Mode = Mode("rsp")) -> ModeS
     drafted, accepted = sum(s.drafted for s in stats), sum(s.accepted for s in stats)
     looked_up = sum(s.looked_up for s in stats)
     target_fw, draft_fw = sum(s.target_forwards for s in stats), sum(s.draft_forwards for s in stats)
-    target_t, draft_t = sum(s.target_time_s for s in stats), sum(s.draft_time_s for s in stats)
+    split = timings if split is None else split
+    timed = [t.stats for t in split if t.stats.forwards_timed]
+    split_decode = sum(s.decode_time_s for s in timed)
+    split_target_fw, split_draft_fw = sum(s.target_forwards for s in timed), sum(s.draft_forwards for s in timed)
+    target_t, draft_t = sum(s.target_time_s for s in timed), sum(s.draft_time_s for s in timed)
     by_position = []
     if mode == "ssp":
         for i in range(k):
@@ -128,19 +137,31 @@ def summarize(timings: Sequence[PromptTiming], how: Mode = Mode("rsp")) -> ModeS
         alpha=alpha_estimate(accepted, sum(s.rejections for s in stats)),
         mean_accepted=tokens / target_fw if mode == "ssp" and target_fw else nan,
         acceptance_by_position=by_position,
-        draft_share=draft_t / decode if decode else nan,
-        target_share=target_t / decode if decode else nan,
-        other_share=(decode - draft_t - target_t) / decode if decode else nan,
-        target_ms_per_forward=1000 * target_t / target_fw if target_fw else nan,
-        draft_ms_per_forward=1000 * draft_t / draft_fw if draft_fw else nan,
+        draft_share=draft_t / split_decode if split_decode else nan,
+        target_share=target_t / split_decode if split_decode else nan,
+        other_share=(split_decode - draft_t - target_t) / split_decode if split_decode else nan,
+        target_ms_per_forward=1000 * target_t / split_target_fw if split_target_fw else nan,
+        draft_ms_per_forward=1000 * draft_t / split_draft_fw if split_draft_fw else nan,
         confidence=how.confidence,
         draft_forwards_per_iteration=draft_fw / target_fw if mode == "ssp" and target_fw else nan,
         lookup=how.lookup,
         lookup_share=looked_up / drafted if how.lookup and drafted else nan,
         lookup_acceptance=sum(s.looked_up_accepted for s in stats) / looked_up if looked_up else nan,
-        forward_spread=spread([t.ms_per_target_forward for t in timings]),
+        forward_spread=spread([t.ms_per_target_forward for t in split if t.stats.forwards_timed]),
         repeats=len({t.repeat for t in timings}),
     )
+
+
+SAME_PASS = "same pass"  # no GPU to synchronize: the timed passes time every forward too
+SEPARATE_PASS = "separate pass"  # ms/token from passes synced only at start and end; the split from one more pass
+SPLIT_CHOICES = ("auto", "same", "separate")
+
+
+def separate_split_pass(split: str, *models: torch.nn.Module) -> bool:
+    """Whether the split needs a pass of its own: asked for, or (auto) a model runs on a GPU."""
+    if split not in SPLIT_CHOICES:
+        raise ValueError(f"split must be one of {SPLIT_CHOICES}, got {split!r}")
+    return split == "separate" or (split == "auto" and bool(Clock.for_models(*models).cuda))
 
 
 @dataclass
@@ -156,6 +177,7 @@ class LatencySetup:
     prompts: int
     chat: bool = False
     repeats: int = 1
+    split_timing: str = SAME_PASS  # where the draft/target/other split was measured
 
 
 @dataclass
@@ -185,8 +207,16 @@ class LatencyRun:
         return any(s.noisy for s in self.summaries)
 
     @property
+    def split_note(self) -> str:
+        """Where the draft/target split was measured, in words."""
+        if self.setup.split_timing == SEPARATE_PASS:
+            return ("a separate pass synchronized around every forward; ms/token from passes synchronized only at "
+                    "each completion's start, end of prefill, first token and end")
+        return "the timed passes themselves (no GPU to synchronize, so timing each forward costs nothing)"
+
+    @property
     def prompts_done(self) -> int:
-        return len({(t.repeat, t.prompt_index) for t in self.timings})
+        return len({(t.repeat, t.prompt_index) for t in self.timings if not t.split_pass})
 
     def rows(self) -> list[dict[str, Any]]:
         """One CSV row per mode."""
@@ -197,7 +227,7 @@ class LatencyRun:
             "prompt_format": "chat" if setup.chat else "raw",
             **{key: value for key, value in asdict(m).items() if key not in ("mode", "k")},
             "acceptance_by_position": ";".join(f"{x:.4f}" for x in m.acceptance_by_position),
-            "noisy": m.noisy, "interrupted": self.interrupted,
+            "noisy": m.noisy, "interrupted": self.interrupted, "split_timing": setup.split_timing,
             "target_precision": setup.target_precision, "draft_precision": setup.draft_precision or "", **info.env,
         } for m in self.summaries]
 
@@ -205,7 +235,7 @@ class LatencyRun:
         """One CSV row per timed completion."""
         setup = self.setup
         return [{"run_id": self.info.run_id, "mode": p.mode, "k": p.k, "confidence": p.confidence, "lookup": p.lookup,
-                 "repeat": p.repeat, "prompt_index": p.prompt_index, "new_tokens": p.stats.new_tokens,
+                 "repeat": p.repeat, "split_pass": p.split_pass, "prompt_index": p.prompt_index, "new_tokens": p.stats.new_tokens,
                  "ms_per_token": p.stats.ms_per_token, "ms_per_target_forward": p.ms_per_target_forward,
                  "ttft_ms": 1000 * p.stats.ttft_s, "acceptance_rate": p.stats.acceptance_rate,
                  "target": setup.target, "draft": setup.draft or ""} for p in self.timings]
@@ -225,9 +255,10 @@ class LatencyRun:
                    *(["lookup"] if any(m.lookup for m in self.summaries) else []), "ms_per_token", "ms_per_token_median",
                    "ms_per_token_min", "ms_per_token_max", "ttft_ms", "acceptance_rate", "alpha", "mean_accepted",
                    "speedup", *(["speedup_sd"] if setup.repeats > 1 else []), "forward_spread"]
-        notes = (" Interrupted: only the prompts completed in every mode are counted." if self.interrupted else "") + (
+        notes = (f" The draft/target shares, ms per forward and the spread come from {self.split_note}." + (
+            " Interrupted: only the prompts completed in every mode are counted." if self.interrupted else "") + (
             f" Noisy: the slowest prompt's target forwards took more than {NOISY_SPREAD}x the median prompt's; the "
-            "speedup is unreliable." if self.noisy else "")
+            "speedup is unreliable." if self.noisy else ""))
         return (f"# latency run {self.info.run_id}\n\ntarget `{setup.target}` ({setup.target_precision}), draft "
                 f"`{setup.draft or '-'}`, {plural(self.prompts_done // setup.repeats, 'prompt')}"
                 f"{' in the chat template' if setup.chat else ''} x {setup.max_new_tokens} new tokens"
@@ -236,18 +267,21 @@ class LatencyRun:
 
 
 def _summaries(timings: Sequence[PromptTiming], modes: Sequence[Mode]) -> list[ModeSummary]:
-    summaries = [summarize([t for t in timings if t.how == how], how) for how in modes]
+    headline = [t for t in timings if not t.split_pass]
+    split = [t for t in timings if t.split_pass]
+    summaries = [summarize([t for t in headline if t.how == how], how,
+                           [t for t in split if t.how == how] if split else None) for how in modes]
     rsp = next((s for s in summaries if s.mode == "rsp"), None)
     ssp = [s for s in summaries if s.mode == "ssp"]
-    repeats = sorted({t.repeat for t in timings})
+    repeats = sorted({t.repeat for t in headline})
     for s in ssp:
         if rsp is None:
             continue
         s.speedup = rsp.ms_per_token / s.ms_per_token
         if len(repeats) > 1:
             how = Mode(s.mode, s.k, s.confidence, s.lookup)
-            per_pass = [_ms_per_token([t for t in timings if t.repeat == r and t.mode == "rsp"])
-                        / _ms_per_token([t for t in timings if t.repeat == r and t.how == how]) for r in repeats]
+            per_pass = [_ms_per_token([t for t in headline if t.repeat == r and t.mode == "rsp"])
+                        / _ms_per_token([t for t in headline if t.repeat == r and t.how == how]) for r in repeats]
             s.speedup_sd = stdev(per_pass)
     if ssp:
         min(ssp, key=lambda s: s.ms_per_token).best = True
@@ -262,45 +296,52 @@ def run_latency(
     target: LoadedModel, draft: LoadedModel | None, prompts: Sequence[str], warmup_prompt: str, ks: Sequence[int], params: SamplingParams,
     max_new_tokens: int, seed: int, baseline: bool = True, vocab_size: int | None = None,
     progress: Progress | None = None, confidences: Sequence[float] = (0.0,), chat: bool = False,
-    lookups: Sequence[int] = (0,), repeats: int = 1,
+    lookups: Sequence[int] = (0,), repeats: int = 1, split: str = "auto",
 ) -> LatencyRun:
     """Time RSp and SSp (each k, draft confidence threshold and lookup length) on every prompt, interleaved prompt by prompt.
 
     Each completion runs to exactly ``max_new_tokens`` (no early stop at EOS), after one
     untimed warm-up completion per mode. ``chat`` feeds each prompt as a user turn in the
     target's chat template. ``repeats`` passes over the prompts give the speedup's spread.
+    ``split``: where the draft/target time split is measured (``separate_split_pass``); with a
+    separate pass, the timed passes synchronize a GPU only at each completion's boundaries.
     Ctrl-C after at least one prompt returns the prompts completed in every mode (``interrupted``).
     """
     modes = [Mode("rsp")] if baseline or draft is None else []
     if draft is not None:
         modes += [Mode("ssp", k, c, n) for n in lookups for c in confidences for k in ks]
     info = RunInfo.here(target.device)
+    separate = separate_split_pass(split, target.model, *([draft.model] if draft else []))
     setup = LatencySetup(target.name, draft.name if draft else None, target.precision, draft.precision if draft else "",
-                         params, max_new_tokens, len(prompts), chat, repeats)
+                         params, max_new_tokens, len(prompts), chat, repeats, SEPARATE_PASS if separate else SAME_PASS)
 
-    def complete(how: Mode, text: str, index: int) -> GenerationStats:
+    def complete(how: Mode, text: str, index: int, time_forwards: bool) -> GenerationStats:
         ids = target.encode(text, chat=chat)
         generator = torch.Generator(device=target.device).manual_seed(seed + index)
         if how.mode == "rsp":
-            return generate_regular(target.model, ids, max_new_tokens, params, generator).stats
+            return generate_regular(target.model, ids, max_new_tokens, params, generator,
+                                    time_forwards=time_forwards).stats
         return generate_speculative(target.model, draft.model, ids, max_new_tokens, how.k, params, generator,
-                                    vocab_size=vocab_size, confidence=how.confidence, lookup=how.lookup).stats
+                                    vocab_size=vocab_size, confidence=how.confidence, lookup=how.lookup,
+                                    time_forwards=time_forwards).stats
 
     for how in modes:
-        complete(how, warmup_prompt, -1)
+        complete(how, warmup_prompt, -1, time_forwards=not separate)
         if progress:
             progress("warm-up " + how.name)
     timings: list[PromptTiming] = []
     interrupted = False
+    passes = [(repeat, False) for repeat in range(repeats)] + ([(0, True)] if separate else [])
     try:
-        for repeat in range(repeats):
+        for repeat, split_pass in passes:
             for index, text in enumerate(prompts):
                 for how in modes:
-                    timings.append(PromptTiming(index, how.mode, how.k, complete(how, text, index), how.confidence,
-                                                how.lookup, repeat))
+                    stats = complete(how, text, index, time_forwards=split_pass or not separate)
+                    timings.append(PromptTiming(index, how.mode, how.k, stats, how.confidence, how.lookup, repeat,
+                                                split_pass))
                     if progress:
-                        progress(f"prompt {index + 1}/{len(prompts)}" + (f" pass {repeat + 1}" if repeats > 1 else "")
-                                 + " " + how.name)
+                        progress(f"prompt {index + 1}/{len(prompts)}" + (" split pass" if split_pass else
+                                 f" pass {repeat + 1}" if repeats > 1 else "") + " " + how.name)
     except KeyboardInterrupt:
         done = len(timings) // len(modes) * len(modes)  # whole prompts only: every mode on the same prompts
         if done == 0:

@@ -18,19 +18,29 @@ class Clock:
 
     ``torch.cuda.synchronize()`` with no argument waits on the current device only: a model split
     over GPUs, or placed on ``cuda:1``, would be read before its work is done.
+
+    ``per_forward`` False keeps the decode loop free of synchronizations: ``forward_now`` then
+    reads nothing (0.0), so the draft/target split is not measured, and the CPU can queue the
+    next kernels while the GPU works, as in a real decode loop. On the CPU there is nothing to
+    synchronize, so forwards are always timed.
     """
 
-    def __init__(self, devices: Iterable[torch.device | str] | torch.device | str = ()) -> None:
+    def __init__(self, devices: Iterable[torch.device | str] | torch.device | str = (), per_forward: bool = True) -> None:
         if isinstance(devices, (str, torch.device)):
             devices = [devices]
         found = {torch.device(d) for d in devices}
         self.cuda = sorted((d for d in found if d.type == "cuda"), key=lambda d: d.index or 0)
+        self.per_forward = per_forward or not self.cuda
 
     @classmethod
-    def for_models(cls, *models: torch.nn.Module) -> Clock:
-        return cls(cuda_devices(*models))
+    def for_models(cls, *models: torch.nn.Module, per_forward: bool = True) -> Clock:
+        return cls(cuda_devices(*models), per_forward)
 
     def now(self) -> float:
         for device in self.cuda:
             torch.cuda.synchronize(device)
         return time.perf_counter()
+
+    def forward_now(self) -> float:
+        """A reading around one forward: synchronized when forwards are timed, else 0.0."""
+        return self.now() if self.per_forward else 0.0

@@ -88,3 +88,83 @@ def test_full_acceptance_never_refeeds_the_sequence(target, monkeypatch):
         hook.remove()
     assert out.stats.accepted == out.stats.drafted > 0  # every draft accepted
     assert max(fed[2:]) <= k + 1, fed  # fed[0], fed[1]: the two prefills (target, then draft)
+
+
+@pytest.fixture()
+def two_fake_gpus(monkeypatch):
+    """Every clock believes the models sit on cuda:0 and cuda:1 (no GPU needed)."""
+    monkeypatch.setattr(lssp.timing, "cuda_devices", lambda *models: [torch.device("cuda:0"), torch.device("cuda:1")])
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_untimed_forwards_sync_only_at_the_completions_boundaries(target, draft, synced, two_fake_gpus, speculative):
+    """Without per-forward timing a completion syncs at start, end of prefill, first token and end, however
+    long it is; with it, around every forward. The split is then recorded as not measured."""
+    ids = torch.tensor([[0, 5, 6, 7]])
+
+    def run(tokens: int, time_forwards: bool):
+        synced.clear()
+        if speculative:
+            out = generate_speculative(target, draft, ids, tokens, 3, SamplingParams(0), time_forwards=time_forwards)
+        else:
+            out = generate_regular(target, ids, tokens, SamplingParams(0), time_forwards=time_forwards)
+        return out.stats, len(synced) // 2  # two devices: readings = syncs / 2
+
+    short, readings_short = run(4, time_forwards=False)
+    long, readings_long = run(20, time_forwards=False)
+    assert readings_short == readings_long == 4
+    assert not long.forwards_timed and long.target_time_s == long.draft_time_s == 0.0
+    timed, readings_timed = run(20, time_forwards=True)
+    assert timed.forwards_timed
+    assert readings_timed == 4 + 2 * (timed.target_forwards + timed.draft_forwards)
+
+
+def test_a_separate_split_pass_gives_the_shares_and_the_timed_passes_give_ms_per_token(target, draft, synced,
+                                                                                          two_fake_gpus):
+    from lssp.latency import SEPARATE_PASS, run_latency
+    from lssp.loading import LoadedModel
+    from lssp.registry import ModelSpec
+
+    t, d = LoadedModel(ModelSpec("t"), target, None), LoadedModel(ModelSpec("d"), draft, None)
+    run = run_latency(t, d, ["abc", "hello"], "warm", [2], SamplingParams(0), 6, 0, repeats=2)  # split="auto"
+    assert run.setup.split_timing == SEPARATE_PASS
+    headline = [p for p in run.timings if not p.split_pass]
+    split = [p for p in run.timings if p.split_pass]
+    assert len(headline) == 2 * 2 * 2 and len(split) == 2 * 2  # 2 passes + 1 split pass, 2 prompts, 2 modes
+    assert not any(p.stats.forwards_timed for p in headline) and all(p.stats.forwards_timed for p in split)
+    assert run.prompts_done == 4
+    for m in run.summaries:
+        mine = [p.stats for p in headline if p.mode == m.mode]
+        assert m.ms_per_token == pytest.approx(1000 * sum(s.decode_time_s for s in mine) / sum(s.new_tokens for s in mine))
+        assert 0 < m.target_share <= 1
+    assert all(row["split_timing"] == SEPARATE_PASS for row in run.rows())
+    assert "separate pass synchronized around every forward" in run.markdown()
+    assert run.cost_ratio == run.cost_ratio  # measured (not nan) from the split pass
+
+
+def test_on_the_cpu_the_timed_passes_time_every_forward(target, draft):
+    from lssp.latency import SAME_PASS, run_latency
+    from lssp.loading import LoadedModel
+    from lssp.registry import ModelSpec
+
+    t, d = LoadedModel(ModelSpec("t"), target, None), LoadedModel(ModelSpec("d"), draft, None)
+    run = run_latency(t, d, ["abc"], "warm", [2], SamplingParams(0), 6, 0)
+    assert run.setup.split_timing == SAME_PASS and not any(p.split_pass for p in run.timings)
+    assert all(p.stats.forwards_timed for p in run.timings)
+
+
+def test_bench_on_a_gpu_times_ours_end_to_end_and_takes_c_and_v_from_a_split_pass(target, draft, synced,
+                                                                                   two_fake_gpus):
+    from lssp.bench import run_bench
+    from lssp.latency import SEPARATE_PASS
+    from lssp.loading import LoadedModel
+    from lssp.registry import ModelSpec
+
+    t, d = LoadedModel(ModelSpec("t"), target, None), LoadedModel(ModelSpec("d"), draft, None)
+    run = run_bench(t, d, ["abc", "hello"], "warm", 2, SamplingParams(0), 6, 0, engines=("ours-rsp", "ours-ssp"))
+    timed = [r for r in run.runs if not r.split_pass]
+    assert len(timed) == 4 and len([r for r in run.runs if r.split_pass]) == 4
+    assert all(r.target_ms_per_forward != r.target_ms_per_forward for r in timed)  # nan: not measured there
+    assert run.cost_ratio > 0 and run.verify_ratio > 0 and 0 <= run.ssp_overhead_share <= 1
+    assert run.setup.prompts == 2 and run.setup.split_timing == SEPARATE_PASS
+    assert all(row["split_timing"] == SEPARATE_PASS for row in run.rows())

@@ -33,7 +33,7 @@ def bench(
 ) -> None:
     """Ours vs transformers: RSp vs generate(), SSp vs assisted generation, same prompts, one run."""
     from lssp.bench import ENGINES, run_bench
-
+    from lssp.latency import separate_split_pass
     from lssp.prompts import WARMUP_PROMPT
 
     s = settings(ctx)
@@ -47,7 +47,8 @@ def bench(
     params = sampling_params(temperature, top_k, top_p)
     results = s.writable_results_dir()
     t, d, vocab = load_pair(s, target, draft)
-    with progress(len(ENGINES) * (len(prompt_list) + 1) + 1, "bench") as tick:
+    split_pass = 2 * len(prompt_list) if separate_split_pass("auto", t.model, d.model) else 0  # ours, on a GPU
+    with progress(len(ENGINES) * (len(prompt_list) + 1) + 1 + split_pass, "bench") as tick:
         run = run_bench(t, d, prompt_list, WARMUP_PROMPT, k, params, max_new_tokens, s.seed, vocab, progress=tick,
                         confidence=confidences[0], measure_bandwidth=True)
     render(run, alphas, t.spec.is_random or d.spec.is_random)

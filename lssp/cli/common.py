@@ -270,10 +270,10 @@ def _duration(seconds: float) -> str:
     return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
 
 
-def fmt(value: float | None, digits: int = 1, pct: bool = False) -> str:
+def fmt(value: float | None, digits: int = 1, pct: bool = False, suffix: str = "") -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "–"
-    return f"{100 * value:.{digits}f}%" if pct else f"{value:.{digits}f}"
+    return f"{100 * value:.{digits}f}%" if pct else f"{value:.{digits}f}{suffix}"
 
 
 def k_label(k: int, confidence: float, lookup: int = 0) -> str:

@@ -13,6 +13,7 @@ from lssp.cli.common import (
     TopPOpt, WideOpt, app, check_positive, console, err_console, exit_with, save, fmt, k_label, load_pair,
     parse_fractions, parse_ints, plot_charts, progress, read_prompt_list, sampling_params, settings, table,
 )
+from lssp.errors import UserError
 from lssp.report import plural
 
 
@@ -34,13 +35,16 @@ def latency(
     lookup: Annotated[str, typer.Option(
         "--lookup", help="Context lookup n-gram length for SSp, or a comma list to sweep: 0,4 (0: off).")] = "0",
     repeats: Annotated[int, typer.Option(help="Passes over the prompts (interleaved); the speedup's sd is over them.")] = 1,
+    split: Annotated[str, typer.Option(
+        help="Where the draft/target time split is measured: auto (a separate pass when a model is on a GPU), "
+             "same (sync around every forward in the timed passes), separate.")] = "auto",
     chat: ChatOpt = False,
     wide: WideOpt = False,
     json_out: JsonOpt = None,
     plot: PlotOpt = False,
 ) -> None:
     """ms/token of RSp and SSp on a fixed prompt list, measured side by side in one run."""
-    from lssp.latency import run_latency
+    from lssp.latency import SPLIT_CHOICES, run_latency, separate_split_pass
     from lssp.prompts import WARMUP_PROMPT
 
     s = settings(ctx)
@@ -49,16 +53,19 @@ def latency(
     lookups = parse_ints("--lookup", lookup, minimum=0)
     check_positive("--max-new-tokens", max_new_tokens)
     check_positive("--repeats", repeats)
+    if split not in SPLIT_CHOICES:
+        raise UserError(f"--split {split!r}: expected one of {', '.join(SPLIT_CHOICES)}")
     prompt_list = read_prompt_list(prompts, nb_prompts)
     params = sampling_params(temperature, top_k, top_p)
     results = s.writable_results_dir()
     use_draft = draft is not None or default_pair or target is None
     t, d, vocab = load_pair(s, target, draft, need_draft=use_draft)
     modes = (0 if no_baseline and d is not None else 1) + (len(ks) * len(confidences) * len(lookups) if d else 0)
-    with progress(modes * (repeats * len(prompt_list) + 1), "latency") as tick:
+    passes = repeats + separate_split_pass(split, t.model, *([d.model] if d else []))
+    with progress(modes * (passes * len(prompt_list) + 1), "latency") as tick:
         run = run_latency(t, d, prompt_list, WARMUP_PROMPT, ks, params, max_new_tokens, s.seed,
                           baseline=not no_baseline, vocab_size=vocab, progress=tick, confidences=confidences,
-                          chat=chat, lookups=lookups, repeats=repeats)
+                          chat=chat, lookups=lookups, repeats=repeats, split=split)
     render(run, t, d, wide)
     code = save(results, run.info.run_id, "latency", run.rows(), run.markdown(), json_out, run.summary_json(),
                 f"{run.info.env['device']} · run {run.info.run_id}", {"latency_prompts.csv": run.prompt_rows()})
@@ -71,6 +78,8 @@ def latency(
 
 
 def render(run, t, d, wide: bool = False) -> None:
+    from lssp.latency import SEPARATE_PASS
+
     setup = run.setup
     params = setup.params
     several = len([x for x in run.summaries if x.mode == "ssp"]) > 1
@@ -95,8 +104,8 @@ def render(run, t, d, wide: bool = False) -> None:
                     fmt(m.alpha, 2), fmt(m.mean_accepted, 2), speedup, *([fmt(m.speedup_sd, 2)] if repeated else []),
                     style=style)
         details.add_row(mode + ("" if m.mode == "rsp" else f" K={k}"), f"{m.ms_per_token_median:.1f}", f"{m.ttft_ms:.0f}",
-                        fmt(m.acceptance_rate, 0, pct=True), f"{m.draft_share:.0%}", f"{m.target_share:.0%}",
-                        f"{m.forward_spread:.2f}×", style=style)
+                        fmt(m.acceptance_rate, 0, pct=True), fmt(m.draft_share, 0, pct=True),
+                        fmt(m.target_share, 0, pct=True), fmt(m.forward_spread, 2, suffix="×"), style=style)
     console.print(out)
     if wide:
         console.print(details)
@@ -107,6 +116,9 @@ def render(run, t, d, wide: bool = False) -> None:
             if m.lookup:
                 console.print(f"    the lookup proposed {fmt(m.lookup_share, 0, pct=True)} of drafts, "
                               f"{fmt(m.lookup_acceptance, 0, pct=True)} of them accepted")
+    if setup.split_timing == SEPARATE_PASS:
+        console.print("  ms/token: completions synchronized only at their boundaries; draft/target shares and c: "
+                      "a separate pass synchronized around every forward")
     if not math.isnan(run.cost_ratio):
         console.print(f"  draft/target cost ratio c = {run.cost_ratio:.3f} (draft ms per forward ÷ target ms per "
                       "1-token forward)")
