@@ -1,0 +1,146 @@
+"""`plan`: where a target and its draft would go on a node of GPUs, before anything is loaded."""
+from __future__ import annotations
+
+import json
+import logging
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated, Iterator, Optional
+
+import typer
+
+from lssp.cli.common import DraftArg, JsonOpt, TargetArg, app, console, settings, table
+from lssp.errors import UserError
+
+
+@contextmanager
+def _quiet_accelerate() -> Iterator[None]:
+    """accelerate warns once per GPU it cannot see: planning for a node that is not this machine is the point."""
+    logger = logging.getLogger("accelerate.utils.modeling")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _gib(n: float) -> str:
+    from lssp.placement import GiB
+
+    return f"{n / GiB:.1f}"
+
+
+def _device(d: int | str) -> str:
+    return f"GPU {d}" if isinstance(d, int) else "no room"
+
+
+@app.command()
+def plan(
+    ctx: typer.Context,
+    target: TargetArg = None,
+    draft: DraftArg = None,
+    no_draft: Annotated[bool, typer.Option("--no-draft", help="Plan the target alone.", metavar="")] = False,
+    gpus: Annotated[Optional[int], typer.Option(help="GPUs in the node (default: this machine's).")] = None,
+    gpu_memory: Annotated[Optional[str], typer.Option(
+        help="Memory of each GPU: 40GiB, 80GB (default: this machine's first GPU).")] = None,
+    reserve: Annotated[str, typer.Option(
+        help="Kept free on each GPU for the CUDA context, activations and the KV cache.")] = "2GiB",
+    bandwidth: Annotated[Optional[float], typer.Option(
+        help="One GPU's memory bandwidth in GB/s, for the floor per token (default: measured on this machine's GPU).")] = None,
+    json_out: JsonOpt = None,
+) -> None:
+    """Where each block of the target (and the whole draft) goes, bytes per GPU, and whether it fits in
+    16-bit, 8-bit or 4-bit: worked out on the meta device, nothing loaded."""
+    import torch
+
+    from lssp.placement import GiB, PRECISIONS, empty_model, kv_bytes_per_token, model_config, parse_bytes, plan_node
+
+    s = settings(ctx)
+    registry = s.registry
+    t_spec = registry.get(registry.target_name(target))
+    d_spec = None if no_draft else registry.get(registry.draft_name(draft))
+    visible = torch.cuda.device_count()
+    if gpus is None:
+        if not visible:
+            raise UserError("no GPU visible here: describe the node with --gpus N --gpu-memory SIZE (e.g. --gpus 8 "
+                            "--gpu-memory 40GiB)")
+        gpus = visible
+    if gpu_memory is None and not visible:
+        raise UserError("no GPU visible here: give each GPU's memory with --gpu-memory (e.g. 40GiB)")
+    gpu_bytes = parse_bytes(gpu_memory, "--gpu-memory") if gpu_memory else torch.cuda.get_device_properties(0).total_memory
+    reserve_bytes = parse_bytes(reserve, "--reserve")
+    if bandwidth is not None and bandwidth <= 0:
+        raise UserError(f"--bandwidth must be positive, got {bandwidth:g}")
+    bandwidth_source = "--bandwidth"
+    if bandwidth is None and visible:
+        from lssp.bench import copy_bandwidth
+
+        bandwidth, bandwidth_source = copy_bandwidth("cuda:0") / 1e9, "measured copy bandwidth of cuda:0"
+    t_config = model_config(t_spec)
+    with _quiet_accelerate():
+        t_model = empty_model(t_config)
+        d_model = empty_model(model_config(d_spec)) if d_spec else None
+        node = plan_node(t_model, t_spec.name, d_model, d_spec.name if d_spec else None, gpus, gpu_bytes, reserve_bytes,
+                         kv_bytes_per_token(t_config), bandwidth * 1e9 if bandwidth else float("nan"))
+    chosen = node.fitting()
+    entry_precision = {"8bit": "8-bit", "4bit": "4-bit"}.get(t_spec.quantization, "16-bit")
+
+    title = (f"{t_spec.name}" + (f" with draft {d_spec.name}" if d_spec else "")
+             + f" on {gpus} × {_gib(gpu_bytes)} GiB {'GPUs' if gpus > 1 else 'GPU'} ({_gib(reserve_bytes)} GiB kept "
+             "free on each; GiB short where it does not fit)")
+    out = table(title, [("precision", "left"), ("target GiB", "right"), ("max/GPU", "right"),
+                        *([("draft GiB", "right"), ("draft on", "left")] if d_spec else []), ("fits", "left")])
+    for precision in PRECISIONS:
+        t = node.target[precision]
+        d = node.draft.get(precision)
+        short = t.missing_bytes + (d.missing_bytes if d else 0)
+        fits = "yes" if not short else f"no −{_gib(short)}"
+        out.add_row(precision + (" (entry)" if precision == entry_precision else ""), _gib(t.weight_bytes),
+                    _gib(max(b for dev, b in t.bytes_per_device.items() if isinstance(dev, int))),
+                    *([_gib(d.weight_bytes), _device(next(iter(d.device_map.values())))] if d else []), fits,
+                    style="bold" if precision == chosen else None)
+    console.print(out)
+    if chosen:
+        t = node.target[chosen]
+        console.print(f"At {chosen} (the widest that fits), the target's blocks go:")
+        for module, device in t.blocks():
+            console.print(f"  {module or '(the whole model)'} → {_device(device)}")
+        used = {i: t.bytes_per_device.get(i, 0) + (node.draft[chosen].bytes_per_device.get(i, 0) if d_spec else 0)
+                for i in range(gpus)}
+        console.print("GiB per GPU, draft included:\n  " + ", ".join(f"{i}: {_gib(b)}" for i, b in used.items()))
+        console.print(f"KV cache: {node.kv_bytes_per_token * 1024 / GiB:.2f} GiB per 1,024 tokens (16-bit, batch 1)")
+        if bandwidth:
+            console.print(f"Memory-bandwidth floor per token at {bandwidth:,.0f} GB/s ({bandwidth_source}); layers on "
+                          "several GPUs run one after another, so all weights are read at one GPU's bandwidth:")
+            floor = f"  target {node.floor_ms(t):.1f} ms"
+            if d_spec:
+                d = node.draft[chosen]
+                floor += f", draft {node.floor_ms(d):.2f} ms, c ≥ {d.weight_bytes / t.weight_bytes:.3f} by bytes"
+            console.print(floor)
+        else:
+            console.print("Give --bandwidth GB/s (one GPU's) for the memory-bandwidth floor per token.")
+    if json_out:
+        _write_json(json_out, node, chosen, t_spec.name, d_spec.name if d_spec else None)
+    if not chosen:
+        t, d = node.target["4-bit"], node.draft.get("4-bit")
+        short = t.missing_bytes + (d.missing_bytes if d else 0)
+        raise UserError(f"{t_spec.name}" + (f" with {d_spec.name}" if d_spec else "") + f" does not fit on {gpus} × "
+                        f"{_gib(gpu_bytes)} GiB at any precision: even in 4-bit, {_gib(short)} GiB find no room")
+
+
+def _write_json(path: Path, node, chosen: str | None, target: str, draft: str | None) -> None:
+    def placement(p) -> dict:
+        return {"weight_bytes": p.weight_bytes, "fits": p.fits, "missing_bytes": p.missing_bytes,
+                "bytes_per_device": {str(k): v for k, v in p.bytes_per_device.items()},
+                "blocks": [[module, device] for module, device in p.blocks()]}
+
+    data = {"target": target, "draft": draft, "gpus": node.gpus, "gpu_bytes": node.gpu_bytes,
+            "reserve_bytes": node.reserve_bytes, "fits_at": chosen, "kv_bytes_per_token": node.kv_bytes_per_token,
+            "bandwidth_bytes_per_s": node.bandwidth if node.bandwidth == node.bandwidth else None,
+            "target_by_precision": {k: placement(v) for k, v in node.target.items()},
+            "draft_by_precision": {k: placement(v) for k, v in node.draft.items()}}
+    try:
+        path.write_text(json.dumps(data, indent=1) + "\n")
+    except OSError as exc:
+        raise UserError(f"cannot write {path}: {exc.strerror or exc}") from None

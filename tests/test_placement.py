@@ -1,0 +1,94 @@
+"""Placement on a node of GPUs, worked out on the meta device: `plan`, and the rules loading shares with it."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from lssp.cli import main
+from lssp.placement import GiB, Placement, empty_model, model_config, parse_bytes, plan_node
+from lssp.registry import load_registry
+
+REGISTRY = Path(__file__).resolve().parents[1] / "models.yaml"
+
+
+@pytest.fixture(scope="module")
+def llama_65b_and_7b():
+    registry = load_registry(REGISTRY)
+    return tuple(empty_model(model_config(registry.get(name))) for name in ("65B", "7B"))
+
+
+def test_the_registrys_65b_fits_8_gpus_of_40gib_in_16_bit_with_the_draft_whole_on_one(llama_65b_and_7b):
+    target, draft = llama_65b_and_7b
+    node = plan_node(target, "65B", draft, "7B", 8, 40 * GiB, 2 * GiB)
+    assert node.fitting() == "16-bit"
+    t = node.target["16-bit"]
+    assert t.gpus == list(range(8)) and t.fits
+    assert 120 * GiB < t.weight_bytes < 123 * GiB  # 65.3e9 weights x 2 bytes
+    assert all(b <= 38 * GiB for b in t.bytes_per_device.values())
+    d = node.draft["16-bit"]
+    assert list(d.device_map) == [""] and len(d.gpus) == 1  # whole, on one GPU
+    free = {i: 38 * GiB - t.bytes_per_device.get(i, 0) for i in range(8)}
+    assert free[d.gpus[0]] == max(free.values())  # the emptiest one after the target
+
+
+def test_on_2_gpus_of_40gib_65b_does_not_fit_in_16_bit_but_does_in_4_bit(llama_65b_and_7b):
+    target, draft = llama_65b_and_7b
+    node = plan_node(target, "65B", None, None, 2, 40 * GiB, 2 * GiB)
+    assert not node.target["16-bit"].fits and node.target["16-bit"].missing_bytes > 40 * GiB
+    assert node.target["4-bit"].fits and node.target["4-bit"].gpus == [0, 1]
+    assert node.target["4-bit"].weight_bytes < 0.3 * node.target["16-bit"].weight_bytes
+
+
+def test_blocks_merge_runs_of_layers_on_one_device():
+    p = Placement("m", "16-bit", 0, {"model.embed_tokens": 0, "model.layers.0": 0, "model.layers.1": 0,
+                                     "model.layers.2": 1, "model.layers.3": 1, "model.layers.4": 0, "lm_head": 1})
+    assert p.blocks() == [("model.embed_tokens", 0), ("model.layers.0-1", 0), ("model.layers.2-3", 1),
+                          ("model.layers.4", 0), ("lm_head", 1)]
+
+
+@pytest.mark.parametrize("text, expected", [("40GiB", 40 * 2**30), ("80GB", 80 * 10**9), ("512MiB", 2**29),
+                                            ("1.5GiB", 3 * 2**29), ("1000", 1000)])
+def test_sizes_parse(text, expected):
+    assert parse_bytes(text, "--gpu-memory") == expected
+
+
+def _plan(capsys, *args):
+    code = main(["--config", str(REGISTRY), "plan", *args])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_plan_prints_where_each_block_goes_and_the_floor(capsys, tmp_path):
+    code, out, err = _plan(capsys, "65B", "7B", "--gpus", "8", "--gpu-memory", "40GiB", "--bandwidth", "1555",
+                           "--json", str(tmp_path / "plan.json"))
+    assert code == 0, err
+    assert "16-bit (entry)" in out and "the widest that fits" in out
+    assert "model.layers.0-9 → GPU 0" in out and "lm_head → GPU 7" in out
+    assert "target 84.0 ms" in out  # 130.6 GB / 1555 GB/s
+    assert max(len(line) for line in out.splitlines()) <= 80
+    data = json.loads((tmp_path / "plan.json").read_text())
+    assert data["fits_at"] == "16-bit" and data["draft_by_precision"]["16-bit"]["blocks"] == [["", 7]]
+
+
+def test_plan_for_a_model_that_fits_nowhere_says_how_much_is_missing(capsys):
+    code, out, err = _plan(capsys, "65B", "7B", "--gpus", "1", "--gpu-memory", "16GiB")
+    assert code != 0
+    assert "does not fit on 1 × 16.0 GiB at any precision" in err and "GiB find no room" in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the machine's own GPUs are the default there")
+def test_plan_without_a_gpu_asks_for_the_node(capsys):
+    code, _, err = _plan(capsys, "65B", "--no-draft")
+    assert code == 2 and "--gpus N --gpu-memory SIZE" in err
+
+
+def test_plan_of_a_hub_model_never_downloaded_without_a_shape_says_what_to_add(capsys, tmp_path):
+    registry = tmp_path / "models.yaml"
+    registry.write_text("models:\n  big: {path: nobody/not-downloaded}\n")
+    code = main(["--config", str(registry), "plan", "big", "--no-draft", "--gpus", "8", "--gpu-memory", "40GiB"])
+    err = capsys.readouterr().err
+    assert code == 2 and "add 'config: <architecture>'" in err
