@@ -250,7 +250,7 @@ def run_bench(target: LoadedModel, draft: LoadedModel, prompts: Sequence[str], w
     bench.setup = BenchSetup(target.name, draft.name, target.precision, draft.precision, target.weight_bytes, params,
                              max_new_tokens, len([r for r in runs if not r.split_pass]) // len(engines), confidence,
                              SEPARATE_PASS if separate else SAME_PASS)
-    bench.info = RunInfo.here(target.device)
+    bench.info = RunInfo.for_models(target, draft)
     if measure_bandwidth:
         bench.bandwidth = copy_bandwidth(target.device)
         if progress:

@@ -229,7 +229,7 @@ def run_eval(
         raise UserError("SSp evaluation needs a draft model")
     config = eval_config(target.name, draft.name if draft else None, modes, nb_prompts, seed, k, max_new_tokens,
                          params, lookup)
-    info = RunInfo.here(target.device)
+    info = RunInfo.for_models(target, draft)
     run_id = info.run_id
     records_dir.mkdir(parents=True, exist_ok=True)
     path, done = resume_point(records_dir, config) if resume else (None, [])

@@ -310,7 +310,7 @@ def run_latency(
     modes = [Mode("rsp")] if baseline or draft is None else []
     if draft is not None:
         modes += [Mode("ssp", k, c, n) for n in lookups for c in confidences for k in ks]
-    info = RunInfo.here(target.device)
+    info = RunInfo.for_models(target, draft)
     separate = separate_split_pass(split, target.model, *([draft.model] if draft else []))
     setup = LatencySetup(target.name, draft.name if draft else None, target.precision, draft.precision if draft else "",
                          params, max_new_tokens, len(prompts), chat, repeats, SEPARATE_PASS if separate else SAME_PASS)

@@ -53,6 +53,13 @@ class LoadedModel:
         return model_device(self.model)
 
     @property
+    def placement(self) -> str:
+        """The devices its weights are on: "cpu", "cuda:3", "cuda:0-3"."""
+        from lssp.placement import device_names
+
+        return device_names(self.model)
+
+    @property
     def hf_model(self) -> PreTrainedModel:
         """The transformers model itself (under a compact forward, the one it wraps)."""
         return getattr(self.model, "hf", self.model)
@@ -122,8 +129,9 @@ def random_config(spec: ModelSpec) -> Any:
         raise UserError(f"model {spec.name!r}: bad config: {exc}") from None
 
 
-def _placement(spec: ModelSpec, device: str | None) -> dict[str, Any]:
-    """device_map/max_memory arguments for from_pretrained."""
+def _placement(spec: ModelSpec, device: str | None, draft: bool = False) -> dict[str, Any]:
+    """device_map/max_memory arguments for from_pretrained. A ``draft`` whose entry says nothing
+    about placement goes whole onto the GPU with the most free memory (after the target)."""
     n_gpus = torch.cuda.device_count()
     if device is not None:
         if device.startswith("cuda") and n_gpus == 0:
@@ -135,6 +143,8 @@ def _placement(spec: ModelSpec, device: str | None) -> dict[str, Any]:
         )
     if spec.gpus and spec.gpus > n_gpus:
         raise UserError(f"model {spec.name!r} asks for {spec.gpus} GPUs, only {n_gpus} visible")
+    if draft and n_gpus and not (spec.device_map or spec.gpus or spec.max_memory):
+        return {"device_map": f"cuda:{_gpu_for_whole(spec, n_gpus)}"}
     device_map = spec.device_map or ("auto" if n_gpus else "cpu")
     kwargs: dict[str, Any] = {"device_map": device_map}
     max_memory: dict[Any, str] | None = None
@@ -145,6 +155,23 @@ def _placement(spec: ModelSpec, device: str | None) -> dict[str, Any]:
     if max_memory:
         kwargs["max_memory"] = max_memory
     return kwargs
+
+
+def _gpu_for_whole(spec: ModelSpec, n_gpus: int) -> int:
+    """The GPU with the most free memory, after checking (where the model's shape is known) that it fits there."""
+    from lssp.placement import GiB, emptiest, empty_model, model_config, weight_bytes
+
+    free = {i: torch.cuda.mem_get_info(i)[0] for i in range(n_gpus)}
+    gpu = emptiest(free)
+    try:
+        precision = {"8bit": "8-bit", "4bit": "4-bit"}.get(spec.quantization, "16-bit")
+        size = weight_bytes(empty_model(model_config(spec), DTYPES.get(spec.dtype, torch.bfloat16)), precision)
+    except UserError:
+        return gpu  # shape unknown offline: from_pretrained will say if it does not fit
+    if size > 0.95 * free[gpu]:
+        raise UserError(f"model {spec.name!r} ({size / GiB:.1f} GiB) does not fit whole on one GPU (cuda:{gpu} has "
+                        f"the most free, {free[gpu] / GiB:.1f} GiB); give its entry 'device_map: auto' to split it")
+    return gpu
 
 
 def _quantization(spec: ModelSpec, dtype: torch.dtype | str) -> dict[str, Any]:
@@ -242,15 +269,16 @@ def load_tokenizer(spec: ModelSpec) -> PreTrainedTokenizerBase | None:
         raise UserError(f"model {spec.name!r}: cannot load tokenizer from {where}: {_first_line(exc)}") from None
 
 
-def load_model(spec: ModelSpec, device: str | None = None) -> LoadedModel:
-    """Load one registry entry, placed and quantized as it says (``device`` overrides placement)."""
+def load_model(spec: ModelSpec, device: str | None = None, draft: bool = False) -> LoadedModel:
+    """Load one registry entry, placed and quantized as it says (``device`` overrides placement;
+    a ``draft`` is kept whole on one GPU unless its entry says otherwise)."""
     dtype: torch.dtype | str = DTYPES.get(spec.dtype, "auto")
-    placement = _placement(spec, device)
+    placement = _placement(spec, device, draft)
     kwargs: dict[str, Any] = {"dtype": dtype, **placement, **_quantization(spec, dtype)}
     if spec.attn_implementation:
         kwargs["attn_implementation"] = spec.attn_implementation
     if spec.is_random:
-        model = _random_model(spec, dtype, placement["device_map"])
+        model = _random_model(spec, dtype, placement)
     else:
         where, extra = _source(spec)
         log.info("loading %s from %s %s", spec.name, where, extra)
@@ -303,13 +331,43 @@ def dynamic_quantize(model: PreTrainedModel, spec: ModelSpec) -> PreTrainedModel
         return quantize_dynamic(model, {torch.nn.Linear}, dtype=weights, inplace=True)
 
 
-def _random_model(spec: ModelSpec, dtype: torch.dtype | str, device_map: str) -> PreTrainedModel:
-    """Random weights built directly on the target device (no download, no CPU copy first)."""
+def _random_model(spec: ModelSpec, dtype: torch.dtype | str, placement: dict[str, Any]) -> PreTrainedModel:
+    """Random weights built directly where they go (no download, no CPU copy first): on one device,
+    or, with ``max_memory`` (from ``gpus`` or the entry's own), over the devices the balanced placement picks."""
     config = random_config(spec)
     torch_dtype = dtype if isinstance(dtype, torch.dtype) else torch.float32
-    with torch.device(_single_device(device_map)):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
-    return model
+    if "max_memory" not in placement:
+        with torch.device(_single_device(placement["device_map"])):
+            return AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
+    from accelerate import dispatch_model
+    from accelerate.utils import set_module_tensor_to_device
+
+    from lssp.placement import empty_model, place_target
+
+    model = empty_model(config, torch_dtype)
+    device_map = place_target(model, spec.name, "16-bit", placement["max_memory"]).device_map
+    if "disk" in device_map.values() or ("cpu" in device_map.values() and "cpu" not in placement["max_memory"]):
+        raise UserError(f"model {spec.name!r} does not fit on the memory its entry allows; "
+                        "`llamassp.py plan` shows where it would go")
+    std = getattr(config, "initializer_range", 0.02)
+    for name, param in list(model.named_parameters()):
+        where = _module_device(name, device_map)
+        value = torch.empty(param.shape, dtype=param.dtype, device=where)
+        if name.endswith(".bias"):
+            value.zero_()
+        elif value.dim() == 1:  # norm weights
+            value.fill_(1.0)
+        else:
+            value.normal_(0.0, std)
+        set_module_tensor_to_device(model, name, where, value=value)
+    model.tie_weights()
+    return dispatch_model(model, device_map)
+
+
+def _module_device(name: str, device_map: dict[str, int | str]) -> int | str:
+    """The device accelerate's map gives the module holding parameter ``name`` (its longest matching prefix)."""
+    owner = max((m for m in device_map if m == "" or name == m or name.startswith(m + ".")), key=len)
+    return device_map[owner]
 
 
 def _single_device(device_map: str) -> str:

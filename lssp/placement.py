@@ -61,7 +61,7 @@ def _dtypes(model: nn.Module, precision: str) -> tuple[Any, dict[str, Any]]:
     """accelerate's dtype and special_dtypes for weights stored at ``precision``: bitsandbytes
     quantizes the Linear layers of the decoder only; embeddings, norms and the output layer stay 16-bit."""
     if precision == "16-bit":
-        return torch.bfloat16, {}
+        return None, {}  # each weight's own dtype (the model is built in the dtype it will load in)
     from accelerate.utils import CustomDtype
 
     quantized = torch.int8 if precision == "8-bit" else CustomDtype.INT4
@@ -73,13 +73,13 @@ def _dtypes(model: nn.Module, precision: str) -> tuple[Any, dict[str, Any]]:
 
 
 def weight_bytes(model: nn.Module, precision: str) -> int:
-    """Bytes of the weights stored at ``precision`` (4-bit with its block scales)."""
+    """Bytes of the weights stored at ``precision`` (4-bit with its block scales; 16-bit: their own dtype)."""
     output = model.get_output_embeddings()
     total = 0.0
     for module in model.modules():
         quantized = isinstance(module, nn.Linear) and module is not output and precision != "16-bit"
         for p in module.parameters(recurse=False):
-            total += p.numel() * (BYTES_PER_WEIGHT[precision] if quantized else 2)
+            total += p.numel() * (BYTES_PER_WEIGHT[precision] if quantized else p.element_size())
     return int(total)
 
 
@@ -161,10 +161,15 @@ def place_target(model: nn.Module, name: str, precision: str, max_memory: dict[i
                      _bytes_per_device(model, device_map, precision))
 
 
+def emptiest(free: dict[int, int]) -> int:
+    """The GPU with the most free bytes (ties: the lowest index): where a draft goes whole."""
+    return max(sorted(free), key=lambda i: free[i])
+
+
 def place_whole(model: nn.Module, name: str, precision: str, free: dict[int, int]) -> Placement:
-    """The whole model on the GPU with the most free bytes (ties: the lowest index); "disk" where none has room."""
+    """The whole model on the emptiest GPU; "disk" where it has no room."""
     size = weight_bytes(model, precision)
-    gpu = max(sorted(free), key=lambda i: free[i])
+    gpu = emptiest(free)
     device: int | str = gpu if size <= free[gpu] else "disk"
     return Placement(name, precision, size, {"": device}, {device: size})
 
@@ -211,6 +216,19 @@ def plan_node(target: nn.Module, target_name: str, draft: nn.Module | None, draf
             free = {i: usable - placed.bytes_per_device.get(i, 0) for i in range(gpus)}
             drafts[precision] = place_whole(draft, draft_name or "draft", precision, free)
     return NodePlan(gpus, gpu_bytes, reserve_bytes, targets, drafts, kv_per_token, bandwidth)
+
+
+def device_names(model: nn.Module) -> str:
+    """The devices a model's weights are on, compactly: "cpu", "cuda:3", "cuda:0-3", "cuda:0,2+cpu"."""
+    found = {p.device for p in model.parameters()}
+    gpus = sorted(d.index or 0 for d in found if d.type == "cuda")
+    others = sorted({d.type for d in found if d.type != "cuda"})
+    names = []
+    if gpus:
+        consecutive = gpus == list(range(gpus[0], gpus[-1] + 1))
+        names.append(f"cuda:{gpus[0]}" if len(gpus) == 1 else
+                     f"cuda:{gpus[0]}-{gpus[-1]}" if consecutive else "cuda:" + ",".join(map(str, gpus)))
+    return "+".join(names + others)
 
 
 def parse_bytes(text: str, option: str) -> int:

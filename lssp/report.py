@@ -104,6 +104,14 @@ class RunInfo:
     def here(cls, device: torch.device | str | None = None) -> RunInfo:
         return cls(env=environment(device))
 
+    @classmethod
+    def for_models(cls, *models: Any) -> RunInfo:
+        """The environment of the first model's device, and where every model is ("target: cuda:0-3; draft: cuda:3")."""
+        present = [m for m in models if m is not None]
+        info = cls.here(present[0].device)
+        info.env["placement"] = "; ".join(f"{m.name}: {m.placement}" for m in present)
+        return info
+
     def head(self) -> dict[str, str]:
         return {"timestamp": self.timestamp, "run_id": self.run_id}
 

@@ -92,3 +92,79 @@ def test_plan_of_a_hub_model_never_downloaded_without_a_shape_says_what_to_add(c
     code = main(["--config", str(registry), "plan", "big", "--no-draft", "--gpus", "8", "--gpu-memory", "40GiB"])
     err = capsys.readouterr().err
     assert code == 2 and "add 'config: <architecture>'" in err
+
+
+TINY = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128}
+
+
+@pytest.fixture()
+def two_gpus_with_free_memory(monkeypatch):
+    """torch believes there are two GPUs with 10 and 30 GiB free (no GPU needed to choose between them)."""
+    free = {0: 10 * GiB, 1: 30 * GiB}
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i=0: (free[i], 40 * GiB))
+    return free
+
+
+def test_a_draft_whose_entry_says_nothing_goes_whole_onto_the_emptiest_gpu(two_gpus_with_free_memory):
+    from lssp.loading import _placement
+    from lssp.registry import ModelSpec
+
+    spec = ModelSpec("d", init="random", config=TINY)
+    assert _placement(spec, None, draft=True) == {"device_map": "cuda:1"}
+    assert _placement(spec, None)["device_map"] == "auto"  # a target is spread as before
+    asked = ModelSpec("d", init="random", config=TINY, device_map="auto")
+    assert _placement(asked, None, draft=True)["device_map"] == "auto"  # split only where its entry asks
+
+
+def test_a_draft_too_big_for_any_single_gpu_is_refused_in_one_line(two_gpus_with_free_memory):
+    from lssp.errors import UserError
+    from lssp.loading import _placement
+    from lssp.registry import ModelSpec
+
+    spec = ModelSpec("big", init="random", config="llama-2-13b", dtype="bfloat16")  # 24.2 GiB: fits in 30 GiB free
+    assert _placement(spec, None, draft=True) == {"device_map": "cuda:1"}
+    two_gpus_with_free_memory[1] = 20 * GiB
+    with pytest.raises(UserError, match=r"does not fit whole on one GPU \(cuda:1 has the most free, 20.0 GiB\); "
+                                        r"give its entry 'device_map: auto'"):
+        _placement(spec, None, draft=True)
+
+
+def test_random_weights_follow_the_entrys_max_memory_through_the_balanced_placement():
+    """The path `gpus`/`max_memory` take for random init: built on the meta device, placed, then filled where
+    each block goes. Here the only device allowed is the CPU, so it can run without a GPU."""
+    from lssp.generation import forward_logits, new_cache
+    from lssp.loading import load_model
+    from lssp.registry import ModelSpec
+
+    loaded = load_model(ModelSpec("r", init="random", config=TINY, dtype="float32", max_memory={"cpu": "1GiB"}))
+    model = loaded.model
+    assert not any(p.is_meta for p in model.parameters()) and loaded.placement == "cpu"
+    assert torch.all(model.model.norm.weight == 1)
+    assert 0.01 < model.model.layers[0].mlp.down_proj.weight.std() < 0.03  # initializer_range 0.02
+    logits = forward_logits(model, torch.tensor([[1, 2, 3]]), new_cache(model), 1)
+    assert torch.isfinite(logits).all()
+
+
+def test_random_weights_that_do_not_fit_their_max_memory_are_refused():
+    from lssp.errors import UserError
+    from lssp.loading import load_model
+    from lssp.registry import ModelSpec
+
+    with pytest.raises(UserError, match="does not fit on the memory its entry allows"):
+        load_model(ModelSpec("r", init="random", config=TINY, max_memory={"cpu": "1KiB"}))
+
+
+def test_device_names_are_compact():
+    from types import SimpleNamespace
+
+    from lssp.placement import device_names
+
+    def on(*devices):
+        return SimpleNamespace(parameters=lambda: [SimpleNamespace(device=torch.device(d)) for d in devices])
+
+    assert device_names(torch.nn.Linear(2, 2)) == "cpu"
+    assert device_names(on("cuda:3", "cuda:3")) == "cuda:3"
+    assert device_names(on("cuda:2", "cuda:0", "cuda:1", "cuda:3")) == "cuda:0-3"
+    assert device_names(on("cuda:2", "cuda:0", "cpu")) == "cuda:0,2+cpu"

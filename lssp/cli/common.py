@@ -159,13 +159,13 @@ def parse_fractions(name: str, text: str) -> list[float]:
     return values
 
 
-def load(s: Settings, name: str):
+def load(s: Settings, name: str, draft: bool = False):
     from lssp.loading import load_model
 
     spec = s.registry.get(name)
     with err_console.status(f"Loading {name} ({spec.path or 'random init'})…"):
-        loaded = load_model(spec, s.device)
-    log.info("%s: %s on %s, %.1f MB", name, loaded.precision, loaded.device, loaded.weight_bytes / 1e6)
+        loaded = load_model(spec, s.device, draft)
+    log.info("%s: %s on %s, %.1f MB", name, loaded.precision, loaded.placement, loaded.weight_bytes / 1e6)
     return loaded
 
 
@@ -177,7 +177,7 @@ def load_pair(s: Settings, target_name: str | None, draft_name: str | None, need
     target = load(s, t_name)
     if d_name is None:
         return target, None, None
-    draft = load(s, d_name)
+    draft = load(s, d_name, draft=True)  # after the target: it goes whole onto the GPU the target left emptiest
     return target, draft, check_compatible(target, draft)
 
 

@@ -54,7 +54,7 @@ def verify(
             rep = vf.verify_greedy(t, d, prompt_list, k, max_new_tokens, vocab, tie_tolerance, tick, lookup)
         else:
             rep = vf.verify_sampled(t, d, prompt_list, params, k, samples, depth, s.seed, vocab, significance, tick, lookup)
-    info = RunInfo.here(t.device)
+    info = RunInfo.for_models(t, d)
     render(rep, t, d, params, k)
     code = save(results, info.run_id, "verify", rep.rows(info, t, d, k, params), None, json_out, rep.summary_json(info),
                 f"{info.env['device']} · run {info.run_id}")
