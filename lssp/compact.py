@@ -11,6 +11,7 @@ Set ``forward: compact`` on a registry entry to use it.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -20,20 +21,23 @@ from transformers import PreTrainedModel
 
 
 class CompactCache:
-    """Keys and values of every layer in one growing buffer (layers, keys|values, 1, kv_heads, positions, head_dim).
+    """Keys and values of each layer in preallocated buffers (1, kv_heads, positions, head_dim) that grow by doubling.
 
     It answers what the samplers ask of a transformers DynamicCache: ``get_seq_length``
-    and ``crop`` (a negative argument drops that many positions, 0 none).
+    and ``crop`` (a negative argument drops that many positions, 0 none). Each layer has
+    buffers of its own, so a compiled step writes a few positions in place rather than
+    copying one shared buffer.
     """
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
-                 capacity: int = 256) -> None:
-        self.keys_values = torch.empty(layers, 2, 1, kv_heads, capacity, head_dim, dtype=dtype, device=device)
+                 capacity: int = 256, buffers: list[torch.Tensor] | None = None) -> None:
+        self.keys_values = buffers or [torch.empty(1, kv_heads, capacity, head_dim, dtype=dtype, device=device)
+                                       for _ in range(2 * layers)]  # layer i: keys at 2i, values at 2i + 1
         self.length = 0
 
     @property
     def capacity(self) -> int:
-        return self.keys_values.shape[4]
+        return self.keys_values[0].shape[2]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.length
@@ -45,12 +49,13 @@ class CompactCache:
         self.length = max(0, self.length + tokens)
 
     def reserve(self, total: int) -> None:
-        """Room for ``total`` positions (the buffer doubles when it runs out)."""
+        """Room for ``total`` positions (the buffers double when they run out)."""
         if total > self.capacity:
-            shape = self.keys_values.shape
-            grown = self.keys_values.new_empty(*shape[:4], max(total, 2 * self.capacity), shape[5])
-            grown[..., :self.length, :] = self.keys_values[..., :self.length, :]
-            self.keys_values = grown
+            size = max(total, 2 * self.capacity)
+            for i, old in enumerate(self.keys_values):
+                grown = old.new_zeros(*old.shape[:2], size, old.shape[3])
+                grown[:, :, :self.length] = old[:, :, :self.length]
+                self.keys_values[i] = grown
 
 
 def float_weight(linear: nn.Module) -> torch.Tensor:
@@ -75,6 +80,18 @@ def _linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if packed is not None and packed.dtype == torch.float16:  # the op torch's dynamic fp16 Linear calls
         return torch.ops.quantized.linear_dynamic_fp16(x, packed._packed_params)
     return layer(x)
+
+
+STEP_TOKENS = 16  # compiled: forwards of up to this many tokens (decode, verification); longer ones stay eager
+RECOMPILE_LIMIT = 64
+COMPILED_CAPACITY = 1024  # compiled: positions each cache buffer holds (it doubles, and recompiles, if outgrown)
+
+
+def compiled_graphs() -> int:
+    """Graphs torch.compile has built in this process: a rise while timing means recompiles were timed."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
 
 
 @dataclass
@@ -130,6 +147,9 @@ class CompactLlama(nn.Module):
         self.gate_up = nn.ModuleList(fused_linear(l.mlp.gate_proj, l.mlp.up_proj, dtype=dtype) for l in layers)
         self.down = nn.ModuleList(fused_linear(l.mlp.down_proj, dtype=dtype) for l in layers)
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._compiled_step = None  # set by compile_decode()
+        self.compile_mode: str | None = None
+        self._free_buffers: list[list[torch.Tensor]] = []  # compiled: caches reuse their buffers (stable addresses)
         self.to(self.get_input_embeddings().weight.device)
 
     @property
@@ -144,7 +164,32 @@ class CompactLlama(nn.Module):
 
     def new_cache(self) -> CompactCache:
         weight = self.get_input_embeddings().weight
-        return CompactCache(self.config.num_hidden_layers, self.kv_heads, self.head_dim, weight.dtype, weight.device)
+        args = (self.config.num_hidden_layers, self.kv_heads, self.head_dim, weight.dtype, weight.device)
+        if self._compiled_step is None:
+            return CompactCache(*args)
+        # Compiled: a zeroed buffer of fixed capacity (positions past the text are masked, never NaN), reused by the
+        # next cache once this one is dropped, so CUDA graphs see the same addresses and no new shape.
+        buffers = self._free_buffers.pop() if self._free_buffers else [
+            torch.zeros(1, args[1], COMPILED_CAPACITY, args[2], dtype=weight.dtype, device=weight.device)
+            for _ in range(2 * args[0])]
+        cache = CompactCache(*args, buffers=buffers)
+        weakref.finalize(cache, self._free_buffers.append, buffers)
+        return cache
+
+    def compile_decode(self, mode: str = "default") -> None:
+        """Run forwards of up to STEP_TOKENS tokens (decode and verification) through torch.compile.
+
+        The compiled step attends over the cache's whole buffer with a mask built from the
+        positions, which it takes as a tensor: the shapes stay the same from one step to the
+        next, so nothing recompiles as the text grows. Prefills stay eager.
+        """
+        import torch._dynamo
+
+        # Every compiled model shares the code of _step, and each adds its own graphs (per model, per token
+        # count until the count turns dynamic, in and out of inference mode): more than dynamo's default of 8.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+        self._compiled_step = torch.compile(self._step, mode=mode, fullgraph=True)
+        self.compile_mode = mode
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if x.dtype == weight.dtype == torch.float32:  # one fused call
@@ -164,6 +209,36 @@ class CompactLlama(nn.Module):
             table = self._rope = (torch.cat((cos, cos), -1)[None].to(like.dtype), torch.cat((-sin, sin), -1)[None].to(like.dtype))
         return table[0][:, start:end], table[1][:, start:end]
 
+    def _rope_table(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin for every position of the cache's buffer (built once, outside the compiled step)."""
+        self._rotary(0, self.config.max_position_embeddings, like)
+        return self._rope
+
+    def _step(self, input_ids: torch.Tensor, positions: torch.Tensor, keys_values: list[torch.Tensor],
+              cos_table: torch.Tensor, sin_table: torch.Tensor) -> torch.Tensor:
+        """Logits of every position of ``input_ids`` (1, n) at ``positions`` (n,), writing their keys and values
+        into ``keys_values`` and attending over the whole buffer under a causal mask (the compiled path)."""
+        n = input_ids.shape[1]
+        hidden = self.hf.model.embed_tokens(input_ids)
+        cos, sin = cos_table[:, positions], sin_table[:, positions]
+        mask = torch.arange(keys_values[0].shape[2], device=positions.device)[None, :] <= positions[:, None]
+        heads, half, rotated = self.heads, self.head_dim // 2, self.heads + self.kv_heads
+        for i, layer in enumerate(self.hf.model.layers):
+            x = self._rms_norm(hidden, layer.input_layernorm.weight)
+            qkv = _linear(self.qkv[i], x).view(1, n, -1, self.head_dim).transpose(1, 2)
+            qk = qkv[:, :rotated]
+            qk = torch.addcmul(qk * cos, torch.cat((qk[..., half:], qk[..., :half]), dim=-1), sin)
+            keys, values = keys_values[2 * i], keys_values[2 * i + 1]
+            keys[:, :, positions] = qk[:, heads:]
+            values[:, :, positions] = qkv[:, rotated:]
+            out = F.scaled_dot_product_attention(qk[:, :heads], keys, values, attn_mask=mask, scale=self.scale,
+                                                 enable_gqa=self.kv_heads != heads)
+            hidden = hidden + _linear(self.o[i], out.transpose(1, 2).reshape(1, n, -1))
+            x = self._rms_norm(hidden, layer.post_attention_layernorm.weight)
+            gate, up = _linear(self.gate_up[i], x).chunk(2, dim=-1)
+            hidden = hidden + _linear(self.down[i], F.silu(gate) * up)
+        return self.hf.lm_head(self._rms_norm(hidden, self.hf.model.norm.weight))
+
     def forward(self, input_ids: torch.Tensor, past_key_values: CompactCache, use_cache: bool = True,
                 logits_to_keep: int = 0) -> CompactOutput:
         if input_ids.shape[0] != 1:
@@ -172,20 +247,30 @@ class CompactLlama(nn.Module):
         start, n = kv.length, input_ids.shape[1]
         end = start + n
         kv.reserve(end)
+        if self._compiled_step is not None and n <= STEP_TOKENS:
+            positions = torch.arange(start, end, device=input_ids.device)
+            graphs = self.compile_mode in ("reduce-overhead", "max-autotune")
+            if graphs:
+                torch.compiler.cudagraph_mark_step_begin()  # the previous step's outputs are no longer read
+            logits = self._compiled_step(input_ids, positions, kv.keys_values, *self._rope_table(kv.keys_values[0]))
+            if graphs:
+                logits = logits.clone()  # a CUDA graph's output is overwritten by its next replay
+            kv.length = end
+            return CompactOutput(logits[:, -logits_to_keep:] if logits_to_keep else logits)
         hidden = self.hf.model.embed_tokens(input_ids)  # (1, n, hidden)
         cos, sin = self._rotary(start, end, hidden)
         # Queries see every cached position and the new ones up to their own.
         mask = None if n == 1 else torch.ones(n, end, dtype=torch.bool, device=hidden.device).tril(diagonal=start)
         heads, half, rotated = self.heads, self.head_dim // 2, self.heads + self.kv_heads
         for i, layer in enumerate(self.hf.model.layers):
-            cache = kv.keys_values[i]
+            keys, values = kv.keys_values[2 * i], kv.keys_values[2 * i + 1]
             x = self._rms_norm(hidden, layer.input_layernorm.weight)
             qkv = _linear(self.qkv[i], x).view(1, n, -1, self.head_dim).transpose(1, 2)
             qk = qkv[:, :rotated]  # (1, heads + kv_heads, n, head_dim): rotary embedding on queries and keys at once
             qk = torch.addcmul(qk * cos, torch.cat((qk[..., half:], qk[..., :half]), dim=-1), sin)
-            cache[0, :, :, start:end] = qk[:, heads:]
-            cache[1, :, :, start:end] = qkv[:, rotated:]
-            out = F.scaled_dot_product_attention(qk[:, :heads], cache[0, :, :, :end], cache[1, :, :, :end],
+            keys[:, :, start:end] = qk[:, heads:]
+            values[:, :, start:end] = qkv[:, rotated:]
+            out = F.scaled_dot_product_attention(qk[:, :heads], keys[:, :, :end], values[:, :, :end],
                                                  attn_mask=mask, scale=self.scale, enable_gqa=self.kv_heads != heads)
             hidden = hidden + _linear(self.o[i], out.transpose(1, 2).reshape(1, n, -1))
             x = self._rms_norm(hidden, layer.post_attention_layernorm.weight)

@@ -8,6 +8,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from lssp.compact import compiled_graphs
 from lssp.generation import GenerationStats, generate_regular, generate_speculative
 from lssp.loading import LoadedModel
 from lssp.report import RunInfo, markdown_table, plural
@@ -178,6 +179,7 @@ class LatencySetup:
     chat: bool = False
     repeats: int = 1
     split_timing: str = SAME_PASS  # where the draft/target/other split was measured
+    recompiles: int = 0  # graphs torch.compile built during the timed passes (after the warm-ups)
 
 
 @dataclass
@@ -228,7 +230,7 @@ class LatencyRun:
             **{key: value for key, value in asdict(m).items() if key not in ("mode", "k")},
             "acceptance_by_position": ";".join(f"{x:.4f}" for x in m.acceptance_by_position),
             "noisy": m.noisy, "interrupted": self.interrupted, "split_timing": setup.split_timing,
-            "target_precision": setup.target_precision, "draft_precision": setup.draft_precision or "", **info.env,
+            "recompiles": setup.recompiles, "target_precision": setup.target_precision, "draft_precision": setup.draft_precision or "", **info.env,
         } for m in self.summaries]
 
     def prompt_rows(self) -> list[dict[str, Any]]:
@@ -255,15 +257,20 @@ class LatencyRun:
                    *(["lookup"] if any(m.lookup for m in self.summaries) else []), "ms_per_token", "ms_per_token_median",
                    "ms_per_token_min", "ms_per_token_max", "ttft_ms", "acceptance_rate", "alpha", "mean_accepted",
                    "speedup", *(["speedup_sd"] if setup.repeats > 1 else []), "forward_spread"]
-        notes = (f" The draft/target shares, ms per forward and the spread come from {self.split_note}." + (
-            " Interrupted: only the prompts completed in every mode are counted." if self.interrupted else "") + (
-            f" Noisy: the slowest prompt's target forwards took more than {NOISY_SPREAD}x the median prompt's; the "
-            "speedup is unreliable." if self.noisy else ""))
+        notes = [f"The draft/target shares, ms per forward and the spread come from {self.split_note}."]
+        if setup.recompiles:
+            notes.append(f"torch.compile built {plural(setup.recompiles, 'graph')} during the timed passes: their "
+                         "compile time is in the figures.")
+        if self.interrupted:
+            notes.append("Interrupted: only the prompts completed in every mode are counted.")
+        if self.noisy:
+            notes.append(f"Noisy: the slowest prompt's target forwards took more than {NOISY_SPREAD}x the median "
+                         "prompt's; the speedup is unreliable.")
         return (f"# latency run {self.info.run_id}\n\ntarget `{setup.target}` ({setup.target_precision}), draft "
                 f"`{setup.draft or '-'}`, {plural(self.prompts_done // setup.repeats, 'prompt')}"
                 f"{' in the chat template' if setup.chat else ''} x {setup.max_new_tokens} new tokens"
                 f"{f' x {setup.repeats} passes' if setup.repeats > 1 else ''}, {setup.params}\n\n{self.info.describe()}"
-                f"\n\n{markdown_table(rows, columns)}" + (f"\n{notes.strip()}\n" if notes else ""))
+                f"\n\n{markdown_table(rows, columns)}\n{' '.join(notes)}\n")
 
 
 def _summaries(timings: Sequence[PromptTiming], modes: Sequence[Mode]) -> list[ModeSummary]:
@@ -329,6 +336,7 @@ def run_latency(
         complete(how, warmup_prompt, -1, time_forwards=not separate)
         if progress:
             progress("warm-up " + how.name)
+    graphs = compiled_graphs()
     timings: list[PromptTiming] = []
     interrupted = False
     passes = [(repeat, False) for repeat in range(repeats)] + ([(0, True)] if separate else [])
@@ -347,4 +355,5 @@ def run_latency(
         if done == 0:
             raise
         timings, interrupted = timings[:done], True
+    setup.recompiles = compiled_graphs() - graphs
     return LatencyRun(_summaries(timings, modes), timings, setup, info, interrupted)

@@ -72,11 +72,14 @@ class LoadedModel:
     def precision(self) -> str:
         """dtype, or the quantization where there is one; and a compact forward if used."""
         quantization = self.spec.quantization
-        if quantization == "none":
-            weights = self.dtype
+        if quantization == "none" or (quantization in DYNAMIC_QUANTIZATIONS and self.device.type != "cpu"):
+            weights = self.dtype  # a dynamic quantization applies on the CPU only (dynamic_quantize)
         else:
             weights = f"{quantization} (torch)" if quantization in DYNAMIC_QUANTIZATIONS else f"{quantization} (bnb)"
-        return f"{weights}, compact forward" if self.hf_model is not self.model else weights
+        if self.hf_model is self.model:
+            return weights
+        mode = getattr(self.model, "compile_mode", None)
+        return f"{weights}, compact forward" + (f", compiled ({mode})" if mode else "")
 
     @property
     def weight_bytes(self) -> int:
@@ -269,9 +272,11 @@ def load_tokenizer(spec: ModelSpec) -> PreTrainedTokenizerBase | None:
         raise UserError(f"model {spec.name!r}: cannot load tokenizer from {where}: {_first_line(exc)}") from None
 
 
-def load_model(spec: ModelSpec, device: str | None = None, draft: bool = False) -> LoadedModel:
+def load_model(spec: ModelSpec, device: str | None = None, draft: bool = False,
+               compile_fallback: bool = False) -> LoadedModel:
     """Load one registry entry, placed and quantized as it says (``device`` overrides placement;
-    a ``draft`` is kept whole on one GPU unless its entry says otherwise)."""
+    a ``draft`` is kept whole on one GPU unless its entry says otherwise). Where ``compile`` is
+    asked and cannot be done, ``compile_fallback`` runs it uncompiled instead of refusing."""
     dtype: torch.dtype | str = DTYPES.get(spec.dtype, "auto")
     placement = _placement(spec, device, draft)
     kwargs: dict[str, Any] = {"dtype": dtype, **placement, **_quantization(spec, dtype)}
@@ -299,7 +304,35 @@ def load_model(spec: ModelSpec, device: str | None = None, draft: bool = False) 
     if spec.quantization in DYNAMIC_QUANTIZATIONS:
         model = dynamic_quantize(model, spec)
     model.eval()
+    if spec.compile:
+        compile_decode(model, spec, compile_fallback)
     return LoadedModel(spec, model, load_tokenizer(spec))
+
+
+def compile_decode(model: PreTrainedModel, spec: ModelSpec, fallback: bool = False) -> None:
+    """Put the compact forward's decode steps under torch.compile (CUDA graphs on a GPU unless the entry
+    names another mode), or say in one line why not (with ``fallback``, a warning, and it runs uncompiled)."""
+    reason = _why_not_compilable(model)
+    if reason:
+        if fallback:
+            log.warning("%s runs uncompiled: %s", spec.name, reason)
+            return
+        raise UserError(f"model {spec.name!r} cannot be compiled: {reason} (--compile-fallback runs it uncompiled)")
+    on_gpu = model_device(model).type == "cuda"
+    mode = spec.compile if isinstance(spec.compile, str) else "reduce-overhead" if on_gpu else "default"
+    model.compile_decode(mode)
+
+
+def _why_not_compilable(model: PreTrainedModel) -> str | None:
+    if not isinstance(model, CompactLlama):
+        return "torch.compile runs the compact forward only ('forward: compact' or --compile on a Llama model)"
+    if any(isinstance(m, DynamicLinear) for m in model.modules()):
+        return "dynamically quantized layers (quantization: dynamic-*) are opaque to torch.compile; use quantization: none"
+    try:
+        torch.compile(lambda x: x * 2 + 1, fullgraph=True)(torch.ones(2, device=model_device(model)))
+    except Exception as exc:  # noqa: BLE001 - whatever stops inductor (no compiler, unsupported platform) is the reason
+        return f"torch.compile fails here: {_first_line(exc)}"
+    return None
 
 
 def compact(model: PreTrainedModel, spec: ModelSpec) -> CompactLlama:

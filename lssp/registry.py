@@ -20,9 +20,11 @@ INITS = ("pretrained", "random")
 # transformers: the model's own forward. compact: lssp.compact's fused batch-1 forward for small
 # Llama models (a draft's cost ratio c is mostly per-call overhead).
 FORWARDS = ("transformers", "compact")
+# compile: true (torch.compile's mode reduce-overhead on a GPU, i.e. CUDA graphs; default on the CPU) or a mode.
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 SPEC_KEYS = {
     "path", "tokenizer", "dtype", "quantization", "device_map", "gpus", "max_memory",
-    "attn_implementation", "revision", "init", "config", "description", "forward",
+    "attn_implementation", "revision", "init", "config", "description", "forward", "compile",
 }
 TOP_KEYS = {"default_target", "default_draft", "models"}
 PACKAGE_PREFIX = "pkg:"
@@ -46,6 +48,7 @@ class ModelSpec:
     config: dict[str, Any] | str | None = None
     description: str = ""
     forward: str = "transformers"
+    compile: bool | str = False  # run the compact forward's decode steps under torch.compile (True or a mode)
     base_dir: Path = field(default=Path("."), compare=False)
 
     @property
@@ -222,6 +225,9 @@ def _check_value(name: str, key: str, value: Any, at: str) -> None:
     elif key == "max_memory":
         if not isinstance(value, dict) or not value:
             raise bad("a mapping such as {0: 38GiB, 1: 38GiB, cpu: 64GiB}")
+    elif key == "compile":
+        if not isinstance(value, bool) and value not in COMPILE_MODES:
+            raise bad(f"true, false or a torch.compile mode ({', '.join(COMPILE_MODES)})")
     elif key == "config":
         if not isinstance(value, (dict, str)):
             raise bad("a mapping of config fields or an architecture name")

@@ -164,3 +164,55 @@ def test_ssp_with_a_subset_head_draft_recovers_the_target_distribution():
     # Both under the compact forward, as the shipped draft runs (and ~1.5x faster than transformers' forward).
     result = chi_square_gof(two_token_counts(CompactLlama(target), CompactLlama(draft), prompt, params), law.tolist())
     assert result.p_value > SIGNIFICANCE, result
+
+
+def test_the_compiled_step_gives_the_eager_logits_and_exact_greedy_ssp(model):
+    """torch.compile on the CPU (inductor): the step over a fixed buffer with a position mask scores like the
+    eager forward, through prefill, verification, decode and a rollback; SSp with a compiled target and draft
+    emits greedy RSp's tokens. One compile per model keeps this test at tens of seconds."""
+    from lssp.compact import compiled_graphs
+
+    eager, compiled = CompactLlama(model), CompactLlama(copy.deepcopy(model))
+    compiled.compile_decode("default")
+    ids = torch.randint(0, 64, (1, 24), generator=torch.Generator().manual_seed(1))
+    eager_kv, kv = new_cache(eager), new_cache(compiled)
+    assert all(torch.all(b == 0) for b in kv.keys_values)  # never NaN behind the mask
+    for start, end, last, drop in [(0, 20, 1, 0), (19, 22, 3, 2), (20, 21, 1, 0), (21, 22, 1, 0)]:
+        eager_kv.crop(-drop)
+        kv.crop(-drop)
+        torch.testing.assert_close(forward_logits(compiled, ids[:, start:end], kv, last),
+                                   forward_logits(eager, ids[:, start:end], eager_kv, last), rtol=1e-4, atol=1e-4)
+    draft = CompactLlama(tiny_llama(31, hidden=16, layers=1, scale=4.0))
+    draft.compile_decode("default")
+    prompt = torch.tensor([[0, 5, 6, 7, 8]])
+    rsp = generate_regular(eager, prompt, 24, GREEDY).tokens
+    for k in (1, 3):
+        assert torch.equal(generate_speculative(compiled, draft, prompt, 24, k, GREEDY).tokens, rsp)
+    graphs = compiled_graphs()
+    generate_speculative(compiled, draft, prompt, 24, 3, GREEDY)  # warm: the same shapes again
+    assert compiled_graphs() == graphs  # nothing recompiles once warm
+    assert len(compiled._free_buffers) >= 1  # dropped caches hand their buffers to the next one
+
+
+def test_compile_refuses_what_it_cannot_compile_in_one_line_or_falls_back_when_asked(model, caplog):
+    from lssp.loading import compile_decode
+
+    spec = ModelSpec("q", compile=True)
+    quantized = dynamic_quantize(CompactLlama(copy.deepcopy(model)), ModelSpec("q", quantization="dynamic-fp16"))
+    with pytest.raises(UserError, match="dynamically quantized layers .* opaque to torch.compile.*--compile-fallback"):
+        compile_decode(quantized, spec)
+    with pytest.raises(UserError, match="runs the compact forward only"):
+        compile_decode(model, spec)
+    compile_decode(quantized, spec, fallback=True)
+    assert quantized.compile_mode is None and "runs uncompiled" in caplog.text
+
+
+def test_the_registry_takes_compile_true_or_a_mode(tmp_path):
+    registry = tmp_path / "models.yaml"
+    registry.write_text("models:\n  a: {init: random, config: smollm2-135m, forward: compact, compile: true}\n"
+                        "  b: {init: random, config: smollm2-135m, compile: reduce-overhead}\n")
+    models = load_registry(registry).models
+    assert models["a"].compile is True and models["b"].compile == "reduce-overhead"
+    registry.write_text("models:\n  a: {init: random, config: smollm2-135m, compile: fast}\n")
+    with pytest.raises(UserError, match=r"models.yaml:2: model 'a': bad compile 'fast'; expected true, false or a"):
+        load_registry(registry)

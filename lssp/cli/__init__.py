@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args: list[str]) -> int:
     """The app, with every way it can end turned into an exit code."""
-    verbose = any(a in GLOBAL_FLAGS for a in args)
+    verbose = any(a in ("-v", "--verbose") for a in args)
     try:
         code = app(args=args, standalone_mode=False)  # returns typer.Exit's code (130 on click's Abort)
     except UserError as exc:

@@ -8,7 +8,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
@@ -40,7 +40,7 @@ log = logging.getLogger("lssp")
 
 # Options every command accepts before or after its name (main() moves them in front).
 GLOBAL_OPTIONS_WITH_VALUE = ("--config", "--results-dir", "--seed", "--device")
-GLOBAL_FLAGS = ("-v", "--verbose")
+GLOBAL_FLAGS = ("-v", "--verbose", "--compile", "--compile-fallback")
 
 
 def flag(*decls: str, help: str) -> Any:
@@ -55,6 +55,8 @@ class Settings:
     seed: int
     verbose: bool
     device: str | None
+    compile: bool = False
+    compile_fallback: bool = False
     _registry: Registry | None = None
 
     @property
@@ -81,9 +83,13 @@ def main_options(
     seed: Annotated[int, typer.Option(help="Seed for sampling and prompt draws.")] = 0,
     verbose: Annotated[bool, flag("--verbose", "-v", help="Log progress; show tracebacks.")] = False,
     device: Annotated[Optional[str], typer.Option(help="Override placement: cpu, cuda, cuda:1, auto.")] = None,
+    compile: Annotated[bool, flag("--compile", help="Run every model's decode steps compiled (torch.compile on the "
+                                  "compact forward; CUDA graphs on a GPU).")] = False,
+    compile_fallback: Annotated[bool, flag("--compile-fallback", help="Where compiling is impossible, run "
+                                           "uncompiled with a warning instead of stopping.")] = False,
 ) -> None:
     """Global options go before or after the subcommand: llamassp.py latency --seed 1 ..."""
-    ctx.obj = Settings(config, results_dir, seed, verbose, device)
+    ctx.obj = Settings(config, results_dir, seed, verbose, device, compile, compile_fallback)
     _configure_logging(verbose)
 
 
@@ -163,8 +169,10 @@ def load(s: Settings, name: str, draft: bool = False):
     from lssp.loading import load_model
 
     spec = s.registry.get(name)
+    if s.compile and not spec.compile:
+        spec = replace(spec, compile=True, forward="compact")
     with err_console.status(f"Loading {name} ({spec.path or 'random init'})…"):
-        loaded = load_model(spec, s.device, draft)
+        loaded = load_model(spec, s.device, draft, s.compile_fallback)
     log.info("%s: %s on %s, %.1f MB", name, loaded.precision, loaded.placement, loaded.weight_bytes / 1e6)
     return loaded
 

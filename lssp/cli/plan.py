@@ -87,8 +87,8 @@ def plan(
     entry_precision = {"8bit": "8-bit", "4bit": "4-bit"}.get(t_spec.quantization, "16-bit")
 
     title = (f"{t_spec.name}" + (f" with draft {d_spec.name}" if d_spec else "")
-             + f" on {gpus} × {_gib(gpu_bytes)} GiB {'GPUs' if gpus > 1 else 'GPU'} ({_gib(reserve_bytes)} GiB kept "
-             "free on each; GiB short where it does not fit)")
+             + f" on {gpus} × {_gib(gpu_bytes)} GiB {'GPUs' if gpus > 1 else 'GPU'}, {_gib(reserve_bytes)} GiB kept "
+             "free on each")
     out = table(title, [("precision", "left"), ("target GiB", "right"), ("max/GPU", "right"),
                         *([("draft GiB", "right"), ("draft on", "left")] if d_spec else []), ("fits", "left")])
     for precision in PRECISIONS:
@@ -101,6 +101,8 @@ def plan(
                     *([_gib(d.weight_bytes), _device(next(iter(d.device_map.values())))] if d else []), fits,
                     style="bold" if precision == chosen else None)
     console.print(out)
+    if any(not node.target[p].fits or (d_spec and not node.draft[p].fits) for p in PRECISIONS):
+        console.print("no −N: N GiB find no room on the GPUs.")
     if chosen:
         t = node.target[chosen]
         console.print(f"At {chosen} (the widest that fits), the target's blocks go:")
@@ -111,8 +113,8 @@ def plan(
         console.print("GiB per GPU, draft included:\n  " + ", ".join(f"{i}: {_gib(b)}" for i, b in used.items()))
         console.print(f"KV cache: {node.kv_bytes_per_token * 1024 / GiB:.2f} GiB per 1,024 tokens (16-bit, batch 1)")
         if bandwidth:
-            console.print(f"Memory-bandwidth floor per token at {bandwidth:,.0f} GB/s ({bandwidth_source}); layers on "
-                          "several GPUs run one after another, so all weights are read at one GPU's bandwidth:")
+            console.print(f"Memory-bandwidth floor per token at {bandwidth:,.0f} GB/s ({bandwidth_source}), all "
+                          "weights read at one GPU's bandwidth (split layers run one GPU after another):")
             floor = f"  target {node.floor_ms(t):.1f} ms"
             if d_spec:
                 d = node.draft[chosen]
