@@ -43,7 +43,15 @@ $PY llamassp.py "${L[@]}" verify --temperature 0 --json "$OUT/verify-default-gre
 $PY llamassp.py "${L[@]}" verify --temperature 1.0 --lookup 1 "${SAMPLES[@]}" --json "$OUT/verify-default-t1.0-lookup1.json" || true
 $PY llamassp.py "${L[@]}" verify --temperature 0 --lookup 4 --json "$OUT/verify-default-greedy-lookup4.json" || true
 
-# 4. GPU only: hardware side of SSp with random weights in real shapes.
+# 4. torch.compile on this CPU: the default pair's weights in plain bfloat16 (compile cannot trace the
+#    dynamic quantization), eager then compiled, after the default pair itself: three runs back to back.
+$PY llamassp.py "${L[@]}" latency --k 3,4 "${N[@]}" --json "$OUT/latency-compile-cpu-default.json"
+$PY llamassp.py "${L[@]}" latency smollm2-135m-bf16 --draft smollm2-135m-draft-bf16 --k 3,4 "${N[@]}" \
+    --json "$OUT/latency-compile-cpu-bf16-eager.json"
+$PY llamassp.py "${L[@]}" --compile latency smollm2-135m-bf16 --draft smollm2-135m-draft-bf16 --k 3,4 "${N[@]}" \
+    --json "$OUT/latency-compile-cpu-bf16-compiled.json"
+
+# 5. GPU only (benchmarks/gpu.sh is the full GPU suite): hardware side of SSp with random weights in real shapes.
 if $PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
     $PY llamassp.py "${L[@]}" bench llama-2-7b-random llama-2-1b-random --k 4 "${N[@]}" --alpha 0.6,0.7,0.8 \
         --json "$OUT/bench-gpu-llama2-7b-random.json"

@@ -82,7 +82,7 @@ def _linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return layer(x)
 
 
-STEP_TOKENS = 16  # compiled: forwards of up to this many tokens (decode, verification); longer ones stay eager
+STEP_TOKENS = 16  # compiled: forwards of up to this many tokens after the prefill (decode, verification)
 RECOMPILE_LIMIT = 64
 COMPILED_CAPACITY = 1024  # compiled: positions each cache buffer holds (it doubles, and recompiles, if outgrown)
 
@@ -177,7 +177,7 @@ class CompactLlama(nn.Module):
         return cache
 
     def compile_decode(self, mode: str = "default") -> None:
-        """Run forwards of up to STEP_TOKENS tokens (decode and verification) through torch.compile.
+        """Run forwards of up to STEP_TOKENS tokens after the prefill (decode, verification) through torch.compile.
 
         The compiled step attends over the cache's whole buffer with a mask built from the
         positions, which it takes as a tensor: the shapes stay the same from one step to the
@@ -247,12 +247,15 @@ class CompactLlama(nn.Module):
         start, n = kv.length, input_ids.shape[1]
         end = start + n
         kv.reserve(end)
-        if self._compiled_step is not None and n <= STEP_TOKENS:
+        if self._compiled_step is not None and 0 < start and n <= STEP_TOKENS:  # prefills (start 0) stay eager
             positions = torch.arange(start, end, device=input_ids.device)
             graphs = self.compile_mode in ("reduce-overhead", "max-autotune")
             if graphs:
                 torch.compiler.cudagraph_mark_step_begin()  # the previous step's outputs are no longer read
-            logits = self._compiled_step(input_ids, positions, kv.keys_values, *self._rope_table(kv.keys_values[0]))
+            # clone(): ids made outside inference mode (the prompt's last token) would otherwise be a different
+            # kind of tensor than those made inside it, and each kind gets a graph of its own.
+            logits = self._compiled_step(input_ids.clone(), positions, kv.keys_values,
+                                         *self._rope_table(kv.keys_values[0]))
             if graphs:
                 logits = logits.clone()  # a CUDA graph's output is overwritten by its next replay
             kv.length = end

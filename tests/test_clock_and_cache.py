@@ -168,3 +168,12 @@ def test_bench_on_a_gpu_times_ours_end_to_end_and_takes_c_and_v_from_a_split_pas
     assert run.cost_ratio > 0 and run.verify_ratio > 0 and 0 <= run.ssp_overhead_share <= 1
     assert run.setup.prompts == 2 and run.setup.split_timing == SEPARATE_PASS
     assert all(row["split_timing"] == SEPARATE_PASS for row in run.rows())
+
+
+def test_a_bad_split_choice_is_one_line_before_anything_loads(tiny_dir, tmp_path, capsys):
+    from lssp.cli import main
+
+    code = main(["--config", str(tiny_dir / "models.yaml"), "--results-dir", str(tmp_path), "latency", "--split",
+                 "sometimes"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--split 'sometimes': expected one of auto, same, separate" in err and "Traceback" not in err

@@ -117,8 +117,8 @@ def render(run, t, d, wide: bool = False) -> None:
                 console.print(f"    the lookup proposed {fmt(m.lookup_share, 0, pct=True)} of drafts, "
                               f"{fmt(m.lookup_acceptance, 0, pct=True)} of them accepted")
     if setup.recompiles:
-        console.print(f"[bold yellow]  torch.compile built {plural(setup.recompiles, 'graph')} while timing: their "
-                      "compile time is in the figures (more warm-up, or fewer shapes, would avoid it)[/bold yellow]")
+        console.print(f"[bold yellow]  torch.compile built {plural(setup.recompiles, 'graph')} while timing: "
+                      "its compile time is in the figures[/bold yellow]")
     if setup.split_timing == SEPARATE_PASS:
         console.print("  ms/token: completions synchronized only at their boundaries; draft/target shares and c: "
                       "a separate pass synchronized around every forward")
