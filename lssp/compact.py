@@ -214,30 +214,40 @@ class CompactLlama(nn.Module):
         self._rotary(0, self.config.max_position_embeddings, like)
         return self._rope
 
-    def _step(self, input_ids: torch.Tensor, positions: torch.Tensor, keys_values: list[torch.Tensor],
-              cos_table: torch.Tensor, sin_table: torch.Tensor) -> torch.Tensor:
-        """Logits of every position of ``input_ids`` (1, n) at ``positions`` (n,), writing their keys and values
-        into ``keys_values`` and attending over the whole buffer under a causal mask (the compiled path)."""
+    def _layers(self, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
+                keys_values: list[torch.Tensor], at: slice | torch.Tensor, upto: int | None) -> torch.Tensor:
+        """The decoder over ``input_ids`` (1, n): keys and values written at ``at``, queries attending over the
+        first ``upto`` cached positions (None: the whole buffer) under ``mask``. Returns the last hidden states."""
         n = input_ids.shape[1]
-        hidden = self.hf.model.embed_tokens(input_ids)
-        cos, sin = cos_table[:, positions], sin_table[:, positions]
-        mask = torch.arange(keys_values[0].shape[2], device=positions.device)[None, :] <= positions[:, None]
+        hidden = self.hf.model.embed_tokens(input_ids)  # (1, n, hidden)
         heads, half, rotated = self.heads, self.head_dim // 2, self.heads + self.kv_heads
         for i, layer in enumerate(self.hf.model.layers):
+            keys, values = keys_values[2 * i], keys_values[2 * i + 1]
             x = self._rms_norm(hidden, layer.input_layernorm.weight)
             qkv = _linear(self.qkv[i], x).view(1, n, -1, self.head_dim).transpose(1, 2)
-            qk = qkv[:, :rotated]
+            qk = qkv[:, :rotated]  # (1, heads + kv_heads, n, head_dim): rotary embedding on queries and keys at once
             qk = torch.addcmul(qk * cos, torch.cat((qk[..., half:], qk[..., :half]), dim=-1), sin)
-            keys, values = keys_values[2 * i], keys_values[2 * i + 1]
-            keys[:, :, positions] = qk[:, heads:]
-            values[:, :, positions] = qkv[:, rotated:]
-            out = F.scaled_dot_product_attention(qk[:, :heads], keys, values, attn_mask=mask, scale=self.scale,
-                                                 enable_gqa=self.kv_heads != heads)
+            keys[:, :, at] = qk[:, heads:]
+            values[:, :, at] = qkv[:, rotated:]
+            out = F.scaled_dot_product_attention(qk[:, :heads], keys[:, :, :upto], values[:, :, :upto],
+                                                 attn_mask=mask, scale=self.scale, enable_gqa=self.kv_heads != heads)
             hidden = hidden + _linear(self.o[i], out.transpose(1, 2).reshape(1, n, -1))
             x = self._rms_norm(hidden, layer.post_attention_layernorm.weight)
             gate, up = _linear(self.gate_up[i], x).chunk(2, dim=-1)
             hidden = hidden + _linear(self.down[i], F.silu(gate) * up)
+        return hidden
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.hf.lm_head(self._rms_norm(hidden, self.hf.model.norm.weight))
+
+    def _step(self, input_ids: torch.Tensor, positions: torch.Tensor, keys_values: list[torch.Tensor],
+              cos_table: torch.Tensor, sin_table: torch.Tensor) -> torch.Tensor:
+        """Logits of every position of ``input_ids`` at ``positions`` (n,), attending over the whole buffer
+        under a causal mask built from the positions: the same shapes at every step (the compiled path)."""
+        mask = torch.arange(keys_values[0].shape[2], device=positions.device)[None, :] <= positions[:, None]
+        hidden = self._layers(input_ids, cos_table[:, positions], sin_table[:, positions], mask, keys_values,
+                              positions, None)
+        return self._logits(hidden)
 
     def forward(self, input_ids: torch.Tensor, past_key_values: CompactCache, use_cache: bool = True,
                 logits_to_keep: int = 0) -> CompactOutput:
@@ -260,25 +270,9 @@ class CompactLlama(nn.Module):
                 logits = logits.clone()  # a CUDA graph's output is overwritten by its next replay
             kv.length = end
             return CompactOutput(logits[:, -logits_to_keep:] if logits_to_keep else logits)
-        hidden = self.hf.model.embed_tokens(input_ids)  # (1, n, hidden)
-        cos, sin = self._rotary(start, end, hidden)
+        cos, sin = self._rotary(start, end, kv.keys_values[0])
         # Queries see every cached position and the new ones up to their own.
-        mask = None if n == 1 else torch.ones(n, end, dtype=torch.bool, device=hidden.device).tril(diagonal=start)
-        heads, half, rotated = self.heads, self.head_dim // 2, self.heads + self.kv_heads
-        for i, layer in enumerate(self.hf.model.layers):
-            keys, values = kv.keys_values[2 * i], kv.keys_values[2 * i + 1]
-            x = self._rms_norm(hidden, layer.input_layernorm.weight)
-            qkv = _linear(self.qkv[i], x).view(1, n, -1, self.head_dim).transpose(1, 2)
-            qk = qkv[:, :rotated]  # (1, heads + kv_heads, n, head_dim): rotary embedding on queries and keys at once
-            qk = torch.addcmul(qk * cos, torch.cat((qk[..., half:], qk[..., :half]), dim=-1), sin)
-            keys[:, :, start:end] = qk[:, heads:]
-            values[:, :, start:end] = qkv[:, rotated:]
-            out = F.scaled_dot_product_attention(qk[:, :heads], keys[:, :, :end], values[:, :, :end],
-                                                 attn_mask=mask, scale=self.scale, enable_gqa=self.kv_heads != heads)
-            hidden = hidden + _linear(self.o[i], out.transpose(1, 2).reshape(1, n, -1))
-            x = self._rms_norm(hidden, layer.post_attention_layernorm.weight)
-            gate, up = _linear(self.gate_up[i], x).chunk(2, dim=-1)
-            hidden = hidden + _linear(self.down[i], F.silu(gate) * up)
+        mask = None if n == 1 else torch.ones(n, end, dtype=torch.bool, device=input_ids.device).tril(diagonal=start)
+        hidden = self._layers(input_ids, cos, sin, mask, kv.keys_values, slice(start, end), end)
         kv.length = end
-        hidden = hidden[:, -logits_to_keep:] if logits_to_keep else hidden
-        return CompactOutput(self.hf.lm_head(self._rms_norm(hidden, self.hf.model.norm.weight)))
+        return CompactOutput(self._logits(hidden[:, -logits_to_keep:] if logits_to_keep else hidden))
