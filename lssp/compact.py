@@ -242,10 +242,10 @@ class CompactLlama(nn.Module):
 
     def _step(self, input_ids: torch.Tensor, positions: torch.Tensor, keys_values: list[torch.Tensor],
               cos_table: torch.Tensor, sin_table: torch.Tensor) -> torch.Tensor:
-        """Logits of every position of ``input_ids`` at ``positions`` (n,), attending over the whole buffer
+        """Logits of every position of ``input_ids`` (n,) at ``positions`` (n,), attending over the whole buffer
         under a causal mask built from the positions: the same shapes at every step (the compiled path)."""
         mask = torch.arange(keys_values[0].shape[2], device=positions.device)[None, :] <= positions[:, None]
-        hidden = self._layers(input_ids, cos_table[:, positions], sin_table[:, positions], mask, keys_values,
+        hidden = self._layers(input_ids[None], cos_table[:, positions], sin_table[:, positions], mask, keys_values,
                               positions, None)
         return self._logits(hidden)
 
@@ -262,9 +262,9 @@ class CompactLlama(nn.Module):
             graphs = self.compile_mode in ("reduce-overhead", "max-autotune")
             if graphs:
                 torch.compiler.cudagraph_mark_step_begin()  # the previous step's outputs are no longer read
-            # clone(): ids made outside inference mode (the prompt's last token) would otherwise be a different
-            # kind of tensor than those made inside it, and each kind gets a graph of its own.
-            logits = self._compiled_step(input_ids.clone(), positions, kv.keys_values,
+            # A fresh 1-D copy of the ids: a slice of the growing sequence has a stride that changes every step,
+            # and ids made outside inference mode are another kind of tensor; each would get a graph of its own.
+            logits = self._compiled_step(input_ids.reshape(-1).clone(), positions, kv.keys_values,
                                          *self._rope_table(kv.keys_values[0]))
             if graphs:
                 logits = logits.clone()  # a CUDA graph's output is overwritten by its next replay
