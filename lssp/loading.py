@@ -162,13 +162,12 @@ def _placement(spec: ModelSpec, device: str | None, draft: bool = False) -> dict
 
 def _gpu_for_whole(spec: ModelSpec, n_gpus: int) -> int:
     """The GPU with the most free memory, after checking (where the model's shape is known) that it fits there."""
-    from lssp.placement import GiB, emptiest, empty_model, model_config, weight_bytes
+    from lssp.placement import GiB, emptiest, empty_model, model_config, precision_of, weight_bytes
 
     free = {i: torch.cuda.mem_get_info(i)[0] for i in range(n_gpus)}
     gpu = emptiest(free)
     try:
-        precision = {"8bit": "8-bit", "4bit": "4-bit"}.get(spec.quantization, "16-bit")
-        size = weight_bytes(empty_model(model_config(spec), DTYPES.get(spec.dtype, torch.bfloat16)), precision)
+        size = weight_bytes(empty_model(model_config(spec), DTYPES.get(spec.dtype, torch.bfloat16)), precision_of(spec))
     except UserError:
         return gpu  # shape unknown offline: from_pretrained will say if it does not fit
     if size > 0.95 * free[gpu]:

@@ -25,6 +25,11 @@ BYTES_PER_WEIGHT = {"16-bit": 2.0, "8-bit": 1.0, "4-bit": 0.5 + 4 / 64}
 OFF_GPU = ("cpu", "disk")
 
 
+def precision_of(spec: ModelSpec) -> str:
+    """The storage precision an entry loads in: bitsandbytes 8-bit or 4-bit, else 16-bit."""
+    return {"8bit": "8-bit", "4bit": "4-bit"}.get(spec.quantization, "16-bit")
+
+
 def model_config(spec: ModelSpec) -> Any:
     """The transformers config of an entry, read without downloading weights.
 
@@ -190,9 +195,14 @@ class NodePlan:
     def usable_bytes(self) -> int:
         return self.gpu_bytes - self.reserve_bytes
 
+    def missing_bytes(self, precision: str) -> int:
+        """Bytes of the target and the draft that find no room on a GPU at ``precision``."""
+        draft = self.draft.get(precision)
+        return self.target[precision].missing_bytes + (draft.missing_bytes if draft else 0)
+
     def fitting(self) -> str | None:
         """The widest precision at which the target (and the draft, if any) fit."""
-        return next((p for p in PRECISIONS if self.target[p].fits and (not self.draft or self.draft[p].fits)), None)
+        return next((p for p in PRECISIONS if not self.missing_bytes(p)), None)
 
     def floor_ms(self, placement: Placement) -> float:
         """Memory-bandwidth floor per forward: every weight read once, one GPU at a time (layers run in sequence)."""

@@ -54,7 +54,9 @@ def plan(
     16-bit, 8-bit or 4-bit: worked out on the meta device, nothing loaded."""
     import torch
 
-    from lssp.placement import GiB, PRECISIONS, empty_model, kv_bytes_per_token, model_config, parse_bytes, plan_node
+    from lssp.placement import (
+        GiB, PRECISIONS, empty_model, kv_bytes_per_token, model_config, parse_bytes, plan_node, precision_of,
+    )
 
     s = settings(ctx)
     registry = s.registry
@@ -84,7 +86,7 @@ def plan(
         node = plan_node(t_model, t_spec.name, d_model, d_spec.name if d_spec else None, gpus, gpu_bytes, reserve_bytes,
                          kv_bytes_per_token(t_config), bandwidth * 1e9 if bandwidth else float("nan"))
     chosen = node.fitting()
-    entry_precision = {"8bit": "8-bit", "4bit": "4-bit"}.get(t_spec.quantization, "16-bit")
+    entry_precision = precision_of(t_spec)
 
     title = (f"{t_spec.name}" + (f" with draft {d_spec.name}" if d_spec else "")
              + f" on {gpus} × {_gib(gpu_bytes)} GiB {'GPUs' if gpus > 1 else 'GPU'}, {_gib(reserve_bytes)} GiB kept "
@@ -94,14 +96,14 @@ def plan(
     for precision in PRECISIONS:
         t = node.target[precision]
         d = node.draft.get(precision)
-        short = t.missing_bytes + (d.missing_bytes if d else 0)
+        short = node.missing_bytes(precision)
         fits = "yes" if not short else f"no −{_gib(short)}"
         out.add_row(precision + (" (entry)" if precision == entry_precision else ""), _gib(t.weight_bytes),
                     _gib(max(b for dev, b in t.bytes_per_device.items() if isinstance(dev, int))),
                     *([_gib(d.weight_bytes), _device(next(iter(d.device_map.values())))] if d else []), fits,
                     style="bold" if precision == chosen else None)
     console.print(out)
-    if any(not node.target[p].fits or (d_spec and not node.draft[p].fits) for p in PRECISIONS):
+    if any(node.missing_bytes(p) for p in PRECISIONS):
         console.print("no −N: N GiB find no room on the GPUs.")
     if chosen:
         t = node.target[chosen]
@@ -125,8 +127,7 @@ def plan(
     if json_out:
         _write_json(json_out, node, chosen, t_spec.name, d_spec.name if d_spec else None)
     if not chosen:
-        t, d = node.target["4-bit"], node.draft.get("4-bit")
-        short = t.missing_bytes + (d.missing_bytes if d else 0)
+        short = node.missing_bytes("4-bit")
         raise UserError(f"{t_spec.name}" + (f" with {d_spec.name}" if d_spec else "") + f" does not fit on {gpus} × "
                         f"{_gib(gpu_bytes)} GiB at any precision: even in 4-bit, {_gib(short)} GiB find no room")
 
