@@ -21,7 +21,7 @@ from transformers import PreTrainedModel
 
 
 class CompactCache:
-    """Keys and values of each layer in preallocated buffers (1, kv_heads, positions, head_dim) that grow by doubling.
+    """Keys and values of each layer in preallocated buffers (batch, kv_heads, positions, head_dim) that grow by doubling.
 
     It answers what the samplers ask of a transformers DynamicCache: ``get_seq_length``
     and ``crop`` (a negative argument drops that many positions, 0 none). Each layer has
@@ -30,8 +30,8 @@ class CompactCache:
     """
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
-                 capacity: int = 256, buffers: list[torch.Tensor] | None = None) -> None:
-        self.keys_values = buffers or [torch.empty(1, kv_heads, capacity, head_dim, dtype=dtype, device=device)
+                 capacity: int = 256, buffers: list[torch.Tensor] | None = None, batch: int = 1) -> None:
+        self.keys_values = buffers or [torch.empty(batch, kv_heads, capacity, head_dim, dtype=dtype, device=device)
                                        for _ in range(2 * layers)]  # layer i: keys at 2i, values at 2i + 1
         self.length = 0
 
@@ -119,7 +119,8 @@ def supports_compact(model: PreTrainedModel) -> str | None:
 
 
 class CompactLlama(nn.Module):
-    """Batch-1 forward of a LlamaForCausalLM over a CompactCache; ``hf`` is the model it wraps."""
+    """Forward of a LlamaForCausalLM over a CompactCache, batch 1 (or rows of equal length at equal positions);
+    ``hf`` is the model it wraps."""
 
     def __init__(self, model: PreTrainedModel) -> None:
         super().__init__()
@@ -162,11 +163,11 @@ class CompactLlama(nn.Module):
     def get_output_embeddings(self) -> nn.Module:
         return self.hf.get_output_embeddings()
 
-    def new_cache(self) -> CompactCache:
+    def new_cache(self, batch: int = 1) -> CompactCache:
         weight = self.get_input_embeddings().weight
         args = (self.config.num_hidden_layers, self.kv_heads, self.head_dim, weight.dtype, weight.device)
-        if self._compiled_step is None:
-            return CompactCache(*args)
+        if self._compiled_step is None or batch > 1:  # the compiled step runs batch 1
+            return CompactCache(*args, batch=batch)
         # Compiled: a zeroed buffer of fixed capacity (positions past the text are masked, never NaN), reused by the
         # next cache once this one is dropped, so CUDA graphs see the same addresses and no new shape.
         buffers = self._free_buffers.pop() if self._free_buffers else [
@@ -216,22 +217,23 @@ class CompactLlama(nn.Module):
 
     def _layers(self, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
                 keys_values: list[torch.Tensor], at: slice | torch.Tensor, upto: int | None) -> torch.Tensor:
-        """The decoder over ``input_ids`` (1, n): keys and values written at ``at``, queries attending over the
-        first ``upto`` cached positions (None: the whole buffer) under ``mask``. Returns the last hidden states."""
-        n = input_ids.shape[1]
+        """The decoder over ``input_ids`` (batch, n), every row at the same positions: keys and values written at
+        ``at``, queries attending over the first ``upto`` cached positions (None: the whole buffer) under ``mask``.
+        Returns the last hidden states."""
+        batch, n = input_ids.shape
         hidden = self.hf.model.embed_tokens(input_ids)  # (1, n, hidden)
         heads, half, rotated = self.heads, self.head_dim // 2, self.heads + self.kv_heads
         for i, layer in enumerate(self.hf.model.layers):
             keys, values = keys_values[2 * i], keys_values[2 * i + 1]
             x = self._rms_norm(hidden, layer.input_layernorm.weight)
-            qkv = _linear(self.qkv[i], x).view(1, n, -1, self.head_dim).transpose(1, 2)
+            qkv = _linear(self.qkv[i], x).view(batch, n, -1, self.head_dim).transpose(1, 2)
             qk = qkv[:, :rotated]  # (1, heads + kv_heads, n, head_dim): rotary embedding on queries and keys at once
             qk = torch.addcmul(qk * cos, torch.cat((qk[..., half:], qk[..., :half]), dim=-1), sin)
             keys[:, :, at] = qk[:, heads:]
             values[:, :, at] = qkv[:, rotated:]
             out = F.scaled_dot_product_attention(qk[:, :heads], keys[:, :, :upto], values[:, :, :upto],
                                                  attn_mask=mask, scale=self.scale, enable_gqa=self.kv_heads != heads)
-            hidden = hidden + _linear(self.o[i], out.transpose(1, 2).reshape(1, n, -1))
+            hidden = hidden + _linear(self.o[i], out.transpose(1, 2).reshape(batch, n, -1))
             x = self._rms_norm(hidden, layer.post_attention_layernorm.weight)
             gate, up = _linear(self.gate_up[i], x).chunk(2, dim=-1)
             hidden = hidden + _linear(self.down[i], F.silu(gate) * up)
@@ -251,13 +253,13 @@ class CompactLlama(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, past_key_values: CompactCache, use_cache: bool = True,
                 logits_to_keep: int = 0) -> CompactOutput:
-        if input_ids.shape[0] != 1:
-            raise ValueError("the compact forward runs batch size 1")
         kv = past_key_values
+        if input_ids.shape[0] != kv.keys_values[0].shape[0]:
+            raise ValueError(f"a batch of {input_ids.shape[0]} over a cache of {kv.keys_values[0].shape[0]} rows")
         start, n = kv.length, input_ids.shape[1]
         end = start + n
         kv.reserve(end)
-        if self._compiled_step is not None and 0 < start and n <= STEP_TOKENS:  # prefills (start 0) stay eager
+        if self._compiled_step is not None and 0 < start and n <= STEP_TOKENS and input_ids.shape[0] == 1:  # prefills (start 0) stay eager
             positions = torch.arange(start, end, device=input_ids.device)
             graphs = self.compile_mode in ("reduce-overhead", "max-autotune")
             if graphs:

@@ -12,23 +12,41 @@ from typing import Any
 import torch
 
 from lssp.errors import UserError
-from lssp.generation import Stopping, generate_regular, generate_speculative
+from lssp.generation import (
+    GenerationOutput, PrefixCache, Stopping, generate_regular, generate_regular_batch, generate_speculative,
+)
 from lssp.loading import LoadedModel
 from lssp.report import RunInfo, markdown_table
 from lssp.sampling import SamplingParams
 from lssp.stats import Interval, difference, mcnemar, wald, wilson
 
-FEW_SHOT = "8 * 12 = 96\n25 * 4 = 100\n37 * 85 = 3145\n"
-LOW, HIGH = 1, 99  # both inclusive (the reference drew 1..98 while its README said 1..99)
+FEW_SHOT = "8 * 12 = 96\n25 * 4 = 100\n37 * 85 = 3145\n"  # the reference's prefix
+OPERATIONS = {  # symbol, the few-shot prefix in the reference's shape, the result
+    "mul": ("*", FEW_SHOT, lambda a, b: a * b),
+    "add": ("+", "8 + 12 = 20\n25 + 4 = 29\n37 + 85 = 122\n", lambda a, b: a + b),
+}
+CHUNK = 64  # problems per turn of each mode
+LOW, HIGH = 1, 99  # operands, both inclusive (the reference drew 1..98 while its README said 1..99)
 
 
-def multiplication_problems(n: int, seed: int) -> list[tuple[int, int]]:
+def multiplication_problems(n: int, seed: int, high: int = HIGH) -> list[tuple[int, int]]:
+    """``n`` operand pairs drawn uniformly from LOW..``high`` (the draws do not depend on the operation)."""
     rng = random.Random(seed)
-    return [(rng.randint(LOW, HIGH), rng.randint(LOW, HIGH)) for _ in range(n)]
+    return [(rng.randint(LOW, high), rng.randint(LOW, high)) for _ in range(n)]
 
 
-def prompt_for(a: int, b: int) -> str:
-    return f"{FEW_SHOT}{a} * {b} = "
+def few_shot(op: str = "mul") -> str:
+    if op not in OPERATIONS:
+        raise UserError(f"--op {op!r}: expected one of {', '.join(OPERATIONS)}")
+    return OPERATIONS[op][1]
+
+
+def prompt_for(a: int, b: int, op: str = "mul") -> str:
+    return f"{few_shot(op)}{a} {OPERATIONS[op][0]} {b} = "
+
+
+def answer_for(a: int, b: int, op: str = "mul") -> int:
+    return OPERATIONS[op][2](a, b)
 
 
 def parse_answer(completion: str) -> int | None:
@@ -52,6 +70,7 @@ class EvalRecord:
     correct: bool
     new_tokens: int
     acceptance_rate: float | None = None
+    seconds: float | None = None  # the completion's wall time, prefill included
 
 
 @dataclass
@@ -62,6 +81,7 @@ class EvalSummary:
     success_rate: float
     wald: Interval
     wilson: Interval
+    seconds_per_problem: float = float("nan")  # mean over the problems timed in this run (not resumed ones)
 
 
 @dataclass
@@ -88,6 +108,10 @@ class EvalSetup:
     k: int
     max_new_tokens: int
     lookup: int = 0
+    op: str = "mul"
+    max_operand: int = HIGH
+    prefix_cache: bool = True
+    rsp_batch: int = 1  # RSp problems of equal prompt length run in batches of up to this many
 
 
 @dataclass
@@ -112,21 +136,26 @@ class EvalRun:
             "wilson_low": m.wilson.low, "wilson_high": m.wilson.high,
             "diff_rsp_minus_ssp": cmp.difference.estimate if cmp else nan,
             "diff_low": cmp.difference.low if cmp else nan, "diff_high": cmp.difference.high if cmp else nan,
-            "mcnemar_p": cmp.mcnemar_p if cmp else nan, "records": str(self.records_path),
+            "mcnemar_p": cmp.mcnemar_p if cmp else nan, "op": setup.op, "max_operand": setup.max_operand,
+            "s_per_problem": m.seconds_per_problem, "prefix_cache": setup.prefix_cache, "records": str(self.records_path),
             "target_precision": setup.target_precision, "draft_precision": setup.draft_precision, **self.info.env,
         } for m in self.summaries]
 
     def summary_json(self) -> list[dict[str, Any]]:
-        keys = ("mode", "target", "draft", "trials", "successes", "success_rate", "wald_low", "wald_high", "wilson_low",
-                "wilson_high", "diff_rsp_minus_ssp", "diff_low", "diff_high", "mcnemar_p", "run_id")
+        keys = ("mode", "target", "draft", "op", "max_operand", "trials", "successes", "success_rate", "wald_low",
+                "wald_high", "wilson_low", "wilson_high", "diff_rsp_minus_ssp", "diff_low", "diff_high", "mcnemar_p",
+                "s_per_problem", "run_id")
         return [{key: row[key] for key in keys} for row in self.rows()]
 
     def markdown(self) -> str:
         setup = self.setup
+        symbol = OPERATIONS[setup.op][0]
         return (f"# eval run {self.run_id}\n\ntarget `{setup.target}`, draft `{setup.draft or '-'}`, "
-                f"{setup.nb_prompts} problems, {setup.params}, {self.info.describe()}\n\n" +
+                f"{setup.nb_prompts} problems `a {symbol} b = ` with a, b in {LOW}..{setup.max_operand}, {setup.params}, "
+                f"{self.info.describe()}\n\n" +
                 markdown_table(self.rows(), ["mode", "trials", "successes", "success_rate", "wald_low", "wald_high",
-                                             "wilson_low", "wilson_high", "diff_low", "diff_high", "mcnemar_p"]))
+                                             "wilson_low", "wilson_high", "diff_low", "diff_high", "mcnemar_p",
+                                             "s_per_problem"]))
 
 
 class EvalInterrupted(KeyboardInterrupt):
@@ -140,7 +169,8 @@ class EvalInterrupted(KeyboardInterrupt):
 
 def summarize(mode: str, records: Sequence[EvalRecord]) -> EvalSummary:
     n, s = len(records), sum(r.correct for r in records)
-    return EvalSummary(mode, n, s, s / n, wald(s, n), wilson(s, n))
+    timed = [r.seconds for r in records if r.seconds is not None]
+    return EvalSummary(mode, n, s, s / n, wald(s, n), wilson(s, n), sum(timed) / len(timed) if timed else float("nan"))
 
 
 def compare(rsp: Sequence[EvalRecord], ssp: Sequence[EvalRecord]) -> EvalComparison:
@@ -164,10 +194,13 @@ def find_resumable(records_dir: Path, config: dict) -> Path | None:
 
 
 def eval_config(target: str, draft: str | None, modes: Sequence[str], nb_prompts: int, seed: int, k: int,
-                max_new_tokens: int, params: SamplingParams, lookup: int = 0) -> dict:
-    """What a resumed run must match exactly (its hash names the records file)."""
+                max_new_tokens: int, params: SamplingParams, lookup: int = 0, op: str = "mul",
+                max_operand: int = HIGH) -> dict:
+    """What a resumed run must match exactly (its hash names the records file). Settings at their defaults
+    stay out, so that runs recorded before a setting existed still resume."""
     return {"target": target, "draft": draft, "modes": list(modes), "nb_prompts": nb_prompts, "seed": seed, "k": k,
-            "max_new_tokens": max_new_tokens, **params.as_dict(), **({"lookup": lookup} if lookup else {})}
+            "max_new_tokens": max_new_tokens, **params.as_dict(), **({"lookup": lookup} if lookup else {}),
+            **({"op": op} if op != "mul" else {}), **({"max_operand": max_operand} if max_operand != HIGH else {})}
 
 
 def resume_point(records_dir: Path, config: dict) -> tuple[Path, list[EvalRecord]]:
@@ -198,37 +231,80 @@ def read_records(path: Path) -> list[EvalRecord]:
     return records
 
 
-def _score(target: LoadedModel, draft: LoadedModel | None, mode: str, a: int, b: int, index: int, seed: int,
-           params: SamplingParams, max_new_tokens: int, k: int, stopping: Stopping, vocab_size: int | None,
-           lookup: int) -> EvalRecord:
-    """One problem in one mode."""
-    prompt = prompt_for(a, b)
-    ids = target.encode(prompt)
-    # Same seed per problem for every mode: the samples are paired.
-    generator = torch.Generator(device=target.device).manual_seed(seed * 1_000_003 + index)
-    if mode == "rsp":
-        out = generate_regular(target.model, ids, max_new_tokens, params, generator, stopping)
-    else:
-        out = generate_speculative(target.model, draft.model, ids, max_new_tokens, k, params, generator,
-                                   stopping, vocab_size=vocab_size, lookup=lookup)
-    completion = target.tokenizer.decode(out.tokens, skip_special_tokens=True)
+def _generator(target: LoadedModel, setup: EvalSetup, index: int) -> torch.Generator:
+    """Problem ``index``'s generator: the same seed in every mode, so the samples are paired."""
+    return torch.Generator(device=target.device).manual_seed(setup.seed * 1_000_003 + index)
+
+
+def _record(target: LoadedModel, mode: str, index: int, a: int, b: int, setup: EvalSetup,
+            out: GenerationOutput) -> EvalRecord:
+    completion = target.decode(out.tokens.tolist())
+    expected = answer_for(a, b, setup.op)
     rate = out.stats.acceptance_rate if mode == "ssp" else None
-    return EvalRecord(mode, index, a, b, prompt, a * b, completion, parse_answer(completion) == a * b,
-                      len(out.tokens), None if rate != rate else rate)
+    return EvalRecord(mode, index, a, b, prompt_for(a, b, setup.op), expected, completion,
+                      parse_answer(completion) == expected, len(out.tokens), None if rate != rate else rate,
+                      round(out.stats.total_time_s, 6))
+
+
+def _score(target: LoadedModel, draft: LoadedModel | None, mode: str, a: int, b: int, index: int,
+           setup: EvalSetup, stopping: Stopping, vocab_size: int | None, prefix: PrefixCache | None) -> EvalRecord:
+    """One problem in one mode."""
+    ids = target.encode(prompt_for(a, b, setup.op))
+    generator = _generator(target, setup, index)
+    if mode == "rsp":
+        out = generate_regular(target.model, ids, setup.max_new_tokens, setup.params, generator, stopping,
+                               prefix=prefix)
+    else:
+        out = generate_speculative(target.model, draft.model, ids, setup.max_new_tokens, setup.k, setup.params,
+                                   generator, stopping, vocab_size=vocab_size, lookup=setup.lookup, prefix=prefix)
+    return _record(target, mode, index, a, b, setup, out)
+
+
+def _score_rsp_batches(target: LoadedModel, problems: Sequence[tuple[int, int, int]], setup: EvalSetup,
+                       stopping: Stopping, prefix: PrefixCache | None) -> list[EvalRecord]:
+    """RSp of (index, a, b) problems, those whose prompts have the same token count in batches of up to
+    ``setup.rsp_batch``: the same tokens as one at a time, in a fraction of the forwards."""
+    by_length: dict[int, list[tuple[int, int, int, torch.Tensor]]] = {}
+    for index, a, b in problems:
+        ids = target.encode(prompt_for(a, b, setup.op))
+        by_length.setdefault(ids.shape[1], []).append((index, a, b, ids))
+    records = []
+    for group in by_length.values():
+        for start in range(0, len(group), setup.rsp_batch):
+            batch = group[start:start + setup.rsp_batch]
+            outs = generate_regular_batch(target.model, torch.cat([ids for *_, ids in batch]), setup.max_new_tokens,
+                                          setup.params, [_generator(target, setup, index) for index, *_ in batch],
+                                          stopping, prefix)
+            records += [_record(target, "rsp", index, a, b, setup, out) for (index, a, b, _), out in zip(batch, outs)]
+    return sorted(records, key=lambda r: r.index)
+
+
+def answer_stopping(target: LoadedModel) -> Stopping:
+    """An answer ends at its first newline, or at the end token."""
+    tokenizer = target.tokenizer
+    newline_ids = {i for t, i in tokenizer.get_vocab().items() if "\n" in tokenizer.convert_tokens_to_string([t])} \
+        if tokenizer is not None else set()
+    return Stopping(token_ids=newline_ids | target.eos_ids)
 
 
 def run_eval(
     target: LoadedModel, draft: LoadedModel | None, modes: Sequence[str], nb_prompts: int, seed: int,
-    params: SamplingParams, max_new_tokens: int, k: int, records_dir: Path, resume: bool = False, vocab_size: int | None = None, on_record: Callable[[EvalRecord], None] | None = None,
-    lookup: int = 0,
+    params: SamplingParams, max_new_tokens: int, k: int, records_dir: Path, resume: bool = False,
+    vocab_size: int | None = None, on_record: Callable[[EvalRecord], None] | None = None, lookup: int = 0,
+    op: str = "mul", max_operand: int = HIGH, prefix_cache: bool = True, rsp_batch: int = 1,
 ) -> EvalRun:
-    """Score each mode on the same ``nb_prompts`` problems, streaming records to JSONL as they come."""
+    """Score each mode on the same ``nb_prompts`` problems ``a OP b = `` (operands in LOW..``max_operand``),
+    streaming records to JSONL as they come. With ``prefix_cache``, each model computes the few-shot prefix's
+    keys and values once and every problem starts from them. ``rsp_batch`` > 1 runs RSp problems whose prompts
+    have the same token count in batches (``generate_regular_batch``). Modes take turns every CHUNK problems."""
     if nb_prompts < 1:
         raise UserError("--nb-prompts must be at least 1")
+    if max_operand < LOW:
+        raise UserError(f"--max-operand must be at least {LOW}, got {max_operand}")
     if "ssp" in modes and draft is None:
         raise UserError("SSp evaluation needs a draft model")
     config = eval_config(target.name, draft.name if draft else None, modes, nb_prompts, seed, k, max_new_tokens,
-                         params, lookup)
+                         params, lookup, op, max_operand)
     info = RunInfo.for_models(target, draft)
     run_id = info.run_id
     records_dir.mkdir(parents=True, exist_ok=True)
@@ -239,26 +315,29 @@ def run_eval(
     else:
         run_id = info.run_id = json.loads(path.open().readline()).get("run_id", run_id)
     finished = {(r.mode, r.index) for r in done}
-    newline_ids = {i for t, i in target.tokenizer.get_vocab().items() if "\n" in target.tokenizer.convert_tokens_to_string([t])} \
-        if target.tokenizer is not None else set()
-    stopping = Stopping(token_ids=newline_ids)
-    problems = multiplication_problems(nb_prompts, seed)
+    stopping = answer_stopping(target)
+    prefix = PrefixCache(target.encode(few_shot(op))[0].tolist()) if prefix_cache else None
+    problems = multiplication_problems(nb_prompts, seed, max_operand)
     records = list(done)
     setup = EvalSetup(target.name, draft.name if draft else None, target.precision, draft.precision if draft else "",
-                      params, nb_prompts, seed, k, max_new_tokens, lookup)
+                      params, nb_prompts, seed, k, max_new_tokens, lookup, op, max_operand, prefix_cache, rsp_batch)
     with path.open("a") as sink:
         try:
-            for index, (a, b) in enumerate(problems):
+            for chunk in range(0, nb_prompts, CHUNK):  # modes interleaved chunk by chunk
                 for mode in modes:
-                    if (mode, index) in finished:
-                        continue
-                    record = _score(target, draft, mode, a, b, index, seed, params, max_new_tokens, k, stopping,
-                                    vocab_size, lookup)
-                    sink.write(json.dumps(asdict(record)) + "\n")
-                    sink.flush()
-                    records.append(record)
-                    if on_record:
-                        on_record(record)
+                    todo = [(index, a, b) for index, (a, b) in enumerate(problems[chunk:chunk + CHUNK], chunk)
+                            if (mode, index) not in finished]
+                    if mode == "rsp" and rsp_batch > 1:
+                        scored = iter(_score_rsp_batches(target, todo, setup, stopping, prefix))
+                    else:
+                        scored = (_score(target, draft, mode, a, b, index, setup, stopping, vocab_size, prefix)
+                                  for index, a, b in todo)
+                    for record in scored:
+                        sink.write(json.dumps(asdict(record)) + "\n")
+                        sink.flush()
+                        records.append(record)
+                        if on_record:
+                            on_record(record)
         except KeyboardInterrupt:
             raise EvalInterrupted(path, len(records)) from None
     by_mode = {m: sorted((r for r in records if r.mode == m), key=lambda r: r.index) for m in modes}

@@ -18,6 +18,7 @@ falls out of step.
 """
 from __future__ import annotations
 
+import copy
 import inspect
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
@@ -90,6 +91,22 @@ class GenerationStats:
     @property
     def ms_per_token(self) -> float:
         return 1000 * self.decode_time_s / self.new_tokens if self.new_tokens else float("nan")
+
+
+def combined(parts: Sequence[GenerationStats]) -> GenerationStats:
+    """The stats of several generations in a row (the turns of a conversation) as one: counts and times add
+    up, the time to first token is the first one's."""
+    first = parts[0]
+    total = GenerationStats(mode=first.mode, k=first.k, drafted_at=[0] * len(first.drafted_at),
+                            accepted_at=[0] * len(first.accepted_at), ttft_s=first.ttft_s,
+                            forwards_timed=all(p.forwards_timed for p in parts))
+    for name in ("new_tokens", "target_forwards", "draft_forwards", "drafted", "accepted", "rejections", "looked_up",
+                 "looked_up_accepted", "prefill_time_s", "target_time_s", "draft_time_s", "total_time_s"):
+        setattr(total, name, sum(getattr(p, name) for p in parts))
+    for part in parts:
+        total.drafted_at = [a + b for a, b in zip(total.drafted_at, part.drafted_at)]
+        total.accepted_at = [a + b for a, b in zip(total.accepted_at, part.accepted_at)]
+    return total
 
 
 @dataclass
@@ -185,8 +202,55 @@ def drop(kv: DynamicCache, positions: int) -> None:
         kv.crop(-positions)
 
 
-def _prefill(model: PreTrainedModel, seq: torch.Tensor) -> DynamicCache:
-    """A cache holding all of ``seq`` but its last token, which the first decode step feeds."""
+class PrefixCache:
+    """The keys and values of a prompt prefix that many completions share (an eval's few-shot lines), one
+    cache per model: a completion whose prompt starts with the prefix copies nothing and recomputes nothing,
+    it rolls the model's cache back to the prefix and feeds the rest of its prompt."""
+
+    def __init__(self, ids: Sequence[int]) -> None:
+        self.ids = list(ids)
+        self._caches: dict[torch.nn.Module, DynamicCache] = {}
+
+    def start(self, model: PreTrainedModel, seq: torch.Tensor) -> DynamicCache | None:
+        """``model``'s cache holding all of ``seq`` (1, T), or of every row of ``seq`` (B, T), but its last token;
+        None where a row does not extend the prefix (its tokenization differs there, or it is no longer)."""
+        n = len(self.ids)
+        if seq.shape[1] <= n or any(row[:n].tolist() != self.ids for row in seq):
+            return None
+        device = model_device(model)
+        kv = self._caches.get(model)
+        if kv is None:
+            kv = self._caches[model] = new_cache(model)
+            forward_logits(model, seq[:1, :n].to(device), kv, 1)
+        else:
+            drop(kv, kv.get_seq_length() - n)
+        if seq.shape[0] > 1:
+            kv = repeated(model, kv, seq.shape[0])
+        if seq.shape[1] > n + 1:
+            model(input_ids=seq[:, n:-1].to(device), past_key_values=kv, use_cache=True)
+        return kv
+
+
+def repeated(model: PreTrainedModel, kv: DynamicCache, batch: int) -> DynamicCache:
+    """A new cache of ``batch`` rows, each a copy of one-row ``kv``."""
+    if hasattr(kv, "keys_values"):  # a compact forward's cache
+        out = model.new_cache(batch)
+        out.reserve(kv.length)
+        for mine, theirs in zip(out.keys_values, kv.keys_values):
+            mine[:, :, :kv.length] = theirs[:, :, :kv.length]
+        out.length = kv.length
+        return out
+    out = copy.deepcopy(kv)
+    out.batch_repeat_interleave(batch)
+    return out
+
+
+def _prefill(model: PreTrainedModel, seq: torch.Tensor, prefix: PrefixCache | None = None) -> DynamicCache:
+    """A cache holding all of ``seq`` but its last token, which the first decode step feeds (from ``prefix``'s
+    cache where ``seq`` extends it)."""
+    kv = prefix.start(model, seq) if prefix is not None else None
+    if kv is not None:
+        return kv
     kv = new_cache(model)
     if seq.shape[1] > 1:
         forward_logits(model, seq[:, :-1].to(model_device(model)), kv, 1)
@@ -247,12 +311,14 @@ def generate_regular(
     stopping: Stopping = NO_STOP,
     on_tokens: TokenCallback | None = None,
     time_forwards: bool = True,
+    prefix: PrefixCache | None = None,
 ) -> GenerationOutput:
     """Sample ``max_new_tokens`` tokens from ``model``: prefill once, then one token per forward.
 
     Tokens stay on the device unless a stop condition or a callback needs them on the host,
     so a GPU never waits for the CPU between steps. ``time_forwards`` False synchronizes a GPU
-    only at the completion's start, end of prefill, first token and end (see ``Clock``).
+    only at the completion's start, end of prefill, first token and end (see ``Clock``). ``prefix``: a shared
+    prompt prefix whose cache the prefill starts from.
     """
     device = model_device(model)
     clock = Clock.for_models(model, per_forward=time_forwards)
@@ -263,7 +329,7 @@ def generate_regular(
     tokens: list[int] = []
     stopped = False
     start = clock.now()
-    kv = _prefill(model, seq)
+    kv = _prefill(model, seq, prefix)
     stats.prefill_time_s = clock.now() - start
     next_ids = seq[:, -1:]
     n = 0
@@ -291,6 +357,52 @@ def generate_regular(
 
 
 @torch.inference_mode()
+def generate_regular_batch(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    max_new_tokens: int,
+    params: SamplingParams,
+    generators: Sequence[torch.Generator | None],
+    stopping: Stopping = NO_STOP,
+    prefix: PrefixCache | None = None,
+) -> list[GenerationOutput]:
+    """RSp of prompts of equal length (``input_ids`` (B, T)) in one batch: each row gives the tokens
+    ``generate_regular`` gives it alone with its own generator (rows share positions, so nothing is padded;
+    each row draws from its generator exactly as it would alone). A row stops at its stop condition; the
+    batch runs until every row has stopped. The stats are the batch's, shared by its rows (times divided by B).
+    ``prefix``: a prompt prefix every row shares, whose cache the prefill starts from."""
+    batch = input_ids.shape[0]
+    device = model_device(model)
+    clock = Clock.for_models(model)
+    seq = input_ids.to(device)
+    rows: list[list[int]] = [[] for _ in range(batch)]
+    stopped = [False] * batch
+    start = clock.now()
+    kv = prefix.start(model, seq) if prefix is not None else None
+    if kv is None:
+        make = getattr(model, "new_cache", None)
+        kv = make(batch) if make else DynamicCache(config=model.config)
+        if seq.shape[1] > 1:
+            model(input_ids=seq[:, :-1], past_key_values=kv, use_cache=True)
+    prefill = clock.now() - start
+    next_ids = seq[:, -1:]
+    forwards = 0
+    while not all(stopped) and forwards < max_new_tokens:
+        logits = model(input_ids=next_ids, past_key_values=kv, use_cache=True).logits[:, -1].to(device)
+        forwards += 1
+        tokens = [sample_logits(logits[i:i + 1], params, generators[i])[0] for i in range(batch)]
+        next_ids = torch.stack(tokens).view(batch, 1)
+        for i, token in enumerate(tokens):
+            if not stopped[i]:
+                rows[i].append(int(token))
+                stopped[i] = stopping.cut(rows[i], len(rows[i]) - 1) is not None
+    total = clock.now() - start
+    stats = GenerationStats(mode="rsp", new_tokens=sum(map(len, rows)) // batch, target_forwards=forwards,
+                            prefill_time_s=prefill / batch, total_time_s=total / batch, forwards_timed=False)
+    return [GenerationOutput(torch.tensor(row, dtype=torch.long), stats, done) for row, done in zip(rows, stopped)]
+
+
+@torch.inference_mode()
 def generate_speculative(
     target: PreTrainedModel,
     draft: PreTrainedModel,
@@ -305,6 +417,7 @@ def generate_speculative(
     confidence: float = 0.0,
     lookup: int = 0,
     time_forwards: bool = True,
+    prefix: PrefixCache | None = None,
 ) -> GenerationOutput:
     """Sample ``max_new_tokens`` tokens from ``target``'s distribution with ``draft`` proposing ``k`` at a time.
 
@@ -313,8 +426,8 @@ def generate_speculative(
     > 0, the draft stops proposing early once its own (untempered) probability of the token it
     just proposed falls below it, like transformers' ``assistant_confidence_threshold``: ``k``
     is then a maximum. The rule looks at the draft alone, so sampling stays exact. ``lookup`` > 0
-    turns on the context lookup over n-grams of that length (module docstring). ``time_forwards``
-    as in ``generate_regular``.
+    turns on the context lookup over n-grams of that length (module docstring). ``time_forwards`` and
+    ``prefix`` as in ``generate_regular``.
     """
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
@@ -326,7 +439,7 @@ def generate_speculative(
     tokens: list[int] = []
     stopped = False
     start = clock.now()
-    target_kv, draft_kv = _prefill(target, seq), _prefill(draft, seq)
+    target_kv, draft_kv = _prefill(target, seq, prefix), _prefill(draft, seq, prefix)
     context = ContextLookup(lookup, input_ids[0].tolist()) if lookup else None
     stats.prefill_time_s = clock.now() - start
     while len(tokens) < max_new_tokens and not stopped:

@@ -9,11 +9,12 @@ from typing import Any, NamedTuple
 import torch
 
 from lssp.compact import compiled_graphs
-from lssp.generation import GenerationStats, generate_regular, generate_speculative
+from lssp.generation import GenerationOutput, GenerationStats, Stopping, combined, generate_regular, generate_speculative
 from lssp.loading import LoadedModel
 from lssp.report import RunInfo, markdown_table, plural
 from lssp.sampling import SamplingParams
 from lssp.stats import alpha_estimate
+from lssp.tasks import TaskPrompt
 from lssp.timing import Clock
 
 Progress = Callable[[str], None]  # called with a short description after each timed completion
@@ -31,6 +32,9 @@ class PromptTiming:
     lookup: int = 0  # SSp: n-gram length of the context lookup (0: off)
     repeat: int = 0  # which pass over the prompts (--repeats)
     split_pass: bool = False  # a pass synchronized around every forward, for the draft/target split only
+    task: str = "prompts"
+    turns: int = 1  # completions made: one per user turn
+    at_budget: int = 0  # of those, how many ran to max_new_tokens (no end token before)
 
     @property
     def how(self) -> Mode:
@@ -40,6 +44,12 @@ class PromptTiming:
     def ms_per_target_forward(self) -> float:
         s = self.stats
         return 1000 * s.target_time_s / s.target_forwards if s.target_forwards else float("nan")
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Emitted tokens ÷ the whole completion's wall time, prefill included (Spec-Bench's per-question figure)."""
+        s = self.stats
+        return s.new_tokens / s.total_time_s if s.total_time_s > 0 else float("nan")
 
 
 class Mode(NamedTuple):
@@ -54,6 +64,9 @@ class Mode(NamedTuple):
     def name(self) -> str:
         return (self.mode + (f" k={self.k}" if self.k else "") + (f" p>={self.confidence:g}" if self.confidence else "")
                 + (f" lookup={self.lookup}" if self.lookup else ""))
+
+
+ALL_TASKS = "all"  # the summary over every prompt of a run, whatever its task
 
 
 @dataclass
@@ -88,6 +101,10 @@ class ModeSummary:
     forward_spread: float = float("nan")  # the slowest prompt's mean ms per target forward ÷ the median prompt's
     speedup_sd: float = float("nan")  # sd of the speedup over --repeats passes (nan for one pass)
     repeats: int = 1
+    task: str = ALL_TASKS  # the task category these prompts are from
+    at_budget_share: float = float("nan")  # of the completions (turns), those that ran to max_new_tokens
+    tokens_per_s: float = float("nan")  # mean over prompts of tokens ÷ whole completion time (Spec-Bench's)
+    specbench_speedup: float = float("nan")  # this mode's tokens_per_s ÷ RSp's (Spec-Bench's overall speedup)
 
     @property
     def noisy(self) -> bool:
@@ -107,7 +124,7 @@ def spread(values: Sequence[float]) -> float:
 
 
 def summarize(timings: Sequence[PromptTiming], how: Mode = Mode("rsp"),
-              split: Sequence[PromptTiming] | None = None) -> ModeSummary:
+              split: Sequence[PromptTiming] | None = None, task: str = ALL_TASKS) -> ModeSummary:
     """Figures of one mode; the shares of decode time, ms per forward and the spread come from
     ``split`` where given (a separate pass timed around every forward), else from ``timings``."""
     mode, k = how.mode, how.k
@@ -150,6 +167,9 @@ def summarize(timings: Sequence[PromptTiming], how: Mode = Mode("rsp"),
         lookup_acceptance=sum(s.looked_up_accepted for s in stats) / looked_up if looked_up else nan,
         forward_spread=spread([t.ms_per_target_forward for t in split if t.stats.forwards_timed]),
         repeats=len({t.repeat for t in timings}),
+        task=task,
+        at_budget_share=sum(t.at_budget for t in timings) / max(1, sum(t.turns for t in timings)),
+        tokens_per_s=sum(t.tokens_per_s for t in timings) / len(timings),
     )
 
 
@@ -176,8 +196,11 @@ class LatencySetup:
     params: SamplingParams
     max_new_tokens: int
     prompts: int
-    chat: bool = False
+    chat: bool = False  # the chat template for every prompt (--chat)
     repeats: int = 1
+    ignore_eos: bool = False  # completions ran to max_new_tokens past the end token
+    tasks: list[str] = field(default_factory=list)  # in the order the prompts came
+    prompt_formats: dict[str, str] = field(default_factory=dict)  # task: chat, raw or mixed
     split_timing: str = SAME_PASS  # where the draft/target/other split was measured
     recompiles: int = 0  # graphs torch.compile built during the timed passes (after the warm-ups)
 
@@ -191,14 +214,25 @@ class LatencyRun:
     interrupted: bool = False  # Ctrl-C: the summaries cover the prompts completed in every mode
 
     @property
+    def overall(self) -> list[ModeSummary]:
+        """The summaries over every prompt (one per mode)."""
+        return [s for s in self.summaries if s.task == ALL_TASKS] or list(self.summaries)
+
+    @property
+    def by_task(self) -> list[ModeSummary]:
+        """The summaries of each task (none when the run had one task: its summaries are the overall ones)."""
+        overall = self.overall
+        return [s for s in self.summaries if s not in overall]
+
+    @property
     def baseline(self) -> ModeSummary | None:
-        return next((s for s in self.summaries if s.mode == "rsp"), None)
+        return next((s for s in self.overall if s.mode == "rsp"), None)
 
     @property
     def cost_ratio(self) -> float:
         """c: draft ms per forward / target ms per 1-token forward (from RSp)."""
         base = self.baseline
-        drafts = [s.draft_ms_per_forward for s in self.summaries if s.mode == "ssp"]
+        drafts = [s.draft_ms_per_forward for s in self.overall if s.mode == "ssp"]
         if base is None or not drafts:
             return float("nan")
         return median(drafts) / base.target_ms_per_forward
@@ -206,7 +240,7 @@ class LatencyRun:
     @property
     def noisy(self) -> bool:
         """The target's forward time varied across prompts beyond what a quiet machine shows."""
-        return any(s.noisy for s in self.summaries)
+        return any(s.noisy for s in self.overall)
 
     @property
     def split_note(self) -> str:
@@ -226,26 +260,34 @@ class LatencyRun:
         return [{
             **info.head(), "mode": m.mode, "target": setup.target, "draft": setup.draft if m.mode == "ssp" else "",
             "k": m.k, **setup.params.as_dict(), "max_new_tokens": setup.max_new_tokens,
-            "prompt_format": "chat" if setup.chat else "raw",
+            "prompt_format": self.prompt_format(m.task), "ignore_eos": setup.ignore_eos,
             **{key: value for key, value in asdict(m).items() if key not in ("mode", "k")},
             "acceptance_by_position": ";".join(f"{x:.4f}" for x in m.acceptance_by_position),
             "noisy": m.noisy, "interrupted": self.interrupted, "split_timing": setup.split_timing,
             "recompiles": setup.recompiles, "target_precision": setup.target_precision, "draft_precision": setup.draft_precision or "", **info.env,
         } for m in self.summaries]
 
+    def prompt_format(self, task: str) -> str:
+        """chat or raw: how the prompts of ``task`` (or of the whole run) were fed."""
+        formats = set(self.setup.prompt_formats.values()) if task == ALL_TASKS else {self.setup.prompt_formats.get(task)}
+        formats.discard(None)
+        return formats.pop() if len(formats) == 1 else "mixed" if formats else ("chat" if self.setup.chat else "raw")
+
     def prompt_rows(self) -> list[dict[str, Any]]:
         """One CSV row per timed completion."""
         setup = self.setup
         return [{"run_id": self.info.run_id, "mode": p.mode, "k": p.k, "confidence": p.confidence, "lookup": p.lookup,
-                 "repeat": p.repeat, "split_pass": p.split_pass, "prompt_index": p.prompt_index, "new_tokens": p.stats.new_tokens,
+                 "repeat": p.repeat, "split_pass": p.split_pass, "prompt_index": p.prompt_index, "task": p.task,
+                 "turns": p.turns, "at_budget": p.at_budget, "new_tokens": p.stats.new_tokens,
                  "ms_per_token": p.stats.ms_per_token, "ms_per_target_forward": p.ms_per_target_forward,
                  "ttft_ms": 1000 * p.stats.ttft_s, "acceptance_rate": p.stats.acceptance_rate,
                  "target": setup.target, "draft": setup.draft or ""} for p in self.timings]
 
     def summary_json(self) -> list[dict[str, Any]]:
         """The run for scripts (``--json``)."""
-        keys = ("mode", "target", "draft", "k", "confidence", "lookup", "lookup_acceptance", "ms_per_token", "ttft_ms",
-                "acceptance_rate", "alpha", "mean_accepted", "speedup", "speedup_sd", "ms_per_token_median",
+        keys = ("task", "mode", "target", "draft", "k", "confidence", "lookup", "lookup_acceptance", "ms_per_token",
+                "ttft_ms", "acceptance_rate", "alpha", "mean_accepted", "speedup", "speedup_sd", "specbench_speedup",
+                "at_budget_share", "ms_per_token_median",
                 "forward_spread", "noisy", "interrupted", "run_id", "device")
         return [{**{key: row[key] for key in keys}, "draft": row["draft"] or None,
                  "acceptance_by_position": [round(x, 4) for x in m.acceptance_by_position]}
@@ -256,8 +298,13 @@ class LatencyRun:
         columns = ["mode", "k", *(["confidence"] if any(m.confidence for m in self.summaries) else []),
                    *(["lookup"] if any(m.lookup for m in self.summaries) else []), "ms_per_token", "ms_per_token_median",
                    "ms_per_token_min", "ms_per_token_max", "ttft_ms", "acceptance_rate", "alpha", "mean_accepted",
-                   "speedup", *(["speedup_sd"] if setup.repeats > 1 else []), "forward_spread"]
-        notes = [f"The draft/target shares, ms per forward and the spread come from {self.split_note}."]
+                   "speedup", *(["speedup_sd"] if setup.repeats > 1 else []), "specbench_speedup", "at_budget_share",
+                   "forward_spread"]
+        notes = [f"The draft/target shares, ms per forward and the spread come from {self.split_note}.",
+                 "ms/token: decode time per emitted token; speedup: RSp's ms/token ÷ this one's; specbench_speedup: "
+                 "mean per-prompt tokens/s (whole completion) ÷ RSp's, as Spec-Bench computes it; at_budget_share: "
+                 "completions that ran to the token budget" + (" (--ignore-eos: all of them)." if setup.ignore_eos
+                                                              else " instead of ending at the end token.")]
         if setup.recompiles:
             notes.append(f"torch.compile built {plural(setup.recompiles, 'graph')} during the timed passes: their "
                          "compile time is in the figures.")
@@ -266,18 +313,25 @@ class LatencyRun:
         if self.noisy:
             notes.append(f"Noisy: the slowest prompt's target forwards took more than {NOISY_SPREAD}x the median "
                          "prompt's; the speedup is unreliable.")
+        n = len(self.overall)
+        tables = markdown_table(rows[:n], ["task", "prompt_format", *columns] if not self.by_task else columns)
+        if self.by_task:
+            tables = (f"## All prompts\n\n{tables}\n## By task\n\n"
+                      + markdown_table(rows[n:], ["task", "prompt_format", *columns]))
+        tasks = f" from {', '.join(setup.tasks)}" if setup.tasks else ""
         return (f"# latency run {self.info.run_id}\n\ntarget `{setup.target}` ({setup.target_precision}), draft "
-                f"`{setup.draft or '-'}`, {plural(self.prompts_done // setup.repeats, 'prompt')}"
-                f"{' in the chat template' if setup.chat else ''} x {setup.max_new_tokens} new tokens"
+                f"`{setup.draft or '-'}`, {plural(self.prompts_done // setup.repeats, 'prompt')}{tasks}"
+                f"{' in the chat template' if setup.chat else ''}, up to {setup.max_new_tokens} new tokens"
+                f"{' (end token ignored)' if setup.ignore_eos else ' (or the end token)'}"
                 f"{f' x {setup.repeats} passes' if setup.repeats > 1 else ''}, {setup.params}\n\n{self.info.describe()}"
-                f"\n\n{markdown_table(rows, columns)}\n{' '.join(notes)}\n")
+                f"\n\n{tables}\n{' '.join(notes)}\n")
 
 
-def _summaries(timings: Sequence[PromptTiming], modes: Sequence[Mode]) -> list[ModeSummary]:
+def _summaries(timings: Sequence[PromptTiming], modes: Sequence[Mode], task: str = ALL_TASKS) -> list[ModeSummary]:
     headline = [t for t in timings if not t.split_pass]
     split = [t for t in timings if t.split_pass]
     summaries = [summarize([t for t in headline if t.how == how], how,
-                           [t for t in split if t.how == how] if split else None) for how in modes]
+                           [t for t in split if t.how == how] if split else None, task) for how in modes]
     rsp = next((s for s in summaries if s.mode == "rsp"), None)
     ssp = [s for s in summaries if s.mode == "ssp"]
     repeats = sorted({t.repeat for t in headline})
@@ -285,6 +339,7 @@ def _summaries(timings: Sequence[PromptTiming], modes: Sequence[Mode]) -> list[M
         if rsp is None:
             continue
         s.speedup = rsp.ms_per_token / s.ms_per_token
+        s.specbench_speedup = s.tokens_per_s / rsp.tokens_per_s
         if len(repeats) > 1:
             how = Mode(s.mode, s.k, s.confidence, s.lookup)
             per_pass = [_ms_per_token([t for t in headline if t.repeat == r and t.mode == "rsp"])
@@ -295,45 +350,99 @@ def _summaries(timings: Sequence[PromptTiming], modes: Sequence[Mode]) -> list[M
     return summaries
 
 
+def summaries_by_task(timings: Sequence[PromptTiming], modes: Sequence[Mode]) -> list[ModeSummary]:
+    """Each mode over all prompts (task "all"), then over each task's; a run of one task has only the latter."""
+    tasks = list(dict.fromkeys(t.task for t in timings))
+    if len(tasks) == 1:
+        return _summaries(timings, modes, tasks[0])
+    return _summaries(timings, modes) + [s for task in tasks
+                                         for s in _summaries([t for t in timings if t.task == task], modes, task)]
+
+
 def _ms_per_token(timings: Sequence[PromptTiming]) -> float:
     return 1000 * sum(t.stats.decode_time_s for t in timings) / sum(t.stats.new_tokens for t in timings)
 
 
-def run_latency(
-    target: LoadedModel, draft: LoadedModel | None, prompts: Sequence[str], warmup_prompt: str, ks: Sequence[int], params: SamplingParams,
-    max_new_tokens: int, seed: int, baseline: bool = True, vocab_size: int | None = None,
-    progress: Progress | None = None, confidences: Sequence[float] = (0.0,), chat: bool = False,
-    lookups: Sequence[int] = (0,), repeats: int = 1, split: str = "auto",
-) -> LatencyRun:
-    """Time RSp and SSp (each k, draft confidence threshold and lookup length) on every prompt, interleaved prompt by prompt.
+def rotated(modes: Sequence[Mode], index: int) -> list[Mode]:
+    """The modes in the order prompt ``index`` runs them: each prompt starts one mode later than the one
+    before, so no mode always runs first (after a cold cache) or last."""
+    shift = index % len(modes) if modes else 0
+    return [*modes[shift:], *modes[:shift]]
 
-    Each completion runs to exactly ``max_new_tokens`` (no early stop at EOS), after one
-    untimed warm-up completion per mode. ``chat`` feeds each prompt as a user turn in the
-    target's chat template. ``repeats`` passes over the prompts give the speedup's spread.
-    ``split``: where the draft/target time split is measured (``separate_split_pass``); with a
-    separate pass, the timed passes synchronize a GPU only at each completion's boundaries.
-    Ctrl-C after at least one prompt returns the prompts completed in every mode (``interrupted``).
+
+def as_task_prompts(prompts: Sequence[str | TaskPrompt], chat: bool = False) -> list[TaskPrompt]:
+    """Plain strings become one-turn prompts of the task "prompts"."""
+    return [p if isinstance(p, TaskPrompt) else TaskPrompt("prompts", (p,), chat, f"prompts-{i + 1}")
+            for i, p in enumerate(prompts)]
+
+
+def complete_turns(target: LoadedModel, prompt: TaskPrompt, chat: bool,
+                   generate: Callable[[torch.Tensor], GenerationOutput]) -> tuple[GenerationStats, int, list[str]]:
+    """Every turn of ``prompt``, each conditioned on the earlier answers: the stats of all of them together,
+    how many ran to the budget (did not stop), and the answers."""
+    answers: list[str] = []
+    outputs = []
+    for turn in range(len(prompt.turns)):
+        out = generate(target.encode_turns(prompt.turns[:turn + 1], answers, chat))
+        outputs.append(out)
+        answers.append(target.decode(out.tokens.tolist()))
+    return combined([o.stats for o in outputs]), sum(not o.stopped for o in outputs), answers
+
+
+def run_latency(
+    target: LoadedModel, draft: LoadedModel | None, prompts: Sequence[str | TaskPrompt], warmup_prompt: str,
+    ks: Sequence[int], params: SamplingParams, max_new_tokens: int, seed: int, baseline: bool = True,
+    vocab_size: int | None = None, progress: Progress | None = None, confidences: Sequence[float] = (0.0,),
+    chat: bool = False, lookups: Sequence[int] = (0,), repeats: int = 1, split: str = "auto", ignore_eos: bool = False,
+) -> LatencyRun:
+    """Time RSp and SSp (each k, draft confidence threshold and lookup length) on every prompt, interleaved prompt by
+    prompt, the order of the modes rotating from one prompt to the next.
+
+    A completion ends at the target's end token or after ``max_new_tokens``, whichever comes first; with
+    ``ignore_eos`` it always runs to ``max_new_tokens``. One untimed warm-up completion per mode comes first.
+    Plain-string prompts are one-turn prompts; a TaskPrompt of several turns is completed turn by turn. The
+    chat template is used for every prompt with ``chat``, else for the TaskPrompts that ask for it when the
+    target has one. ``repeats`` passes over the prompts give the speedup's spread. ``split``: where the
+    draft/target time split is measured (``separate_split_pass``); with a separate pass, the timed passes
+    synchronize a GPU only at each completion's boundaries. Ctrl-C after at least one prompt returns the
+    prompts completed in every mode (``interrupted``).
     """
+    prompts = as_task_prompts(prompts, chat)
     modes = [Mode("rsp")] if baseline or draft is None else []
     if draft is not None:
         modes += [Mode("ssp", k, c, n) for n in lookups for c in confidences for k in ks]
     info = RunInfo.for_models(target, draft)
     separate = separate_split_pass(split, target.model, *([draft.model] if draft else []))
+    stopping = Stopping() if ignore_eos else Stopping(token_ids=target.eos_ids)
+
+    def use_chat(prompt: TaskPrompt) -> bool:
+        return chat or (prompt.chat and target.has_chat_template)
+
+    formats: dict[str, set[str]] = {}
+    for prompt in prompts:
+        formats.setdefault(prompt.task, set()).add("chat" if use_chat(prompt) else "raw")
     setup = LatencySetup(target.name, draft.name if draft else None, target.precision, draft.precision if draft else "",
-                         params, max_new_tokens, len(prompts), chat, repeats, SEPARATE_PASS if separate else SAME_PASS)
+                         params, max_new_tokens, len(prompts), chat, repeats, ignore_eos, list(formats),
+                         {task: f.pop() if len(f) == 1 else "mixed" for task, f in formats.items()},
+                         SEPARATE_PASS if separate else SAME_PASS)
 
-    def complete(how: Mode, text: str, index: int, time_forwards: bool) -> GenerationStats:
-        ids = target.encode(text, chat=chat)
-        generator = torch.Generator(device=target.device).manual_seed(seed + index)
-        if how.mode == "rsp":
-            return generate_regular(target.model, ids, max_new_tokens, params, generator,
-                                    time_forwards=time_forwards).stats
-        return generate_speculative(target.model, draft.model, ids, max_new_tokens, how.k, params, generator,
-                                    vocab_size=vocab_size, confidence=how.confidence, lookup=how.lookup,
-                                    time_forwards=time_forwards).stats
+    def complete(how: Mode, prompt: TaskPrompt, index: int, time_forwards: bool) -> tuple[GenerationStats, int]:
+        generator = torch.Generator(device=target.device).manual_seed(seed + index)  # one per prompt, all its turns
 
+        def generate(ids: torch.Tensor) -> GenerationOutput:
+            if how.mode == "rsp":
+                return generate_regular(target.model, ids, max_new_tokens, params, generator, stopping,
+                                        time_forwards=time_forwards)
+            return generate_speculative(target.model, draft.model, ids, max_new_tokens, how.k, params, generator,
+                                        stopping, vocab_size=vocab_size, confidence=how.confidence, lookup=how.lookup,
+                                        time_forwards=time_forwards)
+
+        stats, at_budget, _ = complete_turns(target, prompt, use_chat(prompt), generate)
+        return stats, at_budget
+
+    warmup = TaskPrompt("warm-up", (warmup_prompt,), False)
     for how in modes:
-        complete(how, warmup_prompt, -1, time_forwards=not separate)
+        complete(how, warmup, -1, time_forwards=not separate)
         if progress:
             progress("warm-up " + how.name)
     graphs = compiled_graphs()
@@ -342,18 +451,18 @@ def run_latency(
     passes = [(repeat, False) for repeat in range(repeats)] + ([(0, True)] if separate else [])
     try:
         for repeat, split_pass in passes:
-            for index, text in enumerate(prompts):
-                for how in modes:
-                    stats = complete(how, text, index, time_forwards=split_pass or not separate)
+            for index, prompt in enumerate(prompts):
+                for how in rotated(modes, index):
+                    stats, at_budget = complete(how, prompt, index, time_forwards=split_pass or not separate)
                     timings.append(PromptTiming(index, how.mode, how.k, stats, how.confidence, how.lookup, repeat,
-                                                split_pass))
+                                                split_pass, prompt.task, len(prompt.turns), at_budget))
                     if progress:
-                        progress(f"prompt {index + 1}/{len(prompts)}" + (" split pass" if split_pass else
-                                 f" pass {repeat + 1}" if repeats > 1 else "") + " " + how.name)
+                        progress(f"prompt {index + 1}/{len(prompts)} {prompt.task}" + (
+                            " split pass" if split_pass else f" pass {repeat + 1}" if repeats > 1 else "") + " " + how.name)
     except KeyboardInterrupt:
         done = len(timings) // len(modes) * len(modes)  # whole prompts only: every mode on the same prompts
         if done == 0:
             raise
         timings, interrupted = timings[:done], True
     setup.recompiles = compiled_graphs() - graphs
-    return LatencyRun(_summaries(timings, modes), timings, setup, info, interrupted)
+    return LatencyRun(summaries_by_task(timings, modes), timings, setup, info, interrupted)

@@ -10,6 +10,7 @@ import tempfile
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -31,11 +32,25 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str, chat: bool) -> list[int]:
     """Token ids of ``text``, as a user turn in the chat template when ``chat`` and the tokenizer has one."""
+    return encode_conversation(tokenizer, [text], [], chat)
+
+
+def interleave(turns: Sequence[str], answers: Sequence[str]) -> list[str]:
+    """turn 1, answer 1, turn 2, answer 2, ...: the conversation so far."""
+    return [piece for i, turn in enumerate(turns) for piece in (turn, *answers[i:i + 1])]
+
+
+def encode_conversation(tokenizer: PreTrainedTokenizerBase, turns: Sequence[str], answers: Sequence[str],
+                        chat: bool) -> list[int]:
+    """Token ids of user ``turns`` interleaved with the ``answers`` so far (one fewer than the turns), ready for
+    the next answer: in the chat template when ``chat`` and the tokenizer has one, else joined by blank lines."""
+    pieces = interleave(turns, answers)
     if chat and getattr(tokenizer, "chat_template", None):
-        templated = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                                  add_generation_prompt=True)
+        roles = ("user", "assistant")
+        messages = [{"role": roles[i % 2], "content": piece} for i, piece in enumerate(pieces)]
+        templated = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return tokenizer(templated, add_special_tokens=False).input_ids
-    return tokenizer(text).input_ids
+    return tokenizer("\n\n".join(pieces)).input_ids
 
 
 @dataclass
@@ -93,18 +108,36 @@ class LoadedModel:
         return total
 
     def encode(self, text: str, chat: bool = False) -> torch.Tensor:
-        """Token ids (1, T); ``chat`` wraps ``text`` as a user turn in the tokenizer's chat template.
+        """Token ids (1, T); ``chat`` wraps ``text`` as a user turn in the tokenizer's chat template."""
+        return self.encode_turns([text], (), chat)
 
-        A model without a tokenizer (random init) gets its UTF-8 bytes as ids.
+    def encode_turns(self, turns: Sequence[str], answers: Sequence[str] = (), chat: bool = False) -> torch.Tensor:
+        """Token ids (1, T) of a conversation ready for its next answer (``encode_conversation``).
+
+        A model without a tokenizer (random init) gets the UTF-8 bytes of the turns and answers as ids.
         """
         if self.tokenizer is None:
             if chat:
                 raise UserError(f"model {self.name!r} has no tokenizer, so no chat template")
             vocab = self.model.get_input_embeddings().weight.shape[0]
+            text = "\n\n".join(interleave(turns, answers))
             return torch.tensor([[b % vocab for b in text.encode()]], dtype=torch.long)
-        if chat and not getattr(self.tokenizer, "chat_template", None):
+        if chat and not self.has_chat_template:
             raise UserError(f"model {self.name!r}: its tokenizer has no chat template")
-        return torch.tensor([encode_prompt(self.tokenizer, text, chat)], dtype=torch.long)
+        return torch.tensor([encode_conversation(self.tokenizer, turns, answers, chat)], dtype=torch.long)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
+    @property
+    def eos_ids(self) -> frozenset[int]:
+        """The token ids that end an answer: the generation config's, the model config's and the tokenizer's."""
+        ids: set[int] = set()
+        for source in (getattr(self.hf_model, "generation_config", None), self.hf_model.config, self.tokenizer):
+            value = getattr(source, "eos_token_id", None) if source is not None else None
+            ids.update([value] if isinstance(value, int) else value or [])
+        return frozenset(ids)
 
     def decode(self, ids: list[int]) -> str:
         if self.tokenizer is None:

@@ -119,7 +119,13 @@ TopPOpt = Annotated[float, typer.Option(help="Nucleus sampling mass (1: off).")]
 TemperatureOpt = Annotated[float, typer.Option(help="0 is greedy.")]
 TargetArg = Annotated[Optional[str], typer.Argument(help="Target model (default: the registry's default_target).")]
 DraftArg = Annotated[Optional[str], typer.Argument(help="Draft model (default: the registry's default_draft).")]
-PromptsOpt = Annotated[Optional[Path], typer.Option(help="File with one prompt per line.")]
+PromptsOpt = Annotated[Optional[Path], typer.Option(
+    help="File with one prompt per line, or JSONL in Spec-Bench's question.jsonl shape (category, turns).")]
+TaskOpt = Annotated[Optional[str], typer.Option(
+    "--task", help="Built-in task categories, comma-separated, or all: chat, translation, summarization, qa, math, rag, "
+    "code, stories (the default).")]
+IgnoreEosOpt = Annotated[bool, flag("--ignore-eos", help="Run every completion to --max-new-tokens, past the end token "
+                                    "(fixed-length runs for hardware timing).")]
 NbPromptsOpt = Annotated[Optional[int], typer.Option(help="Use only the first N prompts.")]
 JsonOpt = Annotated[Optional[Path], typer.Option("--json", help="Write the run's summary as JSON here.")]
 PlotOpt = Annotated[bool, flag(help="Draw this run's charts into the results directory.")]
@@ -190,17 +196,45 @@ def load_pair(s: Settings, target_name: str | None, draft_name: str | None, need
 
 
 def read_prompt_list(prompts_file: Path | None, nb_prompts: int | None) -> list[str]:
+    """Prompts as text: the file's lines (the first turn of each JSONL prompt) or the built-in list."""
     from lssp.prompts import LATENCY_PROMPTS, read_prompts
+    from lssp.tasks import is_jsonl, read_jsonl
 
-    prompts = read_prompts(prompts_file) if prompts_file else list(LATENCY_PROMPTS)
-    if nb_prompts is not None:
-        check_positive("--nb-prompts", nb_prompts)
-        if nb_prompts > len(prompts):
-            source = prompts_file or "the built-in list"
-            raise UserError(f"--nb-prompts {nb_prompts}: {source} has only {plural(len(prompts), 'prompt')}"
-                            + ("" if prompts_file else " (give more with --prompts FILE)"))
-        prompts = prompts[:nb_prompts]
-    return prompts
+    if prompts_file and is_jsonl(prompts_file):
+        prompts = [p.text for p in read_jsonl(prompts_file)]
+    else:
+        prompts = read_prompts(prompts_file) if prompts_file else list(LATENCY_PROMPTS)
+    return _first(prompts, nb_prompts, prompts_file)
+
+
+def _first(prompts: list, nb_prompts: int | None, source: Path | str | None) -> list:
+    """The first ``nb_prompts`` of ``prompts`` (all of them for None); more than there are is a mistake."""
+    if nb_prompts is None:
+        return prompts
+    check_positive("--nb-prompts", nb_prompts)
+    if nb_prompts > len(prompts):
+        raise UserError(f"--nb-prompts {nb_prompts}: {source or 'the built-in list'} has only "
+                        f"{plural(len(prompts), 'prompt')}" + ("" if source else " (give more with --prompts FILE)"))
+    return prompts[:nb_prompts]
+
+
+def read_task_prompts(tasks: str | None, prompts_file: Path | None, nb_prompts: int | None, chat: bool) -> list:
+    """The TaskPrompts a latency run times: built-in tasks (``--nb-prompts`` of each), a file (lines or
+    Spec-Bench JSONL), or by default the reference's story openings."""
+    from lssp.latency import as_task_prompts
+    from lssp.tasks import is_jsonl, load_tasks, parse_tasks, read_jsonl, task_prompts
+
+    if tasks is not None and prompts_file is not None:
+        raise UserError("--task and --prompts: give one of them")
+    if tasks is not None:
+        if nb_prompts is not None:
+            check_positive("--nb-prompts", nb_prompts)
+        return load_tasks(parse_tasks(tasks), nb_prompts)
+    if prompts_file is not None and is_jsonl(prompts_file):
+        return _first(read_jsonl(prompts_file), nb_prompts, prompts_file)
+    if prompts_file is not None:
+        return as_task_prompts(read_prompt_list(prompts_file, nb_prompts), chat)
+    return _first(list(task_prompts("stories")), nb_prompts, None)
 
 
 Tick = Callable[[str], None]

@@ -9,9 +9,11 @@ import typer
 from rich.text import Text
 
 from lssp.cli.common import (
-    ChatOpt, DraftArg, KOpt, LookupOpt, MaxNewOpt, TargetArg, TemperatureOpt, TopKOpt, TopPOpt, app, check_positive,
-    console, err_console, fmt, k_label, load_pair, sampling_params, settings,
+    ChatOpt, DraftArg, IgnoreEosOpt, KOpt, LookupOpt, MaxNewOpt, NbPromptsOpt, TargetArg, TaskOpt, TemperatureOpt,
+    TopKOpt, TopPOpt, app, check_positive, console, err_console, fmt, k_label, load_pair, read_task_prompts,
+    sampling_params, settings,
 )
+from lssp.errors import UserError
 
 
 @app.command()
@@ -27,11 +29,16 @@ def compare(
     top_p: TopPOpt = 1.0,
     chat: ChatOpt = False,
     lookup: LookupOpt = 0,
+    task: TaskOpt = None,
+    nb_prompts: NbPromptsOpt = None,
+    ignore_eos: IgnoreEosOpt = False,
 ) -> None:
     """Stream RSp then SSp completions of each prompt, with wall times and the speedup."""
     import torch
 
-    from lssp.generation import generate_regular, generate_speculative
+    from lssp.generation import Stopping, generate_regular, generate_speculative
+    from lssp.latency import complete_turns
+    from lssp.tasks import TaskPrompt
     from lssp.prompts import WARMUP_PROMPT
 
     s = settings(ctx)
@@ -39,26 +46,40 @@ def compare(
     check_positive("--max-new-tokens", max_new_tokens)
     check_positive("--lookup", lookup, minimum=0)
     params = sampling_params(temperature, top_k, top_p)
+    if task and prompt:
+        raise UserError("--task and --prompt: give one of them")
+    task_list = read_task_prompts(task, None, nb_prompts, chat) if task else None
     t, d, vocab = load_pair(s, target, draft)
+    stopping = Stopping() if ignore_eos else Stopping(token_ids=t.eos_ids)
 
-    def run_one(text: str, index: int) -> None:
-        ids = t.encode(text, chat=chat)
-        console.print(Text(f"\n=> Regular sampling with {t.name}", style="bold"))
-        stream = TokenStream(t.tokenizer, text)
-        rsp = generate_regular(t.model, ids, max_new_tokens, params, torch.Generator(t.device).manual_seed(s.seed + index),
-                               on_tokens=stream.show)
-        console.print(Text(f"\n   {rsp.stats.total_time_s:.2f}s, {_ms_per_token(rsp.stats):.1f} ms/token", style="bold red"))
+    def stream(prompt, index: int, mode: str):
+        """Complete every turn of ``prompt`` in ``mode``, printing each turn and streaming its answer."""
+        turns = iter(enumerate(prompt.turns))
+        generator = torch.Generator(t.device).manual_seed(s.seed + index)
+
+        def generate(ids):
+            number, text = next(turns)
+            shown = TokenStream(t.tokenizer, ("\n\n" if number else "") + text)
+            if mode == "rsp":
+                return generate_regular(t.model, ids, max_new_tokens, params, generator, stopping, on_tokens=shown.show)
+            return generate_speculative(t.model, d.model, ids, max_new_tokens, k, params, generator, stopping,
+                                        vocab_size=vocab, on_tokens=shown.show, lookup=lookup)
+
+        stats, _, _ = complete_turns(t, prompt, chat or (prompt.chat and t.has_chat_template), generate)
+        return stats
+
+    def run_one(prompt, index: int) -> None:
+        console.print(Text(f"\n=> Regular sampling with {t.name}" + (f" ({prompt.task})" if task else ""), style="bold"))
+        rsp = stream(prompt, index, "rsp")
+        console.print(Text(f"\n   {rsp.total_time_s:.2f}s, {_ms_per_token(rsp):.1f} ms/token", style="bold red"))
         console.print(Text(f"=> Speculative sampling with {t.name} helped by {d.name} (K={k_label(k, 0, lookup)}); ",
                            style="bold") + Text("draft tokens accepted", style="green") + Text(" / ")
                       + Text("made by the target", style="bold blue"))
-        stream = TokenStream(t.tokenizer, text)
-        ssp = generate_speculative(t.model, d.model, ids, max_new_tokens, k, params,
-                                   torch.Generator(t.device).manual_seed(s.seed + index), vocab_size=vocab,
-                                   on_tokens=stream.show, lookup=lookup)
-        console.print(Text(f"\n   {ssp.stats.total_time_s:.2f}s, {_ms_per_token(ssp.stats):.1f} ms/token, acceptance "
-                           f"{fmt(ssp.stats.acceptance_rate, 0, pct=True)}, {ssp.stats.tokens_per_target_forward:.2f} "
+        ssp = stream(prompt, index, "ssp")
+        console.print(Text(f"\n   {ssp.total_time_s:.2f}s, {_ms_per_token(ssp):.1f} ms/token, acceptance "
+                           f"{fmt(ssp.acceptance_rate, 0, pct=True)}, {ssp.tokens_per_target_forward:.2f} "
                            "tokens per target forward", style="bold green"))
-        speedup = _ms_per_token(rsp.stats) / _ms_per_token(ssp.stats)
+        speedup = _ms_per_token(rsp) / _ms_per_token(ssp)
         console.print(Text(f"   speedup {speedup:.2f}×", style="bold green" if speedup > 1 else "bold red"))
 
     try:
@@ -66,8 +87,10 @@ def compare(
             generate_speculative(t.model, d.model, t.encode(WARMUP_PROMPT), 8, k, params, vocab_size=vocab, lookup=lookup)
             generate_regular(t.model, t.encode(WARMUP_PROMPT), 8, params)
         console.print(f"Comparing {t.name} RSp with SSp helped by {d.name}. Ctrl-C or EOF (Ctrl-D) ends.")
-        for index, text in enumerate(prompt_source(prompt)):
-            run_one(text, index)
+        prompts = task_list if task_list is not None else (
+            TaskPrompt("prompts", (text,), chat) for text in prompt_source(prompt))
+        for index, one in enumerate(prompts):
+            run_one(one, index)
     except KeyboardInterrupt:
         err_console.print("\ninterrupted")
         raise typer.Exit(130) from None

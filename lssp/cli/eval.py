@@ -8,8 +8,9 @@ import typer
 from lssp.cli.common import (
     flag,
     JsonOpt, KOpt, LookupOpt, MaxNewOpt, PlotOpt, TargetArg, TemperatureOpt, TopKOpt, TopPOpt, app, check_positive,
-    console, err_console, exit_with, save, k_label, load_pair, plot_charts, progress, sampling_params, settings, table,
+    console, err_console, exit_with, fmt, save, k_label, load_pair, plot_charts, progress, sampling_params, settings, table,
 )
+from lssp.errors import UserError
 from lssp.report import plural
 
 
@@ -19,7 +20,14 @@ def eval_cmd(
     target: TargetArg = None,
     draft: Annotated[Optional[str], typer.Option(help="Draft model: evaluate SSp.")] = None,
     both: Annotated[bool, flag("--both", help="Evaluate RSp and SSp on the same prompts and compare.")] = False,
-    nb_prompts: Annotated[int, typer.Option(help="Number of multiplication problems.")] = 1000,
+    nb_prompts: Annotated[int, typer.Option(help="Number of problems.")] = 1000,
+    op: Annotated[str, typer.Option("--op", help="mul (a * b, the reference's) or add (a + b).")] = "mul",
+    max_operand: Annotated[int, typer.Option(help="Operands are drawn from 1..N; a smaller N makes the task easier "
+                                             "(aim for a success rate between 20% and 80%).")] = 99,
+    prefix_cache: Annotated[bool, typer.Option(
+        "--prefix-cache/--no-prefix-cache", help="Compute the few-shot prefix's keys and values once per model.")] = True,
+    rsp_batch: Annotated[int, typer.Option(help="RSp problems whose prompts have the same token count run in "
+                                           "batches of up to N (the same tokens as one by one; 1: off).")] = 16,
     k: KOpt = 4,
     max_new_tokens: MaxNewOpt = 8,
     temperature: TemperatureOpt = 1.0,
@@ -30,14 +38,19 @@ def eval_cmd(
     json_out: JsonOpt = None,
     plot: PlotOpt = False,
 ) -> None:
-    """Multiplication accuracy ("a * b = ", a and b uniform in 1..99) with 95% intervals."""
-    from lssp.evals import EvalInterrupted, eval_config, resume_point, run_eval
+    """Arithmetic accuracy ("a * b = " after the reference's few-shot lines, a and b uniform in 1..99) with 95%
+    intervals."""
+    from lssp.evals import LOW, OPERATIONS, EvalInterrupted, eval_config, resume_point, run_eval
 
     s = settings(ctx)
     check_positive("--nb-prompts", nb_prompts)
     check_positive("--k", k)
     check_positive("--max-new-tokens", max_new_tokens)
     check_positive("--lookup", lookup, minimum=0)
+    check_positive("--max-operand", max_operand, minimum=LOW)
+    check_positive("--rsp-batch", rsp_batch)
+    if op not in OPERATIONS:
+        raise UserError(f"--op {op!r}: expected one of {', '.join(OPERATIONS)}")
     params = sampling_params(temperature, top_k, top_p)
     if (target is None and draft is None) or (both and draft is None):  # the default pair
         draft = s.registry.draft_name(None)
@@ -46,7 +59,7 @@ def eval_cmd(
     if resume:  # say "nothing to resume" before loading anything
         resume_point(results / "eval_records", eval_config(
             s.registry.target_name(target), s.registry.draft_name(draft) if draft else None, modes, nb_prompts, s.seed,
-            k, max_new_tokens, params, lookup))
+            k, max_new_tokens, params, lookup, op, max_operand))
     t, d, vocab = load_pair(s, target, draft, need_draft=draft is not None)
     correct = {m: 0 for m in modes}
     try:
@@ -56,7 +69,8 @@ def eval_cmd(
                 tick(" ".join(f"{m.upper()} {c}✓" for m, c in correct.items()))
 
             run = run_eval(t, d, modes, nb_prompts, s.seed, params, max_new_tokens, k, results / "eval_records",
-                           resume=resume, vocab_size=vocab, on_record=on_record, lookup=lookup)
+                           resume=resume, vocab_size=vocab, on_record=on_record, lookup=lookup, op=op,
+                           max_operand=max_operand, prefix_cache=prefix_cache, rsp_batch=rsp_batch)
     except EvalInterrupted as stop:
         err_console.print(f"interrupted: {plural(stop.records, 'record')} kept in {stop.records_path}; "
                           "the same command with --resume continues it")
@@ -70,14 +84,18 @@ def eval_cmd(
 
 
 def render(run, t, d) -> None:
+    from lssp.evals import LOW, OPERATIONS
+
     setup = run.setup
-    out = table(f"Multiplication eval: {t.name}" + (f" (draft {d.name}, K={k_label(setup.k, 0, setup.lookup)})" if d else "")
+    symbol = OPERATIONS[setup.op][0]
+    out = table(f"Eval \"a {symbol} b = \", a and b in {LOW}..{setup.max_operand}: {t.name}"
+                + (f" (draft {d.name}, K={k_label(setup.k, 0, setup.lookup)})" if d else "")
                 + f", {plural(setup.nb_prompts, 'problem')}, T={setup.params.temperature:g}",
-                [("mode", "left"), *((c, "right") for c in ("correct/trials", "rate", "95% Wald", "95% Wilson"))])
+                [("mode", "left"), *((c, "right") for c in ("correct/trials", "rate", "95% Wald", "95% Wilson", "s/problem"))])
     for m in run.summaries:
         out.add_row(m.mode.upper(), f"{m.successes} / {m.trials}", f"{100 * m.success_rate:.1f}%",
                     f"± {100 * max(m.wald.high - m.success_rate, m.success_rate - m.wald.low):.1f} [{100 * m.wald.low:.1f}, {100 * m.wald.high:.1f}]",
-                    f"[{100 * m.wilson.low:.1f}, {100 * m.wilson.high:.1f}]")
+                    f"[{100 * m.wilson.low:.1f}, {100 * m.wilson.high:.1f}]", fmt(m.seconds_per_problem, 3))
     console.print(out)
     cmp = run.comparison
     if cmp:

@@ -11,7 +11,8 @@ from lssp.cli.common import (
     flag,
     ChatOpt, ConfidenceOpt, JsonOpt, MaxNewOpt, NbPromptsOpt, PlotOpt, PromptsOpt, TargetArg, TemperatureOpt, TopKOpt,
     TopPOpt, WideOpt, app, check_positive, console, err_console, exit_with, save, fmt, k_label, load_pair,
-    parse_fractions, parse_ints, plot_charts, progress, read_prompt_list, sampling_params, settings, table,
+    parse_fractions, parse_ints, plot_charts, progress, read_task_prompts, sampling_params, settings, table,
+    IgnoreEosOpt, TaskOpt,
 )
 from lssp.errors import UserError
 from lssp.report import plural
@@ -25,8 +26,10 @@ def latency(
     default_pair: Annotated[bool, flag("--default-pair", help="Use the registry's default draft too.")] = False,
     k: Annotated[str, typer.Option("--k", help="Draft length, or a comma list to sweep: 2,4,8.")] = "4",
     max_new_tokens: MaxNewOpt = 64,
+    task: TaskOpt = None,
     prompts: PromptsOpt = None,
     nb_prompts: NbPromptsOpt = None,
+    ignore_eos: IgnoreEosOpt = False,
     temperature: TemperatureOpt = 0.0,
     top_k: TopKOpt = 0,
     top_p: TopPOpt = 1.0,
@@ -43,7 +46,7 @@ def latency(
     json_out: JsonOpt = None,
     plot: PlotOpt = False,
 ) -> None:
-    """ms/token of RSp and SSp on a fixed prompt list, measured side by side in one run."""
+    """ms/token of RSp and SSp on a prompt list or task categories, measured side by side in one run."""
     from lssp.latency import SPLIT_CHOICES, run_latency, separate_split_pass
     from lssp.prompts import WARMUP_PROMPT
 
@@ -55,7 +58,7 @@ def latency(
     check_positive("--repeats", repeats)
     if split not in SPLIT_CHOICES:
         raise UserError(f"--split {split!r}: expected one of {', '.join(SPLIT_CHOICES)}")
-    prompt_list = read_prompt_list(prompts, nb_prompts)
+    prompt_list = read_task_prompts(task, prompts, nb_prompts, chat)
     params = sampling_params(temperature, top_k, top_p)
     results = s.writable_results_dir()
     use_draft = draft is not None or default_pair or target is None
@@ -65,7 +68,7 @@ def latency(
     with progress(modes * (passes * len(prompt_list) + 1), "latency") as tick:
         run = run_latency(t, d, prompt_list, WARMUP_PROMPT, ks, params, max_new_tokens, s.seed,
                           baseline=not no_baseline, vocab_size=vocab, progress=tick, confidences=confidences,
-                          chat=chat, lookups=lookups, repeats=repeats, split=split)
+                          chat=chat, lookups=lookups, repeats=repeats, split=split, ignore_eos=ignore_eos)
     render(run, t, d, wide)
     code = save(results, run.info.run_id, "latency", run.rows(), run.markdown(), json_out, run.summary_json(),
                 f"{run.info.env['device']} · run {run.info.run_id}", {"latency_prompts.csv": run.prompt_rows()})
@@ -82,9 +85,12 @@ def render(run, t, d, wide: bool = False) -> None:
 
     setup = run.setup
     params = setup.params
-    several = len([x for x in run.summaries if x.mode == "ssp"]) > 1
+    overall = run.overall
+    several = len([x for x in overall if x.mode == "ssp"]) > 1
+    tasks = f" from {len(setup.tasks)} tasks" if run.by_task else f" ({setup.tasks[0]})" if setup.tasks else ""
     title = (f"{t.name}" + (f" with draft {d.name}" if d else "") + f" — {plural(run.prompts_done // setup.repeats, 'prompt')}"
-             + (" (chat template)" if setup.chat else "") + f" × {setup.max_new_tokens} tokens"
+             + tasks + (" (chat template)" if setup.chat else "") + f", ≤{setup.max_new_tokens} tokens"
+             + (" (end token ignored)" if setup.ignore_eos else "")
              + (f" × {setup.repeats} passes" if setup.repeats > 1 else "") + f", T={params.temperature:g}"
              + (f", top-k {params.top_k}" if params.top_k else "") + (f", top-p {params.top_p:g}" if params.top_p < 1 else ""))
     repeated = setup.repeats > 1
@@ -94,22 +100,29 @@ def render(run, t, d, wide: bool = False) -> None:
                     "draft's and the target's forwards, and the spread of the target's forward time (slowest ÷ median "
                     "prompt)", [("mode", "left"), ("median", "right"), ("TTFT ms", "right"), ("accepted", "right"),
                              ("draft", "right"), ("target", "right"), ("spread", "right")])
-    for m in run.summaries:
+    for m in overall:
         mode = m.mode.upper() + (" ★" if m.best and several else "")
         k = k_label(m.k, m.confidence, m.lookup) if m.mode == "ssp" else "–"
         style = "bold" if m.best else None
-        speedup = ("–" if math.isnan(m.speedup)
-                   else Text(f"{m.speedup:.2f}×", style="bold green" if m.speedup > 1 else "bold red"))
         out.add_row(mode, k, f"{m.ms_per_token:.1f}", f"{m.ms_per_token_min:.1f}–{m.ms_per_token_max:.1f}",
-                    fmt(m.alpha, 2), fmt(m.mean_accepted, 2), speedup, *([fmt(m.speedup_sd, 2)] if repeated else []),
-                    style=style)
+                    fmt(m.alpha, 2), fmt(m.mean_accepted, 2), _speedup(m.speedup),
+                    *([fmt(m.speedup_sd, 2)] if repeated else []), style=style)
         details.add_row(mode + ("" if m.mode == "rsp" else f" K={k}"), f"{m.ms_per_token_median:.1f}", f"{m.ttft_ms:.0f}",
                         fmt(m.acceptance_rate, 0, pct=True), fmt(m.draft_share, 0, pct=True),
                         fmt(m.target_share, 0, pct=True), fmt(m.forward_spread, 2, suffix="×"), style=style)
+    if run.by_task:
+        render_tasks(run)
     console.print(out)
     if wide:
         console.print(details)
-    for m in run.summaries:
+    budget = overall[0].at_budget_share
+    console.print(f"  {fmt(budget, 0, pct=True)} of completions ran to the {setup.max_new_tokens}-token budget"
+                  + (" (--ignore-eos)" if setup.ignore_eos else ", the rest ended at the end token"))
+    specbench = [m for m in overall if m.specbench_speedup == m.specbench_speedup]
+    if specbench:
+        console.print("  Spec-Bench's speedup (mean per-prompt tokens/s, prefill included, ÷ RSp's): "
+                      + ", ".join(f"K={k_label(m.k, m.confidence, m.lookup)} {m.specbench_speedup:.2f}×" for m in specbench))
+    for m in overall:
         if m.mode == "ssp":
             console.print(f"  share of iterations accepting draft i (K={k_label(m.k, m.confidence, m.lookup)}): " +
                           " ".join(f"{i + 1}:{fmt(x, 0, pct=True)}" for i, x in enumerate(m.acceptance_by_position)))
@@ -128,10 +141,34 @@ def render(run, t, d, wide: bool = False) -> None:
     if run.noisy:
         from lssp.latency import NOISY_SPREAD
 
-        worst = max(run.summaries, key=lambda m: m.forward_spread if m.forward_spread == m.forward_spread else 0)
+        worst = max(overall, key=lambda m: m.forward_spread if m.forward_spread == m.forward_spread else 0)
         console.print(f"[bold yellow]  busy machine: the slowest prompt's target forwards took "
                       f"{worst.forward_spread:.1f}× the median prompt's ({worst.mode.upper()}; a quiet machine stays "
                       f"under {NOISY_SPREAD}×): "
                       "the speedup is unreliable; rerun on a quiet machine or with --repeats[/bold yellow]")
     if t.spec.is_random or (d is not None and d.spec.is_random):
         console.print("[yellow]  Random weights: timings are real, acceptance figures mean nothing.[/yellow]")
+
+
+def _speedup(value: float) -> Text | str:
+    return "–" if math.isnan(value) else Text(f"{value:.2f}×", style="bold green" if value > 1 else "bold red")
+
+
+def render_tasks(run) -> None:
+    """One row per task and mode: where the speedup comes from."""
+    out = table("By task: decode ms/token, α, tokens per target forward, speedup over RSp on the same prompts, and the "
+                "share of completions that ran to the token budget", [
+                    ("task", "left"), ("mode", "left"), ("ms/token", "right"), ("α", "right"), ("tok/fwd", "right"),
+                    ("speedup", "right"), ("budget", "right")])
+    previous = None
+    for m in run.by_task:
+        first = m.task != previous
+        if first and previous is not None:
+            out.add_section()
+        previous = m.task
+        mode = "RSp" if m.mode == "rsp" else "K=" + k_label(m.k, m.confidence, m.lookup)
+        label = f"{m.task} ({run.prompt_format(m.task)}, {m.prompts})" if first else ""
+        out.add_row(label, mode + (" ★" if m.best else ""), f"{m.ms_per_token:.1f}", fmt(m.alpha, 2),
+                    fmt(m.mean_accepted, 2), _speedup(m.speedup), fmt(m.at_budget_share, 0, pct=True),
+                    style="bold" if m.best else None)
+    console.print(out)

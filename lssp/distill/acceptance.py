@@ -22,5 +22,5 @@ def held_out_acceptance(target: LoadedModel, draft_dir: Path, seed: int, device:
     drafted = load_model(ModelSpec(name=draft_dir.name, path=str(draft_dir.resolve()), dtype="bfloat16"), device)
     vocab = check_compatible(target, drafted)
     run = run_latency(target, drafted, LATENCY_PROMPTS[:4], WARMUP_PROMPT, [4], SamplingParams(0), 32, seed,
-                      baseline=False, vocab_size=vocab)
+                      baseline=False, vocab_size=vocab, ignore_eos=True)
     return {HELD_OUT_ACCEPTANCE: run.summaries[0].acceptance_rate}

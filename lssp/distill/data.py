@@ -4,6 +4,7 @@ from __future__ import annotations
 import random
 
 from lssp.prompts import HELD_OUT
+from lssp.tasks import all_task_texts
 
 CHARACTERS = ["an old fisherman", "a young girl", "a retired teacher", "a lonely robot", "a curious cat", "two brothers",
               "a detective", "a baker", "a nurse on night shift", "a traveling musician", "a dragon", "a farmer",
@@ -89,10 +90,11 @@ def training_prompts(n: int, seed: int, chat_share: float = 0.4) -> list[tuple[s
         lambda: rng.choice(CODE_STARTS),
         lambda: _arithmetic(rng),
     ]
+    held_out = HELD_OUT | all_task_texts()
     out: list[tuple[str, bool]] = []
     while len(out) < n:
         prompt = rng.choice(kinds)()
-        if prompt in HELD_OUT:
+        if prompt in held_out:
             continue
         out.append((prompt, rng.random() < chat_share))
     return out
