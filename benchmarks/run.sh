@@ -13,14 +13,24 @@ OTHER_TARGET=smollm2-135m  # the default target under transformers' forward (the
 L=(--results-dir "$OUT")
 
 if [ "${1:-}" = "quick" ]; then
-    N=(--nb-prompts 2); SAMPLES=(--samples 100 --depth 2); EVALN=(--nb-prompts 10)
+    N=(--nb-prompts 2); SAMPLES=(--samples 100 --depth 2); EVALN=(--nb-prompts 10); POWERN=(--nb-prompts 10)
+    REPEATS=(--repeats 1)
 else
-    N=(); SAMPLES=(--samples 600 --depth 2); EVALN=(--nb-prompts 200)
+    N=(); SAMPLES=(--samples 600 --depth 2); EVALN=(--nb-prompts 1000); POWERN=(--nb-prompts 2000)
+    REPEATS=(--repeats 3)
 fi
 
 # 0. What a forward costs here, by precision and tokens per forward (why the default pair is dynamic-fp16 on a CPU),
 #    under transformers' forward and the compact one (why the default draft uses it).
 $PY llamassp.py "${L[@]}" cost --forwards transformers,compact --json "$OUT/cost-default.json"
+
+# 1a. The headline, greedy: completions ending at the end token (the default), then fixed-length ones.
+$PY llamassp.py "${L[@]}" latency --k 2,3,4 --lookup 0,4 "${REPEATS[@]}" "${N[@]}" --json "$OUT/latency-headline-eos.json"
+$PY llamassp.py "${L[@]}" latency --k 2,3,4 --lookup 0,4 "${REPEATS[@]}" "${N[@]}" --ignore-eos \
+    --json "$OUT/latency-headline-fixed.json"
+# 1b. Workloads by task (Spec-Bench's six categories, code, the reference's stories), greedy and at T=0.7.
+$PY llamassp.py "${L[@]}" latency --task all --k 2,3,4 "${N[@]}" --json "$OUT/latency-tasks-greedy.json"
+$PY llamassp.py "${L[@]}" latency --task all --k 2,3 --temperature 0.7 "${N[@]}" --json "$OUT/latency-tasks-t0.7.json"
 
 # 1. Latency on the default pair: greedy K sweep, then sampling at T=0.7.
 #    The greedy sweep also times early-stopping drafts (K a maximum, stop below draft probability 0.3),
@@ -34,8 +44,11 @@ $PY llamassp.py "${L[@]}" latency --chat --k 1,2,3 --lookup 0,4 "${N[@]}" --json
 # 2. Ours vs transformers (greedy, K=3).
 $PY llamassp.py "${L[@]}" bench --k 3 "${N[@]}" --alpha 0.5,0.6,0.7,0.8 --json "$OUT/bench-default.json"
 
-# 3. Quality: RSp vs SSp on the same multiplication problems, and the losslessness checks.
+# 3. Quality: RSp vs SSp on the same problems - the reference's multiplications (operands 1..99), then a
+#    range where the target scores between 20% and 80%, so that a difference would show - and the
+#    losslessness checks.
 $PY llamassp.py "${L[@]}" eval --both "${EVALN[@]}" --json "$OUT/eval-default.json"
+$PY llamassp.py "${L[@]}" eval --both --max-operand 9 "${POWERN[@]}" --json "$OUT/eval-powered.json"
 $PY llamassp.py "${L[@]}" verify --temperature 1.0 "${SAMPLES[@]}" --json "$OUT/verify-default-t1.0.json" || true
 $PY llamassp.py "${L[@]}" verify --temperature 0.7 --top-k 50 "${SAMPLES[@]}" --json "$OUT/verify-default-t0.7-topk50.json" || true
 $PY llamassp.py "${L[@]}" verify --temperature 0 --json "$OUT/verify-default-greedy.json" || true

@@ -20,7 +20,9 @@ BENCH = ["engine", "ms_per_token", "ms_per_token_median", "ours_over_hf_median",
          "greedy_agreement"]
 COST = ["model", "precision", "tokens", "ms", "relative"]
 EVAL = ["mode", "trials", "successes", "success_rate", "wald_low", "wald_high", "wilson_low", "wilson_high", "diff_low",
-        "diff_high", "mcnemar_p"]
+        "diff_high", "mcnemar_p", "s_per_problem"]
+TASKS = ["task", "prompt_format", "mode", "k", "ms_per_token", "alpha", "mean_accepted", "speedup", "specbench_speedup",
+         "at_budget_share"]
 
 
 def cost_pivot(rows: pd.DataFrame) -> pd.DataFrame:
@@ -63,6 +65,11 @@ def main() -> None:
             extra = f", {int(rows['prompts'].iloc[0])} prompts × {int(rows['max_new_tokens'].iloc[0])} tokens" if "prompts" in rows else ""
             if "prompt_format" in rows and rows["prompt_format"].iloc[0] == "chat":
                 extra += " in the chat template"
+            first = rows.iloc[0]
+            if name == "eval" and pd.notna(first.get("op")):
+                extra += f", `a {'+' if first['op'] == 'add' else '*'} b` with operands 1..{int(first['max_operand'])}"
+            if name == "latency" and pd.notna(first.get("ignore_eos")):
+                extra += ", end token ignored" if str(first["ignore_eos"]) == "True" else ", ending at the end token"
             models = (f"{rows['target'].iloc[0]} + {rows['draft'].fillna('').max() or '-'}" if "target" in rows
                       else " + ".join(dict.fromkeys(rows["model"])))
             print(f"#### {name}: {models}\n")
@@ -70,7 +77,9 @@ def main() -> None:
             if name == "cost":  # one row per model, forward and precision, one column per tokens-per-forward
                 rows = cost_pivot(rows)
                 columns = list(rows.columns)
-            shown = columns
+            shown = [c for c in columns if c in rows]
+            if name == "latency" and "task" in rows and (rows["task"] == "all").any():  # a run over several tasks
+                shown = [c for c in TASKS if c in rows]
             for variant in ("confidence", "lookup"):  # early-stopping drafts (K a maximum), the context lookup
                 if name == "latency" and variant in rows and rows[variant].fillna(0).any():
                     shown = shown[:2] + [variant] + shown[2:]

@@ -16,7 +16,7 @@ from lssp.errors import UserError  # noqa: E402
 from lssp.report import read_csv_parts  # noqa: E402
 from lssp.stats import alpha_from_tokens_per_iteration, predicted_speedup  # noqa: E402
 
-KINDS = ("latency", "speedup", "acceptance", "eval")
+KINDS = ("latency", "speedup", "acceptance", "tasks", "eval")
 
 
 def _caption(fig: Figure, frame: pd.DataFrame) -> None:
@@ -160,6 +160,48 @@ def acceptance_figure(frame: pd.DataFrame) -> Figure:
                    "share of iterations accepting draft i", legend=True)
 
 
+def overall_rows(frame: pd.DataFrame) -> pd.DataFrame:
+    """Each run's summary over all its prompts: a run over several tasks also has one row per task and mode."""
+    if "task" not in frame:
+        return frame
+    task = frame["task"].fillna("all")
+    several = set(frame.loc[task == "all", "run_id"])
+    return frame[(task == "all") | ~frame["run_id"].isin(several)]
+
+
+def task_rows(frame: pd.DataFrame) -> pd.DataFrame:
+    """The per-task rows of the newest run that has them."""
+    if "task" not in frame:
+        return frame.iloc[0:0]
+    task = frame["task"].fillna("all")
+    several = frame[frame["run_id"].isin(set(frame.loc[task == "all", "run_id"])) & (task != "all")]
+    if several.empty:
+        return several
+    newest = several.sort_values("timestamp")["run_id"].iloc[-1]
+    return several[several["run_id"] == newest]
+
+
+def tasks_figure(frame: pd.DataFrame) -> Figure:
+    """Speedup over RSp per task category, one bar per K (the plain draft), α written above each bar."""
+    ssp = frame[frame["mode"] == "ssp"]
+    tasks = list(dict.fromkeys(ssp["task"]))
+    ks = sorted(set(ssp["k"]))
+    fig, ax = plt.subplots(figsize=(max(6.5, 0.45 * len(tasks) * len(ks)), 4.4))
+    width = 0.8 / max(1, len(ks))
+    for j, k in enumerate(ks):
+        rows = ssp[ssp["k"] == k].set_index("task").reindex(tasks)
+        x = np.arange(len(tasks)) + (j - (len(ks) - 1) / 2) * width
+        ax.bar(x, rows["speedup"], width, label=f"K={int(k)}")
+        for xi, speedup, alpha in zip(x, rows["speedup"], rows["alpha"]):
+            if np.isfinite(speedup):
+                ax.text(xi, speedup, f"α{alpha:.2f}", ha="center", va="bottom", fontsize=6)
+    ax.axhline(1.0, color="0.6", lw=0.8)
+    ax.set_xticks(range(len(tasks)), tasks, fontsize=8)
+    first = ssp.iloc[0]
+    title = f"SSp speedup by task: {first['target']} + {first['draft']}, {_setting(first)}"
+    return _finish(fig, ax, frame, title, None, "speedup over RSp (×)", legend=True)
+
+
 def eval_figure(frame: pd.DataFrame) -> Figure:
     """Success rate with its 95% Wald interval, RSp and SSp side by side."""
     frame = _latest_run_per_pair(frame)
@@ -182,15 +224,18 @@ def plot_results(results_dir: Path, out_dir: Path | None = None, run_id: str | N
     kinds = tuple(kinds) or KINDS
     written: list[Path] = []
     makers = {"latency": ("latency.csv", latency_figure), "speedup": ("latency.csv", speedup_figure),
-              "acceptance": ("latency.csv", acceptance_figure), "eval": ("eval.csv", eval_figure)}
+              "acceptance": ("latency.csv", acceptance_figure), "tasks": ("latency.csv", tasks_figure),
+              "eval": ("eval.csv", eval_figure)}
     if "latency" in kinds:
-        kinds = tuple(dict.fromkeys(kinds + ("speedup", "acceptance")))
+        kinds = tuple(dict.fromkeys(kinds + ("speedup", "acceptance", "tasks")))
     for kind in kinds:
         csv, make = makers[kind]
         frame = read_csv_parts(results_dir / csv)
         if frame.empty:
             continue
         frame = _filter(frame, run_id, target, draft, machine)
+        if kind != "eval":  # the task chart draws the rows of each task, the others a run's rows over all prompts
+            frame = task_rows(frame) if kind == "tasks" else overall_rows(frame)
         for variant in ("confidence", "lookup"):  # latency charts: the plain draft at fixed K, as the model curve assumes
             if kind != "eval" and variant in frame:
                 frame = frame[frame[variant].fillna(0) == 0]

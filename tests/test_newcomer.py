@@ -151,8 +151,8 @@ def _interrupt_when(proc: subprocess.Popen, marker: str, timeout: float = 120) -
 def test_ctrl_c_in_latency_exits_130_and_keeps_the_completed_prompts(tiny_dir, tmp_path):
     results = tmp_path / "results"
     proc = _cli(tiny_dir, results, "latency", "--k", "2", "--max-new-tokens", "60", "--nb-prompts", "16",
-                "--repeats", "4")  # long enough that the signal always lands before the end
-    out, err = _interrupt_when(proc, r"prompt 1/16 pass 1 ssp")  # one whole prompt done
+                "--repeats", "4", "--ignore-eos")  # long enough that the signal always lands before the end
+    out, err = _interrupt_when(proc, r"prompt 1/16 stories pass 1 ssp")  # one whole prompt done
     assert proc.returncode == 130, err
     assert "interrupted after" in err and "Traceback" not in err
     rows = pd.read_csv(results / "latency.csv")

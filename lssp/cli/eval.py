@@ -73,7 +73,7 @@ def eval_cmd(
                            max_operand=max_operand, prefix_cache=prefix_cache, rsp_batch=rsp_batch)
     except EvalInterrupted as stop:
         err_console.print(f"interrupted: {plural(stop.records, 'record')} kept in {stop.records_path}; "
-                          "the same command with --resume continues it")
+                          "the same command with --resume continues it", soft_wrap=True)  # the path stays whole
         raise typer.Exit(130) from None
     render(run, t, d)
     code = save(results, run.run_id, "eval", run.rows(), run.markdown(), json_out, run.summary_json(),
