@@ -16,7 +16,7 @@ if [ "${1:-}" = "quick" ]; then
     N=(--nb-prompts 2); SAMPLES=(--samples 100 --depth 2); EVALN=(--nb-prompts 10); POWERN=(--nb-prompts 10)
     REPEATS=(--repeats 1)
 else
-    N=(); SAMPLES=(--samples 600 --depth 2); EVALN=(--nb-prompts 1000); POWERN=(--nb-prompts 2000)
+    N=(); SAMPLES=(--samples 600 --depth 2); EVALN=(--nb-prompts 1000); POWERN=(--nb-prompts 1500)
     REPEATS=(--repeats 3)
 fi
 

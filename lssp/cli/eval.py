@@ -91,11 +91,12 @@ def render(run, t, d) -> None:
     out = table(f"Eval \"a {symbol} b = \", a and b in {LOW}..{setup.max_operand}: {t.name}"
                 + (f" (draft {d.name}, K={k_label(setup.k, 0, setup.lookup)})" if d else "")
                 + f", {plural(setup.nb_prompts, 'problem')}, T={setup.params.temperature:g}",
-                [("mode", "left"), *((c, "right") for c in ("correct/trials", "rate", "95% Wald", "95% Wilson", "s/problem"))])
+                [("mode", "left"), *((c, "right") for c in ("correct", "rate ±95%", "95% Wald", "95% Wilson", "s/problem"))])
     for m in run.summaries:
-        out.add_row(m.mode.upper(), f"{m.successes} / {m.trials}", f"{100 * m.success_rate:.1f}%",
-                    f"± {100 * max(m.wald.high - m.success_rate, m.success_rate - m.wald.low):.1f} [{100 * m.wald.low:.1f}, {100 * m.wald.high:.1f}]",
-                    f"[{100 * m.wilson.low:.1f}, {100 * m.wilson.high:.1f}]", fmt(m.seconds_per_problem, 3))
+        half = max(m.wald.high - m.success_rate, m.success_rate - m.wald.low)
+        out.add_row(m.mode.upper(), f"{m.successes}/{m.trials}", f"{100 * m.success_rate:.1f}% ±{100 * half:.1f}",
+                    f"[{100 * m.wald.low:.1f}, {100 * m.wald.high:.1f}]", f"[{100 * m.wilson.low:.1f}, {100 * m.wilson.high:.1f}]",
+                    fmt(m.seconds_per_problem, 3))
     console.print(out)
     cmp = run.comparison
     if cmp:
