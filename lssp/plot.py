@@ -196,9 +196,10 @@ def tasks_figure(frame: pd.DataFrame) -> Figure:
             if np.isfinite(speedup):
                 ax.text(xi, speedup, f"α{alpha:.2f}", ha="center", va="bottom", fontsize=6)
     ax.axhline(1.0, color="0.6", lw=0.8)
-    ax.set_xticks(range(len(tasks)), tasks, fontsize=8)
+    formats = ssp.groupby("task", sort=False)["prompt_format"].first() if "prompt_format" in ssp else {}
+    ax.set_xticks(range(len(tasks)), [f"{t}\n({formats[t]})" if t in formats else t for t in tasks], fontsize=8)
     first = ssp.iloc[0]
-    title = f"SSp speedup by task: {first['target']} + {first['draft']}, {_setting(first)}"
+    title = f"SSp speedup by task: {first['target']} + {first['draft']}, {_setting(first.drop('prompt_format', errors='ignore'))}"
     return _finish(fig, ax, frame, title, None, "speedup over RSp (×)", legend=True)
 
 
