@@ -31,6 +31,8 @@ $PY llamassp.py "${L[@]}" latency --k 2,3,4 --lookup 0,4 "${REPEATS[@]}" "${N[@]
 # 1b. Workloads by task (Spec-Bench's six categories, code, the reference's stories), greedy and at T=0.7.
 $PY llamassp.py "${L[@]}" latency --task all --k 2,3,4 "${N[@]}" --json "$OUT/latency-tasks-greedy.json"
 $PY llamassp.py "${L[@]}" latency --task all --k 2,3 --temperature 0.7 "${N[@]}" --json "$OUT/latency-tasks-t0.7.json"
+#     For comparison, four of the questions the shipped draft was distilled on (benchmarks/distill-questions.txt).
+$PY llamassp.py "${L[@]}" latency --chat --prompts benchmarks/distill-questions.txt --k 2 --json "$OUT/latency-distill-questions.json"
 
 # 1. Latency on the default pair: greedy K sweep, then sampling at T=0.7.
 #    The greedy sweep also times early-stopping drafts (K a maximum, stop below draft probability 0.3),
@@ -48,6 +50,8 @@ $PY llamassp.py "${L[@]}" bench --k 3 "${N[@]}" --alpha 0.5,0.6,0.7,0.8 --json "
 #    range where the target scores between 20% and 80%, so that a difference would show - and the
 #    losslessness checks.
 $PY llamassp.py "${L[@]}" eval --both "${EVALN[@]}" --json "$OUT/eval-default.json"
+#    The same problems' first 100 without the prefix cache or batched RSp: the time per problem they save.
+$PY llamassp.py "${L[@]}" eval --both --nb-prompts 100 --no-prefix-cache --rsp-batch 1 --json "$OUT/eval-default-unbatched.json"
 $PY llamassp.py "${L[@]}" eval --both --max-operand 9 "${POWERN[@]}" --json "$OUT/eval-powered.json"
 $PY llamassp.py "${L[@]}" verify --temperature 1.0 "${SAMPLES[@]}" --json "$OUT/verify-default-t1.0.json" || true
 $PY llamassp.py "${L[@]}" verify --temperature 0.7 --top-k 50 "${SAMPLES[@]}" --json "$OUT/verify-default-t0.7-topk50.json" || true
