@@ -189,10 +189,18 @@ def forward_logits(model: PreTrainedModel, ids: torch.Tensor, kv: DynamicCache, 
     return out.logits[0, -last:].to(model_device(model))
 
 
-def new_cache(model: PreTrainedModel) -> DynamicCache:
-    """An empty KV cache of the kind ``model`` takes (a compact forward brings its own)."""
+def new_cache(model: PreTrainedModel, batch: int = 1) -> DynamicCache:
+    """An empty KV cache of the kind ``model`` takes (a compact forward brings its own), for ``batch`` rows."""
     make = getattr(model, "new_cache", None)
-    return make() if make else DynamicCache(config=model.config)
+    if make is None:
+        return DynamicCache(config=model.config)
+    return make() if batch == 1 else make(batch)
+
+
+def _feed(model: PreTrainedModel, ids: torch.Tensor, kv: DynamicCache) -> None:
+    """Extend ``kv`` with ``ids`` (B, n), computing no logits but the last position's."""
+    kwargs = {"logits_to_keep": 1} if _accepts_logits_to_keep(type(model)) else {}
+    model(input_ids=ids.to(model_device(model)), past_key_values=kv, use_cache=True, **kwargs)
 
 
 def drop(kv: DynamicCache, positions: int) -> None:
@@ -217,17 +225,16 @@ class PrefixCache:
         n = len(self.ids)
         if seq.shape[1] <= n or any(row[:n].tolist() != self.ids for row in seq):
             return None
-        device = model_device(model)
         kv = self._caches.get(model)
         if kv is None:
             kv = self._caches[model] = new_cache(model)
-            forward_logits(model, seq[:1, :n].to(device), kv, 1)
+            _feed(model, seq[:1, :n], kv)
         else:
             drop(kv, kv.get_seq_length() - n)
         if seq.shape[0] > 1:
             kv = repeated(model, kv, seq.shape[0])
         if seq.shape[1] > n + 1:
-            model(input_ids=seq[:, n:-1].to(device), past_key_values=kv, use_cache=True)
+            _feed(model, seq[:, n:-1], kv)
         return kv
 
 
@@ -249,11 +256,10 @@ def _prefill(model: PreTrainedModel, seq: torch.Tensor, prefix: PrefixCache | No
     """A cache holding all of ``seq`` but its last token, which the first decode step feeds (from ``prefix``'s
     cache where ``seq`` extends it)."""
     kv = prefix.start(model, seq) if prefix is not None else None
-    if kv is not None:
-        return kv
-    kv = new_cache(model)
-    if seq.shape[1] > 1:
-        forward_logits(model, seq[:, :-1].to(model_device(model)), kv, 1)
+    if kv is None:
+        kv = new_cache(model, seq.shape[0])
+        if seq.shape[1] > 1:
+            _feed(model, seq[:, :-1], kv)
     return kv
 
 
@@ -378,12 +384,7 @@ def generate_regular_batch(
     rows: list[list[int]] = [[] for _ in range(batch)]
     stopped = [False] * batch
     start = clock.now()
-    kv = prefix.start(model, seq) if prefix is not None else None
-    if kv is None:
-        make = getattr(model, "new_cache", None)
-        kv = make(batch) if make else DynamicCache(config=model.config)
-        if seq.shape[1] > 1:
-            model(input_ids=seq[:, :-1], past_key_values=kv, use_cache=True)
+    kv = _prefill(model, seq, prefix)
     prefill = clock.now() - start
     next_ids = seq[:, -1:]
     forwards = 0
