@@ -376,6 +376,12 @@ def as_task_prompts(prompts: Sequence[str | TaskPrompt], chat: bool = False) -> 
             for i, p in enumerate(prompts)]
 
 
+def uses_chat_template(target: LoadedModel, prompt: TaskPrompt, forced: bool) -> bool:
+    """Whether ``prompt`` goes in the target's chat template: always when ``forced`` (``--chat``), else where the
+    prompt asks for it and the target has one."""
+    return forced or (prompt.chat and target.has_chat_template)
+
+
 def complete_turns(target: LoadedModel, prompt: TaskPrompt, chat: bool,
                    generate: Callable[[torch.Tensor], GenerationOutput]) -> tuple[GenerationStats, int, list[str]]:
     """Every turn of ``prompt``, each conditioned on the earlier answers: the stats of all of them together,
@@ -415,12 +421,9 @@ def run_latency(
     separate = separate_split_pass(split, target.model, *([draft.model] if draft else []))
     stopping = Stopping() if ignore_eos else Stopping(token_ids=target.eos_ids)
 
-    def use_chat(prompt: TaskPrompt) -> bool:
-        return chat or (prompt.chat and target.has_chat_template)
-
     formats: dict[str, set[str]] = {}
     for prompt in prompts:
-        formats.setdefault(prompt.task, set()).add("chat" if use_chat(prompt) else "raw")
+        formats.setdefault(prompt.task, set()).add("chat" if uses_chat_template(target, prompt, chat) else "raw")
     setup = LatencySetup(target.name, draft.name if draft else None, target.precision, draft.precision if draft else "",
                          params, max_new_tokens, len(prompts), chat, repeats, ignore_eos, list(formats),
                          {task: f.pop() if len(f) == 1 else "mixed" for task, f in formats.items()},
@@ -437,7 +440,7 @@ def run_latency(
                                         stopping, vocab_size=vocab_size, confidence=how.confidence, lookup=how.lookup,
                                         time_forwards=time_forwards)
 
-        stats, at_budget, _ = complete_turns(target, prompt, use_chat(prompt), generate)
+        stats, at_budget, _ = complete_turns(target, prompt, uses_chat_template(target, prompt, chat), generate)
         return stats, at_budget
 
     warmup = TaskPrompt("warm-up", (warmup_prompt,), False)

@@ -37,7 +37,7 @@ def compare(
     import torch
 
     from lssp.generation import Stopping, generate_regular, generate_speculative
-    from lssp.latency import complete_turns
+    from lssp.latency import complete_turns, uses_chat_template
     from lssp.tasks import TaskPrompt
     from lssp.prompts import WARMUP_PROMPT
 
@@ -65,7 +65,7 @@ def compare(
             return generate_speculative(t.model, d.model, ids, max_new_tokens, k, params, generator, stopping,
                                         vocab_size=vocab, on_tokens=shown.show, lookup=lookup)
 
-        stats, _, _ = complete_turns(t, prompt, chat or (prompt.chat and t.has_chat_template), generate)
+        stats, _, _ = complete_turns(t, prompt, uses_chat_template(t, prompt, chat), generate)
         return stats
 
     def run_one(prompt, index: int) -> None:
