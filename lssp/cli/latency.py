@@ -117,7 +117,8 @@ def render(run, t, d, wide: bool = False) -> None:
         console.print(details)
     budget = overall[0].at_budget_share
     console.print(f"  {fmt(budget, 0, pct=True)} of completions ran to the {setup.max_new_tokens}-token budget"
-                  + (" (--ignore-eos)" if setup.ignore_eos else "; the others ended at the end token"))
+                  + (" (--ignore-eos)" if setup.ignore_eos else "; the others ended at the end token" if budget < 1
+                     else ": none ended at the end token"))
     specbench = [m for m in overall if m.specbench_speedup == m.specbench_speedup]
     if specbench:
         console.print("  Spec-Bench's speedup (mean per-prompt tokens/s, prefill included, ÷ RSp's): "
