@@ -16,6 +16,7 @@ from lssp.sampling import SamplingParams
 from lssp.stats import alpha_estimate
 from lssp.tasks import TaskPrompt
 from lssp.timing import Clock
+from lssp.vllm_engine import DECODE_TIMING, VllmEngines
 
 Progress = Callable[[str], None]  # called with a short description after each timed completion
 
@@ -35,10 +36,11 @@ class PromptTiming:
     task: str = "prompts"
     turns: int = 1  # completions made: one per user turn
     at_budget: int = 0  # of those, how many ran to max_new_tokens (no end token before)
+    engine: str = "ours"
 
     @property
     def how(self) -> Mode:
-        return Mode(self.mode, self.k, self.confidence, self.lookup)
+        return Mode(self.mode, self.k, self.confidence, self.lookup, self.engine)
 
     @property
     def ms_per_target_forward(self) -> float:
@@ -59,10 +61,11 @@ class Mode(NamedTuple):
     k: int = 0
     confidence: float = 0.0
     lookup: int = 0
+    engine: str = "ours"  # ours, or vllm (lssp.vllm_engine)
 
     @property
     def name(self) -> str:
-        return (self.mode + (f" k={self.k}" if self.k else "") + (f" p>={self.confidence:g}" if self.confidence else "")
+        return (("vllm " if self.engine == "vllm" else "") + self.mode + (f" k={self.k}" if self.k else "") + (f" p>={self.confidence:g}" if self.confidence else "")
                 + (f" lookup={self.lookup}" if self.lookup else ""))
 
 
@@ -105,6 +108,7 @@ class ModeSummary:
     at_budget_share: float = float("nan")  # of the completions (turns), those that ran to max_new_tokens
     tokens_per_s: float = float("nan")  # mean over prompts of tokens ÷ whole completion time (Spec-Bench's)
     specbench_speedup: float = float("nan")  # this mode's tokens_per_s ÷ RSp's (Spec-Bench's overall speedup)
+    engine: str = "ours"  # the speedup is over the same engine's RSp
 
     @property
     def noisy(self) -> bool:
@@ -170,6 +174,7 @@ def summarize(timings: Sequence[PromptTiming], how: Mode = Mode("rsp"),
         task=task,
         at_budget_share=sum(t.at_budget for t in timings) / max(1, sum(t.turns for t in timings)),
         tokens_per_s=sum(t.tokens_per_s for t in timings) / len(timings),
+        engine=how.engine,
     )
 
 
@@ -203,6 +208,17 @@ class LatencySetup:
     prompt_formats: dict[str, str] = field(default_factory=dict)  # task: chat, raw or mixed
     split_timing: str = SAME_PASS  # where the draft/target/other split was measured
     recompiles: int = 0  # graphs torch.compile built during the timed passes (after the warm-ups)
+    vllm_version: str = ""  # where vLLM ran some modes (--engine vllm)
+    vllm_precision: str = ""
+    vllm_draft_method: str = "draft_model"  # vLLM's speculative method with the draft (registry: speculative_method)
+
+    def method(self, m: ModeSummary) -> str:
+        """How a mode drafted: none (RSp); ours: draft, draft+lookup; vLLM: its speculative method."""
+        if m.mode == "rsp":
+            return "none"
+        if m.engine == "vllm":
+            return "ngram" if m.lookup else self.vllm_draft_method
+        return "draft+lookup" if m.lookup else "draft"
 
 
 @dataclass
@@ -226,13 +242,17 @@ class LatencyRun:
 
     @property
     def baseline(self) -> ModeSummary | None:
-        return next((s for s in self.overall if s.mode == "rsp"), None)
+        return next((s for s in self.overall if s.mode == "rsp" and s.engine == "ours"), None)
+
+    @property
+    def engines(self) -> list[str]:
+        return list(dict.fromkeys(s.engine for s in self.overall))
 
     @property
     def cost_ratio(self) -> float:
-        """c: draft ms per forward / target ms per 1-token forward (from RSp)."""
+        """c: draft ms per forward / target ms per 1-token forward (from our RSp)."""
         base = self.baseline
-        drafts = [s.draft_ms_per_forward for s in self.overall if s.mode == "ssp"]
+        drafts = [s.draft_ms_per_forward for s in self.overall if s.mode == "ssp" and s.engine == "ours"]
         if base is None or not drafts:
             return float("nan")
         return median(drafts) / base.target_ms_per_forward
@@ -258,13 +278,17 @@ class LatencyRun:
         """One CSV row per mode."""
         setup, info = self.setup, self.info
         return [{
-            **info.head(), "mode": m.mode, "target": setup.target, "draft": setup.draft if m.mode == "ssp" else "",
+            **info.head(), "engine": m.engine, "method": setup.method(m), "mode": m.mode, "target": setup.target,
+            "draft": setup.draft if setup.method(m) not in ("none", "ngram") else "",
             "k": m.k, **setup.params.as_dict(), "max_new_tokens": setup.max_new_tokens,
             "prompt_format": self.prompt_format(m.task), "ignore_eos": setup.ignore_eos,
             **{key: value for key, value in asdict(m).items() if key not in ("mode", "k")},
             "acceptance_by_position": ";".join(f"{x:.4f}" for x in m.acceptance_by_position),
             "noisy": m.noisy, "interrupted": self.interrupted, "split_timing": setup.split_timing,
-            "recompiles": setup.recompiles, "target_precision": setup.target_precision, "draft_precision": setup.draft_precision or "", **info.env,
+            "recompiles": setup.recompiles,
+            "target_precision": setup.vllm_precision if m.engine == "vllm" else setup.target_precision,
+            "draft_precision": setup.draft_precision or "", "vllm": setup.vllm_version if m.engine == "vllm" else "",
+            "decode_timing": DECODE_TIMING if m.engine == "vllm" else "lssp clock", **info.env,
         } for m in self.summaries]
 
     def prompt_format(self, task: str) -> str:
@@ -332,22 +356,27 @@ def _summaries(timings: Sequence[PromptTiming], modes: Sequence[Mode], task: str
     split = [t for t in timings if t.split_pass]
     summaries = [summarize([t for t in headline if t.how == how], how,
                            [t for t in split if t.how == how] if split else None, task) for how in modes]
-    rsp = next((s for s in summaries if s.mode == "rsp"), None)
-    ssp = [s for s in summaries if s.mode == "ssp"]
     repeats = sorted({t.repeat for t in headline})
-    for s in ssp:
-        if rsp is None:
-            continue
-        s.speedup = rsp.ms_per_token / s.ms_per_token
-        s.specbench_speedup = s.tokens_per_s / rsp.tokens_per_s
-        if len(repeats) > 1:
-            how = Mode(s.mode, s.k, s.confidence, s.lookup)
-            per_pass = [_ms_per_token([t for t in headline if t.repeat == r and t.mode == "rsp"])
-                        / _ms_per_token([t for t in headline if t.repeat == r and t.how == how]) for r in repeats]
-            s.speedup_sd = stdev(per_pass)
-    if ssp:
-        min(ssp, key=lambda s: s.ms_per_token).best = True
+    for engine in dict.fromkeys(s.engine for s in summaries):
+        rsp = next((s for s in summaries if s.mode == "rsp" and s.engine == engine), None)
+        ssp = [s for s in summaries if s.mode == "ssp" and s.engine == engine]
+        for s in ssp:
+            if rsp is None:
+                continue
+            s.speedup = rsp.ms_per_token / s.ms_per_token
+            s.specbench_speedup = s.tokens_per_s / rsp.tokens_per_s
+            if len(repeats) > 1:
+                how = Mode(s.mode, s.k, s.confidence, s.lookup, engine)
+                per_pass = [_ms_per_token([t for t in headline if t.repeat == r and t.how == rsp_mode(engine)])
+                            / _ms_per_token([t for t in headline if t.repeat == r and t.how == how]) for r in repeats]
+                s.speedup_sd = stdev(per_pass)
+        if ssp:
+            min(ssp, key=lambda s: s.ms_per_token).best = True
     return summaries
+
+
+def rsp_mode(engine: str = "ours") -> Mode:
+    return Mode("rsp", engine=engine)
 
 
 def summaries_by_task(timings: Sequence[PromptTiming], modes: Sequence[Mode]) -> list[ModeSummary]:
@@ -400,6 +429,7 @@ def run_latency(
     ks: Sequence[int], params: SamplingParams, max_new_tokens: int, seed: int, baseline: bool = True,
     vocab_size: int | None = None, progress: Progress | None = None, confidences: Sequence[float] = (0.0,),
     chat: bool = False, lookups: Sequence[int] = (0,), repeats: int = 1, split: str = "auto", ignore_eos: bool = False,
+    engines: Sequence[str] = ("ours",), vllm: VllmEngines | None = None,
 ) -> LatencyRun:
     """Time RSp and SSp (each k, draft confidence threshold and lookup length) on every prompt, interleaved prompt by
     prompt, the order of the modes rotating from one prompt to the next.
@@ -412,13 +442,19 @@ def run_latency(
     draft/target time split is measured (``separate_split_pass``); with a separate pass, the timed passes
     synchronize a GPU only at each completion's boundaries. Ctrl-C after at least one prompt returns the
     prompts completed in every mode (``interrupted``).
+
+    ``engines``: ours, vllm or both; vLLM's modes run through ``vllm`` (its engines already started), in the same
+    rotation, RSp and SSp at each k (n-gram drafts where a lookup length is given, else the draft).
     """
     prompts = as_task_prompts(prompts, chat)
-    modes = [Mode("rsp")] if baseline or draft is None else []
-    if draft is not None:
-        modes += [Mode("ssp", k, c, n) for n in lookups for c in confidences for k in ks]
+    modes = []
+    for engine in engines:
+        modes += [Mode("rsp", engine=engine)] if baseline or draft is None else []
+        if draft is not None or (engine == "vllm" and any(lookups)):
+            modes += [Mode("ssp", k, c, n, engine) for n in lookups for c in confidences for k in ks
+                      if draft is not None or n]
     info = RunInfo.for_models(target, draft)
-    separate = separate_split_pass(split, target.model, *([draft.model] if draft else []))
+    separate = "ours" in engines and separate_split_pass(split, target.model, *([draft.model] if draft else []))
     stopping = Stopping() if ignore_eos else Stopping(token_ids=target.eos_ids)
 
     formats: dict[str, set[str]] = {}
@@ -428,11 +464,17 @@ def run_latency(
                          params, max_new_tokens, len(prompts), chat, repeats, ignore_eos, list(formats),
                          {task: f.pop() if len(f) == 1 else "mixed" for task, f in formats.items()},
                          SEPARATE_PASS if separate else SAME_PASS)
+    if vllm is not None:
+        setup.vllm_version, setup.vllm_precision = vllm.version, vllm.target.precision
+        setup.vllm_draft_method = (vllm.draft.spec.speculative_method or "draft_model") if vllm.draft else "draft_model"
 
     def complete(how: Mode, prompt: TaskPrompt, index: int, time_forwards: bool) -> tuple[GenerationStats, int]:
-        generator = torch.Generator(device=target.device).manual_seed(seed + index)  # one per prompt, all its turns
+        generator = torch.Generator(device=target.device).manual_seed(seed + index) if how.engine == "ours" else None
 
         def generate(ids: torch.Tensor) -> GenerationOutput:
+            if how.engine == "vllm":
+                return vllm.generate(how.k if how.mode == "ssp" else 0, how.lookup, ids[0].tolist(), max_new_tokens,
+                                     params, (seed + index) % 2**31, stopping.token_ids, ignore_eos).output
             if how.mode == "rsp":
                 return generate_regular(target.model, ids, max_new_tokens, params, generator, stopping,
                                         time_forwards=time_forwards)
@@ -456,9 +498,11 @@ def run_latency(
         for repeat, split_pass in passes:
             for index, prompt in enumerate(prompts):
                 for how in rotated(modes, index):
+                    if split_pass and how.engine != "ours":
+                        continue  # vLLM's split is not ours to time
                     stats, at_budget = complete(how, prompt, index, time_forwards=split_pass or not separate)
                     timings.append(PromptTiming(index, how.mode, how.k, stats, how.confidence, how.lookup, repeat,
-                                                split_pass, prompt.task, len(prompt.turns), at_budget))
+                                                split_pass, prompt.task, len(prompt.turns), at_budget, how.engine))
                     if progress:
                         progress(f"prompt {index + 1}/{len(prompts)} {prompt.task}" + (
                             " split pass" if split_pass else f" pass {repeat + 1}" if repeats > 1 else "") + " " + how.name)

@@ -119,12 +119,17 @@ class LoadedModel:
         if self.tokenizer is None:
             if chat:
                 raise UserError(f"model {self.name!r} has no tokenizer, so no chat template")
-            vocab = self.model.get_input_embeddings().weight.shape[0]
+            vocab = self.vocab_size
             text = "\n\n".join(interleave(turns, answers))
             return torch.tensor([[b % vocab for b in text.encode()]], dtype=torch.long)
         if chat and not self.has_chat_template:
             raise UserError(f"model {self.name!r}: its tokenizer has no chat template")
         return torch.tensor([encode_conversation(self.tokenizer, turns, answers, chat)], dtype=torch.long)
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the input embedding."""
+        return self.model.get_input_embeddings().weight.shape[0]
 
     @property
     def has_chat_template(self) -> bool:
@@ -477,7 +482,7 @@ def check_compatible(target: LoadedModel, draft: LoadedModel) -> int:
                 f"draft {draft.name!r} and target {target.name!r} tokenize the same text differently from token {at}: "
                 f"{t_ids[at:at + 5]} vs {d_ids[at:at + 5]}"
             )
-    widths = [logit_width(m.model) for m in (target, draft)]
+    widths = [logit_width(m.model) if m.model is not None else m.vocab_size for m in (target, draft)]
     if t_tok is None and d_tok is None and widths[0] != widths[1]:
         raise IncompatibleModelsError(
             f"draft {draft.name!r} ({widths[1]} logits) and target {target.name!r} ({widths[0]}) have no tokenizer to compare "

@@ -25,7 +25,12 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-
 SPEC_KEYS = {
     "path", "tokenizer", "dtype", "quantization", "device_map", "gpus", "max_memory",
     "attn_implementation", "revision", "init", "config", "description", "forward", "compile",
+    # --engine vllm only (passed to vllm.LLM; gpus becomes tensor_parallel_size):
+    "pipeline_parallel_size", "distributed_executor_backend", "gpu_memory_utilization", "max_model_len",
+    "enforce_eager", "speculative_method",
 }
+EXECUTOR_BACKENDS = ("mp", "ray")
+SPECULATIVE_METHODS = ("draft_model", "eagle", "eagle3", "mtp", "medusa")  # vLLM's, for a draft entry
 TOP_KEYS = {"default_target", "default_draft", "models"}
 PACKAGE_PREFIX = "pkg:"
 
@@ -49,6 +54,12 @@ class ModelSpec:
     description: str = ""
     forward: str = "transformers"
     compile: bool | str = False  # run the compact forward's decode steps under torch.compile (True or a mode)
+    pipeline_parallel_size: int | None = None  # vLLM: pipeline stages (no speculative decoding with > 1)
+    distributed_executor_backend: str | None = None  # vLLM: mp (one node) or ray (several nodes)
+    gpu_memory_utilization: float | None = None  # vLLM: share of each GPU's memory per engine
+    max_model_len: int | None = None  # vLLM: longest context (prompt + completion) it reserves KV cache for
+    enforce_eager: bool | None = None  # vLLM: no CUDA graphs / torch.compile (default: eager on a CPU only)
+    speculative_method: str | None = None  # vLLM, on a draft: draft_model (default), eagle, eagle3, mtp, ...
     base_dir: Path = field(default=Path("."), compare=False)
 
     @property
@@ -219,9 +230,19 @@ def _check_value(name: str, key: str, value: Any, at: str) -> None:
     if choices is not None:
         if value not in choices:
             raise UserError(f"{at}: model {name!r}: bad {key} {value!r}; expected one of {', '.join(choices)}")
-    elif key == "gpus":
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise bad("a whole number >= 0")
+    elif key in ("gpus", "pipeline_parallel_size", "max_model_len"):
+        if not isinstance(value, int) or isinstance(value, bool) or value < (0 if key == "gpus" else 1):
+            raise bad("a whole number >= " + ("0" if key == "gpus" else "1"))
+    elif key == "gpu_memory_utilization":
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value <= 1:
+            raise bad("a fraction in (0, 1]")
+    elif key == "enforce_eager":
+        if not isinstance(value, bool):
+            raise bad("true or false")
+    elif key in ("distributed_executor_backend", "speculative_method"):
+        choices = EXECUTOR_BACKENDS if key == "distributed_executor_backend" else SPECULATIVE_METHODS
+        if value not in choices:
+            raise UserError(f"{at}: model {name!r}: bad {key} {value!r}; expected one of {', '.join(choices)}")
     elif key == "max_memory":
         if not isinstance(value, dict) or not value:
             raise bad("a mapping such as {0: 38GiB, 1: 38GiB, cpu: 64GiB}")

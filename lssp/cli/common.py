@@ -118,6 +118,8 @@ TopKOpt = Annotated[int, typer.Option(help="Keep the k most likely tokens (0: of
 TopPOpt = Annotated[float, typer.Option(help="Nucleus sampling mass (1: off).")]
 TemperatureOpt = Annotated[float, typer.Option(help="0 is greedy.")]
 TargetArg = Annotated[Optional[str], typer.Argument(help="Target model (default: the registry's default_target).")]
+EngineOpt = Annotated[str, typer.Option(
+    "--engine", help="ours, vllm (./setup.sh --vllm installs it), or ours,vllm: both in one interleaved run.")]
 DraftArg = Annotated[Optional[str], typer.Argument(help="Draft model (default: the registry's default_draft).")]
 PromptsOpt = Annotated[Optional[Path], typer.Option(
     help="File with one prompt per line, or JSONL in Spec-Bench's question.jsonl shape (category, turns).")]
@@ -193,6 +195,39 @@ def load_pair(s: Settings, target_name: str | None, draft_name: str | None, need
         return target, None, None
     draft = load(s, d_name, draft=True)  # after the target: it goes whole onto the GPU the target left emptiest
     return target, draft, check_compatible(target, draft)
+
+
+def parse_engines(value: str, allowed: tuple[str, ...] = ("ours", "vllm")) -> list[str]:
+    """--engine: a comma list of known engines, each once."""
+    engines = [e.strip() for e in value.split(",") if e.strip()]
+    unknown = [e for e in engines if e not in allowed]
+    if unknown or not engines or len(set(engines)) < len(engines):
+        raise UserError(f"--engine {value!r}: expected one or more of {', '.join(allowed)}, comma-separated, each once")
+    return engines
+
+
+def load_engine_pair(s: Settings, target_name: str | None, draft_name: str | None, need_draft: bool = True):
+    """The pair as vLLM will run it: tokenizers and configs only on our side (no weights loaded here)."""
+    from lssp.loading import check_compatible
+    from lssp.vllm_engine import EngineModel, require_vllm
+
+    require_vllm()
+    t_spec = s.registry.get(s.registry.target_name(target_name))
+    d_name = s.registry.draft_name(draft_name) if (draft_name or need_draft) else None
+    with err_console.status(f"Reading {t_spec.name} for vLLM…"):
+        target = EngineModel(t_spec)
+        draft = EngineModel(s.registry.get(d_name)) if d_name else None
+    if draft is not None:
+        check_compatible(target, draft)
+    return target, draft
+
+
+def start_vllm(target, draft, keys: list[tuple[int, int]]):
+    """vLLM engines for (k, lookup) modes (k = 0: RSp), all started before anything is timed."""
+    from lssp.vllm_engine import VllmEngines
+
+    with err_console.status(f"Starting {plural(len(keys), 'vLLM engine')}…") as status:
+        return VllmEngines(target, draft, keys, lambda key: status.update(f"Started vLLM for K={key[0]}…"))
 
 
 def read_prompt_list(prompts_file: Path | None, nb_prompts: int | None) -> list[str]:

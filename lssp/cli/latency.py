@@ -12,7 +12,7 @@ from lssp.cli.common import (
     ChatOpt, ConfidenceOpt, JsonOpt, MaxNewOpt, NbPromptsOpt, PlotOpt, PromptsOpt, TargetArg, TemperatureOpt, TopKOpt,
     TopPOpt, WideOpt, app, check_positive, console, err_console, exit_with, save, fmt, k_label, load_pair,
     parse_fractions, parse_ints, plot_charts, progress, read_task_prompts, sampling_params, settings, table,
-    IgnoreEosOpt, TaskOpt,
+    IgnoreEosOpt, TaskOpt, EngineOpt, parse_engines, load_engine_pair, start_vllm,
 )
 from lssp.errors import UserError
 from lssp.report import plural
@@ -42,6 +42,7 @@ def latency(
         help="Where the draft/target time split is measured: auto (a separate pass when a model is on a GPU), "
              "same (sync around every forward in the timed passes), separate.")] = "auto",
     chat: ChatOpt = False,
+    engine: EngineOpt = "ours",
     wide: WideOpt = False,
     json_out: JsonOpt = None,
     plot: PlotOpt = False,
@@ -51,6 +52,7 @@ def latency(
     from lssp.prompts import WARMUP_PROMPT
 
     s = settings(ctx)
+    engines = parse_engines(engine)
     ks = parse_ints("--k", k)
     confidences = parse_fractions("--draft-confidence", draft_confidence)
     lookups = parse_ints("--lookup", lookup, minimum=0)
@@ -60,15 +62,29 @@ def latency(
         raise UserError(f"--split {split!r}: expected one of {', '.join(SPLIT_CHOICES)}")
     prompt_list = read_task_prompts(task, prompts, nb_prompts, chat)
     params = sampling_params(temperature, top_k, top_p)
+    if "vllm" in engines:
+        from lssp.vllm_engine import check_options
+
+        check_options(confidences)
     results = s.writable_results_dir()
     use_draft = draft is not None or default_pair or target is None
-    t, d, vocab = load_pair(s, target, draft, need_draft=use_draft)
-    modes = (0 if no_baseline and d is not None else 1) + (len(ks) * len(confidences) * len(lookups) if d else 0)
-    passes = repeats + separate_split_pass(split, t.model, *([d.model] if d else []))
-    with progress(modes * (passes * len(prompt_list) + 1), "latency") as tick:
+    t = d = vllm = vocab = None
+    if "ours" in engines:
+        t, d, vocab = load_pair(s, target, draft, need_draft=use_draft)
+    if "vllm" in engines:
+        vt, vd = load_engine_pair(s, target, draft, need_draft=use_draft)
+        keys = ([(0, 0)] if not (no_baseline and vd) else []) + [(k_, n) for n in lookups for k_ in ks if vd or n]
+        vllm = start_vllm(vt, vd, keys)
+        t, d = t or vt, d or vd
+    ours_modes = (0 if no_baseline and d is not None else 1) + (len(ks) * len(confidences) * len(lookups) if d else 0)
+    modes = ours_modes * ("ours" in engines) + (len(vllm.engines) if vllm else 0)
+    separate = "ours" in engines and separate_split_pass(split, t.model, *([d.model] if d else []))
+    with progress(modes * (repeats * len(prompt_list) + 1) + separate * ours_modes * len(prompt_list),
+                  "latency") as tick:
         run = run_latency(t, d, prompt_list, WARMUP_PROMPT, ks, params, max_new_tokens, s.seed,
                           baseline=not no_baseline, vocab_size=vocab, progress=tick, confidences=confidences,
-                          chat=chat, lookups=lookups, repeats=repeats, split=split, ignore_eos=ignore_eos)
+                          chat=chat, lookups=lookups, repeats=repeats, split=split, ignore_eos=ignore_eos,
+                          engines=engines, vllm=vllm)
     render(run, t, d, wide)
     code = save(results, run.info.run_id, "latency", run.rows(), run.markdown(), json_out, run.summary_json(),
                 f"{run.info.env['device']} · run {run.info.run_id}", {"latency_prompts.csv": run.prompt_rows()})
@@ -100,9 +116,11 @@ def render(run, t, d, wide: bool = False) -> None:
                     "draft's and the target's forwards, and the spread of the target's forward time (slowest ÷ median "
                     "prompt)", [("mode", "left"), ("median", "right"), ("TTFT ms", "right"), ("accepted", "right"),
                              ("draft", "right"), ("target", "right"), ("spread", "right")])
+    both = len(run.engines) > 1
     for m in overall:
-        mode = m.mode.upper() + (" ★" if m.best and several else "")
-        k = k_label(m.k, m.confidence, m.lookup) if m.mode == "ssp" else "–"
+        mode = ("vLLM " if m.engine == "vllm" else "ours " if both else "") + m.mode.upper() \
+            + (" ★" if m.best and several else "")
+        k = _k(m) if m.mode == "ssp" else "–"
         style = "bold" if m.best else None
         out.add_row(mode, k, f"{m.ms_per_token:.1f}", f"{m.ms_per_token_min:.1f}–{m.ms_per_token_max:.1f}",
                     fmt(m.alpha, 2), fmt(m.mean_accepted, 2), _speedup(m.speedup),
@@ -122,14 +140,16 @@ def render(run, t, d, wide: bool = False) -> None:
     specbench = [m for m in overall if m.specbench_speedup == m.specbench_speedup]
     if specbench:
         console.print("  Spec-Bench's speedup (mean per-prompt tokens/s, prefill included, ÷ RSp's): "
-                      + ", ".join(f"K={k_label(m.k, m.confidence, m.lookup)} {m.specbench_speedup:.2f}×" for m in specbench))
+                      + ", ".join(f"K={_k(m)} {m.specbench_speedup:.2f}×" for m in specbench))
     for m in overall:
         if m.mode == "ssp":
-            console.print(f"  share of iterations accepting draft i (K={k_label(m.k, m.confidence, m.lookup)}): " +
+            console.print(f"  share of iterations accepting draft i ({'vLLM ' if m.engine == 'vllm' else ''}K={_k(m)}): " +
                           " ".join(f"{i + 1}:{fmt(x, 0, pct=True)}" for i, x in enumerate(m.acceptance_by_position)))
-            if m.lookup:
+            if m.lookup and m.engine == "ours":
                 console.print(f"    the lookup proposed {fmt(m.lookup_share, 0, pct=True)} of drafts, "
                               f"{fmt(m.lookup_acceptance, 0, pct=True)} of them accepted")
+    if "vllm" in run.engines:
+        render_vllm(run)
     if setup.recompiles:
         console.print(f"[bold yellow]  torch.compile built {plural(setup.recompiles, 'graph')} while timing: "
                       "its compile time is in the figures[/bold yellow]")
@@ -151,6 +171,13 @@ def render(run, t, d, wide: bool = False) -> None:
         console.print("[yellow]  Random weights: timings are real, acceptance figures mean nothing.[/yellow]")
 
 
+def _k(m) -> str:
+    """The K column: ours' label, or vLLM's n-gram method with its lookup length."""
+    if m.engine == "vllm" and m.lookup:
+        return f"{m.k} ngram {m.lookup}"
+    return k_label(m.k, m.confidence, m.lookup)
+
+
 def _speedup(value: float) -> Text | str:
     return "–" if math.isnan(value) else Text(f"{value:.2f}×", style="bold green" if value > 1 else "bold red")
 
@@ -167,9 +194,22 @@ def render_tasks(run) -> None:
         if first and previous is not None:
             out.add_section()
         previous = m.task
-        mode = "RSp" if m.mode == "rsp" else "K=" + k_label(m.k, m.confidence, m.lookup)
+        mode = "RSp" if m.mode == "rsp" else "K=" + _k(m)
         label = f"{m.task} ({run.prompt_format(m.task)}, {m.prompts})" if first else ""
         out.add_row(label, mode + (" ★" if m.best else ""), f"{m.ms_per_token:.1f}", fmt(m.alpha, 2),
                     fmt(m.mean_accepted, 2), _speedup(m.speedup), fmt(m.at_budget_share, 0, pct=True),
                     style="bold" if m.best else None)
     console.print(out)
+
+
+def render_vllm(run) -> None:
+    """What differs for vLLM's rows, and ours ÷ vLLM where both ran."""
+    setup = run.setup
+    console.print(f"  vLLM {setup.vllm_version}, {setup.vllm_precision}: decode ms/token from its request "
+                  "timestamps, (last − first token) ÷ (tokens − 1); \"ngram N\": its n-gram drafts alone, no draft model")
+    ours = {(m.mode, m.k, m.lookup): m for m in run.overall if m.engine == "ours"}
+    pairs = [(m, ours[(m.mode, m.k, m.lookup)]) for m in run.overall
+             if m.engine == "vllm" and (m.mode, m.k, m.lookup) in ours]
+    if pairs:
+        console.print("  ours ÷ vLLM ms/token: " + ", ".join(
+            ("RSp" if v.mode == "rsp" else f"K={_k(v)}") + f" {o.ms_per_token / v.ms_per_token:.2f}×" for v, o in pairs))

