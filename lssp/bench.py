@@ -21,8 +21,17 @@ from lssp.sampling import SamplingParams
 from lssp.report import RunInfo, markdown_table, plural
 from lssp.stats import alpha_estimate, predicted_speedup
 from lssp.timing import Clock
+from lssp.vllm_engine import VllmEngines
 
 ENGINES = ("ours-rsp", "hf-generate", "ours-ssp", "hf-assisted")
+VLLM_ENGINES = ("vllm-rsp", "vllm-ssp")  # with --engine vllm (lssp.vllm_engine)
+
+
+def engines_for(rivals: Sequence[str]) -> tuple[str, ...]:
+    """The engines a bench runs: ours and each rival ("hf", "vllm"), RSp ones first."""
+    wanted = {"ours", *rivals}
+    return tuple(e for e in (*ENGINES[:2], VLLM_ENGINES[0], *ENGINES[2:], VLLM_ENGINES[1])
+                 if e.split("-")[0] in wanted)
 Progress = Callable[[str], None]
 
 
@@ -56,6 +65,9 @@ class EngineSummary:
     ratio_median: float = float("nan")  # ours / hf per prompt (ours-* rows only)
     ratio_min: float = float("nan")
     ratio_max: float = float("nan")
+    vllm_ratio_median: float = float("nan")  # ours / vLLM per prompt (ours-* rows, when vLLM ran)
+    vllm_ratio_min: float = float("nan")
+    vllm_ratio_max: float = float("nan")
 
 
 @dataclass
@@ -90,10 +102,17 @@ class BenchRun:
     cost_ratio: float = float("nan")  # c = draft ms/forward ÷ target ms per 1-token forward
     verify_ratio: float = float("nan")  # v = target ms per SSp (K+1-token) forward ÷ per RSp forward
     greedy_agreement: dict[str, float] = field(default_factory=dict)  # share of prompts equal to ours-rsp
+    vllm_version: str = ""
+    vllm_acceptance_rate: float = float("nan")  # vllm-ssp: accepted / drafted, median over prompts
+    vllm_alpha: float = float("nan")
 
     @property
     def noisy(self) -> bool:
         return self.forward_spread > NOISY_SPREAD
+
+    def has(self, rival: str) -> bool:
+        """Whether engines of ``rival`` (hf, vllm) ran."""
+        return any(x.engine.startswith(rival + "-") for x in self.summaries)
 
     def _ms(self, engine: str) -> float:
         return next(x.ms_per_token for x in self.summaries if x.engine == engine)
@@ -125,6 +144,8 @@ class BenchRun:
             "prompts": setup.prompts, "ms_per_token": x.ms_per_token, "ms_per_token_median": x.ms_per_token_median,
             "ms_per_token_min": x.ms_per_token_min, "ms_per_token_max": x.ms_per_token_max,
             "ours_over_hf_median": x.ratio_median, "ours_over_hf_min": x.ratio_min, "ours_over_hf_max": x.ratio_max,
+            "ours_over_vllm_median": x.vllm_ratio_median, "ours_over_vllm_min": x.vllm_ratio_min,
+            "ours_over_vllm_max": x.vllm_ratio_max, "vllm": self.vllm_version if x.engine.startswith("vllm") else "",
             "greedy_agreement": self.greedy_agreement.get(x.engine, float("nan")),
             "ssp_overhead_share": self.ssp_overhead_share, "acceptance_rate": self.acceptance_rate, "alpha": self.alpha,
             "cost_ratio": self.cost_ratio, "verify_ratio": self.verify_ratio,
@@ -193,7 +214,7 @@ def hf_generate(target: LoadedModel, ids: torch.Tensor, max_new_tokens: int, par
 def run_bench(target: LoadedModel, draft: LoadedModel, prompts: Sequence[str], warmup_prompt: str, k: int,
               params: SamplingParams, max_new_tokens: int, seed: int, vocab_size: int | None = None,
               engines: Sequence[str] = ENGINES, progress: Progress | None = None, confidence: float = 0.0,
-              measure_bandwidth: bool = False) -> BenchRun:
+              measure_bandwidth: bool = False, vllm: VllmEngines | None = None) -> BenchRun:
     """Every engine on every prompt, interleaved; ``confidence`` > 0 lets both SSp engines stop drafting early.
     ``measure_bandwidth`` adds the device's copy bandwidth (for the memory-bandwidth floor)."""
     ours = [e for e in engines if e.startswith("ours-")]
@@ -202,6 +223,12 @@ def run_bench(target: LoadedModel, draft: LoadedModel, prompts: Sequence[str], w
     def once(engine: str, text: str, index: int, split_pass: bool = False) -> EngineRun:
         ids = target.encode(text)
         s = seed + index
+        if engine.startswith("vllm-"):
+            done = vllm.generate(k if engine == "vllm-ssp" else 0, 0, ids[0].tolist(), max_new_tokens, params, s % 2**31,
+                                 ignore_eos=True)
+            st = done.output.stats
+            return EngineRun(engine, index, done.output.tokens.tolist(), st.total_time_s,
+                             acceptance_rate=st.acceptance_rate, accepted=st.accepted, rejections=st.rejections)
         if engine.startswith("hf-"):
             tokens, seconds = hf_generate(target, ids, max_new_tokens, params, s, draft if engine == "hf-assisted" else None, k,
                                           confidence)
@@ -251,6 +278,7 @@ def run_bench(target: LoadedModel, draft: LoadedModel, prompts: Sequence[str], w
                              max_new_tokens, len([r for r in runs if not r.split_pass]) // len(engines), confidence,
                              SEPARATE_PASS if separate else SAME_PASS)
     bench.info = RunInfo.for_models(target, draft)
+    bench.vllm_version = vllm.version if vllm is not None else ""
     if measure_bandwidth:
         bench.bandwidth = copy_bandwidth(target.device)
         if progress:
@@ -272,7 +300,15 @@ def summarize(k: int, runs: list[EngineRun], engines: Sequence[str] = ENGINES) -
         if rival in by:
             ratios = [a.ms_per_token / b.ms_per_token for a, b in zip(rs, by[rival])]
             summary.ratio_median, summary.ratio_min, summary.ratio_max = median(ratios), min(ratios), max(ratios)
+        rival = {"ours-rsp": "vllm-rsp", "ours-ssp": "vllm-ssp"}.get(engine)
+        if rival in by:
+            ratios = [a.ms_per_token / b.ms_per_token for a, b in zip(rs, by[rival])]
+            summary.vllm_ratio_median, summary.vllm_ratio_min, summary.vllm_ratio_max = median(ratios), min(ratios), max(ratios)
         bench.summaries.append(summary)
+    if "vllm-ssp" in by:
+        ssp = by["vllm-ssp"]
+        bench.vllm_acceptance_rate = median(r.acceptance_rate for r in ssp)
+        bench.vllm_alpha = alpha_estimate(sum(r.accepted for r in ssp), sum(r.rejections for r in ssp))
     if "ours-ssp" in by:
         ssp, ssp_split = by["ours-ssp"], split["ours-ssp"]
         bench.ssp_overhead_share = sum(r.ssp_other_s for r in ssp_split) / sum(r.ssp_decode_s for r in ssp_split)

@@ -19,6 +19,7 @@ from lssp.loading import LoadedModel
 from lssp.report import RunInfo, markdown_table
 from lssp.sampling import SamplingParams
 from lssp.stats import Interval, difference, mcnemar, wald, wilson
+from lssp.vllm_engine import VllmEngines
 
 FEW_SHOT = "8 * 12 = 96\n25 * 4 = 100\n37 * 85 = 3145\n"  # the reference's prefix
 OPERATIONS = {  # symbol, the few-shot prefix in the reference's shape, the result
@@ -112,6 +113,7 @@ class EvalSetup:
     max_operand: int = HIGH
     prefix_cache: bool = True
     rsp_batch: int = 1  # RSp problems of equal prompt length run in batches of up to this many
+    engine: str = "ours"  # or vllm: every problem through vLLM, one request at a time
 
 
 @dataclass
@@ -128,7 +130,7 @@ class EvalRun:
         """One CSV row per mode."""
         setup, cmp, nan = self.setup, self.comparison, float("nan")
         return [{
-            **self.info.head(), "run_id": self.run_id, "mode": m.mode, "target": setup.target,
+            **self.info.head(), "run_id": self.run_id, "engine": setup.engine, "mode": m.mode, "target": setup.target,
             "draft": setup.draft if setup.draft and m.mode == "ssp" else "", "k": setup.k if m.mode == "ssp" else 0,
             "lookup": setup.lookup if m.mode == "ssp" else 0, **setup.params.as_dict(),
             "max_new_tokens": setup.max_new_tokens, "seed": setup.seed, "trials": m.trials, "successes": m.successes,
@@ -195,12 +197,13 @@ def find_resumable(records_dir: Path, config: dict) -> Path | None:
 
 def eval_config(target: str, draft: str | None, modes: Sequence[str], nb_prompts: int, seed: int, k: int,
                 max_new_tokens: int, params: SamplingParams, lookup: int = 0, op: str = "mul",
-                max_operand: int = HIGH) -> dict:
+                max_operand: int = HIGH, engine: str = "ours") -> dict:
     """What a resumed run must match exactly (its hash names the records file). Settings at their defaults
     stay out, so that runs recorded before a setting existed still resume."""
     return {"target": target, "draft": draft, "modes": list(modes), "nb_prompts": nb_prompts, "seed": seed, "k": k,
             "max_new_tokens": max_new_tokens, **params.as_dict(), **({"lookup": lookup} if lookup else {}),
-            **({"op": op} if op != "mul" else {}), **({"max_operand": max_operand} if max_operand != HIGH else {})}
+            **({"op": op} if op != "mul" else {}), **({"max_operand": max_operand} if max_operand != HIGH else {}),
+            **({"engine": engine} if engine != "ours" else {})}
 
 
 def resume_point(records_dir: Path, config: dict) -> tuple[Path, list[EvalRecord]]:
@@ -247,9 +250,15 @@ def _record(target: LoadedModel, mode: str, index: int, a: int, b: int, setup: E
 
 
 def _score(target: LoadedModel, draft: LoadedModel | None, mode: str, a: int, b: int, index: int,
-           setup: EvalSetup, stopping: Stopping, vocab_size: int | None, prefix: PrefixCache | None) -> EvalRecord:
+           setup: EvalSetup, stopping: Stopping, vocab_size: int | None, prefix: PrefixCache | None,
+           vllm: VllmEngines | None = None) -> EvalRecord:
     """One problem in one mode."""
     ids = target.encode(prompt_for(a, b, setup.op))
+    if vllm is not None:
+        ssp = mode == "ssp"
+        out = vllm.generate(setup.k if ssp else 0, setup.lookup if ssp else 0, ids[0].tolist(), setup.max_new_tokens,
+                            setup.params, (setup.seed * 1_000_003 + index) % 2**31, stopping.token_ids).output
+        return _record(target, mode, index, a, b, setup, out)
     generator = _generator(target, setup, index)
     if mode == "rsp":
         out = generate_regular(target.model, ids, setup.max_new_tokens, setup.params, generator, stopping,
@@ -292,11 +301,13 @@ def run_eval(
     params: SamplingParams, max_new_tokens: int, k: int, records_dir: Path, resume: bool = False,
     vocab_size: int | None = None, on_record: Callable[[EvalRecord], None] | None = None, lookup: int = 0,
     op: str = "mul", max_operand: int = HIGH, prefix_cache: bool = True, rsp_batch: int = 1,
+    vllm: VllmEngines | None = None,
 ) -> EvalRun:
     """Score each mode on the same ``nb_prompts`` problems ``a OP b = `` (operands in LOW..``max_operand``),
     streaming records to JSONL as they come. With ``prefix_cache``, each model computes the few-shot prefix's
     keys and values once and every problem starts from them. ``rsp_batch`` > 1 runs RSp problems whose prompts
-    have the same token count in batches (``generate_regular_batch``). Modes take turns every CHUNK problems."""
+    have the same token count in batches (``generate_regular_batch``). Modes take turns every CHUNK problems.
+    With ``vllm`` (its engines started), every problem runs through vLLM instead, one request at a time."""
     if nb_prompts < 1:
         raise UserError("--nb-prompts must be at least 1")
     if max_operand < LOW:
@@ -304,7 +315,7 @@ def run_eval(
     if "ssp" in modes and draft is None:
         raise UserError("SSp evaluation needs a draft model")
     config = eval_config(target.name, draft.name if draft else None, modes, nb_prompts, seed, k, max_new_tokens,
-                         params, lookup, op, max_operand)
+                         params, lookup, op, max_operand, "vllm" if vllm else "ours")
     info = RunInfo.for_models(target, draft)
     run_id = info.run_id
     records_dir.mkdir(parents=True, exist_ok=True)
@@ -316,21 +327,22 @@ def run_eval(
         run_id = info.run_id = json.loads(path.open().readline()).get("run_id", run_id)
     finished = {(r.mode, r.index) for r in done}
     stopping = answer_stopping(target)
-    prefix = PrefixCache(target.encode(few_shot(op))[0].tolist()) if prefix_cache else None
+    prefix = PrefixCache(target.encode(few_shot(op))[0].tolist()) if prefix_cache and vllm is None else None
     problems = multiplication_problems(nb_prompts, seed, max_operand)
     records = list(done)
     setup = EvalSetup(target.name, draft.name if draft else None, target.precision, draft.precision if draft else "",
-                      params, nb_prompts, seed, k, max_new_tokens, lookup, op, max_operand, prefix_cache, rsp_batch)
+                      params, nb_prompts, seed, k, max_new_tokens, lookup, op, max_operand, prefix is not None,
+                      rsp_batch if vllm is None else 1, "vllm" if vllm else "ours")
     with path.open("a") as sink:
         try:
             for chunk in range(0, nb_prompts, CHUNK):  # modes interleaved chunk by chunk
                 for mode in modes:
                     todo = [(index, a, b) for index, (a, b) in enumerate(problems[chunk:chunk + CHUNK], chunk)
                             if (mode, index) not in finished]
-                    if mode == "rsp" and rsp_batch > 1:
+                    if mode == "rsp" and setup.rsp_batch > 1:
                         scored = iter(_score_rsp_batches(target, todo, setup, stopping, prefix))
                     else:
-                        scored = (_score(target, draft, mode, a, b, index, setup, stopping, vocab_size, prefix)
+                        scored = (_score(target, draft, mode, a, b, index, setup, stopping, vocab_size, prefix, vllm)
                                   for index, a, b in todo)
                     for record in scored:
                         sink.write(json.dumps(asdict(record)) + "\n")

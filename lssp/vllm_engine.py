@@ -372,7 +372,7 @@ class VllmCompletion:
     """One request's output in our terms."""
 
     output: GenerationOutput
-    drafted: list[bool]  # per emitted token: proposed by the draft and accepted
+    drafted: list[bool] | None  # per emitted token: proposed by the draft and accepted (None: vLLM does not say)
     counters: Counters  # the engine's counter deltas over this request
 
 
@@ -400,13 +400,16 @@ def stats_from_request(mode: str, k: int, tokens: int, wall_s: float, metrics: A
     return stats
 
 
-def drafted_flags(tokens: int, steps_accepted: list[int]) -> list[bool]:
+def drafted_flags(tokens: int, steps_accepted: list[int]) -> list[bool] | None:
     """Which emitted tokens a draft proposed: the prefill emits one, each verification its accepted drafts and one
-    token of the target's own."""
+    token of the target's own. None where vLLM does not say: steps that drafted nothing (an n-gram lookup without
+    a match) are missing from its per-step record, so the drafted tokens cannot be placed."""
     flags = [False]
     for accepted in steps_accepted:
         flags += [True] * accepted + [False]
-    return flags[:tokens] + [False] * (tokens - len(flags))  # steps with no drafts come last in this view
+    if len(flags) < tokens:
+        return None
+    return flags[:tokens]
 
 
 class VllmEngines:
@@ -478,4 +481,4 @@ class VllmEngines:
         stats = stats_from_request("ssp" if k else "rsp", k, len(tokens), wall, result.metrics, accepted, drafted)
         stopped = out.finish_reason == "stop"
         return VllmCompletion(GenerationOutput(torch.tensor(tokens, dtype=torch.long), stats, stopped),
-                              drafted_flags(len(tokens), accepted), after - before)
+                              drafted_flags(len(tokens), accepted) if k else [False] * len(tokens), after - before)

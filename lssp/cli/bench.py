@@ -8,8 +8,8 @@ import typer
 
 from lssp.cli.common import (
     DraftArg, JsonOpt, KOpt, ConfidenceOpt, MaxNewOpt, NbPromptsOpt, PromptsOpt, TargetArg, TemperatureOpt, TopKOpt,
-    TopPOpt, app, check_positive, console, err_console, exit_with, load_pair, parse_fractions, progress,
-    read_prompt_list, sampling_params, save, settings, table,
+    TopPOpt, app, check_positive, console, err_console, exit_with, fmt, load_pair, parse_fractions, progress,
+    read_prompt_list, sampling_params, save, settings, table, parse_engines, load_engine_pair, start_vllm,
 )
 from lssp.errors import UserError
 from lssp.report import plural
@@ -29,10 +29,11 @@ def bench(
     top_p: TopPOpt = 1.0,
     alpha: Annotated[Optional[str], typer.Option(help="Acceptance rates to predict the speedup for: 0.6,0.7,0.8.")] = None,
     draft_confidence: ConfidenceOpt = "0",
+    engine: Annotated[str, typer.Option("--engine", help="Rivals of ours: hf (transformers), vllm, or hf,vllm.")] = "hf",
     json_out: JsonOpt = None,
 ) -> None:
     """Ours vs transformers: RSp vs generate(), SSp vs assisted generation, same prompts, one run."""
-    from lssp.bench import ENGINES, run_bench
+    from lssp.bench import engines_for, run_bench
     from lssp.latency import separate_split_pass
     from lssp.prompts import WARMUP_PROMPT
 
@@ -43,14 +44,21 @@ def bench(
     confidences = parse_fractions("--draft-confidence", draft_confidence)
     if len(confidences) != 1:
         raise UserError(f"bench takes one --draft-confidence, got {draft_confidence!r}")
+    rivals = parse_engines(engine, ("hf", "vllm"))
+    engines = engines_for(rivals)
+    if "vllm" in rivals:
+        from lssp.vllm_engine import check_options
+
+        check_options(confidences)
     prompt_list = read_prompt_list(prompts, nb_prompts)
     params = sampling_params(temperature, top_k, top_p)
     results = s.writable_results_dir()
     t, d, vocab = load_pair(s, target, draft)
+    vllm = start_vllm(*load_engine_pair(s, target, draft), [(0, 0), (k, 0)]) if "vllm" in rivals else None
     split_pass = 2 * len(prompt_list) if separate_split_pass("auto", t.model, d.model) else 0  # ours, on a GPU
-    with progress(len(ENGINES) * (len(prompt_list) + 1) + 1 + split_pass, "bench") as tick:
-        run = run_bench(t, d, prompt_list, WARMUP_PROMPT, k, params, max_new_tokens, s.seed, vocab, progress=tick,
-                        confidence=confidences[0], measure_bandwidth=True)
+    with progress(len(engines) * (len(prompt_list) + 1) + 1 + split_pass, "bench") as tick:
+        run = run_bench(t, d, prompt_list, WARMUP_PROMPT, k, params, max_new_tokens, s.seed, vocab, engines=engines,
+                        progress=tick, confidence=confidences[0], measure_bandwidth=True, vllm=vllm)
     render(run, alphas, t.spec.is_random or d.spec.is_random)
     rows = run.rows()
     code = save(results, run.info.run_id, "bench", rows, run.markdown(), json_out, rows,
@@ -66,19 +74,27 @@ def render(run, alphas: list[float], random_weights: bool) -> None:
     from lssp.stats import predicted_speedup
 
     setup = run.setup
+    hf_header = "ours÷hf" if run.has("vllm") else "ours÷hf [min–max]"  # 80 columns
     out = table(f"{setup.target} + {setup.draft}, K={run.k}, {plural(setup.prompts, 'prompt')} × {setup.max_new_tokens} tokens, "
                 f"T={setup.params.temperature:g}",
-                [("engine", "left"), *((c, "right") for c in ("ms/token", "median [min–max]", "ours÷hf [min–max]",
-                                                           "= ours-rsp"))])
+                [("engine", "left"), *((c, "right") for c in ("ms/token", "median [min–max]",
+                                                           *([hf_header] if run.has("hf") else []),
+                                                           *(["ours÷vllm"] if run.has("vllm") else []), "= ours-rsp"))],
+                keep_whole=("engine",))
     for x in run.summaries:
-        ratio = "–" if math.isnan(x.ratio_median) else f"{x.ratio_median:.2f} [{x.ratio_min:.2f}–{x.ratio_max:.2f}]"
+        ratio = "–" if math.isnan(x.ratio_median) else f"{x.ratio_median:.2f}" + (
+            "" if run.has("vllm") else f" [{x.ratio_min:.2f}–{x.ratio_max:.2f}]")
         agree = run.greedy_agreement.get(x.engine)
         out.add_row(x.engine, f"{x.ms_per_token:.1f}",
-                    f"{x.ms_per_token_median:.1f} [{x.ms_per_token_min:.1f}–{x.ms_per_token_max:.1f}]", ratio,
-                    "–" if agree is None else f"{agree:.0%}")
+                    f"{x.ms_per_token_median:.1f} [{x.ms_per_token_min:.1f}–{x.ms_per_token_max:.1f}]",
+                    *([ratio] if run.has("hf") else []),
+                    *([fmt(x.vllm_ratio_median, 2)] if run.has("vllm") else []), "–" if agree is None else f"{agree:.0%}")
     console.print(out)
-    console.print("  ours÷hf: our time ÷ transformers' per prompt (median [min–max]); = ours-rsp: share of prompts "
-                  "whose tokens equal our RSp's")
+    console.print("  ours÷hf, ours÷vllm: our time ÷ the rival's per prompt (median); = ours-rsp: share of "
+                  "prompts whose tokens equal our RSp's")
+    if run.has("vllm"):
+        console.print(f"  vLLM {run.vllm_version} SSp (draft_model): α = {run.vllm_alpha:.2f} (accepted/drafted "
+                      f"{run.vllm_acceptance_rate:.1%}); its times are whole requests, prefill included, as for all")
     rsp_ms = next(x.ms_per_token for x in run.summaries if x.engine == "ours-rsp")
     console.print(f"  our SSp: {run.ssp_overhead_share:.1%} of decode time outside the two models' forwards; α = "
                   f"{run.alpha:.2f} (accepted/drafted {run.acceptance_rate:.1%}); c = {run.cost_ratio:.3f}; speedup over "

@@ -11,7 +11,7 @@ from rich.text import Text
 from lssp.cli.common import (
     ChatOpt, DraftArg, IgnoreEosOpt, KOpt, LookupOpt, MaxNewOpt, NbPromptsOpt, TargetArg, TaskOpt, TemperatureOpt,
     TopKOpt, TopPOpt, app, check_positive, console, err_console, fmt, k_label, load_pair, read_task_prompts,
-    sampling_params, settings,
+    sampling_params, settings, EngineOpt, parse_engines, load_engine_pair, start_vllm,
 )
 from lssp.errors import UserError
 
@@ -32,6 +32,7 @@ def compare(
     task: TaskOpt = None,
     nb_prompts: NbPromptsOpt = None,
     ignore_eos: IgnoreEosOpt = False,
+    engine: Annotated[str, typer.Option("--engine", help="ours, or vllm (./setup.sh --vllm installs it).")] = "ours",
 ) -> None:
     """Stream RSp then SSp completions of each prompt, with wall times and the speedup."""
     import torch
@@ -49,7 +50,15 @@ def compare(
     if task and prompt:
         raise UserError("--task and --prompt: give one of them")
     task_list = read_task_prompts(task, None, nb_prompts, chat) if task else None
-    t, d, vocab = load_pair(s, target, draft)
+    (chosen,) = parse_engines(engine) if "," not in engine else (None,)
+    if chosen is None:
+        raise UserError(f"--engine {engine!r}: compare streams one engine at a time (ours or vllm)")
+    vllm = None
+    if chosen == "vllm":
+        t, d = load_engine_pair(s, target, draft, need_draft=not lookup or draft is not None)
+        vllm, vocab = start_vllm(t, d, [(0, 0), (k, lookup)]), None
+    else:
+        t, d, vocab = load_pair(s, target, draft)
     stopping = Stopping() if ignore_eos else Stopping(token_ids=t.eos_ids)
 
     def stream(prompt, index: int, mode: str):
@@ -60,6 +69,12 @@ def compare(
         def generate(ids):
             number, text = next(turns)
             shown = TokenStream(t.tokenizer, ("\n\n" if number else "") + text)
+            if vllm is not None:  # vLLM's LLM.generate returns whole completions: shown when done
+                done = vllm.generate(k if mode == "ssp" else 0, lookup if mode == "ssp" else 0, ids[0].tolist(),
+                                     max_new_tokens, params, s.seed + index, stopping.token_ids, ignore_eos)
+                tokens = done.output.tokens.tolist()
+                shown.show(tokens, done.drafted or [False] * len(tokens), plain=done.drafted is None)
+                return done.output
             if mode == "rsp":
                 return generate_regular(t.model, ids, max_new_tokens, params, generator, stopping, on_tokens=shown.show)
             return generate_speculative(t.model, d.model, ids, max_new_tokens, k, params, generator, stopping,
@@ -68,11 +83,15 @@ def compare(
         stats, _, _ = complete_turns(t, prompt, uses_chat_template(t, prompt, chat), generate)
         return stats
 
+    via = " in vLLM" if vllm is not None else ""
+    helper = f"{d.name}" if d is not None and not (vllm is not None and lookup) else f"vLLM's n-gram lookup"
+
     def run_one(prompt, index: int) -> None:
-        console.print(Text(f"\n=> Regular sampling with {t.name}" + (f" ({prompt.task})" if task else ""), style="bold"))
+        console.print(Text(f"\n=> Regular sampling with {t.name}{via}" + (f" ({prompt.task})" if task else ""),
+                           style="bold"))
         rsp = stream(prompt, index, "rsp")
         console.print(Text(f"\n   {rsp.total_time_s:.2f}s, {_ms_per_token(rsp):.1f} ms/token", style="bold red"))
-        console.print(Text(f"=> Speculative sampling with {t.name} helped by {d.name} (K={k_label(k, 0, lookup)}); ",
+        console.print(Text(f"=> Speculative sampling with {t.name}{via} helped by {helper} (K={k_label(k, 0, lookup)}); ",
                            style="bold") + Text("draft tokens accepted", style="green") + Text(" / ")
                       + Text("made by the target", style="bold blue"))
         ssp = stream(prompt, index, "ssp")
@@ -84,9 +103,15 @@ def compare(
 
     try:
         with err_console.status("Warming up…"):
-            generate_speculative(t.model, d.model, t.encode(WARMUP_PROMPT), 8, k, params, vocab_size=vocab, lookup=lookup)
-            generate_regular(t.model, t.encode(WARMUP_PROMPT), 8, params)
-        console.print(f"Comparing {t.name} RSp with SSp helped by {d.name}. Ctrl-C or EOF (Ctrl-D) ends.")
+            warm = t.encode(WARMUP_PROMPT)
+            if vllm is not None:
+                for key in vllm.engines:
+                    vllm.generate(*key, warm[0].tolist(), 8, params, s.seed)
+            else:
+                generate_speculative(t.model, d.model, warm, 8, k, params, vocab_size=vocab, lookup=lookup)
+                generate_regular(t.model, warm, 8, params)
+        console.print(f"Comparing {t.name} RSp with SSp helped by {helper}{via}. Ctrl-C or EOF (Ctrl-D) ends."
+                      + (" vLLM returns whole completions: each appears when done." if vllm else ""))
         prompts = task_list if task_list is not None else (
             TaskPrompt("prompts", (text,), chat) for text in prompt_source(prompt))
         for index, one in enumerate(prompts):
@@ -128,10 +153,13 @@ class TokenStream:
         self.shown = ""
         console.print(Text(prompt, style="dim"), end="")
 
-    def show(self, tokens: list[int], drafted: list[bool]) -> None:
+    def show(self, tokens: list[int], drafted: list[bool], plain: bool = False) -> None:
+        """``plain``: the engine did not say which tokens were drafted, so none is coloured."""
         for token, from_draft in zip(tokens, drafted):
             self.tokens.append(token)
             text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
             piece, self.shown = text[len(self.shown):], text
-            console.print(Text(piece, style="green" if from_draft else "bold blue"), end="")
+            console.print(Text(piece, style=None if plain else "green" if from_draft else "bold blue"), end="")
+        if plain:
+            console.print(Text(" [vLLM did not say which tokens were drafted here]", style="dim"), end="")
         console.file.flush()

@@ -9,6 +9,7 @@ from lssp.cli.common import (
     flag,
     JsonOpt, KOpt, LookupOpt, MaxNewOpt, PlotOpt, TargetArg, TemperatureOpt, TopKOpt, TopPOpt, app, check_positive,
     console, err_console, exit_with, fmt, save, k_label, load_pair, plot_charts, progress, sampling_params, settings, table,
+    parse_engines, load_engine_pair, start_vllm,
 )
 from lssp.errors import UserError
 from lssp.report import plural
@@ -35,6 +36,7 @@ def eval_cmd(
     top_p: TopPOpt = 1.0,
     resume: Annotated[bool, flag("--resume", help="Continue the newest interrupted run with the same settings.")] = False,
     lookup: LookupOpt = 0,
+    engine: Annotated[str, typer.Option("--engine", help="ours, or vllm (./setup.sh --vllm installs it).")] = "ours",
     json_out: JsonOpt = None,
     plot: PlotOpt = False,
 ) -> None:
@@ -52,6 +54,9 @@ def eval_cmd(
     if op not in OPERATIONS:
         raise UserError(f"--op {op!r}: expected one of {', '.join(OPERATIONS)}")
     params = sampling_params(temperature, top_k, top_p)
+    if "," in engine:
+        raise UserError(f"--engine {engine!r}: eval runs one engine at a time (ours or vllm)")
+    (engine,) = parse_engines(engine)
     if (target is None and draft is None) or (both and draft is None):  # the default pair
         draft = s.registry.draft_name(None)
     modes = ["rsp", "ssp"] if both else ["ssp"] if draft else ["rsp"]
@@ -59,8 +64,13 @@ def eval_cmd(
     if resume:  # say "nothing to resume" before loading anything
         resume_point(results / "eval_records", eval_config(
             s.registry.target_name(target), s.registry.draft_name(draft) if draft else None, modes, nb_prompts, s.seed,
-            k, max_new_tokens, params, lookup, op, max_operand))
-    t, d, vocab = load_pair(s, target, draft, need_draft=draft is not None)
+            k, max_new_tokens, params, lookup, op, max_operand, engine))
+    vllm = None
+    if engine == "vllm":
+        t, d = load_engine_pair(s, target, draft, need_draft=draft is not None)
+        vllm, vocab = start_vllm(t, d, [(0, 0) if m == "rsp" else (k, lookup) for m in modes]), None
+    else:
+        t, d, vocab = load_pair(s, target, draft, need_draft=draft is not None)
     correct = {m: 0 for m in modes}
     try:
         with progress(nb_prompts * len(modes), "eval") as tick:
@@ -70,7 +80,7 @@ def eval_cmd(
 
             run = run_eval(t, d, modes, nb_prompts, s.seed, params, max_new_tokens, k, results / "eval_records",
                            resume=resume, vocab_size=vocab, on_record=on_record, lookup=lookup, op=op,
-                           max_operand=max_operand, prefix_cache=prefix_cache, rsp_batch=rsp_batch)
+                           max_operand=max_operand, prefix_cache=prefix_cache, rsp_batch=rsp_batch, vllm=vllm)
     except EvalInterrupted as stop:
         err_console.print(f"interrupted: {plural(stop.records, 'record')} kept in {stop.records_path}; "
                           "the same command with --resume continues it", soft_wrap=True)  # the path stays whole
@@ -90,6 +100,7 @@ def render(run, t, d) -> None:
     symbol = OPERATIONS[setup.op][0]
     out = table(f"Eval \"a {symbol} b = \", a and b in {LOW}..{setup.max_operand}: {t.name}"
                 + (f" (draft {d.name}, K={k_label(setup.k, 0, setup.lookup)})" if d else "")
+                + (" in vLLM" if setup.engine == "vllm" else "")
                 + f", {plural(setup.nb_prompts, 'problem')}, T={setup.params.temperature:g}",
                 [("mode", "left"), *((c, "right") for c in ("correct", "rate ±95%", "95% Wald", "95% Wilson", "s/problem"))])
     for m in run.summaries:
