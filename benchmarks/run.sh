@@ -46,6 +46,19 @@ $PY llamassp.py "${L[@]}" latency --chat --k 1,2,3 --lookup 0,4 "${N[@]}" --json
 # 2. Ours vs transformers (greedy, K=3).
 $PY llamassp.py "${L[@]}" bench --k 3 "${N[@]}" --alpha 0.5,0.6,0.7,0.8 --json "$OUT/bench-default.json"
 
+# 2b. Ours vs vLLM (./setup.sh --vllm installs it): one interleaved run each, greedy and T=0.7, fixed-length
+#     completions so that both engines do the same work: RSp, SSp with the draft at K=3, and the 4-gram lookup
+#     (ours: draft + lookup; vLLM: its ngram method alone); then bench with both rivals.
+if $PY -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"; then
+    $PY llamassp.py "${L[@]}" latency --engine ours,vllm --k 3 --lookup 0,4 --ignore-eos "${N[@]}" \
+        --json "$OUT/latency-vllm-greedy.json"
+    $PY llamassp.py "${L[@]}" latency --engine ours,vllm --k 3 --lookup 0,4 --ignore-eos --temperature 0.7 "${N[@]}" \
+        --json "$OUT/latency-vllm-t0.7.json"
+    $PY llamassp.py "${L[@]}" bench --engine hf,vllm --k 3 "${N[@]}" --json "$OUT/bench-vllm.json"
+else
+    echo "benchmarks: vLLM is not installed (./setup.sh --vllm): skipping ours vs vLLM" >&2
+fi
+
 # 3. Quality: RSp vs SSp on the same problems - the reference's multiplications (operands 1..99), then a
 #    range where the target scores between 20% and 80%, so that a difference would show - and the
 #    losslessness checks.

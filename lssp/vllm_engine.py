@@ -89,7 +89,7 @@ def check_options(confidences: tuple[float, ...] | list[float] = (0.0,), **other
 def check_placement(spec: ModelSpec, speculative: bool) -> None:
     """What vLLM refuses, said before anything loads."""
     if speculative and (spec.pipeline_parallel_size or 1) > 1:
-        raise UserError(f"model {spec.name!r}: vLLM does not run speculative decoding with pipeline parallelism "
+        raise UserError(f"model {spec.name!r}: vLLM cannot run speculative decoding with pipeline parallelism "
                         f"(pipeline_parallel_size {spec.pipeline_parallel_size}); use tensor parallelism (gpus)")
     if spec.is_random:
         raise UserError(f"model {spec.name!r}: vLLM loads weights from a folder or hub id, not 'init: random'")
@@ -439,6 +439,9 @@ class VllmEngines:
         check_placement(target.spec, any(k for k, _ in modes))
         if draft is not None:
             check_placement(draft.spec, True)
+            if (draft.spec.gpus or 1) not in (1, target.spec.gpus or 1):
+                raise UserError(f"model {draft.name!r}: vLLM runs a draft on 1 GPU or on as many as the target "
+                                f"({target.spec.gpus or 1}), not {draft.spec.gpus}")
         self.target, self.draft = target, draft
         single = (target.spec.gpus or 1) * (target.spec.pipeline_parallel_size or 1) == 1
         if single and target.spec.distributed_executor_backend is None:
