@@ -105,6 +105,7 @@ class BenchRun:
     vllm_version: str = ""
     vllm_acceptance_rate: float = float("nan")  # vllm-ssp: accepted / drafted, median over prompts
     vllm_alpha: float = float("nan")
+    vllm_agreement: float = float("nan")  # share of prompts where vllm-ssp's tokens equal vllm-rsp's
 
     @property
     def noisy(self) -> bool:
@@ -146,6 +147,7 @@ class BenchRun:
             "ours_over_hf_median": x.ratio_median, "ours_over_hf_min": x.ratio_min, "ours_over_hf_max": x.ratio_max,
             "ours_over_vllm_median": x.vllm_ratio_median, "ours_over_vllm_min": x.vllm_ratio_min,
             "ours_over_vllm_max": x.vllm_ratio_max, "vllm": self.vllm_version if x.engine.startswith("vllm") else "",
+            "vllm_ssp_equals_vllm_rsp": self.vllm_agreement if x.engine == "vllm-ssp" else float("nan"),
             "greedy_agreement": self.greedy_agreement.get(x.engine, float("nan")),
             "ssp_overhead_share": self.ssp_overhead_share, "acceptance_rate": self.acceptance_rate, "alpha": self.alpha,
             "cost_ratio": self.cost_ratio, "verify_ratio": self.verify_ratio,
@@ -309,6 +311,9 @@ def summarize(k: int, runs: list[EngineRun], engines: Sequence[str] = ENGINES) -
         ssp = by["vllm-ssp"]
         bench.vllm_acceptance_rate = median(r.acceptance_rate for r in ssp)
         bench.vllm_alpha = alpha_estimate(sum(r.accepted for r in ssp), sum(r.rejections for r in ssp))
+        if "vllm-rsp" in by:
+            reference = {r.prompt_index: r.tokens for r in by["vllm-rsp"]}
+            bench.vllm_agreement = sum(r.tokens == reference[r.prompt_index] for r in ssp) / len(ssp)
     if "ours-ssp" in by:
         ssp, ssp_split = by["ours-ssp"], split["ours-ssp"]
         bench.ssp_overhead_share = sum(r.ssp_other_s for r in ssp_split) / sum(r.ssp_decode_s for r in ssp_split)

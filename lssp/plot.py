@@ -98,11 +98,13 @@ def latency_figure(frame: pd.DataFrame) -> Figure:
         for _, r in rows.iterrows():
             if r["mode"] == "ssp":
                 pairs.add(f"{r['target']} + {r['draft']}")
-            labels.append(("RSp" if r["mode"] == "rsp" else f"SSp K={int(r['k'])}") + f"\n{_setting(r)}")
+            vllm = r.get("engine") == "vllm"
+            labels.append(("vLLM " if vllm else "") + ("RSp" if r["mode"] == "rsp" else f"SSp K={int(r['k'])}")
+                          + f"\n{_setting(r)}")
             values.append(r["ms_per_token"])
             low.append(max(0.0, r["ms_per_token"] - r["ms_per_token_min"]))
             high.append(max(0.0, r["ms_per_token_max"] - r["ms_per_token"]))
-            colours.append("tab:gray" if r["mode"] == "rsp" else "tab:green")
+            colours.append(("silver" if vllm else "tab:gray") if r["mode"] == "rsp" else "tab:olive" if vllm else "tab:green")
     fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(labels)), 4.4))
     ax.bar(range(len(values)), values, yerr=[low, high], capsize=4, color=colours)
     ax.set_xticks(range(len(values)), labels, fontsize=7)
@@ -237,6 +239,8 @@ def plot_results(results_dir: Path, out_dir: Path | None = None, run_id: str | N
         frame = _filter(frame, run_id, target, draft, machine)
         if kind != "eval":  # the task chart draws the rows of each task, the others a run's rows over all prompts
             frame = task_rows(frame) if kind == "tasks" else overall_rows(frame)
+        if kind not in ("eval", "latency") and "engine" in frame:  # the model curves and α are our engine's
+            frame = frame[frame["engine"].fillna("ours") == "ours"]
         for variant in ("confidence", "lookup"):  # latency charts: the plain draft at fixed K, as the model curve assumes
             if kind != "eval" and variant in frame:
                 frame = frame[frame[variant].fillna(0) == 0]

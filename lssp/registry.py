@@ -27,10 +27,11 @@ SPEC_KEYS = {
     "attn_implementation", "revision", "init", "config", "description", "forward", "compile",
     # --engine vllm only (passed to vllm.LLM; gpus becomes tensor_parallel_size):
     "pipeline_parallel_size", "distributed_executor_backend", "gpu_memory_utilization", "max_model_len",
-    "enforce_eager", "speculative_method",
+    "enforce_eager", "speculative_method", "draft_sample_method",
 }
 EXECUTOR_BACKENDS = ("mp", "ray")
 SPECULATIVE_METHODS = ("draft_model", "eagle", "eagle3", "mtp", "medusa")  # vLLM's, for a draft entry
+DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")  # vLLM: argmax drafts with one-hot q, or draws from q (as ours)
 TOP_KEYS = {"default_target", "default_draft", "models"}
 PACKAGE_PREFIX = "pkg:"
 
@@ -60,6 +61,7 @@ class ModelSpec:
     max_model_len: int | None = None  # vLLM: longest context (prompt + completion) it reserves KV cache for
     enforce_eager: bool | None = None  # vLLM: no CUDA graphs / torch.compile (default: eager on a CPU only)
     speculative_method: str | None = None  # vLLM, on a draft: draft_model (default), eagle, eagle3, mtp, ...
+    draft_sample_method: str | None = None  # vLLM, on a draft: greedy (vLLM's default) or probabilistic (as ours)
     base_dir: Path = field(default=Path("."), compare=False)
 
     @property
@@ -239,8 +241,9 @@ def _check_value(name: str, key: str, value: Any, at: str) -> None:
     elif key == "enforce_eager":
         if not isinstance(value, bool):
             raise bad("true or false")
-    elif key in ("distributed_executor_backend", "speculative_method"):
-        choices = EXECUTOR_BACKENDS if key == "distributed_executor_backend" else SPECULATIVE_METHODS
+    elif key in ("distributed_executor_backend", "speculative_method", "draft_sample_method"):
+        choices = {"distributed_executor_backend": EXECUTOR_BACKENDS, "speculative_method": SPECULATIVE_METHODS,
+                   "draft_sample_method": DRAFT_SAMPLE_METHODS}[key]
         if value not in choices:
             raise UserError(f"{at}: model {name!r}: bad {key} {value!r}; expected one of {', '.join(choices)}")
     elif key == "max_memory":

@@ -47,6 +47,8 @@ models:
   v-head-draft: {path: ./v-head-draft, dtype: float32}
   v-pipeline: {path: ./v-target, dtype: float32, pipeline_parallel_size: 2}
   v-too-long: {path: ./v-target, dtype: float32, max_model_len: 100000}
+  v-random: {init: random, config: llama-2-1b, tokenizer: ./v-target}
+  v-8bit: {path: ./v-target, quantization: 8bit}
 """
 
 
@@ -136,7 +138,7 @@ def test_latency_engine_vllm_writes_rows(run, tmp_path):
     assert all(len(line) <= 80 for line in out.splitlines())
     rows = pd.read_csv(tmp_path / "results" / "latency.csv")
     vllm_rows = rows[rows.engine == "vllm"]
-    assert set(vllm_rows.method) == {"none", "draft_model", "ngram"}
+    assert set(vllm_rows.method) == {"none", "draft_model (greedy)", "ngram"}
     assert set(rows[rows.engine == "ours"].method) == {"none", "draft", "draft+lookup"}
     assert (vllm_rows.vllm.astype(str).str.len() > 0).all()
     assert vllm_rows[vllm_rows["mode"] == "ssp"].speedup.notna().all()
@@ -166,6 +168,8 @@ def test_a_frequent_token_head_draft_runs_through_its_export(run):
     (False, ("latency", "--engine", "vllm", "--draft-confidence", "0.5"), "--draft-confidence has no vLLM equivalent"),
     (True, ("latency", "v-pipeline", "--draft", "v-draft", "--engine", "vllm"), "pipeline parallelism"),
     (True, ("latency", "v-too-long", "--engine", "vllm", "--nb-prompts", "1"), "vLLM could not start v-too-long"),
+    (True, ("latency", "v-random", "--engine", "vllm"), "not 'init: random'"),
+    (True, ("latency", "v-8bit", "--engine", "vllm"), "no 8bit load-time quantization"),
     (False, ("latency", "--engine", "torch"), "--engine 'torch'"),
     (False, ("compare", "--engine", "ours,vllm", "--prompt", "a"), "one engine at a time"),
     (False, ("bench", "--engine", "ours"), "--engine 'ours'"),

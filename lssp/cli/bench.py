@@ -94,7 +94,8 @@ def render(run, alphas: list[float], random_weights: bool) -> None:
                   "prompts whose tokens equal our RSp's")
     if run.has("vllm"):
         console.print(f"  vLLM {run.vllm_version} SSp (draft_model): α = {run.vllm_alpha:.2f} (accepted/drafted "
-                      f"{run.vllm_acceptance_rate:.1%}); its times are whole requests, prefill included, as for all")
+                      f"{run.vllm_acceptance_rate:.1%}); its tokens equal vLLM RSp's on {fmt(run.vllm_agreement, 0, pct=True)}"
+                      " of prompts; its times are whole requests, prefill included, as for every engine")
     rsp_ms = next(x.ms_per_token for x in run.summaries if x.engine == "ours-rsp")
     console.print(f"  our SSp: {run.ssp_overhead_share:.1%} of decode time outside the two models' forwards; α = "
                   f"{run.alpha:.2f} (accepted/drafted {run.acceptance_rate:.1%}); c = {run.cost_ratio:.3f}; speedup over "
