@@ -4,6 +4,7 @@
 #      the compiled path, the clock), their log kept;
 #   2. plan, cost, latency and bench on random-init Llama-2-7B- and 13B-shaped targets with the
 #      1B-shaped draft in bfloat16, eager and with --compile (CUDA graphs);
+#   3. where vLLM is installed, ours vs vLLM on the default pair;
 # all written to benchmarks/results/ (or $RESULTS_DIR), every row naming the GPU.
 # Random weights: timings are real, acceptance means nothing; the speedups SSp would reach come from
 # bench's predictions at alpha = 0.6, 0.7, 0.8 with the measured c and v.
@@ -61,6 +62,15 @@ for target in "${TARGETS[@]}"; do
             --json "$OUT/bench-gpu-$target$tag.json"
     done
 done
+
+# 3. Ours vs vLLM on the default pair (real weights, one GPU), where vLLM is installed (./setup.sh --vllm; its CUDA
+#    wheel is too large to carry to a machine without the registries).
+if "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"; then
+    step "$PY" llamassp.py "${L[@]}" latency --engine ours,vllm --k 3 --lookup 0,4 --ignore-eos "${N[@]}" \
+        --json "$OUT/latency-gpu-vllm.json"
+else
+    echo "== vLLM is not installed: skipping ours vs vLLM"
+fi
 
 if [ "$failed" -ne 0 ]; then
     echo "some steps failed: see the output above and $OUT/gpu-tests.log" >&2

@@ -205,8 +205,10 @@ def render_tasks(run) -> None:
 def render_vllm(run) -> None:
     """What differs for vLLM's rows, and ours ÷ vLLM where both ran."""
     setup = run.setup
+    ngram = any(m.engine == "vllm" and m.lookup for m in run.overall)
     console.print(f"  vLLM {setup.vllm_version}, {setup.vllm_precision}: decode ms/token from its request "
-                  "timestamps, (last − first token) ÷ (tokens − 1); \"ngram N\": its n-gram drafts alone, no draft model")
+                  "timestamps, (last − first token) ÷ (tokens − 1)"
+                  + ("; \"ngram N\": its n-gram drafts alone, no draft model" if ngram else ""))
     ours = {(m.mode, m.k, m.lookup): m for m in run.overall if m.engine == "ours"}
     pairs = [(m, ours[(m.mode, m.k, m.lookup)]) for m in run.overall
              if m.engine == "vllm" and (m.mode, m.k, m.lookup) in ours]

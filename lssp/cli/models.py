@@ -21,6 +21,10 @@ def models_cmd(ctx: typer.Context) -> None:
             placement += f", {spec.gpus} GPUs"
         if spec.max_memory:
             placement += f", max_memory {spec.max_memory}"
+        vllm = [f"pipeline {spec.pipeline_parallel_size}" if spec.pipeline_parallel_size else "",
+                spec.distributed_executor_backend or "", spec.speculative_method or ""]
+        if any(vllm):
+            placement += ", vLLM: " + ", ".join(v for v in vllm if v)
         source = (f"random init: {spec.config if isinstance(spec.config, str) else 'custom config'}" if spec.is_random
                   else spec.path)
         local = spec.available_locally()
