@@ -55,6 +55,12 @@ if $PY -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm')
     $PY llamassp.py "${L[@]}" latency --engine ours,vllm --k 3 --lookup 0,4 --ignore-eos --temperature 0.7 "${N[@]}" \
         --json "$OUT/latency-vllm-t0.7.json"
     $PY llamassp.py "${L[@]}" bench --engine hf,vllm --k 3 "${N[@]}" --json "$OUT/bench-vllm.json"
+    #     vLLM's sampler checked on its own: the target drafting for itself, drafts drawn from q = p, must be
+    #     accepted every time when sampling (and at T=0 up to bf16 near-ties).
+    for t in 0 0.7; do
+        $PY llamassp.py "${L[@]}" latency --engine vllm --draft smollm2-135m-as-draft --k 3 --nb-prompts 4 \
+            --max-new-tokens 32 --ignore-eos --temperature "$t" --json "$OUT/latency-vllm-self-draft-t$t.json"
+    done
 else
     echo "benchmarks: vLLM is not installed (./setup.sh --vllm): skipping ours vs vLLM" >&2
 fi
