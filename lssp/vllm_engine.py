@@ -12,6 +12,7 @@ ms/token = (last token time − first token time) ÷ (tokens − 1), from vLLM's
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -25,7 +26,7 @@ from typing import Any
 import torch
 
 from lssp.errors import UserError
-from lssp.generation import GenerationOutput, GenerationStats
+from lssp.generation import GenerationOutput, GenerationStats, TokenCallback
 from lssp.loading import LoadedModel, gguf_copy_dir, load_tokenizer
 from lssp.registry import ModelSpec
 from lssp.sampling import SamplingParams
@@ -436,6 +437,27 @@ def _register_kernel_overrides_once() -> None:
         type(current_platform).register_triton_kernel_overrides = classmethod(lambda cls: None)
 
 
+def _stream(engine: Any, ids: list[int], sampling: Any, on_tokens: TokenCallback, flagged: bool = True) -> Any:
+    """Run one request by stepping ``engine``, passing each step's new tokens on (all but the last of a step flagged
+    as drafts where ``flagged``); the final RequestOutput."""
+    request_id = f"lssp-{next(_REQUESTS)}"
+    engine.add_request(request_id, {"prompt_token_ids": ids}, sampling)
+    shown, result = 0, None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id != request_id:
+                continue
+            tokens = list(out.outputs[0].token_ids)
+            new = tokens[shown:]
+            if new:
+                on_tokens(new, [flagged and i < len(new) - 1 for i in range(len(new))])
+            shown, result = len(tokens), out
+    return result
+
+
+_REQUESTS = itertools.count()
+
+
 class VllmEngines:
     """One vLLM engine per mode key, started together, run one request at a time.
 
@@ -492,8 +514,13 @@ class VllmEngines:
                 from None
 
     def generate(self, k: int, lookup: int, ids: list[int], max_new_tokens: int, params: SamplingParams, seed: int,
-                 stop_ids: frozenset[int] | set[int] = frozenset(), ignore_eos: bool = False) -> VllmCompletion:
-        """One request through the engine of (k, lookup), timed and measured."""
+                 stop_ids: frozenset[int] | set[int] = frozenset(), ignore_eos: bool = False,
+                 on_tokens: TokenCallback | None = None) -> VllmCompletion:
+        """One request through the engine of (k, lookup), timed and measured. With ``on_tokens``, the engine is
+        stepped by hand and each step's new tokens are passed on as they come, flagged as drafts but the last
+        (a step emits its accepted drafts and one token of the target's own). For n-gram drafts no token is
+        flagged: there the output steps and the per-step record disagree (the tests caught it), so the flags would
+        not be trustworthy."""
         from vllm import SamplingParams as VllmSampling
 
         llm = self.engines[(k, lookup)]
@@ -505,7 +532,10 @@ class VllmEngines:
         counted = k and (k, lookup) == self.counted
         before = read_counters(llm) if counted else None
         start = time.perf_counter()
-        result = llm.generate({"prompt_token_ids": list(ids)}, sampling, use_tqdm=False)[0]
+        if on_tokens is None:
+            result = llm.generate({"prompt_token_ids": list(ids)}, sampling, use_tqdm=False)[0]
+        else:
+            result = _stream(llm.llm_engine, list(ids), sampling, on_tokens, flagged=not lookup)
         wall = time.perf_counter() - start
         after = read_counters(llm) if counted else None
         out = result.outputs[0]

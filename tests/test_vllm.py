@@ -129,6 +129,18 @@ def test_end_token_stops_vllm_and_flags_mark_drafts(engines):
     assert not any(engines.generate(0, 0, PROMPTS[0], 12, GREEDY, 0).drafted)
 
 
+def test_streamed_tokens_and_flags_match_the_request_record(engines):
+    for key in ((0, 0), (2, 0), (2, 2)):
+        pieces, flags = [], []
+        done = engines.generate(*key, PROMPTS[3], 12, GREEDY, 0, ignore_eos=True,
+                                on_tokens=lambda t, d: (pieces.extend(t), flags.extend(d)))
+        assert pieces == done.output.tokens.tolist()
+        if key[1]:  # n-gram: not flagged (its output steps and per-step record disagree)
+            assert not any(flags)
+        else:
+            assert flags == done.drafted and sum(flags) == done.output.stats.accepted
+
+
 def test_latency_engine_vllm_writes_rows(run, tmp_path):
     vllm_or_skip()
     code, out, err = run("latency", "--engine", "ours,vllm", "--k", "2", "--lookup", "0,2", "--nb-prompts", "2",

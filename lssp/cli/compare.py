@@ -69,12 +69,10 @@ def compare(
         def generate(ids):
             number, text = next(turns)
             shown = TokenStream(t.tokenizer, ("\n\n" if number else "") + text)
-            if vllm is not None:  # vLLM's LLM.generate returns whole completions: shown when done
-                done = vllm.generate(k if mode == "ssp" else 0, lookup if mode == "ssp" else 0, ids[0].tolist(),
-                                     max_new_tokens, params, s.seed + index, stopping.token_ids, ignore_eos)
-                tokens = done.output.tokens.tolist()
-                shown.show(tokens, done.drafted or [False] * len(tokens), plain=done.drafted is None)
-                return done.output
+            if vllm is not None:  # stepped by hand, each step's tokens shown as they come
+                return vllm.generate(k if mode == "ssp" else 0, lookup if mode == "ssp" else 0, ids[0].tolist(),
+                                     max_new_tokens, params, s.seed + index, stopping.token_ids, ignore_eos,
+                                     on_tokens=shown.show).output
             if mode == "rsp":
                 return generate_regular(t.model, ids, max_new_tokens, params, generator, stopping, on_tokens=shown.show)
             return generate_speculative(t.model, d.model, ids, max_new_tokens, k, params, generator, stopping,
@@ -95,6 +93,8 @@ def compare(
                            style="bold") + Text("draft tokens accepted", style="green") + Text(" / ")
                       + Text("made by the target", style="bold blue"))
         ssp = stream(prompt, index, "ssp")
+        if vllm is not None and lookup:
+            console.print(Text("\n   (vLLM's n-gram steps: which tokens were drafted is not shown)", style="dim"), end="")
         console.print(Text(f"\n   {ssp.total_time_s:.2f}s, {_ms_per_token(ssp):.1f} ms/token, acceptance "
                            f"{fmt(ssp.acceptance_rate, 0, pct=True)}, {ssp.tokens_per_target_forward:.2f} "
                            "tokens per target forward", style="bold green"))
@@ -110,8 +110,7 @@ def compare(
             else:
                 generate_speculative(t.model, d.model, warm, 8, k, params, vocab_size=vocab, lookup=lookup)
                 generate_regular(t.model, warm, 8, params)
-        console.print(f"Comparing {t.name} RSp with SSp helped by {helper}{via}. Ctrl-C or EOF (Ctrl-D) ends."
-                      + (" vLLM returns whole completions: each appears when done." if vllm else ""))
+        console.print(f"Comparing {t.name} RSp with SSp helped by {helper}{via}. Ctrl-C or EOF (Ctrl-D) ends.")
         prompts = task_list if task_list is not None else (
             TaskPrompt("prompts", (text,), chat) for text in prompt_source(prompt))
         for index, one in enumerate(prompts):
@@ -153,13 +152,10 @@ class TokenStream:
         self.shown = ""
         console.print(Text(prompt, style="dim"), end="")
 
-    def show(self, tokens: list[int], drafted: list[bool], plain: bool = False) -> None:
-        """``plain``: the engine did not say which tokens were drafted, so none is coloured."""
+    def show(self, tokens: list[int], drafted: list[bool]) -> None:
         for token, from_draft in zip(tokens, drafted):
             self.tokens.append(token)
             text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
             piece, self.shown = text[len(self.shown):], text
-            console.print(Text(piece, style=None if plain else "green" if from_draft else "bold blue"), end="")
-        if plain:
-            console.print(Text(" [vLLM did not say which tokens were drafted here]", style="dim"), end="")
+            console.print(Text(piece, style="green" if from_draft else "bold blue"), end="")
         console.file.flush()
