@@ -298,14 +298,13 @@ def summarize(k: int, runs: list[EngineRun], engines: Sequence[str] = ENGINES) -
         per = [r.ms_per_token for r in rs]
         summary = EngineSummary(engine, 1000 * sum(r.seconds for r in rs) / sum(len(r.tokens) for r in rs),
                                 median(per), min(per), max(per))
-        rival = {"ours-rsp": "hf-generate", "ours-ssp": "hf-assisted"}.get(engine)
-        if rival in by:
-            ratios = [a.ms_per_token / b.ms_per_token for a, b in zip(rs, by[rival])]
-            summary.ratio_median, summary.ratio_min, summary.ratio_max = median(ratios), min(ratios), max(ratios)
-        rival = {"ours-rsp": "vllm-rsp", "ours-ssp": "vllm-ssp"}.get(engine)
-        if rival in by:
-            ratios = [a.ms_per_token / b.ms_per_token for a, b in zip(rs, by[rival])]
-            summary.vllm_ratio_median, summary.vllm_ratio_min, summary.vllm_ratio_max = median(ratios), min(ratios), max(ratios)
+        for prefix, rivals in (("", {"ours-rsp": "hf-generate", "ours-ssp": "hf-assisted"}),
+                               ("vllm_", {"ours-rsp": "vllm-rsp", "ours-ssp": "vllm-ssp"})):
+            rival = rivals.get(engine)
+            if rival in by:  # ours ÷ the rival, prompt by prompt: median, min, max
+                ratios = [a.ms_per_token / b.ms_per_token for a, b in zip(rs, by[rival])]
+                for name, value in (("median", median(ratios)), ("min", min(ratios)), ("max", max(ratios))):
+                    setattr(summary, f"{prefix}ratio_{name}", value)
         bench.summaries.append(summary)
     if "vllm-ssp" in by:
         ssp = by["vllm-ssp"]

@@ -169,6 +169,17 @@ def test_eval_and_compare_through_vllm(run):
     assert "in vLLM" in " ".join(out.split()) and "speedup" in out
 
 
+def test_bench_with_vllm_as_rival(run, tmp_path):
+    vllm_or_skip()
+    code, out, err = run("bench", "--engine", "vllm", "--k", "2", "--nb-prompts", "2", "--max-new-tokens", "6")
+    assert code == 0, err
+    rows = pd.read_csv(tmp_path / "results" / "bench.csv").set_index("engine")
+    assert list(rows.index) == ["ours-rsp", "vllm-rsp", "ours-ssp", "vllm-ssp"]
+    assert rows.loc[["ours-rsp", "ours-ssp"], "ours_over_vllm_median"].notna().all()
+    assert rows.loc["vllm-ssp", "vllm_ssp_equals_vllm_rsp"] == 1.0  # greedy, fp32: the same tokens
+    assert "ours÷vllm" in out and all(len(line) <= 80 for line in out.splitlines())
+
+
 def test_a_frequent_token_head_draft_runs_through_its_export(run):
     vllm_or_skip()
     code, out, err = run("latency", "v-target", "--draft", "v-head-draft", "--engine", "vllm", "--k", "2",
