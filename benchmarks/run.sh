@@ -63,6 +63,11 @@ if $PY -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm')
         LD_PRELOAD="$TCMALLOC:$IOMP" $PY llamassp.py "${L[@]}" latency --engine ours,vllm --k 3 --lookup 0,4 --ignore-eos \
             "${N[@]}" --json "$OUT/latency-vllm-greedy-preload.json"
     fi
+    #     The shipped draft's full-width export for vLLM: how far its excluded tokens are held down (export.json).
+    rm -rf "$OUT/.draft-export"
+    $PY llamassp.py "${L[@]}" export-draft --out "$OUT/.draft-export" \
+        && cp "$OUT/.draft-export/export.json" "$OUT/vllm-export-smollm2-135m-draft.json"
+    rm -rf "$OUT/.draft-export"
     #     vLLM's sampler checked on its own: the target drafting for itself, drafts drawn from q = p, must be
     #     accepted every time when sampling (and at T=0 up to bf16 near-ties).
     for t in 0 0.7; do

@@ -238,7 +238,8 @@ def export_draft(folder: str | Path, out: str | Path) -> ExportReport:
     report = ExportReport(out, len(ids), model.config.vocab_size, h.shape[0], float(projection.min()), mass)
     (tmp / "export.json").write_text(json.dumps({
         "source": str(folder), "head_tokens": report.head_tokens, "vocab_size": report.vocab_size,
-        "excluded_rows": "-w, w the least-squares direction with h.w = const on the probe texts' final hidden states",
+        "excluded_rows": f"-w: h.w > 0 on the probe texts' final hidden states h (least squares, then a hinge loss), "
+                         f"scaled {EXCLUDED_MARGIN:g} logits below the head's top at every probe position",
         "probe_positions": report.positions, "min_projection": report.min_projection,
         "max_excluded_mass": mass}, indent=2))
     if out.exists():
