@@ -226,7 +226,7 @@ def run_bench(target: LoadedModel, draft: LoadedModel, prompts: Sequence[str], w
         ids = target.encode(text)
         s = seed + index
         if engine.startswith("vllm-"):
-            done = vllm.generate(k if engine == "vllm-ssp" else 0, 0, ids[0].tolist(), max_new_tokens, params, s % 2**31,
+            done = vllm.generate(k if engine == "vllm-ssp" else 0, 0, ids[0].tolist(), max_new_tokens, params, s,
                                  ignore_eos=True)
             st = done.output.stats
             return EngineRun(engine, index, done.output.tokens.tolist(), st.total_time_s,

@@ -257,7 +257,7 @@ def _score(target: LoadedModel, draft: LoadedModel | None, mode: str, a: int, b:
     if vllm is not None:
         ssp = mode == "ssp"
         out = vllm.generate(setup.k if ssp else 0, setup.lookup if ssp else 0, ids[0].tolist(), setup.max_new_tokens,
-                            setup.params, (setup.seed * 1_000_003 + index) % 2**31, stopping.token_ids).output
+                            setup.params, setup.seed * 1_000_003 + index, stopping.token_ids).output
         return _record(target, mode, index, a, b, setup, out)
     generator = _generator(target, setup, index)
     if mode == "rsp":

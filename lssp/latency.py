@@ -478,7 +478,7 @@ def run_latency(
         def generate(ids: torch.Tensor) -> GenerationOutput:
             if how.engine == "vllm":
                 return vllm.generate(how.k if how.mode == "ssp" else 0, how.lookup, ids[0].tolist(), max_new_tokens,
-                                     params, (seed + index) % 2**31, stopping.token_ids, ignore_eos).output
+                                     params, seed + index, stopping.token_ids, ignore_eos).output
             if how.mode == "rsp":
                 return generate_regular(target.model, ids, max_new_tokens, params, generator, stopping,
                                         time_forwards=time_forwards)

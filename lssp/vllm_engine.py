@@ -80,13 +80,10 @@ def _quiet_environment() -> None:
         logging.getLogger("torch._library").setLevel(logging.ERROR)  # "Triton not available" on every engine
 
 
-def check_options(confidences: tuple[float, ...] | list[float] = (0.0,), **others: bool) -> None:
-    """Refuse, in one line, options vLLM has no equivalent for (``others``: option name -> whether it was given)."""
+def check_options(confidences: tuple[float, ...] | list[float] = (0.0,)) -> None:
+    """Refuse, in one line, options vLLM has no equivalent for."""
     if any(confidences):
         raise UserError("--engine vllm: --draft-confidence has no vLLM equivalent (its drafts are always K long)")
-    for name, given in others.items():
-        if given:
-            raise UserError(f"--engine vllm: {name} has no vLLM equivalent")
 
 
 def check_placement(spec: ModelSpec, speculative: bool) -> None:
@@ -280,7 +277,7 @@ class EngineModel(LoadedModel):
 
     @property
     def precision(self) -> str:
-        return f"{vllm_dtype(self.spec)} (vLLM)"
+        return f"{self.spec.dtype} (vLLM)"
 
     @property
     def weight_bytes(self) -> int:
@@ -299,14 +296,10 @@ class EngineModel(LoadedModel):
         return frozenset(ids)
 
 
-def vllm_dtype(spec: ModelSpec) -> str:
-    return spec.dtype if spec.dtype != "auto" else "auto"
-
-
 def engine_kwargs(spec: ModelSpec, path: str, engines: int) -> dict[str, Any]:
     """LLM(...) arguments from a registry entry: placement keys passed through, memory shared by ``engines``."""
     kwargs: dict[str, Any] = {
-        "model": path, "dtype": vllm_dtype(spec), "seed": 0, "disable_log_stats": False,
+        "model": path, "dtype": spec.dtype, "seed": 0, "disable_log_stats": False,
         "tensor_parallel_size": spec.gpus or 1,
         "enforce_eager": spec.enforce_eager if spec.enforce_eager is not None else not torch.cuda.is_available(),
     }
@@ -528,7 +521,7 @@ class VllmEngines:
         sampling = VllmSampling(
             max_tokens=max_new_tokens, temperature=0.0 if params.greedy else params.temperature,
             top_k=params.top_k if params.top_k and not params.greedy else -1,
-            top_p=params.top_p if not params.greedy else 1.0, seed=seed, ignore_eos=ignore_eos,
+            top_p=params.top_p if not params.greedy else 1.0, seed=seed % 2**31, ignore_eos=ignore_eos,  # vLLM: 0..2^31-1
             stop_token_ids=sorted(stop_ids) if not ignore_eos else None, detokenize=False)
         counted = k and (k, lookup) == self.counted
         before = read_counters(llm) if counted else None
