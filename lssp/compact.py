@@ -12,7 +12,9 @@ Set ``forward: compact`` on a registry entry to use it.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -97,6 +99,7 @@ def compiled_graphs() -> int:
 @dataclass
 class CompactOutput:
     logits: torch.Tensor
+    features: torch.Tensor | None = None  # final hidden states (after the last norm), when asked for
 
 
 def supports_compact(model: PreTrainedModel) -> str | None:
@@ -118,17 +121,13 @@ def supports_compact(model: PreTrainedModel) -> str | None:
     return None
 
 
-class CompactLlama(nn.Module):
-    """Forward of a LlamaForCausalLM over a CompactCache, batch 1 (or rows of equal length at equal positions);
-    ``hf`` is the model it wraps."""
+class FusedDecoder(nn.Module):
+    """Llama decoder layers run through fused Linears over a CompactCache (batch 1, or rows of equal length at
+    equal positions). A layer whose ``input_layernorm`` is an ``nn.Identity`` skips that norm (an EAGLE head's
+    first layer)."""
 
-    def __init__(self, model: PreTrainedModel) -> None:
+    def __init__(self, config: Any, layers: Sequence[nn.Module], dtype: torch.dtype) -> None:
         super().__init__()
-        reason = supports_compact(model)
-        if reason:
-            raise ValueError(f"'forward: compact' does not support {reason}")
-        self.hf = model
-        config = model.config
         self.config = config
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads or self.heads
@@ -140,14 +139,85 @@ class CompactLlama(nn.Module):
             "inv_freq", 1.0 / (theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float) / self.head_dim)),
             persistent=False,
         )
-        dtype = self.get_input_embeddings().weight.dtype
-        layers = model.model.layers
+        self.decoder_layers = list(layers)  # the modules they were built from (their norms are read at each call)
         self.qkv = nn.ModuleList(fused_linear(l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj, dtype=dtype)
                                  for l in layers)
         self.o = nn.ModuleList(fused_linear(l.self_attn.o_proj, dtype=dtype) for l in layers)
         self.gate_up = nn.ModuleList(fused_linear(l.mlp.gate_proj, l.mlp.up_proj, dtype=dtype) for l in layers)
         self.down = nn.ModuleList(fused_linear(l.mlp.down_proj, dtype=dtype) for l in layers)
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def new_cache(self, batch: int = 1) -> CompactCache:
+        weight = self.qkv[0].weight() if callable(self.qkv[0].weight) else self.qkv[0].weight
+        dtype = weight.dtype if weight.is_floating_point() else torch.float32
+        return CompactCache(len(self.qkv), self.kv_heads, self.head_dim, dtype, self.inv_freq.device, batch=batch)
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if x.dtype == weight.dtype == torch.float32:  # one fused call
+            return F.rms_norm(x, weight.shape, weight, eps=self.eps)
+        return F.rms_norm(x.float(), weight.shape, eps=self.eps).to(x.dtype) * weight
+
+    def _rotary(self, start: int, end: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin of positions start..end-1, (1, positions, head_dim), from a table that doubles as needed.
+
+        The sin table is negated on its first half, so rotating x is x*cos + swap_halves(x)*sin.
+        """
+        table = self._rope
+        if table is None or table[0].shape[1] < end or table[0].device != like.device or table[0].dtype != like.dtype:
+            size = max(256, 2 * end)
+            freqs = torch.arange(size, device=like.device, dtype=torch.float)[:, None] * self.inv_freq.to(like.device)
+            cos, sin = freqs.cos(), freqs.sin()
+            table = self._rope = (torch.cat((cos, cos), -1)[None].to(like.dtype), torch.cat((-sin, sin), -1)[None].to(like.dtype))
+        return table[0][:, start:end], table[1][:, start:end]
+
+    def _layers(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
+                keys_values: list[torch.Tensor], at: slice | torch.Tensor, upto: int | None) -> torch.Tensor:
+        """The decoder over ``hidden`` (batch, n, width), every row at the same positions: keys and values written
+        at ``at``, queries attending over the first ``upto`` cached positions (None: the whole buffer) under
+        ``mask``. Returns the last hidden states (before any final norm)."""
+        batch, n = hidden.shape[:2]
+        heads, half, rotated = self.heads, self.head_dim // 2, self.heads + self.kv_heads
+        for i, layer in enumerate(self.decoder_layers):
+            keys, values = keys_values[2 * i], keys_values[2 * i + 1]
+            norm = layer.input_layernorm
+            x = hidden if isinstance(norm, nn.Identity) else self._rms_norm(hidden, norm.weight)
+            qkv = _linear(self.qkv[i], x).view(batch, n, -1, self.head_dim).transpose(1, 2)
+            qk = qkv[:, :rotated]  # (1, heads + kv_heads, n, head_dim): rotary embedding on queries and keys at once
+            qk = torch.addcmul(qk * cos, torch.cat((qk[..., half:], qk[..., :half]), dim=-1), sin)
+            keys[:, :, at] = qk[:, heads:]
+            values[:, :, at] = qkv[:, rotated:]
+            out = F.scaled_dot_product_attention(qk[:, :heads], keys[:, :, :upto], values[:, :, :upto],
+                                                 attn_mask=mask, scale=self.scale, enable_gqa=self.kv_heads != heads)
+            hidden = hidden + _linear(self.o[i], out.transpose(1, 2).reshape(batch, n, -1))
+            x = self._rms_norm(hidden, layer.post_attention_layernorm.weight)
+            gate, up = _linear(self.gate_up[i], x).chunk(2, dim=-1)
+            hidden = hidden + _linear(self.down[i], F.silu(gate) * up)
+        return hidden
+
+    def _run(self, hidden: torch.Tensor, kv: CompactCache) -> torch.Tensor:
+        """The eager decoder over ``hidden`` (batch, n, width) after what ``kv`` holds, extending it."""
+        start, n = kv.length, hidden.shape[1]
+        end = start + n
+        kv.reserve(end)
+        cos, sin = self._rotary(start, end, kv.keys_values[0])
+        # Queries see every cached position and the new ones up to their own.
+        mask = None if n == 1 else torch.ones(n, end, dtype=torch.bool, device=hidden.device).tril(diagonal=start)
+        out = self._layers(hidden, cos, sin, mask, kv.keys_values, slice(start, end), end)
+        kv.length = end
+        return out
+
+
+class CompactLlama(FusedDecoder):
+    """Forward of a LlamaForCausalLM over a CompactCache, batch 1 (or rows of equal length at equal positions);
+    ``hf`` is the model it wraps. With ``features=True`` it also returns the final hidden states (after the last
+    norm) of every position it ran: what a feature-level draft reads."""
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        reason = supports_compact(model)
+        if reason:
+            raise ValueError(f"'forward: compact' does not support {reason}")
+        super().__init__(model.config, model.model.layers, model.get_input_embeddings().weight.dtype)
+        self.hf = model
         self._compiled_step = None  # set by compile_decode()
         self.compile_mode: str | None = None
         self._free_buffers: list[list[torch.Tensor]] = []  # compiled: caches reuse their buffers (stable addresses)
@@ -192,67 +262,27 @@ class CompactLlama(nn.Module):
         self._compiled_step = torch.compile(self._step, mode=mode, fullgraph=True)
         self.compile_mode = mode
 
-    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        if x.dtype == weight.dtype == torch.float32:  # one fused call
-            return F.rms_norm(x, weight.shape, weight, eps=self.eps)
-        return F.rms_norm(x.float(), weight.shape, eps=self.eps).to(x.dtype) * weight
-
-    def _rotary(self, start: int, end: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and signed sin of positions start..end-1, (1, positions, head_dim), from a table that doubles as needed.
-
-        The sin table is negated on its first half, so rotating x is x*cos + swap_halves(x)*sin.
-        """
-        table = self._rope
-        if table is None or table[0].shape[1] < end or table[0].device != like.device or table[0].dtype != like.dtype:
-            size = max(256, 2 * end)
-            freqs = torch.arange(size, device=like.device, dtype=torch.float)[:, None] * self.inv_freq.to(like.device)
-            cos, sin = freqs.cos(), freqs.sin()
-            table = self._rope = (torch.cat((cos, cos), -1)[None].to(like.dtype), torch.cat((-sin, sin), -1)[None].to(like.dtype))
-        return table[0][:, start:end], table[1][:, start:end]
-
     def _rope_table(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin for every position of the cache's buffer (built once, outside the compiled step)."""
         self._rotary(0, self.config.max_position_embeddings, like)
         return self._rope
 
-    def _layers(self, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
-                keys_values: list[torch.Tensor], at: slice | torch.Tensor, upto: int | None) -> torch.Tensor:
-        """The decoder over ``input_ids`` (batch, n), every row at the same positions: keys and values written at
-        ``at``, queries attending over the first ``upto`` cached positions (None: the whole buffer) under ``mask``.
-        Returns the last hidden states."""
-        batch, n = input_ids.shape
-        hidden = self.hf.model.embed_tokens(input_ids)  # (1, n, hidden)
-        heads, half, rotated = self.heads, self.head_dim // 2, self.heads + self.kv_heads
-        for i, layer in enumerate(self.hf.model.layers):
-            keys, values = keys_values[2 * i], keys_values[2 * i + 1]
-            x = self._rms_norm(hidden, layer.input_layernorm.weight)
-            qkv = _linear(self.qkv[i], x).view(batch, n, -1, self.head_dim).transpose(1, 2)
-            qk = qkv[:, :rotated]  # (1, heads + kv_heads, n, head_dim): rotary embedding on queries and keys at once
-            qk = torch.addcmul(qk * cos, torch.cat((qk[..., half:], qk[..., :half]), dim=-1), sin)
-            keys[:, :, at] = qk[:, heads:]
-            values[:, :, at] = qkv[:, rotated:]
-            out = F.scaled_dot_product_attention(qk[:, :heads], keys[:, :, :upto], values[:, :, :upto],
-                                                 attn_mask=mask, scale=self.scale, enable_gqa=self.kv_heads != heads)
-            hidden = hidden + _linear(self.o[i], out.transpose(1, 2).reshape(batch, n, -1))
-            x = self._rms_norm(hidden, layer.post_attention_layernorm.weight)
-            gate, up = _linear(self.gate_up[i], x).chunk(2, dim=-1)
-            hidden = hidden + _linear(self.down[i], F.silu(gate) * up)
-        return hidden
-
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.hf.lm_head(self._rms_norm(hidden, self.hf.model.norm.weight))
+    def _final(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self._rms_norm(hidden, self.hf.model.norm.weight)
 
     def _step(self, input_ids: torch.Tensor, positions: torch.Tensor, keys_values: list[torch.Tensor],
-              cos_table: torch.Tensor, sin_table: torch.Tensor) -> torch.Tensor:
-        """Logits of every position of ``input_ids`` (n,) at ``positions`` (n,), attending over the whole buffer
-        under a causal mask built from the positions: the same shapes at every step (the compiled path)."""
+              cos_table: torch.Tensor, sin_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits and final hidden states of every position of ``input_ids`` (n,) at ``positions`` (n,), attending
+        over the whole buffer under a causal mask built from the positions: the same shapes at every step (the
+        compiled path)."""
         mask = torch.arange(keys_values[0].shape[2], device=positions.device)[None, :] <= positions[:, None]
-        hidden = self._layers(input_ids[None], cos_table[:, positions], sin_table[:, positions], mask, keys_values,
-                              positions, None)
-        return self._logits(hidden)
+        hidden = self._layers(self.hf.model.embed_tokens(input_ids[None]), cos_table[:, positions],
+                              sin_table[:, positions], mask, keys_values, positions, None)
+        final = self._final(hidden)
+        return self.hf.lm_head(final), final
 
     def forward(self, input_ids: torch.Tensor, past_key_values: CompactCache, use_cache: bool = True,
-                logits_to_keep: int = 0) -> CompactOutput:
+                logits_to_keep: int = 0, features: bool = False) -> CompactOutput:
         kv = past_key_values
         if input_ids.shape[0] != kv.keys_values[0].shape[0]:
             raise ValueError(f"a batch of {input_ids.shape[0]} over a cache of {kv.keys_values[0].shape[0]} rows")
@@ -266,15 +296,12 @@ class CompactLlama(nn.Module):
                 torch.compiler.cudagraph_mark_step_begin()  # the previous step's outputs are no longer read
             # A fresh 1-D copy of the ids: a slice of the growing sequence has a stride that changes every step,
             # and ids made outside inference mode are another kind of tensor; each would get a graph of its own.
-            logits = self._compiled_step(input_ids.reshape(-1).clone(), positions, kv.keys_values,
-                                         *self._rope_table(kv.keys_values[0]))
-            if graphs:
-                logits = logits.clone()  # a CUDA graph's output is overwritten by its next replay
+            logits, final = self._compiled_step(input_ids.reshape(-1).clone(), positions, kv.keys_values,
+                                                *self._rope_table(kv.keys_values[0]))
+            if graphs:  # a CUDA graph's outputs are overwritten by its next replay
+                logits, final = logits.clone(), final.clone()
             kv.length = end
-            return CompactOutput(logits[:, -logits_to_keep:] if logits_to_keep else logits)
-        cos, sin = self._rotary(start, end, kv.keys_values[0])
-        # Queries see every cached position and the new ones up to their own.
-        mask = None if n == 1 else torch.ones(n, end, dtype=torch.bool, device=input_ids.device).tril(diagonal=start)
-        hidden = self._layers(input_ids, cos, sin, mask, kv.keys_values, slice(start, end), end)
-        kv.length = end
-        return CompactOutput(self._logits(hidden[:, -logits_to_keep:] if logits_to_keep else hidden))
+            return CompactOutput(logits[:, -logits_to_keep:] if logits_to_keep else logits, final if features else None)
+        final = self._final(self._run(self.hf.model.embed_tokens(input_ids), kv))
+        logits = self.hf.lm_head(final[:, -logits_to_keep:] if logits_to_keep else final)
+        return CompactOutput(logits, final if features else None)

@@ -15,6 +15,10 @@ Both models first prefill the prompt but its last token. Invariant between itera
 model's cache holds a prefix of ``seq``; whatever of ``seq`` it has not seen yet (one token,
 two for the draft after a full acceptance) is fed at its next forward, so the draft never
 falls out of step.
+
+A feature draft (``lssp/eagle.py``) also reads the target's final hidden states: the target's
+forwards return them, the real ones of the accepted tokens are queued for the head after each
+verification, and the head drops every position it drafted on its own guesses.
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ from functools import cache
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
+from lssp.eagle import FeatureDraft, forward_with_features
 from lssp.sampling import SamplingParams, argmax, sample, sample_logits, warp
 from lssp.stats import alpha_estimate
 from lssp.timing import Clock
@@ -439,13 +444,21 @@ def generate_speculative(
     seq = input_ids.to(device)
     tokens: list[int] = []
     stopped = False
+    features = isinstance(draft, FeatureDraft)
     start = clock.now()
-    target_kv, draft_kv = _prefill(target, seq, prefix), _prefill(draft, seq, prefix)
+    if features:  # the head reads the target's features of the prompt (a prompt prefix cache has none)
+        target_kv = new_cache(target)
+        _, prompt_features = (forward_with_features(target, seq[:, :-1], target_kv, 0) if seq.shape[1] > 1
+                              else (None, seq.new_zeros(1, 0, 0, dtype=torch.float)))
+        draft_kv = draft.start(seq, prompt_features)
+    else:
+        target_kv, draft_kv = _prefill(target, seq, prefix), _prefill(draft, seq, prefix)
     context = ContextLookup(lookup, input_ids[0].tolist()) if lookup else None
     stats.prefill_time_s = clock.now() - start
     while len(tokens) < max_new_tokens and not stopped:
-        # Never draft past the budget: the iteration then emits at most what is left.
-        k_now = min(k, max_new_tokens - len(tokens) - 1)
+        # Never draft past the budget: the iteration then emits at most what is left. A feature draft
+        # drafts nothing until the target has given it a feature (a one-token prompt).
+        k_now = min(k, max_new_tokens - len(tokens) - 1) if not features or draft_kv.ready else 0
 
         # 1. The draft proposes k_now tokens, keeping its distributions q_1..q_k (greedy needs only argmaxes).
         drafts = torch.empty(k_now, dtype=torch.long, device=device)
@@ -479,7 +492,10 @@ def generate_speculative(
         # 2. One target forward scores every draft position and the bonus position.
         target_in = torch.cat([seq[:, target_kv.get_seq_length():], drafts.view(1, -1)], dim=1)
         t0 = clock.forward_now()
-        logits = forward_logits(target, target_in, target_kv, k_now + 1)
+        if features:
+            logits, fed_features = forward_with_features(target, target_in, target_kv, k_now + 1)
+        else:
+            logits = forward_logits(target, target_in, target_kv, k_now + 1)
         stats.target_time_s += clock.forward_now() - t0
         stats.target_forwards += 1
 
@@ -495,7 +511,11 @@ def generate_speculative(
         # 4. Emit, then roll both caches back to what is still valid.
         emitted = torch.cat([drafts[:n], extra.view(1)])
         drop(target_kv, k_now - n)
-        drop(draft_kv, k_now - 1 - n)
+        if features:  # every position the head drafted read its own guesses: keep only the real features
+            drop(draft_kv, k_now - 1)
+            draft_kv.queue(fed_features[:, :target_in.shape[1] - (k_now - n)])
+        else:
+            drop(draft_kv, k_now - 1 - n)
         seq = torch.cat([seq, emitted.view(1, -1)], dim=1)
         new = emitted.tolist()
         if context:

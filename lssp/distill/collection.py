@@ -28,6 +28,13 @@ def _last_logits(model: PreTrainedModel, **inputs: torch.Tensor) -> tuple[torch.
     return head.linear(model.model(**inputs).last_hidden_state[:, -1]), head.token_ids
 
 
+def _logits_and_features(model: PreTrainedModel, **inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits at each row's last position and the final hidden states (after the last norm) of every position:
+    the features a feature-level draft reads."""
+    hidden = model.model(**inputs).last_hidden_state
+    return model.lm_head(hidden[:, -1]), hidden
+
+
 def _left_padded(sequences: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, ...]:
     """ids, attention mask and position ids of ``sequences`` padded on the left to one width."""
     width = max(map(len, sequences))
@@ -43,15 +50,24 @@ def _left_padded(sequences: list[list[int]], pad_id: int, device: torch.device) 
 @torch.inference_mode()
 def _generate_batch(
     model: PreTrainedModel, prompts: list[list[int]], new_tokens: int, temperature: float, top_k: int, pad_id: int,
-    generator: torch.Generator,
+    generator: torch.Generator, features: bool = False,
 ) -> dict[str, torch.Tensor]:
-    """Left-padded batched sampling that records ``model``'s top-k log-probs at each new position."""
+    """Left-padded batched sampling that records ``model``'s top-k log-probs at each new position; with
+    ``features``, also its final hidden states at every position of each row (prompt and continuation, float16)."""
     from transformers import DynamicCache
 
+    def forward(**inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if not features:
+            return _last_logits(model, **inputs)
+        logits, hidden = _logits_and_features(model, **inputs)
+        steps.append(hidden.half().cpu())
+        return logits, None
+
+    steps: list[torch.Tensor] = []
     ids, mask, positions = _left_padded(prompts, pad_id, model_device(model))
     kv = DynamicCache(config=model.config)
-    logits, vocab_ids = _last_logits(model, input_ids=ids, attention_mask=mask, position_ids=positions,
-                                     past_key_values=kv, use_cache=True)
+    logits, vocab_ids = forward(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=kv,
+                                use_cache=True)
     top_ids, top_lp, tokens = [], [], []
     for _ in range(new_tokens):
         logprobs = logits.float().log_softmax(-1)
@@ -67,10 +83,15 @@ def _generate_batch(
         tokens.append(nxt.cpu())
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
         positions = positions[:, -1:] + 1
-        logits, _ = _last_logits(model, input_ids=nxt[:, None], attention_mask=mask, position_ids=positions,
-                                 past_key_values=kv, use_cache=True)
-    return {"prompts": [torch.tensor(p, dtype=torch.int32) for p in prompts], "tokens": torch.stack(tokens, 1).int(),
-            "top_ids": torch.stack(top_ids, 1), "top_lp": torch.stack(top_lp, 1)}
+        logits, _ = forward(input_ids=nxt[:, None], attention_mask=mask, position_ids=positions, past_key_values=kv,
+                            use_cache=True)
+    record = {"prompts": [torch.tensor(p, dtype=torch.int32) for p in prompts], "tokens": torch.stack(tokens, 1).int(),
+              "top_ids": torch.stack(top_ids, 1), "top_lp": torch.stack(top_lp, 1)}
+    if features:  # row r: its prompt's positions (the end of the left-padded prefill), then one per new token
+        continuation = torch.cat(steps[1:], dim=1)
+        record["features"] = [torch.cat([steps[0][r, steps[0].shape[1] - len(p):], continuation[r]])
+                              for r, p in enumerate(prompts)]
+    return record
 
 
 @torch.inference_mode()
@@ -194,7 +215,8 @@ def collect(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out: Pa
             record = _score_batch(target, encoded, written, cfg.top_k_saved, pad_id)
             record["source"] = "draft"
         else:
-            record = _generate_batch(target, encoded, cfg.new_tokens, temperature, cfg.top_k_saved, pad_id, generator)
+            record = _generate_batch(target, encoded, cfg.new_tokens, temperature, cfg.top_k_saved, pad_id, generator,
+                                     features=cfg.kind == "eagle")
         # Keep each row up to and including its first special token.
         lengths = []
         for row in record["tokens"].tolist():

@@ -9,6 +9,7 @@ Progress = Callable[[str, float, str], None]  # phase, fraction done, message
 
 @dataclass
 class DistillConfig:
+    kind: str = "draft"  # "draft": a small Llama; "eagle": a feature-level head over the target's hidden states
     hidden_size: int = 256
     layers: int = 4
     heads: int = 4

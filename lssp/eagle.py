@@ -1,0 +1,289 @@
+"""Feature-level drafts: an EAGLE head (Li et al. 2024, arXiv 2401.15077) drafting for its target.
+
+The head reads what the target has already computed. At position t it takes the target's final
+hidden state f_t (after the last norm: the "feature") and the embedding of the token at t+1,
+mixes them through ``fc`` (2d -> d), runs one or more Llama decoder layers (the first without
+its input norm) and returns its guess of f_{t+1}; the target's own output layer (or its rows for
+the head's ``head_token_ids``) turns that guess into logits for the token at t+2. While drafting,
+the head feeds its guesses back in place of the features it does not have yet; after each
+verification the target's real features of the accepted tokens replace them, and the head's
+cache rolls back to the last position it saw with real features.
+
+``FeatureHead`` holds the weights in the layout EAGLE's authors publish (``fc``, ``layers.{i}``;
+the target's embeddings and output layer are reused, not stored) and is what training runs;
+``FeatureDraft`` binds a head to a loaded target and runs it through the fused decoder of
+``lssp/compact.py`` over a ``FeatureCache``. q is the head's distribution after the same warping
+as the target's, so the acceptance rule keeps speculative sampling exact.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import LlamaConfig, PreTrainedModel
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+from lssp.compact import CompactCache, CompactOutput, FusedDecoder, float_weight
+from lssp.draft_head import HEAD_KEY, SubsetHead
+from lssp.errors import UserError
+
+HEAD_MARK = "feature_head"  # config.json key of heads written by llamassp (the format is EAGLE's either way)
+IGNORED_KEYS = ("embed_tokens.weight", "lm_head.weight")  # copies of the target's that published heads may carry
+EAGLE3_SIGNS = ("d2t", "t2d", "midlayer.")
+
+
+class FeatureHead(nn.Module):
+    """EAGLE-1/2 head weights: ``fc`` over cat(embedding of token t+1, feature at t), then Llama decoder
+    layers, the first without input norm; no final norm. ``forward`` is the (causal, batched) training path."""
+
+    def __init__(self, config: LlamaConfig, bias: bool = False) -> None:
+        super().__init__()
+        config._attn_implementation = "sdpa"
+        self.config = config
+        width = config.hidden_size
+        self.fc = nn.Linear(2 * width, width, bias=bias)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.layers[0].input_layernorm = nn.Identity()
+        self.rotary = LlamaRotaryEmbedding(config)
+
+    @property
+    def token_ids(self) -> list[int] | None:
+        """The tokens the head proposes (its output rows of the target's layer), None for all."""
+        return getattr(self.config, HEAD_KEY, None)
+
+    def forward(self, embeds: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """Predicted features (batch, T, d) from embeddings of tokens 1..T and features 0..T-1, causally."""
+        hidden = self.fc(torch.cat([embeds, features], dim=-1))
+        positions = torch.arange(hidden.shape[1], device=hidden.device)[None]
+        rope = self.rotary(hidden, positions)
+        for layer in self.layers:
+            hidden = layer(hidden, attention_mask=None, position_ids=positions, position_embeddings=rope)
+        return hidden
+
+
+def head_config(target_config: LlamaConfig, layers: int = 1, token_ids: list[int] | None = None) -> LlamaConfig:
+    """A head's config: the target's width, heads and MLP, ``layers`` decoder layers."""
+    tc = target_config
+    rope = getattr(tc, "rope_parameters", None) or {"rope_type": "default", "rope_theta": getattr(tc, "rope_theta", 10000.0)}
+    config = LlamaConfig(
+        vocab_size=tc.vocab_size, hidden_size=tc.hidden_size, intermediate_size=tc.intermediate_size,
+        num_hidden_layers=layers, num_attention_heads=tc.num_attention_heads,
+        num_key_value_heads=tc.num_key_value_heads or tc.num_attention_heads,
+        head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads,
+        max_position_embeddings=tc.max_position_embeddings, rms_norm_eps=tc.rms_norm_eps, rope_parameters=rope,
+        bos_token_id=tc.bos_token_id, eos_token_id=tc.eos_token_id, tie_word_embeddings=False,
+    )
+    config.architectures = ["LlamaForCausalLM"]
+    if token_ids is not None:
+        setattr(config, HEAD_KEY, list(token_ids))
+    return config
+
+
+def is_feature_head(folder: str | Path) -> bool:
+    """Whether ``folder`` holds an EAGLE head (ours, or one in its authors' published layout)."""
+    folder = Path(folder)
+    config = folder / "config.json"
+    if not config.exists():
+        return False
+    if HEAD_MARK in json.loads(config.read_text()):
+        return True
+    return any(k == "fc.weight" for k in _weight_names(folder))
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    return sorted(folder.glob("*.safetensors")) or sorted(folder.glob("pytorch_model*.bin"))
+
+
+def _weight_names(folder: Path) -> list[str]:
+    from safetensors import safe_open
+
+    names: list[str] = []
+    for path in _weight_files(folder):
+        if path.suffix == ".safetensors":
+            with safe_open(path, "pt") as f:
+                names.extend(f.keys())
+        else:
+            names.extend(torch.load(path, map_location="meta", weights_only=True))
+    return names
+
+
+def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    state: dict[str, torch.Tensor] = {}
+    for path in _weight_files(folder):
+        state.update(load_file(path) if path.suffix == ".safetensors" else torch.load(path, map_location="cpu", weights_only=True))
+    return state
+
+
+def load_feature_head(folder: str | Path, name: str = "") -> FeatureHead:
+    """A head from ``folder``: its config.json and weights (safetensors or pytorch_model.bin), mapped key by key.
+
+    A missing or unexpected weight is an error that names it; the copies of the target's embeddings or
+    output layer that published heads carry are skipped (the target's own are used). EAGLE-3 heads are refused.
+    """
+    folder = Path(folder)
+    label = name or str(folder)
+    raw = json.loads((folder / "config.json").read_text())
+    state = _read_weights(folder)
+    if not state:
+        raise UserError(f"feature head {label!r}: no weights (*.safetensors or pytorch_model.bin) in {folder}")
+    if any(k.startswith(EAGLE3_SIGNS) for k in state) or "Eagle3" in "".join(raw.get("architectures") or []):
+        raise UserError(f"feature head {label!r} is in EAGLE-3's format, which llamassp does not run (EAGLE-1/2 heads only)")
+    raw.pop("architectures", None)
+    config = LlamaConfig(**{k: v for k, v in raw.items() if k not in ("model_type", "transformers_version")})
+    fc = state.get("fc.weight")
+    if fc is not None and fc.shape[1] != 2 * config.hidden_size:
+        raise UserError(f"feature head {label!r}: fc takes {fc.shape[1]} inputs, expected 2 x {config.hidden_size}")
+    head = FeatureHead(config, bias="fc.bias" in state)
+    kept = {k: v for k, v in state.items() if k not in IGNORED_KEYS and not k.endswith("rotary_emb.inv_freq")}
+    expected = set(head.state_dict()) - {k for k in head.state_dict() if k.startswith("rotary.")}
+    missing, extra = sorted(expected - set(kept)), sorted(set(kept) - expected)
+    if missing or extra:
+        what = "; ".join(filter(None, [f"missing {', '.join(missing)}" if missing else "",
+                                       f"unexpected {', '.join(extra)}" if extra else ""]))
+        raise UserError(f"feature head {label!r}: weights do not match an EAGLE head with "
+                        f"{config.num_hidden_layers} layer(s): {what}")
+    for key, value in kept.items():
+        if value.shape != head.state_dict()[key].shape:
+            raise UserError(f"feature head {label!r}: {key} has shape {tuple(value.shape)}, "
+                            f"expected {tuple(head.state_dict()[key].shape)}")
+    head.load_state_dict(kept, strict=False)
+    return head
+
+
+def save_feature_head(head: FeatureHead, folder: str | Path, dtype: torch.dtype = torch.bfloat16) -> None:
+    """config.json and model.safetensors in EAGLE's layout (vLLM's ``eagle`` method reads it as it is)."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    config = head.config.to_dict()
+    config[HEAD_MARK] = True
+    for key in ("_attn_implementation_autoset", "_name_or_path"):
+        config.pop(key, None)
+    (folder / "config.json").write_text(json.dumps(config, indent=1, sort_keys=True))
+    state = {k: v.detach().to(dtype).cpu().contiguous() for k, v in head.state_dict().items() if not k.startswith("rotary.")}
+    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+def check_head_fits(head: FeatureHead, target: PreTrainedModel, name: str) -> None:
+    """Refuse a head whose width or vocabulary does not match ``target``'s."""
+    width = target.get_input_embeddings().weight.shape[1]
+    if head.config.hidden_size != width:
+        raise UserError(f"feature head {name!r} is {head.config.hidden_size} wide, its target {width}")
+    vocab = target.get_output_embeddings().out_features
+    ids = head.token_ids or []
+    if ids and max(ids) >= vocab:
+        raise UserError(f"feature head {name!r} proposes token {max(ids)}, beyond the target's {vocab} logits")
+
+
+class FeatureCache(CompactCache):
+    """The head's keys and values plus the features waiting for their tokens.
+
+    ``get_seq_length`` counts the text tokens the head has read: one per cached position plus the first
+    token of the text, which no position takes as its "next token". ``queue`` adds the target's real
+    features; a forward over n tokens takes n queued features, or, with none queued, the head's own
+    guess from its previous forward (one token: drafting).
+    """
+
+    def __init__(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003 - CompactCache's
+        super().__init__(*args, **kwargs)
+        self.queued: torch.Tensor | None = None  # (1, m, d) real features not yet paired with their tokens
+        self.guess: torch.Tensor | None = None  # (1, 1, d) the head's last predicted feature
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.length + 1
+
+    def queue(self, features: torch.Tensor) -> None:
+        self.guess = None
+        self.queued = features if self.queued is None else torch.cat([self.queued, features], dim=1)
+
+    def take(self, n: int) -> torch.Tensor:
+        if self.queued is not None:
+            if self.queued.shape[1] != n:
+                raise ValueError(f"{n} tokens for {self.queued.shape[1]} queued features")
+            features, self.queued = self.queued, None
+            return features
+        if self.guess is None or n != 1:
+            raise ValueError(f"{n} tokens and no feature to pair them with")
+        return self.guess
+
+    @property
+    def ready(self) -> bool:
+        """Whether the head can draft now (it has a feature for its next token)."""
+        return self.queued is not None or self.guess is not None
+
+
+class FeatureDraft(FusedDecoder):
+    """``head`` drafting for ``target`` (a loaded model: transformers, compact or dynamically quantized).
+
+    The target's input embedding is shared, not copied; the output layer is the target's rows for the head's
+    ``head_token_ids`` (a SubsetHead: the other logits are -inf, never proposed) or, without them, the
+    target's own output layer."""
+
+    def __init__(self, head: FeatureHead, target: PreTrainedModel, dtype: torch.dtype | None = None) -> None:
+        dtype = dtype or head.fc.weight.dtype
+        head = head.to(dtype)
+        super().__init__(head.config, head.layers, dtype)
+        self.head = head
+        self._target = (target,)  # not a submodule: moving or quantizing the draft leaves the target alone
+        output = target.get_output_embeddings()
+        ids = head.token_ids
+        if ids:
+            subset = SubsetHead(head.config.hidden_size, ids, output.out_features)
+            with torch.no_grad():
+                subset.linear.weight.copy_(float_weight(output)[subset.token_ids].to(dtype))
+            self.output = subset.to(dtype)
+        else:
+            self._full_output = (output,)
+        self.to(target.get_input_embeddings().weight.device)
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self._target[0].get_input_embeddings()
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.output if hasattr(self, "output") else self._full_output[0]
+
+    def new_cache(self, batch: int = 1) -> FeatureCache:
+        if batch != 1:
+            raise ValueError("a feature draft runs batch 1")
+        weight = self.get_input_embeddings().weight
+        dtype = float_weight(self.qkv[0]).dtype
+        return FeatureCache(len(self.qkv), self.kv_heads, self.head_dim, dtype, weight.device)
+
+    def start(self, seq: torch.Tensor, features: torch.Tensor) -> FeatureCache:
+        """The head's cache after the target's prefill of ``seq`` (1, T) but its last token, whose features
+        ``features`` (1, T-1, d) are: every pair but the last is fed, the last waits for the first draft."""
+        kv = self.new_cache()
+        if features.shape[1] > 1:
+            kv.queue(features[:, :-1])
+            self(seq[:, 1:-1], kv)
+        if features.shape[1]:
+            kv.queue(features[:, -1:])
+        return kv
+
+    def forward(self, input_ids: torch.Tensor, past_key_values: FeatureCache, use_cache: bool = True,
+                logits_to_keep: int = 0) -> CompactOutput:
+        kv = past_key_values
+        features = kv.take(input_ids.shape[1])
+        dtype = float_weight(self.qkv[0]).dtype
+        embeds = self.get_input_embeddings()(input_ids).to(dtype)
+        hidden = self._run(self.head.fc(torch.cat([embeds, features.to(dtype)], dim=-1)), kv)
+        kv.guess = hidden[:, -1:]
+        keep = hidden[:, -logits_to_keep:] if logits_to_keep else hidden
+        return CompactOutput(self.get_output_embeddings()(keep.to(float_weight(self.qkv[0]).dtype)))
+
+
+def forward_with_features(model: PreTrainedModel, ids: torch.Tensor, kv: object, last: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits of the ``last`` final positions (last, vocab) and the final hidden states (1, n, d) of all ``ids``,
+    extending ``kv``: a compact forward returns them directly, a transformers model through its base model."""
+    device = model.get_input_embeddings().weight.device
+    if hasattr(model, "hf"):
+        out = model(input_ids=ids, past_key_values=kv, use_cache=True, logits_to_keep=max(last, 1), features=True)
+        return out.logits[0, -last:].to(device) if last else out.logits[0, :0], out.features.to(device)
+    hidden = model.model(input_ids=ids, past_key_values=kv, use_cache=True).last_hidden_state
+    logits = model.get_output_embeddings()(hidden[:, -last:])[0] if last else hidden.new_empty(0)
+    return logits.to(device), hidden.to(device)

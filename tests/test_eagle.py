@@ -1,0 +1,262 @@
+"""Feature-level drafts (EAGLE): exactness, the features the head reads, its cache, the published format."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import lssp.eagle as eagle
+import lssp.generation as generation
+from conftest import tiny_llama
+from lssp.compact import CompactLlama
+from lssp.eagle import FeatureDraft, FeatureHead, head_config, load_feature_head, save_feature_head
+from lssp.errors import UserError
+from lssp.generation import generate_regular, generate_speculative
+from lssp.sampling import SamplingParams, warp
+from lssp.stats import chi_square_gof
+
+GREEDY = SamplingParams(temperature=0)
+PROMPTS = [[0, 5, 9, 3], [0, 17], [0, 40, 41, 42, 43, 44, 45, 46], [7]]
+
+
+def random_head(target, seed: int, token_ids: list[int] | None = None, bias: bool = False, scale: float = 1.0) -> FeatureHead:
+    torch.manual_seed(seed)
+    head = FeatureHead(head_config(target.config, token_ids=token_ids), bias=bias).eval()
+    with torch.no_grad():
+        for p in head.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.2 * scale)
+    return head
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_llama(10, scale=4.0)
+
+
+@pytest.fixture(scope="module")
+def head(target):
+    return random_head(target, 1)
+
+
+def planted_right(noise: float = 0.0) -> tuple[torch.nn.Module, FeatureHead]:
+    """A target whose layers add nothing (its feature at t is the norm of token t's embedding) and a head
+    that returns the next token's embedding: the same argmax, so every greedy draft must pass. ``noise``
+    mixes some of the feature in, so the head reads it and is sometimes wrong."""
+    model = tiny_llama(12, scale=4.0)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    head = random_head(model, 2)
+    width = model.config.hidden_size
+    with torch.no_grad():
+        head.fc.weight.zero_()
+        head.fc.weight[:, :width] = torch.eye(width)
+        head.fc.weight[:, width:] = noise * torch.randn(width, width, generator=torch.Generator().manual_seed(0))
+        head.layers[0].self_attn.o_proj.weight.zero_()
+        head.layers[0].mlp.down_proj.weight.zero_()
+    return model, head
+
+
+@pytest.mark.parametrize("compact", [False, True], ids=["transformers", "compact"])
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_greedy_ssp_with_a_feature_head_equals_greedy_rsp(target, head, k, compact):
+    model = CompactLlama(target).eval() if compact else target
+    draft = FeatureDraft(head, model)
+    for prompt in PROMPTS:
+        ids = torch.tensor([prompt])
+        want = generate_regular(model, ids, 20, GREEDY).tokens
+        got = generate_speculative(model, draft, ids, 20, k, GREEDY)
+        assert torch.equal(got.tokens, want), (prompt, k)
+        assert got.stats.drafted > 0 or len(prompt) == 1
+
+
+def test_a_head_planted_to_be_right_has_every_greedy_draft_accepted():
+    model, head = planted_right()
+    draft = FeatureDraft(head, model)
+    for k in (1, 3):
+        out = generate_speculative(model, draft, torch.tensor([[0, 5, 9, 3]]), 24, k, GREEDY)
+        assert out.stats.accepted == out.stats.drafted > 0
+        assert torch.equal(out.tokens, generate_regular(model, torch.tensor([[0, 5, 9, 3]]), 24, GREEDY).tokens)
+
+
+def _recorded_pairs(monkeypatch) -> list[tuple[list[int], torch.Tensor]]:
+    """(tokens, features) of every head forward that read real features."""
+    pairs = []
+    forward = FeatureDraft.forward
+
+    def spy(self, input_ids, past_key_values, *args, **kwargs):
+        if past_key_values.queued is not None:
+            pairs.append((input_ids[0].tolist(), past_key_values.queued[0].clone()))
+        return forward(self, input_ids, past_key_values, *args, **kwargs)
+
+    monkeypatch.setattr(FeatureDraft, "forward", spy)
+    return pairs
+
+
+@pytest.mark.parametrize("params", [GREEDY, SamplingParams(1.0)], ids=["greedy", "t1.0"])
+def test_the_head_reads_the_feature_of_the_token_before_each_token(params, monkeypatch):
+    """Each token x_{j+1} the head reads with real features comes with the target's final hidden state at j,
+    also after partial acceptances (the head's guesses are dropped, the real features queued)."""
+    target, head = planted_right(noise=0.002)
+    pairs = _recorded_pairs(monkeypatch)
+    prompt = torch.tensor([[0, 5, 9, 3]])
+    out = generate_speculative(target, FeatureDraft(head, target), prompt, 24, 3, params, torch.Generator().manual_seed(3))
+    assert 0 < out.stats.accepted < out.stats.drafted  # partial acceptances happened
+    seq = torch.cat([prompt[0], out.tokens])
+    with torch.no_grad():
+        real = target.model(input_ids=seq[None]).last_hidden_state[0]
+    at = 1  # the head's first pair is (f_0, x_1)
+    for tokens, features in pairs:
+        assert tokens == seq[at: at + len(tokens)].tolist()
+        torch.testing.assert_close(features, real[at - 1: at - 1 + len(tokens)], atol=1e-4, rtol=1e-4)
+        at += len(tokens)
+    assert at >= len(seq) - 4  # every position but the last iteration's was read with real features
+
+
+def test_a_feature_fed_one_position_off_is_caught(monkeypatch):
+    target, head = planted_right(noise=0.002)
+    pairs = _recorded_pairs(monkeypatch)
+    queue = eagle.FeatureCache.queue
+    monkeypatch.setattr(eagle.FeatureCache, "queue", lambda self, f: queue(self, torch.roll(f, 1, dims=1)))
+    prompt = torch.tensor([[0, 5, 9, 3]])
+    out = generate_speculative(target, FeatureDraft(head, target), prompt, 12, 3, GREEDY)
+    seq = torch.cat([prompt[0], out.tokens])
+    with torch.no_grad():
+        real = target.model(input_ids=seq[None]).last_hidden_state[0]
+    tokens, features = pairs[0]
+    assert not torch.allclose(features, real[: len(tokens)], atol=1e-4)
+    assert out.stats.accepted < out.stats.drafted  # and the head, reading the wrong features, drafts worse
+
+
+def test_the_runtime_head_gives_the_training_forward_logits(target, head):
+    """FeatureDraft over its cache, fed in pieces, equals FeatureHead's causal forward over the whole text."""
+    ids = torch.tensor([[0, 5, 9, 3, 7, 8, 11, 2]])
+    with torch.no_grad():
+        features = target.model(input_ids=ids).last_hidden_state
+        predicted = head(target.model.embed_tokens(ids[:, 1:]), features[:, :-1])
+        want = target.lm_head(predicted)[0]
+    draft = FeatureDraft(head, target)
+    with torch.inference_mode():
+        kv = draft.new_cache()
+        got = []
+        for a, b in [(1, 4), (4, 5), (5, 8)]:
+            kv.queue(features[:, a - 1: b - 1])
+            got.append(draft(ids[:, a:b], kv).logits[0])
+        torch.testing.assert_close(torch.cat(got), want, atol=1e-4, rtol=1e-4)
+        kv.crop(-3)
+        kv.queue(features[:, 4:7])
+        torch.testing.assert_close(draft(ids[:, 5:8], kv).logits[0], want[4:], atol=1e-4, rtol=1e-4)
+
+
+def test_a_head_over_frequent_tokens_proposes_only_those(target):
+    ids = list(range(0, 64, 2))
+    draft = FeatureDraft(random_head(target, 3, token_ids=ids), target)
+    out = generate_speculative(target, draft, torch.tensor([[0, 5, 9]]), 30, 3, GREEDY)
+    assert torch.equal(out.tokens, generate_regular(target, torch.tensor([[0, 5, 9]]), 30, GREEDY).tokens)
+    with torch.inference_mode():
+        kv = draft.start(torch.tensor([[0, 5, 9]]), target.model(input_ids=torch.tensor([[0, 5]])).last_hidden_state)
+        logits = draft(torch.tensor([[9]]), kv).logits[0, -1]
+    assert torch.isinf(logits[1::2]).all() and torch.isfinite(logits[::2]).all()
+
+
+# --- The law of the first two tokens (8-token vocabulary, as in test_generation) -------------------
+# SSp is exact for any draft distribution q, so a head fed the wrong features only drafts worse (the
+# alignment tests above catch that); what the law test catches is a q in the ratio that is not the one
+# the head sampled from.
+VOCAB, N_RUNS, SIGNIFICANCE = 8, 2000, 0.001
+
+
+@pytest.fixture(scope="module")
+def small_pair():
+    model = tiny_llama(30, vocab_size=VOCAB, hidden=16, layers=1, scale=3.0)
+    return model, FeatureDraft(random_head(model, 31, scale=2.0), model)
+
+
+def _exact_law(model, prompt, params) -> torch.Tensor:
+    with torch.no_grad():
+        p1 = warp(model(prompt).logits[0, -1], params)
+        rows = [warp(model(torch.cat([prompt, torch.tensor([[x]])], 1)).logits[0, -1], params) for x in range(VOCAB)]
+    return (p1[:, None] * torch.stack(rows)).flatten()
+
+
+def _counts(model, draft, prompt, params) -> list[int]:
+    counts = [0] * VOCAB * VOCAB
+    gen = torch.Generator()
+    for seed in range(N_RUNS):
+        gen.manual_seed(seed)
+        first, second = generate_speculative(model, draft, prompt, 3, 2, params, gen).tokens[:2].tolist()
+        counts[first * VOCAB + second] += 1
+    return counts
+
+
+@pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.7, top_k=4)], ids=["t1.0", "t0.7-topk4"])
+def test_ssp_with_a_feature_head_recovers_the_target_distribution(small_pair, params):
+    model, draft = small_pair
+    prompt = torch.tensor([[1, 2, 3]])
+    law = _exact_law(model, prompt, params)
+    result = chi_square_gof(_counts(model, draft, prompt, params), law.tolist())
+    assert result.p_value > SIGNIFICANCE, result
+
+
+def test_the_law_test_catches_a_ratio_without_the_heads_q(small_pair, monkeypatch):
+    model, draft = small_pair
+    prompt, params = torch.tensor([[1, 2, 3]]), SamplingParams(1.0)
+    accepted_prefix = generation.accepted_prefix
+    monkeypatch.setattr(generation, "accepted_prefix",
+                        lambda p, q, drafts, g: accepted_prefix(p, torch.full_like(q, 1 / VOCAB), drafts, g))
+    result = chi_square_gof(_counts(model, draft, prompt, params), _exact_law(model, prompt, params).tolist())
+    assert result.p_value < SIGNIFICANCE, result
+
+
+# --- The published format --------------------------------------------------------------------------
+
+def _published(folder, target, head: FeatureHead, extra: dict | None = None, drop: str | None = None) -> None:
+    """``head`` as EAGLE's authors publish heads: pytorch_model.bin with fc (and its bias), layers.0 without
+    input_layernorm, a copy of the target's embeddings; a plain Llama config.json."""
+    folder.mkdir(parents=True, exist_ok=True)
+    state = {k: v for k, v in head.state_dict().items() if not k.startswith("rotary.")}
+    state["embed_tokens.weight"] = target.model.embed_tokens.weight.detach().clone()
+    state["layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(4)
+    state.update(extra or {})
+    if drop:
+        del state[drop]
+    torch.save(state, folder / "pytorch_model.bin")
+    config = head.config.to_dict()
+    config["architectures"] = ["LlamaForCausalLM"]
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def test_a_published_head_loads_key_by_key_and_runs(tmp_path, target):
+    head = random_head(target, 4, bias=True)
+    _published(tmp_path / "eagle", target, head)
+    assert eagle.is_feature_head(tmp_path / "eagle")
+    loaded = load_feature_head(tmp_path / "eagle")
+    assert loaded.fc.bias is not None
+    for key, value in head.state_dict().items():
+        assert torch.equal(loaded.state_dict()[key], value), key
+    ids = torch.tensor([[0, 5, 9, 3]])
+    out = generate_speculative(target, FeatureDraft(loaded, target), ids, 20, 3, GREEDY)
+    assert torch.equal(out.tokens, generate_regular(target, ids, 20, GREEDY).tokens)
+
+
+def test_our_heads_save_and_load_in_that_format(tmp_path, target, head):
+    save_feature_head(head, tmp_path / "ours", dtype=torch.float32)
+    assert eagle.is_feature_head(tmp_path / "ours")
+    loaded = load_feature_head(tmp_path / "ours")
+    for key, value in head.state_dict().items():
+        assert torch.equal(loaded.state_dict()[key], value), key
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"drop": "layers.0.mlp.down_proj.weight"}, "missing layers.0.mlp.down_proj.weight"),
+    ({"extra": {"layers.1.mlp.down_proj.weight": torch.zeros(2, 2)}}, "unexpected layers.1.mlp.down_proj.weight"),
+    ({"extra": {"d2t": torch.zeros(3)}}, "EAGLE-3"),
+    ({"extra": {"fc.weight": torch.zeros(32, 96)}}, "fc takes 96 inputs"),
+])
+def test_a_head_whose_weights_do_not_match_is_refused_naming_the_key(tmp_path, target, change, message):
+    _published(tmp_path / "bad", target, random_head(target, 5), **change)
+    with pytest.raises(UserError, match=message):
+        load_feature_head(tmp_path / "bad")
