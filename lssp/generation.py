@@ -194,6 +194,17 @@ def forward_logits(model: PreTrainedModel, ids: torch.Tensor, kv: DynamicCache, 
     return out.logits[0, -last:].to(model_device(model))
 
 
+def draft_logits(target: PreTrainedModel, draft: PreTrainedModel, ids: torch.Tensor) -> torch.Tensor:
+    """The draft's logits (1, vocab) for the token after ``ids`` (1, T), from scratch; a feature draft reads the
+    target's features of ``ids`` first."""
+    if not isinstance(draft, FeatureDraft):
+        return forward_logits(draft, ids.to(model_device(draft)), new_cache(draft), 1)
+    if ids.shape[1] == 1:
+        raise ValueError("a feature draft needs the target's feature of a token before the last")
+    _, features = forward_with_features(target, ids[:, :-1].to(model_device(target)), new_cache(target), 0)
+    return forward_logits(draft, ids[:, -1:], draft.start(ids, features), 1)
+
+
 def new_cache(model: PreTrainedModel, batch: int = 1) -> DynamicCache:
     """An empty KV cache of the kind ``model`` takes (a compact forward brings its own), for ``batch`` rows."""
     make = getattr(model, "new_cache", None)

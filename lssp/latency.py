@@ -37,10 +37,11 @@ class PromptTiming:
     turns: int = 1  # completions made: one per user turn
     at_budget: int = 0  # of those, how many ran to max_new_tokens (no end token before)
     engine: str = "ours"
+    draft: str = ""  # SSp in a run of several drafts: which one
 
     @property
     def how(self) -> Mode:
-        return Mode(self.mode, self.k, self.confidence, self.lookup, self.engine)
+        return Mode(self.mode, self.k, self.confidence, self.lookup, self.engine, self.draft)
 
     @property
     def ms_per_target_forward(self) -> float:
@@ -62,10 +63,12 @@ class Mode(NamedTuple):
     confidence: float = 0.0
     lookup: int = 0
     engine: str = "ours"  # ours, or vllm (lssp.vllm_engine)
+    draft: str = ""  # ours' SSp in a run of several drafts: the draft's name ("" in a run of one)
 
     @property
     def name(self) -> str:
-        return (("vllm " if self.engine == "vllm" else "") + self.mode + (f" k={self.k}" if self.k else "") + (f" p>={self.confidence:g}" if self.confidence else "")
+        return (("vllm " if self.engine == "vllm" else "") + self.mode + (f" {self.draft}" if self.draft else "")
+                + (f" k={self.k}" if self.k else "") + (f" p>={self.confidence:g}" if self.confidence else "")
                 + (f" lookup={self.lookup}" if self.lookup else ""))
 
 
@@ -109,6 +112,7 @@ class ModeSummary:
     tokens_per_s: float = float("nan")  # mean over prompts of tokens ÷ whole completion time (Spec-Bench's)
     specbench_speedup: float = float("nan")  # this mode's tokens_per_s ÷ RSp's (Spec-Bench's overall speedup)
     engine: str = "ours"  # the speedup is over the same engine's RSp
+    draft: str = ""  # in a run of several drafts: which one drafted (else the run's draft)
 
     @property
     def noisy(self) -> bool:
@@ -175,6 +179,7 @@ def summarize(timings: Sequence[PromptTiming], how: Mode = Mode("rsp"),
         at_budget_share=sum(t.at_budget for t in timings) / max(1, sum(t.turns for t in timings)),
         tokens_per_s=sum(t.tokens_per_s for t in timings) / len(timings),
         engine=how.engine,
+        draft=how.draft,
     )
 
 
@@ -211,14 +216,20 @@ class LatencySetup:
     vllm_version: str = ""  # where vLLM ran some modes (--engine vllm)
     vllm_precision: str = ""
     vllm_draft_method: str = "draft_model"  # vLLM's speculative method with the draft (registry: speculative_method)
+    draft_kinds: dict[str, str] = field(default_factory=dict)  # each draft's kind: draft (a model) or eagle (a head)
+    draft_precisions: dict[str, str] = field(default_factory=dict)  # in a run of several drafts
 
     def method(self, m: ModeSummary) -> str:
-        """How a mode drafted: none (RSp); ours: draft, draft+lookup; vLLM: its speculative method."""
+        """How a mode drafted: none (RSp); ours: draft or eagle, +lookup; vLLM: its speculative method."""
         if m.mode == "rsp":
             return "none"
         if m.engine == "vllm":
             return "ngram" if m.lookup else self.vllm_draft_method
-        return "draft+lookup" if m.lookup else "draft"
+        kind = self.draft_kinds.get(self.draft_of(m), "draft")
+        return f"{kind}+lookup" if m.lookup else kind
+
+    def draft_of(self, m: ModeSummary) -> str:
+        return m.draft or self.draft or ""
 
 
 @dataclass
@@ -250,12 +261,21 @@ class LatencyRun:
 
     @property
     def cost_ratio(self) -> float:
-        """c: draft ms per forward / target ms per 1-token forward (from our RSp)."""
+        """c: draft ms per forward / target ms per 1-token forward (from our RSp); the first draft's in a run of
+        several (``cost_ratios`` has each)."""
+        return next(iter(self.cost_ratios.values()), float("nan"))
+
+    @property
+    def cost_ratios(self) -> dict[str, float]:
+        """Each draft's c (the median over its modes)."""
         base = self.baseline
-        drafts = [s.draft_ms_per_forward for s in self.overall if s.mode == "ssp" and s.engine == "ours"]
-        if base is None or not drafts:
-            return float("nan")
-        return median(drafts) / base.target_ms_per_forward
+        ratios: dict[str, list[float]] = {}
+        for s in self.overall:
+            if s.mode == "ssp" and s.engine == "ours":
+                ratios.setdefault(self.setup.draft_of(s), []).append(s.draft_ms_per_forward)
+        if base is None:
+            return {}
+        return {name: median(values) / base.target_ms_per_forward for name, values in ratios.items()}
 
     @property
     def noisy(self) -> bool:
@@ -279,7 +299,7 @@ class LatencyRun:
         setup, info = self.setup, self.info
         return [{
             **info.head(), "engine": m.engine, "method": setup.method(m), "mode": m.mode, "target": setup.target,
-            "draft": setup.draft if setup.method(m) not in ("none", "ngram") else "",
+            "draft": setup.draft_of(m) if setup.method(m) not in ("none", "ngram") else "",
             "k": m.k, **setup.params.as_dict(), "max_new_tokens": setup.max_new_tokens,
             "prompt_format": self.prompt_format(m.task), "ignore_eos": setup.ignore_eos,
             **{key: value for key, value in asdict(m).items() if key not in ("mode", "k")},
@@ -287,7 +307,7 @@ class LatencyRun:
             "noisy": m.noisy, "interrupted": self.interrupted, "split_timing": setup.split_timing,
             "recompiles": setup.recompiles,
             "target_precision": setup.vllm_precision if m.engine == "vllm" else setup.target_precision,
-            "draft_precision": setup.draft_precision or "", "vllm": setup.vllm_version if m.engine == "vllm" else "",
+            "draft_precision": setup.draft_precisions.get(m.draft, setup.draft_precision) or "", "vllm": setup.vllm_version if m.engine == "vllm" else "",
             "decode_timing": DECODE_TIMING if m.engine == "vllm" else "lssp clock", **info.env,
         } for m in self.summaries]
 
@@ -300,12 +320,13 @@ class LatencyRun:
     def prompt_rows(self) -> list[dict[str, Any]]:
         """One CSV row per timed completion."""
         setup = self.setup
-        return [{"run_id": self.info.run_id, "mode": p.mode, "k": p.k, "confidence": p.confidence, "lookup": p.lookup,
+        return [{"run_id": self.info.run_id, "mode": p.mode, "k": p.k, "engine": p.engine, "confidence": p.confidence, "lookup": p.lookup,
                  "repeat": p.repeat, "split_pass": p.split_pass, "prompt_index": p.prompt_index, "task": p.task,
                  "turns": p.turns, "at_budget": p.at_budget, "new_tokens": p.stats.new_tokens,
                  "ms_per_token": p.stats.ms_per_token, "ms_per_target_forward": p.ms_per_target_forward,
                  "ttft_ms": 1000 * p.stats.ttft_s, "acceptance_rate": p.stats.acceptance_rate,
-                 "target": setup.target, "draft": setup.draft or ""} for p in self.timings]
+                 "target": setup.target, "draft": (p.draft or setup.draft or "") if p.mode == "ssp" else ""}
+                for p in self.timings]
 
     def summary_json(self) -> list[dict[str, Any]]:
         """The run for scripts (``--json``)."""
@@ -319,7 +340,7 @@ class LatencyRun:
 
     def markdown(self) -> str:
         setup, rows = self.setup, self.rows()
-        columns = ["mode", "k", *(["confidence"] if any(m.confidence for m in self.summaries) else []),
+        columns = ["mode", *(["method", "draft"] if len(setup.draft_kinds) > 1 else []), "k", *(["confidence"] if any(m.confidence for m in self.summaries) else []),
                    *(["lookup"] if any(m.lookup for m in self.summaries) else []), "ms_per_token", "ms_per_token_median",
                    "ms_per_token_min", "ms_per_token_max", "ttft_ms", "acceptance_rate", "alpha", "mean_accepted",
                    "speedup", *(["speedup_sd"] if setup.repeats > 1 else []), "specbench_speedup", "at_budget_share",
@@ -366,7 +387,7 @@ def _summaries(timings: Sequence[PromptTiming], modes: Sequence[Mode], task: str
             s.speedup = rsp.ms_per_token / s.ms_per_token
             s.specbench_speedup = s.tokens_per_s / rsp.tokens_per_s
             if len(repeats) > 1:
-                how = Mode(s.mode, s.k, s.confidence, s.lookup, engine)
+                how = Mode(s.mode, s.k, s.confidence, s.lookup, engine, s.draft)
                 per_pass = [_ms_per_token([t for t in headline if t.repeat == r and t.how == rsp_mode(engine)])
                             / _ms_per_token([t for t in headline if t.repeat == r and t.how == how]) for r in repeats]
                 s.speedup_sd = stdev(per_pass)
@@ -425,9 +446,9 @@ def complete_turns(target: LoadedModel, prompt: TaskPrompt, chat: bool,
 
 
 def run_latency(
-    target: LoadedModel, draft: LoadedModel | None, prompts: Sequence[str | TaskPrompt], warmup_prompt: str,
-    ks: Sequence[int], params: SamplingParams, max_new_tokens: int, seed: int, baseline: bool = True,
-    vocab_size: int | None = None, progress: Progress | None = None, confidences: Sequence[float] = (0.0,),
+    target: LoadedModel, draft: LoadedModel | Sequence[LoadedModel] | None, prompts: Sequence[str | TaskPrompt],
+    warmup_prompt: str, ks: Sequence[int], params: SamplingParams, max_new_tokens: int, seed: int, baseline: bool = True,
+    vocab_size: int | Sequence[int] | None = None, progress: Progress | None = None, confidences: Sequence[float] = (0.0,),
     chat: bool = False, lookups: Sequence[int] = (0,), repeats: int = 1, split: str = "auto", ignore_eos: bool = False,
     engines: Sequence[str] = ("ours",), vllm: VllmEngines | None = None,
 ) -> LatencyRun:
@@ -445,16 +466,26 @@ def run_latency(
 
     ``engines``: ours, vllm or both; vLLM's modes run through ``vllm`` (its engines already started), in the same
     rotation, RSp and SSp at each k (n-gram drafts where a lookup length is given, else the draft).
+
+    ``draft`` may be several drafts (ours only, each with its ``vocab_size``): each runs every SSp mode, in the
+    same rotation, and its rows name it.
     """
     prompts = as_task_prompts(prompts, chat)
+    drafts = [] if draft is None else [draft] if isinstance(draft, LoadedModel) else list(draft)
+    vocabs = list(vocab_size) if isinstance(vocab_size, Sequence) else [vocab_size] * len(drafts)
+    by_name = {d.name: (d, v) for d, v in zip(drafts, vocabs)}
+    draft = drafts[0] if drafts else None
+    names = [d.name for d in drafts] if len(drafts) > 1 else [""]
     modes = []
     for engine in engines:
         modes += [Mode("rsp", engine=engine)] if baseline or draft is None else []
         if draft is not None or (engine == "vllm" and any(lookups)):
-            modes += [Mode("ssp", k, c, n, engine) for n in lookups for c in confidences for k in ks
-                      if draft is not None or n]
-    info = RunInfo.for_models(target, draft)
-    separate = "ours" in engines and separate_split_pass(split, target.model, *([draft.model] if draft else []))
+            modes += [Mode("ssp", k, c, n, engine, name if engine == "ours" else "") for name in names
+                      for n in lookups for c in confidences for k in ks if draft is not None or n]
+            if engine == "vllm":
+                modes = list(dict.fromkeys(modes))
+    info = RunInfo.for_models(target, *drafts)
+    separate = "ours" in engines and separate_split_pass(split, target.model, *(d.model for d in drafts))
     stopping = Stopping() if ignore_eos else Stopping(token_ids=target.eos_ids)
 
     formats: dict[str, set[str]] = {}
@@ -464,6 +495,10 @@ def run_latency(
                          params, max_new_tokens, len(prompts), chat, repeats, ignore_eos, list(formats),
                          {task: f.pop() if len(f) == 1 else "mixed" for task, f in formats.items()},
                          SEPARATE_PASS if separate else SAME_PASS)
+    setup.draft_kinds = {d.name: d.draft_kind for d in drafts}
+    if len(drafts) > 1:
+        setup.draft, setup.draft_precision = ", ".join(by_name), ""
+        setup.draft_precisions = {d.name: d.precision for d in drafts}
     if vllm is not None:
         setup.vllm_version, setup.vllm_precision = vllm.version, vllm.target.precision
         if vllm.draft is not None:
@@ -482,8 +517,9 @@ def run_latency(
             if how.mode == "rsp":
                 return generate_regular(target.model, ids, max_new_tokens, params, generator, stopping,
                                         time_forwards=time_forwards)
-            return generate_speculative(target.model, draft.model, ids, max_new_tokens, how.k, params, generator,
-                                        stopping, vocab_size=vocab_size, confidence=how.confidence, lookup=how.lookup,
+            drafting, vocab = by_name[how.draft] if how.draft else (draft, vocabs[0])
+            return generate_speculative(target.model, drafting.model, ids, max_new_tokens, how.k, params, generator,
+                                        stopping, vocab_size=vocab, confidence=how.confidence, lookup=how.lookup,
                                         time_forwards=time_forwards)
 
         stats, at_budget, _ = complete_turns(target, prompt, uses_chat_template(target, prompt, chat), generate)
@@ -506,7 +542,8 @@ def run_latency(
                         continue  # vLLM's split is not ours to time
                     stats, at_budget = complete(how, prompt, index, time_forwards=split_pass or not separate)
                     timings.append(PromptTiming(index, how.mode, how.k, stats, how.confidence, how.lookup, repeat,
-                                                split_pass, prompt.task, len(prompt.turns), at_budget, how.engine))
+                                                split_pass, prompt.task, len(prompt.turns), at_budget, how.engine,
+                                                how.draft))
                     if progress:
                         progress(f"prompt {index + 1}/{len(prompts)} {prompt.task}" + (
                             " split pass" if split_pass else f" pass {repeat + 1}" if repeats > 1 else "") + " " + how.name)

@@ -132,6 +132,13 @@ class LoadedModel:
         return self.model.get_input_embeddings().weight.shape[0]
 
     @property
+    def draft_kind(self) -> str:
+        """As a draft: "eagle" for a feature head, "draft" for a model of its own."""
+        from lssp.eagle import FeatureDraft
+
+        return "eagle" if isinstance(self.model, FeatureDraft) else "draft"
+
+    @property
     def has_chat_template(self) -> bool:
         return bool(getattr(self.tokenizer, "chat_template", None))
 
@@ -310,11 +317,15 @@ def load_tokenizer(spec: ModelSpec) -> PreTrainedTokenizerBase | None:
 
 
 def load_model(spec: ModelSpec, device: str | None = None, draft: bool = False,
-               compile_fallback: bool = False) -> LoadedModel:
+               compile_fallback: bool = False, target: LoadedModel | None = None) -> LoadedModel:
     """Load one registry entry, placed and quantized as it says (``device`` overrides placement;
     a ``draft`` is kept whole on one GPU unless its entry says otherwise). Where ``compile`` is
-    asked and cannot be done, ``compile_fallback`` runs it uncompiled instead of refusing."""
+    asked and cannot be done, ``compile_fallback`` runs it uncompiled instead of refusing. A feature
+    head (EAGLE) is bound to ``target``, whose embeddings and output layer it reads."""
     dtype: torch.dtype | str = DTYPES.get(spec.dtype, "auto")
+    head_folder = feature_head_folder(spec)
+    if head_folder is not None:
+        return load_feature_draft(spec, head_folder, dtype, target)
     placement = _placement(spec, device, draft)
     kwargs: dict[str, Any] = {"dtype": dtype, **placement, **_quantization(spec, dtype)}
     if spec.attn_implementation:
@@ -344,6 +355,46 @@ def load_model(spec: ModelSpec, device: str | None = None, draft: bool = False,
     if spec.compile:
         compile_decode(model, spec, compile_fallback)
     return LoadedModel(spec, model, load_tokenizer(spec))
+
+
+def feature_head_folder(spec: ModelSpec) -> Path | None:
+    """The folder of an EAGLE head entry (a local folder in that layout, or ``speculative_method: eagle`` on a
+    hub id, downloaded now), None for any other entry."""
+    from lssp.eagle import is_feature_head
+
+    if spec.is_random or spec.is_gguf:
+        return None
+    local = spec.local_path()
+    if local is not None:
+        return local if local.is_dir() and is_feature_head(local) else None
+    if spec.speculative_method != "eagle":
+        return None
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(spec.path, revision=spec.revision,
+                                      allow_patterns=["*.json", "*.safetensors", "pytorch_model*.bin"]))
+    except Exception as exc:  # noqa: BLE001 - offline, gated, missing: one line
+        raise UserError(f"model {spec.name!r}: cannot fetch the EAGLE head {spec.path}: {_first_line(exc)}") from None
+
+
+def load_feature_draft(spec: ModelSpec, folder: Path, dtype: torch.dtype | str, target: LoadedModel | None) -> LoadedModel:
+    """An EAGLE head bound to ``target``, in the entry's dtype (and dynamic quantization on a CPU)."""
+    from lssp.eagle import FeatureDraft, check_head_fits, load_feature_head
+
+    if target is None:
+        raise UserError(f"model {spec.name!r} is a feature head (EAGLE): it drafts for a target and cannot run alone")
+    if spec.quantization in ("8bit", "4bit") or spec.compile:
+        raise UserError(f"model {spec.name!r}: a feature head runs without bitsandbytes and uncompiled")
+    head = load_feature_head(folder, spec.name)
+    check_head_fits(head, target.model, spec.name)
+    weights = target.model.get_input_embeddings().weight
+    torch_dtype = dtype if isinstance(dtype, torch.dtype) else weights.dtype
+    model: PreTrainedModel = FeatureDraft(head, target.model, torch_dtype)
+    if spec.quantization in DYNAMIC_QUANTIZATIONS:
+        model = dynamic_quantize(model, spec)
+    has_tokenizer = any((folder / name).exists() for name in ("tokenizer.json", "tokenizer_config.json"))
+    return LoadedModel(spec, model.eval(), load_tokenizer(spec) if has_tokenizer or spec.tokenizer else target.tokenizer)
 
 
 def compile_decode(model: PreTrainedModel, spec: ModelSpec, fallback: bool = False) -> None:

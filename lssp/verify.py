@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from lssp.generation import forward_logits, generate_regular, generate_speculative, new_cache
+from lssp.generation import draft_logits, forward_logits, generate_regular, generate_speculative, new_cache
 from lssp.loading import LoadedModel
 from lssp.report import RunInfo
 from lssp.sampling import SamplingParams, warp
@@ -99,8 +99,13 @@ class VerifyReport:
 
 
 @torch.inference_mode()
-def next_token_law(model: LoadedModel, ids: torch.Tensor, params: SamplingParams, vocab: int) -> torch.Tensor:
-    logits = forward_logits(model.model, ids.to(model.device), new_cache(model.model), 1)[0, :vocab]
+def next_token_law(model: LoadedModel, ids: torch.Tensor, params: SamplingParams, vocab: int,
+                   target: LoadedModel | None = None) -> torch.Tensor:
+    """The warped law of the token after ``ids``; a draft's (``target`` given: a feature head reads its features)."""
+    if target is not None:
+        logits = draft_logits(target.model, model.model, ids.to(target.device))[0, :vocab]
+    else:
+        logits = forward_logits(model.model, ids.to(model.device), new_cache(model.model), 1)[0, :vocab]
     return warp(logits.float(), params).cpu()
 
 
@@ -138,7 +143,7 @@ def verify_sampled(
         for position in range(depth):
             context = torch.cat([ids, torch.tensor([prefix], dtype=torch.long)], 1) if prefix else ids
             p = next_token_law(target, context, params, vocab)
-            q = next_token_law(draft, context, params, vocab)
+            q = next_token_law(draft, context, params, vocab, target)
             kept = [o[position] for o in outputs if o[:position] == prefix]
             counts = Counter(kept)
             support = sorted(set(torch.nonzero(p > 0).flatten().tolist()) | set(counts))

@@ -68,6 +68,19 @@ def save_tiny(path, seed: int, vocab_size: int = 64, chars: list[str] = CHARS, *
     char_tokenizer(chars).save_pretrained(path)
 
 
+def save_tiny_head(path, target: LlamaForCausalLM, seed: int) -> None:
+    """A random feature head (EAGLE layout) for ``target``, in float32."""
+    from lssp.eagle import FeatureHead, head_config, save_feature_head
+
+    torch.manual_seed(seed)
+    head = FeatureHead(head_config(target.config))
+    with torch.no_grad():
+        for p in head.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.2)
+    save_feature_head(head, path, dtype=torch.float32)
+
+
 TINY_REGISTRY = """\
 default_target: tiny-target
 default_draft: tiny-draft
@@ -99,6 +112,9 @@ models:
   tiny-other-vocab:
     path: ./tiny-other
     dtype: float32
+  tiny-eagle:
+    path: ./tiny-eagle
+    dtype: float32
   tiny-random:
     init: random
     tokenizer: ./tiny-target
@@ -115,5 +131,6 @@ def tiny_dir(tmp_path_factory):
     save_tiny(root / "tiny-target", 0, scale=4.0)
     save_tiny(root / "tiny-draft", 1, hidden=16, layers=1, scale=4.0)
     save_tiny(root / "tiny-other", 2, chars=list(reversed(CHARS)))
+    save_tiny_head(root / "tiny-eagle", tiny_llama(0, scale=4.0), seed=3)
     (root / "models.yaml").write_text(TINY_REGISTRY)
     return root

@@ -260,3 +260,59 @@ def test_a_head_whose_weights_do_not_match_is_refused_naming_the_key(tmp_path, t
     _published(tmp_path / "bad", target, random_head(target, 5), **change)
     with pytest.raises(UserError, match=message):
         load_feature_head(tmp_path / "bad")
+
+
+# --- Through the CLI (tiny-eagle in conftest's registry: a random head for tiny-target) -------------
+
+@pytest.fixture()
+def run(tiny_dir, tmp_path, capsys):
+    from lssp.cli import main
+
+    def _run(*args: str) -> tuple[int, str, str]:
+        code = main(["--config", str(tiny_dir / "models.yaml"), "--results-dir", str(tmp_path / "results"), *args])
+        out = capsys.readouterr()
+        return code, out.out, out.err
+
+    return _run
+
+
+def test_latency_times_a_head_beside_a_draft_in_one_run(run, tmp_path):
+    import pandas as pd
+
+    code, out, err = run("latency", "tiny-target", "--draft", "tiny-draft,tiny-eagle", "--k", "1,2", "--nb-prompts", "2",
+                         "--max-new-tokens", "10")
+    assert code == 0, err
+    assert "SSP eagle" in out and "SSP draft" in out and "tiny-eagle" in out
+    assert max(map(len, out.splitlines())) <= 80
+    rows = pd.read_csv(tmp_path / "results" / "latency.csv")
+    assert list(rows["method"]) == ["none", "draft", "draft", "eagle", "eagle"]
+    assert list(rows["draft"].fillna("")) == ["", "tiny-draft", "tiny-draft", "tiny-eagle", "tiny-eagle"]
+    assert (rows["speedup"].dropna() > 0).all() and rows["best"].sum() == 1
+    prompts = pd.read_csv(tmp_path / "results" / "latency_prompts.csv")
+    assert len(prompts) == 2 * 5 and set(prompts["draft"].fillna("")) == {"", "tiny-draft", "tiny-eagle"}
+
+
+def test_verify_and_eval_run_a_head(run, tmp_path):
+    code, out, err = run("verify", "tiny-target", "tiny-eagle", "--nb-prompts", "1", "--samples", "200", "--depth", "2")
+    assert code == 0 and "LOSSLESS" in out, out + err
+    code, out, err = run("verify", "tiny-target", "tiny-eagle", "--nb-prompts", "2", "--temperature", "0")
+    assert code == 0 and "identical" in out.lower(), out + err
+    code, out, err = run("eval", "tiny-target", "--draft", "tiny-eagle", "--nb-prompts", "3", "--max-new-tokens", "4")
+    assert code == 0, err
+
+
+@pytest.mark.parametrize("args, message", [
+    (("latency", "tiny-eagle"), "is a feature head (EAGLE): it drafts for a target"),
+    (("bench", "tiny-target", "tiny-eagle", "--nb-prompts", "1"), "assisted generation cannot run the feature head"),
+    (("latency", "tiny-target", "--draft", "tiny-eagle,tiny-eagle"), "names a draft twice"),
+])
+def test_what_a_head_cannot_do_is_one_line(run, args, message):
+    code, out, err = run(*args)
+    assert code != 0 and message in err, err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_a_head_of_another_width_is_refused(target):
+    other = tiny_llama(40, hidden=16)
+    with pytest.raises(UserError, match="is 16 wide, its target 32"):
+        eagle.check_head_fits(random_head(other, 1), target, "narrow")

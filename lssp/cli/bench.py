@@ -54,6 +54,9 @@ def bench(
     params = sampling_params(temperature, top_k, top_p)
     results = s.writable_results_dir()
     t, d, vocab = load_pair(s, target, draft)
+    if d.draft_kind == "eagle" and "hf" in rivals:
+        raise UserError(f"transformers' assisted generation cannot run the feature head {d.name!r}: "
+                        "use --engine vllm as its rival")
     vllm = start_vllm(*load_engine_pair(s, target, draft), [(0, 0), (k, 0)]) if "vllm" in rivals else None
     split_pass = 2 * len(prompt_list) if separate_split_pass("auto", t.model, d.model) else 0  # ours, on a GPU
     with progress(len(engines) * (len(prompt_list) + 1) + 1 + split_pass, "bench") as tick:

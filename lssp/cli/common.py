@@ -173,28 +173,33 @@ def parse_fractions(name: str, text: str) -> list[float]:
     return values
 
 
-def load(s: Settings, name: str, draft: bool = False):
-    from lssp.loading import load_model
+def load(s: Settings, name: str, draft: bool = False, target=None):
+    from lssp.loading import feature_head_folder, load_model
 
     spec = s.registry.get(name)
-    if s.compile and not spec.compile:
+    if s.compile and not spec.compile and not (draft and feature_head_folder(spec)):
         spec = replace(spec, compile=True, forward="compact")
     with err_console.status(f"Loading {name} ({spec.path or 'random init'})…"):
-        loaded = load_model(spec, s.device, draft, s.compile_fallback)
+        loaded = load_model(spec, s.device, draft, s.compile_fallback, target)
     log.info("%s: %s on %s, %.1f MB", name, loaded.precision, loaded.placement, loaded.weight_bytes / 1e6)
     return loaded
 
 
 def load_pair(s: Settings, target_name: str | None, draft_name: str | None, need_draft: bool = True):
-    from lssp.loading import check_compatible
-
     t_name = s.registry.target_name(target_name)
     d_name = s.registry.draft_name(draft_name) if (draft_name or need_draft) else None
     target = load(s, t_name)
     if d_name is None:
         return target, None, None
-    draft = load(s, d_name, draft=True)  # after the target: it goes whole onto the GPU the target left emptiest
-    return target, draft, check_compatible(target, draft)
+    return (target, *load_draft_for(s, target, d_name))  # after the target: on the GPU it left emptiest
+
+
+def load_draft_for(s: Settings, target, name: str):
+    """One more draft for a loaded target, and the logit width they share."""
+    from lssp.loading import check_compatible
+
+    draft = load(s, s.registry.draft_name(name), draft=True, target=target)
+    return draft, check_compatible(target, draft)
 
 
 def parse_engines(value: str, allowed: tuple[str, ...] = ("ours", "vllm")) -> list[str]:

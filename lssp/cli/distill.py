@@ -17,8 +17,10 @@ def distill(
     ctx: typer.Context,
     target: TargetArg = None,
     out: Annotated[Path, typer.Option(help="Output folder for the draft (and its checkpoints).")] = Path("drafts/draft"),
-    hidden_size: Annotated[int, typer.Option(help="Draft width.")] = 256,
-    layers: Annotated[int, typer.Option(help="Draft depth.")] = 4,
+    kind: Annotated[str, typer.Option(help="draft: a small Llama; eagle: a feature head (EAGLE) over the target's "
+                                      "final hidden states, at the target's width.")] = "draft",
+    hidden_size: Annotated[int, typer.Option(help="Draft width (--kind draft).")] = 256,
+    layers: Annotated[Optional[int], typer.Option(help="Decoder layers (default: 4 for a draft, 1 for a head).")] = None,
     heads: Annotated[int, typer.Option(help="Attention heads.")] = 4,
     intermediate_size: Annotated[int, typer.Option(help="MLP width.")] = 768,
     data_tokens: Annotated[int, typer.Option(help="Target tokens to collect.")] = 100_000,
@@ -42,6 +44,12 @@ def distill(
     from lssp.generation import model_device
 
     s = settings(ctx)
+    if kind not in ("draft", "eagle"):
+        raise UserError(f"--kind {kind!r}: expected draft or eagle")
+    layers = layers if layers is not None else 4 if kind == "draft" else 1
+    if kind == "eagle" and (init_draft or on_policy):
+        raise UserError("--kind eagle resumes from its own checkpoint in --data-dir; --init-draft and --on-policy "
+                        "are for --kind draft")
     for name, value in [("--hidden-size", hidden_size), ("--layers", layers), ("--data-tokens", data_tokens),
                         ("--batch-prompts", batch_prompts), ("--new-tokens", new_tokens)]:
         check_positive(name, value)
@@ -57,7 +65,7 @@ def distill(
     t = load(s, s.registry.target_name(target))
     if t.tokenizer is None:
         raise UserError(f"model {t.name!r} has no tokenizer to share with a draft")
-    cfg = dst.DistillConfig(hidden_size=hidden_size, layers=layers, heads=heads, intermediate_size=intermediate_size,
+    cfg = dst.DistillConfig(kind=kind, hidden_size=hidden_size, layers=layers, heads=heads, intermediate_size=intermediate_size,
                             data_tokens=data_tokens, batch_prompts=batch_prompts, new_tokens=new_tokens,
                             train_minutes=train_minutes, max_steps=max_steps, epochs=epochs, lr=lr,
                             hard_weight=hard_weight, seed=s.seed, init_from=str(init_draft) if init_draft else None,
@@ -73,14 +81,16 @@ def distill(
         got = dst.collect(t.hf_model, t.tokenizer, work, cfg, progress, draft=writer)
         rep.data_tokens, rep.collect_seconds = got.tokens, got.seconds
         rep.draft_written_tokens, rep.repeat_tokens = got.draft_tokens, got.repeat_tokens
-        model = dst.train(t.hf_model, work, cfg, rep, progress)
+        train = dst.train_head if kind == "eagle" else dst.train
+        model = train(t.hf_model, work, cfg, rep, progress)
     rep.parameters = sum(p.numel() for p in model.parameters())
     command = "python llamassp.py " + " ".join(sys.argv[1:]) if sys.argv and "llamassp" in sys.argv[0] else "llamassp distill …"
-    dst.write_draft(model, t.tokenizer, out, rep, command)
+    write = dst.write_head if kind == "eagle" else dst.write_draft
+    write(model, t.tokenizer, out, rep, command)
     # Measure what the card promises: greedy acceptance on held-out prompts, through the real loader.
     with err_console.status("Measuring acceptance on held-out prompts…"):
-        rep.acceptance = dst.held_out_acceptance(t, out, s.seed, s.device)
-    dst.write_draft(model, t.tokenizer, out, rep, command)
-    console.print(f"Draft written to {out}: {rep.parameters / 1e6:.1f}M parameters, {rep.data_tokens} data tokens, "
-                  f"{rep.steps} steps, final loss {rep.final_loss:.3f}, greedy acceptance "
-                  f"{rep.acceptance[dst.HELD_OUT_ACCEPTANCE]:.1%}")
+        rep.acceptance.update(dst.held_out_acceptance(t, out, s.seed, s.device))
+    write(model, t.tokenizer, out, rep, command)
+    console.print(f"{'Feature head' if kind == 'eagle' else 'Draft'} written to {out}: {rep.parameters / 1e6:.1f}M "
+                  f"parameters, {rep.data_tokens} data tokens, {rep.steps} steps, final loss {rep.final_loss:.3f}, "
+                  f"greedy acceptance {rep.acceptance[dst.HELD_OUT_ACCEPTANCE]:.1%}")

@@ -12,7 +12,7 @@ from lssp.cli.common import (
     ChatOpt, ConfidenceOpt, JsonOpt, MaxNewOpt, NbPromptsOpt, PlotOpt, PromptsOpt, TargetArg, TemperatureOpt, TopKOpt,
     TopPOpt, WideOpt, app, check_positive, console, err_console, exit_with, save, fmt, k_label, load_pair,
     parse_fractions, parse_ints, plot_charts, progress, read_task_prompts, sampling_params, settings, table,
-    IgnoreEosOpt, TaskOpt, EngineOpt, parse_engines, load_engine_pair, start_vllm,
+    IgnoreEosOpt, TaskOpt, EngineOpt, parse_engines, load_engine_pair, start_vllm, load_draft_for,
 )
 from lssp.errors import UserError
 from lssp.report import plural
@@ -22,7 +22,9 @@ from lssp.report import plural
 def latency(
     ctx: typer.Context,
     target: TargetArg = None,
-    draft: Annotated[Optional[str], typer.Option(help="Draft model; times SSp (and RSp unless --no-baseline).")] = None,
+    draft: Annotated[Optional[str], typer.Option(
+        help="Draft model (or feature head), or a comma list timed side by side; times SSp (and RSp unless "
+             "--no-baseline).")] = None,
     default_pair: Annotated[bool, flag("--default-pair", help="Use the registry's default draft too.")] = False,
     k: Annotated[str, typer.Option("--k", help="Draft length, or a comma list to sweep: 2,4,8.")] = "4",
     max_new_tokens: MaxNewOpt = 64,
@@ -68,24 +70,34 @@ def latency(
         check_options(confidences)
     results = s.writable_results_dir()
     use_draft = draft is not None or default_pair or target is None
+    draft_names = [name.strip() for name in (draft or "").split(",") if name.strip()] or [None]
+    if len(draft_names) > 1 and "vllm" in engines:
+        raise UserError("--engine vllm times one draft: give --draft a single name")
+    if len(set(draft_names)) < len(draft_names):
+        raise UserError(f"--draft {draft!r} names a draft twice")
+    draft = draft_names[0]
     t = d = vllm = vocab = None
+    more: list = []
     if "ours" in engines:
         t, d, vocab = load_pair(s, target, draft, need_draft=use_draft)
+        more = [load_draft_for(s, t, name) for name in draft_names[1:]]
     if "vllm" in engines:
         vt, vd = load_engine_pair(s, target, draft, need_draft=use_draft)
         keys = ([(0, 0)] if not (no_baseline and vd) else []) + [(k_, n) for n in lookups for k_ in ks if vd or n]
         vllm = start_vllm(vt, vd, keys)
         t, d = t or vt, d or vd
-    ours_modes = (0 if no_baseline and d is not None else 1) + (len(ks) * len(confidences) * len(lookups) if d else 0)
+    ours_modes = (0 if no_baseline and d is not None else 1) + (len(ks) * len(confidences) * len(lookups) * (1 + len(more))
+                                                                 if d else 0)
     modes = ours_modes * ("ours" in engines) + (len(vllm.engines) if vllm else 0)
     separate = "ours" in engines and separate_split_pass(split, t.model, *([d.model] if d else []))
     with progress(modes * (repeats * len(prompt_list) + 1) + separate * ours_modes * len(prompt_list),
                   "latency") as tick:
-        run = run_latency(t, d, prompt_list, WARMUP_PROMPT, ks, params, max_new_tokens, s.seed,
-                          baseline=not no_baseline, vocab_size=vocab, progress=tick, confidences=confidences,
+        run = run_latency(t, [d, *(m for m, _ in more)] if more else d, prompt_list, WARMUP_PROMPT, ks, params,
+                          max_new_tokens, s.seed, baseline=not no_baseline,
+                          vocab_size=[vocab, *(v for _, v in more)] if more else vocab, progress=tick, confidences=confidences,
                           chat=chat, lookups=lookups, repeats=repeats, split=split, ignore_eos=ignore_eos,
                           engines=engines, vllm=vllm)
-    render(run, t, d, wide)
+    render(run, t, d, wide, [m for m, _ in more])
     code = save(results, run.info.run_id, "latency", run.rows(), run.markdown(), json_out, run.summary_json(),
                 f"{run.info.env['device']} · run {run.info.run_id}", {"latency_prompts.csv": run.prompt_rows()})
     if plot and not run.interrupted:
@@ -96,7 +108,7 @@ def latency(
     exit_with(code)
 
 
-def render(run, t, d, wide: bool = False) -> None:
+def render(run, t, d, wide: bool = False, more: list | None = None) -> None:
     from lssp.latency import SEPARATE_PASS
 
     setup = run.setup
@@ -104,7 +116,8 @@ def render(run, t, d, wide: bool = False) -> None:
     overall = run.overall
     several = len([x for x in overall if x.mode == "ssp"]) > 1
     tasks = f" from {len(setup.tasks)} tasks" if run.by_task else f" ({setup.tasks[0]})" if setup.tasks else ""
-    title = (f"{t.name}" + (f" with draft {d.name}" if d else "") + f" — {plural(run.prompts_done // setup.repeats, 'prompt')}"
+    drafts = [x.name for x in [d, *(more or [])] if x is not None]
+    title = (f"{t.name}" + (f" with draft{'s' if len(drafts) > 1 else ''} {', '.join(drafts)}" if drafts else "") + f" — {plural(run.prompts_done // setup.repeats, 'prompt')}"
              + tasks + (" (chat template)" if setup.chat else "") + f", ≤{setup.max_new_tokens} tokens"
              + (" (end token ignored)" if setup.ignore_eos else "")
              + (f" × {setup.repeats} passes" if setup.repeats > 1 else "") + f", T={params.temperature:g}"
@@ -119,6 +132,7 @@ def render(run, t, d, wide: bool = False) -> None:
     both = len(run.engines) > 1
     for m in overall:
         mode = ("vLLM " if m.engine == "vllm" else "ours " if both else "") + m.mode.upper() \
+            + (f" {setup.method(m).split('+')[0]}" if len(setup.draft_kinds) > 1 and m.mode == "ssp" else "") \
             + (" ★" if m.best and several else "")
         k = _k(m) if m.mode == "ssp" else "–"
         style = "bold" if m.best else None
@@ -140,10 +154,11 @@ def render(run, t, d, wide: bool = False) -> None:
     specbench = [m for m in overall if m.specbench_speedup == m.specbench_speedup]
     if specbench:
         console.print("  Spec-Bench's speedup (mean per-prompt tokens/s, prefill included, ÷ RSp's): "
-                      + ", ".join(f"K={_k(m)} {m.specbench_speedup:.2f}×" for m in specbench))
+                      + ", ".join(f"{_named(run, m)}K={_k(m)} {m.specbench_speedup:.2f}×" for m in specbench))
     for m in overall:
         if m.mode == "ssp":
-            console.print(f"  share of iterations accepting draft i ({'vLLM ' if m.engine == 'vllm' else ''}K={_k(m)}): " +
+            console.print(f"  share of iterations accepting draft i ({'vLLM ' if m.engine == 'vllm' else ''}"
+                          f"{_named(run, m)}K={_k(m)}): " +
                           " ".join(f"{i + 1}:{fmt(x, 0, pct=True)}" for i, x in enumerate(m.acceptance_by_position)))
             if m.lookup and m.engine == "ours":
                 console.print(f"    the lookup proposed {fmt(m.lookup_share, 0, pct=True)} of drafts, "
@@ -156,7 +171,11 @@ def render(run, t, d, wide: bool = False) -> None:
     if setup.split_timing == SEPARATE_PASS:
         console.print("  ms/token: completions synchronized only at their boundaries; draft/target shares and c: "
                       "a separate pass synchronized around every forward")
-    if not math.isnan(run.cost_ratio):
+    ratios = run.cost_ratios
+    if len(ratios) > 1:
+        console.print("  draft/target cost ratio c (draft ms per forward ÷ target ms per 1-token forward): "
+                      + ", ".join(f"{name} {c:.3f}" for name, c in ratios.items()))
+    elif not math.isnan(run.cost_ratio):
         console.print(f"  draft/target cost ratio c = {run.cost_ratio:.3f} (draft ms per forward ÷ target ms per "
                       "1-token forward)")
     if run.noisy:
@@ -169,6 +188,11 @@ def render(run, t, d, wide: bool = False) -> None:
                       "the speedup is unreliable; rerun on a quiet machine or with --repeats[/bold yellow]")
     if t.spec.is_random or (d is not None and d.spec.is_random):
         console.print("[yellow]  Random weights: timings are real, acceptance figures mean nothing.[/yellow]")
+
+
+def _named(run, m) -> str:
+    """"eagle " or "draft " before a K label where a run times several kinds of draft."""
+    return f"{run.setup.method(m).split('+')[0]} " if len(run.setup.draft_kinds) > 1 and m.engine == "ours" else ""
 
 
 def _k(m) -> str:

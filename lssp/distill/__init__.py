@@ -10,18 +10,21 @@ Both phases checkpoint into the output folder, so an interrupted run resumes.
 - training: draft initialisation or loading, loss, training loop, checkpoints
 - card: the draft's files and model card; earlier_training reads one back
 - acceptance: held_out_acceptance of a written draft
+- head_training: a feature head (EAGLE, --kind eagle) trained on the target's features
 """
 from __future__ import annotations
 
 from lssp.distill.acceptance import HELD_OUT_ACCEPTANCE, held_out_acceptance
-from lssp.distill.card import earlier_training, write_draft
+from lssp.distill.card import earlier_training, write_draft, write_head
 from lssp.distill.collection import REPEAT_CUE, REPEAT_WINDOW, chosen_shard, collect, repeat_prompts
 from lssp.distill.config import Collected, DistillConfig, DistillReport, Progress
 from lssp.distill.data import training_prompts
+from lssp.distill.head_training import train_head
 from lssp.distill.training import draft_config, init_draft, load_initial_draft, top1_agreement, train
 
 __all__ = [
     "HELD_OUT_ACCEPTANCE", "REPEAT_CUE", "REPEAT_WINDOW", "Collected", "DistillConfig", "DistillReport", "Progress",
     "chosen_shard", "collect", "draft_config", "earlier_training", "held_out_acceptance", "init_draft",
-    "load_initial_draft", "repeat_prompts", "top1_agreement", "train", "training_prompts", "write_draft",
+    "load_initial_draft", "repeat_prompts", "top1_agreement", "train", "train_head", "training_prompts", "write_draft",
+    "write_head",
 ]

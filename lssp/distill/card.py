@@ -12,6 +12,7 @@ from transformers import LlamaForCausalLM, PreTrainedTokenizerBase
 from lssp.distill.collection import REPEAT_CUE, REPEAT_WINDOW
 from lssp.distill.config import DistillReport
 from lssp.draft_head import subset_head
+from lssp.eagle import FeatureHead, save_feature_head
 
 
 def write_draft(draft: LlamaForCausalLM, tokenizer: PreTrainedTokenizerBase, out: Path, report: DistillReport,
@@ -20,8 +21,6 @@ def write_draft(draft: LlamaForCausalLM, tokenizer: PreTrainedTokenizerBase, out
     draft.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     (out / "distill_report.json").write_text(json.dumps(asdict(report), indent=1))
-    curve = "\n".join(f"| {s} | {t} | {loss:.3f} |" for s, t, loss in report.loss_curve[:: max(1, len(report.loss_curve) // 12)])
-    accept = "\n".join(f"| {k} | {v:.3f} |" for k, v in report.acceptance.items())
     head = subset_head(draft)
     output_layer = (f"an output layer over the target's {len(head.token_ids)} most frequent tokens, "
                     f"{report.head_coverage:.1%} of the target tokens it was trained on (the others are never proposed), "
@@ -35,7 +34,6 @@ def write_draft(draft: LlamaForCausalLM, tokenizer: PreTrainedTokenizerBase, out
                     f" ({(earlier.get('collect_seconds') or 0) / 60:.1f} min of collection)"
                     + (f" by `{earlier['command']}`" if earlier.get("command") else "") + "\n")
         earlier = earlier.get("started_from") or {}
-    agreement = "\n".join(f"| {s} | {t} | {a:.3f} |" for s, t, a in report.agreement_curve)
     written_by = (f"{report.data_tokens - report.draft_written_tokens} written by the target and {report.draft_written_tokens} "
                  f"by the starting draft (on-policy, scored by the target in one forward per batch)," if report.draft_written_tokens
                  else "all written by the target,")
@@ -55,7 +53,15 @@ Made with: `{command}`
   top-k distribution + {report.config['hard_weight']} x cross-entropy on the target's argmax; final loss {report.final_loss:.3f}
 - prompts: written by `lssp/distill/data.py`; none of the `latency`, `compare` or `eval` prompts
 {lineage}
-## Measured acceptance (greedy, held-out prompts)
+{_curves(report)}""")
+
+
+def _curves(report: DistillReport) -> str:
+    """The card's measured acceptance, loss curve and held-out agreement curve."""
+    curve = "\n".join(f"| {s} | {t} | {loss:.3f} |" for s, t, loss in report.loss_curve[:: max(1, len(report.loss_curve) // 12)])
+    accept = "\n".join(f"| {k} | {v:.3f} |" for k, v in report.acceptance.items())
+    agreement = "\n".join(f"| {s} | {t} | {a:.3f} |" for s, t, a in report.agreement_curve)
+    return f"""## Measured acceptance (greedy, held-out prompts)
 | prompts | acceptance rate |
 |---|---|
 {accept}
@@ -69,7 +75,40 @@ Made with: `{command}`
 | step | target tokens seen | agreement |
 |---|---|---|
 {agreement}
-""")
+"""
+
+
+def write_head(head: FeatureHead, tokenizer: PreTrainedTokenizerBase, out: Path, report: DistillReport,
+               command: str) -> None:
+    """A feature head in EAGLE's layout (bf16 safetensors and config.json, readable by vLLM's ``eagle``), its
+    report and a model card. No tokenizer, embeddings or output layer: the target's are used."""
+    from lssp.distill.head_training import FEATURE_NOISE, REGRESSION_WEIGHT
+
+    save_feature_head(head, out)
+    (out / "distill_report.json").write_text(json.dumps(asdict(report), indent=1))
+    c = head.config
+    ids = head.token_ids
+    output = (f"the target's output rows for its {len(ids)} most frequent tokens, {report.head_coverage:.1%} of the "
+              "tokens it was trained on (the others are never proposed)" if ids else "the target's whole output layer")
+    (out / "README.md").write_text(f"""# Feature head (EAGLE) for {report.target}, made by `llamassp distill --kind eagle`
+
+{c.num_hidden_layers} Llama decoder layer(s) at the target's width ({c.hidden_size}; {c.num_attention_heads} heads,
+{c.num_key_value_heads} key/value heads, MLP {c.intermediate_size}) behind `fc` ({2 * c.hidden_size} -> {c.hidden_size}) over
+the embedding of token t+1 and the target's final hidden state at t, {report.parameters / 1e6:.1f}M parameters in bfloat16.
+It reads {report.target}'s input embeddings and, through {output}, turns its guess of the next feature into
+logits. The files follow EAGLE's published layout (`fc`, `layers.0` without input norm, no final norm).
+
+Made with: `{command}`
+
+- data: {report.data_tokens} tokens of continuations written by the target (collected in {report.collect_seconds / 60:.1f} min),
+  with its final hidden states at every position (prompt and continuation)
+- training: {report.steps} steps in {report.train_seconds / 60:.1f} min; loss = cross-entropy to the target's distribution over
+  the head's tokens + {REGRESSION_WEIGHT} x smooth-L1 to the target's next feature, on the features (with uniform noise of
+  {FEATURE_NOISE} x their RMS) and again, at half weight, on the head's own first guesses (an unrolled second step);
+  final loss {report.final_loss:.3f}
+- prompts: written by `lssp/distill/data.py`; none of the `latency`, `compare` or `eval` prompts
+
+{_curves(report)}""")
 
 
 def earlier_training(folder: str | Path) -> dict:

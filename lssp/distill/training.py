@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
 from lssp.distill.config import DistillConfig, DistillReport, Progress
@@ -25,7 +27,7 @@ def _examples(out: Path, cfg: DistillConfig) -> list[dict[str, torch.Tensor]]:
             room = max(1, cfg.max_seq_len - n)
             prompt = prompt[-room:]
             examples.append({"ids": torch.cat([prompt, rec["tokens"][i, :n]]).long(), "start": len(prompt) - 1,
-                             "top_ids": rec["top_ids"][i, :n].long(), "top_lp": rec["top_lp"][i, :n].float()})
+                             "top_ids": rec["top_ids"][i, :n].long(), "top_lp": rec["top_lp"][i, :n].float(), "n": n})
     return examples
 
 
@@ -132,7 +134,6 @@ def train(target: PreTrainedModel, out: Path, cfg: DistillConfig, report: Distil
     # Hold out ~2% of the sequences (at most 64) to measure top-1 agreement as training goes.
     held = min(64, len(examples) // 50)
     examples, held_out = (examples[:-held], examples[-held:]) if held else (examples, [])
-    ckpt_path = out / "checkpoint.pt"
     draft = load_initial_draft(target, cfg) if cfg.init_from else init_draft(target, cfg)
     if cfg.head_tokens or subset_head(draft) is not None:
         counts = torch.zeros(logit_width(draft), dtype=torch.long)
@@ -141,23 +142,39 @@ def train(target: PreTrainedModel, out: Path, cfg: DistillConfig, report: Distil
         if subset_head(draft) is None:
             attach_subset_head(draft, most_frequent(counts, cfg.head_tokens))
         report.head_coverage = float(counts[subset_head(draft).token_ids].sum() / counts.sum())
-    opt = torch.optim.AdamW(draft.parameters(), lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.98))
-    tokens_per_epoch = sum(len(e["top_ids"]) for e in examples)
+    draft = optimize(draft, examples, held_out, lambda batch: _loss(draft, batch, cfg),
+                     lambda held: top1_agreement(draft, held), out / "checkpoint.pt", cfg, report, progress)
+    draft.eval()
+    return draft
+
+
+Loss = Callable[[list[dict[str, torch.Tensor]]], torch.Tensor]
+Agreement = Callable[[list[dict[str, torch.Tensor]]], float]
+
+
+def optimize(model: nn.Module, examples: list[dict[str, torch.Tensor]], held_out: list[dict[str, torch.Tensor]],
+             loss_of: Loss, agreement_of: Agreement, ckpt_path: Path, cfg: DistillConfig, report: DistillReport,
+             progress: Progress | None = None) -> nn.Module:
+    """AdamW with warm-up and cosine decay over random batches of ``examples`` until ``cfg``'s step or time budget,
+    resuming from and saving to ``ckpt_path``; records the loss and held-out agreement curves in ``report``."""
+    tokens_per_epoch = sum(e["n"] for e in examples)  # each example: "n" positions trained on
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.98))
     steps_per_epoch = max(1, len(examples) // cfg.batch_size)
     total_steps = cfg.max_steps or max(1, int(cfg.epochs * steps_per_epoch))
     step, seconds, seen = 0, 0.0, 0
     if ckpt_path.exists():
         state = torch.load(ckpt_path)
-        draft.load_state_dict(state["model"])
+        model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         step, seconds, seen = state["step"], state["seconds"], state["seen"]
         report.loss_curve = [tuple(x) for x in state["loss_curve"]]
         report.agreement_curve = [tuple(x) for x in state.get("agreement_curve", [])]
         report.started_from = state.get("started_from", report.started_from)  # read before OUT was overwritten
     if step == 0 and held_out:
-        report.agreement_curve.append((0, 0, top1_agreement(draft, held_out)))  # the starting point
+        report.agreement_curve.append((0, 0, agreement_of(held_out)))  # the starting point
     generator = torch.Generator().manual_seed(cfg.seed)
-    draft.train()
+    model.train()
     recent: list[float] = []
     last_save = time.perf_counter()
     while step < total_steps and seconds < cfg.train_minutes * 60:
@@ -170,37 +187,36 @@ def train(target: PreTrainedModel, out: Path, cfg: DistillConfig, report: Distil
         decay = 0.5 * (1 + math.cos(math.pi * min(1.0, done)))
         for group in opt.param_groups:
             group["lr"] = cfg.lr * warmup * (0.1 + 0.9 * decay)
-        loss = _loss(draft, batch, cfg)
+        loss = loss_of(batch)
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         step += 1
-        seen += sum(len(e["top_ids"]) for e in batch)
+        seen += sum(e["n"] for e in batch)
         seconds += time.perf_counter() - start
         recent.append(float(loss.detach()))
         if step % 25 == 0 or step == total_steps:
             report.loss_curve.append((step, seen, sum(recent) / len(recent)))
             recent.clear()
             if held_out and (step % 200 == 0 or step == total_steps):
-                report.agreement_curve.append((step, seen, top1_agreement(draft, held_out)))
+                report.agreement_curve.append((step, seen, agreement_of(held_out)))
             if progress:
                 agree = f", held-out top-1 {report.agreement_curve[-1][2]:.3f}" if report.agreement_curve else ""
                 progress("train", min(step / total_steps, seconds / (cfg.train_minutes * 60)),
                          f"step {step}, loss {report.loss_curve[-1][2]:.3f}, {seen / tokens_per_epoch:.2f} epochs{agree}")
         if time.perf_counter() - last_save > 120 or step == total_steps:
-            _save_checkpoint(ckpt_path, draft, opt, step, seconds, seen, report)
+            _save_checkpoint(ckpt_path, model, opt, step, seconds, seen, report)
             last_save = time.perf_counter()
-    _save_checkpoint(ckpt_path, draft, opt, step, seconds, seen, report)
+    _save_checkpoint(ckpt_path, model, opt, step, seconds, seen, report)
     report.steps, report.train_seconds = step, seconds
     report.final_loss = report.loss_curve[-1][2] if report.loss_curve else float("nan")
     if held_out:
-        report.agreement_curve.append((step, seen, top1_agreement(draft, held_out)))
-    draft.eval()
-    return draft
+        report.agreement_curve.append((step, seen, agreement_of(held_out)))
+    return model
 
 
-def _save_checkpoint(path: Path, draft: LlamaForCausalLM, opt: torch.optim.Optimizer, step: int, seconds: float,
+def _save_checkpoint(path: Path, draft: nn.Module, opt: torch.optim.Optimizer, step: int, seconds: float,
                      seen: int, report: DistillReport) -> None:
     tmp = path.with_suffix(".tmp")
     torch.save({"model": draft.state_dict(), "optimizer": opt.state_dict(), "step": step, "seconds": seconds,
