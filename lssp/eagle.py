@@ -160,9 +160,10 @@ def save_feature_head(head: FeatureHead, folder: str | Path, dtype: torch.dtype 
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    config = head.config.to_dict()
-    config[HEAD_MARK] = True
-    for key in ("_attn_implementation_autoset", "_name_or_path"):
+    config = head.config.to_diff_dict()
+    config.update({HEAD_MARK: True, "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                   "dtype": str(dtype).removeprefix("torch.")})
+    for key in ("_attn_implementation_autoset", "_name_or_path", "transformers_version"):
         config.pop(key, None)
     (folder / "config.json").write_text(json.dumps(config, indent=1, sort_keys=True))
     state = {k: v.detach().to(dtype).cpu().contiguous() for k, v in head.state_dict().items() if not k.startswith("rotary.")}

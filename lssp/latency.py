@@ -502,10 +502,9 @@ def run_latency(
     if vllm is not None:
         setup.vllm_version, setup.vllm_precision = vllm.version, vllm.target.precision
         if vllm.draft is not None:
-            from lssp.vllm_engine import draft_sampling
+            from lssp.vllm_engine import draft_method, draft_sampling
 
-            setup.vllm_draft_method = (f"{vllm.draft.spec.speculative_method or 'draft_model'} "
-                                       f"({draft_sampling(vllm.draft)})")
+            setup.vllm_draft_method = f"{draft_method(vllm.draft)} ({draft_sampling(vllm.draft)})"
 
     def complete(how: Mode, prompt: TaskPrompt, index: int, time_forwards: bool) -> tuple[GenerationStats, int]:
         generator = torch.Generator(device=target.device).manual_seed(seed + index) if how.engine == "ours" else None

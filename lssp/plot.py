@@ -99,7 +99,8 @@ def latency_figure(frame: pd.DataFrame) -> Figure:
             if r["mode"] == "ssp":
                 pairs.add(f"{r['target']} + {r['draft']}")
             vllm = r.get("engine") == "vllm"
-            labels.append(("vLLM " if vllm else "") + ("RSp" if r["mode"] == "rsp" else f"SSp K={int(r['k'])}")
+            kind = f" {r['method']}" if r["mode"] == "ssp" and str(r.get("method", "draft")).startswith("eagle") else ""
+            labels.append(("vLLM " if vllm else "") + ("RSp" if r["mode"] == "rsp" else f"SSp{kind} K={int(r['k'])}")
                           + f"\n{_setting(r)}")
             values.append(r["ms_per_token"])
             low.append(max(0.0, r["ms_per_token"] - r["ms_per_token_min"]))
@@ -131,9 +132,12 @@ def speedup_figure(frame: pd.DataFrame) -> Figure:
     """Measured speedup against K, with the standard model's curve from the measured α, c and verification cost."""
     frame = _latest_run_per_pair(frame)
     fig, ax = plt.subplots(figsize=(6.5, 4.4))
-    for color, (run_id, rows) in enumerate(frame.groupby("run_id", sort=False)):
-        rsp, ssp = rows[rows["mode"] == "rsp"], rows[rows["mode"] == "ssp"].sort_values("k")
-        if rsp.empty or ssp.empty:
+    # One curve per run and draft (a run may time several drafts against the same RSp).
+    curves = [(rows[rows["mode"] == "rsp"], ssp.sort_values("k"))
+              for _, rows in frame.groupby("run_id", sort=False)
+              for _, ssp in rows[rows["mode"] == "ssp"].groupby("draft", sort=False)]
+    for color, (rsp, ssp) in enumerate(curves):
+        if rsp.empty:
             continue
         label = f"{ssp['target'].iloc[0]} + {ssp['draft'].iloc[0]}, {_setting(ssp.iloc[0])}"
         ax.plot(ssp["k"], ssp["speedup"], "o", color=f"C{color % 10}", label=f"{label}: measured")

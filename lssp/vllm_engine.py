@@ -107,6 +107,7 @@ def model_path(spec: ModelSpec) -> str:
     """The folder or hub id vLLM loads for ``spec``: a GGUF's converted copy (made now if missing), and for a
     draft with a frequent-token head its standard export (``export_draft``), kept in the cache."""
     from lssp.draft_head import has_subset_head
+    from lssp.eagle import is_feature_head
 
     local = spec.local_path()
     if local is None:
@@ -122,6 +123,8 @@ def model_path(spec: ModelSpec) -> str:
         if not (copy / "model.safetensors").exists():
             raise UserError(f"model {spec.name!r}: could not keep a converted copy of {local} for vLLM in {copy}")
         return str(copy)
+    if is_feature_head(local):
+        return str(local)  # our heads are written in EAGLE's layout, which vLLM's eagle method reads as it is
     if has_subset_head(local):
         out = exported_dir(local)
         if not (out / "model.safetensors").exists():
@@ -250,14 +253,22 @@ def export_draft(folder: str | Path, out: str | Path) -> ExportReport:
 class EngineModel(LoadedModel):
     """A registry entry that vLLM runs: our side only tokenizes, decodes and describes it (no weights loaded)."""
 
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, target: LoadedModel | None = None) -> None:
+        """``target``: the model a feature head (EAGLE) drafts for, whose tokenizer it shares."""
         from transformers import AutoConfig
 
+        from lssp.loading import feature_head_folder
+
         check_loadable(spec)
-        super().__init__(spec, None, load_tokenizer(spec))  # type: ignore[arg-type]
+        self.head = target is not None and feature_head_folder(spec) is not None
+        super().__init__(spec, None, target.tokenizer if self.head else load_tokenizer(spec))  # type: ignore[arg-type]
         self.path = model_path(spec)
         self.config = AutoConfig.from_pretrained(self.path, revision=spec.revision)
         self.engine_placement = "vLLM"
+
+    @property
+    def draft_kind(self) -> str:
+        return "eagle" if self.head else "draft"
 
     @property
     def device(self) -> torch.device:
@@ -330,11 +341,16 @@ def speculative_config(k: int, lookup: int, draft: EngineModel | None) -> dict[s
                 "prompt_lookup_min": lookup}
     if draft is None:
         raise UserError("--engine vllm: SSp needs a draft model (or --lookup for n-gram drafts)")
-    config = {"method": draft.spec.speculative_method or "draft_model", "model": draft.path, "num_speculative_tokens": k,
+    config = {"method": draft_method(draft), "model": draft.path, "num_speculative_tokens": k,
               "draft_sample_method": draft_sampling(draft)}
     if draft.spec.gpus:
         config["draft_tensor_parallel_size"] = draft.spec.gpus
     return config
+
+
+def draft_method(draft: EngineModel) -> str:
+    """vLLM's speculative method for ``draft``: the entry's, else eagle for a feature head, else draft_model."""
+    return draft.spec.speculative_method or ("eagle" if draft.draft_kind == "eagle" else "draft_model")
 
 
 def draft_sampling(draft: EngineModel) -> str:

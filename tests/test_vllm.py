@@ -283,3 +283,45 @@ def test_pipeline_parallel_with_speculation_is_refused_before_loading(tmp_path):
     with pytest.raises(UserError, match="pipeline parallelism"):
         vllm_engine.check_placement(spec, speculative=True)
     vllm_engine.check_placement(spec, speculative=False)
+
+
+def test_vllm_runs_our_feature_head_with_its_eagle_method(tmp_path):
+    """Our heads are written in EAGLE's layout: vLLM's eagle method loads one as it is. On a planted head that
+    is nearly always right (it reads the features a little), vLLM's greedy tokens equal our RSp's and it accepts
+    about as much as ours."""
+    vllm_or_skip()
+    from conftest import char_tokenizer, tiny_llama
+    from lssp.eagle import FeatureDraft, FeatureHead, head_config, save_feature_head
+    from lssp.generation import generate_speculative
+
+    target = tiny_llama(12, hidden=256, scale=4.0)
+    with torch.no_grad():
+        for layer in target.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    target.save_pretrained(tmp_path / "t")
+    char_tokenizer().save_pretrained(tmp_path / "t")
+    torch.manual_seed(2)
+    head = FeatureHead(head_config(target.config)).eval()
+    with torch.no_grad():
+        head.fc.weight.zero_()
+        head.fc.weight[:, :256] = torch.eye(256)
+        head.fc.weight[:, 256:] = 2e-4 * torch.randn(256, 256, generator=torch.Generator().manual_seed(0))
+        head.layers[0].self_attn.o_proj.weight.zero_()
+        head.layers[0].mlp.down_proj.weight.zero_()
+    save_feature_head(head, tmp_path / "h", dtype=torch.float32)
+    (tmp_path / "models.yaml").write_text("models:\n  t: {path: ./t, dtype: float32}\n  h: {path: ./h, dtype: float32}\n")
+    registry = load_registry(tmp_path / "models.yaml")
+    t = EngineModel(registry.get("t"))
+    h = EngineModel(registry.get("h"), t)
+    assert h.draft_kind == "eagle" and vllm_engine.speculative_config(2, 0, h)["method"] == "eagle"
+    engines = VllmEngines(t, h, [(3, 0)])
+    ours = FeatureDraft(head, target)
+    for prompt in PROMPTS[:3]:
+        ids = torch.tensor([prompt])
+        done = engines.generate(3, 0, prompt, 16, GREEDY, 0, ignore_eos=True)
+        want = generate_regular(target, ids, 16, GREEDY).tokens.tolist()
+        assert done.output.tokens.tolist() == want
+        mine = generate_speculative(target, ours, ids, 16, 3, GREEDY).stats
+        theirs = done.output.stats
+        assert theirs.acceptance_rate >= 0.75 and mine.acceptance_rate >= 0.75, (theirs.acceptance_rate, mine.acceptance_rate)

@@ -221,7 +221,7 @@ def load_engine_pair(s: Settings, target_name: str | None, draft_name: str | Non
     d_name = s.registry.draft_name(draft_name) if (draft_name or need_draft) else None
     with err_console.status(f"Reading {t_spec.name} for vLLM…"):
         target = EngineModel(t_spec)
-        draft = EngineModel(s.registry.get(d_name)) if d_name else None
+        draft = EngineModel(s.registry.get(d_name), target) if d_name else None
     if draft is not None:
         check_compatible(target, draft)
     return target, draft
