@@ -34,6 +34,21 @@ $PY llamassp.py "${L[@]}" latency --task all --k 2,3 --temperature 0.7 "${N[@]}"
 #     For comparison, four of the questions the shipped draft was distilled on (benchmarks/distill-questions.txt).
 $PY llamassp.py "${L[@]}" latency --chat --prompts benchmarks/distill-questions.txt --k 2 --json "$OUT/latency-distill-questions.json"
 
+# 1c. The feature head (EAGLE, drafts/smollm2-135m-eagle) beside the plain draft, one interleaved run each:
+#     greedy (the end token ends a completion, as in 1a) and at T=0.7; then every task category (greedy); its
+#     losslessness checks. (The plain-draft rows of these runs are the comparison, not the headline of 1a.)
+$PY llamassp.py "${L[@]}" latency --draft smollm2-135m-draft,smollm2-135m-eagle --k 2,3,4,5 "${REPEATS[@]}" "${N[@]}" \
+    --json "$OUT/latency-eagle-greedy.json"
+$PY llamassp.py "${L[@]}" latency --draft smollm2-135m-draft,smollm2-135m-eagle --k 2,3,4 --temperature 0.7 "${N[@]}" \
+    --json "$OUT/latency-eagle-t0.7.json"
+$PY llamassp.py "${L[@]}" latency --draft smollm2-135m-draft,smollm2-135m-eagle --task all --k 3 "${N[@]}" \
+    --json "$OUT/latency-eagle-tasks.json"
+$PY llamassp.py "${L[@]}" verify smollm2-135m-compact smollm2-135m-eagle --temperature 1.0 "${SAMPLES[@]}" \
+    --json "$OUT/verify-eagle-t1.0.json" || true
+$PY llamassp.py "${L[@]}" verify smollm2-135m-compact smollm2-135m-eagle --temperature 0.7 --top-k 50 "${SAMPLES[@]}" \
+    --json "$OUT/verify-eagle-t0.7-topk50.json" || true
+$PY llamassp.py "${L[@]}" verify smollm2-135m-compact smollm2-135m-eagle --temperature 0 --json "$OUT/verify-eagle-greedy.json" || true
+
 # 1. Latency on the default pair: greedy K sweep, then sampling at T=0.7.
 #    The greedy sweep also times early-stopping drafts (K a maximum, stop below draft probability 0.3),
 #    and every sweep but the other forward's the context lookup over 4-grams (--lookup 4).
@@ -63,6 +78,9 @@ if $PY -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm')
         LD_PRELOAD="$TCMALLOC:$IOMP" $PY llamassp.py "${L[@]}" latency --engine ours,vllm --k 3 --lookup 0,4 --ignore-eos \
             "${N[@]}" --json "$OUT/latency-vllm-greedy-preload.json"
     fi
+    #     The feature head in both engines (vLLM's eagle method reads it as written), fixed-length, greedy.
+    $PY llamassp.py "${L[@]}" latency --engine ours,vllm --draft smollm2-135m-eagle --k 3,4 --ignore-eos "${N[@]}" \
+        --json "$OUT/latency-vllm-eagle-greedy.json"
     #     The shipped draft's full-width export for vLLM: how far its excluded tokens are held down (export.json).
     rm -rf "$OUT/.draft-export"
     $PY llamassp.py "${L[@]}" export-draft --out "$OUT/.draft-export" \

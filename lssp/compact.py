@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 
 class CompactCache:
@@ -134,11 +135,9 @@ class FusedDecoder(nn.Module):
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         self.eps = config.rms_norm_eps
         self.scale = self.head_dim ** -0.5
-        theta = (getattr(config, "rope_parameters", None) or {}).get("rope_theta", getattr(config, "rope_theta", 10000.0))
-        self.register_buffer(
-            "inv_freq", 1.0 / (theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float) / self.head_dim)),
-            persistent=False,
-        )
+        rotary = LlamaRotaryEmbedding(config)  # its frequencies, for any rope type transformers knows (llama3, ...)
+        self.register_buffer("inv_freq", rotary.inv_freq.float().clone(), persistent=False)
+        self.rope_scale = float(rotary.attention_scaling)
         self.decoder_layers = list(layers)  # the modules they were built from (their norms are read at each call)
         self.qkv = nn.ModuleList(fused_linear(l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj, dtype=dtype)
                                  for l in layers)
@@ -166,7 +165,7 @@ class FusedDecoder(nn.Module):
         if table is None or table[0].shape[1] < end or table[0].device != like.device or table[0].dtype != like.dtype:
             size = max(256, 2 * end)
             freqs = torch.arange(size, device=like.device, dtype=torch.float)[:, None] * self.inv_freq.to(like.device)
-            cos, sin = freqs.cos(), freqs.sin()
+            cos, sin = freqs.cos() * self.rope_scale, freqs.sin() * self.rope_scale
             table = self._rope = (torch.cat((cos, cos), -1)[None].to(like.dtype), torch.cat((-sin, sin), -1)[None].to(like.dtype))
         return table[0][:, start:end], table[1][:, start:end]
 
