@@ -316,3 +316,54 @@ def test_a_head_of_another_width_is_refused(target):
     other = tiny_llama(40, hidden=16)
     with pytest.raises(UserError, match="is 16 wide, its target 32"):
         eagle.check_head_fits(random_head(other, 1), target, "narrow")
+
+
+def test_distill_kind_eagle_makes_a_loadable_head_and_resumes(tiny_dir, tmp_path, capsys):
+    from lssp.cli import main
+    from lssp.distill import HELD_OUT_ACCEPTANCE
+    from lssp.loading import check_compatible, load_model
+    from lssp.registry import ModelSpec, load_registry
+
+    out = tmp_path / "head"
+    base = ["--config", str(tiny_dir / "models.yaml"), "--results-dir", str(tmp_path / "results"), "distill", "tiny-target",
+            "--kind", "eagle", "--out", str(out), "--batch-prompts", "4", "--new-tokens", "8", "--head-tokens", "40",
+            "--data-tokens", "40"]
+    assert main(base + ["--max-steps", "3"]) == 0, capsys.readouterr().err
+    report = json.loads((out / "distill_report.json").read_text())
+    assert report["steps"] == 3 and report["data_tokens"] >= 40 and 0 < report["head_coverage"] <= 1
+    assert 0 <= report["acceptance"][HELD_OUT_ACCEPTANCE] <= 1
+    card = (out / "README.md").read_text()
+    assert "Feature head (EAGLE)" in card and "Made with: `" in card and "| step | target tokens seen | loss |" in card
+    config = json.loads((out / "config.json").read_text())
+    assert config[eagle.HEAD_MARK] and config["num_hidden_layers"] == 1 and len(config["head_token_ids"]) == 40
+    assert not (out / "tokenizer.json").exists()  # the target's is used
+    # Resume: more data and more steps go on from the checkpoint.
+    assert main(base[:-1] + ["80", "--max-steps", "5"]) == 0, capsys.readouterr().err
+    report = json.loads((out / "distill_report.json").read_text())
+    assert report["steps"] == 5 and report["data_tokens"] >= 80
+    assert [step for step, _, _ in report["loss_curve"]] == [3, 5]
+    target = load_model(load_registry(tiny_dir / "models.yaml").get("tiny-target"))
+    head = load_model(ModelSpec(name="h", path=str(out), dtype="float32"), draft=True, target=target)
+    assert head.draft_kind == "eagle" and check_compatible(target, head) == 64
+    ids = torch.tensor([[0, 5, 9, 3]])
+    want = generate_regular(target.model, ids, 12, GREEDY).tokens
+    assert torch.equal(generate_speculative(target.model, head.model, ids, 12, 3, GREEDY).tokens, want)
+
+
+def test_distill_kind_eagle_refuses_what_only_drafts_take(tiny_dir, tmp_path, capsys):
+    from lssp.cli import main
+
+    code = main(["--config", str(tiny_dir / "models.yaml"), "distill", "tiny-target", "--kind", "eagle",
+                 "--init-draft", str(tmp_path), "--out", str(tmp_path / "h")])
+    assert code == 2 and "--init-draft and --on-policy are for --kind draft" in capsys.readouterr().err
+    code = main(["--config", str(tiny_dir / "models.yaml"), "distill", "tiny-target", "--kind", "medusa"])
+    assert code == 2 and "expected draft or eagle" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("options", [{"lookup": 2}, {"confidence": 0.3}], ids=["lookup", "confidence"])
+def test_a_head_with_the_lookup_or_early_stopping_stays_exact(target, head, options):
+    draft = FeatureDraft(head, target)
+    for prompt in ([0, 5, 9, 3, 5, 9], [0, 40, 41, 42, 40, 41]):
+        ids = torch.tensor([prompt])
+        want = generate_regular(target, ids, 24, GREEDY).tokens
+        assert torch.equal(generate_speculative(target, draft, ids, 24, 3, GREEDY, **options).tokens, want)
