@@ -146,11 +146,6 @@ class FusedDecoder(nn.Module):
         self.down = nn.ModuleList(fused_linear(l.mlp.down_proj, dtype=dtype) for l in layers)
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def new_cache(self, batch: int = 1) -> CompactCache:
-        weight = self.qkv[0].weight() if callable(self.qkv[0].weight) else self.qkv[0].weight
-        dtype = weight.dtype if weight.is_floating_point() else torch.float32
-        return CompactCache(len(self.qkv), self.kv_heads, self.head_dim, dtype, self.inv_freq.device, batch=batch)
-
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if x.dtype == weight.dtype == torch.float32:  # one fused call
             return F.rms_norm(x, weight.shape, weight, eps=self.eps)

@@ -248,12 +248,19 @@ class FeatureDraft(FusedDecoder):
     def get_output_embeddings(self) -> nn.Module:
         return self.output if hasattr(self, "output") else self._full_output[0]
 
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype activations run in: the weights', or float32 under a dynamic quantization (read once: a
+        quantized layer unpacks its weight to tell)."""
+        if "_compute_dtype" not in self.__dict__:
+            self.__dict__["_compute_dtype"] = float_weight(self.qkv[0]).dtype
+        return self.__dict__["_compute_dtype"]
+
     def new_cache(self, batch: int = 1) -> FeatureCache:
         if batch != 1:
             raise ValueError("a feature draft runs batch 1")
         weight = self.get_input_embeddings().weight
-        dtype = float_weight(self.qkv[0]).dtype
-        return FeatureCache(len(self.qkv), self.kv_heads, self.head_dim, dtype, weight.device)
+        return FeatureCache(len(self.qkv), self.kv_heads, self.head_dim, self.compute_dtype, weight.device)
 
     def start(self, seq: torch.Tensor, features: torch.Tensor) -> FeatureCache:
         """The head's cache after the target's prefill of ``seq`` (1, T) but its last token, whose features
@@ -270,12 +277,11 @@ class FeatureDraft(FusedDecoder):
                 logits_to_keep: int = 0) -> CompactOutput:
         kv = past_key_values
         features = kv.take(input_ids.shape[1])
-        dtype = float_weight(self.qkv[0]).dtype
+        dtype = self.compute_dtype
         embeds = self.get_input_embeddings()(input_ids).to(dtype)
         hidden = self._run(self.head.fc(torch.cat([embeds, features.to(dtype)], dim=-1)), kv)
         kv.guess = hidden[:, -1:]
-        keep = hidden[:, -logits_to_keep:] if logits_to_keep else hidden
-        return CompactOutput(self.get_output_embeddings()(keep.to(float_weight(self.qkv[0]).dtype)))
+        return CompactOutput(self.get_output_embeddings()(hidden[:, -logits_to_keep:] if logits_to_keep else hidden))
 
 
 def forward_with_features(model: PreTrainedModel, ids: torch.Tensor, kv: object, last: int) -> tuple[torch.Tensor, torch.Tensor]:
