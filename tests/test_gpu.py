@@ -125,3 +125,20 @@ def test_random_init_with_gpus_and_a_draft_land_where_the_rules_say():
     assert target.placement == "cuda:0" and draft.placement.startswith("cuda:")
     assert torch.equal(generate_speculative(target.model, draft.model, PROMPT, 12, 2, GREEDY).tokens,
                        generate_regular(target.model, PROMPT, 12, GREEDY).tokens)
+
+
+@pytest.mark.parametrize("compact", [False, True], ids=["transformers", "compact"])
+def test_greedy_ssp_with_a_feature_head_on_the_gpu_equals_rsp(compact):
+    """The head shares the target's device: features, its cache and the verification stay on the GPU."""
+    from lssp.eagle import FeatureDraft, FeatureHead, head_config
+
+    target = tiny_llama(10, scale=4.0).to("cuda")
+    model = CompactLlama(target).eval() if compact else target
+    torch.manual_seed(1)
+    head = FeatureHead(head_config(target.config)).eval()
+    draft = FeatureDraft(head, model)
+    assert draft.get_input_embeddings().weight.device.type == "cuda"
+    rsp = generate_regular(model, PROMPT, 30, GREEDY)
+    for k in (1, 3):
+        ssp = generate_speculative(model, draft, PROMPT, 30, k, GREEDY)
+        assert torch.equal(ssp.tokens, rsp.tokens), k
