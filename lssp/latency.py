@@ -302,7 +302,7 @@ class LatencyRun:
             "draft": setup.draft_of(m) if setup.method(m) not in ("none", "ngram") else "",
             "k": m.k, **setup.params.as_dict(), "max_new_tokens": setup.max_new_tokens,
             "prompt_format": self.prompt_format(m.task), "ignore_eos": setup.ignore_eos,
-            **{key: value for key, value in asdict(m).items() if key not in ("mode", "k")},
+            **{key: value for key, value in asdict(m).items() if key not in ("mode", "k", "draft")},
             "acceptance_by_position": ";".join(f"{x:.4f}" for x in m.acceptance_by_position),
             "noisy": m.noisy, "interrupted": self.interrupted, "split_timing": setup.split_timing,
             "recompiles": setup.recompiles,

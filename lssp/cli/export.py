@@ -18,6 +18,7 @@ def export_draft_cmd(
 ) -> None:
     """Write the draft with a full-width output layer: rows outside its head are held far below it."""
     from lssp.draft_head import has_subset_head
+    from lssp.eagle import is_feature_head
     from lssp.vllm_engine import exported_dir, export_draft
 
     s = settings(ctx)
@@ -25,6 +26,9 @@ def export_draft_cmd(
     local = spec.local_path()
     if local is None or not local.is_dir():
         raise UserError(f"model {spec.name!r}: export-draft reads a local folder, not {spec.path!r}")
+    if is_feature_head(local):
+        raise UserError(f"model {spec.name!r} is a feature head in EAGLE's layout: vLLM's eagle method loads {local} "
+                        "as it is")
     if not has_subset_head(local):
         raise UserError(f"model {spec.name!r} has a full output layer already: vLLM loads {local} as it is")
     target = out or exported_dir(local)
