@@ -41,7 +41,7 @@ $PY llamassp.py "${L[@]}" latency --draft smollm2-135m-draft,smollm2-135m-eagle 
     --json "$OUT/latency-eagle-greedy.json"
 $PY llamassp.py "${L[@]}" latency --draft smollm2-135m-draft,smollm2-135m-eagle --k 2,3,4 --temperature 0.7 "${N[@]}" \
     --json "$OUT/latency-eagle-t0.7.json"
-$PY llamassp.py "${L[@]}" latency --draft smollm2-135m-draft,smollm2-135m-eagle --task all --k 3 "${N[@]}" \
+$PY llamassp.py "${L[@]}" latency --draft smollm2-135m-draft,smollm2-135m-eagle --task all --k 3 --nb-prompts 4 \
     --json "$OUT/latency-eagle-tasks.json"
 $PY llamassp.py "${L[@]}" verify smollm2-135m-compact smollm2-135m-eagle --temperature 1.0 "${SAMPLES[@]}" \
     --json "$OUT/verify-eagle-t1.0.json" || true

@@ -262,13 +262,16 @@ class FeatureDraft(FusedDecoder):
         weight = self.get_input_embeddings().weight
         return FeatureCache(len(self.qkv), self.kv_heads, self.head_dim, self.compute_dtype, weight.device)
 
-    def start(self, seq: torch.Tensor, features: torch.Tensor) -> FeatureCache:
+    def start(self, seq: torch.Tensor, features: torch.Tensor, kv: FeatureCache | None = None) -> FeatureCache:
         """The head's cache after the target's prefill of ``seq`` (1, T) but its last token, whose features
-        ``features`` (1, T-1, d) are: every pair but the last is fed, the last waits for the first draft."""
-        kv = self.new_cache()
-        if features.shape[1] > 1:
-            kv.queue(features[:, :-1])
-            self(seq[:, 1:-1], kv)
+        ``features`` (1, T-1, d) are: every pair but the last is fed, the last waits for the first draft.
+        ``kv``: a cache already holding the first pairs of ``seq`` (a shared prompt prefix's)."""
+        kv = kv if kv is not None else self.new_cache()
+        kv.queued = kv.guess = None
+        done = kv.length
+        if features.shape[1] - 1 > done:
+            kv.queue(features[:, done:-1])
+            self(seq[:, done + 1:-1], kv)
         if features.shape[1]:
             kv.queue(features[:, -1:])
         return kv

@@ -31,7 +31,7 @@ from functools import cache
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
-from lssp.eagle import FeatureDraft, forward_with_features
+from lssp.eagle import FeatureCache, FeatureDraft, forward_with_features
 from lssp.sampling import SamplingParams, argmax, sample, sample_logits, warp
 from lssp.stats import alpha_estimate
 from lssp.timing import Clock
@@ -234,12 +234,40 @@ class PrefixCache:
     def __init__(self, ids: Sequence[int]) -> None:
         self.ids = list(ids)
         self._caches: dict[torch.nn.Module, DynamicCache] = {}
+        self._features: dict[torch.nn.Module, torch.Tensor] = {}  # a target's features of the prefix
+
+    def _extends(self, seq: torch.Tensor) -> bool:
+        n = len(self.ids)
+        return seq.shape[1] > n and all(row[:n].tolist() == self.ids for row in seq)
+
+    def start_with_features(self, target: PreTrainedModel, draft: FeatureDraft,
+                            seq: torch.Tensor) -> tuple[DynamicCache, FeatureCache] | None:
+        """For SSp with a feature draft: the target's cache holding ``seq`` (1, T) but its last token and the head's
+        started on the target's features, both from the prefix's caches; None where ``seq`` does not extend it."""
+        n = len(self.ids)
+        if seq.shape[0] != 1 or not self._extends(seq) or n < 2:
+            return None
+        kv = self._caches.get(target)
+        if kv is None or target not in self._features:  # (a cache made for RSp has no features)
+            kv = self._caches[target] = new_cache(target)
+            _, self._features[target] = forward_with_features(target, seq[:, :n], kv, 0)
+            head = self._caches[draft] = draft.new_cache()
+            head.queue(self._features[target][:, :-1])
+            draft(seq[:, 1:n], head)  # the prefix's pairs but the last
+        else:
+            drop(kv, kv.get_seq_length() - n)
+            head = self._caches[draft]
+            drop(head, head.length - (n - 1))
+        features = self._features[target]
+        if seq.shape[1] > n + 1:
+            features = torch.cat([features, forward_with_features(target, seq[:, n:-1], kv, 0)[1]], dim=1)
+        return kv, draft.start(seq, features, head)
 
     def start(self, model: PreTrainedModel, seq: torch.Tensor) -> DynamicCache | None:
         """``model``'s cache holding all of ``seq`` (1, T), or of every row of ``seq`` (B, T), but its last token;
         None where a row does not extend the prefix (its tokenization differs there, or it is no longer)."""
         n = len(self.ids)
-        if seq.shape[1] <= n or any(row[:n].tolist() != self.ids for row in seq):
+        if not self._extends(seq):
             return None
         kv = self._caches.get(model)
         if kv is None:
@@ -457,7 +485,10 @@ def generate_speculative(
     stopped = False
     features = isinstance(draft, FeatureDraft)
     start = clock.now()
-    if features:  # the head reads the target's features of the prompt (a prompt prefix cache has none)
+    started = prefix.start_with_features(target, draft, seq) if features and prefix is not None else None
+    if started is not None:
+        target_kv, draft_kv = started
+    elif features:  # the head reads the target's features of the prompt
         target_kv = new_cache(target)
         _, prompt_features = (forward_with_features(target, seq[:, :-1], target_kv, 0) if seq.shape[1] > 1
                               else (None, seq.new_zeros(1, 0, 0, dtype=torch.float)))

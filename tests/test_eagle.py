@@ -367,3 +367,22 @@ def test_a_head_with_the_lookup_or_early_stopping_stays_exact(target, head, opti
         ids = torch.tensor([prompt])
         want = generate_regular(target, ids, 24, GREEDY).tokens
         assert torch.equal(generate_speculative(target, draft, ids, 24, 3, GREEDY, **options).tokens, want)
+
+
+@pytest.mark.parametrize("params", [GREEDY, SamplingParams(0.8)], ids=["greedy", "t0.8"])
+def test_a_shared_prompt_prefix_gives_a_head_the_same_tokens(target, head, params):
+    """eval's prefix cache: the target's features of the few-shot prefix and the head's pairs over it are
+    computed once; every problem rolls both back and feeds the rest, and gets what a full prefill gives."""
+    from lssp.generation import PrefixCache
+
+    draft = FeatureDraft(head, target)
+    shared = [0, 7, 8, 9, 10, 11, 12]
+    prefix = PrefixCache(shared)
+    for tail in ([3, 4], [5], [6, 2, 9, 1]):
+        ids = torch.tensor([shared + tail])
+        plain = generate_speculative(target, draft, ids, 16, 3, params, torch.Generator().manual_seed(1))
+        cached = generate_speculative(target, draft, ids, 16, 3, params, torch.Generator().manual_seed(1), prefix=prefix)
+        assert torch.equal(plain.tokens, cached.tokens), tail
+        assert cached.stats.drafted == plain.stats.drafted
+    rsp = generate_regular(target, torch.tensor([shared + [3]]), 8, GREEDY, prefix=prefix)  # RSp shares the prefix
+    assert torch.equal(rsp.tokens, generate_regular(target, torch.tensor([shared + [3]]), 8, GREEDY).tokens)
