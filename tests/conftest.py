@@ -134,3 +134,17 @@ def tiny_dir(tmp_path_factory):
     save_tiny_head(root / "tiny-eagle", tiny_llama(0, scale=4.0), seed=3)
     (root / "models.yaml").write_text(TINY_REGISTRY)
     return root
+
+
+@pytest.fixture()
+def run(tiny_dir, tmp_path, capsys):
+    """Call the CLI like a user would, on the tiny registry (or ``config``); returns (exit code, stdout, stderr)."""
+    from lssp.cli import main
+
+    def _run(*args: str, config=None) -> tuple[int, str, str]:
+        argv = ["--config", str(config or tiny_dir / "models.yaml"), "--results-dir", str(tmp_path / "results"), *args]
+        code = main(argv)
+        out = capsys.readouterr()
+        return code, out.out, out.err
+
+    return _run

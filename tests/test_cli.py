@@ -11,17 +11,6 @@ from lssp.cli import main
 pytestmark = pytest.mark.filterwarnings("ignore")
 
 
-@pytest.fixture()
-def run(tiny_dir, tmp_path, capsys):
-    """Call the CLI like a user would; returns (exit code, stdout, stderr)."""
-
-    def _run(*args: str, config=None) -> tuple[int, str, str]:
-        argv = ["--config", str(config or tiny_dir / "models.yaml"), "--results-dir", str(tmp_path / "results"), *args]
-        code = main(argv)
-        out = capsys.readouterr()
-        return code, out.out, out.err
-
-    return _run
 
 
 def test_models_lists_the_registry(run):

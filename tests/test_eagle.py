@@ -264,16 +264,6 @@ def test_a_head_whose_weights_do_not_match_is_refused_naming_the_key(tmp_path, t
 
 # --- Through the CLI (tiny-eagle in conftest's registry: a random head for tiny-target) -------------
 
-@pytest.fixture()
-def run(tiny_dir, tmp_path, capsys):
-    from lssp.cli import main
-
-    def _run(*args: str) -> tuple[int, str, str]:
-        code = main(["--config", str(tiny_dir / "models.yaml"), "--results-dir", str(tmp_path / "results"), *args])
-        out = capsys.readouterr()
-        return code, out.out, out.err
-
-    return _run
 
 
 def test_latency_times_a_head_beside_a_draft_in_one_run(run, tmp_path):

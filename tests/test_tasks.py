@@ -22,14 +22,6 @@ pytestmark = pytest.mark.filterwarnings("ignore")
 GREEDY, SAMPLED = SamplingParams(0), SamplingParams(1.0)
 
 
-@pytest.fixture()
-def run(tiny_dir, tmp_path, capsys):
-    def _run(*args: str) -> tuple[int, str, str]:
-        code = main(["--config", str(tiny_dir / "models.yaml"), "--results-dir", str(tmp_path / "results"), *args])
-        out = capsys.readouterr()
-        return code, out.out, out.err
-
-    return _run
 
 
 # --- the built-in tasks ------------------------------------------------------------------------

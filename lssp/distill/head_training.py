@@ -16,7 +16,7 @@ from transformers import PreTrainedModel
 
 from lssp.compact import float_weight
 from lssp.distill.config import DistillConfig, DistillReport, Progress
-from lssp.distill.training import optimize
+from lssp.distill.training import held_out_split, optimize
 from lssp.draft_head import most_frequent
 from lssp.eagle import FeatureHead, head_config
 from lssp.errors import UserError
@@ -105,11 +105,7 @@ class HeadTrainer:
 def train_head(target: PreTrainedModel, out: Path, cfg: DistillConfig, report: DistillReport,
                progress: Progress | None = None) -> FeatureHead:
     """Train (or resume training) a feature head for ``target`` on the collected shards."""
-    examples = feature_examples(out, cfg)
-    if not examples:
-        raise UserError(f"no training data in {out / 'data'}")
-    held = min(64, len(examples) // 50)
-    examples, held_out = (examples[:-held], examples[-held:]) if held else (examples, [])
+    examples, held_out = held_out_split(feature_examples(out, cfg), out)
     width = target.get_output_embeddings().out_features
     token_ids = None
     if cfg.head_tokens:

@@ -125,15 +125,18 @@ def top1_agreement(draft: LlamaForCausalLM, examples: list[dict[str, torch.Tenso
     return hits / total if total else float("nan")
 
 
+def held_out_split(examples: list[dict[str, torch.Tensor]], out: Path) -> tuple[list, list]:
+    """The training examples and ~2% of the sequences (at most 64) held out to measure agreement as training goes."""
+    if not examples:
+        raise UserError(f"no training data in {out / 'data'}")
+    held = min(64, len(examples) // 50)
+    return (examples[:-held], examples[-held:]) if held else (examples, [])
+
+
 def train(target: PreTrainedModel, out: Path, cfg: DistillConfig, report: DistillReport,
           progress: Progress | None = None) -> LlamaForCausalLM:
     """Train (or resume training) the draft on the collected shards."""
-    examples = _examples(out, cfg)
-    if not examples:
-        raise UserError(f"no training data in {out / 'data'}")
-    # Hold out ~2% of the sequences (at most 64) to measure top-1 agreement as training goes.
-    held = min(64, len(examples) // 50)
-    examples, held_out = (examples[:-held], examples[-held:]) if held else (examples, [])
+    examples, held_out = held_out_split(_examples(out, cfg), out)
     draft = load_initial_draft(target, cfg) if cfg.init_from else init_draft(target, cfg)
     if cfg.head_tokens or subset_head(draft) is not None:
         counts = torch.zeros(logit_width(draft), dtype=torch.long)
