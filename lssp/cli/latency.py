@@ -218,7 +218,7 @@ def render_tasks(run) -> None:
         if first and previous is not None:
             out.add_section()
         previous = m.task
-        mode = "RSp" if m.mode == "rsp" else "K=" + _k(m)
+        mode = "RSp" if m.mode == "rsp" else _named(run, m) + "K=" + _k(m)
         label = f"{m.task} ({run.prompt_format(m.task)}, {m.prompts})" if first else ""
         out.add_row(label, mode + (" ★" if m.best else ""), f"{m.ms_per_token:.1f}", fmt(m.alpha, 2),
                     fmt(m.mean_accepted, 2), _speedup(m.speedup), fmt(m.at_budget_share, 0, pct=True),

@@ -206,7 +206,7 @@ def optimize(model: nn.Module, examples: list[dict[str, torch.Tensor]], held_out
                 report.agreement_curve.append((step, seen, agreement_of(held_out)))
             if progress:
                 agree = f", held-out top-1 {report.agreement_curve[-1][2]:.3f}" if report.agreement_curve else ""
-                progress("train", min(step / total_steps, seconds / (cfg.train_minutes * 60)),
+                progress("train", min(1.0, max(step / total_steps, seconds / (cfg.train_minutes * 60))),
                          f"step {step}, loss {report.loss_curve[-1][2]:.3f}, {seen / tokens_per_epoch:.2f} epochs{agree}")
         if time.perf_counter() - last_save > 120 or step == total_steps:
             _save_checkpoint(ckpt_path, model, opt, step, seconds, seen, report)
