@@ -59,4 +59,7 @@ if [ "$WITH_VLLM" = 1 ]; then
     $PY -c "import vllm; print(f'setup: vllm {vllm.__version__}')"
 fi
 
+# The project itself, editable: the `llamassp` command in .venv/bin, and `import lssp` from anywhere.
+$PIP --no-deps -e .
+
 $PY -c "import torch, transformers; print(f'setup: torch {torch.__version__}, transformers {transformers.__version__}, cuda={torch.cuda.is_available()}')"

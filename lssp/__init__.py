@@ -1,3 +1,3 @@
 """llamassp: measure speculative sampling (SSp) against regular sampling (RSp)."""
 
-__version__ = "0.1.0"
+__version__ = "0.5.0"

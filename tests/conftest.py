@@ -7,6 +7,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from lssp.models.eagle import FeatureHead, head_config
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # One intra-op thread: these models are too small to gain from a second, and on a busy 2-core machine
 # every op that opens a parallel region (softmax does, even over 8 logits) waits for a core, ~1 ms
@@ -70,7 +72,7 @@ def save_tiny(path, seed: int, vocab_size: int = 64, chars: list[str] = CHARS, *
 
 def save_tiny_head(path, target: LlamaForCausalLM, seed: int) -> None:
     """A random feature head (EAGLE layout) for ``target``, in float32."""
-    from lssp.eagle import FeatureHead, head_config, save_feature_head
+    from lssp.models.eagle import FeatureHead, head_config, save_feature_head
 
     torch.manual_seed(seed)
     head = FeatureHead(head_config(target.config))
@@ -148,3 +150,13 @@ def run(tiny_dir, tmp_path, capsys):
         return code, out.out, out.err
 
     return _run
+
+
+def random_head(target, seed: int, token_ids: list[int] | None = None, bias: bool = False, scale: float = 1.0) -> FeatureHead:
+    torch.manual_seed(seed)
+    head = FeatureHead(head_config(target.config, token_ids=token_ids), bias=bias).eval()
+    with torch.no_grad():
+        for p in head.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.2 * scale)
+    return head

@@ -7,13 +7,13 @@ import pandas as pd
 import pytest
 
 from conftest import char_tokenizer, tiny_llama
-import lssp.bench as bench
-from lssp.bench import ENGINES, BenchSetup, EngineRun, copy_bandwidth, run_bench, summarize
+import lssp.measure.bench as bench
+from lssp.measure.bench import ENGINES, BenchSetup, EngineRun, copy_bandwidth, run_bench, summarize
 from lssp.cli import main
-from lssp.loading import LoadedModel, load_model
-from lssp.registry import ModelSpec, load_registry
-from lssp.sampling import SamplingParams
-from lssp.stats import predicted_speedup
+from lssp.models.loading import LoadedModel, load_model
+from lssp.models.registry import ModelSpec, load_registry
+from lssp.decoding.sampling import SamplingParams
+from lssp.report.stats import predicted_speedup
 
 
 @pytest.fixture(scope="module")
@@ -161,7 +161,7 @@ def test_random_init_pair_warns_that_acceptance_means_nothing(tiny_dir, tmp_path
 def test_four_engines_agree_on_dynamically_quantized_models(pair):
     from dataclasses import replace
 
-    from lssp.loading import dynamic_quantize
+    from lssp.models.loading import dynamic_quantize
 
     quantized = [LoadedModel(replace(m.spec, quantization=q), dynamic_quantize(copy.deepcopy(m.model), replace(m.spec, quantization=q)),
                              m.tokenizer) for m, q in zip(pair, ("dynamic-fp16", "dynamic-int8"))]
@@ -174,13 +174,13 @@ def test_ctrl_c_keeps_the_prompts_every_engine_completed(pair):
     target, draft = pair
 
     def interrupt_at(moment: str):
-        def progress(message: str) -> None:
+        def progress(message: str, done: int, total: int) -> None:
             if message == moment:
                 raise KeyboardInterrupt
         return progress
 
     run = run_bench(target, draft, ["hello there", "abc", "xyz"], "warm", 2, SamplingParams(0), 8, seed=0,
-                    progress=interrupt_at("prompt 2/3 ours-rsp"))  # Ctrl-C in the middle of the second prompt
+                    progress=interrupt_at("prompt 2/3 hf-generate"))  # Ctrl-C after the second prompt's first engine
     assert run.interrupted and run.setup.prompts == 1
     assert sorted(r.engine for r in run.runs) == sorted(ENGINES) and {r.prompt_index for r in run.runs} == {0}
     assert all(row["interrupted"] for row in run.rows())

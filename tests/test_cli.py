@@ -157,7 +157,7 @@ def test_gpu_only_entry_without_gpu(run, tmp_path):
 
 
 def test_stats_against_hand_computed_values():
-    from lssp.stats import difference, expected_tokens_per_iteration, mcnemar, predicted_speedup, wald, wilson
+    from lssp.report.stats import difference, expected_tokens_per_iteration, mcnemar, predicted_speedup, wald, wilson
 
     w = wald(284, 1000)  # the reference's 7B figure: 28.4% on 1000 prompts
     assert w.estimate == 0.284 and w.high - w.estimate == pytest.approx(1.959964 * (0.284 * 0.716 / 1000) ** 0.5)
@@ -174,7 +174,7 @@ def test_stats_against_hand_computed_values():
     assert expected_tokens_per_iteration(0.5, 3) == pytest.approx(1.875)
     assert predicted_speedup(0.8, 4, 0.1) == pytest.approx((1 - 0.8 ** 5) / (0.2 * 1.4))
     assert predicted_speedup(1.0, 4, 0.0) == 5.0
-    from lssp.stats import alpha_estimate, alpha_from_tokens_per_iteration
+    from lssp.report.stats import alpha_estimate, alpha_from_tokens_per_iteration
 
     # 3 iterations of K=4: accepted 4 (no rejection), 1 then rejected, 0 then rejected: 5 / (5 + 2)
     assert alpha_estimate(5, 2) == pytest.approx(5 / 7)

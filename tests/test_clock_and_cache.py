@@ -7,10 +7,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import lssp.timing
-from lssp.generation import drop, forward_logits, generate_regular, generate_speculative, new_cache
-from lssp.sampling import SamplingParams
-from lssp.timing import Clock, cuda_devices
+import lssp.decoding.timing
+from lssp.decoding.kv import drop, forward_logits, new_cache
+from lssp.decoding.generation import generate_regular
+from lssp.decoding.speculative import generate_speculative
+from lssp.decoding.sampling import SamplingParams
+from lssp.decoding.timing import Clock, cuda_devices
 
 
 @pytest.fixture()
@@ -50,7 +52,7 @@ def test_generation_times_with_every_device_of_both_models(target, draft, synced
         seen.append(models)
         return [torch.device("cuda:0"), torch.device("cuda:1")]
 
-    monkeypatch.setattr(lssp.timing, "cuda_devices", fake_devices)
+    monkeypatch.setattr(lssp.decoding.timing, "cuda_devices", fake_devices)
     ids = torch.tensor([[0, 5, 6, 7]])
     generate_speculative(target, draft, ids, 6, 3, SamplingParams(0))
     assert seen == [(target, draft)]
@@ -93,7 +95,7 @@ def test_full_acceptance_never_refeeds_the_sequence(target, monkeypatch):
 @pytest.fixture()
 def two_fake_gpus(monkeypatch):
     """Every clock believes the models sit on cuda:0 and cuda:1 (no GPU needed)."""
-    monkeypatch.setattr(lssp.timing, "cuda_devices", lambda *models: [torch.device("cuda:0"), torch.device("cuda:1")])
+    monkeypatch.setattr(lssp.decoding.timing, "cuda_devices", lambda *models: [torch.device("cuda:0"), torch.device("cuda:1")])
 
 
 @pytest.mark.parametrize("speculative", [False, True])
@@ -121,12 +123,12 @@ def test_untimed_forwards_sync_only_at_the_completions_boundaries(target, draft,
 
 def test_a_separate_split_pass_gives_the_shares_and_the_timed_passes_give_ms_per_token(target, draft, synced,
                                                                                           two_fake_gpus):
-    from lssp.latency import SEPARATE_PASS, run_latency
-    from lssp.loading import LoadedModel
-    from lssp.registry import ModelSpec
+    from lssp.measure.latency import SEPARATE_PASS, run_latency_ours
+    from lssp.models.loading import LoadedModel
+    from lssp.models.registry import ModelSpec
 
     t, d = LoadedModel(ModelSpec("t"), target, None), LoadedModel(ModelSpec("d"), draft, None)
-    run = run_latency(t, d, ["abc", "hello"], "warm", [2], SamplingParams(0), 6, 0, repeats=2)  # split="auto"
+    run = run_latency_ours(t, d, ["abc", "hello"], "warm", [2], SamplingParams(0), 6, 0, repeats=2)  # split="auto"
     assert run.setup.split_timing == SEPARATE_PASS
     headline = [p for p in run.timings if not p.split_pass]
     split = [p for p in run.timings if p.split_pass]
@@ -143,22 +145,22 @@ def test_a_separate_split_pass_gives_the_shares_and_the_timed_passes_give_ms_per
 
 
 def test_on_the_cpu_the_timed_passes_time_every_forward(target, draft):
-    from lssp.latency import SAME_PASS, run_latency
-    from lssp.loading import LoadedModel
-    from lssp.registry import ModelSpec
+    from lssp.measure.latency import SAME_PASS, run_latency_ours
+    from lssp.models.loading import LoadedModel
+    from lssp.models.registry import ModelSpec
 
     t, d = LoadedModel(ModelSpec("t"), target, None), LoadedModel(ModelSpec("d"), draft, None)
-    run = run_latency(t, d, ["abc"], "warm", [2], SamplingParams(0), 6, 0)
+    run = run_latency_ours(t, d, ["abc"], "warm", [2], SamplingParams(0), 6, 0)
     assert run.setup.split_timing == SAME_PASS and not any(p.split_pass for p in run.timings)
     assert all(p.stats.forwards_timed for p in run.timings)
 
 
 def test_bench_on_a_gpu_times_ours_end_to_end_and_takes_c_and_v_from_a_split_pass(target, draft, synced,
                                                                                    two_fake_gpus):
-    from lssp.bench import run_bench
-    from lssp.latency import SEPARATE_PASS
-    from lssp.loading import LoadedModel
-    from lssp.registry import ModelSpec
+    from lssp.measure.bench import run_bench
+    from lssp.measure.latency import SEPARATE_PASS
+    from lssp.models.loading import LoadedModel
+    from lssp.models.registry import ModelSpec
 
     t, d = LoadedModel(ModelSpec("t"), target, None), LoadedModel(ModelSpec("d"), draft, None)
     run = run_bench(t, d, ["abc", "hello"], "warm", 2, SamplingParams(0), 6, 0, engines=("ours-rsp", "ours-ssp"))

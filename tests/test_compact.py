@@ -7,14 +7,16 @@ import pytest
 import torch
 
 from conftest import char_tokenizer, tiny_llama
-from lssp.compact import CompactCache, CompactLlama, supports_compact
-from lssp.draft_head import attach_subset_head, has_subset_head, load_subset_head_model, most_frequent, subset_head
+from lssp.models.compact import CompactCache, CompactLlama, supports_compact
+from lssp.models.draft_head import attach_subset_head, has_subset_head, load_subset_head_model, most_frequent, subset_head
 from lssp.errors import UserError
-from lssp.generation import forward_logits, generate_regular, generate_speculative, new_cache
-from lssp.loading import dynamic_quantize, load_model
-from lssp.registry import ModelSpec, load_registry
-from lssp.sampling import SamplingParams
-from lssp.stats import chi_square_gof
+from lssp.decoding.kv import forward_logits, new_cache
+from lssp.decoding.generation import generate_regular
+from lssp.decoding.speculative import generate_speculative
+from lssp.models.loading import dynamic_quantize, load_model
+from lssp.models.registry import ModelSpec, load_registry
+from lssp.decoding.sampling import SamplingParams
+from lssp.report.stats import chi_square_gof
 from test_generation import SIGNIFICANCE, VOCAB, exact_two_token_law, two_token_counts
 
 GREEDY = SamplingParams(0)
@@ -170,7 +172,7 @@ def test_the_compiled_step_gives_the_eager_logits_and_exact_greedy_ssp(model):
     """torch.compile on the CPU (inductor): the step over a fixed buffer with a position mask scores like the
     eager forward, through prefill, verification, decode and a rollback; SSp with a compiled target and draft
     emits greedy RSp's tokens. One compile per model keeps this test at tens of seconds."""
-    from lssp.compact import compiled_graphs
+    from lssp.models.compact import compiled_graphs
 
     eager, compiled = CompactLlama(model), CompactLlama(copy.deepcopy(model))
     compiled.compile_decode("default")
@@ -195,7 +197,7 @@ def test_the_compiled_step_gives_the_eager_logits_and_exact_greedy_ssp(model):
 
 
 def test_compile_refuses_what_it_cannot_compile_in_one_line_or_falls_back_when_asked(model, caplog):
-    from lssp.loading import compile_decode
+    from lssp.models.loading import compile_decode
 
     spec = ModelSpec("q", compile=True)
     quantized = dynamic_quantize(CompactLlama(copy.deepcopy(model)), ModelSpec("q", quantization="dynamic-fp16"))

@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 
 from lssp.cli import main
-from lssp.registry import load_registry
+from lssp.models.registry import load_registry
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.filterwarnings("ignore")
@@ -81,7 +81,7 @@ def test_compare_on_the_default_pair_streams_the_same_greedy_text_twice(run):
 
 
 def test_eval_on_the_default_pair_gives_rsp_and_ssp_the_same_greedy_answers(run, tmp_path):
-    from lssp.evals import multiplication_problems, parse_answer, read_records
+    from lssp.measure.evals import multiplication_problems, parse_answer, read_records
 
     _, out = run("eval", "--both", "--temperature", "0", "--nb-prompts", "5", "--json", str(tmp_path / "e.json"))
     rsp, ssp = json.loads((tmp_path / "e.json").read_text())
@@ -103,14 +103,14 @@ def test_eval_on_the_default_pair_gives_rsp_and_ssp_the_same_greedy_answers(run,
 def test_a_gguf_target_is_converted_once_and_then_loads_from_its_copy(tmp_path, monkeypatch):
     import torch
 
-    from lssp import loading
+    from lssp.models import loading, sources
 
     monkeypatch.setenv("LLAMASSP_CACHE", str(tmp_path / "cache"))
     spec = load_registry(ROOT / "models.yaml").get("smollm2-135m")
     first = loading.load_model(spec)  # from the GGUF file; writes the copy
-    copy_dir = loading.gguf_copy_dir(spec.local_path(), spec.dtype)
+    copy_dir = sources.gguf_copy_dir(spec.local_path(), spec.dtype)
     assert (copy_dir / "model.safetensors").exists() and (copy_dir / "tokenizer.json").exists()
-    assert loading._source(spec) == (str(copy_dir), {})
+    assert sources.model_source(spec) == (str(copy_dir), {})
     second = loading.load_model(spec)
     ids = torch.tensor([[1, 504, 3000, 22, 9000]])
     with torch.inference_mode():

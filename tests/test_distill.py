@@ -14,9 +14,9 @@ from lssp.distill import REPEAT_CUE, REPEAT_WINDOW, DistillConfig, chosen_shard,
 from lssp.distill.collection import _batches, _generate_batch, _last_logits, _score_batch
 from lssp.distill.data import training_prompts
 from lssp.errors import IncompatibleModelsError
-from lssp.loading import check_compatible, load_model
-from lssp.prompts import HELD_OUT
-from lssp.registry import load_registry
+from lssp.models.loading import check_compatible, load_model
+from lssp.workloads.prompts import HELD_OUT
+from lssp.models.registry import load_registry
 
 ACCEPTANCE = "latency prompts 1-4, greedy, K=4, 32 tokens"
 
@@ -65,7 +65,7 @@ def test_distill_makes_a_loadable_draft_and_resumes(tiny_dir, tmp_path, capsys):
     assert len(after) > len(shards) and all(after[path] == mtime for path, mtime in shards.items())  # kept, not rewritten
     reg = load_registry(tiny_dir / "models.yaml")
     target = load_model(reg.get("tiny-target"))
-    from lssp.registry import ModelSpec
+    from lssp.models.registry import ModelSpec
 
     draft = load_model(ModelSpec(name="d", path=str(out), dtype="float32"))
     assert check_compatible(target, draft) == 64
@@ -132,7 +132,7 @@ def test_distill_with_a_frequent_token_head(tiny_dir, tmp_path, capsys):
     # Going on from it keeps its head; the registry loader gives a compatible draft.
     assert main(common + ["--out", str(second), "--init-draft", str(first), "--data-dir", str(tmp_path / "w2")]) == 0
     assert json.loads((second / "config.json").read_text())["head_token_ids"] == ids
-    from lssp.registry import ModelSpec
+    from lssp.models.registry import ModelSpec
 
     target = load_model(load_registry(tiny_dir / "models.yaml").get("tiny-target"))
     draft = load_model(ModelSpec(name="d", path=str(second), dtype="float32", forward="compact"))
@@ -218,7 +218,7 @@ def test_distill_repeat_data_continues_earlier_text(tiny_dir, tmp_path, capsys):
 
 def test_a_frequent_token_head_generates_as_its_full_width_logits_would(monkeypatch):
     """Batched generation samples a subset-head draft over its own rows (no full-width scatter), same law."""
-    from lssp.draft_head import attach_subset_head
+    from lssp.models.draft_head import attach_subset_head
 
     draft = attach_subset_head(tiny_llama(4), list(range(0, 64, 2))).eval()
     assert _last_logits(draft, input_ids=torch.tensor([[5]]))[1] is not None  # the head's own rows

@@ -6,28 +6,19 @@ import json
 import pytest
 import torch
 
-import lssp.eagle as eagle
-import lssp.generation as generation
-from conftest import tiny_llama
-from lssp.compact import CompactLlama
-from lssp.eagle import FeatureDraft, FeatureHead, head_config, load_feature_head, save_feature_head
+import lssp.models.eagle as eagle
+import lssp.decoding.verification as verification
+from conftest import random_head, tiny_llama
+from lssp.models.compact import CompactLlama
+from lssp.models.eagle import FeatureDraft, FeatureHead, head_config, load_feature_head, save_feature_head
 from lssp.errors import UserError
-from lssp.generation import generate_regular, generate_speculative
-from lssp.sampling import SamplingParams, warp
-from lssp.stats import chi_square_gof
+from lssp.decoding.generation import generate_regular
+from lssp.decoding.speculative import generate_speculative
+from lssp.decoding.sampling import SamplingParams, warp
+from lssp.report.stats import chi_square_gof
 
 GREEDY = SamplingParams(temperature=0)
 PROMPTS = [[0, 5, 9, 3], [0, 17], [0, 40, 41, 42, 43, 44, 45, 46], [7]]
-
-
-def random_head(target, seed: int, token_ids: list[int] | None = None, bias: bool = False, scale: float = 1.0) -> FeatureHead:
-    torch.manual_seed(seed)
-    head = FeatureHead(head_config(target.config, token_ids=token_ids), bias=bias).eval()
-    with torch.no_grad():
-        for p in head.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.2 * scale)
-    return head
 
 
 @pytest.fixture(scope="module")
@@ -204,8 +195,8 @@ def test_ssp_with_a_feature_head_recovers_the_target_distribution(small_pair, pa
 def test_the_law_test_catches_a_ratio_without_the_heads_q(small_pair, monkeypatch):
     model, draft = small_pair
     prompt, params = torch.tensor([[1, 2, 3]]), SamplingParams(1.0)
-    accepted_prefix = generation.accepted_prefix
-    monkeypatch.setattr(generation, "accepted_prefix",
+    accepted_prefix = verification.accepted_prefix
+    monkeypatch.setattr(verification, "accepted_prefix",
                         lambda p, q, drafts, g: accepted_prefix(p, torch.full_like(q, 1 / VOCAB), drafts, g))
     result = chi_square_gof(_counts(model, draft, prompt, params), _exact_law(model, prompt, params).tolist())
     assert result.p_value < SIGNIFICANCE, result
@@ -311,8 +302,8 @@ def test_a_head_of_another_width_is_refused(target):
 def test_distill_kind_eagle_makes_a_loadable_head_and_resumes(tiny_dir, tmp_path, capsys):
     from lssp.cli import main
     from lssp.distill import HELD_OUT_ACCEPTANCE
-    from lssp.loading import check_compatible, load_model
-    from lssp.registry import ModelSpec, load_registry
+    from lssp.models.loading import check_compatible, load_model
+    from lssp.models.registry import ModelSpec, load_registry
 
     out = tmp_path / "head"
     base = ["--config", str(tiny_dir / "models.yaml"), "--results-dir", str(tmp_path / "results"), "distill", "tiny-target",
@@ -363,7 +354,7 @@ def test_a_head_with_the_lookup_or_early_stopping_stays_exact(target, head, opti
 def test_a_shared_prompt_prefix_gives_a_head_the_same_tokens(target, head, params):
     """eval's prefix cache: the target's features of the few-shot prefix and the head's pairs over it are
     computed once; every problem rolls both back and feeds the rest, and gets what a full prefill gives."""
-    from lssp.generation import PrefixCache
+    from lssp.decoding.kv import PrefixCache
 
     draft = FeatureDraft(head, target)
     shared = [0, 7, 8, 9, 10, 11, 12]

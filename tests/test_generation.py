@@ -8,11 +8,13 @@ import pytest
 import torch
 from torch import nn
 
-import lssp.generation as generation
+import lssp.decoding.verification as verification
 from conftest import tiny_llama
-from lssp.generation import ContextLookup, Stopping, generate_regular, generate_speculative
-from lssp.sampling import SamplingParams, argmax, sample, warp
-from lssp.stats import chi_square_gof
+from lssp.drafters.lookup import ContextLookup
+from lssp.decoding.generation import Stopping, generate_regular
+from lssp.decoding.speculative import generate_speculative
+from lssp.decoding.sampling import SamplingParams, argmax, sample, warp
+from lssp.report.stats import chi_square_gof
 
 GREEDY = SamplingParams(temperature=0)
 PROMPTS = [[0, 5, 9, 3], [0, 17], [0, 40, 41, 42, 43, 44, 45, 46], [7]]
@@ -257,7 +259,7 @@ def test_distribution_test_rejects_an_always_accept_verifier(small_vocab_pair, m
     target, draft = small_vocab_pair
     params = SamplingParams(1.0)
     prompt = torch.tensor([[1, 2, 3]])
-    monkeypatch.setattr(generation, "accepted_prefix", lambda p, q, drafts, gen: drafts.shape[0])
+    monkeypatch.setattr(verification, "accepted_prefix", lambda p, q, drafts, gen: drafts.shape[0])
     result = chi_square_gof(two_token_counts(target, draft, prompt, params), exact_two_token_law(target, prompt, params).tolist())
     assert result.p_value < SIGNIFICANCE, result
 
@@ -266,7 +268,7 @@ def test_distribution_test_rejects_a_residual_without_max0(small_vocab_pair, mon
     target, draft = small_vocab_pair
     params = SamplingParams(1.0)
     prompt = torch.tensor([[1, 2, 3]])
-    monkeypatch.setattr(generation, "residual_distribution", lambda p, q: p)  # resample from p: biased
+    monkeypatch.setattr(verification, "residual_distribution", lambda p, q: p)  # resample from p: biased
     result = chi_square_gof(two_token_counts(target, draft, prompt, params), exact_two_token_law(target, prompt, params).tolist())
     assert result.p_value < SIGNIFICANCE, result
 
@@ -277,11 +279,11 @@ def test_distribution_test_rejects_a_verifier_that_counts_passes_instead_of_the_
     params = SamplingParams(1.0)
     prompt = torch.tensor([[1, 2, 3]])
 
-    def passes(p, q, drafts, gen):
+    def passes(p, q, drafts, uniforms):
         rows = torch.arange(drafts.shape[0])
-        return int((torch.rand(drafts.shape[0], generator=gen) * q[rows, drafts] < p[rows, drafts]).sum())
+        return int((uniforms * q[rows, drafts] < p[rows, drafts]).sum())
 
-    monkeypatch.setattr(generation, "accepted_prefix", passes)
+    monkeypatch.setattr(verification, "accepted_prefix", passes)
     result = chi_square_gof(two_token_counts(target, draft, prompt, params), exact_two_token_law(target, prompt, params).tolist())
     assert result.p_value < SIGNIFICANCE, result
 

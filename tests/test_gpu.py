@@ -12,11 +12,12 @@ import pytest
 import torch
 
 from conftest import tiny_llama
-from lssp.compact import CompactLlama
-from lssp.generation import generate_regular, generate_speculative
-from lssp.sampling import SamplingParams
-from lssp.stats import chi_square_gof
-from lssp.timing import Clock
+from lssp.models.compact import CompactLlama
+from lssp.decoding.generation import generate_regular
+from lssp.decoding.speculative import generate_speculative
+from lssp.decoding.sampling import SamplingParams
+from lssp.report.stats import chi_square_gof
+from lssp.decoding.timing import Clock
 from test_generation import N_RUNS, SIGNIFICANCE, VOCAB, PrefixTableLM, exact_two_token_law
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU visible")]
@@ -71,8 +72,8 @@ def test_a_target_split_between_the_gpu_and_the_cpu_decodes_like_one_on_the_cpu(
 @pytest.mark.parametrize("quantization", ["8bit", "4bit"])
 def test_bitsandbytes_on_cuda_decodes_and_ssp_matches_its_rsp(tiny_dir, quantization):
     pytest.importorskip("bitsandbytes", reason="bitsandbytes not installed (carry its wheel to the GPU machine)")
-    from lssp.loading import load_model
-    from lssp.registry import load_registry
+    from lssp.models.loading import load_model
+    from lssp.models.registry import load_registry
 
     registry = load_registry(tiny_dir / "models.yaml")
     spec = dataclasses.replace(registry.get("tiny-target"), quantization=quantization, dtype="float16")
@@ -87,7 +88,7 @@ def test_bitsandbytes_on_cuda_decodes_and_ssp_matches_its_rsp(tiny_dir, quantiza
 def test_the_compiled_compact_forward_on_cuda_is_exact_within_itself_and_close_to_eager(mode):
     """Compiled (CUDA graphs with reduce-overhead) target and draft: greedy SSp emits the compiled target's
     greedy RSp tokens; its logits stay close to the eager compact forward's."""
-    from lssp.generation import forward_logits, new_cache
+    from lssp.decoding.kv import forward_logits, new_cache
 
     eager = CompactLlama(tiny_llama(0, scale=4.0).to("cuda"))
     compiled = CompactLlama(tiny_llama(0, scale=4.0).to("cuda"))
@@ -115,8 +116,8 @@ def test_untimed_forwards_on_cuda_give_the_same_tokens_and_no_split():
 
 
 def test_random_init_with_gpus_and_a_draft_land_where_the_rules_say():
-    from lssp.loading import load_model
-    from lssp.registry import ModelSpec
+    from lssp.models.loading import load_model
+    from lssp.models.registry import ModelSpec
 
     config = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
@@ -130,7 +131,7 @@ def test_random_init_with_gpus_and_a_draft_land_where_the_rules_say():
 @pytest.mark.parametrize("compact", [False, True], ids=["transformers", "compact"])
 def test_greedy_ssp_with_a_feature_head_on_the_gpu_equals_rsp(compact):
     """The head shares the target's device: features, its cache and the verification stay on the GPU."""
-    from lssp.eagle import FeatureDraft, FeatureHead, head_config
+    from lssp.models.eagle import FeatureDraft, FeatureHead, head_config
 
     target = tiny_llama(10, scale=4.0).to("cuda")
     model = CompactLlama(target).eval() if compact else target

@@ -16,7 +16,7 @@ import pandas as pd
 import pytest
 
 from lssp.cli import hoist_global_options, main
-from lssp.report import append_csv, read_csv_parts
+from lssp.report.results import append_csv, read_csv_parts
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 REPO = Path(__file__).resolve().parents[1]
@@ -102,12 +102,12 @@ def test_malformed_csv_is_left_untouched_and_rows_go_beside(run, tmp_path):
 
 
 def test_results_dir_is_checked_before_any_model_loads(run, tmp_path, monkeypatch):
-    import lssp.loading
+    import lssp.models.loading
 
     def no_loading(*a, **k):
         raise AssertionError("a model was loaded before the results directory was checked")
 
-    monkeypatch.setattr(lssp.loading, "load_model", no_loading)
+    monkeypatch.setattr(lssp.models.loading, "load_model", no_loading)
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     for command in (["latency"], ["eval", "--nb-prompts", "2"], ["bench"], ["verify"], ["cost"]):
@@ -199,9 +199,9 @@ def test_ctrl_c_in_eval_exits_130_and_resume_finishes_it(tiny_dir, tmp_path, run
 
 
 def test_resume_with_nothing_to_resume_says_so(run, tmp_path, monkeypatch):
-    import lssp.loading
+    import lssp.models.loading
 
-    monkeypatch.setattr(lssp.loading, "load_model", lambda *a, **k: pytest.fail("loaded a model for nothing"))
+    monkeypatch.setattr(lssp.models.loading, "load_model", lambda *a, **k: pytest.fail("loaded a model for nothing"))
     code, out, err = run("eval", "--nb-prompts", "3", "--resume")
     assert code == 2 and "nothing to resume: no eval run with these settings" in err
     assert not (tmp_path / "results" / "eval.csv").exists()
@@ -217,13 +217,13 @@ def test_resume_of_a_completed_run_adds_no_rows(run, tmp_path):
 
 # --- noise, repeats, progress ----------------------------------------------------------------
 def test_noise_is_measured_and_flagged(run, tmp_path, monkeypatch):
-    import lssp.latency
+    import lssp.measure.latency
 
     code, out, err = run("latency", "--nb-prompts", "2", "--max-new-tokens", "6", "--k", "2")
     assert code == 0, err
     rows = pd.read_csv(tmp_path / "results" / "latency.csv")
     assert (rows["forward_spread"] >= 1).all()
-    monkeypatch.setattr(lssp.latency, "NOISY_SPREAD", 1.0)  # any spread at all now counts as a busy machine
+    monkeypatch.setattr(lssp.measure.latency, "NOISY_SPREAD", 1.0)  # any spread at all now counts as a busy machine
     code, out, err = run("latency", "--nb-prompts", "2", "--max-new-tokens", "6", "--k", "2")
     assert code == 0, err
     assert "busy machine" in out and "unreliable" in out
@@ -232,8 +232,9 @@ def test_noise_is_measured_and_flagged(run, tmp_path, monkeypatch):
 
 
 def test_spread_and_noisy_summary():
-    from lssp.generation import GenerationStats
-    from lssp.latency import Mode, PromptTiming, summarize
+    from lssp.decoding.generation import GenerationStats
+    from lssp.engines import Mode
+    from lssp.measure.latency import PromptTiming, summarize
 
     def timing(index: int, target_s: float) -> PromptTiming:
         stats = GenerationStats("rsp", new_tokens=10, target_forwards=10, target_time_s=target_s, total_time_s=target_s)
@@ -287,7 +288,7 @@ def test_more_bad_input(run, args, message):
 def test_one_prompt_is_singular_and_wald_stays_in_range(run):
     code, out, err = run("latency", "--nb-prompts", "1", "--max-new-tokens", "4")
     assert code == 0 and "1 prompt " in out and "1 prompts" not in out
-    from lssp.stats import wald
+    from lssp.report.stats import wald
 
     low = wald(1, 30)
     assert low.low == 0.0 and low.high > low.estimate
@@ -329,7 +330,7 @@ def test_a_run_leaves_the_git_checkout_clean(tiny_dir, tmp_path):
 
 
 def test_one_converted_copy_per_gguf_content(tmp_path, monkeypatch):
-    from lssp.loading import gguf_copy_dir
+    from lssp.models.sources import gguf_copy_dir
 
     monkeypatch.setenv("LLAMASSP_CACHE", str(tmp_path / "cache"))
     content = b"GGUF" + bytes(range(256)) * 10_000
@@ -344,8 +345,8 @@ def test_one_converted_copy_per_gguf_content(tmp_path, monkeypatch):
 
 
 def test_verify_exits_1_when_not_lossless(run, monkeypatch):
-    import lssp.verify
+    import lssp.measure.verify
 
-    monkeypatch.setattr(lssp.verify.VerifyReport, "lossless", property(lambda self: False))
+    monkeypatch.setattr(lssp.measure.verify.VerifyReport, "lossless", property(lambda self: False))
     code, out, err = run("verify", "--temperature", "0", "--nb-prompts", "1", "--max-new-tokens", "4")
     assert code == 1 and "NOT LOSSLESS" in out

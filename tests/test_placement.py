@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from lssp.cli import main
-from lssp.placement import GiB, Placement, empty_model, model_config, parse_bytes, plan_node
-from lssp.registry import load_registry
+from lssp.models.placement import GiB, Placement, empty_model, model_config, parse_bytes, plan_node
+from lssp.models.registry import load_registry
 
 REGISTRY = Path(__file__).resolve().parents[1] / "models.yaml"
 
@@ -108,8 +108,8 @@ def two_gpus_with_free_memory(monkeypatch):
 
 
 def test_a_draft_whose_entry_says_nothing_goes_whole_onto_the_emptiest_gpu(two_gpus_with_free_memory):
-    from lssp.loading import _placement
-    from lssp.registry import ModelSpec
+    from lssp.models.loading import _placement
+    from lssp.models.registry import ModelSpec
 
     spec = ModelSpec("d", init="random", config=TINY)
     assert _placement(spec, None, draft=True) == {"device_map": "cuda:1"}
@@ -120,8 +120,8 @@ def test_a_draft_whose_entry_says_nothing_goes_whole_onto_the_emptiest_gpu(two_g
 
 def test_a_draft_too_big_for_any_single_gpu_is_refused_in_one_line(two_gpus_with_free_memory):
     from lssp.errors import UserError
-    from lssp.loading import _placement
-    from lssp.registry import ModelSpec
+    from lssp.models.loading import _placement
+    from lssp.models.registry import ModelSpec
 
     spec = ModelSpec("big", init="random", config="llama-2-13b", dtype="bfloat16")  # 24.2 GiB: fits in 30 GiB free
     assert _placement(spec, None, draft=True) == {"device_map": "cuda:1"}
@@ -134,9 +134,9 @@ def test_a_draft_too_big_for_any_single_gpu_is_refused_in_one_line(two_gpus_with
 def test_random_weights_follow_the_entrys_max_memory_through_the_balanced_placement():
     """The path `gpus`/`max_memory` take for random init: built on the meta device, placed, then filled where
     each block goes. Here the only device allowed is the CPU, so it can run without a GPU."""
-    from lssp.generation import forward_logits, new_cache
-    from lssp.loading import load_model
-    from lssp.registry import ModelSpec
+    from lssp.decoding.kv import forward_logits, new_cache
+    from lssp.models.loading import load_model
+    from lssp.models.registry import ModelSpec
 
     loaded = load_model(ModelSpec("r", init="random", config=TINY, dtype="float32", max_memory={"cpu": "1GiB"}))
     model = loaded.model
@@ -149,8 +149,8 @@ def test_random_weights_follow_the_entrys_max_memory_through_the_balanced_placem
 
 def test_random_weights_that_do_not_fit_their_max_memory_are_refused():
     from lssp.errors import UserError
-    from lssp.loading import load_model
-    from lssp.registry import ModelSpec
+    from lssp.models.loading import load_model
+    from lssp.models.registry import ModelSpec
 
     with pytest.raises(UserError, match="does not fit on the memory its entry allows"):
         load_model(ModelSpec("r", init="random", config=TINY, max_memory={"cpu": "1KiB"}))
@@ -159,7 +159,7 @@ def test_random_weights_that_do_not_fit_their_max_memory_are_refused():
 def test_device_names_are_compact():
     from types import SimpleNamespace
 
-    from lssp.placement import device_names
+    from lssp.models.placement import device_names
 
     def on(*devices):
         return SimpleNamespace(parameters=lambda: [SimpleNamespace(device=torch.device(d)) for d in devices])

@@ -7,10 +7,11 @@ import pytest
 import torch
 
 from lssp.errors import IncompatibleModelsError, UserError
-from lssp.generation import generate_regular, generate_speculative
-from lssp.loading import check_compatible, load_model
-from lssp.registry import load_registry
-from lssp.sampling import SamplingParams
+from lssp.decoding.generation import generate_regular
+from lssp.decoding.speculative import generate_speculative
+from lssp.models.loading import check_compatible, load_model
+from lssp.models.registry import load_registry
+from lssp.decoding.sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
 

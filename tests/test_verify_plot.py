@@ -4,13 +4,13 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-import lssp.generation as generation
+import lssp.decoding.verification as verification
 from conftest import char_tokenizer, tiny_llama
-from lssp.loading import LoadedModel
-from lssp.plot import acceptance_figure, eval_figure, latency_figure, plot_results, speedup_figure
-from lssp.registry import ModelSpec
-from lssp.sampling import SamplingParams
-from lssp.verify import verify_greedy, verify_sampled
+from lssp.models.loading import LoadedModel
+from lssp.report.plot import acceptance_figure, eval_figure, latency_figure, plot_results, speedup_figure
+from lssp.models.registry import ModelSpec
+from lssp.decoding.sampling import SamplingParams
+from lssp.measure.verify import verify_greedy, verify_sampled
 
 PROMPTS = ["ab", "hello", "12 * 3"]
 
@@ -38,7 +38,7 @@ def test_verify_passes_the_real_speculative_sampler(pair):
 
 
 def test_verify_fails_an_always_accept_verifier(pair, monkeypatch):
-    monkeypatch.setattr(generation, "accepted_prefix", lambda p, q, drafts, gen: drafts.shape[0])
+    monkeypatch.setattr(verification, "accepted_prefix", lambda p, q, drafts, gen: drafts.shape[0])
     rep = sampled(pair)
     assert not rep.lossless
     assert min(c.chi2_p_value for c in rep.positions) < rep.threshold
@@ -46,7 +46,7 @@ def test_verify_fails_an_always_accept_verifier(pair, monkeypatch):
 
 def test_verify_fails_a_residual_without_max0(pair, monkeypatch):
     # Without max(0, .) the replacement token can only be drawn from p itself (clamping is what removes q's mass).
-    monkeypatch.setattr(generation, "residual_distribution", lambda p, q: p)
+    monkeypatch.setattr(verification, "residual_distribution", lambda p, q: p)
     assert not sampled(pair).lossless
 
 
@@ -59,8 +59,8 @@ def test_greedy_report_identical_and_planted_divergence(pair, monkeypatch):
         n, extra = real(logits, drafts)
         return n, drafts[n] if n < drafts.shape[0] else extra
 
-    real = generation.greedy_verification
-    monkeypatch.setattr(generation, "greedy_verification", wrong_token)
+    real = verification.greedy_verification
+    monkeypatch.setattr(verification, "greedy_verification", wrong_token)
     rep = verify_greedy(target, draft, PROMPTS, k=3, max_new_tokens=20, vocab=64, tie_tolerance=1e-3)
     assert not rep.lossless and rep.identical_share < 1.0
     bad = [g for g in rep.greedy if not g.identical]
@@ -93,13 +93,13 @@ def test_speedup_figure_plots_measured_points_and_model_curve():
     measured, model = ax.lines[0], ax.lines[1]
     assert list(measured.get_xdata()) == [2, 4, 8]
     assert list(measured.get_ydata()) == pytest.approx([10 / 7, 10 / 6, 10 / 6.5])
-    from lssp.stats import predicted_speedup
+    from lssp.report.stats import predicted_speedup
 
     assert model.get_ydata()[3] == pytest.approx(predicted_speedup(0.7, 4, 0.1))  # K=4, c = 1 ms / 10 ms
 
 
 def test_speedup_model_counts_the_measured_cost_of_verification():
-    from lssp.stats import predicted_speedup
+    from lssp.report.stats import predicted_speedup
 
     rows = latency_rows()
     ssp = rows["mode"] == "ssp"
@@ -110,7 +110,7 @@ def test_speedup_model_counts_the_measured_cost_of_verification():
 
 
 def test_speedup_model_falls_back_to_alpha_from_tokens_per_forward():
-    from lssp.stats import expected_tokens_per_iteration, predicted_speedup
+    from lssp.report.stats import expected_tokens_per_iteration, predicted_speedup
 
     rows = latency_rows().drop(columns=["alpha"])
     rows["mean_accepted"] = [float("nan")] + [expected_tokens_per_iteration(0.6, k) for k in (2, 4, 8)]
@@ -147,7 +147,7 @@ def test_plot_results_writes_pngs_and_filters(tmp_path):
 
 
 def test_a_chart_keeps_to_one_machine(tmp_path):
-    from lssp.plot import _filter
+    from lssp.report.plot import _filter
 
     rows = latency_rows()
     other = rows.assign(run_id="r-other", device="CPU: another machine", timestamp="2099-01-01T00:00:00")

@@ -11,16 +11,17 @@ import torch
 from transformers import LlamaForCausalLM
 
 from conftest import TINY_REGISTRY, char_tokenizer, save_tiny
-from lssp import vllm_engine
+from lssp.engines import vllm as vllm_engine
 from lssp.cli import main
-from lssp.draft_head import attach_subset_head
+from lssp.models.draft_head import attach_subset_head
 from lssp.errors import UserError
-from lssp.generation import generate_regular
-from lssp.loading import load_model
-from lssp.registry import load_registry
-from lssp.sampling import SamplingParams
-from lssp.vllm_engine import (
-    Counters, EngineModel, VllmEngines, drafted_flags, export_draft, probe_texts, read_counters, stats_from_request,
+from lssp.decoding.generation import generate_regular
+from lssp.models.loading import load_model
+from lssp.models.registry import load_registry
+from lssp.decoding.sampling import SamplingParams
+from lssp.models.export import export_draft, probe_texts
+from lssp.engines.vllm import (
+    Counters, EngineModel, VllmEngines, drafted_flags, read_counters, stats_from_request,
 )
 
 pytestmark = pytest.mark.filterwarnings("ignore")
@@ -291,8 +292,8 @@ def test_vllm_runs_our_feature_head_with_its_eagle_method(tmp_path):
     about as much as ours."""
     vllm_or_skip()
     from conftest import char_tokenizer, tiny_llama
-    from lssp.eagle import FeatureDraft, FeatureHead, head_config, save_feature_head
-    from lssp.generation import generate_speculative
+    from lssp.models.eagle import FeatureDraft, FeatureHead, head_config, save_feature_head
+    from lssp.decoding.speculative import generate_speculative
 
     target = tiny_llama(12, hidden=256, scale=4.0)
     with torch.no_grad():

@@ -12,7 +12,7 @@ from lssp.cli.common import (
     read_prompt_list, sampling_params, save, settings, table, parse_engines, load_engine_pair, start_vllm,
 )
 from lssp.errors import UserError
-from lssp.report import plural
+from lssp.report.results import plural
 
 
 @app.command()
@@ -33,9 +33,8 @@ def bench(
     json_out: JsonOpt = None,
 ) -> None:
     """Ours vs transformers: RSp vs generate(), SSp vs assisted generation, same prompts, one run."""
-    from lssp.bench import engines_for, run_bench
-    from lssp.latency import separate_split_pass
-    from lssp.prompts import WARMUP_PROMPT
+    from lssp.measure.bench import engines_for, run_bench
+    from lssp.workloads.prompts import WARMUP_PROMPT
 
     s = settings(ctx)
     check_positive("--k", k)
@@ -47,7 +46,7 @@ def bench(
     rivals = parse_engines(engine, ("hf", "vllm"))
     engines = engines_for(rivals)
     if "vllm" in rivals:
-        from lssp.vllm_engine import check_options
+        from lssp.engines.vllm import check_options
 
         check_options(confidences)
     prompt_list = read_prompt_list(prompts, nb_prompts)
@@ -58,8 +57,7 @@ def bench(
         raise UserError(f"transformers' assisted generation cannot run the feature head {d.name!r}: "
                         "use --engine vllm as its rival")
     vllm = start_vllm(*load_engine_pair(s, target, draft), [(0, 0), (k, 0)]) if "vllm" in rivals else None
-    split_pass = 2 * len(prompt_list) if separate_split_pass("auto", t.model, d.model) else 0  # ours, on a GPU
-    with progress(len(engines) * (len(prompt_list) + 1) + 1 + split_pass, "bench") as tick:
+    with progress(None, "bench") as tick:
         run = run_bench(t, d, prompt_list, WARMUP_PROMPT, k, params, max_new_tokens, s.seed, vocab, engines=engines,
                         progress=tick, confidence=confidences[0], measure_bandwidth=True, vllm=vllm)
     render(run, alphas, t.spec.is_random or d.spec.is_random)
@@ -73,8 +71,8 @@ def bench(
 
 
 def render(run, alphas: list[float], random_weights: bool) -> None:
-    from lssp.latency import NOISY_SPREAD
-    from lssp.stats import predicted_speedup
+    from lssp.measure.latency import NOISY_SPREAD
+    from lssp.report.stats import predicted_speedup
 
     setup = run.setup
     hf_header = "ours÷hf" if run.has("vllm") else "ours÷hf [min–max]"  # 80 columns

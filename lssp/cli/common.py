@@ -18,9 +18,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from lssp.errors import UserError
-from lssp.registry import Registry, load_registry
-from lssp.report import ResultWriter, check_writable_dir, plural
-from lssp.sampling import SamplingParams
+from lssp.models.registry import Registry, load_registry
+from lssp.report.results import ResultWriter, check_writable_dir, plural
+from lssp.decoding.sampling import SamplingParams
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Measure speculative sampling (SSp) against regular sampling (RSp).")
@@ -75,6 +75,14 @@ def settings(ctx: typer.Context) -> Settings:
     return ctx.find_root().obj
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from lssp import __version__
+
+        console.print(f"llamassp {__version__}")
+        raise typer.Exit(0)
+
+
 @app.callback()
 def main_options(
     ctx: typer.Context,
@@ -87,6 +95,8 @@ def main_options(
                                   "compact forward; CUDA graphs on a GPU).")] = False,
     compile_fallback: Annotated[bool, flag("--compile-fallback", help="Where compiling is impossible, run "
                                            "uncompiled with a warning instead of stopping.")] = False,
+    version: Annotated[bool, typer.Option("--version", help="Print the version and exit.", is_eager=True,
+                                          callback=_print_version, metavar="")] = False,
 ) -> None:
     """Global options go before or after the subcommand: llamassp.py latency --seed 1 ..."""
     ctx.obj = Settings(config, results_dir, seed, verbose, device, compile, compile_fallback)
@@ -174,7 +184,7 @@ def parse_fractions(name: str, text: str) -> list[float]:
 
 
 def load(s: Settings, name: str, draft: bool = False, target=None):
-    from lssp.loading import feature_head_folder, load_model
+    from lssp.models.loading import feature_head_folder, load_model
 
     spec = s.registry.get(name)
     if s.compile and not spec.compile and not (draft and feature_head_folder(spec)):
@@ -196,7 +206,7 @@ def load_pair(s: Settings, target_name: str | None, draft_name: str | None, need
 
 def load_draft_for(s: Settings, target, name: str):
     """One more draft for a loaded target, and the logit width they share."""
-    from lssp.loading import check_compatible
+    from lssp.models.loading import check_compatible
 
     draft = load(s, s.registry.draft_name(name), draft=True, target=target)
     return draft, check_compatible(target, draft)
@@ -213,8 +223,8 @@ def parse_engines(value: str, allowed: tuple[str, ...] = ("ours", "vllm")) -> li
 
 def load_engine_pair(s: Settings, target_name: str | None, draft_name: str | None, need_draft: bool = True):
     """The pair as vLLM will run it: tokenizers and configs only on our side (no weights loaded here)."""
-    from lssp.loading import check_compatible
-    from lssp.vllm_engine import EngineModel, require_vllm
+    from lssp.models.loading import check_compatible
+    from lssp.engines.vllm import EngineModel, require_vllm
 
     require_vllm()
     t_spec = s.registry.get(s.registry.target_name(target_name))
@@ -229,7 +239,7 @@ def load_engine_pair(s: Settings, target_name: str | None, draft_name: str | Non
 
 def start_vllm(target, draft, keys: list[tuple[int, int]]):
     """vLLM engines for (k, lookup) modes (k = 0: RSp), all started before anything is timed."""
-    from lssp.vllm_engine import VllmEngines
+    from lssp.engines.vllm import VllmEngines
 
     with err_console.status(f"Starting {plural(len(keys), 'vLLM engine')}…") as status:
         return VllmEngines(target, draft, keys, lambda key: status.update(f"Started vLLM for K={key[0]}…"))
@@ -237,8 +247,8 @@ def start_vllm(target, draft, keys: list[tuple[int, int]]):
 
 def read_prompt_list(prompts_file: Path | None, nb_prompts: int | None) -> list[str]:
     """Prompts as text: the file's lines (the first turn of each JSONL prompt) or the built-in list."""
-    from lssp.prompts import LATENCY_PROMPTS, read_prompts
-    from lssp.tasks import is_jsonl, read_jsonl
+    from lssp.workloads.prompts import LATENCY_PROMPTS, read_prompts
+    from lssp.workloads.tasks import is_jsonl, read_jsonl
 
     if prompts_file and is_jsonl(prompts_file):
         prompts = [p.text for p in read_jsonl(prompts_file)]
@@ -261,8 +271,8 @@ def _first(prompts: list, nb_prompts: int | None, source: Path | str | None) -> 
 def read_task_prompts(tasks: str | None, prompts_file: Path | None, nb_prompts: int | None, chat: bool) -> list:
     """The TaskPrompts a latency run times: built-in tasks (``--nb-prompts`` of each), a file (lines or
     Spec-Bench JSONL), or by default the reference's story openings."""
-    from lssp.latency import as_task_prompts
-    from lssp.tasks import is_jsonl, load_tasks, parse_tasks, read_jsonl, task_prompts
+    from lssp.measure.latency import as_task_prompts
+    from lssp.workloads.tasks import is_jsonl, load_tasks, parse_tasks, read_jsonl, task_prompts
 
     if tasks is not None and prompts_file is not None:
         raise UserError("--task and --prompts: give one of them")
@@ -277,7 +287,7 @@ def read_task_prompts(tasks: str | None, prompts_file: Path | None, nb_prompts: 
     return _first(list(task_prompts("stories")), nb_prompts, None)
 
 
-Tick = Callable[[str], None]
+Tick = Callable[..., None]  # (description) or (description, done, total)
 # Without a terminal, at most one progress line per this many seconds ($LLAMASSP_LOG_EVERY; 0: every step).
 LOG_EVERY_S = float(os.environ.get("LLAMASSP_LOG_EVERY", "5"))
 
@@ -307,20 +317,29 @@ def _bar() -> Progress:
 
 
 @contextmanager
-def progress(total: int, label: str) -> Iterator[Tick]:
-    """A bar on a terminal, ProgressLog lines elsewhere. Yields ``tick(description)``, called after each of
-    ``total`` steps."""
+def progress(total: int | None, label: str) -> Iterator[Tick]:
+    """A bar on a terminal, ProgressLog lines elsewhere. Yields ``tick(description, done=None, total=None)``,
+    called after each step: without ``done`` and ``total`` a step of the ``total`` given here, with them (the run
+    loop's) where the run stands."""
     if err_console.is_terminal:
         with _bar() as bar:
             task = bar.add_task(label, total=total)
-            yield lambda message: bar.update(task, advance=1, description=message)
-        return
-    lines, done = ProgressLog(label), 0
 
-    def tick(message: str) -> None:
-        nonlocal done
-        done += 1
-        lines.show(done / total, message, f"[{done}/{total}] ")
+            def advance(message: str, done: int | None = None, of: int | None = None) -> None:
+                if of is not None:
+                    bar.update(task, total=of, completed=done, description=message)
+                else:
+                    bar.update(task, advance=1, description=message)
+
+            yield advance
+        return
+    lines, count = ProgressLog(label), 0
+
+    def tick(message: str, done: int | None = None, of: int | None = None) -> None:
+        nonlocal count, total
+        count = done if done is not None else count + 1
+        total = of if of is not None else total
+        lines.show(count / max(1, total or 1), message, f"[{count}/{total}] ")
 
     yield tick
 
@@ -403,7 +422,7 @@ def exit_with(code: int) -> None:
 
 def plot_charts(s: Settings, **filters: Any) -> None:
     try:
-        from lssp import plot as plotting
+        from lssp.report.results import plot as plotting
     except ImportError:
         raise UserError("plotting needs matplotlib (run ./setup.sh)") from None
     for path in plotting.plot_results(s.results_dir, **filters):

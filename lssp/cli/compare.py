@@ -11,7 +11,7 @@ from rich.text import Text
 from lssp.cli.common import (
     ChatOpt, DraftArg, IgnoreEosOpt, KOpt, LookupOpt, MaxNewOpt, NbPromptsOpt, TargetArg, TaskOpt, TemperatureOpt,
     TopKOpt, TopPOpt, app, check_positive, console, err_console, fmt, k_label, load_pair, read_task_prompts,
-    sampling_params, settings, EngineOpt, parse_engines, load_engine_pair, start_vllm,
+    sampling_params, settings, parse_engines, load_engine_pair, start_vllm,
 )
 from lssp.errors import UserError
 
@@ -35,12 +35,11 @@ def compare(
     engine: Annotated[str, typer.Option("--engine", help="ours, or vllm (./setup.sh --vllm installs it).")] = "ours",
 ) -> None:
     """Stream RSp then SSp completions of each prompt, with wall times and the speedup."""
-    import torch
-
-    from lssp.generation import Stopping, generate_regular, generate_speculative
-    from lssp.latency import complete_turns, uses_chat_template
-    from lssp.tasks import TaskPrompt
-    from lssp.prompts import WARMUP_PROMPT
+    from lssp.decoding.generation import Stopping
+    from lssp.engines import Mode, OursEngine, Request, VllmEngine, request_seed
+    from lssp.measure.latency import complete_turns, uses_chat_template
+    from lssp.workloads.prompts import WARMUP_PROMPT
+    from lssp.workloads.tasks import TaskPrompt
 
     s = settings(ctx)
     check_positive("--k", k)
@@ -53,36 +52,31 @@ def compare(
     (chosen,) = parse_engines(engine) if "," not in engine else (None,)
     if chosen is None:
         raise UserError(f"--engine {engine!r}: compare streams one engine at a time (ours or vllm)")
-    vllm = None
     if chosen == "vllm":
         t, d = load_engine_pair(s, target, draft, need_draft=not lookup or draft is not None)
-        vllm, vocab = start_vllm(t, d, [(0, 0), (k, lookup)]), None
+        runner = VllmEngine(start_vllm(t, d, [(0, 0), (k, lookup)]))
     else:
         t, d, vocab = load_pair(s, target, draft)
+        runner = OursEngine(t, [d], [vocab])
     stopping = Stopping() if ignore_eos else Stopping(token_ids=t.eos_ids)
+    modes = {"rsp": Mode("rsp", engine=chosen), "ssp": Mode("ssp", k, lookup=lookup, engine=chosen)}
 
     def stream(prompt, index: int, mode: str):
-        """Complete every turn of ``prompt`` in ``mode``, printing each turn and streaming its answer."""
+        """Complete every turn of ``prompt`` in ``mode``, printing each turn and streaming its answer (vLLM stepped
+        by hand, each step's tokens shown as they come)."""
         turns = iter(enumerate(prompt.turns))
-        generator = torch.Generator(t.device).manual_seed(s.seed + index)
 
         def generate(ids):
             number, text = next(turns)
             shown = TokenStream(t.tokenizer, ("\n\n" if number else "") + text)
-            if vllm is not None:  # stepped by hand, each step's tokens shown as they come
-                return vllm.generate(k if mode == "ssp" else 0, lookup if mode == "ssp" else 0, ids[0].tolist(),
-                                     max_new_tokens, params, s.seed + index, stopping.token_ids, ignore_eos,
-                                     on_tokens=shown.show).output
-            if mode == "rsp":
-                return generate_regular(t.model, ids, max_new_tokens, params, generator, stopping, on_tokens=shown.show)
-            return generate_speculative(t.model, d.model, ids, max_new_tokens, k, params, generator, stopping,
-                                        vocab_size=vocab, on_tokens=shown.show, lookup=lookup)
+            return runner.complete(modes[mode], Request(ids, max_new_tokens, params, request_seed(s.seed, index),
+                                                        stopping, on_tokens=shown.show))
 
         stats, _, _ = complete_turns(t, prompt, uses_chat_template(t, prompt, chat), generate)
         return stats
 
-    via = " in vLLM" if vllm is not None else ""
-    helper = f"{d.name}" if d is not None and not (vllm is not None and lookup) else f"vLLM's n-gram lookup"
+    via = " in vLLM" if chosen == "vllm" else ""
+    helper = f"{d.name}" if d is not None and not (chosen == "vllm" and lookup) else "vLLM's n-gram lookup"
 
     def run_one(prompt, index: int) -> None:
         console.print(Text(f"\n=> Regular sampling with {t.name}{via}" + (f" ({prompt.task})" if task else ""),
@@ -93,7 +87,7 @@ def compare(
                            style="bold") + Text("draft tokens accepted", style="green") + Text(" / ")
                       + Text("made by the target", style="bold blue"))
         ssp = stream(prompt, index, "ssp")
-        if vllm is not None and lookup:
+        if chosen == "vllm" and lookup:
             console.print(Text("\n   (vLLM's n-gram steps: which tokens were drafted is not shown)", style="dim"), end="")
         console.print(Text(f"\n   {ssp.total_time_s:.2f}s, {_ms_per_token(ssp):.1f} ms/token, acceptance "
                            f"{fmt(ssp.acceptance_rate, 0, pct=True)}, {ssp.tokens_per_target_forward:.2f} "
@@ -103,13 +97,8 @@ def compare(
 
     try:
         with err_console.status("Warming up…"):
-            warm = t.encode(WARMUP_PROMPT)
-            if vllm is not None:
-                for key in vllm.engines:
-                    vllm.generate(*key, warm[0].tolist(), 8, params, s.seed)
-            else:
-                generate_speculative(t.model, d.model, warm, 8, k, params, vocab_size=vocab, lookup=lookup)
-                generate_regular(t.model, warm, 8, params)
+            for mode in modes.values():
+                runner.complete(mode, Request(t.encode(WARMUP_PROMPT), 8, params, request_seed(s.seed, -1)))
         console.print(f"Comparing {t.name} RSp with SSp helped by {helper}{via}. Ctrl-C or EOF (Ctrl-D) ends.")
         prompts = task_list if task_list is not None else (
             TaskPrompt("prompts", (text,), chat) for text in prompt_source(prompt))

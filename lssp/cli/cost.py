@@ -9,6 +9,7 @@ import typer
 from lssp.cli.common import (
     JsonOpt, app, check_positive, console, err_console, exit_with, save, parse_ints, settings, table,
 )
+from lssp.engines import check_engines
 from lssp.errors import UserError
 
 
@@ -22,14 +23,16 @@ def cost(
     forwards: Annotated[Optional[str], typer.Option(help="Time these forwards: transformers,compact (default: each entry's).")] = None,
     context: Annotated[int, typer.Option(help="Tokens already in the KV cache.")] = 64,
     repeats: Annotated[int, typer.Option(help="Timed forwards per point (median taken).")] = 15,
+    engine: Annotated[str, typer.Option("--engine", help="The engine to time: ours (the only one cost takes so far).")] = "ours",
     json_out: JsonOpt = None,
 ) -> None:
     """Forward ms by precision and by tokens per forward: does verifying K drafts cost about one forward here?"""
-    from lssp.cost import run_costs
-    from lssp.loading import load_model
-    from lssp.registry import DTYPES, FORWARDS, QUANTIZATIONS
+    from lssp.measure.cost import run_costs
+    from lssp.models.loading import load_model
+    from lssp.models.registry import DTYPES, FORWARDS, QUANTIZATIONS
 
     s = settings(ctx)
+    check_engines("cost", [e.strip() for e in engine.split(",") if e.strip()], ("ours",))
     counts = parse_ints("--tokens", tokens)
     forward_list = [f.strip() for f in (forwards or "").split(",") if f.strip()]
     if forwards is not None and (not forward_list or any(f not in FORWARDS for f in forward_list)):

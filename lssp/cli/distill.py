@@ -41,7 +41,7 @@ def distill(
 ) -> None:
     """Make a small Llama draft for TARGET from its own continuations (resumable)."""
     from lssp import distill as dst
-    from lssp.generation import model_device
+    from lssp.models.modules import model_device
 
     s = settings(ctx)
     if kind not in ("draft", "eagle"):

@@ -12,7 +12,7 @@ from lssp.cli.common import (
     parse_engines, load_engine_pair, start_vllm,
 )
 from lssp.errors import UserError
-from lssp.report import plural
+from lssp.report.results import plural
 
 
 @app.command("eval")
@@ -42,7 +42,7 @@ def eval_cmd(
 ) -> None:
     """Arithmetic accuracy ("a * b = " after the reference's few-shot lines, a and b uniform in 1..99) with 95%
     intervals."""
-    from lssp.evals import LOW, OPERATIONS, EvalInterrupted, eval_config, resume_point, run_eval
+    from lssp.measure.evals import LOW, OPERATIONS, EvalInterrupted, eval_config, resume_point, run_eval
 
     s = settings(ctx)
     check_positive("--nb-prompts", nb_prompts)
@@ -65,12 +65,16 @@ def eval_cmd(
         resume_point(results / "eval_records", eval_config(
             s.registry.target_name(target), s.registry.draft_name(draft) if draft else None, modes, nb_prompts, s.seed,
             k, max_new_tokens, params, lookup, op, max_operand, engine))
-    vllm = None
     if engine == "vllm":
+        from lssp.engines import VllmEngine
+
         t, d = load_engine_pair(s, target, draft, need_draft=draft is not None)
-        vllm, vocab = start_vllm(t, d, [(0, 0) if m == "rsp" else (k, lookup) for m in modes]), None
+        runner = VllmEngine(start_vllm(t, d, [(0, 0) if m == "rsp" else (k, lookup) for m in modes]))
     else:
+        from lssp.engines import OursEngine
+
         t, d, vocab = load_pair(s, target, draft, need_draft=draft is not None)
+        runner = OursEngine(t, [d] if d else [], [vocab])
     correct = {m: 0 for m in modes}
     try:
         with progress(nb_prompts * len(modes), "eval") as tick:
@@ -78,9 +82,9 @@ def eval_cmd(
                 correct[r.mode] += r.correct
                 tick(" ".join(f"{m.upper()} {c}✓" for m, c in correct.items()))
 
-            run = run_eval(t, d, modes, nb_prompts, s.seed, params, max_new_tokens, k, results / "eval_records",
-                           resume=resume, vocab_size=vocab, on_record=on_record, lookup=lookup, op=op,
-                           max_operand=max_operand, prefix_cache=prefix_cache, rsp_batch=rsp_batch, vllm=vllm)
+            run = run_eval(t, d, runner, modes, nb_prompts, s.seed, params, max_new_tokens, k, results / "eval_records",
+                           resume=resume, on_record=on_record, lookup=lookup, op=op, max_operand=max_operand,
+                           prefix_cache=prefix_cache, rsp_batch=rsp_batch)
     except EvalInterrupted as stop:
         err_console.print(f"interrupted: {plural(stop.records, 'record')} kept in {stop.records_path}; "
                           "the same command with --resume continues it", soft_wrap=True)  # the path stays whole
@@ -94,7 +98,7 @@ def eval_cmd(
 
 
 def render(run, t, d) -> None:
-    from lssp.evals import LOW, OPERATIONS
+    from lssp.measure.evals import LOW, OPERATIONS
 
     setup = run.setup
     symbol = OPERATIONS[setup.op][0]

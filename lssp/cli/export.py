@@ -17,9 +17,9 @@ def export_draft_cmd(
     out: Annotated[Optional[Path], typer.Option(help="Folder to write (default: the cache folder vLLM runs use).")] = None,
 ) -> None:
     """Write the draft with a full-width output layer: rows outside its head are held far below it."""
-    from lssp.draft_head import has_subset_head
-    from lssp.eagle import is_feature_head
-    from lssp.vllm_engine import exported_dir, export_draft
+    from lssp.models.draft_head import has_subset_head
+    from lssp.models.eagle import is_feature_head
+    from lssp.models.export import export_draft, exported_dir
 
     s = settings(ctx)
     spec = s.registry.get(s.registry.draft_name(draft))

@@ -15,7 +15,7 @@ from lssp.cli.common import (
     IgnoreEosOpt, TaskOpt, EngineOpt, parse_engines, load_engine_pair, start_vllm, load_draft_for,
 )
 from lssp.errors import UserError
-from lssp.report import plural
+from lssp.report.results import plural
 
 
 @app.command()
@@ -50,11 +50,12 @@ def latency(
     plot: PlotOpt = False,
 ) -> None:
     """ms/token of RSp and SSp on a prompt list or task categories, measured side by side in one run."""
-    from lssp.latency import SPLIT_CHOICES, run_latency, separate_split_pass
-    from lssp.prompts import WARMUP_PROMPT
+    from lssp.engines import OursEngine, VllmEngine
+    from lssp.measure.latency import SPLIT_CHOICES, latency_modes, run_latency
+    from lssp.workloads.prompts import WARMUP_PROMPT
 
     s = settings(ctx)
-    engines = parse_engines(engine)
+    engines_wanted = parse_engines(engine)
     ks = parse_ints("--k", k)
     confidences = parse_fractions("--draft-confidence", draft_confidence)
     lookups = parse_ints("--lookup", lookup, minimum=0)
@@ -64,40 +65,35 @@ def latency(
         raise UserError(f"--split {split!r}: expected one of {', '.join(SPLIT_CHOICES)}")
     prompt_list = read_task_prompts(task, prompts, nb_prompts, chat)
     params = sampling_params(temperature, top_k, top_p)
-    if "vllm" in engines:
-        from lssp.vllm_engine import check_options
+    if "vllm" in engines_wanted:
+        from lssp.engines.vllm import check_options
 
         check_options(confidences)
     results = s.writable_results_dir()
     use_draft = draft is not None or default_pair or target is None
     draft_names = [name.strip() for name in (draft or "").split(",") if name.strip()] or [None]
-    if len(draft_names) > 1 and "vllm" in engines:
+    if len(draft_names) > 1 and "vllm" in engines_wanted:
         raise UserError("--engine vllm times one draft: give --draft a single name")
     if len(set(draft_names)) < len(draft_names):
         raise UserError(f"--draft {draft!r} names a draft twice")
     draft = draft_names[0]
-    t = d = vllm = vocab = None
-    more: list = []
-    if "ours" in engines:
+    engines, drafts, t = {}, [], None
+    if "ours" in engines_wanted:
         t, d, vocab = load_pair(s, target, draft, need_draft=use_draft)
         more = [load_draft_for(s, t, name) for name in draft_names[1:]]
-    if "vllm" in engines:
+        drafts = [x for x in (d, *(m for m, _ in more)) if x is not None]
+        engines["ours"] = OursEngine(t, drafts, [vocab, *(v for _, v in more)])
+    if "vllm" in engines_wanted:
         vt, vd = load_engine_pair(s, target, draft, need_draft=use_draft)
-        keys = ([(0, 0)] if not (no_baseline and vd) else []) + [(k_, n) for n in lookups for k_ in ks if vd or n]
-        vllm = start_vllm(vt, vd, keys)
-        t, d = t or vt, d or vd
-    ours_modes = (0 if no_baseline and d is not None else 1) + (len(ks) * len(confidences) * len(lookups) * (1 + len(more))
-                                                                 if d else 0)
-    modes = ours_modes * ("ours" in engines) + (len(vllm.engines) if vllm else 0)
-    separate = "ours" in engines and separate_split_pass(split, t.model, *([d.model] if d else []))
-    with progress(modes * (repeats * len(prompt_list) + 1) + separate * ours_modes * len(prompt_list),
-                  "latency") as tick:
-        run = run_latency(t, [d, *(m for m, _ in more)] if more else d, prompt_list, WARMUP_PROMPT, ks, params,
-                          max_new_tokens, s.seed, baseline=not no_baseline,
-                          vocab_size=[vocab, *(v for _, v in more)] if more else vocab, progress=tick, confidences=confidences,
-                          chat=chat, lookups=lookups, repeats=repeats, split=split, ignore_eos=ignore_eos,
-                          engines=engines, vllm=vllm)
-    render(run, t, d, wide, [m for m, _ in more])
+        t, drafts = t or vt, drafts or ([vd] if vd else [])
+    modes = latency_modes(engines_wanted, [x.name for x in drafts], ks, confidences, lookups, not no_baseline)
+    if "vllm" in engines_wanted:
+        engines["vllm"] = VllmEngine(start_vllm(vt, vd, [VllmEngine.key(m) for m in modes if m.engine == "vllm"]))
+    d = drafts[0] if drafts else None
+    with progress(None, "latency") as tick:
+        run = run_latency(t, engines, modes, prompt_list, WARMUP_PROMPT, params, max_new_tokens, s.seed, drafts,
+                          progress=tick, chat=chat, repeats=repeats, split=split, ignore_eos=ignore_eos)
+    render(run, t, d, wide, drafts[1:])
     code = save(results, run.info.run_id, "latency", run.rows(), run.markdown(), json_out, run.summary_json(),
                 f"{run.info.env['device']} · run {run.info.run_id}", {"latency_prompts.csv": run.prompt_rows()})
     if plot and not run.interrupted:
@@ -109,7 +105,7 @@ def latency(
 
 
 def render(run, t, d, wide: bool = False, more: list | None = None) -> None:
-    from lssp.latency import SEPARATE_PASS
+    from lssp.measure.latency import SEPARATE_PASS
 
     setup = run.setup
     params = setup.params
@@ -179,7 +175,7 @@ def render(run, t, d, wide: bool = False, more: list | None = None) -> None:
         console.print(f"  draft/target cost ratio c = {run.cost_ratio:.3f} (draft ms per forward ÷ target ms per "
                       "1-token forward)")
     if run.noisy:
-        from lssp.latency import NOISY_SPREAD
+        from lssp.measure.latency import NOISY_SPREAD
 
         worst = max(overall, key=lambda m: m.forward_spread if m.forward_spread == m.forward_spread else 0)
         console.print(f"[bold yellow]  busy machine: the slowest prompt's target forwards took "

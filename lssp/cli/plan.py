@@ -26,7 +26,7 @@ def _quiet_accelerate() -> Iterator[None]:
 
 
 def _gib(n: float) -> str:
-    from lssp.placement import GiB
+    from lssp.models.placement import GiB
 
     return f"{n / GiB:.1f}"
 
@@ -54,8 +54,8 @@ def plan(
     16-bit, 8-bit or 4-bit: worked out on the meta device, nothing loaded."""
     import torch
 
-    from lssp.placement import (
-        GiB, PRECISIONS, empty_model, kv_bytes_per_token, model_config, parse_bytes, plan_node, precision_of,
+    from lssp.models.placement import (
+        PRECISIONS, empty_model, kv_bytes_per_token, model_config, parse_bytes, plan_node, precision_of,
     )
 
     s = settings(ctx)
@@ -76,7 +76,7 @@ def plan(
         raise UserError(f"--bandwidth must be positive, got {bandwidth:g}")
     bandwidth_source = "--bandwidth"
     if bandwidth is None and visible:
-        from lssp.bench import copy_bandwidth
+        from lssp.measure.bench import copy_bandwidth
 
         bandwidth, bandwidth_source = copy_bandwidth("cuda:0") / 1e9, "measured copy bandwidth of cuda:0"
     t_config = model_config(t_spec)
@@ -106,30 +106,37 @@ def plan(
     if any(node.missing_bytes(p) for p in PRECISIONS):
         console.print("no −N: N GiB find no room on the GPUs.")
     if chosen:
-        t = node.target[chosen]
-        console.print(f"At {chosen} (the widest that fits), the target's blocks go:")
-        for module, device in t.blocks():
-            console.print(f"  {module or '(the whole model)'} → {_device(device)}")
-        used = {i: t.bytes_per_device.get(i, 0) + (node.draft[chosen].bytes_per_device.get(i, 0) if d_spec else 0)
-                for i in range(gpus)}
-        console.print("GiB per GPU, draft included:\n  " + ", ".join(f"{i}: {_gib(b)}" for i, b in used.items()))
-        console.print(f"KV cache: {node.kv_bytes_per_token * 1024 / GiB:.2f} GiB per 1,024 tokens (16-bit, batch 1)")
-        if bandwidth:
-            console.print(f"Memory-bandwidth floor per token at {bandwidth:,.0f} GB/s ({bandwidth_source}), all "
-                          "weights read at one GPU's bandwidth (split layers run one GPU after another):")
-            floor = f"  target {node.floor_ms(t):.1f} ms"
-            if d_spec:
-                d = node.draft[chosen]
-                floor += f", draft {node.floor_ms(d):.2f} ms, c ≥ {d.weight_bytes / t.weight_bytes:.3f} by bytes"
-            console.print(floor)
-        else:
-            console.print("Give --bandwidth GB/s (one GPU's) for the memory-bandwidth floor per token.")
+        _render_placement(node, chosen, d_spec is not None, bandwidth, bandwidth_source)
     if json_out:
         _write_json(json_out, node, chosen, t_spec.name, d_spec.name if d_spec else None)
     if not chosen:
         short = node.missing_bytes("4-bit")
         raise UserError(f"{t_spec.name}" + (f" with {d_spec.name}" if d_spec else "") + f" does not fit on {gpus} × "
                         f"{_gib(gpu_bytes)} GiB at any precision: even in 4-bit, {_gib(short)} GiB find no room")
+
+
+def _render_placement(node, chosen: str, has_draft: bool, bandwidth: float | None, bandwidth_source: str) -> None:
+    """Where the target's blocks go at ``chosen``, GiB per GPU, the KV cache and the bandwidth floor."""
+    from lssp.models.placement import GiB
+
+    t = node.target[chosen]
+    console.print(f"At {chosen} (the widest that fits), the target's blocks go:")
+    for module, device in t.blocks():
+        console.print(f"  {module or '(the whole model)'} → {_device(device)}")
+    used = {i: t.bytes_per_device.get(i, 0) + (node.draft[chosen].bytes_per_device.get(i, 0) if has_draft else 0)
+            for i in range(node.gpus)}
+    console.print("GiB per GPU, draft included:\n  " + ", ".join(f"{i}: {_gib(b)}" for i, b in used.items()))
+    console.print(f"KV cache: {node.kv_bytes_per_token * 1024 / GiB:.2f} GiB per 1,024 tokens (16-bit, batch 1)")
+    if bandwidth:
+        console.print(f"Memory-bandwidth floor per token at {bandwidth:,.0f} GB/s ({bandwidth_source}), all "
+                      "weights read at one GPU's bandwidth (split layers run one GPU after another):")
+        floor = f"  target {node.floor_ms(t):.1f} ms"
+        if has_draft:
+            d = node.draft[chosen]
+            floor += f", draft {node.floor_ms(d):.2f} ms, c ≥ {d.weight_bytes / t.weight_bytes:.3f} by bytes"
+        console.print(floor)
+    else:
+        console.print("Give --bandwidth GB/s (one GPU's) for the memory-bandwidth floor per token.")
 
 
 def _write_json(path: Path, node, chosen: str | None, target: str, draft: str | None) -> None:

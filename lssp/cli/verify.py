@@ -11,8 +11,9 @@ from lssp.cli.common import (
     DraftArg, KOpt, LookupOpt, PromptsOpt, TargetArg, TopKOpt, TopPOpt, app, check_positive, console, exit_with, save,
     fmt, k_label, load_pair, progress, read_prompt_list, sampling_params, settings, table,
 )
+from lssp.engines import check_engines
 from lssp.errors import UserError
-from lssp.report import RunInfo
+from lssp.report.results import RunInfo
 
 
 @app.command()
@@ -33,12 +34,14 @@ def verify(
     tie_tolerance: Annotated[float, typer.Option(
         help="Greedy mode: a top-2 logit gap up to this (or 2 ulp of the logits' dtype) is a near-tie.")] = 0.1,
     lookup: LookupOpt = 0,
+    engine: Annotated[str, typer.Option("--engine", help="The engine to audit: ours (the only one verify takes so far).")] = "ours",
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the report as JSON here.")] = None,
 ) -> None:
     """Check that SSp samples exactly from the target (exit 1 when it does not)."""
-    from lssp import verify as vf
+    from lssp.measure import verify as vf
 
     s = settings(ctx)
+    check_engines("verify", [e.strip() for e in engine.split(",") if e.strip()], ("ours",))
     for name, value in [("--nb-prompts", nb_prompts), ("--samples", samples), ("--depth", depth), ("--k", k),
                         ("--max-new-tokens", max_new_tokens)]:
         check_positive(name, value)

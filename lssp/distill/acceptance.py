@@ -3,11 +3,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lssp.latency import run_latency
-from lssp.loading import LoadedModel, check_compatible, load_model
-from lssp.prompts import LATENCY_PROMPTS, WARMUP_PROMPT
-from lssp.registry import ModelSpec
-from lssp.sampling import SamplingParams
+from lssp.measure.latency import run_latency_ours
+from lssp.models.loading import LoadedModel, check_compatible, load_model
+from lssp.workloads.prompts import LATENCY_PROMPTS, WARMUP_PROMPT
+from lssp.models.registry import ModelSpec
+from lssp.decoding.sampling import SamplingParams
 
 HELD_OUT_ACCEPTANCE = "latency prompts 1-4, greedy, K=4, 32 tokens"  # the measurement's name in a DistillReport
 
@@ -22,6 +22,6 @@ def held_out_acceptance(target: LoadedModel, draft_dir: Path, seed: int, device:
     drafted = load_model(ModelSpec(name=draft_dir.name, path=str(draft_dir.resolve()), dtype="bfloat16"), device,
                          draft=True, target=target)
     vocab = check_compatible(target, drafted)
-    run = run_latency(target, drafted, LATENCY_PROMPTS[:4], WARMUP_PROMPT, [4], SamplingParams(0), 32, seed,
+    run = run_latency_ours(target, drafted, LATENCY_PROMPTS[:4], WARMUP_PROMPT, [4], SamplingParams(0), 32, seed,
                       baseline=False, vocab_size=vocab, ignore_eos=True)
     return {HELD_OUT_ACCEPTANCE: run.summaries[0].acceptance_rate}

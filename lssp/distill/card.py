@@ -11,8 +11,8 @@ from transformers import LlamaForCausalLM, PreTrainedTokenizerBase
 
 from lssp.distill.collection import REPEAT_CUE, REPEAT_WINDOW
 from lssp.distill.config import DistillReport
-from lssp.draft_head import subset_head
-from lssp.eagle import FeatureHead, save_feature_head
+from lssp.models.draft_head import subset_head
+from lssp.models.eagle import FeatureHead, save_feature_head
 
 
 def write_draft(draft: LlamaForCausalLM, tokenizer: PreTrainedTokenizerBase, out: Path, report: DistillReport,

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import random
 
-from lssp.prompts import HELD_OUT
-from lssp.tasks import all_task_texts
+from lssp.workloads.prompts import HELD_OUT
+from lssp.workloads.tasks import all_task_texts
 
 CHARACTERS = ["an old fisherman", "a young girl", "a retired teacher", "a lonely robot", "a curious cat", "two brothers",
               "a detective", "a baker", "a nurse on night shift", "a traveling musician", "a dragon", "a farmer",

@@ -139,11 +139,11 @@ class FusedDecoder(nn.Module):
         self.register_buffer("inv_freq", rotary.inv_freq.float().clone(), persistent=False)
         self.rope_scale = float(rotary.attention_scaling)
         self.decoder_layers = list(layers)  # the modules they were built from (their norms are read at each call)
-        self.qkv = nn.ModuleList(fused_linear(l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj, dtype=dtype)
-                                 for l in layers)
-        self.o = nn.ModuleList(fused_linear(l.self_attn.o_proj, dtype=dtype) for l in layers)
-        self.gate_up = nn.ModuleList(fused_linear(l.mlp.gate_proj, l.mlp.up_proj, dtype=dtype) for l in layers)
-        self.down = nn.ModuleList(fused_linear(l.mlp.down_proj, dtype=dtype) for l in layers)
+        self.qkv = nn.ModuleList(fused_linear(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, dtype=dtype)
+                                 for layer in layers)
+        self.o = nn.ModuleList(fused_linear(layer.self_attn.o_proj, dtype=dtype) for layer in layers)
+        self.gate_up = nn.ModuleList(fused_linear(layer.mlp.gate_proj, layer.mlp.up_proj, dtype=dtype) for layer in layers)
+        self.down = nn.ModuleList(fused_linear(layer.mlp.down_proj, dtype=dtype) for layer in layers)
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -218,7 +218,7 @@ class CompactLlama(FusedDecoder):
         self.to(self.get_input_embeddings().weight.device)
 
     @property
-    def generation_config(self):  # noqa: ANN201 - transformers' GenerationConfig
+    def generation_config(self) -> Any:  # transformers' GenerationConfig
         return self.hf.generation_config
 
     def get_input_embeddings(self) -> nn.Module:

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from lssp.errors import UserError
-from lssp.registry import ModelSpec
+from lssp.models.registry import ModelSpec
 
 GiB = 2**30
 PRECISIONS = ("16-bit", "8-bit", "4-bit")
@@ -39,18 +39,18 @@ def model_config(spec: ModelSpec) -> Any:
     """
     from transformers import AutoConfig
 
-    from lssp.loading import _source, random_config
+    from lssp.models.sources import model_source, random_config
 
     if spec.is_random or (spec.config and not spec.available_locally()):
         return random_config(spec)
     try:
-        where, extra = _source(spec)
+        where, extra = model_source(spec)
         return AutoConfig.from_pretrained(where, **extra)
     except (OSError, ValueError) as exc:
         if spec.config:
             return random_config(spec)
         raise UserError(f"model {spec.name!r}: cannot read its config offline ({str(exc).splitlines()[0]}); "
-                        "add 'config: <architecture>' to its entry (lssp/architectures.yaml lists them)") from None
+                        "add 'config: <architecture>' to its entry (lssp/models/architectures.yaml lists them)") from None
 
 
 def empty_model(config: Any, dtype: torch.dtype = torch.bfloat16) -> nn.Module:

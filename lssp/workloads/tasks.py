@@ -14,7 +14,7 @@ from functools import cache
 from pathlib import Path
 
 from lssp.errors import UserError
-from lssp.prompts import LATENCY_PROMPTS
+from lssp.workloads.prompts import LATENCY_PROMPTS
 
 PROMPT_DIR = Path(__file__).with_name("task_prompts")
 # Spec-Bench's six categories, then code and the reference tool's story openings.

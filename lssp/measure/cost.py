@@ -8,7 +8,7 @@ about K+1 times a 1-token one. These timings show which precision keeps verifica
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from statistics import median
 from typing import Any
@@ -16,12 +16,14 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from lssp.bench import Progress
-from lssp.generation import forward_logits, model_device, new_cache
-from lssp.loading import LoadedModel, dynamic_quantize
-from lssp.registry import DYNAMIC_QUANTIZATIONS
-from lssp.report import RunInfo, markdown_table
-from lssp.timing import Clock
+from lssp.decoding.kv import forward_logits, new_cache
+from lssp.models.modules import model_device
+from lssp.models.loading import LoadedModel, dynamic_quantize
+from lssp.models.registry import DYNAMIC_QUANTIZATIONS
+from lssp.report.results import RunInfo, markdown_table
+from lssp.decoding.timing import Clock
+
+Progress = Callable[[str], None]  # called with what is being timed next
 
 
 @dataclass
@@ -31,7 +33,7 @@ class ForwardCost:
     tokens: int  # fed in one forward, after `context` cached tokens
     ms: float  # median over repeats
     relative: float  # ms ÷ the same precision's 1-token forward
-    forward: str = "transformers"  # or "compact" (lssp.compact)
+    forward: str = "transformers"  # or "compact" (lssp.models.compact)
 
 
 def with_precision(loaded: LoadedModel, precision: str) -> PreTrainedModel:

@@ -13,8 +13,8 @@ import pandas as pd  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
 from lssp.errors import UserError  # noqa: E402
-from lssp.report import read_csv_parts  # noqa: E402
-from lssp.stats import alpha_from_tokens_per_iteration, predicted_speedup  # noqa: E402
+from lssp.report.results import read_csv_parts  # noqa: E402
+from lssp.report.stats import alpha_from_tokens_per_iteration, predicted_speedup  # noqa: E402
 
 KINDS = ("latency", "speedup", "acceptance", "tasks", "eval")
 
@@ -94,7 +94,7 @@ def latency_figure(frame: pd.DataFrame) -> Figure:
     """ms/token per mode for each target/draft pair, error bars from the per-prompt min and max."""
     frame = _latest_run_per_pair(frame)
     labels, values, low, high, colours, pairs = [], [], [], [], [], set()
-    for run_id, rows in frame.groupby("run_id", sort=False):
+    for _run_id, rows in frame.groupby("run_id", sort=False):
         for _, r in rows.iterrows():
             if r["mode"] == "ssp":
                 pairs.add(f"{r['target']} + {r['draft']}")

@@ -2,31 +2,27 @@
 from __future__ import annotations
 
 import copy
-import hashlib
 import logging
 import os
 import shutil
 import tempfile
 from dataclasses import dataclass
-from functools import cache
 from pathlib import Path
 from collections.abc import Sequence
 from typing import Any
 
 import torch
-import transformers
-import yaml
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from lssp.compact import CompactLlama
-from lssp.draft_head import has_subset_head, load_subset_head_model
+from lssp.models.compact import CompactLlama
+from lssp.models.draft_head import has_subset_head, load_subset_head_model
 from lssp.errors import IncompatibleModelsError, UserError
-from lssp.generation import logit_width, model_device
-from lssp.registry import DYNAMIC_QUANTIZATIONS, ModelSpec
+from lssp.models.modules import logit_width, model_device
+from lssp.models.registry import DYNAMIC_QUANTIZATIONS, ModelSpec
+from lssp.models.sources import gguf_copy_dir, model_source, random_config
 
 log = logging.getLogger(__name__)
 DynamicLinear = torch.ao.nn.quantized.dynamic.Linear
-ARCHITECTURES_FILE = Path(__file__).with_name("architectures.yaml")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -53,10 +49,12 @@ def encode_conversation(tokenizer: PreTrainedTokenizerBase, turns: Sequence[str]
     return tokenizer("\n\n".join(pieces)).input_ids
 
 
-@dataclass
-class LoadedModel:
+class ModelHandle:
+    """A registry entry as measurements see it, whichever engine runs its weights: its name, tokenizer, end tokens,
+    and what describes it in rows. ``LoadedModel`` holds the weights in this process; an engine that runs them
+    elsewhere (vLLM) has a handle of its own."""
+
     spec: ModelSpec
-    model: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase | None
 
     @property
@@ -65,12 +63,83 @@ class LoadedModel:
 
     @property
     def device(self) -> torch.device:
+        raise NotImplementedError
+
+    @property
+    def placement(self) -> str:
+        raise NotImplementedError
+
+    @property
+    def precision(self) -> str:
+        raise NotImplementedError
+
+    @property
+    def vocab_size(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def draft_kind(self) -> str:
+        """As a draft: "eagle" for a feature head, "draft" for a model of its own."""
+        raise NotImplementedError
+
+    def _eos_sources(self) -> list[Any]:
+        """Where the end token ids are read: configs and the tokenizer."""
+        return [self.tokenizer]
+
+    @property
+    def eos_ids(self) -> frozenset[int]:
+        """The token ids that end an answer: the generation config's, the model config's and the tokenizer's."""
+        ids: set[int] = set()
+        for source in self._eos_sources():
+            value = getattr(source, "eos_token_id", None) if source is not None else None
+            ids.update([value] if isinstance(value, int) else value or [])
+        return frozenset(ids)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
+    def encode(self, text: str, chat: bool = False) -> torch.Tensor:
+        """Token ids (1, T); ``chat`` wraps ``text`` as a user turn in the tokenizer's chat template."""
+        return self.encode_turns([text], (), chat)
+
+    def encode_turns(self, turns: Sequence[str], answers: Sequence[str] = (), chat: bool = False) -> torch.Tensor:
+        """Token ids (1, T) of a conversation ready for its next answer (``encode_conversation``).
+
+        A model without a tokenizer (random init) gets the UTF-8 bytes of the turns and answers as ids.
+        """
+        if self.tokenizer is None:
+            if chat:
+                raise UserError(f"model {self.name!r} has no tokenizer, so no chat template")
+            vocab = self.vocab_size
+            text = "\n\n".join(interleave(turns, answers))
+            return torch.tensor([[b % vocab for b in text.encode()]], dtype=torch.long)
+        if chat and not self.has_chat_template:
+            raise UserError(f"model {self.name!r}: its tokenizer has no chat template")
+        return torch.tensor([encode_conversation(self.tokenizer, turns, answers, chat)], dtype=torch.long)
+
+    def decode(self, ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return " ".join(map(str, ids))
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+@dataclass
+class LoadedModel(ModelHandle):
+    """A registry entry with its weights loaded in this process."""
+
+    spec: ModelSpec
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase | None
+
+    @property
+    def device(self) -> torch.device:
         return model_device(self.model)
 
     @property
     def placement(self) -> str:
         """The devices its weights are on: "cpu", "cuda:3", "cuda:0-3"."""
-        from lssp.placement import device_names
+        from lssp.models.placement import device_names
 
         return device_names(self.model)
 
@@ -107,25 +176,6 @@ class LoadedModel:
                 total += module.in_features * module.out_features * (2 if packed == torch.float16 else 1)
         return total
 
-    def encode(self, text: str, chat: bool = False) -> torch.Tensor:
-        """Token ids (1, T); ``chat`` wraps ``text`` as a user turn in the tokenizer's chat template."""
-        return self.encode_turns([text], (), chat)
-
-    def encode_turns(self, turns: Sequence[str], answers: Sequence[str] = (), chat: bool = False) -> torch.Tensor:
-        """Token ids (1, T) of a conversation ready for its next answer (``encode_conversation``).
-
-        A model without a tokenizer (random init) gets the UTF-8 bytes of the turns and answers as ids.
-        """
-        if self.tokenizer is None:
-            if chat:
-                raise UserError(f"model {self.name!r} has no tokenizer, so no chat template")
-            vocab = self.vocab_size
-            text = "\n\n".join(interleave(turns, answers))
-            return torch.tensor([[b % vocab for b in text.encode()]], dtype=torch.long)
-        if chat and not self.has_chat_template:
-            raise UserError(f"model {self.name!r}: its tokenizer has no chat template")
-        return torch.tensor([encode_conversation(self.tokenizer, turns, answers, chat)], dtype=torch.long)
-
     @property
     def vocab_size(self) -> int:
         """Rows of the input embedding."""
@@ -133,48 +183,12 @@ class LoadedModel:
 
     @property
     def draft_kind(self) -> str:
-        """As a draft: "eagle" for a feature head, "draft" for a model of its own."""
-        from lssp.eagle import FeatureDraft
+        from lssp.models.eagle import FeatureDraft
 
         return "eagle" if isinstance(self.model, FeatureDraft) else "draft"
 
-    @property
-    def has_chat_template(self) -> bool:
-        return bool(getattr(self.tokenizer, "chat_template", None))
-
-    @property
-    def eos_ids(self) -> frozenset[int]:
-        """The token ids that end an answer: the generation config's, the model config's and the tokenizer's."""
-        ids: set[int] = set()
-        for source in (getattr(self.hf_model, "generation_config", None), self.hf_model.config, self.tokenizer):
-            value = getattr(source, "eos_token_id", None) if source is not None else None
-            ids.update([value] if isinstance(value, int) else value or [])
-        return frozenset(ids)
-
-    def decode(self, ids: list[int]) -> str:
-        if self.tokenizer is None:
-            return " ".join(map(str, ids))
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
-
-
-@cache
-def architectures() -> dict[str, dict[str, Any]]:
-    return yaml.safe_load(ARCHITECTURES_FILE.read_text())
-
-
-def random_config(spec: ModelSpec) -> Any:
-    """The transformers config of an ``init: random`` entry."""
-    fields = spec.config
-    if isinstance(fields, str):
-        if fields not in architectures():
-            raise UserError(f"model {spec.name!r}: unknown architecture {fields!r}; known: {', '.join(architectures())}")
-        fields = architectures()[fields]
-    fields = dict(fields or {})
-    model_type = fields.pop("model_type", "llama")
-    try:
-        return AutoConfig.for_model(model_type, **fields)
-    except (ValueError, TypeError) as exc:
-        raise UserError(f"model {spec.name!r}: bad config: {exc}") from None
+    def _eos_sources(self) -> list[Any]:
+        return [getattr(self.hf_model, "generation_config", None), self.hf_model.config, self.tokenizer]
 
 
 def _placement(spec: ModelSpec, device: str | None, draft: bool = False) -> dict[str, Any]:
@@ -207,7 +221,7 @@ def _placement(spec: ModelSpec, device: str | None, draft: bool = False) -> dict
 
 def _gpu_for_whole(spec: ModelSpec, n_gpus: int) -> int:
     """The GPU with the most free memory, after checking (where the model's shape is known) that it fits there."""
-    from lssp.placement import GiB, emptiest, empty_model, model_config, precision_of, weight_bytes
+    from lssp.models.placement import GiB, emptiest, empty_model, model_config, precision_of, weight_bytes
 
     free = {i: torch.cuda.mem_get_info(i)[0] for i in range(n_gpus)}
     gpu = emptiest(free)
@@ -230,46 +244,6 @@ def _quantization(spec: ModelSpec, dtype: torch.dtype | str) -> dict[str, Any]:
         return {"quantization_config": BitsAndBytesConfig(load_in_8bit=True)}
     compute = dtype if isinstance(dtype, torch.dtype) else torch.bfloat16
     return {"quantization_config": BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=compute)}
-
-
-def _source(spec: ModelSpec) -> tuple[str, dict[str, Any]]:
-    """The path or repo id from_pretrained takes, and the gguf_file/revision it needs."""
-    local = spec.local_path()
-    extra: dict[str, Any] = {"revision": spec.revision} if spec.revision else {}
-    if local is None:
-        return spec.path, extra
-    if not local.exists():
-        raise UserError(f"model {spec.name!r}: {local} does not exist")
-    if spec.is_gguf:
-        converted = gguf_copy_dir(local, spec.dtype)
-        if (converted / "model.safetensors").exists():
-            return str(converted), extra
-        return str(local.parent), {**extra, "gguf_file": local.name}
-    return str(local), extra
-
-
-def gguf_copy_dir(gguf: Path, dtype: str) -> Path:
-    """Where the converted copy of a GGUF file lives: $LLAMASSP_CACHE, else ~/.cache/llamassp.
-
-    transformers takes ~20 s to dequantize a GGUF model and read its tokenizer; the copy
-    (safetensors and tokenizer files) loads in under a second. Its name covers the file's
-    content (size, first and last MiB: the same file in two virtual environments shares one
-    copy), the dtype and the transformers version.
-    """
-    key = f"{_content_key(gguf)}|{dtype}|{transformers.__version__}"
-    root = Path(os.environ.get("LLAMASSP_CACHE") or Path.home() / ".cache" / "llamassp")
-    return root / "gguf" / f"{gguf.stem}-{hashlib.sha1(key.encode()).hexdigest()[:12]}"
-
-
-def _content_key(path: Path, chunk: int = 2**20) -> str:
-    """Size and a digest of the first and last ``chunk`` bytes: cheap, and the same wherever the file lies."""
-    size = path.stat().st_size
-    digest = hashlib.sha1()
-    with path.open("rb") as f:
-        digest.update(f.read(chunk))
-        f.seek(max(0, size - chunk))
-        digest.update(f.read(chunk))
-    return f"{size}:{digest.hexdigest()}"
 
 
 def save_gguf_copy(model: PreTrainedModel, spec: ModelSpec, where: str, extra: dict[str, Any]) -> None:
@@ -305,11 +279,11 @@ def save_gguf_copy(model: PreTrainedModel, spec: ModelSpec, where: str, extra: d
 def load_tokenizer(spec: ModelSpec) -> PreTrainedTokenizerBase | None:
     if spec.tokenizer:
         sub = ModelSpec(name=spec.name, path=spec.tokenizer, base_dir=spec.base_dir)
-        where, extra = _source(sub)
+        where, extra = model_source(sub)
     elif spec.is_random:
         return None
     else:
-        where, extra = _source(spec)
+        where, extra = model_source(spec)
     try:
         return AutoTokenizer.from_pretrained(where, **extra)
     except OSError as exc:
@@ -333,7 +307,7 @@ def load_model(spec: ModelSpec, device: str | None = None, draft: bool = False,
     if spec.is_random:
         model = _random_model(spec, dtype, placement)
     else:
-        where, extra = _source(spec)
+        where, extra = model_source(spec)
         log.info("loading %s from %s %s", spec.name, where, extra)
         try:
             if has_subset_head(where):
@@ -360,7 +334,7 @@ def load_model(spec: ModelSpec, device: str | None = None, draft: bool = False,
 def feature_head_folder(spec: ModelSpec) -> Path | None:
     """The folder of an EAGLE head entry (a local folder in that layout, or ``speculative_method: eagle`` on a
     hub id, downloaded now), None for any other entry."""
-    from lssp.eagle import is_feature_head
+    from lssp.models.eagle import is_feature_head
 
     if spec.is_random or spec.is_gguf:
         return None
@@ -380,7 +354,7 @@ def feature_head_folder(spec: ModelSpec) -> Path | None:
 
 def load_feature_draft(spec: ModelSpec, folder: Path, dtype: torch.dtype | str, target: LoadedModel | None) -> LoadedModel:
     """An EAGLE head bound to ``target``, in the entry's dtype (and dynamic quantization on a CPU)."""
-    from lssp.eagle import FeatureDraft, check_head_fits, load_feature_head
+    from lssp.models.eagle import FeatureDraft, check_head_fits, load_feature_head
 
     if target is None:
         raise UserError(f"model {spec.name!r} is a feature head (EAGLE): it drafts for a target and cannot run alone")
@@ -463,7 +437,7 @@ def _random_model(spec: ModelSpec, dtype: torch.dtype | str, placement: dict[str
     from accelerate import dispatch_model
     from accelerate.utils import set_module_tensor_to_device
 
-    from lssp.placement import empty_model, place_target
+    from lssp.models.placement import empty_model, place_target
 
     model = empty_model(config, torch_dtype)
     device_map = place_target(model, spec.name, "16-bit", placement["max_memory"]).device_map
@@ -505,7 +479,7 @@ def _first_line(exc: BaseException) -> str:
 PROBE_TEXT = "Speculative sampling: 12 * 34 = 408, naïve café, 日本語, def f(x):\n    return x ** 2"
 
 
-def check_compatible(target: LoadedModel, draft: LoadedModel) -> int:
+def check_compatible(target: ModelHandle, draft: ModelHandle) -> int:
     """Refuse a draft whose tokenizer differs from the target's; return the common logit width.
 
     Tokenizers must agree on every string -> id mapping and on special tokens. The
@@ -533,7 +507,7 @@ def check_compatible(target: LoadedModel, draft: LoadedModel) -> int:
                 f"draft {draft.name!r} and target {target.name!r} tokenize the same text differently from token {at}: "
                 f"{t_ids[at:at + 5]} vs {d_ids[at:at + 5]}"
             )
-    widths = [logit_width(m.model) if m.model is not None else m.vocab_size for m in (target, draft)]
+    widths = [logit_width(m.model) if isinstance(m, LoadedModel) else m.vocab_size for m in (target, draft)]
     if t_tok is None and d_tok is None and widths[0] != widths[1]:
         raise IncompatibleModelsError(
             f"draft {draft.name!r} ({widths[1]} logits) and target {target.name!r} ({widths[0]}) have no tokenizer to compare "

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import random
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -12,51 +11,18 @@ from typing import Any
 import torch
 
 from lssp.errors import UserError
-from lssp.generation import (
-    GenerationOutput, PrefixCache, Stopping, generate_regular, generate_regular_batch, generate_speculative,
+from lssp.workloads.arithmetic import (
+    HIGH, LOW, OPERATIONS, answer_for, few_shot, multiplication_problems, parse_answer, prompt_for,
 )
-from lssp.loading import LoadedModel
-from lssp.report import RunInfo, markdown_table
-from lssp.sampling import SamplingParams
-from lssp.stats import Interval, difference, mcnemar, wald, wilson
-from lssp.vllm_engine import VllmEngines
+from lssp.decoding.generation import GenerationOutput, Stopping
+from lssp.decoding.kv import PrefixCache
+from lssp.models.loading import LoadedModel
+from lssp.report.results import RunInfo, markdown_table
+from lssp.decoding.sampling import SamplingParams
+from lssp.report.stats import Interval, difference, mcnemar, wald, wilson
+from lssp.engines import Engine, Mode, OursEngine, Request, request_seed
 
-FEW_SHOT = "8 * 12 = 96\n25 * 4 = 100\n37 * 85 = 3145\n"  # the reference's prefix
-OPERATIONS = {  # symbol, the few-shot prefix in the reference's shape, the result
-    "mul": ("*", FEW_SHOT, lambda a, b: a * b),
-    "add": ("+", "8 + 12 = 20\n25 + 4 = 29\n37 + 85 = 122\n", lambda a, b: a + b),
-}
 CHUNK = 64  # problems per turn of each mode
-LOW, HIGH = 1, 99  # operands, both inclusive (the reference drew 1..98 while its README said 1..99)
-
-
-def multiplication_problems(n: int, seed: int, high: int = HIGH) -> list[tuple[int, int]]:
-    """``n`` operand pairs drawn uniformly from LOW..``high`` (the draws do not depend on the operation)."""
-    rng = random.Random(seed)
-    return [(rng.randint(LOW, high), rng.randint(LOW, high)) for _ in range(n)]
-
-
-def few_shot(op: str = "mul") -> str:
-    if op not in OPERATIONS:
-        raise UserError(f"--op {op!r}: expected one of {', '.join(OPERATIONS)}")
-    return OPERATIONS[op][1]
-
-
-def prompt_for(a: int, b: int, op: str = "mul") -> str:
-    return f"{few_shot(op)}{a} {OPERATIONS[op][0]} {b} = "
-
-
-def answer_for(a: int, b: int, op: str = "mul") -> int:
-    return OPERATIONS[op][2](a, b)
-
-
-def parse_answer(completion: str) -> int | None:
-    """The first line of the completion as an integer, or None."""
-    first = completion.split("\n", 1)[0].strip().replace(",", "")
-    try:
-        return int(first)
-    except ValueError:
-        return None
 
 
 @dataclass
@@ -234,11 +200,6 @@ def read_records(path: Path) -> list[EvalRecord]:
     return records
 
 
-def _generator(target: LoadedModel, setup: EvalSetup, index: int) -> torch.Generator:
-    """Problem ``index``'s generator: the same seed in every mode, so the samples are paired."""
-    return torch.Generator(device=target.device).manual_seed(setup.seed * 1_000_003 + index)
-
-
 def _record(target: LoadedModel, mode: str, index: int, a: int, b: int, setup: EvalSetup,
             out: GenerationOutput) -> EvalRecord:
     completion = target.decode(out.tokens.tolist())
@@ -249,41 +210,35 @@ def _record(target: LoadedModel, mode: str, index: int, a: int, b: int, setup: E
                       round(out.stats.total_time_s, 6))
 
 
-def _score(target: LoadedModel, draft: LoadedModel | None, mode: str, a: int, b: int, index: int,
-           setup: EvalSetup, stopping: Stopping, vocab_size: int | None, prefix: PrefixCache | None,
-           vllm: VllmEngines | None = None) -> EvalRecord:
+def _request(target: LoadedModel, a: int, b: int, index: int, setup: EvalSetup, stopping: Stopping,
+             prefix: PrefixCache | None) -> Request:
+    """Problem ``index``'s request: the same seed in every mode, so the samples are paired."""
+    return Request(target.encode(prompt_for(a, b, setup.op)), setup.max_new_tokens, setup.params,
+                   request_seed(setup.seed, index), stopping, prefix=prefix)
+
+
+def _score(target: LoadedModel, engine: Engine, mode: str, a: int, b: int, index: int, setup: EvalSetup,
+           stopping: Stopping, prefix: PrefixCache | None) -> EvalRecord:
     """One problem in one mode."""
-    ids = target.encode(prompt_for(a, b, setup.op))
-    if vllm is not None:
-        ssp = mode == "ssp"
-        out = vllm.generate(setup.k if ssp else 0, setup.lookup if ssp else 0, ids[0].tolist(), setup.max_new_tokens,
-                            setup.params, setup.seed * 1_000_003 + index, stopping.token_ids).output
-        return _record(target, mode, index, a, b, setup, out)
-    generator = _generator(target, setup, index)
-    if mode == "rsp":
-        out = generate_regular(target.model, ids, setup.max_new_tokens, setup.params, generator, stopping,
-                               prefix=prefix)
-    else:
-        out = generate_speculative(target.model, draft.model, ids, setup.max_new_tokens, setup.k, setup.params,
-                                   generator, stopping, vocab_size=vocab_size, lookup=setup.lookup, prefix=prefix)
-    return _record(target, mode, index, a, b, setup, out)
+    how = Mode("ssp", setup.k, lookup=setup.lookup, engine=engine.name) if mode == "ssp" else Mode("rsp", engine=engine.name)
+    return _record(target, mode, index, a, b, setup, engine.complete(how, _request(target, a, b, index, setup, stopping,
+                                                                                    prefix)))
 
 
-def _score_rsp_batches(target: LoadedModel, problems: Sequence[tuple[int, int, int]], setup: EvalSetup,
-                       stopping: Stopping, prefix: PrefixCache | None) -> list[EvalRecord]:
+def _score_rsp_batches(target: LoadedModel, engine: OursEngine, problems: Sequence[tuple[int, int, int]],
+                       setup: EvalSetup, stopping: Stopping, prefix: PrefixCache | None) -> list[EvalRecord]:
     """RSp of (index, a, b) problems, those whose prompts have the same token count in batches of up to
     ``setup.rsp_batch``: the same tokens as one at a time, in a fraction of the forwards."""
-    by_length: dict[int, list[tuple[int, int, int, torch.Tensor]]] = {}
+    by_length: dict[int, list[tuple[int, int, int, Request]]] = {}
     for index, a, b in problems:
-        ids = target.encode(prompt_for(a, b, setup.op))
-        by_length.setdefault(ids.shape[1], []).append((index, a, b, ids))
+        request = _request(target, a, b, index, setup, stopping, prefix)
+        by_length.setdefault(request.ids.shape[1], []).append((index, a, b, request))
     records = []
     for group in by_length.values():
         for start in range(0, len(group), setup.rsp_batch):
             batch = group[start:start + setup.rsp_batch]
-            outs = generate_regular_batch(target.model, torch.cat([ids for *_, ids in batch]), setup.max_new_tokens,
-                                          setup.params, [_generator(target, setup, index) for index, *_ in batch],
-                                          stopping, prefix)
+            outs = engine.complete_rsp_batch(torch.cat([r.ids for *_, r in batch]), batch[0][3],
+                                             [r.seed for *_, r in batch])
             records += [_record(target, "rsp", index, a, b, setup, out) for (index, a, b, _), out in zip(batch, outs)]
     return sorted(records, key=lambda r: r.index)
 
@@ -297,17 +252,16 @@ def answer_stopping(target: LoadedModel) -> Stopping:
 
 
 def run_eval(
-    target: LoadedModel, draft: LoadedModel | None, modes: Sequence[str], nb_prompts: int, seed: int,
+    target: LoadedModel, draft: LoadedModel | None, engine: Engine, modes: Sequence[str], nb_prompts: int, seed: int,
     params: SamplingParams, max_new_tokens: int, k: int, records_dir: Path, resume: bool = False,
-    vocab_size: int | None = None, on_record: Callable[[EvalRecord], None] | None = None, lookup: int = 0,
-    op: str = "mul", max_operand: int = HIGH, prefix_cache: bool = True, rsp_batch: int = 1,
-    vllm: VllmEngines | None = None,
+    on_record: Callable[[EvalRecord], None] | None = None, lookup: int = 0, op: str = "mul", max_operand: int = HIGH,
+    prefix_cache: bool = True, rsp_batch: int = 1,
 ) -> EvalRun:
     """Score each mode on the same ``nb_prompts`` problems ``a OP b = `` (operands in LOW..``max_operand``),
     streaming records to JSONL as they come. With ``prefix_cache``, each model computes the few-shot prefix's
     keys and values once and every problem starts from them. ``rsp_batch`` > 1 runs RSp problems whose prompts
     have the same token count in batches (``generate_regular_batch``). Modes take turns every CHUNK problems.
-    With ``vllm`` (its engines started), every problem runs through vLLM instead, one request at a time."""
+    Every problem runs through ``engine``, one request at a time (ours: the prefix cache and RSp batches)."""
     if nb_prompts < 1:
         raise UserError("--nb-prompts must be at least 1")
     if max_operand < LOW:
@@ -315,7 +269,7 @@ def run_eval(
     if "ssp" in modes and draft is None:
         raise UserError("SSp evaluation needs a draft model")
     config = eval_config(target.name, draft.name if draft else None, modes, nb_prompts, seed, k, max_new_tokens,
-                         params, lookup, op, max_operand, "vllm" if vllm else "ours")
+                         params, lookup, op, max_operand, engine.name)
     info = RunInfo.for_models(target, draft)
     run_id = info.run_id
     records_dir.mkdir(parents=True, exist_ok=True)
@@ -327,12 +281,13 @@ def run_eval(
         run_id = info.run_id = json.loads(path.open().readline()).get("run_id", run_id)
     finished = {(r.mode, r.index) for r in done}
     stopping = answer_stopping(target)
-    prefix = PrefixCache(target.encode(few_shot(op))[0].tolist()) if prefix_cache and vllm is None else None
+    ours = isinstance(engine, OursEngine)
+    prefix = PrefixCache(target.encode(few_shot(op))[0].tolist()) if prefix_cache and ours else None
     problems = multiplication_problems(nb_prompts, seed, max_operand)
     records = list(done)
     setup = EvalSetup(target.name, draft.name if draft else None, target.precision, draft.precision if draft else "",
                       params, nb_prompts, seed, k, max_new_tokens, lookup, op, max_operand, prefix is not None,
-                      rsp_batch if vllm is None else 1, "vllm" if vllm else "ours")
+                      rsp_batch if ours else 1, engine.name)
     with path.open("a") as sink:
         try:
             for chunk in range(0, nb_prompts, CHUNK):  # modes interleaved chunk by chunk
@@ -340,9 +295,9 @@ def run_eval(
                     todo = [(index, a, b) for index, (a, b) in enumerate(problems[chunk:chunk + CHUNK], chunk)
                             if (mode, index) not in finished]
                     if mode == "rsp" and setup.rsp_batch > 1:
-                        scored = iter(_score_rsp_batches(target, todo, setup, stopping, prefix))
+                        scored = iter(_score_rsp_batches(target, engine, todo, setup, stopping, prefix))
                     else:
-                        scored = (_score(target, draft, mode, a, b, index, setup, stopping, vocab_size, prefix, vllm)
+                        scored = (_score(target, engine, mode, a, b, index, setup, stopping, prefix)
                                   for index, a, b in todo)
                     for record in scored:
                         sink.write(json.dumps(asdict(record)) + "\n")

@@ -24,7 +24,7 @@ import transformers
 
 from lssp.errors import UserError
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def new_run_id() -> str:

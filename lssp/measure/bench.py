@@ -6,25 +6,25 @@ completes exactly ``max_new_tokens`` tokens (EOS disabled), counted from ids.
 """
 from __future__ import annotations
 
-import copy
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from statistics import median
 from typing import Any
 
 import torch
 
-from lssp.generation import generate_regular, generate_speculative
-from lssp.latency import NOISY_SPREAD, SAME_PASS, SEPARATE_PASS, separate_split_pass, spread
-from lssp.loading import LoadedModel
-from lssp.sampling import SamplingParams
-from lssp.report import RunInfo, markdown_table, plural
-from lssp.stats import alpha_estimate, predicted_speedup
-from lssp.timing import Clock
-from lssp.vllm_engine import VllmEngines
+from lssp.measure.latency import NOISY_SPREAD, SAME_PASS, SEPARATE_PASS, separate_split_pass, spread
+from lssp.models.loading import LoadedModel
+from lssp.decoding.sampling import SamplingParams
+from lssp.report.results import RunInfo, markdown_table, plural
+from lssp.report.stats import alpha_estimate, predicted_speedup
+from lssp.decoding.timing import Clock
+from lssp.engines import Engine, Mode, OursEngine, Request, TransformersEngine, VllmEngine, request_seed
+from lssp.engines.vllm import VllmEngines
+from lssp.measure.runloop import Progress, run_interleaved
 
 ENGINES = ("ours-rsp", "hf-generate", "ours-ssp", "hf-assisted")
-VLLM_ENGINES = ("vllm-rsp", "vllm-ssp")  # with --engine vllm (lssp.vllm_engine)
+VLLM_ENGINES = ("vllm-rsp", "vllm-ssp")  # with --engine vllm (lssp.engines.vllm)
 
 
 def engines_for(rivals: Sequence[str]) -> tuple[str, ...]:
@@ -32,7 +32,6 @@ def engines_for(rivals: Sequence[str]) -> tuple[str, ...]:
     wanted = {"ours", *rivals}
     return tuple(e for e in (*ENGINES[:2], VLLM_ENGINES[0], *ENGINES[2:], VLLM_ENGINES[1])
                  if e.split("-")[0] in wanted)
-Progress = Callable[[str], None]
 
 
 @dataclass
@@ -175,105 +174,54 @@ class BenchRun:
                    if self.noisy else ""))
 
 
-def _hf_config(model: LoadedModel, max_new_tokens: int, params: SamplingParams):
-    cfg = copy.deepcopy(model.hf_model.generation_config)
-    cfg.max_new_tokens = cfg.min_new_tokens = max_new_tokens  # never stop early: the same work as ours
-    cfg.do_sample = not params.greedy
-    cfg.temperature = params.temperature if not params.greedy else None
-    cfg.top_k = params.top_k if not params.greedy else None
-    cfg.top_p = params.top_p if not params.greedy else None
-    cfg.pad_token_id = model.tokenizer.pad_token_id if model.tokenizer is not None and model.tokenizer.pad_token_id is not None else 0
-    return cfg
+LABELS = {"ours-rsp": ("ours", "rsp"), "hf-generate": ("hf", "rsp"), "vllm-rsp": ("vllm", "rsp"),
+          "ours-ssp": ("ours", "ssp"), "hf-assisted": ("hf", "ssp"), "vllm-ssp": ("vllm", "ssp")}
 
 
-def hf_generate(target: LoadedModel, ids: torch.Tensor, max_new_tokens: int, params: SamplingParams, seed: int,
-                draft: LoadedModel | None = None, k: int = 0, confidence: float = 0.0) -> tuple[list[int], float]:
-    """transformers' generate(), plain or assisted with a constant ``k`` (state reset every call)."""
-    cfg = _hf_config(target, max_new_tokens, params)
-    kwargs = {}
-    if draft is not None:
-        saved = draft.hf_model.generation_config
-        assistant = copy.deepcopy(saved)  # fresh schedule state: transformers keeps it across calls
-        assistant.num_assistant_tokens = k
-        assistant.num_assistant_tokens_schedule = "constant"
-        assistant.assistant_confidence_threshold = confidence  # 0: always draft k tokens, as ours does then
-        draft.hf_model.generation_config = assistant
-        kwargs["assistant_model"] = draft.hf_model
-    ids = ids.to(target.device)
-    clock = Clock.for_models(target.model, *([draft.model] if draft is not None else []))
-    torch.manual_seed(seed)
-    try:
-        start = clock.now()
-        with torch.inference_mode():
-            out = target.hf_model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=cfg, **kwargs)
-        seconds = clock.now() - start
-    finally:
-        if draft is not None:
-            draft.hf_model.generation_config = saved
-    return out[0, ids.shape[1]:].tolist(), seconds
+def bench_modes(labels: Sequence[str], k: int, confidence: float = 0.0) -> dict[str, Mode]:
+    """Each engine label's mode: RSp, or SSp at ``k`` (``confidence`` > 0: both of ours and assisted generation
+    stop drafting early)."""
+    modes = {}
+    for label in labels:
+        engine, mode = LABELS[label]
+        modes[label] = Mode("rsp", engine=engine) if mode == "rsp" else \
+            Mode("ssp", k, confidence if engine != "vllm" else 0.0, engine=engine)
+    return modes
 
 
 def run_bench(target: LoadedModel, draft: LoadedModel, prompts: Sequence[str], warmup_prompt: str, k: int,
               params: SamplingParams, max_new_tokens: int, seed: int, vocab_size: int | None = None,
               engines: Sequence[str] = ENGINES, progress: Progress | None = None, confidence: float = 0.0,
               measure_bandwidth: bool = False, vllm: VllmEngines | None = None) -> BenchRun:
-    """Every engine on every prompt, interleaved; ``confidence`` > 0 lets both SSp engines stop drafting early.
-    ``measure_bandwidth`` adds the device's copy bandwidth (for the memory-bandwidth floor)."""
-    ours = [e for e in engines if e.startswith("ours-")]
+    """Every engine on every prompt, interleaved through the run loop; ``confidence`` > 0 lets both SSp engines
+    stop drafting early. ``measure_bandwidth`` adds the device's copy bandwidth (for the memory-bandwidth floor)."""
+    runners: dict[str, Engine] = {"ours": OursEngine(target, [draft], [vocab_size]), "hf": TransformersEngine(target, draft)}
+    if vllm is not None:
+        runners["vllm"] = VllmEngine(vllm)
+    modes = bench_modes(engines, k, confidence)
+    label_of = {mode: label for label, mode in modes.items()}
     separate = separate_split_pass("auto", target.model, draft.model)
+    nan = float("nan")
 
-    def once(engine: str, text: str, index: int, split_pass: bool = False) -> EngineRun:
-        ids = target.encode(text)
-        s = seed + index
-        if engine.startswith("vllm-"):
-            done = vllm.generate(k if engine == "vllm-ssp" else 0, 0, ids[0].tolist(), max_new_tokens, params, s,
-                                 ignore_eos=True)
-            st = done.output.stats
-            return EngineRun(engine, index, done.output.tokens.tolist(), st.total_time_s,
-                             acceptance_rate=st.acceptance_rate, accepted=st.accepted, rejections=st.rejections)
-        if engine.startswith("hf-"):
-            tokens, seconds = hf_generate(target, ids, max_new_tokens, params, s, draft if engine == "hf-assisted" else None, k,
-                                          confidence)
-            return EngineRun(engine, index, tokens, seconds)
-        gen = torch.Generator(device=target.device).manual_seed(s)
-        timed = split_pass or not separate
-        if engine == "ours-rsp":
-            out = generate_regular(target.model, ids, max_new_tokens, params, gen, time_forwards=timed)
-        else:
-            out = generate_speculative(target.model, draft.model, ids, max_new_tokens, k, params, gen, vocab_size=vocab_size,
-                                       confidence=confidence, time_forwards=timed)
-        st = out.stats
-        nan = float("nan")
-        return EngineRun(engine, index, out.tokens.tolist(), st.total_time_s, st.other_time_s if timed else nan,
+    def once(mode: Mode, text: str, index: int, timed: bool) -> EngineRun:
+        request = Request(target.encode(text), max_new_tokens, params, request_seed(seed, index), time_forwards=timed)
+        out = runners[mode.engine].complete(mode, request)
+        st, tokens = out.stats, out.tokens.tolist()
+        if mode.engine != "ours":
+            return EngineRun(label_of[mode], index, tokens, st.total_time_s, acceptance_rate=st.acceptance_rate,
+                             accepted=st.accepted, rejections=st.rejections)
+        return EngineRun(label_of[mode], index, tokens, st.total_time_s, st.other_time_s if timed else nan,
                          st.decode_time_s, st.acceptance_rate, st.accepted, st.rejections,
                          1000 * st.draft_time_s / st.draft_forwards if timed and st.draft_forwards else nan,
-                         1000 * st.target_time_s / st.target_forwards if timed else nan, split_pass)
+                         1000 * st.target_time_s / st.target_forwards if timed else nan)
 
-    for engine in engines:
-        once(engine, warmup_prompt, -1)
-        if progress:
-            progress(f"warm-up {engine}")
-    runs: list[EngineRun] = []
-    interrupted = False
-    try:
-        for index, text in enumerate(prompts):
-            for engine in engines:
-                runs.append(once(engine, text, index))
-                if progress:
-                    progress(f"prompt {index + 1}/{len(prompts)} {engine}")
-        if separate:  # c, v and the overhead share need a sync around each forward: a pass of their own
-            for index, text in enumerate(prompts):
-                for engine in ours:
-                    runs.append(once(engine, text, index, split_pass=True))
-                    if progress:
-                        progress(f"prompt {index + 1}/{len(prompts)} {engine} split pass")
-    except KeyboardInterrupt:
-        timed = [r for r in runs if not r.split_pass]
-        done = len(timed) // len(engines) * len(engines)  # whole prompts only: every engine on the same prompts
-        if done == 0:
-            raise
-        split = [r for r in runs if r.split_pass]
-        runs, interrupted = timed[:done] + split[:len(split) // len(ours) * len(ours)], True
+    ours = [m for m in modes.values() if m.engine == "ours"]
+    steps, interrupted = run_interleaved(prompts, list(modes.values()), once, warmup_prompt,
+                                         split_modes=ours if separate else (), progress=progress, label=label_of.get)
+    runs = []
+    for step in steps:
+        step.result.split_pass = step.split_pass
+        runs.append(step.result)
     bench = summarize(k, runs, engines)
     bench.interrupted = interrupted
     bench.setup = BenchSetup(target.name, draft.name, target.precision, draft.precision, target.weight_bytes, params,
@@ -283,8 +231,6 @@ def run_bench(target: LoadedModel, draft: LoadedModel, prompts: Sequence[str], w
     bench.vllm_version = vllm.version if vllm is not None else ""
     if measure_bandwidth:
         bench.bandwidth = copy_bandwidth(target.device)
-        if progress:
-            progress("copy bandwidth")
     return bench
 
 

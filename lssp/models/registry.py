@@ -17,7 +17,7 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 QUANTIZATIONS = ("none", "8bit", "4bit", "dynamic-fp16", "dynamic-int8")
 DYNAMIC_QUANTIZATIONS = ("dynamic-fp16", "dynamic-int8")
 INITS = ("pretrained", "random")
-# transformers: the model's own forward. compact: lssp.compact's fused batch-1 forward for small
+# transformers: the model's own forward. compact: lssp.models.compact's fused batch-1 forward for small
 # Llama models (a draft's cost ratio c is mostly per-call overhead).
 FORWARDS = ("transformers", "compact")
 # compile: true (torch.compile's mode reduce-overhead on a GPU, i.e. CUDA graphs; default on the CPU) or a mode.

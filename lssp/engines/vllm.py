@@ -11,25 +11,27 @@ ms/token = (last token time − first token time) ÷ (tokens − 1), from vLLM's
 """
 from __future__ import annotations
 
-import hashlib
 import itertools
-import json
 import logging
 import os
 import time
 import warnings
 from dataclasses import dataclass
 from functools import cache
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from lssp.decoding.generation import GenerationOutput, GenerationStats, TokenCallback
+from lssp.decoding.sampling import SamplingParams
+from lssp.engines.base import Engine, Mode, Request
 from lssp.errors import UserError
-from lssp.generation import GenerationOutput, GenerationStats, TokenCallback
-from lssp.loading import LoadedModel, gguf_copy_dir, load_tokenizer
-from lssp.registry import ModelSpec
-from lssp.sampling import SamplingParams
+from lssp.models.draft_head import has_subset_head
+from lssp.models.eagle import is_feature_head
+from lssp.models.export import export_draft, exported_dir
+from lssp.models.loading import ModelHandle, feature_head_folder, load_model, load_tokenizer
+from lssp.models.sources import gguf_copy_dir
+from lssp.models.registry import ModelSpec
 
 log = logging.getLogger(__name__)
 
@@ -106,9 +108,6 @@ def check_loadable(spec: ModelSpec) -> None:
 def model_path(spec: ModelSpec) -> str:
     """The folder or hub id vLLM loads for ``spec``: a GGUF's converted copy (made now if missing), and for a
     draft with a frequent-token head its standard export (``export_draft``), kept in the cache."""
-    from lssp.draft_head import has_subset_head
-    from lssp.eagle import is_feature_head
-
     local = spec.local_path()
     if local is None:
         return spec.path
@@ -117,8 +116,6 @@ def model_path(spec: ModelSpec) -> str:
     if spec.is_gguf:
         copy = gguf_copy_dir(local, spec.dtype)
         if not (copy / "model.safetensors").exists():
-            from lssp.loading import load_model
-
             load_model(spec)  # converts the GGUF and keeps the copy
         if not (copy / "model.safetensors").exists():
             raise UserError(f"model {spec.name!r}: could not keep a converted copy of {local} for vLLM in {copy}")
@@ -134,134 +131,17 @@ def model_path(spec: ModelSpec) -> str:
     return str(local)
 
 
-def exported_dir(folder: Path) -> Path:
-    """Where the vLLM copy of a frequent-token-head draft lives: in the cache, named by its weights' content."""
-    from lssp.loading import _content_key
-
-    weights = sorted(folder.glob("*.safetensors"))
-    key = "|".join(_content_key(w) for w in weights) + "|" + (folder / "config.json").read_text()
-    root = Path(os.environ.get("LLAMASSP_CACHE") or Path.home() / ".cache" / "llamassp")
-    return root / "vllm" / f"{folder.name}-{hashlib.sha1(key.encode()).hexdigest()[:12]}"
-
-
-EXCLUDED_MARGIN = 30.0  # at every probe position, excluded logits sit at least this far below the head's top
-
-
-def probe_texts() -> list[str]:
-    """Ordinary text of every kind the tool runs (stories, tasks, few-shot arithmetic), for export_draft."""
-    from lssp.evals import few_shot
-    from lssp.prompts import LATENCY_PROMPTS
-    from lssp.tasks import all_task_texts
-
-    return [*LATENCY_PROMPTS, few_shot("mul"), few_shot("add"), *sorted(all_task_texts())]
-
-
-def positive_direction(h: torch.Tensor, steps: int = 2000) -> torch.Tensor:
-    """A w with h·w > 0 for every row of ``h`` where one exists: least squares towards h·w = 1, then a hinge
-    loss on the rows below 1 (a linear separation of the rows from the origin)."""
-    w = torch.linalg.lstsq(h, torch.ones(h.shape[0], 1)).solution.flatten()
-    with torch.enable_grad():
-        w = w.clone().requires_grad_(True)
-        optimizer = torch.optim.Adam([w], lr=1e-2)
-        for _ in range(steps):
-            margin = h @ w
-            if margin.min() >= 0.5:
-                break
-            loss = torch.relu(1 - margin).mean() + 1e-4 * w.square().sum()
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-    return w.detach()
-
-
-@dataclass
-class ExportReport:
-    """What ``export_draft`` did: where it wrote, how far below the head the excluded tokens sit."""
-
-    out: Path
-    head_tokens: int
-    vocab_size: int
-    positions: int  # probe positions the direction was fitted and checked on
-    min_projection: float  # smallest h·w over them (> 0: excluded tokens held down everywhere)
-    excluded_mass: float  # largest probability the excluded tokens together get at a probe position (T=1)
-
-
-def export_draft(folder: str | Path, out: str | Path) -> ExportReport:
-    """Write a standard Llama copy of a draft saved with a frequent-token head (``lssp.draft_head``).
-
-    A standard Llama output layer has no bias, so "never propose these tokens" cannot be written as -inf. Every
-    excluded row is set to -w, where w is the least-squares direction with h·w ≈ s on the draft's final (normed)
-    hidden states h over the probe texts, scaled so that the excluded logit -h·w sits at least EXCLUDED_MARGIN
-    below the head's top logit at every probe position. Where h·w > 0 (the export checks it on every probe position) an
-    excluded token is in practice never proposed; whatever small mass remains is part of the draft's q, so SSp
-    stays exact either way.
-    """
-    from safetensors.torch import save_file
-    from transformers import AutoTokenizer
-
-    from lssp.draft_head import HEAD_KEY, load_subset_head_model
-
-    folder, out = Path(folder), Path(out)
-    model = load_subset_head_model(folder, torch.float32)
-    head = model.lm_head
-    ids = head.token_ids
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    with torch.no_grad():
-        h = torch.cat([model.model(**tokenizer(text[:4000], return_tensors="pt")).last_hidden_state[0]
-                       for text in probe_texts()])
-        w = positive_direction(h)
-        projection = h @ w
-        if projection.min() <= 0:
-            raise UserError(f"{folder}: no direction keeps the draft's excluded tokens below its head on every probe "
-                            "position; it cannot be exported for vLLM")
-        head_logits = head.linear(h)
-        top = head_logits.max(-1).values
-        scale = float(((EXCLUDED_MARGIN + top.clamp(min=0)) / projection).max())  # the margin at every position
-        full = (-scale * w).expand(model.config.vocab_size, -1).clone()
-        full[ids] = head.linear.weight
-        excluded = -scale * projection  # every excluded token's logit, position by position
-        log_out = excluded + torch.log(torch.tensor(float(model.config.vocab_size - len(ids))))
-        mass = torch.sigmoid(log_out - torch.logsumexp(head_logits, -1)).max().item()
-    state = {k: v.detach().contiguous() for k, v in model.state_dict().items() if not k.startswith("lm_head.")}
-    state["lm_head.weight"] = full
-    config = json.loads((folder / "config.json").read_text())
-    config.pop(HEAD_KEY, None)
-    config["tie_word_embeddings"] = False
-    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(config.get("dtype"), torch.float32)
-    tmp = out.with_name(out.name + ".partial")
-    tmp.mkdir(parents=True, exist_ok=True)
-    (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    save_file({k: v.to(dtype) for k, v in state.items()}, tmp / "model.safetensors", metadata={"format": "pt"})
-    tokenizer.save_pretrained(tmp)
-    if (folder / "generation_config.json").exists():
-        (tmp / "generation_config.json").write_text((folder / "generation_config.json").read_text())
-    report = ExportReport(out, len(ids), model.config.vocab_size, h.shape[0], float(projection.min()), mass)
-    (tmp / "export.json").write_text(json.dumps({
-        "source": str(folder), "head_tokens": report.head_tokens, "vocab_size": report.vocab_size,
-        "excluded_rows": f"-w: h.w > 0 on the probe texts' final hidden states h (least squares, then a hinge loss), "
-                         f"scaled {EXCLUDED_MARGIN:g} logits below the head's top at every probe position",
-        "probe_positions": report.positions, "min_projection": report.min_projection,
-        "max_excluded_mass": mass}, indent=2))
-    if out.exists():
-        import shutil
-
-        shutil.rmtree(out)
-    os.replace(tmp, out)
-    return report
-
-
-class EngineModel(LoadedModel):
+class EngineModel(ModelHandle):
     """A registry entry that vLLM runs: our side only tokenizes, decodes and describes it (no weights loaded)."""
 
-    def __init__(self, spec: ModelSpec, target: LoadedModel | None = None) -> None:
+    def __init__(self, spec: ModelSpec, target: ModelHandle | None = None) -> None:
         """``target``: the model a feature head (EAGLE) drafts for, whose tokenizer it shares."""
         from transformers import AutoConfig
 
-        from lssp.loading import feature_head_folder
-
         check_loadable(spec)
+        self.spec = spec
         self.head = target is not None and feature_head_folder(spec) is not None
-        super().__init__(spec, None, target.tokenizer if self.head else load_tokenizer(spec))  # type: ignore[arg-type]
+        self.tokenizer = target.tokenizer if self.head else load_tokenizer(spec)
         self.path = model_path(spec)
         self.config = AutoConfig.from_pretrained(self.path, revision=spec.revision)
         self.engine_placement = "vLLM"
@@ -279,10 +159,6 @@ class EngineModel(LoadedModel):
         return self.engine_placement
 
     @property
-    def hf_model(self) -> Any:
-        return None
-
-    @property
     def dtype(self) -> str:
         return self.spec.dtype
 
@@ -298,13 +174,8 @@ class EngineModel(LoadedModel):
     def vocab_size(self) -> int:
         return self.config.vocab_size
 
-    @property
-    def eos_ids(self) -> frozenset[int]:
-        ids: set[int] = set()
-        for source in (self.config, self.tokenizer):
-            value = getattr(source, "eos_token_id", None) if source is not None else None
-            ids.update([value] if isinstance(value, int) else value or [])
-        return frozenset(ids)
+    def _eos_sources(self) -> list[Any]:
+        return [self.config, self.tokenizer]
 
 
 def engine_kwargs(spec: ModelSpec, path: str, engines: int) -> dict[str, Any]:
@@ -558,3 +429,31 @@ class VllmEngines:
         return VllmCompletion(GenerationOutput(torch.tensor(tokens, dtype=torch.long), stats, stopped),
                               drafted_flags(len(tokens), accepted) if k else [False] * len(tokens),
                               after - before if counted else None)
+
+
+class VllmEngine(Engine):
+    """vLLM behind the engine interface: each mode's (k, lookup) engine, started together by ``VllmEngines``."""
+
+    name = "vllm"
+    decode_timing = DECODE_TIMING
+
+    def __init__(self, engines: VllmEngines) -> None:
+        self.engines = engines
+
+    @property
+    def version(self) -> str:
+        return self.engines.version
+
+    @staticmethod
+    def key(mode: Mode) -> tuple[int, int]:
+        return (mode.k, mode.lookup) if mode.mode == "ssp" else (0, 0)
+
+    def supports(self, mode: Mode) -> str | None:
+        if mode.confidence:
+            return "--draft-confidence has no vLLM equivalent (its drafts are always K long)"
+        return None if self.key(mode) in self.engines.engines else f"no vLLM engine was started for {mode.name}"
+
+    def complete(self, mode: Mode, request: Request) -> GenerationOutput:
+        r = request
+        return self.engines.generate(*self.key(mode), r.ids[0].tolist(), r.max_new_tokens, r.params, r.seed,
+                                     r.stopping.token_ids, r.ignore_eos, r.on_tokens).output

@@ -12,21 +12,22 @@ cache rolls back to the last position it saw with real features.
 ``FeatureHead`` holds the weights in the layout EAGLE's authors publish (``fc``, ``layers.{i}``;
 the target's embeddings and output layer are reused, not stored) and is what training runs;
 ``FeatureDraft`` binds a head to a loaded target and runs it through the fused decoder of
-``lssp/compact.py`` over a ``FeatureCache``. q is the head's distribution after the same warping
+``lssp/models/compact.py`` over a ``FeatureCache``. q is the head's distribution after the same warping
 as the target's, so the acceptance rule keeps speculative sampling exact.
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 from transformers import LlamaConfig, PreTrainedModel
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
-from lssp.compact import CompactCache, CompactOutput, FusedDecoder, float_weight
-from lssp.draft_head import HEAD_KEY, SubsetHead
+from lssp.models.compact import CompactCache, CompactOutput, FusedDecoder, float_weight
+from lssp.models.draft_head import HEAD_KEY, SubsetHead
 from lssp.errors import UserError
 
 HEAD_MARK = "feature_head"  # config.json key of heads written by llamassp (the format is EAGLE's either way)
@@ -190,7 +191,7 @@ class FeatureCache(CompactCache):
     guess from its previous forward (one token: drafting).
     """
 
-    def __init__(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003 - CompactCache's
+    def __init__(self, *args: Any, **kwargs: Any) -> None:  # CompactCache's
         super().__init__(*args, **kwargs)
         self.queued: torch.Tensor | None = None  # (1, m, d) real features not yet paired with their tokens
         self.guess: torch.Tensor | None = None  # (1, 1, d) the head's last predicted feature

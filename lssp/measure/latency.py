@@ -4,22 +4,21 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from statistics import median, stdev
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
-from lssp.compact import compiled_graphs
-from lssp.generation import GenerationOutput, GenerationStats, Stopping, combined, generate_regular, generate_speculative
-from lssp.loading import LoadedModel
-from lssp.report import RunInfo, markdown_table, plural
-from lssp.sampling import SamplingParams
-from lssp.stats import alpha_estimate
-from lssp.tasks import TaskPrompt
-from lssp.timing import Clock
-from lssp.vllm_engine import DECODE_TIMING, VllmEngines
-
-Progress = Callable[[str], None]  # called with a short description after each timed completion
-
+from lssp.decoding.generation import GenerationOutput, GenerationStats, Stopping, combined
+from lssp.decoding.sampling import SamplingParams
+from lssp.decoding.timing import Clock
+from lssp.engines import ENGINES, Engine, Mode, OursEngine, Request, request_seed
+from lssp.engines.vllm import draft_method, draft_sampling
+from lssp.measure.runloop import Progress, run_interleaved
+from lssp.models.compact import compiled_graphs
+from lssp.models.loading import LoadedModel
+from lssp.report.results import RunInfo, markdown_table, plural
+from lssp.report.stats import alpha_estimate
+from lssp.workloads.tasks import TaskPrompt
 
 @dataclass
 class PromptTiming:
@@ -55,23 +54,7 @@ class PromptTiming:
         return s.new_tokens / s.total_time_s if s.total_time_s > 0 else float("nan")
 
 
-class Mode(NamedTuple):
-    """One way of generating that a run times: rsp, or ssp with its drafting settings."""
-
-    mode: str
-    k: int = 0
-    confidence: float = 0.0
-    lookup: int = 0
-    engine: str = "ours"  # ours, or vllm (lssp.vllm_engine)
-    draft: str = ""  # ours' SSp in a run of several drafts: the draft's name ("" in a run of one)
-
-    @property
-    def name(self) -> str:
-        return (("vllm " if self.engine == "vllm" else "") + self.mode + (f" {self.draft}" if self.draft else "")
-                + (f" k={self.k}" if self.k else "") + (f" p>={self.confidence:g}" if self.confidence else "")
-                + (f" lookup={self.lookup}" if self.lookup else ""))
-
-
+RSP = Mode("rsp")
 ALL_TASKS = "all"  # the summary over every prompt of a run, whatever its task
 
 
@@ -131,7 +114,7 @@ def spread(values: Sequence[float]) -> float:
     return max(finite) / median(finite) if finite else float("nan")
 
 
-def summarize(timings: Sequence[PromptTiming], how: Mode = Mode("rsp"),
+def summarize(timings: Sequence[PromptTiming], how: Mode = RSP,
               split: Sequence[PromptTiming] | None = None, task: str = ALL_TASKS) -> ModeSummary:
     """Figures of one mode; the shares of decode time, ms per forward and the spread come from
     ``split`` where given (a separate pass timed around every forward), else from ``timings``."""
@@ -308,7 +291,7 @@ class LatencyRun:
             "recompiles": setup.recompiles,
             "target_precision": setup.vllm_precision if m.engine == "vllm" else setup.target_precision,
             "draft_precision": setup.draft_precisions.get(m.draft, setup.draft_precision) or "", "vllm": setup.vllm_version if m.engine == "vllm" else "",
-            "decode_timing": DECODE_TIMING if m.engine == "vllm" else "lssp clock", **info.env,
+            "decode_timing": ENGINES[m.engine].decode_timing, **info.env,
         } for m in self.summaries]
 
     def prompt_format(self, task: str) -> str:
@@ -330,7 +313,7 @@ class LatencyRun:
 
     def summary_json(self) -> list[dict[str, Any]]:
         """The run for scripts (``--json``)."""
-        keys = ("task", "mode", "target", "draft", "k", "confidence", "lookup", "lookup_acceptance", "ms_per_token",
+        keys = ("task", "engine", "method", "mode", "target", "draft", "k", "confidence", "lookup", "lookup_acceptance", "ms_per_token",
                 "ttft_ms", "acceptance_rate", "alpha", "mean_accepted", "speedup", "speedup_sd", "specbench_speedup",
                 "at_budget_share", "ms_per_token_median",
                 "forward_spread", "noisy", "interrupted", "run_id", "device")
@@ -413,13 +396,6 @@ def _ms_per_token(timings: Sequence[PromptTiming]) -> float:
     return 1000 * sum(t.stats.decode_time_s for t in timings) / sum(t.stats.new_tokens for t in timings)
 
 
-def rotated(modes: Sequence[Mode], index: int) -> list[Mode]:
-    """The modes in the order prompt ``index`` runs them: each prompt starts one mode later than the one
-    before, so no mode always runs first (after a cold cache) or last."""
-    shift = index % len(modes) if modes else 0
-    return [*modes[shift:], *modes[:shift]]
-
-
 def as_task_prompts(prompts: Sequence[str | TaskPrompt], chat: bool = False) -> list[TaskPrompt]:
     """Plain strings become one-turn prompts of the task "prompts"."""
     return [p if isinstance(p, TaskPrompt) else TaskPrompt("prompts", (p,), chat, f"prompts-{i + 1}")
@@ -445,15 +421,28 @@ def complete_turns(target: LoadedModel, prompt: TaskPrompt, chat: bool,
     return combined([o.stats for o in outputs]), sum(not o.stopped for o in outputs), answers
 
 
+def latency_modes(engines: Sequence[str], drafts: Sequence[str], ks: Sequence[int], confidences: Sequence[float] = (0.0,),
+                  lookups: Sequence[int] = (0,), baseline: bool = True) -> list[Mode]:
+    """The modes a latency run times on each engine: RSp (unless no ``baseline`` and there is a draft), then SSp at
+    each k, confidence and lookup with each of ``drafts`` (ours; vLLM runs the first), or with vLLM's n-gram drafter
+    alone where there is no draft and a lookup length is given."""
+    modes: list[Mode] = []
+    names = list(drafts) if len(drafts) > 1 else [""]
+    for engine in engines:
+        modes += [Mode("rsp", engine=engine)] if baseline or not drafts else []
+        if drafts or (engine == "vllm" and any(lookups)):
+            modes += [Mode("ssp", k, c, n, engine, name if engine == "ours" else "") for name in names
+                      for n in lookups for c in confidences for k in ks if drafts or n]
+    return list(dict.fromkeys(modes))
+
+
 def run_latency(
-    target: LoadedModel, draft: LoadedModel | Sequence[LoadedModel] | None, prompts: Sequence[str | TaskPrompt],
-    warmup_prompt: str, ks: Sequence[int], params: SamplingParams, max_new_tokens: int, seed: int, baseline: bool = True,
-    vocab_size: int | Sequence[int] | None = None, progress: Progress | None = None, confidences: Sequence[float] = (0.0,),
-    chat: bool = False, lookups: Sequence[int] = (0,), repeats: int = 1, split: str = "auto", ignore_eos: bool = False,
-    engines: Sequence[str] = ("ours",), vllm: VllmEngines | None = None,
+    target: LoadedModel, engines: dict[str, Engine], modes: Sequence[Mode], prompts: Sequence[str | TaskPrompt],
+    warmup_prompt: str, params: SamplingParams, max_new_tokens: int, seed: int, drafts: Sequence[LoadedModel] = (),
+    progress: Progress | None = None, chat: bool = False, repeats: int = 1, split: str = "auto", ignore_eos: bool = False,
 ) -> LatencyRun:
-    """Time RSp and SSp (each k, draft confidence threshold and lookup length) on every prompt, interleaved prompt by
-    prompt, the order of the modes rotating from one prompt to the next.
+    """Time every mode (``latency_modes``) on every prompt through its engine, interleaved prompt by prompt, the
+    order of the modes rotating from one prompt to the next (``run_interleaved``).
 
     A completion ends at the target's end token or after ``max_new_tokens``, whichever comes first; with
     ``ignore_eos`` it always runs to ``max_new_tokens``. One untimed warm-up completion per mode comes first.
@@ -462,94 +451,72 @@ def run_latency(
     target has one. ``repeats`` passes over the prompts give the speedup's spread. ``split``: where the
     draft/target time split is measured (``separate_split_pass``); with a separate pass, the timed passes
     synchronize a GPU only at each completion's boundaries. Ctrl-C after at least one prompt returns the
-    prompts completed in every mode (``interrupted``).
-
-    ``engines``: ours, vllm or both; vLLM's modes run through ``vllm`` (its engines already started), in the same
-    rotation, RSp and SSp at each k (n-gram drafts where a lookup length is given, else the draft).
-
-    ``draft`` may be several drafts (ours only, each with its ``vocab_size``): each runs every SSp mode, in the
-    same rotation, and its rows name it.
+    prompts completed in every mode (``interrupted``). ``target`` tokenizes; ``drafts`` are described in the rows.
     """
     prompts = as_task_prompts(prompts, chat)
-    drafts = [] if draft is None else [draft] if isinstance(draft, LoadedModel) else list(draft)
-    vocabs = list(vocab_size) if isinstance(vocab_size, Sequence) else [vocab_size] * len(drafts)
-    by_name = {d.name: (d, v) for d, v in zip(drafts, vocabs)}
-    draft = drafts[0] if drafts else None
-    names = [d.name for d in drafts] if len(drafts) > 1 else [""]
-    modes = []
-    for engine in engines:
-        modes += [Mode("rsp", engine=engine)] if baseline or draft is None else []
-        if draft is not None or (engine == "vllm" and any(lookups)):
-            modes += [Mode("ssp", k, c, n, engine, name if engine == "ours" else "") for name in names
-                      for n in lookups for c in confidences for k in ks if draft is not None or n]
-            if engine == "vllm":
-                modes = list(dict.fromkeys(modes))
+    for how in modes:
+        why = engines[how.engine].supports(how)
+        if why:
+            raise ValueError(f"{how.name}: {why}")
     info = RunInfo.for_models(target, *drafts)
-    separate = "ours" in engines and separate_split_pass(split, target.model, *(d.model for d in drafts))
+    ours = engines.get("ours")
+    separate = ours is not None and separate_split_pass(split, *ours.models())
     stopping = Stopping() if ignore_eos else Stopping(token_ids=target.eos_ids)
+    setup = _setup(target, drafts, engines, prompts, params, max_new_tokens, chat, repeats, ignore_eos, separate)
 
+    def complete(how: Mode, prompt: TaskPrompt, index: int, time_forwards: bool) -> tuple[GenerationStats, int]:
+        engine = engines[how.engine]
+
+        def generate(ids: torch.Tensor) -> GenerationOutput:
+            return engine.complete(how, Request(ids, max_new_tokens, params, request_seed(seed, index), stopping,
+                                                time_forwards=time_forwards))
+
+        stats, at_budget, _ = complete_turns(target, prompt, uses_chat_template(target, prompt, chat), generate)
+        return stats, at_budget
+
+    graphs = compiled_graphs()
+    steps, interrupted = run_interleaved(
+        prompts, modes, complete, TaskPrompt("warm-up", (warmup_prompt,), False), repeats,
+        [m for m in modes if m.engine == "ours"] if separate else (), progress, describe=lambda p: p.task)
+    setup.recompiles = compiled_graphs() - graphs
+    timings = [PromptTiming(s.index, s.mode.mode, s.mode.k, s.result[0], s.mode.confidence, s.mode.lookup, s.repeat,
+                            s.split_pass, prompts[s.index].task, len(prompts[s.index].turns), s.result[1], s.mode.engine,
+                            s.mode.draft) for s in steps]
+    return LatencyRun(summaries_by_task(timings, modes), timings, setup, info, interrupted)
+
+
+def _setup(target: LoadedModel, drafts: Sequence[LoadedModel], engines: dict[str, Engine], prompts: Sequence[TaskPrompt],
+           params: SamplingParams, max_new_tokens: int, chat: bool, repeats: int, ignore_eos: bool,
+           separate: bool) -> LatencySetup:
+    """What the run was asked to do, for its rows."""
     formats: dict[str, set[str]] = {}
     for prompt in prompts:
         formats.setdefault(prompt.task, set()).add("chat" if uses_chat_template(target, prompt, chat) else "raw")
+    draft = drafts[0] if drafts else None
     setup = LatencySetup(target.name, draft.name if draft else None, target.precision, draft.precision if draft else "",
                          params, max_new_tokens, len(prompts), chat, repeats, ignore_eos, list(formats),
                          {task: f.pop() if len(f) == 1 else "mixed" for task, f in formats.items()},
                          SEPARATE_PASS if separate else SAME_PASS)
     setup.draft_kinds = {d.name: d.draft_kind for d in drafts}
     if len(drafts) > 1:
-        setup.draft, setup.draft_precision = ", ".join(by_name), ""
+        setup.draft, setup.draft_precision = ", ".join(d.name for d in drafts), ""
         setup.draft_precisions = {d.name: d.precision for d in drafts}
+    vllm = engines.get("vllm")
     if vllm is not None:
-        setup.vllm_version, setup.vllm_precision = vllm.version, vllm.target.precision
-        if vllm.draft is not None:
-            from lssp.vllm_engine import draft_method, draft_sampling
+        started = vllm.engines
+        setup.vllm_version, setup.vllm_precision = started.version, started.target.precision
+        if started.draft is not None:
+            setup.vllm_draft_method = f"{draft_method(started.draft)} ({draft_sampling(started.draft)})"
+    return setup
 
-            setup.vllm_draft_method = f"{draft_method(vllm.draft)} ({draft_sampling(vllm.draft)})"
 
-    def complete(how: Mode, prompt: TaskPrompt, index: int, time_forwards: bool) -> tuple[GenerationStats, int]:
-        generator = torch.Generator(device=target.device).manual_seed(seed + index) if how.engine == "ours" else None
-
-        def generate(ids: torch.Tensor) -> GenerationOutput:
-            if how.engine == "vllm":
-                return vllm.generate(how.k if how.mode == "ssp" else 0, how.lookup, ids[0].tolist(), max_new_tokens,
-                                     params, seed + index, stopping.token_ids, ignore_eos).output
-            if how.mode == "rsp":
-                return generate_regular(target.model, ids, max_new_tokens, params, generator, stopping,
-                                        time_forwards=time_forwards)
-            drafting, vocab = by_name[how.draft] if how.draft else (draft, vocabs[0])
-            return generate_speculative(target.model, drafting.model, ids, max_new_tokens, how.k, params, generator,
-                                        stopping, vocab_size=vocab, confidence=how.confidence, lookup=how.lookup,
-                                        time_forwards=time_forwards)
-
-        stats, at_budget, _ = complete_turns(target, prompt, uses_chat_template(target, prompt, chat), generate)
-        return stats, at_budget
-
-    warmup = TaskPrompt("warm-up", (warmup_prompt,), False)
-    for how in modes:
-        complete(how, warmup, -1, time_forwards=not separate)
-        if progress:
-            progress("warm-up " + how.name)
-    graphs = compiled_graphs()
-    timings: list[PromptTiming] = []
-    interrupted = False
-    passes = [(repeat, False) for repeat in range(repeats)] + ([(0, True)] if separate else [])
-    try:
-        for repeat, split_pass in passes:
-            for index, prompt in enumerate(prompts):
-                for how in rotated(modes, index):
-                    if split_pass and how.engine != "ours":
-                        continue  # vLLM's split is not ours to time
-                    stats, at_budget = complete(how, prompt, index, time_forwards=split_pass or not separate)
-                    timings.append(PromptTiming(index, how.mode, how.k, stats, how.confidence, how.lookup, repeat,
-                                                split_pass, prompt.task, len(prompt.turns), at_budget, how.engine,
-                                                how.draft))
-                    if progress:
-                        progress(f"prompt {index + 1}/{len(prompts)} {prompt.task}" + (
-                            " split pass" if split_pass else f" pass {repeat + 1}" if repeats > 1 else "") + " " + how.name)
-    except KeyboardInterrupt:
-        done = len(timings) // len(modes) * len(modes)  # whole prompts only: every mode on the same prompts
-        if done == 0:
-            raise
-        timings, interrupted = timings[:done], True
-    setup.recompiles = compiled_graphs() - graphs
-    return LatencyRun(summaries_by_task(timings, modes), timings, setup, info, interrupted)
+def run_latency_ours(target: LoadedModel, draft: LoadedModel | None, prompts: Sequence[str | TaskPrompt],
+                     warmup_prompt: str, ks: Sequence[int], params: SamplingParams, max_new_tokens: int, seed: int,
+                     baseline: bool = True, vocab_size: int | None = None, confidences: Sequence[float] = (0.0,),
+                     lookups: Sequence[int] = (0,), **options: Any) -> LatencyRun:
+    """``run_latency`` of one pair on our engine alone (``options``: run_latency's keywords)."""
+    drafts = [draft] if draft is not None else []
+    engine = OursEngine(target, drafts, [vocab_size])
+    modes = latency_modes(["ours"], [d.name for d in drafts], ks, confidences, lookups, baseline)
+    return run_latency(target, {"ours": engine}, modes, prompts, warmup_prompt, params, max_new_tokens, seed, drafts,
+                       **options)

@@ -19,11 +19,16 @@ from typing import Any
 
 import torch
 
-from lssp.generation import draft_logits, forward_logits, generate_regular, generate_speculative, new_cache
-from lssp.loading import LoadedModel
-from lssp.report import RunInfo
-from lssp.sampling import SamplingParams, warp
-from lssp.stats import chi_square_gof
+from lssp.drafters.model import draft_logits
+
+from lssp.decoding.kv import forward_logits, new_cache
+from lssp.engines import Engine, Mode, OursEngine, Request
+
+
+from lssp.models.loading import LoadedModel
+from lssp.report.results import RunInfo
+from lssp.decoding.sampling import SamplingParams, warp
+from lssp.report.stats import chi_square_gof
 
 Progress = Callable[[str], None]
 
@@ -120,19 +125,20 @@ def _tv_null(p: torch.Tensor, n: int, generator: torch.Generator, reps: int = 20
 def verify_sampled(
     target: LoadedModel, draft: LoadedModel, prompts: Sequence[str], params: SamplingParams, k: int, samples: int,
     depth: int, seed: int, vocab: int, significance: float = 0.01, progress: Progress | None = None, lookup: int = 0,
+    engine: Engine | None = None,
 ) -> VerifyReport:
-    """Chi-square and TV checks of SSp's emitted tokens at positions 0..depth-1 against the exact law."""
+    """Chi-square and TV checks of SSp's emitted tokens at positions 0..depth-1 against the exact law; the SSp runs
+    go through ``engine`` (ours by default)."""
+    engine = engine or OursEngine(target, [draft], [vocab])
+    ssp = Mode("ssp", k, lookup=lookup, engine=engine.name)
     report = VerifyReport("sampled", significance, "Bonferroni", lookup=lookup)
-    generator = torch.Generator(device=target.device)
     null_gen = torch.Generator().manual_seed(seed)
     drafted = accepted = 0
     for index, text in enumerate(prompts):
         ids = target.encode(text)
         outputs: list[list[int]] = []
         for run in range(samples):
-            generator.manual_seed(seed * 1_000_003 + index * 100_003 + run)
-            out = generate_speculative(target.model, draft.model, ids, depth + k, k, params, generator, vocab_size=vocab,
-                                       lookup=lookup)
+            out = engine.complete(ssp, Request(ids, depth + k, params, seed * 1_000_003 + index * 100_003 + run))
             outputs.append(out.tokens[:depth].tolist())
             report.looked_up += out.stats.looked_up
             drafted += out.stats.drafted
@@ -172,16 +178,19 @@ def verify_sampled(
 
 def verify_greedy(
     target: LoadedModel, draft: LoadedModel, prompts: Sequence[str], k: int, max_new_tokens: int, vocab: int,
-    tie_tolerance: float, progress: Progress | None = None, lookup: int = 0,
+    tie_tolerance: float, progress: Progress | None = None, lookup: int = 0, engine: Engine | None = None,
 ) -> VerifyReport:
-    """SSp and RSp continuations must match token for token, except at numerical near-ties."""
+    """SSp and RSp continuations (through ``engine``, ours by default) must match token for token, except at
+    numerical near-ties."""
+    engine = engine or OursEngine(target, [draft], [vocab])
     params = SamplingParams(temperature=0)
     report = VerifyReport("greedy", 0.0, "none (deterministic)", tie_tolerance=tie_tolerance, lookup=lookup)
     drafted = accepted = 0
     for index, text in enumerate(prompts):
         ids = target.encode(text)
-        rsp = generate_regular(target.model, ids, max_new_tokens, params).tokens.tolist()
-        out = generate_speculative(target.model, draft.model, ids, max_new_tokens, k, params, vocab_size=vocab, lookup=lookup)
+        request = Request(ids, max_new_tokens, params, seed=0)
+        rsp = engine.complete(Mode("rsp", engine=engine.name), request).tokens.tolist()
+        out = engine.complete(Mode("ssp", k, lookup=lookup, engine=engine.name), request)
         ssp = out.tokens.tolist()
         report.looked_up += out.stats.looked_up
         drafted += out.stats.drafted

@@ -1,0 +1,1 @@
+"""Decoding: sampling, the RSp and SSp loops, verification, KV caches, clocks."""

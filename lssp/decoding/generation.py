@@ -1,0 +1,219 @@
+"""Regular sampling (RSp): one target forward per token, with a KV cache; and what every generation reports.
+
+The speculative loop is ``lssp.decoding.speculative``; both share ``GenerationStats``, ``Stopping`` and the
+caches of ``lssp.decoding.kv``.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from lssp.decoding.kv import PrefixCache, forward_logits, prefill
+from lssp.decoding.sampling import SamplingParams, sample_logits
+from lssp.decoding.timing import Clock
+from lssp.models.modules import model_device
+from lssp.report.stats import alpha_estimate
+
+# Called with each block of newly emitted token ids and, per token, whether the draft proposed it.
+TokenCallback = Callable[[list[int], list[bool]], None]
+
+
+@dataclass
+class GenerationStats:
+    """What one generation did and where its time went (seconds)."""
+
+    mode: str
+    k: int = 0
+    new_tokens: int = 0
+    target_forwards: int = 0
+    draft_forwards: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    rejections: int = 0  # iterations that ended on a rejected draft
+    looked_up: int = 0  # drafts the context lookup proposed (greedy) or reweighted q for (sampling)
+    looked_up_accepted: int = 0
+    drafted_at: list[int] = field(default_factory=list)
+    accepted_at: list[int] = field(default_factory=list)
+    prefill_time_s: float = 0.0
+    target_time_s: float = 0.0
+    draft_time_s: float = 0.0
+    total_time_s: float = 0.0
+    ttft_s: float = 0.0
+    forwards_timed: bool = True  # False: no sync around forwards, so draft/target times are not measured (0)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else float("nan")
+
+    @property
+    def alpha(self) -> float:
+        """Per-token acceptance α of the i.i.d. model (its maximum-likelihood estimate)."""
+        return alpha_estimate(self.accepted, self.rejections)
+
+    @property
+    def tokens_per_target_forward(self) -> float:
+        return self.new_tokens / self.target_forwards if self.target_forwards else float("nan")
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        return [a / d if d else float("nan") for a, d in zip(self.accepted_at, self.drafted_at)]
+
+    @property
+    def decode_time_s(self) -> float:
+        """Wall time after the prompt's prefill: every emitted token is made in it."""
+        return self.total_time_s - self.prefill_time_s
+
+    @property
+    def other_time_s(self) -> float:
+        """Decode time outside the models' forwards (sampling, verification, cache bookkeeping)."""
+        return self.decode_time_s - self.target_time_s - self.draft_time_s
+
+    @property
+    def ms_per_token(self) -> float:
+        return 1000 * self.decode_time_s / self.new_tokens if self.new_tokens else float("nan")
+
+
+def combined(parts: Sequence[GenerationStats]) -> GenerationStats:
+    """The stats of several generations in a row (the turns of a conversation) as one: counts and times add
+    up, the time to first token is the first one's."""
+    first = parts[0]
+    total = GenerationStats(mode=first.mode, k=first.k, drafted_at=[0] * len(first.drafted_at),
+                            accepted_at=[0] * len(first.accepted_at), ttft_s=first.ttft_s,
+                            forwards_timed=all(p.forwards_timed for p in parts))
+    for name in ("new_tokens", "target_forwards", "draft_forwards", "drafted", "accepted", "rejections", "looked_up",
+                 "looked_up_accepted", "prefill_time_s", "target_time_s", "draft_time_s", "total_time_s"):
+        setattr(total, name, sum(getattr(p, name) for p in parts))
+    for part in parts:
+        total.drafted_at = [a + b for a, b in zip(total.drafted_at, part.drafted_at)]
+        total.accepted_at = [a + b for a, b in zip(total.accepted_at, part.accepted_at)]
+    return total
+
+
+@dataclass
+class GenerationOutput:
+    tokens: torch.Tensor  # 1-D LongTensor of new tokens, on the CPU
+    stats: GenerationStats
+    stopped: bool = False  # ended at a stop token or string before max_new_tokens
+
+
+@dataclass(frozen=True)
+class Stopping:
+    """When to end early: a token id in ``token_ids`` or a string in ``strings`` appears."""
+
+    token_ids: Collection[int] = ()
+    strings: Sequence[str] = ()
+    tokenizer: PreTrainedTokenizerBase | None = None
+
+    def cut(self, tokens: list[int], first_new: int) -> int | None:
+        """Length to keep if ``tokens[first_new:]`` completes a stop, else None."""
+        for i in range(first_new, len(tokens)):
+            if tokens[i] in self.token_ids:
+                return i + 1
+        if self.strings and self.tokenizer is not None:
+            for i in range(first_new, len(tokens)):
+                text = self.tokenizer.decode(tokens[: i + 1])
+                if any(s in text for s in self.strings):
+                    return i + 1
+        return None
+
+
+NO_STOP = Stopping()
+
+
+@torch.inference_mode()
+def generate_regular(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    max_new_tokens: int,
+    params: SamplingParams,
+    generator: torch.Generator | None = None,
+    stopping: Stopping = NO_STOP,
+    on_tokens: TokenCallback | None = None,
+    time_forwards: bool = True,
+    prefix: PrefixCache | None = None,
+) -> GenerationOutput:
+    """Sample ``max_new_tokens`` tokens from ``model``: prefill once, then one token per forward.
+
+    Tokens stay on the device unless a stop condition or a callback needs them on the host,
+    so a GPU never waits for the CPU between steps. ``time_forwards`` False synchronizes a GPU
+    only at the completion's start, end of prefill, first token and end (see ``Clock``). ``prefix``: a shared
+    prompt prefix whose cache the prefill starts from.
+    """
+    device = model_device(model)
+    clock = Clock.for_models(model, per_forward=time_forwards)
+    stats = GenerationStats(mode="rsp", forwards_timed=clock.per_forward)
+    host_needed = bool(on_tokens or stopping.token_ids or stopping.strings)
+    seq = input_ids.to(device)
+    out = torch.empty(max_new_tokens, dtype=torch.long, device=device)
+    tokens: list[int] = []
+    stopped = False
+    start = clock.now()
+    kv = prefill(model, seq, prefix)
+    stats.prefill_time_s = clock.now() - start
+    next_ids = seq[:, -1:]
+    n = 0
+    while n < max_new_tokens:
+        t0 = clock.forward_now()
+        logits = forward_logits(model, next_ids, kv, 1)
+        stats.target_time_s += clock.forward_now() - t0
+        stats.target_forwards += 1
+        token = sample_logits(logits, params, generator)
+        out[n] = token[0]
+        next_ids = token.view(1, 1)
+        n += 1
+        if n == 1:
+            stats.ttft_s = clock.now() - start
+        if host_needed:
+            tokens.append(int(token))
+            if on_tokens:
+                on_tokens(tokens[-1:], [False])
+            if stopping.cut(tokens, n - 1) is not None:
+                stopped = True
+                break
+    stats.total_time_s = clock.now() - start
+    stats.new_tokens = n
+    return GenerationOutput(out[:n].cpu(), stats, stopped)
+
+
+@torch.inference_mode()
+def generate_regular_batch(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    max_new_tokens: int,
+    params: SamplingParams,
+    generators: Sequence[torch.Generator | None],
+    stopping: Stopping = NO_STOP,
+    prefix: PrefixCache | None = None,
+) -> list[GenerationOutput]:
+    """RSp of prompts of equal length (``input_ids`` (B, T)) in one batch: each row gives the tokens
+    ``generate_regular`` gives it alone with its own generator (rows share positions, so nothing is padded;
+    each row draws from its generator exactly as it would alone). A row stops at its stop condition; the
+    batch runs until every row has stopped. The stats are the batch's, shared by its rows (times divided by B).
+    ``prefix``: a prompt prefix every row shares, whose cache the prefill starts from."""
+    batch = input_ids.shape[0]
+    device = model_device(model)
+    clock = Clock.for_models(model)
+    seq = input_ids.to(device)
+    rows: list[list[int]] = [[] for _ in range(batch)]
+    stopped = [False] * batch
+    start = clock.now()
+    kv = prefill(model, seq, prefix)
+    prefill_s = clock.now() - start
+    next_ids = seq[:, -1:]
+    forwards = 0
+    while not all(stopped) and forwards < max_new_tokens:
+        logits = model(input_ids=next_ids, past_key_values=kv, use_cache=True).logits[:, -1].to(device)
+        forwards += 1
+        tokens = [sample_logits(logits[i:i + 1], params, generators[i])[0] for i in range(batch)]
+        next_ids = torch.stack(tokens).view(batch, 1)
+        for i, token in enumerate(tokens):
+            if not stopped[i]:
+                rows[i].append(int(token))
+                stopped[i] = stopping.cut(rows[i], len(rows[i]) - 1) is not None
+    total = clock.now() - start
+    stats = GenerationStats(mode="rsp", new_tokens=sum(map(len, rows)) // batch, target_forwards=forwards,
+                            prefill_time_s=prefill_s / batch, total_time_s=total / batch, forwards_timed=False)
+    return [GenerationOutput(torch.tensor(row, dtype=torch.long), stats, done) for row, done in zip(rows, stopped)]

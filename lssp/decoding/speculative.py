@@ -1,0 +1,117 @@
+"""Speculative sampling (SSp): a drafter proposes k tokens, the target scores them all in one forward, and the
+verification rule (``lssp.decoding.verification``) keeps a prefix of them and adds one token of the target's.
+
+Both sides first prefill the prompt but its last token. Between iterations the target's cache holds a prefix of
+``seq`` and the drafter keeps its own state in step (``Drafter.commit``); whatever of ``seq`` a model has not seen
+yet is fed at its next forward.
+"""
+from __future__ import annotations
+
+import torch
+from transformers import PreTrainedModel
+
+from lssp.decoding import verification
+from lssp.decoding.generation import NO_STOP, GenerationOutput, GenerationStats, Stopping, TokenCallback
+from lssp.decoding.kv import PrefixCache, drop, prefill, prefill_with_features, scoring_forward
+from lssp.decoding.sampling import SamplingParams, warp
+from lssp.decoding.timing import Clock
+from lssp.drafters import Drafter, Picker, Proposal, drafter_for
+from lssp.models.modules import logit_width, model_device
+
+
+@torch.inference_mode()
+def speculative_decode(target: PreTrainedModel, drafter: Drafter, input_ids: torch.Tensor, max_new_tokens: int,
+                       k: int, params: SamplingParams, generator: torch.Generator | None = None,
+                       stopping: Stopping = NO_STOP, on_tokens: TokenCallback | None = None, vocab: int | None = None,
+                       time_forwards: bool = True, prefix: PrefixCache | None = None) -> GenerationOutput:
+    """Sample up to ``max_new_tokens`` tokens from ``target``'s law with ``drafter`` proposing up to ``k`` at a time.
+    ``vocab`` limits both sides' logits to a common prefix (by default the smaller output width); ``time_forwards``
+    and ``prefix`` as in ``generate_regular``."""
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    device = model_device(target)
+    vocab = vocab or min(logit_width(target), logit_width(drafter.model))
+    clock = Clock.for_models(target, drafter.model, per_forward=time_forwards)
+    stats = GenerationStats(mode="ssp", k=k, drafted_at=[0] * k, accepted_at=[0] * k, forwards_timed=clock.per_forward)
+    seq, tokens, stopped = input_ids.to(device), [], False
+    start = clock.now()
+    if drafter.needs_features:
+        target_kv, features = prefill_with_features(target, seq, prefix)
+    else:
+        target_kv, features = prefill(target, seq, prefix), None
+    drafter.begin(seq, features, prefix, clock)
+    stats.prefill_time_s = clock.now() - start
+    while len(tokens) < max_new_tokens and not stopped:
+        # 1. The drafter proposes, never past the budget: the iteration then emits at most what is left.
+        budget = min(k, max_new_tokens - len(tokens) - 1) if drafter.ready else 0
+        proposal = drafter.propose(seq, Picker(budget, vocab, params, generator, device))
+        drafted = len(proposal)
+
+        # 2. One target forward scores every draft position and the one after.
+        target_in = torch.cat([seq[:, target_kv.get_seq_length():], proposal.tokens.view(1, -1)], dim=1)
+        t0 = clock.forward_now()
+        logits, features = scoring_forward(target, target_in, target_kv, drafted + 1, drafter.needs_features)
+        stats.target_time_s += clock.forward_now() - t0
+
+        # 3. Keep the longest run of drafts that passes, then one token of the target's.
+        n, extra = _verify(logits[:, :vocab], proposal, params, generator)
+
+        # 4. Emit, and roll both sides back to what stays valid.
+        emitted = torch.cat([proposal.tokens[:n], extra.view(1)])
+        drop(target_kv, drafted - n)
+        new = emitted.tolist()
+        drafter.commit(proposal, n, new, features[:, :target_in.shape[1] - (drafted - n)] if features is not None else None)
+        seq = torch.cat([seq, emitted.view(1, -1)], dim=1)
+        _count(stats, proposal, n)
+
+        first_new = len(tokens)
+        tokens.extend(new)
+        keep = stopping.cut(tokens, first_new)
+        if keep is not None:
+            stopped = True
+            del tokens[keep:]
+        if first_new == 0:
+            stats.ttft_s = clock.now() - start
+        if on_tokens and len(tokens) > first_new:
+            shown = tokens[first_new:]
+            on_tokens(shown, [i < n for i in range(len(shown))])
+    stats.total_time_s = clock.now() - start
+    stats.new_tokens = len(tokens)
+    return GenerationOutput(torch.tensor(tokens, dtype=torch.long), stats, stopped)
+
+
+def _verify(logits: torch.Tensor, proposal: Proposal, params: SamplingParams,
+            generator: torch.Generator | None) -> tuple[int, torch.Tensor]:
+    """(accepted drafts, next token) by the rule for these sampling parameters."""
+    if params.greedy:
+        return verification.greedy_verification(logits, proposal.tokens)
+    accept_u, next_u = verification.draw_uniforms(len(proposal), logits.device, generator)
+    return verification.sampled_verification(warp(logits, params), proposal.q, proposal.tokens, accept_u, next_u)
+
+
+def _count(stats: GenerationStats, proposal: Proposal, accepted: int) -> None:
+    """Add one iteration to ``stats``."""
+    drafted = len(proposal)
+    stats.target_forwards += 1
+    stats.draft_forwards += drafted
+    stats.draft_time_s += proposal.forward_s
+    stats.drafted += drafted
+    stats.accepted += accepted
+    stats.rejections += int(accepted < drafted)
+    stats.looked_up += sum(proposal.looked_up)
+    stats.looked_up_accepted += sum(proposal.looked_up[:accepted])
+    for i in range(drafted):
+        stats.drafted_at[i] += 1
+        stats.accepted_at[i] += int(i < accepted)
+
+
+def generate_speculative(target: PreTrainedModel, draft: PreTrainedModel | Drafter, input_ids: torch.Tensor,
+                         max_new_tokens: int, k: int, params: SamplingParams, generator: torch.Generator | None = None,
+                         stopping: Stopping = NO_STOP, on_tokens: TokenCallback | None = None,
+                         vocab_size: int | None = None, confidence: float = 0.0, lookup: int = 0,
+                         time_forwards: bool = True, prefix: PrefixCache | None = None) -> GenerationOutput:
+    """``speculative_decode`` with ``draft`` a drafter, or a draft model (or feature head) wrapped by
+    ``drafter_for`` with the context lookup over ``lookup``-grams and the confidence stop below ``confidence``."""
+    drafter = draft if isinstance(draft, Drafter) else drafter_for(draft, lookup, confidence)
+    return speculative_decode(target, drafter, input_ids, max_new_tokens, k, params, generator, stopping, on_tokens,
+                              vocab_size, time_forwards, prefix)

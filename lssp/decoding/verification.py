@@ -1,0 +1,57 @@
+"""Verification: which drafts the target keeps, and the token it adds, as pure functions.
+
+Chen et al. 2023 (Alg. 2) / Leviathan et al. 2022 (Alg. 1): draft i is kept with probability min(1, p_i(x)/q_i(x)),
+the first rejection is replaced by a draw from norm(max(0, p - q)), and a full acceptance earns a bonus token from
+p_{k+1}. Greedy decoding is that rule with one-hot p and q, so it runs on argmaxes. The uniforms come in as
+arguments (``draw_uniforms``), so a verification is a function of its inputs alone.
+"""
+from __future__ import annotations
+
+import torch
+
+from lssp.decoding.sampling import argmax, inverse_cdf
+
+
+def draw_uniforms(k: int, device: torch.device, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The uniforms one verification of ``k`` drafts uses: k for the acceptance tests (none drawn for k = 0), then
+    one (float64) for the token that follows."""
+    accept = torch.rand(k, device=device, generator=generator) if k else torch.empty(0, device=device)
+    return accept, torch.rand(1, 1, dtype=torch.float64, device=device, generator=generator)
+
+
+def accepted_prefix(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, uniforms: torch.Tensor) -> int:
+    """How many leading drafts pass: draft i is kept where uniforms[i] · q_i(x) < p_i(x). Counted on the device,
+    so the iteration synchronizes once."""
+    k = drafts.shape[0]
+    if k == 0:
+        return 0
+    rows = torch.arange(k, device=drafts.device)
+    accept = uniforms * q[rows, drafts] < p[rows, drafts]
+    return int(accept.cumprod(0).sum())
+
+
+def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """norm(max(0, p - q)): the law of the token that replaces a rejected draft."""
+    residual = (p - q).clamp_(min=0)
+    total = residual.sum()
+    # p == q up to rounding leaves no residual mass; p itself is then the right law (no host sync).
+    return torch.where(total > 0, residual / total.clamp_min(torch.finfo(p.dtype).tiny), p)
+
+
+def sampled_verification(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, accept_u: torch.Tensor,
+                         next_u: torch.Tensor) -> tuple[int, torch.Tensor]:
+    """(accepted drafts n, the next token) from the target's probabilities ``p`` (k+1, V), the draft's ``q`` (k, V)
+    of its ``drafts`` (k,), and the uniforms: the token is drawn from the residual where draft n was rejected, else
+    from p_{k+1} (the bonus)."""
+    k = drafts.shape[0]
+    n = accepted_prefix(p, q, drafts, accept_u)
+    law = residual_distribution(p[n], q[n]) if n < k else p[k]
+    return n, inverse_cdf(law, next_u).reshape(())
+
+
+def greedy_verification(logits: torch.Tensor, drafts: torch.Tensor) -> tuple[int, torch.Tensor]:
+    """The rule with one-hot p and q: drafts pass while they are the target's argmax, and the next token is the
+    target's argmax where the run stopped (or after it)."""
+    best = argmax(logits)
+    n = int((drafts == best[:drafts.shape[0]]).cumprod(0).sum())
+    return n, best[n]

@@ -1,0 +1,26 @@
+"""Engines: one way to run a completion (ours, transformers, vLLM) behind one interface (``base.Engine``).
+
+Adding an engine is one module with an ``Engine`` subclass and its line in ``ENGINES``.
+"""
+from __future__ import annotations
+
+from lssp.engines.base import Engine, Mode, Request, request_seed
+from lssp.engines.ours import OursEngine
+from lssp.engines.transformers import TransformersEngine
+from lssp.engines.vllm import VllmEngine
+from lssp.errors import UserError
+
+ENGINES: dict[str, type[Engine]] = {"ours": OursEngine, "hf": TransformersEngine, "vllm": VllmEngine}
+
+__all__ = ["ENGINES", "Engine", "Mode", "OursEngine", "Request", "TransformersEngine", "VllmEngine", "check_engines",
+           "request_seed"]
+
+
+def check_engines(command: str, wanted: list[str], allowed: tuple[str, ...]) -> list[str]:
+    """``wanted`` if ``command`` takes each of them (once); else one line saying which engines it takes."""
+    unknown = [e for e in wanted if e not in allowed]
+    if unknown or not wanted or len(set(wanted)) < len(wanted):
+        raise UserError(f"{command} --engine {','.join(wanted) or repr('')}: {command} takes "
+                        f"{' or '.join(allowed) if len(allowed) < 3 else ', '.join(allowed)}"
+                        + (", comma-separated, each once" if len(allowed) > 1 else ""))
+    return wanted

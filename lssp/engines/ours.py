@@ -1,0 +1,51 @@
+"""Our engine: RSp and SSp in this process, with our KV caches, samplers and drafters."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from lssp.decoding.generation import GenerationOutput, generate_regular, generate_regular_batch
+from lssp.decoding.speculative import speculative_decode
+from lssp.drafters import drafter_for
+from lssp.engines.base import Engine, Mode, Request
+from lssp.models.loading import LoadedModel
+
+
+class OursEngine(Engine):
+    name = "ours"
+    decode_timing = "lssp clock: (end - end of prefill) / tokens"
+    splits_time = True
+
+    def __init__(self, target: LoadedModel, drafts: Sequence[LoadedModel] = (), vocabs: Sequence[int | None] = ()) -> None:
+        """``drafts`` with the logit width each shares with the target (``check_compatible``)."""
+        self.target = target
+        vocabs = list(vocabs) or [None] * len(drafts)
+        self.drafts = {d.name: (d, v) for d, v in zip(drafts, vocabs)}
+        self.default = drafts[0].name if drafts else None
+
+    def models(self) -> list[torch.nn.Module]:
+        return [self.target.model, *(d.model for d, _ in self.drafts.values())]
+
+    def generator(self, seed: int) -> torch.Generator:
+        return torch.Generator(device=self.target.device).manual_seed(seed)
+
+    def supports(self, mode: Mode) -> str | None:
+        if mode.mode == "ssp" and not self.drafts:
+            return "SSp needs a draft model"
+        return None
+
+    def complete(self, mode: Mode, request: Request) -> GenerationOutput:
+        r = request
+        if mode.mode == "rsp":
+            return generate_regular(self.target.model, r.ids, r.max_new_tokens, r.params, self.generator(r.seed),
+                                    r.stopping, r.on_tokens, r.time_forwards, r.prefix)
+        draft, vocab = self.drafts[mode.draft or self.default]
+        drafter = drafter_for(draft.model, mode.lookup, mode.confidence)
+        return speculative_decode(self.target.model, drafter, r.ids, r.max_new_tokens, mode.k, r.params,
+                                  self.generator(r.seed), r.stopping, r.on_tokens, vocab, r.time_forwards, r.prefix)
+
+    def complete_rsp_batch(self, ids: torch.Tensor, request: Request, seeds: Sequence[int]) -> list[GenerationOutput]:
+        """RSp of prompts of equal length (``ids`` (B, T)) in one batch, each row as it would run alone with its seed."""
+        return generate_regular_batch(self.target.model, ids, request.max_new_tokens, request.params,
+                                      [self.generator(s) for s in seeds], request.stopping, request.prefix)

@@ -1,0 +1,1 @@
+"""Measurements: latency, bench, eval, verify, cost: each runs completions through engines."""

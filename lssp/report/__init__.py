@@ -1,0 +1,1 @@
+"""Reporting: run rows and files, statistics, charts."""

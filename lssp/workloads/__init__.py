@@ -1,0 +1,1 @@
+"""Workloads: prompt lists, task categories, arithmetic problems."""

@@ -1,0 +1,114 @@
+"""Every drafter through the same exactness tests: greedy SSp equals greedy RSp, and sampled SSp's first two tokens
+follow the target's exact law (chi-square), for the draft model, the feature head and the wrappers over them; a
+drafter that misreports its q must fail the same test."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import random_head, tiny_llama
+from lssp.decoding.generation import generate_regular
+from lssp.decoding.sampling import SamplingParams, warp
+from lssp.decoding.speculative import speculative_decode
+from lssp.drafters import ConfidenceStop, DraftModel, Drafter, FeatureHead, LookupDrafter, Picker, Proposal
+from lssp.models.eagle import FeatureDraft
+from lssp.report.stats import chi_square_gof
+
+VOCAB, RUNS, SIGNIFICANCE = 8, 2000, 0.001
+GREEDY = SamplingParams(0)
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = tiny_llama(40, vocab_size=VOCAB, hidden=16, layers=1, scale=3.0)
+    return target, tiny_llama(41, vocab_size=VOCAB, hidden=16, layers=1, scale=3.0), \
+        FeatureDraft(random_head(target, 42, scale=2.0), target)
+
+
+DRAFTERS = {  # name: how to build it from (draft model, feature head)
+    "draft-model": lambda draft, head: DraftModel(draft),
+    "feature-head": lambda draft, head: FeatureHead(head),
+    "lookup(draft-model)": lambda draft, head: LookupDrafter(DraftModel(draft), 1),
+    "lookup(feature-head)": lambda draft, head: LookupDrafter(FeatureHead(head), 1),
+    "confidence(draft-model)": lambda draft, head: ConfidenceStop(DraftModel(draft), 0.3),
+    "confidence(lookup(feature-head))": lambda draft, head: ConfidenceStop(LookupDrafter(FeatureHead(head), 1), 0.3),
+}
+
+
+def _exact_law(model, prompt: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    with torch.no_grad():
+        p1 = warp(model(prompt).logits[0, -1], params)
+        rows = [warp(model(torch.cat([prompt, torch.tensor([[x]])], 1)).logits[0, -1], params) for x in range(VOCAB)]
+    return (p1[:, None] * torch.stack(rows)).flatten()
+
+
+def _two_token_counts(target, make, params: SamplingParams, prompt: torch.Tensor) -> list[int]:
+    counts = [0] * VOCAB * VOCAB
+    for seed in range(RUNS):
+        out = speculative_decode(target, make(), prompt, 3, 2, params, torch.Generator().manual_seed(seed))
+        first, second = out.tokens[:2].tolist()
+        counts[first * VOCAB + second] += 1
+    return counts
+
+
+@pytest.mark.parametrize("name", DRAFTERS)
+def test_every_drafter_keeps_greedy_ssp_equal_to_greedy_rsp(models, name):
+    target, draft, head = models
+    for prompt in ([0, 5, 3, 1], [2, 2, 2, 2, 2, 7], [4]):
+        ids = torch.tensor([prompt])
+        want = generate_regular(target, ids, 20, GREEDY).tokens
+        for k in (1, 3):
+            assert torch.equal(speculative_decode(target, DRAFTERS[name](draft, head), ids, 20, k, GREEDY).tokens, want)
+
+
+@pytest.mark.parametrize("name", DRAFTERS)
+def test_every_drafter_keeps_the_target_law(models, name):
+    target, draft, head = models
+    prompt, params = torch.tensor([[1, 2, 3]]), SamplingParams(1.0)
+    counts = _two_token_counts(target, lambda: DRAFTERS[name](draft, head), params, prompt)
+    assert chi_square_gof(counts, _exact_law(target, prompt, params).tolist()).p_value > SIGNIFICANCE
+
+
+class UniformQ(Drafter):
+    """A planted bug: proposes the inner drafter's tokens but reports a uniform q to the verification."""
+
+    def __init__(self, inner: Drafter) -> None:
+        self.inner, self.needs_features = inner, inner.needs_features
+
+    @property
+    def model(self):
+        return self.inner.model
+
+    @property
+    def ready(self) -> bool:
+        return self.inner.ready
+
+    def begin(self, *args) -> None:
+        self.inner.begin(*args)
+
+    def propose(self, seq: torch.Tensor, picker: Picker) -> Proposal:
+        proposal = self.inner.propose(seq, picker)
+        proposal.q = torch.full_like(proposal.q, 1 / VOCAB)
+        return proposal
+
+    def commit(self, *args) -> None:
+        self.inner.commit(*args)
+
+
+@pytest.mark.parametrize("name", ["draft-model", "feature-head"])
+def test_the_law_test_catches_a_drafter_that_misreports_q(models, name):
+    target, draft, head = models
+    prompt, params = torch.tensor([[1, 2, 3]]), SamplingParams(1.0)
+    counts = _two_token_counts(target, lambda: UniformQ(DRAFTERS[name](draft, head)), params, prompt)
+    assert chi_square_gof(counts, _exact_law(target, prompt, params).tolist()).p_value < SIGNIFICANCE
+
+
+def test_wrappers_report_what_they_did(models):
+    target, draft, _ = models
+    ids = torch.tensor([[2, 3, 2, 3, 2, 3, 2]])
+    looked = speculative_decode(target, LookupDrafter(DraftModel(draft), 2), ids, 30, 3, SamplingParams(1.0),
+                                torch.Generator().manual_seed(0)).stats
+    plain = speculative_decode(target, DraftModel(draft), ids, 30, 3, GREEDY).stats
+    stopped = speculative_decode(target, ConfidenceStop(DraftModel(draft), 0.9), ids, 30, 3, GREEDY).stats
+    assert looked.looked_up > 0 and plain.looked_up == 0
+    assert stopped.drafted < plain.drafted  # K became a maximum

@@ -1,0 +1,134 @@
+"""The layout's rules, checked on the source: no import cycles (function-level imports count), no module importing
+another module's private name, no function much longer than a screen, and one list of dependencies."""
+from __future__ import annotations
+
+import ast
+import re
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "lssp"
+LONGEST_FUNCTION = 90  # lines, docstring included
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def imports(path: Path) -> list[tuple[str, list[str]]]:
+    """(module, names) for every ``import lssp...`` and ``from lssp... import ...`` anywhere in ``path``."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, []) for alias in node.names if alias.name.startswith("lssp")]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("lssp") and not node.level:
+            found.append((node.module, [alias.name for alias in node.names]))
+    return found
+
+
+def edges(name: str) -> set[str]:
+    """The lssp modules ``name`` imports (a name that is a submodule counts as that module)."""
+    out = set()
+    for module, names in imports(MODULES[name]):
+        for imported in names:
+            if f"{module}.{imported}" in MODULES:
+                out.add(f"{module}.{imported}")
+            elif module in MODULES:
+                out.add(module)
+        if not names and module in MODULES:
+            out.add(module)
+    out.discard(name)
+    return out
+
+
+def cycles() -> list[list[str]]:
+    """Every strongly connected group of more than one module (Tarjan)."""
+    graph = {name: edges(name) for name in MODULES}
+    index, low, stack, on_stack, groups, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                groups.append(sorted(group))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return groups
+
+
+def test_no_import_cycles_between_modules():
+    assert cycles() == []
+
+
+def test_the_cycle_finder_finds_a_cycle(tmp_path, monkeypatch):
+    a, b = tmp_path / "a.py", tmp_path / "b.py"
+    a.write_text("from lssp.fake import b\n")
+    b.write_text("def f():\n    import lssp.fake.a\n")
+    monkeypatch.setitem(MODULES, "lssp.fake.a", a)
+    monkeypatch.setitem(MODULES, "lssp.fake.b", b)
+    assert ["lssp.fake.a", "lssp.fake.b"] in cycles()
+
+
+def test_no_module_imports_another_modules_private_name():
+    offences = [f"{name} imports {module}.{imported}" for name, path in MODULES.items() for module, names in imports(path)
+                for imported in names if imported.startswith("_") and not imported.startswith("__") and module != name]
+    assert offences == []
+
+
+def test_no_function_is_much_longer_than_a_screen():
+    long = []
+    for name, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > LONGEST_FUNCTION:
+                    long.append(f"{name}.{node.name}: {length} lines")
+    assert long == []
+
+
+def test_the_layers_import_downwards_only():
+    """decoding and models never import the layers above them (drafters aside: the SSp loop builds a drafter)."""
+    above = {"lssp.decoding": ("lssp.engines", "lssp.measure", "lssp.cli"),
+             "lssp.models": ("lssp.decoding", "lssp.drafters", "lssp.engines", "lssp.measure", "lssp.cli"),
+             "lssp.engines": ("lssp.measure", "lssp.cli"), "lssp.measure": ("lssp.cli",)}
+    offences = [f"{name} -> {target}" for name in MODULES for target in edges(name)
+                for layer, forbidden in above.items() if name.startswith(layer + ".") and target.startswith(forbidden)]
+    assert offences == []
+
+
+def _requirement_names(lines: list[str]) -> dict[str, str]:
+    found = {}
+    for line in lines:
+        line = line.split("#", 1)[0].strip()
+        if line:
+            found[re.split(r"[<>=!~ \[]", line, maxsplit=1)[0].lower()] = line.replace(" ", "")
+    return found
+
+
+def test_pyproject_and_requirements_list_the_same_dependencies():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    declared = _requirement_names(project["dependencies"] + project["optional-dependencies"]["test"])
+    assert declared == _requirement_names((ROOT / "requirements.txt").read_text().splitlines())
