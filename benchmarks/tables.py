@@ -1,18 +1,35 @@
-"""Print Markdown tables of chosen runs from the CSVs in benchmarks/results/ (for the README).
+"""Print Markdown tables of chosen runs from the CSVs in benchmarks/results/ (for the README and docs/).
 
 Usage: python benchmarks/tables.py [RESULTS_DIR] > benchmarks/results/README-tables.md
 Prints every run of each kind (cost, latency, bench, eval), or only the run ids given with --runs.
+
+       python benchmarks/tables.py --headline        prints README.md's headline block (HEADLINE_RUNS below)
+       python benchmarks/tables.py --write-readme    rewrites that block in README.md, between the markers
+The text between README.md's `<!-- headline:begin -->` line and its `<!-- headline:end -->` is exactly what
+--headline prints (readme_block() reads it back), so a test can check that the README is up to date.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
 import pandas as pd
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from lssp.report import markdown_table, read_csv_parts  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from lssp.report.results import markdown_table, read_csv_parts  # noqa: E402
+
+# The runs README.md's headline shows, in this order: the default pair (SmolLM2-135M-Instruct + the shipped
+# draft), greedy, on one machine (2-core Intel Xeon, AVX-512), so the two tables compare.
+# - 20261123-125658-e0273a: benchmarks/run.sh step 1a (latency-headline-eos.json), the reference's 16 story
+#   openings, completions ending at the end token, 3 passes, K = 2, 3, 4 with and without the context lookup.
+# - 20261123-131217-66b0de: step 1b (latency-tasks-greedy.json), every task category (--task all), K = 2, 3, 4.
+# When run.sh writes newer runs, put their ids here and rerun with --write-readme.
+HEADLINE_RUNS = ["20261123-125658-e0273a", "20261123-131217-66b0de"]
+HEADLINE_BEGIN, HEADLINE_END = "<!-- headline:begin -->\n", "<!-- headline:end -->"
+HEADLINE_COLUMNS = ["task", "mode", "K", "ms/token", "α", "speedup"]
 
 LATENCY = ["mode", "k", "ms_per_token", "ms_per_token_median", "ms_per_token_min", "ms_per_token_max", "ttft_ms",
            "acceptance_rate", "alpha", "mean_accepted", "speedup"]
@@ -50,12 +67,112 @@ def describe(rows: pd.DataFrame, extra: str = "") -> str:
             f"{r['git_commit']}{sampling}{extra}")
 
 
+def _mode_label(row: pd.Series, several_drafts: bool) -> str:
+    label = f"SSp, {row['draft']}" if several_drafts else "SSp"
+    if pd.notna(row.get("confidence")) and row["confidence"] > 0:
+        label += f" p≥{row['confidence']:g}"
+    if pd.notna(row.get("lookup")) and row["lookup"] > 0:
+        label += f" + lookup {int(row['lookup'])}"
+    return label
+
+
+def _headline_row(row: pd.Series, several_drafts: bool) -> dict[str, str]:
+    if row["mode"] == "rsp":
+        return {"task": row.get("task"), "mode": "RSp", "K": "–", "ms/token": f"{row['ms_per_token']:.1f}", "α": "–",
+                "speedup": "–"}
+    speedup = f"{row['speedup']:.2f}×"
+    if pd.notna(row.get("speedup_sd")) and row.get("repeats", 1) > 1:
+        speedup += f" ± {row['speedup_sd']:.2f}"
+    early = pd.notna(row.get("confidence")) and row["confidence"] > 0  # early-stopping drafts: K is a maximum
+    return {"task": row.get("task"), "mode": _mode_label(row, several_drafts), "K": f"{'≤' * early}{int(row['k'])}",
+            "ms/token": f"{row['ms_per_token']:.1f}", "α": f"{row['alpha']:.2f}", "speedup": speedup}
+
+
+def _headline_caption(rows: pd.DataFrame, shown_k: int | None) -> str:
+    first = rows.iloc[0]
+    passes = int(first["repeats"]) if pd.notna(first.get("repeats")) else 1
+    if shown_k is None:
+        title, what, shown = "Story openings", f"the reference's {int(first['prompts']) // passes} story openings", ""
+    else:
+        title = "Task categories"
+        what = f"{int(rows.loc[rows['task'] == 'all', 'prompts'].iloc[0])} prompts over every task (`--task all`)"
+        shown = f"; rows: all prompts at each K, then each task at K={shown_k}, the fastest K over all prompts"
+    sampling = "greedy" if first["temperature"] == 0 else f"T={first['temperature']:g}"
+    end = "exactly" if str(first.get("ignore_eos")) == "True" else "ending at the end token or after"
+    spread = f", {passes} passes (speedup ± sd over them)" if passes > 1 else ""
+    noisy = "noisy" in rows and rows["noisy"].astype(str).eq("True").any()
+    busy = " · **flagged busy: the speedup is unreliable**" if noisy else ""
+    return (f"**{title}** · {first['device']} · run `{first['run_id']}` · {first['target']} + "
+            f"{' / '.join(rows['draft'].dropna().unique())}, {sampling}, {what}, each completion {end} "
+            f"{int(first['max_new_tokens'])} tokens{spread}{shown}{busy}")
+
+
+def _from_repo(path: Path) -> str:
+    """The path as README.md links it: relative to the repository root, wherever the script runs from."""
+    return Path(os.path.relpath(path.resolve(), REPO)).as_posix()
+
+
+def _headline_chart(root: Path, run_id: str) -> str:
+    for kind in ("tasks", "speedup"):
+        chart = root / "plots" / f"{kind}-{run_id}.png"
+        if chart.exists():
+            return f"![{kind} chart of run {run_id}]({_from_repo(chart)})\n\n"
+    return ""
+
+
+def headline(root: Path) -> str:
+    """README.md's headline block: a table and a chart per run of HEADLINE_RUNS, from latency.csv."""
+    frame = read_csv_parts(root / "latency.csv")
+    parts = ["<!-- Generated by `python benchmarks/tables.py --write-readme` from "
+             f"{_from_repo(root / 'latency.csv')}; edit HEADLINE_RUNS there, not this block. -->\n\n"]
+    for run_id in HEADLINE_RUNS:
+        rows = frame[frame["run_id"] == run_id]
+        if "engine" in rows:  # a run with --engine ours,vllm: our engine's rows
+            rows = rows[rows["engine"].fillna("ours") == "ours"]
+        rows = rows.assign(task=rows["task"].fillna("stories") if "task" in rows else "stories")
+        if rows.empty:
+            raise SystemExit(f"tables.py: run {run_id} (HEADLINE_RUNS) is not in {root / 'latency.csv'}")
+        shown_k = None
+        if (rows["task"] == "all").any():  # a run over task categories: per task at one K
+            ssp = rows[(rows["task"] == "all") & (rows["mode"] != "rsp")]
+            shown_k = int(ssp.loc[ssp["ms_per_token"].idxmin(), "k"])
+            rows = rows[(rows["task"] == "all") | ((rows["mode"] != "rsp") & (rows["k"] == shown_k))]
+        parts.append(_headline_caption(rows, shown_k) + "\n\n")
+        several = rows["draft"].nunique() > 1
+        parts.append(markdown_table([_headline_row(r, several) for _, r in rows.iterrows()], HEADLINE_COLUMNS) + "\n")
+        parts.append(_headline_chart(root, run_id))
+    return "".join(parts)
+
+
+def readme_block(text: str) -> str:
+    """The headline block of a README's text: what lies between the two markers."""
+    if text.count(HEADLINE_BEGIN) != 1 or text.count(HEADLINE_END) != 1:
+        raise SystemExit(f"tables.py: the README needs one {HEADLINE_BEGIN.strip()} line and one {HEADLINE_END} line")
+    return text.split(HEADLINE_BEGIN)[1].split(HEADLINE_END)[0]
+
+
+def write_readme(readme: Path, block: str) -> None:
+    text = readme.read_text()
+    before, after = text.split(readme_block(text).join([HEADLINE_BEGIN, HEADLINE_END]))
+    readme.write_text(before + HEADLINE_BEGIN + block + HEADLINE_END + after)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("results", nargs="?", default="benchmarks/results")
     ap.add_argument("--runs", nargs="*", help="run ids to show (default: all)")
+    ap.add_argument("--headline", action="store_true", help="print README.md's headline block (HEADLINE_RUNS)")
+    ap.add_argument("--write-readme", nargs="?", const=str(REPO / "README.md"), metavar="README",
+                    help="rewrite the headline block of README.md (or the file given) in place")
     args = ap.parse_args()
     root = Path(args.results)
+    if args.headline or args.write_readme:
+        block = headline(root)
+        if args.write_readme:
+            write_readme(Path(args.write_readme), block)
+        else:
+            sys.stdout.write(block)
+        return
     for name, columns in (("cost", COST), ("latency", LATENCY), ("bench", BENCH), ("eval", EVAL)):
         frame = read_csv_parts(root / f"{name}.csv")
         if frame.empty:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -48,6 +49,17 @@ def target() -> LlamaForCausalLM:
 @pytest.fixture(scope="session")
 def draft() -> LlamaForCausalLM:
     return tiny_llama(1, hidden=16, layers=1, scale=30.0)
+
+
+@pytest.fixture(scope="session")
+def soft_target() -> LlamaForCausalLM:
+    """Less peaked than ``target``: sampling and drafts disagree often."""
+    return tiny_llama(10, scale=4.0)
+
+
+@pytest.fixture(scope="session")
+def soft_draft() -> LlamaForCausalLM:
+    return tiny_llama(11, hidden=16, layers=1, scale=4.0)
 
 
 CHARS = list("0123456789abcdefghijklmnopqrstuvwxyz \n*=?.,!'")
@@ -138,18 +150,24 @@ def tiny_dir(tmp_path_factory):
     return root
 
 
-@pytest.fixture()
-def run(tiny_dir, tmp_path, capsys):
-    """Call the CLI like a user would, on the tiny registry (or ``config``); returns (exit code, stdout, stderr)."""
+def cli(capsys, config: Path, results: Path):
+    """The CLI as a user calls it (output not a terminal, so 80 columns), on registry ``config`` with results in
+    ``results`` unless a call names others; each call returns (exit code, stdout, stderr)."""
     from lssp.cli import main
 
-    def _run(*args: str, config=None) -> tuple[int, str, str]:
-        argv = ["--config", str(config or tiny_dir / "models.yaml"), "--results-dir", str(tmp_path / "results"), *args]
-        code = main(argv)
+    def _run(*args: str, config: Path | None = None, results: Path | None = None) -> tuple[int, str, str]:
+        code = main(["--config", str(config or default_config), "--results-dir", str(results or default_results), *args])
         out = capsys.readouterr()
         return code, out.out, out.err
 
+    default_config, default_results = config, results
     return _run
+
+
+@pytest.fixture()
+def run(tiny_dir, tmp_path, capsys):
+    """``cli`` on the tiny registry."""
+    return cli(capsys, tiny_dir / "models.yaml", tmp_path / "results")
 
 
 def random_head(target, seed: int, token_ids: list[int] | None = None, bias: bool = False, scale: float = 1.0) -> FeatureHead:

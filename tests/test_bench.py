@@ -5,14 +5,14 @@ import copy
 
 import pandas as pd
 import pytest
-
 from conftest import char_tokenizer, tiny_llama
+
 import lssp.measure.bench as bench
-from lssp.measure.bench import ENGINES, BenchSetup, EngineRun, copy_bandwidth, run_bench, summarize
 from lssp.cli import main
+from lssp.decoding.sampling import SamplingParams
+from lssp.measure.bench import ENGINES, BenchSetup, EngineRun, copy_bandwidth, run_bench, summarize
 from lssp.models.loading import LoadedModel, load_model
 from lssp.models.registry import ModelSpec, load_registry
-from lssp.decoding.sampling import SamplingParams
 from lssp.report.stats import predicted_speedup
 
 

@@ -242,3 +242,40 @@ def test_latency_sweeps_the_context_lookup_and_other_commands_take_it(tiny_dir, 
     for command in (["latency", "--lookup", "-1"], ["compare", "--prompt", "x", "--lookup", "-1"]):
         assert main([*config, *command]) == 2
         assert "--lookup" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args", [
+    ("latency", "--nb-prompts", "1", "--max-new-tokens", "4"),
+    ("bench", "--nb-prompts", "1", "--max-new-tokens", "4"),
+    ("eval", "--both", "--nb-prompts", "2"),
+    ("verify", "--nb-prompts", "1", "--samples", "20", "--depth", "1"),
+    ("cost", "--tokens", "1,2", "--repeats", "1", "--precisions", "float32"),
+], ids=lambda args: args[0])
+def test_every_commands_json_rows_name_their_engine(run, tmp_path, args):
+    out = tmp_path / "rows.json"
+    code, _, err = run(*args, "--json", str(out))
+    assert code == 0, err
+    rows = json.loads(out.read_text())
+    rows = [rows] if isinstance(rows, dict) else rows  # verify writes one report
+    assert rows and all(row["engine"] in ("ours", "hf", "vllm", "ours-rsp", "ours-ssp", "hf-generate", "hf-assisted")
+                        for row in rows)
+
+
+@pytest.mark.parametrize("command", ["cost", "verify"])
+def test_an_engine_a_command_cannot_use_is_one_line_naming_those_it_takes(run, command):
+    code, _, err = run(command, "--engine", "vllm")
+    assert code == 2 and f"{command} takes ours" in err and "Traceback" not in err
+
+
+def test_latency_and_eval_run_transformers_as_an_engine(run, tmp_path):
+    code, out, err = run("latency", "--engine", "ours,hf", "--k", "2", "--lookup", "0,2", "--nb-prompts", "2",
+                         "--max-new-tokens", "6", "--json", str(tmp_path / "l.json"))
+    assert code == 0, err
+    assert "hf RSP" in out and "hf SSP" in out
+    rows = json.loads((tmp_path / "l.json").read_text())
+    hf = [r for r in rows if r["engine"] == "hf"]
+    assert {(r["mode"], r["lookup"]) for r in hf} == {("rsp", 0), ("ssp", 0)}  # no lookup in assisted generation
+    assert all(r["method"] == "assisted" for r in hf if r["mode"] == "ssp") and hf[1]["speedup"] > 0
+    code, _, err = run("eval", "--engine", "hf", "--both", "--nb-prompts", "3", "--json", str(tmp_path / "e.json"))
+    assert code == 0, err
+    assert {r["engine"] for r in json.loads((tmp_path / "e.json").read_text())} == {"hf"}

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 import lssp.decoding.timing
-from lssp.decoding.kv import drop, forward_logits, new_cache
 from lssp.decoding.generation import generate_regular
-from lssp.decoding.speculative import generate_speculative
+from lssp.decoding.kv import drop, forward_logits, new_cache
 from lssp.decoding.sampling import SamplingParams
+from lssp.decoding.speculative import generate_speculative
 from lssp.decoding.timing import Clock, cuda_devices
 
 

@@ -5,19 +5,25 @@ import copy
 
 import pytest
 import torch
-
 from conftest import char_tokenizer, tiny_llama
-from lssp.models.compact import CompactCache, CompactLlama, supports_compact
-from lssp.models.draft_head import attach_subset_head, has_subset_head, load_subset_head_model, most_frequent, subset_head
-from lssp.errors import UserError
-from lssp.decoding.kv import forward_logits, new_cache
+from test_generation import SIGNIFICANCE, VOCAB, exact_two_token_law, two_token_counts
+
 from lssp.decoding.generation import generate_regular
+from lssp.decoding.kv import forward_logits, new_cache
+from lssp.decoding.sampling import SamplingParams
 from lssp.decoding.speculative import generate_speculative
+from lssp.errors import UserError
+from lssp.models.compact import CompactCache, CompactLlama, supports_compact
+from lssp.models.draft_head import (
+    attach_subset_head,
+    has_subset_head,
+    load_subset_head_model,
+    most_frequent,
+    subset_head,
+)
 from lssp.models.loading import dynamic_quantize, load_model
 from lssp.models.registry import ModelSpec, load_registry
-from lssp.decoding.sampling import SamplingParams
 from lssp.report.stats import chi_square_gof
-from test_generation import SIGNIFICANCE, VOCAB, exact_two_token_law, two_token_counts
 
 GREEDY = SamplingParams(0)
 
@@ -156,6 +162,7 @@ def test_greedy_ssp_with_a_subset_head_draft_equals_greedy_rsp(model):
         assert out.stats.accepted < out.stats.drafted  # tokens outside the head get rejected, not emitted wrongly
 
 
+@pytest.mark.slow
 def test_ssp_with_a_subset_head_draft_recovers_the_target_distribution():
     params = SamplingParams(1.0)
     target = tiny_llama(20, vocab_size=VOCAB, scale=8.0)

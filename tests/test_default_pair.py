@@ -9,23 +9,24 @@ from statistics import median
 
 import pandas as pd
 import pytest
+from conftest import cli
 
-from lssp.cli import main
 from lssp.models.registry import load_registry
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.filterwarnings("ignore")
+pytestmark = [pytest.mark.filterwarnings("ignore"), pytest.mark.slow]  # the real SmolLM2 pair
 
 
 @pytest.fixture()
 def run(tmp_path, capsys):
     assert os.environ.get("HF_HUB_OFFLINE") == "1"
 
+    call = cli(capsys, ROOT / "models.yaml", tmp_path)
+
     def _run(*args: str) -> tuple[int, str]:
-        code = main(["--config", str(ROOT / "models.yaml"), "--results-dir", str(tmp_path), *args])
-        captured = capsys.readouterr()
-        assert code == 0, captured.err
-        return code, captured.out
+        code, out, err = call(*args)
+        assert code == 0, err
+        return code, out
 
     return _run
 

@@ -6,7 +6,6 @@ import sys
 
 import pytest
 import torch
-
 from conftest import tiny_llama
 
 from lssp.cli import main
@@ -15,8 +14,8 @@ from lssp.distill.collection import _batches, _generate_batch, _last_logits, _sc
 from lssp.distill.data import training_prompts
 from lssp.errors import IncompatibleModelsError
 from lssp.models.loading import check_compatible, load_model
-from lssp.workloads.prompts import HELD_OUT
 from lssp.models.registry import load_registry
+from lssp.workloads.prompts import HELD_OUT
 
 ACCEPTANCE = "latency prompts 1-4, greedy, K=4, 32 tokens"
 

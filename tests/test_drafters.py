@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import random_head, tiny_llama
+
 from lssp.decoding.generation import generate_regular
 from lssp.decoding.sampling import SamplingParams, warp
 from lssp.decoding.speculative import speculative_decode
-from lssp.drafters import ConfidenceStop, DraftModel, Drafter, FeatureHead, LookupDrafter, Picker, Proposal
+from lssp.drafters import ConfidenceStop, Drafter, DraftModel, FeatureHead, LookupDrafter, Picker, Proposal
 from lssp.models.eagle import FeatureDraft
 from lssp.report.stats import chi_square_gof
 
@@ -61,6 +61,7 @@ def test_every_drafter_keeps_greedy_ssp_equal_to_greedy_rsp(models, name):
             assert torch.equal(speculative_decode(target, DRAFTERS[name](draft, head), ids, 20, k, GREEDY).tokens, want)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", DRAFTERS)
 def test_every_drafter_keeps_the_target_law(models, name):
     target, draft, head = models
@@ -95,6 +96,7 @@ class UniformQ(Drafter):
         self.inner.commit(*args)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["draft-model", "feature-head"])
 def test_the_law_test_catches_a_drafter_that_misreports_q(models, name):
     target, draft, head = models

@@ -5,16 +5,16 @@ import json
 
 import pytest
 import torch
-
-import lssp.models.eagle as eagle
-import lssp.decoding.verification as verification
 from conftest import random_head, tiny_llama
-from lssp.models.compact import CompactLlama
-from lssp.models.eagle import FeatureDraft, FeatureHead, head_config, load_feature_head, save_feature_head
-from lssp.errors import UserError
+
+import lssp.decoding.verification as verification
+import lssp.models.eagle as eagle
 from lssp.decoding.generation import generate_regular
-from lssp.decoding.speculative import generate_speculative
 from lssp.decoding.sampling import SamplingParams, warp
+from lssp.decoding.speculative import generate_speculative
+from lssp.errors import UserError
+from lssp.models.compact import CompactLlama
+from lssp.models.eagle import FeatureDraft, FeatureHead, load_feature_head, save_feature_head
 from lssp.report.stats import chi_square_gof
 
 GREEDY = SamplingParams(temperature=0)
@@ -22,8 +22,8 @@ PROMPTS = [[0, 5, 9, 3], [0, 17], [0, 40, 41, 42, 43, 44, 45, 46], [7]]
 
 
 @pytest.fixture(scope="module")
-def target():
-    return tiny_llama(10, scale=4.0)
+def target(soft_target):
+    return soft_target
 
 
 @pytest.fixture(scope="module")
@@ -183,6 +183,7 @@ def _counts(model, draft, prompt, params) -> list[int]:
     return counts
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.7, top_k=4)], ids=["t1.0", "t0.7-topk4"])
 def test_ssp_with_a_feature_head_recovers_the_target_distribution(small_pair, params):
     model, draft = small_pair

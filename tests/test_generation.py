@@ -9,11 +9,10 @@ import torch
 from torch import nn
 
 import lssp.decoding.verification as verification
-from conftest import tiny_llama
-from lssp.drafters.lookup import ContextLookup
 from lssp.decoding.generation import Stopping, generate_regular
-from lssp.decoding.speculative import generate_speculative
 from lssp.decoding.sampling import SamplingParams, argmax, sample, warp
+from lssp.decoding.speculative import generate_speculative
+from lssp.drafters.lookup import ContextLookup
 from lssp.report.stats import chi_square_gof
 
 GREEDY = SamplingParams(temperature=0)
@@ -28,16 +27,6 @@ def naive_greedy(model, ids: torch.Tensor, n: int) -> list[int]:
             nxt = model(seq).logits[0, -1].argmax()
             seq = torch.cat([seq, nxt.view(1, 1)], dim=1)
     return seq[0, ids.shape[1]:].tolist()
-
-
-@pytest.fixture(scope="module")
-def soft_target():
-    return tiny_llama(10, scale=4.0)
-
-
-@pytest.fixture(scope="module")
-def soft_draft():
-    return tiny_llama(11, hidden=16, layers=1, scale=4.0)
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)

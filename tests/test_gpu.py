@@ -10,15 +10,15 @@ import dataclasses
 
 import pytest
 import torch
-
 from conftest import tiny_llama
-from lssp.models.compact import CompactLlama
-from lssp.decoding.generation import generate_regular
-from lssp.decoding.speculative import generate_speculative
-from lssp.decoding.sampling import SamplingParams
-from lssp.report.stats import chi_square_gof
-from lssp.decoding.timing import Clock
 from test_generation import N_RUNS, SIGNIFICANCE, VOCAB, PrefixTableLM, exact_two_token_law
+
+from lssp.decoding.generation import generate_regular
+from lssp.decoding.sampling import SamplingParams
+from lssp.decoding.speculative import generate_speculative
+from lssp.decoding.timing import Clock
+from lssp.models.compact import CompactLlama
+from lssp.report.stats import chi_square_gof
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU visible")]
 GREEDY = SamplingParams(0)

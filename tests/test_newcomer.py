@@ -15,24 +15,11 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from lssp.cli import hoist_global_options, main
+from lssp.cli import hoist_global_options
 from lssp.report.results import append_csv, read_csv_parts
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture()
-def run(tiny_dir, tmp_path, capsys):
-    """The CLI as a user calls it (output is not a terminal, so 80 columns); (exit code, stdout, stderr)."""
-
-    def _run(*args: str, results: Path | None = None) -> tuple[int, str, str]:
-        argv = ["--config", str(tiny_dir / "models.yaml"), "--results-dir", str(results or tmp_path / "results"), *args]
-        code = main(argv)
-        out = capsys.readouterr()
-        return code, out.out, out.err
-
-    return _run
 
 
 def assert_fits_80_columns(out: str) -> None:
@@ -304,6 +291,7 @@ def test_verify_says_where_it_wrote_and_both_modes_share_one_file(run, tmp_path)
     assert rows["identical"].notna().sum() == 1 and rows["chi2_p_value"].notna().sum() >= 1
 
 
+@pytest.mark.slow
 # --- the checkout stays clean ----------------------------------------------------------------
 def test_a_run_leaves_the_git_checkout_clean(tiny_dir, tmp_path):
     if shutil.which("git") is None or not (REPO / ".git").exists():

@@ -6,12 +6,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from lssp.errors import IncompatibleModelsError, UserError
 from lssp.decoding.generation import generate_regular
+from lssp.decoding.sampling import SamplingParams
 from lssp.decoding.speculative import generate_speculative
+from lssp.errors import IncompatibleModelsError, UserError
 from lssp.models.loading import check_compatible, load_model
 from lssp.models.registry import load_registry
-from lssp.decoding.sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
 

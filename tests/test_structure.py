@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import ast
 import re
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "lssp"
@@ -132,3 +133,23 @@ def test_pyproject_and_requirements_list_the_same_dependencies():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     declared = _requirement_names(project["dependencies"] + project["optional-dependencies"]["test"])
     assert declared == _requirement_names((ROOT / "requirements.txt").read_text().splitlines())
+
+
+def test_the_readme_headline_block_is_what_tables_py_generates_from_the_results():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("tables", ROOT / "benchmarks" / "tables.py")
+    tables = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tables)
+    generated = tables.headline(ROOT / "benchmarks" / "results")
+    assert "| stories | SSp | 3 |" in generated  # the run's rows, not an empty block
+    assert tables.readme_block((ROOT / "README.md").read_text()) == generated
+
+
+def test_the_readme_stays_short_and_its_links_resolve():
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 250
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text()):
+            if "://" not in target:
+                assert (page.parent / target).exists(), f"{page.name} links to {target}"

@@ -6,16 +6,16 @@ import json
 import pandas as pd
 import pytest
 import torch
-
 from conftest import tiny_llama
-from lssp.models.compact import CompactLlama
-from lssp.errors import UserError
-from lssp.decoding.kv import PrefixCache
+
 from lssp.decoding.generation import Stopping, generate_regular, generate_regular_batch
+from lssp.decoding.kv import PrefixCache
+from lssp.decoding.sampling import SamplingParams
 from lssp.decoding.speculative import generate_speculative
+from lssp.errors import UserError
+from lssp.models.compact import CompactLlama
 from lssp.models.loading import LoadedModel
 from lssp.models.registry import ModelSpec
-from lssp.decoding.sampling import SamplingParams
 from lssp.workloads.tasks import TASKS, TaskPrompt, load_tasks, parse_tasks, read_jsonl, task_prompts
 
 pytestmark = pytest.mark.filterwarnings("ignore")

@@ -3,14 +3,14 @@ from __future__ import annotations
 
 import pandas as pd
 import pytest
+from conftest import char_tokenizer, tiny_llama
 
 import lssp.decoding.verification as verification
-from conftest import char_tokenizer, tiny_llama
-from lssp.models.loading import LoadedModel
-from lssp.report.plot import acceptance_figure, eval_figure, latency_figure, plot_results, speedup_figure
-from lssp.models.registry import ModelSpec
 from lssp.decoding.sampling import SamplingParams
 from lssp.measure.verify import verify_greedy, verify_sampled
+from lssp.models.loading import LoadedModel
+from lssp.models.registry import ModelSpec
+from lssp.report.plot import acceptance_figure, eval_figure, latency_figure, plot_results, speedup_figure
 
 PROMPTS = ["ab", "hello", "12 * 3"]
 
@@ -28,6 +28,7 @@ def sampled(pair, **kw):
     return verify_sampled(target, draft, PROMPTS[:2], SamplingParams(1.0), k=3, samples=500, depth=2, seed=0, vocab=64, **kw)
 
 
+@pytest.mark.slow
 def test_verify_passes_the_real_speculative_sampler(pair):
     rep = sampled(pair)
     assert rep.lossless
@@ -37,6 +38,7 @@ def test_verify_passes_the_real_speculative_sampler(pair):
     assert rep.threshold == pytest.approx(0.01 / len(rep.positions))
 
 
+@pytest.mark.slow
 def test_verify_fails_an_always_accept_verifier(pair, monkeypatch):
     monkeypatch.setattr(verification, "accepted_prefix", lambda p, q, drafts, gen: drafts.shape[0])
     rep = sampled(pair)
@@ -44,6 +46,7 @@ def test_verify_fails_an_always_accept_verifier(pair, monkeypatch):
     assert min(c.chi2_p_value for c in rep.positions) < rep.threshold
 
 
+@pytest.mark.slow
 def test_verify_fails_a_residual_without_max0(pair, monkeypatch):
     # Without max(0, .) the replacement token can only be drawn from p itself (clamping is what removes q's mass).
     monkeypatch.setattr(verification, "residual_distribution", lambda p, q: p)

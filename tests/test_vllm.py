@@ -8,23 +8,27 @@ from types import SimpleNamespace
 import pandas as pd
 import pytest
 import torch
+from conftest import TINY_REGISTRY, char_tokenizer, cli, save_tiny
 from transformers import LlamaForCausalLM
 
-from conftest import TINY_REGISTRY, char_tokenizer, save_tiny
-from lssp.engines import vllm as vllm_engine
-from lssp.cli import main
-from lssp.models.draft_head import attach_subset_head
-from lssp.errors import UserError
 from lssp.decoding.generation import generate_regular
+from lssp.decoding.sampling import SamplingParams
+from lssp.engines import vllm as vllm_engine
+from lssp.engines.vllm import (
+    Counters,
+    EngineModel,
+    VllmEngines,
+    drafted_flags,
+    read_counters,
+    stats_from_request,
+)
+from lssp.errors import UserError
+from lssp.models.draft_head import attach_subset_head
+from lssp.models.export import export_draft, probe_texts
 from lssp.models.loading import load_model
 from lssp.models.registry import load_registry
-from lssp.decoding.sampling import SamplingParams
-from lssp.models.export import export_draft, probe_texts
-from lssp.engines.vllm import (
-    Counters, EngineModel, VllmEngines, drafted_flags, read_counters, stats_from_request,
-)
 
-pytestmark = pytest.mark.filterwarnings("ignore")
+pytestmark = [pytest.mark.filterwarnings("ignore"), pytest.mark.vllm]
 GREEDY = SamplingParams(0.0)
 PROMPTS = ([5, 6, 7, 8], [20, 21, 3, 22, 23, 9], [10, 11, 12, 13, 14, 15, 16, 17], [30, 4, 30, 4, 30])
 
@@ -77,12 +81,7 @@ def engines(vllm_dir):
 
 @pytest.fixture()
 def run(vllm_dir, tmp_path, capsys):
-    def _run(*args: str) -> tuple[int, str, str]:
-        code = main(["--config", str(vllm_dir / "models.yaml"), "--results-dir", str(tmp_path / "results"), *args])
-        out = capsys.readouterr()
-        return code, out.out, out.err
-
-    return _run
+    return cli(capsys, vllm_dir / "models.yaml", tmp_path / "results")
 
 
 # --- a real engine ----------------------------------------------------------------------------------------
@@ -140,6 +139,32 @@ def test_streamed_tokens_and_flags_match_the_request_record(engines):
             assert not any(flags)
         else:
             assert flags == done.drafted and sum(flags) == done.output.stats.accepted
+
+
+def test_ctrl_c_in_a_mixed_ours_and_vllm_run_keeps_whole_prompts(engines, vllm_dir):
+    """The split pass runs our modes only: an interruption there keeps every timed prompt and the split pass's whole
+    prompts, counted by its own modes."""
+    from lssp.engines import OursEngine, VllmEngine
+    from lssp.measure.latency import latency_modes, run_latency
+    from lssp.models.loading import check_compatible
+
+    registry = load_registry(vllm_dir / "models.yaml")
+    target, draft = load_model(registry.get("v-target")), load_model(registry.get("v-draft"), draft=True)
+    runners = {"ours": OursEngine(target, [draft], [check_compatible(target, draft)]), "vllm": VllmEngine(engines)}
+    modes = latency_modes(["ours", "vllm"], [draft.name], [2], lookups=[0, 2])
+    assert len(modes) == 6 and {VllmEngine.key(m) for m in modes if m.engine == "vllm"} == set(engines.engines)
+
+    def stop(message: str, done: int, total: int) -> None:
+        if message.startswith("prompt 2/3") and "split pass" in message:
+            raise KeyboardInterrupt
+
+    run = run_latency(target, runners, modes, ["abc", "hello there", "xyz"], "w", GREEDY, 6, 0, [draft],
+                      progress=stop, split="separate", ignore_eos=True)
+    timed = [t for t in run.timings if not t.split_pass]
+    split = [t for t in run.timings if t.split_pass]
+    assert run.interrupted and len(timed) == 3 * 6 and {t.engine for t in timed} == {"ours", "vllm"}
+    assert len(split) == 3 and {t.prompt_index for t in split} == {0} and {t.engine for t in split} == {"ours"}
+    assert {row["engine"] for row in run.summary_json()} == {"ours", "vllm"}
 
 
 def test_latency_engine_vllm_writes_rows(run, tmp_path):
@@ -292,8 +317,9 @@ def test_vllm_runs_our_feature_head_with_its_eagle_method(tmp_path):
     about as much as ours."""
     vllm_or_skip()
     from conftest import char_tokenizer, tiny_llama
-    from lssp.models.eagle import FeatureDraft, FeatureHead, head_config, save_feature_head
+
     from lssp.decoding.speculative import generate_speculative
+    from lssp.models.eagle import FeatureDraft, FeatureHead, head_config, save_feature_head
 
     target = tiny_llama(12, hidden=256, scale=4.0)
     with torch.no_grad():
@@ -326,3 +352,4 @@ def test_vllm_runs_our_feature_head_with_its_eagle_method(tmp_path):
         mine = generate_speculative(target, ours, ids, 16, 3, GREEDY).stats
         theirs = done.output.stats
         assert theirs.acceptance_rate >= 0.75 and mine.acceptance_rate >= 0.75, (theirs.acceptance_rate, mine.acceptance_rate)
+

@@ -9,7 +9,8 @@ import typer
 
 from lssp.cli import bench, compare, cost, distill, export, latency, models, plan, plot, verify  # noqa: F401
 from lssp.cli import eval as eval_command  # noqa: F401  (registers; the module is named after its command)
-from lssp.cli.common import GLOBAL_FLAGS, GLOBAL_OPTIONS_WITH_VALUE, app, console, err_console
+from lssp.cli.app import GLOBAL_FLAGS, GLOBAL_OPTIONS_WITH_VALUE, app
+from lssp.cli.output import console, err_console
 from lssp.errors import UserError
 
 __all__ = ["app", "main"]

@@ -6,11 +6,28 @@ from typing import Annotated, Optional
 
 import typer
 
-from lssp.cli.common import (
-    DraftArg, JsonOpt, KOpt, ConfidenceOpt, MaxNewOpt, NbPromptsOpt, PromptsOpt, TargetArg, TemperatureOpt, TopKOpt,
-    TopPOpt, app, check_positive, console, err_console, exit_with, fmt, load_pair, parse_fractions, progress,
-    read_prompt_list, sampling_params, save, settings, table, parse_engines, load_engine_pair, start_vllm,
+from lssp.cli.app import app, settings
+from lssp.cli.loaders import load_engine_pair, load_pair, start_vllm
+from lssp.cli.options import (
+    ConfidenceOpt,
+    DraftArg,
+    JsonOpt,
+    KOpt,
+    MaxNewOpt,
+    NbPromptsOpt,
+    PromptsOpt,
+    TargetArg,
+    TemperatureOpt,
+    TopKOpt,
+    TopPOpt,
+    check_positive,
+    parse_engines,
+    parse_fractions,
+    read_prompt_list,
+    sampling_params,
 )
+from lssp.cli.output import console, err_console, exit_with, fmt, save, table
+from lssp.cli.progress import progress
 from lssp.errors import UserError
 from lssp.report.results import plural
 
@@ -33,6 +50,7 @@ def bench(
     json_out: JsonOpt = None,
 ) -> None:
     """Ours vs transformers: RSp vs generate(), SSp vs assisted generation, same prompts, one run."""
+    from lssp.engines import Mode, TransformersEngine
     from lssp.measure.bench import engines_for, run_bench
     from lssp.workloads.prompts import WARMUP_PROMPT
 
@@ -53,9 +71,9 @@ def bench(
     params = sampling_params(temperature, top_k, top_p)
     results = s.writable_results_dir()
     t, d, vocab = load_pair(s, target, draft)
-    if d.draft_kind == "eagle" and "hf" in rivals:
-        raise UserError(f"transformers' assisted generation cannot run the feature head {d.name!r}: "
-                        "use --engine vllm as its rival")
+    why = TransformersEngine(t, d).supports(Mode("ssp", k, engine="hf")) if "hf" in rivals else None
+    if why:
+        raise UserError(f"--engine hf with {d.name!r}: {why}; use --engine vllm as its rival")
     vllm = start_vllm(*load_engine_pair(s, target, draft), [(0, 0), (k, 0)]) if "vllm" in rivals else None
     with progress(None, "bench") as tick:
         run = run_bench(t, d, prompt_list, WARMUP_PROMPT, k, params, max_new_tokens, s.seed, vocab, engines=engines,

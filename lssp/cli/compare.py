@@ -8,11 +8,27 @@ from typing import Annotated, Optional
 import typer
 from rich.text import Text
 
-from lssp.cli.common import (
-    ChatOpt, DraftArg, IgnoreEosOpt, KOpt, LookupOpt, MaxNewOpt, NbPromptsOpt, TargetArg, TaskOpt, TemperatureOpt,
-    TopKOpt, TopPOpt, app, check_positive, console, err_console, fmt, k_label, load_pair, read_task_prompts,
-    sampling_params, settings, parse_engines, load_engine_pair, start_vllm,
+from lssp.cli.app import app, settings
+from lssp.cli.loaders import load_engine_pair, load_pair, start_vllm
+from lssp.cli.options import (
+    ChatOpt,
+    DraftArg,
+    IgnoreEosOpt,
+    KOpt,
+    LookupOpt,
+    MaxNewOpt,
+    NbPromptsOpt,
+    TargetArg,
+    TaskOpt,
+    TemperatureOpt,
+    TopKOpt,
+    TopPOpt,
+    check_positive,
+    parse_engines,
+    read_task_prompts,
+    sampling_params,
 )
+from lssp.cli.output import console, err_console, fmt, k_label
 from lssp.errors import UserError
 
 

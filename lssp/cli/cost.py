@@ -6,9 +6,9 @@ from typing import Annotated, Optional
 
 import typer
 
-from lssp.cli.common import (
-    JsonOpt, app, check_positive, console, err_console, exit_with, save, parse_ints, settings, table,
-)
+from lssp.cli.app import app, settings
+from lssp.cli.options import JsonOpt, check_positive, parse_ints
+from lssp.cli.output import console, err_console, exit_with, save, table
 from lssp.engines import check_engines
 from lssp.errors import UserError
 

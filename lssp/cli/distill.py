@@ -8,7 +8,11 @@ from typing import Annotated, Optional
 
 import typer
 
-from lssp.cli.common import TargetArg, app, check_positive, console, err_console, load, phase_progress, settings
+from lssp.cli.app import app, settings
+from lssp.cli.loaders import load
+from lssp.cli.options import TargetArg, check_positive
+from lssp.cli.output import console, err_console
+from lssp.cli.progress import phase_progress
 from lssp.errors import UserError
 
 

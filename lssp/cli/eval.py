@@ -5,12 +5,25 @@ from typing import Annotated, Optional
 
 import typer
 
-from lssp.cli.common import (
+from lssp.cli.app import app, settings
+from lssp.cli.loaders import load_engine_pair, load_pair, start_vllm
+from lssp.cli.options import (
+    JsonOpt,
+    KOpt,
+    LookupOpt,
+    MaxNewOpt,
+    PlotOpt,
+    TargetArg,
+    TemperatureOpt,
+    TopKOpt,
+    TopPOpt,
+    check_positive,
     flag,
-    JsonOpt, KOpt, LookupOpt, MaxNewOpt, PlotOpt, TargetArg, TemperatureOpt, TopKOpt, TopPOpt, app, check_positive,
-    console, err_console, exit_with, fmt, save, k_label, load_pair, plot_charts, progress, sampling_params, settings, table,
-    parse_engines, load_engine_pair, start_vllm,
+    parse_engines,
+    sampling_params,
 )
+from lssp.cli.output import console, err_console, exit_with, fmt, k_label, plot_charts, save, table
+from lssp.cli.progress import progress
 from lssp.errors import UserError
 from lssp.report.results import plural
 
@@ -36,7 +49,7 @@ def eval_cmd(
     top_p: TopPOpt = 1.0,
     resume: Annotated[bool, flag("--resume", help="Continue the newest interrupted run with the same settings.")] = False,
     lookup: LookupOpt = 0,
-    engine: Annotated[str, typer.Option("--engine", help="ours, or vllm (./setup.sh --vllm installs it).")] = "ours",
+    engine: Annotated[str, typer.Option("--engine", help="ours, hf (transformers), or vllm (./setup.sh --vllm installs it).")] = "ours",
     json_out: JsonOpt = None,
     plot: PlotOpt = False,
 ) -> None:
@@ -55,8 +68,8 @@ def eval_cmd(
         raise UserError(f"--op {op!r}: expected one of {', '.join(OPERATIONS)}")
     params = sampling_params(temperature, top_k, top_p)
     if "," in engine:
-        raise UserError(f"--engine {engine!r}: eval runs one engine at a time (ours or vllm)")
-    (engine,) = parse_engines(engine)
+        raise UserError(f"--engine {engine!r}: eval runs one engine at a time (ours, hf or vllm)")
+    (engine,) = parse_engines(engine, ("ours", "hf", "vllm"))
     if (target is None and draft is None) or (both and draft is None):  # the default pair
         draft = s.registry.draft_name(None)
     modes = ["rsp", "ssp"] if both else ["ssp"] if draft else ["rsp"]
@@ -71,10 +84,10 @@ def eval_cmd(
         t, d = load_engine_pair(s, target, draft, need_draft=draft is not None)
         runner = VllmEngine(start_vllm(t, d, [(0, 0) if m == "rsp" else (k, lookup) for m in modes]))
     else:
-        from lssp.engines import OursEngine
+        from lssp.engines import OursEngine, TransformersEngine
 
         t, d, vocab = load_pair(s, target, draft, need_draft=draft is not None)
-        runner = OursEngine(t, [d] if d else [], [vocab])
+        runner = OursEngine(t, [d] if d else [], [vocab]) if engine == "ours" else TransformersEngine(t, d)
     correct = {m: 0 for m in modes}
     try:
         with progress(nb_prompts * len(modes), "eval") as tick:
@@ -93,7 +106,7 @@ def eval_cmd(
     code = save(results, run.run_id, "eval", run.rows(), run.markdown(), json_out, run.summary_json(),
                 f"{run.info.env['device']} · run {run.run_id} · records {run.records_path}")
     if plot:
-        plot_charts(s, run_id=run.run_id, kinds=("eval",))
+        plot_charts(s.results_dir, run_id=run.run_id, kinds=("eval",))
     exit_with(code)
 
 

@@ -6,7 +6,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from lssp.cli.common import app, console, err_console, settings
+from lssp.cli.app import app, settings
+from lssp.cli.output import console, err_console
 from lssp.errors import UserError
 
 

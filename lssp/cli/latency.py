@@ -7,13 +7,34 @@ from typing import Annotated, Optional
 import typer
 from rich.text import Text
 
-from lssp.cli.common import (
+from lssp.cli.app import app, settings
+from lssp.cli.loaders import load_draft_for, load_engine_pair, load_pair, start_vllm
+from lssp.cli.options import (
+    ChatOpt,
+    ConfidenceOpt,
+    EngineOpt,
+    IgnoreEosOpt,
+    JsonOpt,
+    MaxNewOpt,
+    NbPromptsOpt,
+    PlotOpt,
+    PromptsOpt,
+    TargetArg,
+    TaskOpt,
+    TemperatureOpt,
+    TopKOpt,
+    TopPOpt,
+    WideOpt,
+    check_positive,
     flag,
-    ChatOpt, ConfidenceOpt, JsonOpt, MaxNewOpt, NbPromptsOpt, PlotOpt, PromptsOpt, TargetArg, TemperatureOpt, TopKOpt,
-    TopPOpt, WideOpt, app, check_positive, console, err_console, exit_with, save, fmt, k_label, load_pair,
-    parse_fractions, parse_ints, plot_charts, progress, read_task_prompts, sampling_params, settings, table,
-    IgnoreEosOpt, TaskOpt, EngineOpt, parse_engines, load_engine_pair, start_vllm, load_draft_for,
+    parse_engines,
+    parse_fractions,
+    parse_ints,
+    read_task_prompts,
+    sampling_params,
 )
+from lssp.cli.output import console, err_console, exit_with, fmt, k_label, plot_charts, save, table
+from lssp.cli.progress import progress
 from lssp.errors import UserError
 from lssp.report.results import plural
 
@@ -50,12 +71,12 @@ def latency(
     plot: PlotOpt = False,
 ) -> None:
     """ms/token of RSp and SSp on a prompt list or task categories, measured side by side in one run."""
-    from lssp.engines import OursEngine, VllmEngine
+    from lssp.engines import OursEngine, TransformersEngine, VllmEngine
     from lssp.measure.latency import SPLIT_CHOICES, latency_modes, run_latency
     from lssp.workloads.prompts import WARMUP_PROMPT
 
     s = settings(ctx)
-    engines_wanted = parse_engines(engine)
+    engines_wanted = parse_engines(engine, ("ours", "hf", "vllm"))
     ks = parse_ints("--k", k)
     confidences = parse_fractions("--draft-confidence", draft_confidence)
     lookups = parse_ints("--lookup", lookup, minimum=0)
@@ -78,11 +99,14 @@ def latency(
         raise UserError(f"--draft {draft!r} names a draft twice")
     draft = draft_names[0]
     engines, drafts, t = {}, [], None
-    if "ours" in engines_wanted:
+    if "ours" in engines_wanted or "hf" in engines_wanted:  # both run the weights loaded here
         t, d, vocab = load_pair(s, target, draft, need_draft=use_draft)
         more = [load_draft_for(s, t, name) for name in draft_names[1:]]
         drafts = [x for x in (d, *(m for m, _ in more)) if x is not None]
-        engines["ours"] = OursEngine(t, drafts, [vocab, *(v for _, v in more)])
+        if "ours" in engines_wanted:
+            engines["ours"] = OursEngine(t, drafts, [vocab, *(v for _, v in more)])
+        if "hf" in engines_wanted:
+            engines["hf"] = TransformersEngine(t, d)
     if "vllm" in engines_wanted:
         vt, vd = load_engine_pair(s, target, draft, need_draft=use_draft)
         t, drafts = t or vt, drafts or ([vd] if vd else [])
@@ -97,14 +121,18 @@ def latency(
     code = save(results, run.info.run_id, "latency", run.rows(), run.markdown(), json_out, run.summary_json(),
                 f"{run.info.env['device']} · run {run.info.run_id}", {"latency_prompts.csv": run.prompt_rows()})
     if plot and not run.interrupted:
-        plot_charts(s, run_id=run.info.run_id, kinds=("latency",))
+        plot_charts(s.results_dir, run_id=run.info.run_id, kinds=("latency",))
     if run.interrupted:
         err_console.print(f"interrupted after {plural(run.prompts_done, 'prompt')}: the table and files cover them")
         raise typer.Exit(130)
     exit_with(code)
 
 
+ENGINE_LABELS = {"ours": "ours ", "hf": "hf ", "vllm": "vLLM "}
+
+
 def render(run, t, d, wide: bool = False, more: list | None = None) -> None:
+    from lssp.engines import ENGINES
     from lssp.measure.latency import SEPARATE_PASS
 
     setup = run.setup
@@ -127,7 +155,7 @@ def render(run, t, d, wide: bool = False, more: list | None = None) -> None:
                              ("draft", "right"), ("target", "right"), ("spread", "right")])
     both = len(run.engines) > 1
     for m in overall:
-        mode = ("vLLM " if m.engine == "vllm" else "ours " if both else "") + m.mode.upper() \
+        mode = (ENGINE_LABELS.get(m.engine, "") if both else "") + m.mode.upper() \
             + (f" {setup.method(m).split('+')[0]}" if len(setup.draft_kinds) > 1 and m.mode == "ssp" else "") \
             + (" ★" if m.best and several else "")
         k = _k(m) if m.mode == "ssp" else "–"
@@ -150,15 +178,17 @@ def render(run, t, d, wide: bool = False, more: list | None = None) -> None:
     specbench = [m for m in overall if m.specbench_speedup == m.specbench_speedup]
     if specbench:
         console.print("  Spec-Bench's speedup (mean per-prompt tokens/s, prefill included, ÷ RSp's): "
-                      + ", ".join(f"{_named(run, m)}K={_k(m)} {m.specbench_speedup:.2f}×" for m in specbench))
+                      + ", ".join(f"{_engine(m)}{_named(run, m)}K={_k(m)} {m.specbench_speedup:.2f}×" for m in specbench))
     for m in overall:
-        if m.mode == "ssp":
-            console.print(f"  share of iterations accepting draft i ({'vLLM ' if m.engine == 'vllm' else ''}"
+        if m.mode == "ssp" and m.acceptance_rate == m.acceptance_rate:  # engines that count acceptance
+            console.print(f"  share of iterations accepting draft i ({_engine(m)}"
                           f"{_named(run, m)}K={_k(m)}): " +
                           " ".join(f"{i + 1}:{fmt(x, 0, pct=True)}" for i, x in enumerate(m.acceptance_by_position)))
             if m.lookup and m.engine == "ours":
                 console.print(f"    the lookup proposed {fmt(m.lookup_share, 0, pct=True)} of drafts, "
                               f"{fmt(m.lookup_acceptance, 0, pct=True)} of them accepted")
+    if "hf" in run.engines:
+        console.print(f"  hf: {ENGINES['hf'].decode_timing}; assisted generation does not report acceptance")
     if "vllm" in run.engines:
         render_vllm(run)
     if setup.recompiles:
@@ -184,6 +214,11 @@ def render(run, t, d, wide: bool = False, more: list | None = None) -> None:
                       "the speedup is unreliable; rerun on a quiet machine or with --repeats[/bold yellow]")
     if t.spec.is_random or (d is not None and d.spec.is_random):
         console.print("[yellow]  Random weights: timings are real, acceptance figures mean nothing.[/yellow]")
+
+
+def _engine(m) -> str:
+    """"hf " or "vLLM " before a K label (nothing for ours)."""
+    return ENGINE_LABELS[m.engine] if m.engine != "ours" else ""
 
 
 def _named(run, m) -> str:

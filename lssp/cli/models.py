@@ -4,7 +4,8 @@ from __future__ import annotations
 import typer
 from rich.text import Text
 
-from lssp.cli.common import app, console, settings, table
+from lssp.cli.app import app, settings
+from lssp.cli.output import console, table
 
 
 @app.command("models")

@@ -9,7 +9,9 @@ from typing import Annotated, Iterator, Optional
 
 import typer
 
-from lssp.cli.common import DraftArg, JsonOpt, TargetArg, app, console, settings, table
+from lssp.cli.app import app, settings
+from lssp.cli.options import DraftArg, JsonOpt, TargetArg
+from lssp.cli.output import console, table
 from lssp.errors import UserError
 
 
@@ -55,7 +57,13 @@ def plan(
     import torch
 
     from lssp.models.placement import (
-        PRECISIONS, empty_model, kv_bytes_per_token, model_config, parse_bytes, plan_node, precision_of,
+        PRECISIONS,
+        empty_model,
+        kv_bytes_per_token,
+        model_config,
+        parse_bytes,
+        plan_node,
+        precision_of,
     )
 
     s = settings(ctx)

@@ -6,7 +6,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from lssp.cli.common import app, plot_charts, settings
+from lssp.cli.app import app, settings
+from lssp.cli.output import plot_charts
 
 
 @app.command("plot")
@@ -20,4 +21,4 @@ def plot_cmd(
         help="Only runs whose device contains this text, or 'all' (default: the machine of the newest run).")] = None,
 ) -> None:
     """Draw PNG charts from the CSVs in the results directory (one machine per chart)."""
-    plot_charts(settings(ctx), run_id=run_id, target=target, draft=draft, out_dir=out, machine=machine)
+    plot_charts(settings(ctx).results_dir, run_id=run_id, target=target, draft=draft, out_dir=out, machine=machine)

@@ -7,10 +7,22 @@ from typing import Annotated, Optional
 import typer
 from rich.text import Text
 
-from lssp.cli.common import (
-    DraftArg, KOpt, LookupOpt, PromptsOpt, TargetArg, TopKOpt, TopPOpt, app, check_positive, console, exit_with, save,
-    fmt, k_label, load_pair, progress, read_prompt_list, sampling_params, settings, table,
+from lssp.cli.app import app, settings
+from lssp.cli.loaders import load_pair
+from lssp.cli.options import (
+    DraftArg,
+    KOpt,
+    LookupOpt,
+    PromptsOpt,
+    TargetArg,
+    TopKOpt,
+    TopPOpt,
+    check_positive,
+    read_prompt_list,
+    sampling_params,
 )
+from lssp.cli.output import console, exit_with, fmt, k_label, save, table
+from lssp.cli.progress import progress
 from lssp.engines import check_engines
 from lssp.errors import UserError
 from lssp.report.results import RunInfo

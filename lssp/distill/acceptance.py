@@ -3,11 +3,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from lssp.decoding.sampling import SamplingParams
 from lssp.measure.latency import run_latency_ours
 from lssp.models.loading import LoadedModel, check_compatible, load_model
-from lssp.workloads.prompts import LATENCY_PROMPTS, WARMUP_PROMPT
 from lssp.models.registry import ModelSpec
-from lssp.decoding.sampling import SamplingParams
+from lssp.workloads.prompts import LATENCY_PROMPTS, WARMUP_PROMPT
 
 HELD_OUT_ACCEPTANCE = "latency prompts 1-4, greedy, K=4, 32 tokens"  # the measurement's name in a DistillReport
 

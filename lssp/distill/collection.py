@@ -15,8 +15,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from lssp.distill.config import Collected, DistillConfig, Progress
 from lssp.distill.data import training_prompts
 from lssp.models.draft_head import subset_head
-from lssp.models.modules import model_device
 from lssp.models.loading import encode_prompt
+from lssp.models.modules import model_device
 
 
 def _last_logits(model: PreTrainedModel, **inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -14,12 +14,12 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
-from lssp.models.compact import float_weight
 from lssp.distill.config import DistillConfig, DistillReport, Progress
 from lssp.distill.training import held_out_split, optimize
+from lssp.errors import UserError
+from lssp.models.compact import float_weight
 from lssp.models.draft_head import most_frequent
 from lssp.models.eagle import FeatureHead, head_config
-from lssp.errors import UserError
 
 FEATURE_NOISE = 0.05  # uniform noise, relative to the features' RMS, added to the features the head reads
 REGRESSION_WEIGHT = 0.2  # of the smooth-L1 feature loss, beside the cross-entropy

@@ -12,8 +12,14 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
 from lssp.distill.config import DistillConfig, DistillReport, Progress
-from lssp.models.draft_head import attach_subset_head, has_subset_head, load_subset_head_model, most_frequent, subset_head
 from lssp.errors import UserError
+from lssp.models.draft_head import (
+    attach_subset_head,
+    has_subset_head,
+    load_subset_head_model,
+    most_frequent,
+    subset_head,
+)
 from lssp.models.modules import logit_width
 
 

@@ -79,6 +79,6 @@ class TransformersEngine(Engine):
                 draft.hf_model.generation_config = saved
         tokens = out[0, ids.shape[1]:]
         stopped = bool(len(tokens)) and int(tokens[-1]) in request.stopping.token_ids and not request.ignore_eos
-        stats = GenerationStats(mode=mode.mode, k=mode.k, new_tokens=len(tokens), total_time_s=seconds,
-                                ttft_s=seconds, forwards_timed=False)
+        stats = GenerationStats(mode=mode.mode, k=mode.k, new_tokens=len(tokens), total_time_s=seconds, ttft_s=seconds,
+                                forwards_timed=False, drafted_at=[0] * mode.k, accepted_at=[0] * mode.k)  # not reported
         return GenerationOutput(tokens.cpu(), stats, stopped)

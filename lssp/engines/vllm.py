@@ -30,8 +30,8 @@ from lssp.models.draft_head import has_subset_head
 from lssp.models.eagle import is_feature_head
 from lssp.models.export import export_draft, exported_dir
 from lssp.models.loading import ModelHandle, feature_head_folder, load_model, load_tokenizer
-from lssp.models.sources import gguf_copy_dir
 from lssp.models.registry import ModelSpec
+from lssp.models.sources import gguf_copy_dir
 
 log = logging.getLogger(__name__)
 

@@ -13,15 +13,15 @@ from typing import Any
 
 import torch
 
-from lssp.measure.latency import NOISY_SPREAD, SAME_PASS, SEPARATE_PASS, separate_split_pass, spread
-from lssp.models.loading import LoadedModel
 from lssp.decoding.sampling import SamplingParams
-from lssp.report.results import RunInfo, markdown_table, plural
-from lssp.report.stats import alpha_estimate, predicted_speedup
 from lssp.decoding.timing import Clock
 from lssp.engines import Engine, Mode, OursEngine, Request, TransformersEngine, VllmEngine, request_seed
 from lssp.engines.vllm import VllmEngines
+from lssp.measure.latency import NOISY_SPREAD, SAME_PASS, SEPARATE_PASS, separate_split_pass, spread
 from lssp.measure.runloop import Progress, run_interleaved
+from lssp.models.loading import LoadedModel
+from lssp.report.results import RunInfo, markdown_table, plural
+from lssp.report.stats import alpha_estimate, predicted_speedup
 
 ENGINES = ("ours-rsp", "hf-generate", "ours-ssp", "hf-assisted")
 VLLM_ENGINES = ("vllm-rsp", "vllm-ssp")  # with --engine vllm (lssp.engines.vllm)

@@ -17,11 +17,11 @@ import torch
 from transformers import PreTrainedModel
 
 from lssp.decoding.kv import forward_logits, new_cache
-from lssp.models.modules import model_device
+from lssp.decoding.timing import Clock
 from lssp.models.loading import LoadedModel, dynamic_quantize
+from lssp.models.modules import model_device
 from lssp.models.registry import DYNAMIC_QUANTIZATIONS
 from lssp.report.results import RunInfo, markdown_table
-from lssp.decoding.timing import Clock
 
 Progress = Callable[[str], None]  # called with what is being timed next
 
@@ -97,7 +97,7 @@ class CostRun:
     info: RunInfo = field(default_factory=RunInfo)
 
     def rows(self) -> list[dict[str, Any]]:
-        return [{**self.info.head(), **asdict(c), "context": self.context, "repeats": self.repeats, **self.info.env}
+        return [{**self.info.head(), "engine": "ours", **asdict(c), "context": self.context, "repeats": self.repeats, **self.info.env}
                 for c in self.costs]
 
     def markdown(self) -> str:

@@ -10,17 +10,24 @@ from typing import Any
 
 import torch
 
-from lssp.errors import UserError
-from lssp.workloads.arithmetic import (
-    HIGH, LOW, OPERATIONS, answer_for, few_shot, multiplication_problems, parse_answer, prompt_for,
-)
 from lssp.decoding.generation import GenerationOutput, Stopping
 from lssp.decoding.kv import PrefixCache
+from lssp.decoding.sampling import SamplingParams
+from lssp.engines import Engine, Mode, OursEngine, Request, request_seed
+from lssp.errors import UserError
 from lssp.models.loading import LoadedModel
 from lssp.report.results import RunInfo, markdown_table
-from lssp.decoding.sampling import SamplingParams
 from lssp.report.stats import Interval, difference, mcnemar, wald, wilson
-from lssp.engines import Engine, Mode, OursEngine, Request, request_seed
+from lssp.workloads.arithmetic import (
+    HIGH,
+    LOW,
+    OPERATIONS,
+    answer_for,
+    few_shot,
+    multiplication_problems,
+    parse_answer,
+    prompt_for,
+)
 
 CHUNK = 64  # problems per turn of each mode
 
@@ -110,7 +117,7 @@ class EvalRun:
         } for m in self.summaries]
 
     def summary_json(self) -> list[dict[str, Any]]:
-        keys = ("mode", "target", "draft", "op", "max_operand", "trials", "successes", "success_rate", "wald_low",
+        keys = ("engine", "mode", "target", "draft", "op", "max_operand", "trials", "successes", "success_rate", "wald_low",
                 "wald_high", "wilson_low", "wilson_high", "diff_rsp_minus_ssp", "diff_low", "diff_high", "mcnemar_p",
                 "s_per_problem", "run_id")
         return [{key: row[key] for key in keys} for row in self.rows()]

@@ -13,12 +13,14 @@ from lssp.decoding.sampling import SamplingParams
 from lssp.decoding.timing import Clock
 from lssp.engines import ENGINES, Engine, Mode, OursEngine, Request, request_seed
 from lssp.engines.vllm import draft_method, draft_sampling
+from lssp.errors import UserError
 from lssp.measure.runloop import Progress, run_interleaved
 from lssp.models.compact import compiled_graphs
 from lssp.models.loading import LoadedModel
 from lssp.report.results import RunInfo, markdown_table, plural
 from lssp.report.stats import alpha_estimate
 from lssp.workloads.tasks import TaskPrompt
+
 
 @dataclass
 class PromptTiming:
@@ -203,9 +205,11 @@ class LatencySetup:
     draft_precisions: dict[str, str] = field(default_factory=dict)  # in a run of several drafts
 
     def method(self, m: ModeSummary) -> str:
-        """How a mode drafted: none (RSp); ours: draft or eagle, +lookup; vLLM: its speculative method."""
+        """How a mode drafted: none (RSp); ours: draft or eagle, +lookup; hf: assisted; vLLM: its speculative method."""
         if m.mode == "rsp":
             return "none"
+        if m.engine == "hf":
+            return "assisted"
         if m.engine == "vllm":
             return "ngram" if m.lookup else self.vllm_draft_method
         kind = self.draft_kinds.get(self.draft_of(m), "draft")
@@ -432,7 +436,8 @@ def latency_modes(engines: Sequence[str], drafts: Sequence[str], ks: Sequence[in
         modes += [Mode("rsp", engine=engine)] if baseline or not drafts else []
         if drafts or (engine == "vllm" and any(lookups)):
             modes += [Mode("ssp", k, c, n, engine, name if engine == "ours" else "") for name in names
-                      for n in lookups for c in confidences for k in ks if drafts or n]
+                      for n in lookups for c in confidences for k in ks
+                      if (drafts or n) and not (engine == "hf" and n)]  # assisted generation: no lookup here
     return list(dict.fromkeys(modes))
 
 
@@ -457,7 +462,7 @@ def run_latency(
     for how in modes:
         why = engines[how.engine].supports(how)
         if why:
-            raise ValueError(f"{how.name}: {why}")
+            raise UserError(f"{how.name}: {why}")
     info = RunInfo.for_models(target, *drafts)
     ours = engines.get("ours")
     separate = ours is not None and separate_split_pass(split, *ours.models())

@@ -19,15 +19,12 @@ from typing import Any
 
 import torch
 
-from lssp.drafters.model import draft_logits
-
 from lssp.decoding.kv import forward_logits, new_cache
+from lssp.decoding.sampling import SamplingParams, warp
+from lssp.drafters.model import draft_logits
 from lssp.engines import Engine, Mode, OursEngine, Request
-
-
 from lssp.models.loading import LoadedModel
 from lssp.report.results import RunInfo
-from lssp.decoding.sampling import SamplingParams, warp
 from lssp.report.stats import chi_square_gof
 
 Progress = Callable[[str], None]
@@ -69,11 +66,12 @@ class VerifyReport:
     skipped: list[str] = field(default_factory=list)
     lookup: int = 0  # n-gram length of SSp's context lookup (0: off)
     looked_up: int = 0  # drafts the lookup proposed
+    engine: str = "ours"  # whose SSp was audited
 
     def rows(self, info: RunInfo, target: LoadedModel, draft: LoadedModel, k: int,
              params: SamplingParams) -> list[dict[str, Any]]:
         """One CSV row per check (a position in sampled mode, a prompt in greedy mode)."""
-        base = {**info.head(), "target": target.name, "draft": draft.name, "k": k, "lookup": self.lookup,
+        base = {**info.head(), "engine": self.engine, "target": target.name, "draft": draft.name, "k": k, "lookup": self.lookup,
                 "looked_up": self.looked_up, **params.as_dict(), "verdict": "lossless" if self.lossless else "not lossless",
                 "acceptance_rate": self.acceptance_rate, "target_precision": target.precision,
                 "draft_precision": draft.precision, **info.env}
@@ -83,7 +81,7 @@ class VerifyReport:
                 + [{**base, **blank, **asdict(g)} for g in self.greedy])
 
     def summary_json(self, info: RunInfo) -> dict[str, Any]:
-        return {"mode": self.mode, "lossless": self.lossless, "significance": self.significance,
+        return {"engine": self.engine, "mode": self.mode, "lossless": self.lossless, "significance": self.significance,
                 "correction": self.correction, "acceptance_rate": self.acceptance_rate, "lookup": self.lookup,
                 "looked_up": self.looked_up, "checks": [asdict(c) for c in self.positions] + [asdict(g) for g in self.greedy],
                 "run_id": info.run_id, "device": info.env.get("device")}
@@ -131,7 +129,7 @@ def verify_sampled(
     go through ``engine`` (ours by default)."""
     engine = engine or OursEngine(target, [draft], [vocab])
     ssp = Mode("ssp", k, lookup=lookup, engine=engine.name)
-    report = VerifyReport("sampled", significance, "Bonferroni", lookup=lookup)
+    report = VerifyReport("sampled", significance, "Bonferroni", lookup=lookup, engine=engine.name)
     null_gen = torch.Generator().manual_seed(seed)
     drafted = accepted = 0
     for index, text in enumerate(prompts):
@@ -184,7 +182,8 @@ def verify_greedy(
     numerical near-ties."""
     engine = engine or OursEngine(target, [draft], [vocab])
     params = SamplingParams(temperature=0)
-    report = VerifyReport("greedy", 0.0, "none (deterministic)", tie_tolerance=tie_tolerance, lookup=lookup)
+    report = VerifyReport("greedy", 0.0, "none (deterministic)", tie_tolerance=tie_tolerance, lookup=lookup,
+                          engine=engine.name)
     drafted = accepted = 0
     for index, text in enumerate(prompts):
         ids = target.encode(text)

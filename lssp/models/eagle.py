@@ -26,9 +26,9 @@ from torch import nn
 from transformers import LlamaConfig, PreTrainedModel
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
+from lssp.errors import UserError
 from lssp.models.compact import CompactCache, CompactOutput, FusedDecoder, float_weight
 from lssp.models.draft_head import HEAD_KEY, SubsetHead
-from lssp.errors import UserError
 
 HEAD_MARK = "feature_head"  # config.json key of heads written by llamassp (the format is EAGLE's either way)
 IGNORED_KEYS = ("embed_tokens.weight", "lm_head.weight")  # copies of the target's that published heads may carry

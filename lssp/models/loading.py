@@ -6,17 +6,17 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from lssp.errors import IncompatibleModelsError, UserError
 from lssp.models.compact import CompactLlama
 from lssp.models.draft_head import has_subset_head, load_subset_head_model
-from lssp.errors import IncompatibleModelsError, UserError
 from lssp.models.modules import logit_width, model_device
 from lssp.models.registry import DYNAMIC_QUANTIZATIONS, ModelSpec
 from lssp.models.sources import gguf_copy_dir, model_source, random_config

@@ -1,8 +1,8 @@
 """Facts about a loaded torch model that every layer asks: where it runs, how wide its logits are."""
 from __future__ import annotations
 
-from transformers import PreTrainedModel
 import torch
+from transformers import PreTrainedModel
 
 
 def model_device(model: PreTrainedModel) -> torch.device:

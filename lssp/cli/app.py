@@ -1,0 +1,92 @@
+"""The app: global options (before or after the subcommand), settings, logging."""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from lssp.cli.options import flag
+from lssp.cli.output import console, err_console
+from lssp.models.registry import Registry, load_registry
+from lssp.report.results import check_writable_dir
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Measure speculative sampling (SSp) against regular sampling (RSp).")
+
+
+log = logging.getLogger("lssp")
+
+# Options every command accepts before or after its name (main() moves them in front).
+GLOBAL_OPTIONS_WITH_VALUE = ("--config", "--results-dir", "--seed", "--device")
+GLOBAL_FLAGS = ("-v", "--verbose", "--compile", "--compile-fallback")
+
+
+@dataclass
+class Settings:
+    config: Path
+    results_dir: Path
+    seed: int
+    verbose: bool
+    device: str | None
+    compile: bool = False
+    compile_fallback: bool = False
+    _registry: Registry | None = None
+
+    @property
+    def registry(self) -> Registry:
+        if self._registry is None:
+            self._registry = load_registry(self.config)
+        return self._registry
+
+    def writable_results_dir(self) -> Path:
+        """The results directory, made if needed and proven writable, before any model loads."""
+        check_writable_dir(self.results_dir)
+        return self.results_dir
+
+
+def settings(ctx: typer.Context) -> Settings:
+    return ctx.find_root().obj
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from lssp import __version__
+
+        console.print(f"llamassp {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def main_options(
+    ctx: typer.Context,
+    config: Annotated[Path, typer.Option(help="Model registry.")] = Path("models.yaml"),
+    results_dir: Annotated[Path, typer.Option(help="Where CSV, Markdown and JSON results go.")] = Path("results"),
+    seed: Annotated[int, typer.Option(help="Seed for sampling and prompt draws.")] = 0,
+    verbose: Annotated[bool, flag("--verbose", "-v", help="Log progress; show tracebacks.")] = False,
+    device: Annotated[Optional[str], typer.Option(help="Override placement: cpu, cuda, cuda:1, auto.")] = None,
+    compile: Annotated[bool, flag("--compile", help="Run every model's decode steps compiled (torch.compile on the "
+                                  "compact forward; CUDA graphs on a GPU).")] = False,
+    compile_fallback: Annotated[bool, flag("--compile-fallback", help="Where compiling is impossible, run "
+                                           "uncompiled with a warning instead of stopping.")] = False,
+    version: Annotated[bool, typer.Option("--version", help="Print the version and exit.", is_eager=True,
+                                          callback=_print_version, metavar="")] = False,
+) -> None:
+    """Global options go before or after the subcommand: llamassp.py latency --seed 1 ..."""
+    ctx.obj = Settings(config, results_dir, seed, verbose, device, compile, compile_fallback)
+    _configure_logging(verbose)
+
+
+def _configure_logging(verbose: bool) -> None:
+    from rich.logging import RichHandler
+
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(message)s",
+                        handlers=[RichHandler(console=err_console, show_path=False)], force=True)
+    import transformers
+
+    transformers.logging.set_verbosity_info() if verbose else transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -1,0 +1,64 @@
+"""Loading what a command runs: models for our engine, handles and engines for vLLM."""
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+
+from lssp.cli.app import Settings
+from lssp.cli.output import err_console
+from lssp.report.results import plural
+
+log = logging.getLogger("lssp")
+
+
+def load(s: Settings, name: str, draft: bool = False, target=None):
+    from lssp.models.loading import feature_head_folder, load_model
+
+    spec = s.registry.get(name)
+    if s.compile and not spec.compile and not (draft and feature_head_folder(spec)):
+        spec = replace(spec, compile=True, forward="compact")
+    with err_console.status(f"Loading {name} ({spec.path or 'random init'})…"):
+        loaded = load_model(spec, s.device, draft, s.compile_fallback, target)
+    log.info("%s: %s on %s, %.1f MB", name, loaded.precision, loaded.placement, loaded.weight_bytes / 1e6)
+    return loaded
+
+
+def load_pair(s: Settings, target_name: str | None, draft_name: str | None, need_draft: bool = True):
+    t_name = s.registry.target_name(target_name)
+    d_name = s.registry.draft_name(draft_name) if (draft_name or need_draft) else None
+    target = load(s, t_name)
+    if d_name is None:
+        return target, None, None
+    return (target, *load_draft_for(s, target, d_name))  # after the target: on the GPU it left emptiest
+
+
+def load_draft_for(s: Settings, target, name: str):
+    """One more draft for a loaded target, and the logit width they share."""
+    from lssp.models.loading import check_compatible
+
+    draft = load(s, s.registry.draft_name(name), draft=True, target=target)
+    return draft, check_compatible(target, draft)
+
+
+def load_engine_pair(s: Settings, target_name: str | None, draft_name: str | None, need_draft: bool = True):
+    """The pair as vLLM will run it: tokenizers and configs only on our side (no weights loaded here)."""
+    from lssp.engines.vllm import EngineModel, require_vllm
+    from lssp.models.loading import check_compatible
+
+    require_vllm()
+    t_spec = s.registry.get(s.registry.target_name(target_name))
+    d_name = s.registry.draft_name(draft_name) if (draft_name or need_draft) else None
+    with err_console.status(f"Reading {t_spec.name} for vLLM…"):
+        target = EngineModel(t_spec)
+        draft = EngineModel(s.registry.get(d_name), target) if d_name else None
+    if draft is not None:
+        check_compatible(target, draft)
+    return target, draft
+
+
+def start_vllm(target, draft, keys: list[tuple[int, int]]):
+    """vLLM engines for (k, lookup) modes (k = 0: RSp), all started before anything is timed."""
+    from lssp.engines.vllm import VllmEngines
+
+    with err_console.status(f"Starting {plural(len(keys), 'vLLM engine')}…") as status:
+        return VllmEngines(target, draft, keys, lambda key: status.update(f"Started vLLM for K={key[0]}…"))
