@@ -114,3 +114,28 @@ class Drafter(ABC):
     def commit(self, proposal: Proposal, accepted: int, emitted: list[int], features: torch.Tensor | None) -> None:
         """The target kept ``accepted`` drafts and emitted ``emitted``; ``features``: its hidden states of the
         positions it fed that stay valid."""
+
+
+class DrafterWrapper(Drafter):
+    """A drafter that changes how ``inner`` picks (a hook on the picker) and hands everything else to it."""
+
+    def __init__(self, inner: Drafter) -> None:
+        self.inner = inner
+        self.needs_features = inner.needs_features
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.inner.model
+
+    @property
+    def ready(self) -> bool:
+        return self.inner.ready
+
+    def begin(self, seq: torch.Tensor, features: torch.Tensor | None, prefix: PrefixCache | None, clock: Clock) -> None:
+        self.inner.begin(seq, features, prefix, clock)
+
+    def propose(self, seq: torch.Tensor, picker: Picker) -> Proposal:
+        return self.inner.propose(seq, picker)
+
+    def commit(self, proposal: Proposal, accepted: int, emitted: list[int], features: torch.Tensor | None) -> None:
+        self.inner.commit(proposal, accepted, emitted, features)

@@ -13,7 +13,7 @@ import torch
 from lssp.decoding.kv import PrefixCache
 from lssp.decoding.sampling import argmax
 from lssp.decoding.timing import Clock
-from lssp.drafters.base import Drafter, Picker, Proposal, probability
+from lssp.drafters.base import Drafter, DrafterWrapper, Picker, Proposal, probability
 
 LOOKUP_BELOW = 0.5  # the lookup speaks only where the draft's own top probability is below this
 
@@ -41,23 +41,13 @@ class ContextLookup:
         return self.successor.get(tuple(tail)) if len(tail) == self.n else None
 
 
-class LookupDrafter(Drafter):
+class LookupDrafter(DrafterWrapper):
     """``inner``'s drafts, with the context lookup over n-grams of length ``n`` where ``inner`` is unsure."""
 
     def __init__(self, inner: Drafter, n: int) -> None:
-        if n < 1:
-            raise ValueError(f"lookup n-gram length must be >= 1, got {n}")
-        self.inner, self.n = inner, n
-        self.needs_features = inner.needs_features
+        super().__init__(inner)
+        self.n = n
         self.context = ContextLookup(n, ())
-
-    @property
-    def model(self) -> torch.nn.Module:
-        return self.inner.model
-
-    @property
-    def ready(self) -> bool:
-        return self.inner.ready
 
     def begin(self, seq: torch.Tensor, features: torch.Tensor | None, prefix: PrefixCache | None, clock: Clock) -> None:
         self.context = ContextLookup(self.n, seq[0].tolist())
