@@ -157,7 +157,15 @@ def test_gpu_only_entry_without_gpu(run, tmp_path):
 
 
 def test_stats_against_hand_computed_values():
-    from lssp.report.stats import difference, expected_tokens_per_iteration, mcnemar, predicted_speedup, wald, wilson
+    from lssp.report.stats import (
+        difference,
+        expected_tokens_per_iteration,
+        mcnemar,
+        paired_difference,
+        predicted_speedup,
+        wald,
+        wilson,
+    )
 
     w = wald(284, 1000)  # the reference's 7B figure: 28.4% on 1000 prompts
     assert w.estimate == 0.284 and w.high - w.estimate == pytest.approx(1.959964 * (0.284 * 0.716 / 1000) ** 0.5)
@@ -170,6 +178,12 @@ def test_stats_against_hand_computed_values():
     assert d.estimate == pytest.approx(0.003)
     assert d.high - d.estimate == pytest.approx(1.959964 * (0.284 * 0.716 / 1000 + 0.281 * 0.719 / 1000) ** 0.5)
     assert d.contains(0)
+    # Paired: 1500 problems, 232 right only with RSp and 232 only with SSp (the README's eval run).
+    paired = paired_difference(232, 232, 1500)
+    assert paired.estimate == 0 and paired.high == pytest.approx(1.959964 * 464 ** 0.5 / 1500)  # ±2.81 points
+    assert difference(500, 1500, 500, 1500).high > paired.high  # the independent interval ignores the pairing
+    assert paired_difference(30, 10, 100).estimate == pytest.approx(0.2)
+    assert paired_difference(30, 10, 100).high == pytest.approx(0.2 + 1.959964 * (40 - 400 / 100) ** 0.5 / 100)
     assert mcnemar(0, 0) == 1.0 and mcnemar(10, 0) == pytest.approx(2 * 0.5 ** 10)
     assert expected_tokens_per_iteration(0.5, 3) == pytest.approx(1.875)
     assert predicted_speedup(0.8, 4, 0.1) == pytest.approx((1 - 0.8 ** 5) / (0.2 * 1.4))

@@ -17,7 +17,7 @@ from lssp.engines import Engine, Mode, OursEngine, Request, request_seed
 from lssp.errors import UserError
 from lssp.models.loading import LoadedModel
 from lssp.report.results import RunInfo, markdown_table
-from lssp.report.stats import Interval, difference, mcnemar, wald, wilson
+from lssp.report.stats import Interval, mcnemar, paired_difference, wald, wilson
 from lssp.workloads.arithmetic import (
     HIGH,
     LOW,
@@ -153,8 +153,8 @@ def compare(rsp: Sequence[EvalRecord], ssp: Sequence[EvalRecord]) -> EvalCompari
     pairs = [(r, by_index[r.index]) for r in rsp if r.index in by_index]
     only_rsp = sum(a.correct and not b.correct for a, b in pairs)
     only_ssp = sum(b.correct and not a.correct for a, b in pairs)
-    s1, s2 = sum(r.correct for r in rsp), sum(r.correct for r in ssp)
-    return EvalComparison(difference(s1, len(rsp), s2, len(ssp)), mcnemar(only_rsp, only_ssp), only_rsp, only_ssp)
+    return EvalComparison(paired_difference(only_rsp, only_ssp, len(pairs)), mcnemar(only_rsp, only_ssp), only_rsp,
+                          only_ssp)
 
 
 def config_key(config: dict) -> str:

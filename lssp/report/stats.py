@@ -42,6 +42,17 @@ def difference(s1: int, n1: int, s2: int, n2: int, z: float = Z95) -> Interval:
     return Interval(p1 - p2, p1 - p2 - half, p1 - p2 + half)
 
 
+def paired_difference(only_first: int, only_second: int, pairs: int, z: float = Z95) -> Interval:
+    """p1 − p2 on the same items (a paired comparison, as McNemar's test is) with its Wald interval: from the
+    discordant pairs b (only the first right) and c (only the second), (b − c)/n ± z·sqrt(b + c − (b − c)²/n)/n."""
+    if pairs == 0:
+        return Interval(float("nan"), float("nan"), float("nan"))
+    b, c = only_first, only_second
+    estimate = (b - c) / pairs
+    half = z * math.sqrt(max(0.0, b + c - (b - c) ** 2 / pairs)) / pairs
+    return Interval(estimate, estimate - half, estimate + half)
+
+
 def mcnemar(only_first: int, only_second: int) -> float:
     """Exact two-sided McNemar p-value from the discordant pairs of a paired comparison."""
     n = only_first + only_second
