@@ -7,8 +7,9 @@ import pytest
 import torch
 from conftest import random_head, tiny_llama
 
+from lssp.decoding import verification
 from lssp.decoding.generation import generate_regular
-from lssp.decoding.sampling import SamplingParams, warp
+from lssp.decoding.sampling import SamplingParams, inverse_cdf, warp
 from lssp.decoding.speculative import speculative_decode
 from lssp.drafters import ConfidenceStop, DraftModel, FeatureHead, LookupDrafter, Picker, Proposal
 from lssp.drafters.base import DrafterWrapper
@@ -43,10 +44,12 @@ def _exact_law(model, prompt: torch.Tensor, params: SamplingParams) -> torch.Ten
     return (p1[:, None] * torch.stack(rows)).flatten()
 
 
-def _two_token_counts(target, make, params: SamplingParams, prompt: torch.Tensor) -> list[int]:
+def _two_token_counts(target, make, params: SamplingParams, prompt: torch.Tensor, k: int = 2) -> list[int]:
+    """The first two tokens of many SSp runs. At K=2 they are drafts or residual draws; at K=1 the second token is
+    the bonus wherever the first draft passed."""
     counts = [0] * VOCAB * VOCAB
     for seed in range(RUNS):
-        out = speculative_decode(target, make(), prompt, 3, 2, params, torch.Generator().manual_seed(seed))
+        out = speculative_decode(target, make(), prompt, 3, k, params, torch.Generator().manual_seed(seed))
         first, second = out.tokens[:2].tolist()
         counts[first * VOCAB + second] += 1
     return counts
@@ -63,11 +66,12 @@ def test_every_drafter_keeps_greedy_ssp_equal_to_greedy_rsp(models, name):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("k", [1, 2], ids=["K=1 (bonus)", "K=2"])
 @pytest.mark.parametrize("name", DRAFTERS)
-def test_every_drafter_keeps_the_target_law(models, name):
+def test_every_drafter_keeps_the_target_law(models, name, k):
     target, draft, head = models
     prompt, params = torch.tensor([[1, 2, 3]]), SamplingParams(1.0)
-    counts = _two_token_counts(target, lambda: DRAFTERS[name](draft, head), params, prompt)
+    counts = _two_token_counts(target, lambda: DRAFTERS[name](draft, head), params, prompt, k)
     assert chi_square_gof(counts, _exact_law(target, prompt, params).tolist()).p_value > SIGNIFICANCE
 
 
@@ -98,3 +102,33 @@ def test_wrappers_report_what_they_did(models):
     stopped = speculative_decode(target, ConfidenceStop(DraftModel(draft), 0.9), ids, 30, 3, GREEDY).stats
     assert looked.looked_up > 0 and plain.looked_up == 0
     assert stopped.drafted < plain.drafted  # K became a maximum
+
+
+def _planted(law):
+    """sampled_verification with the token after the drafts drawn from ``law(p, q, n, k)``."""
+    def verify(p, q, drafts, accept_u, next_u):
+        k = drafts.shape[0]
+        n = verification.accepted_prefix(p, q, drafts, accept_u)
+        return n, inverse_cdf(law(p, q, n, k), next_u).reshape(())
+    return verify
+
+
+PLANTED = {
+    "bonus from p at the last draft's position": lambda p, q, n, k: (
+        verification.residual_distribution(p[n], q[n]) if n < k else p[k - 1]),
+    "bonus from the draft's q": lambda p, q, n, k: (
+        verification.residual_distribution(p[n], q[n]) if n < k else q[k - 1] if k else p[0]),
+    "residual from q - p": lambda p, q, n, k: (
+        verification.residual_distribution(q[n], p[n]) if n < k else p[k]),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bug", PLANTED)
+@pytest.mark.parametrize("name", ["draft-model", "feature-head"])
+def test_the_law_test_at_k1_catches_planted_bonus_and_residual_bugs(models, name, bug, monkeypatch):
+    target, draft, head = models
+    monkeypatch.setattr(verification, "sampled_verification", _planted(PLANTED[bug]))
+    prompt, params = torch.tensor([[1, 2, 3]]), SamplingParams(1.0)
+    counts = _two_token_counts(target, lambda: DRAFTERS[name](draft, head), params, prompt, k=1)
+    assert chi_square_gof(counts, _exact_law(target, prompt, params).tolist()).p_value < SIGNIFICANCE

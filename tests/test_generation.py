@@ -358,3 +358,16 @@ def test_sample_draws_the_given_law_and_never_a_zero_probability_token():
     assert counts[law == 0].sum() == 0
     assert chi_square_gof(counts.tolist(), law.tolist()).p_value > 0.001
     assert sample(law, SamplingParams(1.0), None).shape == ()  # one row in, one token out
+
+
+def test_acceptance_counts_stop_at_the_stop_token(soft_target):
+    """The target as its own draft accepts everything; with a stop token among the drafts, the drafts after it
+    are neither drafted nor accepted in the counts."""
+    ids = torch.tensor([[0, 3, 4]])
+    free = generate_speculative(soft_target, soft_target, ids, 12, 4, GREEDY).tokens.tolist()
+    stop = free[2]  # the third token: a draft of the first iteration
+    out = generate_speculative(soft_target, soft_target, ids, 12, 4, GREEDY, stopping=Stopping(token_ids={stop}))
+    first = free.index(stop) + 1
+    assert out.tokens.tolist() == free[:first] and out.stopped
+    assert out.stats.accepted == out.stats.drafted == first and out.stats.rejections == 0
+    assert out.stats.draft_forwards == 4  # the work done is still counted

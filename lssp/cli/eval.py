@@ -124,8 +124,10 @@ def render(run, t, d) -> None:
         half = max(m.wald.high - m.success_rate, m.success_rate - m.wald.low)
         out.add_row(m.mode.upper(), f"{m.successes}/{m.trials}", f"{100 * m.success_rate:.1f}% ±{100 * half:.1f}",
                     f"[{100 * m.wald.low:.1f}, {100 * m.wald.high:.1f}]", f"[{100 * m.wilson.low:.1f}, {100 * m.wilson.high:.1f}]",
-                    fmt(m.seconds_per_problem, 3))
+                    fmt(m.seconds_per_problem, 3) + ("*" if run.timing_basis(m.mode) != "per problem" else ""))
     console.print(out)
+    if any(run.timing_basis(m.mode) != "per problem" for m in run.summaries):
+        console.print(f"  * {run.timing_basis('rsp')} (--rsp-batch): not comparable with a one-at-a-time s/problem")
     cmp = run.comparison
     if cmp:
         verdict = ("[green]contains 0: no evidence that SSp changes quality[/green]" if cmp.difference.contains(0)

@@ -62,7 +62,6 @@ def speculative_decode(target: PreTrainedModel, drafter: Drafter, input_ids: tor
         new = emitted.tolist()
         drafter.commit(proposal, n, new, features[:, :target_in.shape[1] - (drafted - n)] if features is not None else None)
         seq = torch.cat([seq, emitted.view(1, -1)], dim=1)
-        _count(stats, proposal, n)
 
         first_new = len(tokens)
         tokens.extend(new)
@@ -70,6 +69,7 @@ def speculative_decode(target: PreTrainedModel, drafter: Drafter, input_ids: tor
         if keep is not None:
             stopped = True
             del tokens[keep:]
+        _count(stats, proposal, n, len(tokens) - first_new)
         if first_new == 0:
             stats.ttft_s = clock.now() - start
         if on_tokens and len(tokens) > first_new:
@@ -89,16 +89,19 @@ def _verify(logits: torch.Tensor, proposal: Proposal, params: SamplingParams,
     return verification.sampled_verification(warp(logits, params), proposal.q, proposal.tokens, accept_u, next_u)
 
 
-def _count(stats: GenerationStats, proposal: Proposal, accepted: int) -> None:
-    """Add one iteration to ``stats``."""
+def _count(stats: GenerationStats, proposal: Proposal, accepted: int, kept: int) -> None:
+    """Add one iteration to ``stats``, up to the stop: of its emitted tokens only ``kept`` stay, and drafts past a
+    stop token count as neither drafted nor accepted."""
     drafted = len(proposal)
     stats.target_forwards += 1
-    stats.draft_forwards += drafted
+    stats.draft_forwards += drafted  # the work was done, whatever was kept
+    if kept <= accepted:  # the stop fell among the accepted drafts
+        drafted = accepted = kept
     stats.draft_time_s += proposal.forward_s
     stats.drafted += drafted
     stats.accepted += accepted
     stats.rejections += int(accepted < drafted)
-    stats.looked_up += sum(proposal.looked_up)
+    stats.looked_up += sum(proposal.looked_up[:drafted])
     stats.looked_up_accepted += sum(proposal.looked_up[:accepted])
     for i in range(drafted):
         stats.drafted_at[i] += 1

@@ -112,14 +112,21 @@ class EvalRun:
             "diff_rsp_minus_ssp": cmp.difference.estimate if cmp else nan,
             "diff_low": cmp.difference.low if cmp else nan, "diff_high": cmp.difference.high if cmp else nan,
             "mcnemar_p": cmp.mcnemar_p if cmp else nan, "op": setup.op, "max_operand": setup.max_operand,
-            "s_per_problem": m.seconds_per_problem, "prefix_cache": setup.prefix_cache, "records": str(self.records_path),
+            "s_per_problem": m.seconds_per_problem, "s_per_problem_basis": self.timing_basis(m.mode),
+            "prefix_cache": setup.prefix_cache, "records": str(self.records_path),
             "target_precision": setup.target_precision, "draft_precision": setup.draft_precision, **self.info.env,
         } for m in self.summaries]
+
+    def timing_basis(self, mode: str) -> str:
+        """How a mode's seconds per problem were measured: per problem, or a batch's time shared by its rows."""
+        if mode == "rsp" and self.setup.rsp_batch > 1:
+            return f"amortised over batches of up to {self.setup.rsp_batch}"
+        return "per problem"
 
     def summary_json(self) -> list[dict[str, Any]]:
         keys = ("engine", "mode", "target", "draft", "op", "max_operand", "trials", "successes", "success_rate", "wald_low",
                 "wald_high", "wilson_low", "wilson_high", "diff_rsp_minus_ssp", "diff_low", "diff_high", "mcnemar_p",
-                "s_per_problem", "run_id")
+                "s_per_problem", "s_per_problem_basis", "run_id")
         return [{key: row[key] for key in keys} for row in self.rows()]
 
     def markdown(self) -> str:
