@@ -1,12 +1,15 @@
 """`verify` catches broken verifiers on tiny models; `plot` draws the data it is given."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pandas as pd
 import pytest
 from conftest import char_tokenizer, tiny_llama
 
 import lssp.decoding.verification as verification
 from lssp.decoding.sampling import SamplingParams
+from lssp.engines import OursEngine, TransformersEngine
 from lssp.measure.verify import verify_greedy, verify_sampled
 from lssp.models.loading import LoadedModel
 from lssp.models.registry import ModelSpec
@@ -68,6 +71,39 @@ def test_greedy_report_identical_and_planted_divergence(pair, monkeypatch):
     assert not rep.lossless and rep.identical_share < 1.0
     bad = [g for g in rep.greedy if not g.identical]
     assert all(g.first_difference is not None and g.top2_gap > 1e-3 and not g.near_tie for g in bad)
+
+
+class IgnoresTemperature(OursEngine):
+    """A planted engine bug: SSp samples at T=1 whatever the request asks."""
+
+    def complete(self, mode, request):
+        if mode.mode == "ssp":
+            request = replace(request, params=SamplingParams(1.0))
+        return super().complete(mode, request)
+
+
+@pytest.mark.slow
+def test_verify_audits_transformers_and_catches_an_engine_that_ignores_temperature(pair):
+    target, draft = pair
+    params = SamplingParams(0.5)
+    hf = verify_sampled(target, draft, PROMPTS[:1], params, k=2, samples=300, depth=1, seed=0, vocab=64,
+                        engine=TransformersEngine(target, draft), two_sample=True)
+    assert hf.engine == "hf" and hf.lossless and all(c.two_sample_p == c.two_sample_p for c in hf.positions)
+    broken = verify_sampled(target, draft, PROMPTS[:1], params, k=2, samples=300, depth=1, seed=0, vocab=64,
+                            engine=IgnoresTemperature(target, [draft], [64]), two_sample=True)
+    assert not broken.lossless
+    assert all(c.chi2_p_value < broken.threshold and c.two_sample_p < broken.threshold for c in broken.positions)
+    greedy = verify_greedy(target, draft, PROMPTS, 3, 16, 64, 1e-3, engine=TransformersEngine(target, draft))
+    assert greedy.engine == "hf" and greedy.identical_share == 1.0
+
+
+def test_the_two_sample_test():
+    from lssp.report.stats import chi_square_homogeneity
+
+    same = chi_square_homogeneity([1] * 50 + [2] * 50 + [3] * 3, [2] * 50 + [1] * 50 + [4] * 2)
+    assert same.p_value > 0.9 and same.cells == 3  # tokens 3 and 4 pooled into the tail
+    apart = chi_square_homogeneity([1] * 80 + [2] * 20, [1] * 20 + [2] * 80)
+    assert apart.p_value < 1e-10 and apart.dof == 1
 
 
 # --- plot ------------------------------------------------------------------------------------

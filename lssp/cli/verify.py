@@ -46,14 +46,18 @@ def verify(
     tie_tolerance: Annotated[float, typer.Option(
         help="Greedy mode: a top-2 logit gap up to this (or 2 ulp of the logits' dtype) is a near-tie.")] = 0.1,
     lookup: LookupOpt = 0,
-    engine: Annotated[str, typer.Option("--engine", help="The engine to audit: ours (the only one verify takes so far).")] = "ours",
+    engine: Annotated[str, typer.Option("--engine", help="The engines to audit: ours, hf (assisted generation), vllm, "
+                                        "or a comma list; a verdict for each.")] = "ours",
+    two_sample: Annotated[Optional[bool], typer.Option(
+        "--two-sample/--no-two-sample", help="Sampled mode: also test SSp's tokens against the same engine's RSp "
+        "tokens (default: for engines other than ours, whose arithmetic may differ from our exact law).")] = None,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the report as JSON here.")] = None,
 ) -> None:
     """Check that SSp samples exactly from the target (exit 1 when it does not)."""
     from lssp.measure import verify as vf
 
     s = settings(ctx)
-    check_engines("verify", [e.strip() for e in engine.split(",") if e.strip()], ("ours",))
+    engines = check_engines("verify", [e.strip() for e in engine.split(",") if e.strip()], ("ours", "hf", "vllm"))
     for name, value in [("--nb-prompts", nb_prompts), ("--samples", samples), ("--depth", depth), ("--k", k),
                         ("--max-new-tokens", max_new_tokens)]:
         check_positive(name, value)
@@ -63,21 +67,47 @@ def verify(
     params = sampling_params(temperature, top_k, top_p)
     prompt_list = read_prompt_list(prompts, nb_prompts)
     results = s.writable_results_dir()
-    t, d, vocab = load_pair(s, target, draft)
-    with progress(len(prompt_list) * (1 if params.greedy else samples // 50), "verify") as tick:
-        if params.greedy:
-            rep = vf.verify_greedy(t, d, prompt_list, k, max_new_tokens, vocab, tie_tolerance, tick, lookup)
-        else:
-            rep = vf.verify_sampled(t, d, prompt_list, params, k, samples, depth, s.seed, vocab, significance, tick, lookup)
-    info = RunInfo.for_models(t, d)
-    render(rep, t, d, params, k)
-    code = save(results, info.run_id, "verify", rep.rows(info, t, d, k, params), None, json_out, rep.summary_json(info),
+    t, d, vocab = load_pair(s, target, draft)  # our models give the exact laws, whichever engine is audited
+    runners = _engines(s, engines, t, d, vocab, target, draft, k, lookup)
+    reports, info = [], RunInfo.for_models(t, d)
+    paired = {r.name: two_sample if two_sample is not None else r.name != "ours" for r in runners}
+    steps = sum(len(prompt_list) * (1 if params.greedy else samples // 50 * (1 + paired[r.name])) for r in runners)
+    with progress(steps, "verify") as tick:
+        for runner in runners:
+            if params.greedy:
+                rep = vf.verify_greedy(t, d, prompt_list, k, max_new_tokens, vocab, tie_tolerance, tick, lookup, runner)
+            else:
+                rep = vf.verify_sampled(t, d, prompt_list, params, k, samples, depth, s.seed, vocab, significance, tick,
+                                        lookup, runner, paired[runner.name])
+            reports.append(rep)
+    for rep in reports:
+        render(rep, t, d, params, k)
+    rows = [row for rep in reports for row in rep.rows(info, t, d, k, params)]
+    summary = [rep.summary_json(info) for rep in reports]
+    code = save(results, info.run_id, "verify", rows, None, json_out, summary[0] if len(summary) == 1 else summary,
                 f"{info.env['device']} · run {info.run_id}")
-    exit_with(1 if not rep.lossless else code)
+    exit_with(1 if not all(rep.lossless for rep in reports) else code)
+
+
+def _engines(s, names: list[str], t, d, vocab: int, target: str | None, draft: str | None, k: int, lookup: int) -> list:
+    """The engines to audit, in the order given, all started before anything runs."""
+    from lssp.cli.loaders import load_engine_pair, start_vllm
+    from lssp.engines import Mode, OursEngine, TransformersEngine, VllmEngine
+
+    made = {"ours": lambda: OursEngine(t, [d], [vocab]), "hf": lambda: TransformersEngine(t, d),
+            "vllm": lambda: VllmEngine(start_vllm(*load_engine_pair(s, target, draft), [(0, 0), (k, lookup)]))}
+    runners = []
+    for name in names:
+        runner = made[name]()
+        why = runner.supports(Mode("ssp", k, lookup=lookup, engine=name))
+        if why:
+            raise UserError(f"verify --engine {name}: {why}")
+        runners.append(runner)
+    return runners
 
 
 def render(rep, t, d, params, k) -> None:
-    title = f"verify {t.name} with draft {d.name}, K={k_label(k, 0, rep.lookup)}, {params}"
+    title = f"verify {rep.engine}: {t.name} with draft {d.name}, K={k_label(k, 0, rep.lookup)}, {params}"
     if rep.mode == "greedy":
         out = table(title, [(c, "right") for c in ("prompt", "identical", "first diff", "top-2 gap", "near-tie")])
         for g in rep.greedy:
@@ -89,11 +119,16 @@ def render(rep, t, d, params, k) -> None:
                       f"{rep.tie_tolerance}, or within two units in the last place of the logits' dtype, is a numerical "
                       "near-tie (a 1-token and a K+1-token forward round differently), not a bug")
     else:
-        out = table(title + "; TV noise: mean±sd of TV under sampling noise alone; α: exact Σ min(p, q)",
-                    [(c, "right") for c in ("prompt", "pos", "n", "χ² p", "cells", "TV", "TV noise", "α", "ok")])
+        paired = any(c.two_sample_p == c.two_sample_p for c in rep.positions)
+        out = table(title + "; χ² p: against the exact law" + ("; vs RSp: against the engine's own RSp tokens"
+                                                                if paired else "")
+                    + "; TV noise: mean±sd of TV under sampling noise alone; α: exact Σ min(p, q)",
+                    [(c, "right") for c in ("prompt", "pos", "n", "χ² p", "vs RSp" if paired else "cells", "TV",
+                                            "TV noise", "α", "ok")])
         for c in rep.positions:
             out.add_row(str(c.prompt_index + 1), str(c.position), str(c.samples), f"{c.chi2_p_value:.3g}",
-                        str(c.chi2_cells), f"{c.tv:.3f}", f"{c.tv_null_mean:.3f}±{c.tv_null_sd:.3f}",
+                        fmt(c.two_sample_p, 3) if paired else str(c.chi2_cells), f"{c.tv:.3f}",
+                        f"{c.tv_null_mean:.3f}±{c.tv_null_sd:.3f}",
                         f"{c.exact_alpha:.2f}", Text("✓", style="green") if c.passed else Text("✗", style="bold red"))
         console.print(out)
         for note in rep.skipped:
@@ -103,4 +138,4 @@ def render(rep, t, d, params, k) -> None:
     if rep.lookup:
         console.print(f"  the context lookup proposed {rep.looked_up} drafts")
     verdict = Text("LOSSLESS", style="bold green") if rep.lossless else Text("NOT LOSSLESS", style="bold red")
-    console.print(Text("  verdict: ") + verdict)
+    console.print(Text(f"  verdict ({rep.engine}): ") + verdict)

@@ -22,12 +22,13 @@ import torch
 from lssp.decoding.kv import forward_logits, new_cache
 from lssp.decoding.sampling import SamplingParams, warp
 from lssp.drafters.model import draft_logits
-from lssp.engines import Engine, Mode, OursEngine, Request
+from lssp.engines import Engine, Mode, OursEngine, Request, request_seed
 from lssp.models.loading import LoadedModel
 from lssp.report.results import RunInfo
-from lssp.report.stats import chi_square_gof
+from lssp.report.stats import chi_square_gof, chi_square_homogeneity
 
 Progress = Callable[[str], None]
+MIN_SAMPLES = 20  # runs sharing a prefix below which a position is not tested
 
 
 @dataclass
@@ -43,6 +44,8 @@ class PositionCheck:
     tv_null_sd: float
     exact_alpha: float  # sum_x min(p(x), q(x)) at this position
     passed: bool = True
+    rsp_samples: int = 0  # the engine's own RSp tokens at this position (two-sample test)
+    two_sample_p: float = float("nan")  # chi-square homogeneity of SSp's and RSp's tokens (nan: not run)
 
 
 @dataclass
@@ -87,8 +90,13 @@ class VerifyReport:
                 "run_id": info.run_id, "device": info.env.get("device")}
 
     @property
+    def tests(self) -> int:
+        """Tests the significance is shared by: one per position, two where the two-sample test ran."""
+        return sum(1 + (p.two_sample_p == p.two_sample_p) for p in self.positions)
+
+    @property
     def threshold(self) -> float:
-        return self.significance / max(1, len(self.positions))
+        return self.significance / max(1, self.tests)
 
     @property
     def lossless(self) -> bool:
@@ -120,56 +128,76 @@ def _tv_null(p: torch.Tensor, n: int, generator: torch.Generator, reps: int = 20
     return float(tv.mean()), float(tv.std())
 
 
+def _samples(engine: Engine, mode: Mode, ids: torch.Tensor, runs: int, tokens: int, params: SamplingParams,
+             seeds: int, progress: Progress | None, what: str) -> tuple[list[list[int]], list[Any]]:
+    """``runs`` completions of ``tokens`` tokens, seeded ``seeds``, ``seeds + 1``, …: their tokens and stats."""
+    outputs, stats = [], []
+    for run in range(runs):
+        out = engine.complete(mode, Request(ids, tokens, params, seeds + run))
+        outputs.append(out.tokens.tolist())
+        stats.append(out.stats)
+        if progress and (run + 1) % 50 == 0:
+            progress(f"{what}: {run + 1}/{runs} {mode.mode.upper()} runs")
+    return outputs, stats
+
+
+def _check(index: int, position: int, prefix: list[int], kept: list[int], p: torch.Tensor, q: torch.Tensor,
+           null_gen: torch.Generator, rsp_kept: list[int] | None) -> PositionCheck:
+    """One position's tests: SSp's tokens against the exact law ``p``, and against the engine's own RSp tokens."""
+    counts = Counter(kept)
+    support = sorted(set(torch.nonzero(p > 0).flatten().tolist()) | set(counts))
+    chi = chi_square_gof([counts.get(t, 0) for t in support], p[support].tolist())
+    freq = torch.zeros_like(p, dtype=torch.float64)
+    for token, c in counts.items():
+        freq[token] = c / len(kept)
+    null_mean, null_sd = _tv_null(p, len(kept), null_gen)
+    check = PositionCheck(index, position, list(prefix), len(kept), chi.p_value, chi.cells,
+                          float(0.5 * (freq - p.double()).abs().sum()), null_mean, null_sd, float(torch.minimum(p, q).sum()))
+    if rsp_kept is not None and len(rsp_kept) >= MIN_SAMPLES:
+        check.rsp_samples, check.two_sample_p = len(rsp_kept), chi_square_homogeneity(kept, rsp_kept).p_value
+    return check
+
+
 def verify_sampled(
     target: LoadedModel, draft: LoadedModel, prompts: Sequence[str], params: SamplingParams, k: int, samples: int,
     depth: int, seed: int, vocab: int, significance: float = 0.01, progress: Progress | None = None, lookup: int = 0,
-    engine: Engine | None = None,
+    engine: Engine | None = None, two_sample: bool = False,
 ) -> VerifyReport:
-    """Chi-square and TV checks of SSp's emitted tokens at positions 0..depth-1 against the exact law; the SSp runs
-    go through ``engine`` (ours by default)."""
+    """Chi-square and TV checks of SSp's emitted tokens at positions 0..depth-1 against the exact law computed from
+    our ``target`` (and ``draft``, for α); the runs go through ``engine`` (ours by default). ``two_sample`` also draws
+    as many RSp runs from the engine and tests SSp's tokens against them (independent of the engine's rounding)."""
     engine = engine or OursEngine(target, [draft], [vocab])
-    ssp = Mode("ssp", k, lookup=lookup, engine=engine.name)
+    ssp, rsp = Mode("ssp", k, lookup=lookup, engine=engine.name), Mode("rsp", engine=engine.name)
     report = VerifyReport("sampled", significance, "Bonferroni", lookup=lookup, engine=engine.name)
     null_gen = torch.Generator().manual_seed(seed)
     drafted = accepted = 0
     for index, text in enumerate(prompts):
         ids = target.encode(text)
-        outputs: list[list[int]] = []
-        for run in range(samples):
-            out = engine.complete(ssp, Request(ids, depth + k, params, seed * 1_000_003 + index * 100_003 + run))
-            outputs.append(out.tokens[:depth].tolist())
-            report.looked_up += out.stats.looked_up
-            drafted += out.stats.drafted
-            accepted += out.stats.accepted
-            if progress and (run + 1) % 50 == 0:
-                progress(f"prompt {index + 1}/{len(prompts)}: {run + 1}/{samples} SSp runs")
+        what = f"prompt {index + 1}/{len(prompts)}"
+        outputs, stats = _samples(engine, ssp, ids, samples, depth + k, params, request_seed(seed, index * 100_003),
+                                  progress, what)
+        rsp_outputs = _samples(engine, rsp, ids, samples, depth, params, request_seed(seed + 1, index * 100_003),
+                               progress, what)[0] if two_sample else None
+        report.looked_up += sum(s.looked_up for s in stats)
+        drafted += sum(s.drafted for s in stats)
+        accepted += sum(s.accepted for s in stats)
         prefix: list[int] = []
         for position in range(depth):
             context = torch.cat([ids, torch.tensor([prefix], dtype=torch.long)], 1) if prefix else ids
-            p = next_token_law(target, context, params, vocab)
-            q = next_token_law(draft, context, params, vocab, target)
-            kept = [o[position] for o in outputs if o[:position] == prefix]
-            counts = Counter(kept)
-            support = sorted(set(torch.nonzero(p > 0).flatten().tolist()) | set(counts))
-            observed = [counts.get(t, 0) for t in support]
-            expected = p[support].tolist()
-            if len(kept) >= 20:
-                chi = chi_square_gof(observed, expected)
-                freq = torch.zeros_like(p, dtype=torch.float64)
-                for t, c in counts.items():
-                    freq[t] = c / len(kept)
-                tv = float(0.5 * (freq - p.double()).abs().sum())
-                null_mean, null_sd = _tv_null(p, len(kept), null_gen)
-                report.positions.append(PositionCheck(index, position, list(prefix), len(kept), chi.p_value, chi.cells, tv,
-                                                      null_mean, null_sd, float(torch.minimum(p, q).sum())))
+            kept = [o[position] for o in outputs if len(o) > position and o[:position] == prefix]
+            rsp_kept = [o[position] for o in rsp_outputs if len(o) > position and o[:position] == prefix] \
+                if rsp_outputs is not None else None
+            if len(kept) >= MIN_SAMPLES:
+                report.positions.append(_check(index, position, prefix, kept, next_token_law(target, context, params, vocab),
+                                               next_token_law(draft, context, params, vocab, target), null_gen, rsp_kept))
             else:
                 report.skipped.append(f"prompt {index + 1} position {position}: only {len(kept)} runs share the prefix")
-            if not counts:
+            if not kept:
                 break
-            prefix.append(counts.most_common(1)[0][0])  # condition deeper on the commonest emitted token
-    report.correction = f"Bonferroni over {len(report.positions)} tests"
+            prefix.append(Counter(kept).most_common(1)[0][0])  # condition deeper on the commonest emitted token
+    report.correction = f"Bonferroni over {report.tests} tests"
     for check in report.positions:
-        check.passed = check.chi2_p_value > report.threshold
+        check.passed = check.chi2_p_value > report.threshold and not check.two_sample_p <= report.threshold
     report.acceptance_rate = accepted / drafted if drafted else float("nan")
     return report
 

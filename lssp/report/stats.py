@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -93,6 +94,27 @@ def chi_square_gof(counts: Sequence[int], probs: Sequence[float], min_expected: 
     statistic = sum((o - e) ** 2 / e for o, e in cells if e > 0)
     dof = max(1, len(cells) - 1)
     return ChiSquare(statistic, dof, float(_scipy.chi2.sf(statistic, dof)), len(cells))
+
+
+def chi_square_homogeneity(first: Sequence[int], second: Sequence[int], min_expected: float = 5.0) -> ChiSquare:
+    """Whether two samples of tokens come from one law: the chi-square test of a 2 × m table of counts, tokens
+    whose expected count falls below ``min_expected`` in either row pooled into one tail cell."""
+    a, b = Counter(first), Counter(second)
+    n_a, n_b = len(first), len(second)
+    share = min(n_a, n_b) / (n_a + n_b)
+    cells, tail = [], [0, 0]
+    for token in sorted(set(a) | set(b)):
+        row = [a.get(token, 0), b.get(token, 0)]
+        if sum(row) * share >= min_expected:
+            cells.append(row)
+        else:
+            tail = [tail[0] + row[0], tail[1] + row[1]]
+    if sum(tail):
+        cells.append(tail)
+    if len(cells) < 2:
+        return ChiSquare(0.0, 0, 1.0, len(cells))
+    result = _scipy.chi2_contingency(list(zip(*cells)), correction=False)
+    return ChiSquare(float(result.statistic), int(result.dof), float(result.pvalue), len(cells))
 
 
 def expected_tokens_per_iteration(alpha: float, k: int) -> float:
