@@ -13,10 +13,10 @@ OTHER_TARGET=smollm2-135m  # the default target under transformers' forward (the
 L=(--results-dir "$OUT")
 
 if [ "${1:-}" = "quick" ]; then
-    N=(--nb-prompts 2); SAMPLES=(--samples 100 --depth 2); EVALN=(--nb-prompts 10); POWERN=(--nb-prompts 10)
+    N=(--nb-prompts 2); SAMPLES=(--samples 100 --depth 2); AUDIT=(--samples 100 --depth 2 --nb-prompts 1); EVALN=(--nb-prompts 10); POWERN=(--nb-prompts 10)
     REPEATS=(--repeats 1)
 else
-    N=(); SAMPLES=(--samples 600 --depth 2); EVALN=(--nb-prompts 1000); POWERN=(--nb-prompts 1500)
+    N=(); SAMPLES=(--samples 600 --depth 2); AUDIT=(--samples 400 --depth 2 --nb-prompts 2); EVALN=(--nb-prompts 1000); POWERN=(--nb-prompts 1500)
     REPEATS=(--repeats 3)
 fi
 
@@ -111,6 +111,11 @@ $PY llamassp.py "${L[@]}" verify --temperature 0 --json "$OUT/verify-default-gre
 #    The same checks with the context lookup (1-grams at T=1, so that it fires within the first two tokens).
 $PY llamassp.py "${L[@]}" verify --temperature 1.0 --lookup 1 "${SAMPLES[@]}" --json "$OUT/verify-default-t1.0-lookup1.json" || true
 $PY llamassp.py "${L[@]}" verify --temperature 0 --lookup 4 --json "$OUT/verify-default-greedy-lookup4.json" || true
+# 3b. The same audit of every engine's SSp on the default pair: ours, transformers' assisted generation, vLLM
+#     (its greedy-draft default). Engines other than ours are also tested against their own RSp samples.
+$PY llamassp.py "${L[@]}" verify --engine ours,hf,vllm --temperature 0.7 --top-k 50 "${AUDIT[@]}" \
+    --json "$OUT/verify-engines-t0.7-topk50.json" || true
+$PY llamassp.py "${L[@]}" verify --engine ours,hf,vllm --temperature 0 --json "$OUT/verify-engines-greedy.json" || true
 
 # 4. torch.compile on this CPU: the default pair's weights in plain bfloat16 (compile cannot trace the
 #    dynamic quantization), eager then compiled, after the default pair itself: three runs back to back.

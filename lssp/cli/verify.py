@@ -133,6 +133,9 @@ def render(rep, t, d, params, k) -> None:
         console.print(out)
         for note in rep.skipped:
             console.print(f"  [dim]skipped {note} (fewer than 20; raise --samples)[/dim]")
+        if not rep.exact_law_counts:
+            console.print(f"  {rep.engine} computes with its own copy of the weights: χ² p against our exact law is "
+                          "shown for reference; the verdict rests on the test against its own RSp")
         console.print(f"  measured acceptance {fmt(rep.acceptance_rate, 1, pct=True)}; each test rejects at p < "
                       f"{rep.threshold:.2g} ({rep.significance} family-wise, {rep.correction})")
     if rep.lookup:

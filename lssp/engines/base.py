@@ -67,6 +67,7 @@ class Engine(ABC):
     name: ClassVar[str]
     decode_timing: ClassVar[str]  # how this engine's decode ms/token is measured, in words
     splits_time: ClassVar[bool] = False  # whether it times draft and target forwards apart (a split pass applies)
+    runs_our_weights: ClassVar[bool] = True  # whether it computes with the models loaded here (our exact laws apply)
 
     @property
     def version(self) -> str:

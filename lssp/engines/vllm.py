@@ -436,6 +436,7 @@ class VllmEngine(Engine):
 
     name = "vllm"
     decode_timing = DECODE_TIMING
+    runs_our_weights = False  # its own copy, kernels and dtype: our exact law is a reference, not the verdict
 
     def __init__(self, engines: VllmEngines) -> None:
         self.engines = engines
