@@ -301,3 +301,27 @@ def test_default_eval_config_keeps_its_old_key():
     old = eval_config("t", "d", ["rsp", "ssp"], 10, 0, 4, 8, SAMPLED)
     assert "op" not in old and "max_operand" not in old
     assert eval_config("t", "d", ["rsp"], 10, 0, 4, 8, SAMPLED, op="add")["op"] == "add"
+
+
+def test_the_noise_flag_reads_the_headline_passes_not_prompt_lengths():
+    """A long prompt slows every mode alike and is not noise; one completion slowed by other work is, in any engine,
+    even where forwards are not timed."""
+    from lssp.decoding.generation import GenerationStats
+    from lssp.engines import Mode
+    from lssp.measure.latency import PromptTiming, summaries_by_task
+
+    modes = [Mode("rsp"), Mode("ssp", 3), Mode("rsp", engine="vllm")]
+
+    def timing(index: int, how: Mode, per_iteration_ms: float) -> PromptTiming:
+        stats = GenerationStats(how.mode, how.k, new_tokens=40, target_forwards=20, forwards_timed=False,
+                                drafted_at=[0] * how.k, accepted_at=[0] * how.k,
+                                total_time_s=0.02 * per_iteration_ms, prefill_time_s=0.0)
+        return PromptTiming(index, how.mode, how.k, stats, engine=how.engine, task="qa" if index < 3 else "summarization")
+
+    base = {modes[0]: 20.0, modes[1]: 30.0, modes[2]: 15.0}
+    quiet = [timing(i, how, base[how] * (1.4 if i == 3 else 1.0) * (1 + 0.01 * i)) for i in range(5) for how in modes]
+    assert not any(s.noisy for s in summaries_by_task(quiet, modes))  # the long prompts cost more in every mode
+    busy = [timing(t.prompt_index, t.how, 2 * 1000 * t.stats.decode_time_s / 20 if (t.prompt_index, t.engine) == (1, "vllm")
+                   else 1000 * t.stats.decode_time_s / 20) for t in quiet]
+    flagged = {(s.task, s.engine, s.mode) for s in summaries_by_task(busy, modes) if s.noisy}
+    assert ("all", "vllm", "rsp") in flagged and ("all", "ours", "rsp") not in flagged

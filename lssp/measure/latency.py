@@ -90,6 +90,7 @@ class ModeSummary:
     lookup_share: float = float("nan")  # of drafts, those the lookup proposed
     lookup_acceptance: float = float("nan")  # of those, the share accepted
     forward_spread: float = float("nan")  # the slowest prompt's mean ms per target forward ÷ the median prompt's
+    noise_spread: float = float("nan")  # the worst completion's time per iteration, relative (see noise_spreads)
     speedup_sd: float = float("nan")  # sd of the speedup over --repeats passes (nan for one pass)
     repeats: int = 1
     task: str = ALL_TASKS  # the task category these prompts are from
@@ -101,7 +102,7 @@ class ModeSummary:
 
     @property
     def noisy(self) -> bool:
-        return self.forward_spread > NOISY_SPREAD
+        return (self.noise_spread if self.noise_spread == self.noise_spread else self.forward_spread) > NOISY_SPREAD
 
 
 # On a quiet machine the slowest prompt's forwards take at most ~1.35x the median prompt's (measured
@@ -320,7 +321,7 @@ class LatencyRun:
         keys = ("task", "engine", "method", "mode", "target", "draft", "k", "confidence", "lookup", "lookup_acceptance", "ms_per_token",
                 "ttft_ms", "acceptance_rate", "alpha", "mean_accepted", "speedup", "speedup_sd", "specbench_speedup",
                 "at_budget_share", "ms_per_token_median",
-                "forward_spread", "noisy", "interrupted", "run_id", "device")
+                "forward_spread", "noise_spread", "noisy", "interrupted", "run_id", "device")
         return [{**{key: row[key] for key in keys}, "draft": row["draft"] or None,
                  "acceptance_by_position": [round(x, 4) for x in m.acceptance_by_position]}
                 for m, row in zip(self.summaries, self.rows())]
@@ -331,7 +332,7 @@ class LatencyRun:
                    *(["lookup"] if any(m.lookup for m in self.summaries) else []), "ms_per_token", "ms_per_token_median",
                    "ms_per_token_min", "ms_per_token_max", "ttft_ms", "acceptance_rate", "alpha", "mean_accepted",
                    "speedup", *(["speedup_sd"] if setup.repeats > 1 else []), "specbench_speedup", "at_budget_share",
-                   "forward_spread"]
+                   "forward_spread", "noise_spread"]
         notes = [f"The draft/target shares, ms per forward and the spread come from {self.split_note}.",
                  "ms/token: decode time per emitted token; speedup: RSp's ms/token ÷ this one's; specbench_speedup: "
                  "mean per-prompt tokens/s (whole completion) ÷ RSp's, as Spec-Bench computes it; at_budget_share: "
@@ -343,7 +344,9 @@ class LatencyRun:
         if self.interrupted:
             notes.append("Interrupted: only the prompts completed in every mode are counted.")
         if self.noisy:
-            notes.append(f"Noisy: the slowest prompt's target forwards took more than {NOISY_SPREAD}x the median "
+            notes.append(f"Noisy: a completion's time per iteration stood more than {NOISY_SPREAD}x above its mode's "
+                          "and its prompt's typical one (noise_spread), or the slowest prompt's target forwards took "
+                          f"more than {NOISY_SPREAD}x the median "
                          "prompt's; the speedup is unreliable.")
         n = len(self.overall)
         tables = markdown_table(rows[:n], ["task", "prompt_format", *columns] if not self.by_task else columns)
@@ -359,11 +362,45 @@ class LatencyRun:
                 f"\n\n{tables}\n{' '.join(notes)}\n")
 
 
+def iteration_ms(timing: PromptTiming) -> float:
+    """Decode ms per iteration (one target forward with its drafts): about the same work on every prompt, whatever
+    the acceptance; an engine that counts no forwards gives RSp's ms per token, and nothing for SSp."""
+    s = timing.stats
+    if s.target_forwards:
+        return 1000 * s.decode_time_s / s.target_forwards
+    return s.ms_per_token if timing.mode == "rsp" else float("nan")
+
+
+def noise_spreads(timings: Sequence[PromptTiming]) -> dict[Mode, float]:
+    """Per mode, the worst of its completions' time per iteration, divided by the mode's median (what the mode
+    costs) and then by the median over modes of the same prompt and pass (what the prompt costs: its length, its
+    task). On a quiet machine every value is near 1; a completion slowed by other work stands out, in any engine
+    and in the passes that give the figures."""
+    cell: dict[tuple[int, int], dict[Mode, float]] = {}
+    by_mode: dict[Mode, list[float]] = {}
+    for t in timings:
+        value = iteration_ms(t)
+        if value == value and value > 0:
+            cell.setdefault((t.repeat, t.prompt_index), {})[t.how] = value
+            by_mode.setdefault(t.how, []).append(value)
+    typical = {how: median(values) for how, values in by_mode.items()}
+    worst: dict[Mode, float] = {}
+    for values in cell.values():
+        relative = {how: v / typical[how] for how, v in values.items()}
+        centre = median(relative.values())
+        for how, r in relative.items():
+            worst[how] = max(worst.get(how, 0.0), r / centre)
+    return worst
+
+
 def _summaries(timings: Sequence[PromptTiming], modes: Sequence[Mode], task: str = ALL_TASKS) -> list[ModeSummary]:
     headline = [t for t in timings if not t.split_pass]
     split = [t for t in timings if t.split_pass]
     summaries = [summarize([t for t in headline if t.how == how], how,
                            [t for t in split if t.how == how] if split else None, task) for how in modes]
+    noise = noise_spreads(headline)
+    for how, s in zip(modes, summaries):
+        s.noise_spread = noise.get(how, float("nan"))
     repeats = sorted({t.repeat for t in headline})
     for engine in dict.fromkeys(s.engine for s in summaries):
         rsp = next((s for s in summaries if s.mode == "rsp" and s.engine == engine), None)
