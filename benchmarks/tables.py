@@ -38,6 +38,8 @@ BENCH = ["engine", "ms_per_token", "ms_per_token_median", "ours_over_hf_median",
 COST = ["model", "precision", "tokens", "ms", "relative"]
 EVAL = ["mode", "trials", "successes", "success_rate", "wald_low", "wald_high", "wilson_low", "wilson_high", "diff_low",
         "diff_high", "mcnemar_p", "s_per_problem"]
+VERIFY = ["engine", "verdict", "prompt_index", "position", "samples", "chi2_p_value", "two_sample_p", "rsp_samples",
+          "tv", "tv_null_mean", "exact_alpha", "passed", "identical", "first_difference", "top2_gap", "near_tie"]
 TASKS = ["task", "prompt_format", "mode", "k", "ms_per_token", "alpha", "mean_accepted", "speedup", "specbench_speedup",
          "at_budget_share"]
 
@@ -173,7 +175,7 @@ def main() -> None:
         else:
             sys.stdout.write(block)
         return
-    for name, columns in (("cost", COST), ("latency", LATENCY), ("bench", BENCH), ("eval", EVAL)):
+    for name, columns in (("cost", COST), ("latency", LATENCY), ("bench", BENCH), ("eval", EVAL), ("verify", VERIFY)):
         frame = read_csv_parts(root / f"{name}.csv")
         if frame.empty:
             continue
@@ -201,6 +203,8 @@ def main() -> None:
                 if name == "latency" and variant in rows and rows[variant].fillna(0).any():
                     shown = shown[:2] + [variant] + shown[2:]
                     rows = rows.assign(**{variant: rows[variant].fillna(0)})
+            if name == "verify":  # sampled and greedy checks share the file: show the columns this run filled
+                shown = [c for c in shown if rows[c].notna().any()]
             print(markdown_table(rows.to_dict("records"), shown))
 
 
