@@ -118,6 +118,11 @@ $PY llamassp.py "${L[@]}" verify --temperature 0 --lookup 4 --json "$OUT/verify-
 $PY llamassp.py "${L[@]}" verify --engine ours,hf,vllm --temperature 0.7 "${AUDIT[@]}" \
     --json "$OUT/verify-engines-t0.7.json" || true
 $PY llamassp.py "${L[@]}" verify --engine ours,hf,vllm --temperature 0 --json "$OUT/verify-engines-greedy.json" || true
+#     The vLLM finding reproduced with vLLM alone (docs/repro/): the target as its own draft, plain vs speculative.
+TARGET_DIR=$($PY -c "from lssp.models.registry import load_registry; from lssp.engines.vllm import model_path; \
+r = load_registry('models.yaml'); print(model_path(r.get(r.target_name(None))))")
+VLLM_ENABLE_V1_MULTIPROCESSING=0 $PY docs/repro/vllm_spec_sampling.py "$TARGET_DIR" 2>/dev/null | tail -n 1 \
+    > "$OUT/vllm-repro-spec-sampling.json" || true  # vLLM logs to stdout: the last line is the script's
 
 # 4. torch.compile on this CPU: the default pair's weights in plain bfloat16 (compile cannot trace the
 #    dynamic quantization), eager then compiled, after the default pair itself: three runs back to back.
