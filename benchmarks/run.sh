@@ -117,6 +117,8 @@ $PY llamassp.py "${L[@]}" verify --temperature 0 --lookup 4 --json "$OUT/verify-
 #     when top-k is set (seen here; the command saves the other engines' reports and says so).
 $PY llamassp.py "${L[@]}" verify --engine ours,hf,vllm --temperature 0.7 "${AUDIT[@]}" \
     --json "$OUT/verify-engines-t0.7.json" || true
+$PY llamassp.py "${L[@]}" verify --engine ours,hf,vllm --temperature 1.0 "${AUDIT[@]}" \
+    --json "$OUT/verify-engines-t1.0.json" || true
 $PY llamassp.py "${L[@]}" verify --engine ours,hf,vllm --temperature 0 --json "$OUT/verify-engines-greedy.json" || true
 #     The vLLM finding reproduced with vLLM alone (docs/repro/): the target as its own draft, plain vs speculative.
 TARGET_DIR=$($PY -c "from lssp.models.registry import load_registry; from lssp.engines.vllm import model_path; \
