@@ -12,8 +12,8 @@ import platform
 import sys
 from collections import Counter
 
-from scipy.stats import chi2_contingency
 import vllm
+from scipy.stats import chi2_contingency
 from vllm import LLM, SamplingParams
 
 if __name__ == "__main__":
