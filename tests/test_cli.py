@@ -262,7 +262,7 @@ def test_latency_sweeps_the_context_lookup_and_other_commands_take_it(tiny_dir, 
     ("latency", "--nb-prompts", "1", "--max-new-tokens", "4"),
     ("bench", "--nb-prompts", "1", "--max-new-tokens", "4"),
     ("eval", "--both", "--nb-prompts", "2"),
-    ("verify", "--nb-prompts", "1", "--samples", "20", "--depth", "1"),
+    ("verify", "--nb-prompts", "1", "--samples", "20", "--depth", "1", "--k", "2", "--effect", "2"),
     ("cost", "--tokens", "1,2", "--repeats", "1", "--precisions", "float32"),
 ], ids=lambda args: args[0])
 def test_every_commands_json_rows_name_their_engine(run, tmp_path, args):
@@ -304,6 +304,6 @@ def test_verify_keeps_the_other_engines_reports_when_one_breaks_down(run, tmp_pa
 
     monkeypatch.setattr(TransformersEngine, "complete", broken)
     code, out, err = run("verify", "--engine", "ours,hf", "--nb-prompts", "1", "--samples", "20", "--depth", "1",
-                         "--json", str(tmp_path / "v.json"))
-    assert code == 2 and "verify --engine hf failed while running (RuntimeError: max()" in err and "Traceback" not in err
-    assert json.loads((tmp_path / "v.json").read_text())["engine"] == "ours" and "verdict (ours)" in out
+                         "--k", "2", "--effect", "2", "--json", str(tmp_path / "v.json"))
+    assert code == 2 and "verify --engine hf K=2 failed while running (RuntimeError: max()" in err and "Traceback" not in err
+    assert json.loads((tmp_path / "v.json").read_text())["engine"] == "ours" and "verdict (ours, K=2)" in out

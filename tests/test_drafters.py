@@ -132,3 +132,28 @@ def test_the_law_test_at_k1_catches_planted_bonus_and_residual_bugs(models, name
     prompt, params = torch.tensor([[1, 2, 3]]), SamplingParams(1.0)
     counts = _two_token_counts(target, lambda: DRAFTERS[name](draft, head), params, prompt, k=1)
     assert chi_square_gof(counts, _exact_law(target, prompt, params).tolist()).p_value < SIGNIFICANCE
+
+
+class DraftsAtTemperatureOne(DrafterWrapper):
+    """A planted bug (z-lab/dflash#74): the draft samples at T=1 whatever the request asks, while the verification
+    is told the law at the request's temperature."""
+
+    def propose(self, seq: torch.Tensor, picker: Picker) -> Proposal:
+        asked, picker.params = picker.params, SamplingParams(1.0)
+        try:
+            proposal = self.inner.propose(seq, picker)
+        finally:
+            picker.params = asked
+        proposal.q = warp(proposal.q.log(), asked)  # the law the verification believes the drafts came from
+        return proposal
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["draft-model", "feature-head"])
+def test_the_law_test_catches_a_draft_sampler_that_ignores_temperature(models, name):
+    target, draft, head = models
+    prompt, params = torch.tensor([[1, 2, 3]]), SamplingParams(0.5)
+    right = _two_token_counts(target, lambda: DRAFTERS[name](draft, head), params, prompt)
+    assert chi_square_gof(right, _exact_law(target, prompt, params).tolist()).p_value > SIGNIFICANCE
+    counts = _two_token_counts(target, lambda: DraftsAtTemperatureOne(DRAFTERS[name](draft, head)), params, prompt)
+    assert chi_square_gof(counts, _exact_law(target, prompt, params).tolist()).p_value < SIGNIFICANCE

@@ -275,7 +275,8 @@ def test_latency_times_a_head_beside_a_draft_in_one_run(run, tmp_path):
 
 
 def test_verify_and_eval_run_a_head(run, tmp_path):
-    code, out, err = run("verify", "tiny-target", "tiny-eagle", "--nb-prompts", "1", "--samples", "200", "--depth", "2")
+    code, out, err = run("verify", "tiny-target", "tiny-eagle", "--nb-prompts", "1", "--samples", "600", "--depth", "2",
+                         "--effect", "1")
     assert code == 0 and "LOSSLESS" in out, out + err
     code, out, err = run("verify", "tiny-target", "tiny-eagle", "--nb-prompts", "2", "--temperature", "0")
     assert code == 0 and "identical" in out.lower(), out + err

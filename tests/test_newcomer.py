@@ -34,7 +34,7 @@ def assert_fits_80_columns(out: str) -> None:
      "--max-new-tokens", "6"),
     ("bench", "--k", "2", "--nb-prompts", "1", "--max-new-tokens", "6", "--alpha", "0.6,0.8"),
     ("eval", "--both", "--nb-prompts", "3"),
-    ("verify", "--nb-prompts", "1", "--samples", "60", "--depth", "1"),
+    ("verify", "--nb-prompts", "1", "--samples", "60", "--depth", "1", "--effect", "1"),
     ("verify", "--temperature", "0", "--nb-prompts", "2", "--max-new-tokens", "8"),
     ("cost", "tiny-target", "tiny-draft", "--precisions", "float32,bfloat16", "--tokens", "1,2,3,5", "--repeats", "1"),
 ], ids=["models", "latency", "bench", "eval", "verify-sampled", "verify-greedy", "cost"])
@@ -285,10 +285,10 @@ def test_verify_says_where_it_wrote_and_both_modes_share_one_file(run, tmp_path)
     code, out, err = run("verify", "--temperature", "0", "--nb-prompts", "1", "--max-new-tokens", "6")
     assert code == 0, err
     assert "verify.csv" in out.replace("\n", "")
-    code, out, err = run("verify", "--nb-prompts", "1", "--samples", "40", "--depth", "1")
+    code, out, err = run("verify", "--nb-prompts", "1", "--samples", "40", "--depth", "1", "--effect", "1")
     assert code == 0 and "new rows went to" not in err, err
     rows = pd.read_csv(tmp_path / "results" / "verify.csv")
-    assert rows["identical"].notna().sum() == 1 and rows["chi2_p_value"].notna().sum() >= 1
+    assert rows["identical"].notna().sum() == 2 and rows["chi2_p_value"].notna().sum() >= 1
 
 
 @pytest.mark.slow
@@ -335,6 +335,6 @@ def test_one_converted_copy_per_gguf_content(tmp_path, monkeypatch):
 def test_verify_exits_1_when_not_lossless(run, monkeypatch):
     import lssp.measure.verify
 
-    monkeypatch.setattr(lssp.measure.verify.VerifyReport, "lossless", property(lambda self: False))
+    monkeypatch.setattr(lssp.measure.verify.VerifyReport, "verdict", property(lambda self: "not lossless"))
     code, out, err = run("verify", "--temperature", "0", "--nb-prompts", "1", "--max-new-tokens", "4")
     assert code == 1 and "NOT LOSSLESS" in out

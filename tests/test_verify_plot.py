@@ -26,9 +26,10 @@ def pair():
     return target, draft
 
 
-def sampled(pair, **kw):
+def sampled(pair, samples: int = 500, **kw):
     target, draft = pair
-    return verify_sampled(target, draft, PROMPTS[:2], SamplingParams(1.0), k=3, samples=500, depth=2, seed=0, vocab=64, **kw)
+    return verify_sampled(target, draft, PROMPTS[:2], SamplingParams(1.0), k=3, samples=samples, depth=2, seed=0,
+                          vocab=64, **kw)
 
 
 @pytest.mark.slow
@@ -95,6 +96,42 @@ def test_verify_audits_transformers_and_catches_an_engine_that_ignores_temperatu
     assert all(c.chi2_p_value < broken.threshold and c.two_sample_p < broken.threshold for c in broken.positions)
     greedy = verify_greedy(target, draft, PROMPTS, 3, 16, 64, 1e-3, engine=TransformersEngine(target, draft))
     assert greedy.engine == "hf" and greedy.identical_share == 1.0
+    assert all(g.same_as_ours for g in greedy.greedy)  # the same fp32 arithmetic: transformers' RSp equals ours
+
+
+def test_too_few_runs_make_the_verdict_inconclusive_with_the_runs_that_would_do(pair):
+    few = sampled(pair, samples=60)
+    assert all(c.passed for c in few.positions) and few.verdict == "inconclusive" and not few.lossless
+    assert few.underpowered and few.runs_needed > 60
+    assert all(c.power < 0.8 and c.runs_needed for c in few.positions if c.power == c.power and c.power < 0.8)
+    # A failed test fails the verdict whatever the power.
+    assert replace(few, positions=[replace(few.positions[0], passed=False)]).verdict == "not lossless"
+    # Following its advice (an estimate: a deeper position's share of the runs and its cells move with the runs)
+    # reaches a conclusive verdict within two reruns.
+    rerun = sampled(pair, samples=few.runs_needed)
+    if rerun.verdict == "inconclusive":
+        assert rerun.runs_needed > few.runs_needed
+        rerun = sampled(pair, samples=rerun.runs_needed)
+    assert rerun.verdict == "lossless", rerun.underpowered
+
+
+def test_chi_square_power_and_samples_needed():
+    from lssp.report.stats import chi_square_power, chi_square_samples_needed
+
+    assert chi_square_power(0, 3, 0.5, 0.01) == 0.0
+    assert chi_square_power(50, 3, 0.5, 0.01) < chi_square_power(100, 3, 0.5, 0.01) < chi_square_power(100, 1, 0.5, 0.01)
+    n = chi_square_samples_needed(4, 0.3, 0.001)
+    assert chi_square_power(n, 4, 0.3, 0.001) >= 0.8 > chi_square_power(n - 1, 4, 0.3, 0.001)
+    assert 150 < n < 300  # noncentrality ~19 for 4 dof at 0.001 and power 0.8: 19 / 0.09
+
+
+def test_verify_refuses_too_few_samples_before_loading_anything(run, monkeypatch):
+    import importlib
+
+    monkeypatch.setattr(importlib.import_module("lssp.cli.verify"), "load_pair",
+                        lambda *a, **k: pytest.fail("loaded a model"))
+    code, _, err = run("verify", "--samples", "30", "--nb-prompts", "3")
+    assert code == 2 and "--samples 30 is too few" in err and "Traceback" not in err
 
 
 def test_the_two_sample_test():

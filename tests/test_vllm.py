@@ -358,10 +358,10 @@ def test_vllm_runs_our_feature_head_with_its_eagle_method(tmp_path):
 def test_verify_audits_vllm_beside_ours(run, tmp_path):
     vllm_or_skip()
     code, out, err = run("verify", "--engine", "ours,vllm", "--samples", "200", "--nb-prompts", "1", "--depth", "1",
-                         "--k", "2", "--temperature", "0.8", "--json", str(tmp_path / "v.json"))
+                         "--k", "2", "--effect", "1", "--temperature", "0.8", "--json", str(tmp_path / "v.json"))
     assert code in (0, 1), err
     reports = json.loads((tmp_path / "v.json").read_text())
-    assert [r["engine"] for r in reports] == ["ours", "vllm"] and "verdict (vllm)" in out
+    assert [r["engine"] for r in reports] == ["ours", "vllm"] and "verdict (vllm, K=2)" in out
     vllm_checks = reports[1]["checks"]
     assert vllm_checks and all(c["two_sample_p"] is not None and c["rsp_samples"] >= 20 for c in vllm_checks)
     assert reports[0]["lossless"] and code == (0 if reports[1]["lossless"] else 1)

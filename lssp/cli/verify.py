@@ -1,4 +1,8 @@
-"""`verify`: a statistical check that SSp samples exactly from the target (exit 1 when it does not)."""
+"""`verify`: a statistical check that SSp samples exactly from the target.
+
+Exit status: 0 lossless, 1 not lossless (any engine or K), 2 a usage error or an engine that broke down,
+3 inconclusive (every test passed but some lacked the power to vouch; the output says how many runs would do).
+"""
 from __future__ import annotations
 
 from pathlib import Path
@@ -11,13 +15,13 @@ from lssp.cli.app import app, settings
 from lssp.cli.loaders import load_pair
 from lssp.cli.options import (
     DraftArg,
-    KOpt,
     LookupOpt,
     PromptsOpt,
     TargetArg,
     TopKOpt,
     TopPOpt,
     check_positive,
+    parse_ints,
     read_prompt_list,
     sampling_params,
 )
@@ -37,11 +41,14 @@ def verify(
     nb_prompts: Annotated[int, typer.Option(help="Use the first N prompts.")] = 3,
     samples: Annotated[int, typer.Option(help="SSp runs per prompt (sampled mode).")] = 1000,
     depth: Annotated[int, typer.Option(help="Emitted positions checked per prompt (2+ exercises cache rollback).")] = 3,
-    k: KOpt = 4,
+    k: Annotated[str, typer.Option("--k", help="Draft tokens per iteration; a comma list audits each (K=1 puts the "
+                                   "bonus token at position 1).")] = "1,4",
     temperature: Annotated[float, typer.Option(help="0 checks greedy equality instead.")] = 1.0,
     top_k: TopKOpt = 0,
     top_p: TopPOpt = 1.0,
     significance: Annotated[float, typer.Option(help="Family-wise significance level.")] = 0.01,
+    effect: Annotated[float, typer.Option(help="Sampled mode: the smallest deviation (Cohen's w) a LOSSLESS verdict "
+                                          "must have an 80% chance to see; with less power it is INCONCLUSIVE.")] = 0.5,
     max_new_tokens: Annotated[int, typer.Option(help="Greedy mode: tokens compared per prompt.")] = 64,
     tie_tolerance: Annotated[float, typer.Option(
         help="Greedy mode: a top-2 logit gap up to this (or 2 ulp of the logits' dtype) is a near-tie.")] = 0.1,
@@ -53,105 +60,154 @@ def verify(
         "tokens (default: for engines other than ours, whose arithmetic may differ from our exact law).")] = None,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the report as JSON here.")] = None,
 ) -> None:
-    """Check that SSp samples exactly from the target (exit 1 when it does not)."""
+    """Check that SSp samples exactly from the target (exit 1 when it does not, 3 when it cannot tell)."""
     from lssp.measure import verify as vf
 
     s = settings(ctx)
     engines = check_engines("verify", [e.strip() for e in engine.split(",") if e.strip()], ("ours", "hf", "vllm"))
-    for name, value in [("--nb-prompts", nb_prompts), ("--samples", samples), ("--depth", depth), ("--k", k),
+    ks = parse_ints("--k", k)
+    for name, value in [("--nb-prompts", nb_prompts), ("--samples", samples), ("--depth", depth),
                         ("--max-new-tokens", max_new_tokens)]:
         check_positive(name, value)
     if not 0 < significance < 1:
         raise UserError(f"--significance must be in (0, 1), got {significance}")
+    if not effect > 0:
+        raise UserError(f"--effect must be above 0, got {effect}")
     check_positive("--lookup", lookup, minimum=0)
     params = sampling_params(temperature, top_k, top_p)
     prompt_list = read_prompt_list(prompts, nb_prompts)
+    paired = {name: two_sample if two_sample is not None else name != "ours" for name in engines}
+    if not params.greedy:
+        _check_power(engines, paired, len(prompt_list), samples, depth, effect, significance)
     results = s.writable_results_dir()
     t, d, vocab = load_pair(s, target, draft)  # our models give the exact laws, whichever engine is audited
-    runners = _engines(s, engines, t, d, vocab, target, draft, k, lookup)
+    runners = _engines(s, engines, t, d, vocab, target, draft, ks, lookup)
     reports, info = [], RunInfo.for_models(t, d)
-    paired = {r.name: two_sample if two_sample is not None else r.name != "ours" for r in runners}
-    steps = sum(len(prompt_list) * (1 if params.greedy else samples // 50 * (1 + paired[r.name])) for r in runners)
+    steps = len(ks) * sum(len(prompt_list) * (1 if params.greedy else samples // 50 * (1 + paired[r.name]))
+                          for r in runners)
     failed: dict[str, str] = {}  # an engine that broke down: the others' reports are still saved
     with progress(steps, "verify") as tick:
         for runner in runners:
-            try:
-                if params.greedy:
-                    rep = vf.verify_greedy(t, d, prompt_list, k, max_new_tokens, vocab, tie_tolerance, tick, lookup,
-                                           runner)
-                else:
-                    rep = vf.verify_sampled(t, d, prompt_list, params, k, samples, depth, s.seed, vocab, significance,
-                                            tick, lookup, runner, paired[runner.name])
-            except Exception as exc:  # noqa: BLE001 - an engine's own failure, reported in one line below
-                if s.verbose:
-                    raise
-                failed[runner.name] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
-                continue
-            reports.append(rep)
+            for k_now in ks:
+                try:
+                    if params.greedy:
+                        rep = vf.verify_greedy(t, d, prompt_list, k_now, max_new_tokens, vocab, tie_tolerance, tick,
+                                               lookup, runner)
+                    else:
+                        rep = vf.verify_sampled(t, d, prompt_list, params, k_now, samples, depth, s.seed, vocab,
+                                                significance, tick, lookup, runner, paired[runner.name], effect)
+                except Exception as exc:  # noqa: BLE001 - an engine's own failure, reported in one line below
+                    if s.verbose:
+                        raise
+                    text = str(exc).strip()
+                    failed[f"{runner.name} K={k_now}"] = f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+                    continue
+                reports.append(rep)
     if not reports:
         raise UserError("; ".join(f"verify --engine {name} failed: {why}" for name, why in failed.items()))
     for rep in reports:
-        render(rep, t, d, params, k)
-    rows = [row for rep in reports for row in rep.rows(info, t, d, k, params)]
+        render(rep, t, d, params)
+    rows = [row for rep in reports for row in rep.rows(info, t, d, params)]
     summary = [rep.summary_json(info) for rep in reports]
     code = save(results, info.run_id, "verify", rows, None, json_out, summary[0] if len(summary) == 1 else summary,
                 f"{info.env['device']} · run {info.run_id}")
     for name, why in failed.items():
         err_console.print(f"[bold red]error:[/bold red] verify --engine {name} failed while running ({why}); the "
-                          "other engines' reports were saved (-v for the traceback)", soft_wrap=True)
-    exit_with(2 if failed else 1 if not all(rep.lossless for rep in reports) else code)
+                          "other reports were saved (-v for the traceback)", soft_wrap=True)
+    verdicts = {rep.verdict for rep in reports}
+    exit_with(2 if failed else 1 if vf.NOT_LOSSLESS in verdicts else 3 if vf.INCONCLUSIVE in verdicts else code)
 
 
-def _engines(s, names: list[str], t, d, vocab: int, target: str | None, draft: str | None, k: int, lookup: int) -> list:
+def _check_power(engines: list[str], paired: dict[str, bool], prompts: int, samples: int, depth: int, effect: float,
+                 significance: float) -> None:
+    """Refuse, before loading anything, a --samples too small for any LOSSLESS verdict."""
+    from lssp.engines import ENGINES
+    from lssp.measure.verify import samples_needed_upfront
+
+    needed = max(samples_needed_upfront(prompts, depth, paired[name], ENGINES[name].runs_our_weights, effect,
+                                        significance) for name in engines)
+    if samples < needed:
+        raise UserError(f"--samples {samples} is too few: even the first token's test would have less than an 80% "
+                        f"chance to see a deviation of --effect {effect}; use --samples {needed} or more (or a "
+                        "larger --effect)")
+
+
+def _engines(s, names: list[str], t, d, vocab: int, target: str | None, draft: str | None, ks: list[int],
+             lookup: int) -> list:
     """The engines to audit, in the order given, all started before anything runs."""
     from lssp.cli.loaders import load_engine_pair, start_vllm
     from lssp.engines import Mode, OursEngine, TransformersEngine, VllmEngine
 
     made = {"ours": lambda: OursEngine(t, [d], [vocab]), "hf": lambda: TransformersEngine(t, d),
-            "vllm": lambda: VllmEngine(start_vllm(*load_engine_pair(s, target, draft), [(0, 0), (k, lookup)]))}
+            "vllm": lambda: VllmEngine(start_vllm(*load_engine_pair(s, target, draft),
+                                                  [(0, 0)] + [(k, lookup) for k in ks]))}
     runners = []
     for name in names:
         runner = made[name]()
-        why = runner.supports(Mode("ssp", k, lookup=lookup, engine=name))
-        if why:
-            raise UserError(f"verify --engine {name}: {why}")
+        for k in ks:
+            why = runner.supports(Mode("ssp", k, lookup=lookup, engine=name))
+            if why:
+                raise UserError(f"verify --engine {name}: {why}")
         runners.append(runner)
     return runners
 
 
-def render(rep, t, d, params, k) -> None:
-    title = f"verify {rep.engine}: {t.name} with draft {d.name}, K={k_label(k, 0, rep.lookup)}, {params}"
+def render(rep, t, d, params) -> None:
+    title = f"verify {rep.engine}: {t.name} with draft {d.name}, K={k_label(rep.k, 0, rep.lookup)}, {params}"
     if rep.mode == "greedy":
-        out = table(title, [(c, "right") for c in ("prompt", "identical", "first diff", "top-2 gap", "near-tie")])
-        for g in rep.greedy:
-            out.add_row(str(g.prompt_index + 1), "yes" if g.identical else "no",
-                        "–" if g.identical else str(g.first_difference),
-                        "–" if g.top2_gap is None else f"{g.top2_gap:.4f}", "yes" if g.near_tie else "–")
-        console.print(out)
-        console.print(f"  identical continuations: {rep.identical_share:.0%} of prompts; a difference at a top-2 gap ≤ "
-                      f"{rep.tie_tolerance}, or within two units in the last place of the logits' dtype, is a numerical "
-                      "near-tie (a 1-token and a K+1-token forward round differently), not a bug")
+        _render_greedy(rep, title)
     else:
-        paired = any(c.two_sample_p == c.two_sample_p for c in rep.positions)
-        out = table(title + "; χ² p: against the exact law" + ("; vs RSp: against the engine's own RSp tokens"
-                                                                if paired else "")
-                    + "; TV noise: mean±sd of TV under sampling noise alone; α: exact Σ min(p, q)",
-                    [(c, "right") for c in ("prompt", "pos", "n", "χ² p", "vs RSp" if paired else "cells", "TV",
-                                            "TV noise", "α", "ok")])
-        for c in rep.positions:
-            out.add_row(str(c.prompt_index + 1), str(c.position), str(c.samples), f"{c.chi2_p_value:.3g}",
-                        fmt(c.two_sample_p, 3) if paired else str(c.chi2_cells), f"{c.tv:.3f}",
-                        f"{c.tv_null_mean:.3f}±{c.tv_null_sd:.3f}",
-                        f"{c.exact_alpha:.2f}", Text("✓", style="green") if c.passed else Text("✗", style="bold red"))
-        console.print(out)
-        for note in rep.skipped:
-            console.print(f"  [dim]skipped {note} (fewer than 20; raise --samples)[/dim]")
-        if not rep.exact_law_counts:
-            console.print(f"  {rep.engine} computes with its own copy of the weights: χ² p against our exact law is "
-                          "shown for reference; the verdict rests on the test against its own RSp")
-        console.print(f"  measured acceptance {fmt(rep.acceptance_rate, 1, pct=True)}; each test rejects at p < "
-                      f"{rep.threshold:.2g} ({rep.significance} family-wise, {rep.correction})")
+        _render_sampled(rep, title)
     if rep.lookup:
         console.print(f"  the context lookup proposed {rep.looked_up} drafts")
-    verdict = Text("LOSSLESS", style="bold green") if rep.lossless else Text("NOT LOSSLESS", style="bold red")
-    console.print(Text(f"  verdict ({rep.engine}): ") + verdict)
+    style = {"lossless": "bold green", "not lossless": "bold red", "inconclusive": "bold yellow"}[rep.verdict]
+    line = Text(f"  verdict ({rep.engine}, K={rep.k}): ") + Text(rep.verdict.upper(), style=style)
+    if rep.verdict == "inconclusive":
+        line += Text(f": every test passed, but {'; '.join(rep.underpowered)}"
+                     + (f"; --samples {rep.runs_needed} or more would do" if rep.runs_needed else "; raise --samples"))
+    console.print(line)
+
+
+def _render_greedy(rep, title: str) -> None:
+    compared = any(g.same_as_ours is not None for g in rep.greedy)
+    out = table(title, [(c, "right") for c in ("prompt", "identical", "first diff", "top-2 gap", "near-tie")
+                        + (("RSp = ours",) if compared else ())])
+    for g in rep.greedy:
+        out.add_row(str(g.prompt_index + 1), "yes" if g.identical else "no",
+                    "–" if g.identical else str(g.first_difference),
+                    "–" if g.top2_gap is None else f"{g.top2_gap:.4f}", "yes" if g.near_tie else "–",
+                    *(("yes" if g.same_as_ours else "no",) if compared else ()))
+    console.print(out)
+    console.print(f"  identical continuations: {rep.identical_share:.0%} of prompts; a difference at a top-2 gap ≤ "
+                  f"{rep.tie_tolerance}, or within two units in the last place of the logits' dtype, is a numerical "
+                  "near-tie (a 1-token and a K+1-token forward round differently), not a bug")
+    if compared:
+        console.print(f"  RSp = ours: {rep.engine}'s plain greedy tokens equal ours (for reference: equal only where "
+                      "both compute in the same precision)")
+
+
+def _render_sampled(rep, title: str) -> None:
+    paired = any(c.two_sample_p == c.two_sample_p for c in rep.positions)
+    out = table(title + "; χ² p: against the exact law" + ("; vs RSp: against the engine's own RSp tokens"
+                                                            if paired else "")
+                + "; TV noise: mean±sd of TV under sampling noise alone; α: exact Σ min(p, q); power: to see a "
+                f"deviation w={rep.effect:g}",
+                [(c, "right") for c in ("prompt", "pos", "n", "χ² p", "vs RSp" if paired else "cells", "TV",
+                                        "TV noise", "α", "power", "ok")])
+    for c in rep.positions:
+        out.add_row(str(c.prompt_index + 1), str(c.position), str(c.samples), f"{c.chi2_p_value:.3g}",
+                    fmt(c.two_sample_p, 3) if paired else str(c.chi2_cells), f"{c.tv:.3f}",
+                    f"{c.tv_null_mean:.3f}±{c.tv_null_sd:.3f}", f"{c.exact_alpha:.2f}", fmt(c.power, 2),
+                    Text("✓", style="green") if c.passed else Text("✗", style="bold red"))
+    console.print(out)
+    for note in rep.skipped:
+        console.print(f"  [dim]skipped {note} (fewer than 20; raise --samples)[/dim]")
+    if not rep.exact_law_counts:
+        console.print(f"  {rep.engine} computes with its own copy of the weights: χ² p against our exact law is "
+                      "shown for reference; the verdict rests on the test against its own RSp")
+    console.print(f"  measured acceptance {fmt(rep.acceptance_rate, 1, pct=True)}; each test rejects at p < "
+                  f"{rep.threshold:.2g} ({rep.significance} family-wise, {rep.correction})")
+    worst = sorted((c for c in rep.positions if not c.passed), key=lambda c: c.tv - c.tv_null_mean, reverse=True)
+    for c in worst[:3]:
+        console.print(f"  [red]deviates:[/red] prompt {c.prompt_index + 1} position {c.position}: total-variation "
+                      f"distance {c.tv:.2f} where noise gives {c.tv_null_mean:.2f}±{c.tv_null_sd:.2f}")

@@ -32,6 +32,13 @@ class SamplingParams:
     def as_dict(self) -> dict[str, float]:
         return asdict(self)
 
+    def __str__(self) -> str:
+        """The options as a user types them: "greedy", "T=0.7 top-k 50"."""
+        if self.greedy:
+            return "greedy"
+        return " ".join([f"T={self.temperature:g}"] + ([f"top-k {self.top_k}"] if self.top_k else [])
+                        + ([f"top-p {self.top_p:g}"] if self.top_p < 1 else []))
+
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """``logits.argmax(-1)`` (first maximum on ties). On the CPU it runs through NumPy, whose

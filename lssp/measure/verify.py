@@ -7,11 +7,17 @@ emitted tokens; choosing it from earlier positions leaves position j's condition
 untouched), must follow p(· | prompt + prefix). Positions j >= 1 are often produced
 after a rejection and a cache rollback, so rollback bugs show there.
 
+A verdict of LOSSLESS needs power: every prompt's position 0 and at least one later position (where the bonus
+token, the residual draw and the cache rollback show) must each have a POWER chance of seeing a deviation of
+Cohen's ``effect`` w; without it the verdict is INCONCLUSIVE and says how many runs would do. A failed test fails
+the verdict whatever the power.
+
 Greedy mode: SSp's and RSp's continuations must be identical; where they differ, the
 target's top-2 logit gap at the first difference tells a numerical near-tie from a bug.
 """
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, fields
@@ -25,10 +31,12 @@ from lssp.drafters.model import draft_logits
 from lssp.engines import Engine, Mode, OursEngine, Request, request_seed
 from lssp.models.loading import LoadedModel
 from lssp.report.results import RunInfo
-from lssp.report.stats import chi_square_gof, chi_square_homogeneity
+from lssp.report.stats import POWER, chi_square_gof, chi_square_homogeneity, chi_square_power, chi_square_samples_needed
 
 Progress = Callable[[str], None]
 MIN_SAMPLES = 20  # runs sharing a prefix below which a position is not tested
+EFFECT = 0.5  # Cohen's w a LOSSLESS verdict must be able to see (0.5: "large"; the deviations found so far: w > 2)
+LOSSLESS, NOT_LOSSLESS, INCONCLUSIVE = "lossless", "not lossless", "inconclusive"
 
 
 @dataclass
@@ -46,6 +54,9 @@ class PositionCheck:
     passed: bool = True
     rsp_samples: int = 0  # the engine's own RSp tokens at this position (two-sample test)
     two_sample_p: float = float("nan")  # chi-square homogeneity of SSp's and RSp's tokens (nan: not run)
+    two_sample_cells: int = 0
+    power: float = float("nan")  # of the deciding tests (the weaker), against a deviation of the report's effect
+    runs_needed: int = 0  # SSp runs per prompt that would give this position POWER (0: it has it)
 
 
 @dataclass
@@ -55,6 +66,7 @@ class GreedyCheck:
     first_difference: int | None = None
     top2_gap: float | None = None  # target logit gap between its two best tokens there
     near_tie: bool = False
+    same_as_ours: bool | None = None  # another engine's RSp tokens equal ours (None: ours, or not compared)
 
 
 @dataclass
@@ -71,12 +83,16 @@ class VerifyReport:
     looked_up: int = 0  # drafts the lookup proposed
     engine: str = "ours"  # whose SSp was audited
     exact_law_counts: bool = True  # False: the engine's arithmetic is its own; the two-sample test decides
+    k: int = 0
+    effect: float = EFFECT
+    underpowered: list[str] = field(default_factory=list)  # why a passing report cannot say LOSSLESS
+    runs_needed: int = 0  # SSp runs per prompt that would make it conclusive (0: unknown or not needed)
 
-    def rows(self, info: RunInfo, target: LoadedModel, draft: LoadedModel, k: int,
-             params: SamplingParams) -> list[dict[str, Any]]:
+    def rows(self, info: RunInfo, target: LoadedModel, draft: LoadedModel, params: SamplingParams) -> list[dict[str, Any]]:
         """One CSV row per check (a position in sampled mode, a prompt in greedy mode)."""
-        base = {**info.head(), "engine": self.engine, "target": target.name, "draft": draft.name, "k": k, "lookup": self.lookup,
-                "looked_up": self.looked_up, **params.as_dict(), "verdict": "lossless" if self.lossless else "not lossless",
+        base = {**info.head(), "engine": self.engine, "target": target.name, "draft": draft.name, "k": self.k,
+                "lookup": self.lookup, "looked_up": self.looked_up, **params.as_dict(), "verdict": self.verdict,
+                "effect": self.effect if self.mode == "sampled" else None,
                 "acceptance_rate": self.acceptance_rate, "target_precision": target.precision,
                 "draft_precision": draft.precision, **info.env}
         # The same columns in both modes, so that every verify run appends to one file.
@@ -85,7 +101,9 @@ class VerifyReport:
                 + [{**base, **blank, **asdict(g)} for g in self.greedy])
 
     def summary_json(self, info: RunInfo) -> dict[str, Any]:
-        return {"engine": self.engine, "mode": self.mode, "lossless": self.lossless, "significance": self.significance,
+        return {"engine": self.engine, "k": self.k, "mode": self.mode, "verdict": self.verdict, "lossless": self.lossless,
+                "effect": self.effect, "power": POWER, "underpowered": self.underpowered, "runs_needed": self.runs_needed,
+                "significance": self.significance,
                 "correction": self.correction, "exact_law_counts": self.exact_law_counts,
                 "acceptance_rate": self.acceptance_rate, "lookup": self.lookup,
                 "looked_up": self.looked_up, "checks": [asdict(c) for c in self.positions] + [asdict(g) for g in self.greedy],
@@ -101,10 +119,16 @@ class VerifyReport:
         return self.significance / max(1, self.tests)
 
     @property
-    def lossless(self) -> bool:
+    def verdict(self) -> str:
         if self.mode == "greedy":
-            return all(g.identical or g.near_tie for g in self.greedy)
-        return all(p.passed for p in self.positions)
+            return LOSSLESS if all(g.identical or g.near_tie for g in self.greedy) else NOT_LOSSLESS
+        if not all(p.passed for p in self.positions):
+            return NOT_LOSSLESS
+        return INCONCLUSIVE if self.underpowered else LOSSLESS
+
+    @property
+    def lossless(self) -> bool:
+        return self.verdict == LOSSLESS
 
     @property
     def identical_share(self) -> float:
@@ -156,14 +180,66 @@ def _check(index: int, position: int, prefix: list[int], kept: list[int], p: tor
     check = PositionCheck(index, position, list(prefix), len(kept), chi.p_value, chi.cells,
                           float(0.5 * (freq - p.double()).abs().sum()), null_mean, null_sd, float(torch.minimum(p, q).sum()))
     if rsp_kept is not None and len(rsp_kept) >= MIN_SAMPLES:
-        check.rsp_samples, check.two_sample_p = len(rsp_kept), chi_square_homogeneity(kept, rsp_kept).p_value
+        two = chi_square_homogeneity(kept, rsp_kept)
+        check.rsp_samples, check.two_sample_p, check.two_sample_cells = len(rsp_kept), two.p_value, two.cells
     return check
+
+
+def _power(check: PositionCheck, runs: int, effect: float, alpha: float, exact_law_counts: bool) -> None:
+    """The check's power against ``effect`` (its weaker deciding test) and, short of POWER, the SSp runs per prompt
+    that would give it: a position reached by a share s of the runs needs the test's sample size ÷ s."""
+    tests = []  # (effective sample size, degrees of freedom, SSp samples per unit of effective size)
+    if exact_law_counts:
+        tests.append((check.samples, check.chi2_cells - 1, 1.0))
+    if check.two_sample_p == check.two_sample_p:
+        tests.append((check.samples * check.rsp_samples / (check.samples + check.rsp_samples),
+                      check.two_sample_cells - 1, 2.0))
+    if not tests:
+        return
+    check.power = min(chi_square_power(n, dof, effect, alpha) for n, dof, _ in tests)
+    if check.power < POWER:
+        share = check.samples / runs
+        check.runs_needed = max(math.ceil(chi_square_samples_needed(dof, effect, alpha) * per / share)
+                                for _, dof, per in tests)
+
+
+def _assess_power(report: VerifyReport, prompts: int, runs: int, depth: int, unreached: list[int]) -> None:
+    """INCONCLUSIVE unless every prompt's position 0 and at least one later position have POWER; ``unreached``:
+    how many of the runs reached each later position that was skipped (too few to test)."""
+    for check in report.positions:
+        _power(check, runs, report.effect, report.threshold, report.exact_law_counts)
+    needed = []
+    for index in range(prompts):
+        first = next((c for c in report.positions if c.prompt_index == index and c.position == 0), None)
+        if first is not None and first.power < POWER:
+            report.underpowered.append(f"prompt {index + 1} position 0 has power {first.power:.2f}")
+            needed.append(first.runs_needed)
+    later = [c for c in report.positions if c.position > 0]
+    if depth > 1 and not any(c.power >= POWER for c in later):
+        report.underpowered.append("no later position (bonus token, residual draw, rollback) has power "
+                                   f"{POWER:.0%}" + (f" (best {max(c.power for c in later):.2f})" if later else ""))
+        at_best = chi_square_samples_needed(1, report.effect, report.threshold)  # one degree of freedom
+        per = 1 if report.exact_law_counts else 2  # a two-sample test needs about twice the samples
+        options = [c.runs_needed for c in later if c.runs_needed] + [math.ceil(max(MIN_SAMPLES, per * at_best) * runs / n)
+                                                                     for n in unreached]
+        if options:
+            needed.append(min(options))
+    report.runs_needed = max(needed, default=0)
+
+
+def samples_needed_upfront(prompts: int, depth: int, two_sample: bool, exact_law_counts: bool, effect: float,
+                           significance: float) -> int:
+    """The fewest SSp runs per prompt with which position 0 (reached by every run) can have POWER against
+    ``effect``, at best (one degree of freedom): fewer cannot give a LOSSLESS verdict."""
+    tests = prompts * depth * (exact_law_counts + two_sample)
+    n = chi_square_samples_needed(1, effect, significance / max(1, tests))
+    return max(MIN_SAMPLES, 2 * n if two_sample and not exact_law_counts else n)
 
 
 def verify_sampled(
     target: LoadedModel, draft: LoadedModel, prompts: Sequence[str], params: SamplingParams, k: int, samples: int,
     depth: int, seed: int, vocab: int, significance: float = 0.01, progress: Progress | None = None, lookup: int = 0,
-    engine: Engine | None = None, two_sample: bool = False,
+    engine: Engine | None = None, two_sample: bool = False, effect: float = EFFECT,
 ) -> VerifyReport:
     """Chi-square and TV checks of SSp's emitted tokens at positions 0..depth-1 against the exact law computed from
     our ``target`` (and ``draft``, for α); the runs go through ``engine`` (ours by default). ``two_sample`` also draws
@@ -173,9 +249,10 @@ def verify_sampled(
     engine = engine or OursEngine(target, [draft], [vocab])
     two_sample = two_sample or not engine.runs_our_weights
     ssp, rsp = Mode("ssp", k, lookup=lookup, engine=engine.name), Mode("rsp", engine=engine.name)
-    report = VerifyReport("sampled", significance, "Bonferroni", lookup=lookup, engine=engine.name)
+    report = VerifyReport("sampled", significance, "Bonferroni", lookup=lookup, engine=engine.name, k=k, effect=effect)
     null_gen = torch.Generator().manual_seed(seed)
     drafted = accepted = 0
+    unreached: list[int] = []  # per later position skipped: how many runs reached it
     for index, text in enumerate(prompts):
         ids = target.encode(text)
         what = f"prompt {index + 1}/{len(prompts)}"
@@ -197,6 +274,8 @@ def verify_sampled(
                                                next_token_law(draft, context, params, vocab, target), null_gen, rsp_kept))
             else:
                 report.skipped.append(f"prompt {index + 1} position {position}: only {len(kept)} runs share the prefix")
+                if position and kept:
+                    unreached.append(len(kept))
             if not kept:
                 break
             prefix.append(Counter(kept).most_common(1)[0][0])  # condition deeper on the commonest emitted token
@@ -205,6 +284,7 @@ def verify_sampled(
     for check in report.positions:
         law_ok = check.chi2_p_value > report.threshold or not report.exact_law_counts
         check.passed = law_ok and not check.two_sample_p <= report.threshold
+    _assess_power(report, len(prompts), samples, depth, unreached)
     report.acceptance_rate = accepted / drafted if drafted else float("nan")
     return report
 
@@ -214,11 +294,12 @@ def verify_greedy(
     tie_tolerance: float, progress: Progress | None = None, lookup: int = 0, engine: Engine | None = None,
 ) -> VerifyReport:
     """SSp and RSp continuations (through ``engine``, ours by default) must match token for token, except at
-    numerical near-ties."""
-    engine = engine or OursEngine(target, [draft], [vocab])
+    numerical near-ties. Another engine's RSp is also compared with ours (equal where the arithmetic is)."""
+    ours = OursEngine(target, [draft], [vocab])
+    engine = engine or ours
     params = SamplingParams(temperature=0)
     report = VerifyReport("greedy", 0.0, "none (deterministic)", tie_tolerance=tie_tolerance, lookup=lookup,
-                          engine=engine.name)
+                          engine=engine.name, k=k)
     drafted = accepted = 0
     for index, text in enumerate(prompts):
         ids = target.encode(text)
@@ -229,8 +310,9 @@ def verify_greedy(
         report.looked_up += out.stats.looked_up
         drafted += out.stats.drafted
         accepted += out.stats.accepted
+        same_as_ours = None if engine is ours else rsp == ours.complete(Mode("rsp"), request).tokens.tolist()
         if rsp == ssp:
-            report.greedy.append(GreedyCheck(index, True))
+            report.greedy.append(GreedyCheck(index, True, same_as_ours=same_as_ours))
         else:
             at = next(i for i, (a, b) in enumerate(zip(rsp, ssp)) if a != b)
             context = torch.cat([ids, torch.tensor([rsp[:at]], dtype=torch.long)], 1)
@@ -240,7 +322,7 @@ def verify_greedy(
             gap = float(top2[0] - top2[1])
             # Two units in the last place of the logits' dtype at this magnitude are a rounding tie too.
             rounding = 2 * torch.finfo(raw.dtype).eps * float(top2[0].abs())
-            report.greedy.append(GreedyCheck(index, False, at, gap, gap <= max(tie_tolerance, rounding)))
+            report.greedy.append(GreedyCheck(index, False, at, gap, gap <= max(tie_tolerance, rounding), same_as_ours))
         if progress:
             progress(f"prompt {index + 1}/{len(prompts)}")
     report.acceptance_rate = accepted / drafted if drafted else float("nan")

@@ -117,6 +117,29 @@ def chi_square_homogeneity(first: Sequence[int], second: Sequence[int], min_expe
     return ChiSquare(float(result.statistic), int(result.dof), float(result.pvalue), len(cells))
 
 
+POWER = 0.8  # a verdict of "lossless" needs this chance of seeing the smallest deviation it vouches for
+
+
+def chi_square_power(n: float, dof: int, effect: float, alpha: float) -> float:
+    """The chance a chi-square test with ``dof`` degrees of freedom at level ``alpha`` rejects when the truth
+    deviates by Cohen's ``effect`` w (w² = Σ (q − p)² / p) over ``n`` samples: noncentrality n·w². For a two-sample
+    test pass the effective size n₁n₂/(n₁ + n₂)."""
+    if n <= 0:
+        return 0.0
+    return float(_scipy.ncx2.sf(_scipy.chi2.isf(alpha, max(1, dof)), max(1, dof), n * effect ** 2))
+
+
+def chi_square_samples_needed(dof: int, effect: float, alpha: float, power: float = POWER) -> int:
+    """The fewest samples with which ``chi_square_power`` reaches ``power``."""
+    low, high = 1, 2
+    while chi_square_power(high, dof, effect, alpha) < power:
+        low, high = high, high * 2
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if chi_square_power(mid, dof, effect, alpha) < power else (low, mid)
+    return high
+
+
 def expected_tokens_per_iteration(alpha: float, k: int) -> float:
     """(1 − α^(k+1)) / (1 − α): tokens emitted per target forward (Leviathan et al. 2022)."""
     if alpha >= 1:
