@@ -38,8 +38,9 @@ BENCH = ["engine", "ms_per_token", "ms_per_token_median", "ours_over_hf_median",
 COST = ["model", "precision", "tokens", "ms", "relative"]
 EVAL = ["mode", "trials", "successes", "success_rate", "wald_low", "wald_high", "wilson_low", "wilson_high", "diff_low",
         "diff_high", "mcnemar_p", "s_per_problem"]
-VERIFY = ["engine", "verdict", "prompt_index", "position", "samples", "chi2_p_value", "two_sample_p", "rsp_samples",
-          "tv", "tv_null_mean", "exact_alpha", "passed", "identical", "first_difference", "top2_gap", "near_tie"]
+VERIFY = ["engine", "k", "lookup", "verdict", "prompt_index", "position", "samples", "chi2_p_value", "two_sample_p",
+          "rsp_samples", "tv", "tv_null_mean", "exact_alpha", "power", "passed", "identical", "first_difference",
+          "top2_gap", "near_tie", "same_as_ours"]
 TASKS = ["task", "prompt_format", "mode", "k", "ms_per_token", "alpha", "mean_accepted", "speedup", "specbench_speedup",
          "at_budget_share"]
 
@@ -204,7 +205,7 @@ def main() -> None:
                     shown = shown[:2] + [variant] + shown[2:]
                     rows = rows.assign(**{variant: rows[variant].fillna(0)})
             if name == "verify":  # sampled and greedy checks share the file: show the columns this run filled
-                shown = [c for c in shown if rows[c].notna().any()]
+                shown = [c for c in shown if rows[c].notna().any() and (c != "lookup" or rows[c].fillna(0).any())]
             print(markdown_table(rows.to_dict("records"), shown))
 
 

@@ -246,7 +246,7 @@ def test_latency_sweeps_the_context_lookup_and_other_commands_take_it(tiny_dir, 
     assert [(r["mode"], r["k"], r["lookup"]) for r in rows] == [("rsp", 0, 0), ("ssp", 2, 0), ("ssp", 2, 1)]
     assert "2 +lookup 1" in capsys.readouterr().out
     assert set(pd.read_csv(tmp_path / "latency.csv")["lookup"]) == {0, 1}
-    code = main([*config, "verify", "--temperature", "0", "--nb-prompts", "1", "--max-new-tokens", "8", "--lookup", "1",
+    code = main([*config, "verify", "--temperature", "0", "--nb-prompts", "1", "--max-new-tokens", "8", "--lookup", "1", "--k", "2",
                  "--json", str(tmp_path / "v.json")])
     assert code == 0, capsys.readouterr().err
     assert json.loads((tmp_path / "v.json").read_text())["lookup"] == 1

@@ -141,7 +141,7 @@ def test_ctrl_c_in_latency_exits_130_and_keeps_the_completed_prompts(tiny_dir, t
                 "--repeats", "4", "--ignore-eos")  # long enough that the signal always lands before the end
     out, err = _interrupt_when(proc, r"prompt 1/16 stories pass 1 ssp")  # one whole prompt done
     assert proc.returncode == 130, err
-    assert "interrupted after" in err and "Traceback" not in err
+    assert "interrupted after" in err and "Traceback" not in err and "nothing was saved" not in err
     rows = pd.read_csv(results / "latency.csv")
     assert list(rows["mode"]) == ["rsp", "ssp"] and rows["interrupted"].all()
     prompts = pd.read_csv(results / "latency_prompts.csv")
@@ -338,3 +338,36 @@ def test_verify_exits_1_when_not_lossless(run, monkeypatch):
     monkeypatch.setattr(lssp.measure.verify.VerifyReport, "verdict", property(lambda self: "not lossless"))
     code, out, err = run("verify", "--temperature", "0", "--nb-prompts", "1", "--max-new-tokens", "4")
     assert code == 1 and "NOT LOSSLESS" in out
+
+
+def test_ctrl_c_in_verify_keeps_the_prompts_done_and_says_so(run, tmp_path, monkeypatch):
+    from lssp.engines import OursEngine
+
+    calls, complete = [0], OursEngine.complete
+
+    def interrupted_later(self, mode, request):
+        calls[0] += 1
+        if calls[0] > 120:  # prompt 1's 100 runs are done, prompt 2's are not
+            raise KeyboardInterrupt
+        return complete(self, mode, request)
+
+    monkeypatch.setattr(OursEngine, "complete", interrupted_later)
+    code, out, err = run("verify", "--nb-prompts", "2", "--samples", "100", "--depth", "1", "--k", "2", "--effect",
+                         "1.5", "--json", str(tmp_path / "v.json"))
+    assert code == 130 and "interrupted: 1 report(s) saved" in err and "(1 in the last)" in err, err
+    report = json.loads((tmp_path / "v.json").read_text())
+    assert report["interrupted"] and report["prompts_done"] == 1 and {c["prompt_index"] for c in report["checks"]} == {0}
+    assert "verdict (ours, K=2)" in out
+
+
+def test_ctrl_c_while_loading_says_nothing_was_saved(run, monkeypatch):
+    import importlib
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    for command in ("verify", "latency"):
+        monkeypatch.setattr(importlib.import_module(f"lssp.cli.{command}"), "load_pair", interrupted)
+    for args in (("verify", "--temperature", "0"), ("latency",)):
+        code, _, err = run(*args)
+        assert code == 130 and "interrupted: nothing was saved" in err, err

@@ -10,7 +10,7 @@ import typer
 from lssp.cli import bench, compare, cost, distill, export, latency, models, plan, plot, verify  # noqa: F401
 from lssp.cli import eval as eval_command  # noqa: F401  (registers; the module is named after its command)
 from lssp.cli.app import GLOBAL_FLAGS, GLOBAL_OPTIONS_WITH_VALUE, app
-from lssp.cli.output import console, err_console
+from lssp.cli.output import console, err_console, interrupt_said
 from lssp.errors import UserError
 
 __all__ = ["app", "main"]
@@ -55,15 +55,15 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args: list[str]) -> int:
     """The app, with every way it can end turned into an exit code."""
     verbose = any(a in ("-v", "--verbose") for a in args)
+    interrupt_said(reset=True)
     try:
-        code = app(args=args, standalone_mode=False)  # returns typer.Exit's code (130 on click's Abort)
+        code = app(args=args, standalone_mode=False)  # returns typer.Exit's code (130 on Ctrl-C: typer turns it so)
     except UserError as exc:
         return _fail(str(exc), verbose)
     except typer.Exit as exc:
-        return exc.exit_code
+        code = exc.exit_code
     except (typer.Abort, KeyboardInterrupt):
-        err_console.print("\ninterrupted")
-        return 130
+        code = 130
     except Exception as exc:  # noqa: BLE001 - classify, then one line
         if hasattr(exc, "show") and hasattr(exc, "exit_code"):  # a usage error (typer vendors click's)
             exc.show()
@@ -73,6 +73,8 @@ def _run(args: list[str]) -> int:
         if verbose:
             raise
         return _fail(f"{type(exc).__name__}: {exc} (run with -v for the traceback)", False)
+    if code == 130 and not interrupt_said():  # Ctrl-C or SIGTERM where the command kept nothing (loading, say)
+        err_console.print("\ninterrupted: nothing was saved")
     return code if isinstance(code, int) else 0
 
 

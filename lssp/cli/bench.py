@@ -26,7 +26,7 @@ from lssp.cli.options import (
     read_prompt_list,
     sampling_params,
 )
-from lssp.cli.output import console, err_console, exit_with, fmt, save, table
+from lssp.cli.output import console, exit_interrupted, exit_with, fmt, save, table
 from lssp.cli.progress import progress
 from lssp.errors import UserError
 from lssp.report.results import plural
@@ -83,8 +83,7 @@ def bench(
     code = save(results, run.info.run_id, "bench", rows, run.markdown(), json_out, rows,
                 f"{run.info.env['device']} · run {run.info.run_id}")
     if run.interrupted:
-        err_console.print(f"interrupted after {plural(run.setup.prompts, 'prompt')}: the table and files cover them")
-        raise typer.Exit(130)
+        exit_interrupted(f"interrupted after {plural(run.setup.prompts, 'prompt')}: the table and files cover them")
     exit_with(code)
 
 

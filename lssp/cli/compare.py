@@ -28,7 +28,7 @@ from lssp.cli.options import (
     read_task_prompts,
     sampling_params,
 )
-from lssp.cli.output import console, err_console, fmt, k_label
+from lssp.cli.output import console, err_console, exit_interrupted, fmt, k_label
 from lssp.errors import UserError
 
 
@@ -121,8 +121,7 @@ def compare(
         for index, one in enumerate(prompts):
             run_one(one, index)
     except KeyboardInterrupt:
-        err_console.print("\ninterrupted")
-        raise typer.Exit(130) from None
+        exit_interrupted("\ninterrupted: the completions shown above are all there is (compare writes no files)")
 
 
 def _ms_per_token(stats) -> float:

@@ -22,7 +22,7 @@ from lssp.cli.options import (
     parse_engines,
     sampling_params,
 )
-from lssp.cli.output import console, err_console, exit_with, fmt, k_label, plot_charts, save, table
+from lssp.cli.output import console, exit_interrupted, exit_with, fmt, k_label, plot_charts, save, table
 from lssp.cli.progress import progress
 from lssp.errors import UserError
 from lssp.report.results import plural
@@ -99,9 +99,8 @@ def eval_cmd(
                            resume=resume, on_record=on_record, lookup=lookup, op=op, max_operand=max_operand,
                            prefix_cache=prefix_cache, rsp_batch=rsp_batch)
     except EvalInterrupted as stop:
-        err_console.print(f"interrupted: {plural(stop.records, 'record')} kept in {stop.records_path}; "
-                          "the same command with --resume continues it", soft_wrap=True)  # the path stays whole
-        raise typer.Exit(130) from None
+        exit_interrupted(f"interrupted: {plural(stop.records, 'record')} kept in {stop.records_path}; "
+                         "the same command with --resume continues it")  # soft-wrapped: the path stays whole
     render(run, t, d)
     code = save(results, run.run_id, "eval", run.rows(), run.markdown(), json_out, run.summary_json(),
                 f"{run.info.env['device']} · run {run.run_id} · records {run.records_path}")

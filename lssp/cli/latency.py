@@ -33,7 +33,7 @@ from lssp.cli.options import (
     read_task_prompts,
     sampling_params,
 )
-from lssp.cli.output import console, err_console, exit_with, fmt, k_label, plot_charts, save, table
+from lssp.cli.output import console, exit_interrupted, exit_with, fmt, k_label, plot_charts, save, table
 from lssp.cli.progress import progress
 from lssp.errors import UserError
 from lssp.report.results import plural
@@ -123,8 +123,7 @@ def latency(
     if plot and not run.interrupted:
         plot_charts(s.results_dir, run_id=run.info.run_id, kinds=("latency",))
     if run.interrupted:
-        err_console.print(f"interrupted after {plural(run.prompts_done, 'prompt')}: the table and files cover them")
-        raise typer.Exit(130)
+        exit_interrupted(f"interrupted after {plural(run.prompts_done, 'prompt')}: the table and files cover them")
     exit_with(code)
 
 

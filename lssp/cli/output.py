@@ -5,7 +5,7 @@ import math
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import typer
 from rich.console import Console
@@ -74,6 +74,24 @@ def finish(writer: ResultWriter, run_line: str) -> int:
 def exit_with(code: int) -> None:
     if code:
         raise typer.Exit(code)
+
+
+_interrupt_said: list[str] = []  # what the command said it kept when interrupted (see exit_interrupted)
+
+
+def exit_interrupted(message: str) -> NoReturn:
+    """Exit 130 after Ctrl-C or SIGTERM, saying what was kept; without this the runner says nothing was."""
+    err_console.print(message, soft_wrap=True)
+    _interrupt_said.append(message)
+    raise typer.Exit(130)
+
+
+def interrupt_said(reset: bool = False) -> bool:
+    """Whether the command has said what an interruption kept (``reset``: forget it, for the next command)."""
+    said = bool(_interrupt_said)
+    if reset:
+        _interrupt_said.clear()
+    return said
 
 
 def plot_charts(results_dir: Path, **filters: Any) -> None:

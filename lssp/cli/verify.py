@@ -25,7 +25,7 @@ from lssp.cli.options import (
     read_prompt_list,
     sampling_params,
 )
-from lssp.cli.output import console, err_console, exit_with, fmt, k_label, save, table
+from lssp.cli.output import console, err_console, exit_interrupted, exit_with, fmt, k_label, save, table
 from lssp.cli.progress import progress
 from lssp.engines import check_engines
 from lssp.errors import UserError
@@ -87,23 +87,31 @@ def verify(
                           for r in runners)
     failed: dict[str, str] = {}  # an engine that broke down: the others' reports are still saved
     with progress(steps, "verify") as tick:
-        for runner in runners:
-            for k_now in ks:
-                try:
-                    if params.greedy:
-                        rep = vf.verify_greedy(t, d, prompt_list, k_now, max_new_tokens, vocab, tie_tolerance, tick,
-                                               lookup, runner)
-                    else:
-                        rep = vf.verify_sampled(t, d, prompt_list, params, k_now, samples, depth, s.seed, vocab,
-                                                significance, tick, lookup, runner, paired[runner.name], effect)
-                except Exception as exc:  # noqa: BLE001 - an engine's own failure, reported in one line below
-                    if s.verbose:
-                        raise
-                    text = str(exc).strip()
-                    failed[f"{runner.name} K={k_now}"] = f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
-                    continue
-                reports.append(rep)
+        for runner, k_now in ((r, k_now) for r in runners for k_now in ks):
+            try:
+                if params.greedy:
+                    rep = vf.verify_greedy(t, d, prompt_list, k_now, max_new_tokens, vocab, tie_tolerance, tick,
+                                           lookup, runner)
+                else:
+                    rep = vf.verify_sampled(t, d, prompt_list, params, k_now, samples, depth, s.seed, vocab,
+                                            significance, tick, lookup, runner, paired[runner.name], effect)
+            except KeyboardInterrupt:  # outside the sampling loops (which keep their prompts done): stop here
+                reports.append(vf.VerifyReport("sampled", significance, "", interrupted=True))
+                break
+            except Exception as exc:  # noqa: BLE001 - an engine's own failure, reported in one line below
+                if s.verbose:
+                    raise
+                text = str(exc).strip()
+                failed[f"{runner.name} K={k_now}"] = f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+                continue
+            reports.append(rep)
+            if rep.interrupted:
+                break
+    interrupted = any(rep.interrupted for rep in reports)
+    reports = [rep for rep in reports if rep.prompts_done]  # interrupted before its first prompt: nothing to say
     if not reports:
+        if interrupted:
+            exit_interrupted("interrupted before the first prompt's runs were complete: nothing was saved")
         raise UserError("; ".join(f"verify --engine {name} failed: {why}" for name, why in failed.items()))
     for rep in reports:
         render(rep, t, d, params)
@@ -114,6 +122,9 @@ def verify(
     for name, why in failed.items():
         err_console.print(f"[bold red]error:[/bold red] verify --engine {name} failed while running ({why}); the "
                           "other reports were saved (-v for the traceback)", soft_wrap=True)
+    if interrupted:
+        exit_interrupted(f"interrupted: {len(reports)} report(s) saved above; a verdict covers only the prompts "
+                         f"whose runs were complete ({reports[-1].prompts_done} in the last)")
     verdicts = {rep.verdict for rep in reports}
     exit_with(2 if failed else 1 if vf.NOT_LOSSLESS in verdicts else 3 if vf.INCONCLUSIVE in verdicts else code)
 

@@ -87,13 +87,15 @@ class VerifyReport:
     effect: float = EFFECT
     underpowered: list[str] = field(default_factory=list)  # why a passing report cannot say LOSSLESS
     runs_needed: int = 0  # SSp runs per prompt that would make it conclusive (0: unknown or not needed)
+    prompts_done: int = 0  # prompts whose runs all completed (fewer than asked: interrupted)
+    interrupted: bool = False  # Ctrl-C or SIGTERM: the checks cover the prompts done
 
     def rows(self, info: RunInfo, target: LoadedModel, draft: LoadedModel, params: SamplingParams) -> list[dict[str, Any]]:
         """One CSV row per check (a position in sampled mode, a prompt in greedy mode)."""
         base = {**info.head(), "engine": self.engine, "target": target.name, "draft": draft.name, "k": self.k,
                 "lookup": self.lookup, "looked_up": self.looked_up, **params.as_dict(), "verdict": self.verdict,
                 "effect": self.effect if self.mode == "sampled" else None,
-                "acceptance_rate": self.acceptance_rate, "target_precision": target.precision,
+                "acceptance_rate": self.acceptance_rate, "interrupted": self.interrupted, "target_precision": target.precision,
                 "draft_precision": draft.precision, **info.env}
         # The same columns in both modes, so that every verify run appends to one file.
         blank = {f.name: None for kind in (PositionCheck, GreedyCheck) for f in fields(kind)}
@@ -103,6 +105,7 @@ class VerifyReport:
     def summary_json(self, info: RunInfo) -> dict[str, Any]:
         return {"engine": self.engine, "k": self.k, "mode": self.mode, "verdict": self.verdict, "lossless": self.lossless,
                 "effect": self.effect, "power": POWER, "underpowered": self.underpowered, "runs_needed": self.runs_needed,
+                "prompts_done": self.prompts_done, "interrupted": self.interrupted,
                 "significance": self.significance,
                 "correction": self.correction, "exact_law_counts": self.exact_law_counts,
                 "acceptance_rate": self.acceptance_rate, "lookup": self.lookup,
@@ -121,6 +124,8 @@ class VerifyReport:
     @property
     def verdict(self) -> str:
         if self.mode == "greedy":
+            if not self.greedy:
+                return INCONCLUSIVE  # interrupted before the first prompt
             return LOSSLESS if all(g.identical or g.near_tie for g in self.greedy) else NOT_LOSSLESS
         if not all(p.passed for p in self.positions):
             return NOT_LOSSLESS
@@ -208,6 +213,8 @@ def _assess_power(report: VerifyReport, prompts: int, runs: int, depth: int, unr
     how many of the runs reached each later position that was skipped (too few to test)."""
     for check in report.positions:
         _power(check, runs, report.effect, report.threshold, report.exact_law_counts)
+    if not report.positions:
+        report.underpowered.append("nothing was tested")
     needed = []
     for index in range(prompts):
         first = next((c for c in report.positions if c.prompt_index == index and c.position == 0), None)
@@ -256,10 +263,15 @@ def verify_sampled(
     for index, text in enumerate(prompts):
         ids = target.encode(text)
         what = f"prompt {index + 1}/{len(prompts)}"
-        outputs, stats = _samples(engine, ssp, ids, samples, depth + k, params, request_seed(seed, index * 100_003),
-                                  progress, what)
-        rsp_outputs = _samples(engine, rsp, ids, samples, depth, params, request_seed(seed + 1, index * 100_003),
-                               progress, what)[0] if two_sample else None
+        try:
+            outputs, stats = _samples(engine, ssp, ids, samples, depth + k, params,
+                                      request_seed(seed, index * 100_003), progress, what)
+            rsp_outputs = _samples(engine, rsp, ids, samples, depth, params, request_seed(seed + 1, index * 100_003),
+                                   progress, what)[0] if two_sample else None
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the prompts done are tested, this one is dropped
+            report.interrupted = True
+            break
+        report.prompts_done += 1
         report.looked_up += sum(s.looked_up for s in stats)
         drafted += sum(s.drafted for s in stats)
         accepted += sum(s.accepted for s in stats)
@@ -284,7 +296,7 @@ def verify_sampled(
     for check in report.positions:
         law_ok = check.chi2_p_value > report.threshold or not report.exact_law_counts
         check.passed = law_ok and not check.two_sample_p <= report.threshold
-    _assess_power(report, len(prompts), samples, depth, unreached)
+    _assess_power(report, report.prompts_done, samples, depth, unreached)
     report.acceptance_rate = accepted / drafted if drafted else float("nan")
     return report
 
@@ -304,8 +316,13 @@ def verify_greedy(
     for index, text in enumerate(prompts):
         ids = target.encode(text)
         request = Request(ids, max_new_tokens, params, seed=0)
-        rsp = engine.complete(Mode("rsp", engine=engine.name), request).tokens.tolist()
-        out = engine.complete(Mode("ssp", k, lookup=lookup, engine=engine.name), request)
+        try:
+            rsp = engine.complete(Mode("rsp", engine=engine.name), request).tokens.tolist()
+            out = engine.complete(Mode("ssp", k, lookup=lookup, engine=engine.name), request)
+        except KeyboardInterrupt:  # the prompts done keep their checks
+            report.interrupted = True
+            break
+        report.prompts_done += 1
         ssp = out.tokens.tolist()
         report.looked_up += out.stats.looked_up
         drafted += out.stats.drafted
