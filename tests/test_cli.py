@@ -113,6 +113,26 @@ def test_compare_reads_prompts_from_stdin_until_eof(run, monkeypatch):
     code, out, _ = run("compare", "--max-new-tokens", "4")
     assert code == 0
     assert out.count("Regular sampling") == 2
+    summary = out[out.index("compare: wall time per token"):]
+    assert "one" in summary and "two" in summary and "all 2" in summary  # per prompt, then overall
+
+
+def test_compare_nb_prompts_alone_takes_the_default_prompts_not_stdin(run, monkeypatch):
+    import io
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("never read\n"))
+    code, out, err = run("compare", "--nb-prompts", "2", "--max-new-tokens", "4")
+    assert code == 0, err
+    assert out.count("Regular sampling") == 2 and "never read" not in out and "all 2" in out
+
+
+def test_json_into_a_missing_folder_and_a_file_as_results_dir_are_one_line_each(run, tmp_path):
+    code, _, err = run("verify", "--temperature", "0", "--json", str(tmp_path / "nowhere" / "v.json"))
+    assert code == 2 and "does not exist" in err and not (tmp_path / "nowhere").exists()
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    code, _, err = run("--results-dir", str(afile), "latency")
+    assert code == 2 and "is a file, not a folder" in err
 
 
 @pytest.mark.parametrize("args, message", [
@@ -122,7 +142,7 @@ def test_compare_reads_prompts_from_stdin_until_eof(run, monkeypatch):
     (("eval", "tiny-target", "--nb-prompts", "0"), "--nb-prompts must be at least 1"),
     (("latency", "tiny-target", "--prompts", "/no/such/file"), "cannot read prompts file /no/such/file"),
     (("latency", "tiny-target", "--draft", "tiny-other-vocab"), "does not share target 'tiny-target''s tokenizer"),
-    (("latency", "tiny-target", "--temperature", "-1"), "temperature must be >= 0"),
+    (("latency", "tiny-target", "--temperature", "-1"), "--temperature must be >= 0"),
     (("latency", "tiny-target", "--chat"), "its tokenizer has no chat template"),
 ])
 def test_bad_input_gives_one_line_and_nonzero_exit(run, args, message):

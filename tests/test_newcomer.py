@@ -74,6 +74,16 @@ def test_append_csv_never_rewrites_earlier_lines(tmp_path):
     assert list(frame["run_id"]) == ["A", "B", "C", "D", "E"] and frame["noisy"].tolist()[-2:] == [True, False]
 
 
+def test_csv_lines_end_in_lf_and_an_older_crlf_file_keeps_its_line_ends(tmp_path):
+    new = tmp_path / "new.csv"
+    append_csv(new, [{"run_id": "A", "k": 2}])
+    assert new.read_bytes() == b"run_id,k\nA,2\n"
+    old = tmp_path / "old.csv"
+    old.write_bytes(b"run_id,k\r\nA,2\r\n")
+    append_csv(old, [{"run_id": "B", "k": 3}])
+    assert old.read_bytes() == b"run_id,k\r\nA,2\r\nB,3\r\n"
+
+
 def test_malformed_csv_is_left_untouched_and_rows_go_beside(run, tmp_path):
     results = tmp_path / "results"
     results.mkdir()

@@ -11,6 +11,7 @@ import typer
 
 from lssp.cli.options import flag
 from lssp.cli.output import console, err_console
+from lssp.errors import UserError
 from lssp.models.registry import Registry, load_registry
 from lssp.report.results import check_writable_dir
 
@@ -42,8 +43,13 @@ class Settings:
             self._registry = load_registry(self.config)
         return self._registry
 
-    def writable_results_dir(self) -> Path:
-        """The results directory, made if needed and proven writable, before any model loads."""
+    def writable_results_dir(self, json_out: Path | None = None) -> Path:
+        """The results directory, made if needed and proven writable, before any model loads; ``json_out``'s
+        folder must exist (a mistyped path is not created)."""
+        if self.results_dir.exists() and not self.results_dir.is_dir():
+            raise UserError(f"--results-dir {self.results_dir} is a file, not a folder")
+        if json_out is not None and not json_out.parent.is_dir():
+            raise UserError(f"--json {json_out}: the folder {json_out.parent} does not exist")
         check_writable_dir(self.results_dir)
         return self.results_dir
 

@@ -69,7 +69,7 @@ def bench(
         check_options(confidences)
     prompt_list = read_prompt_list(prompts, nb_prompts)
     params = sampling_params(temperature, top_k, top_p)
-    results = s.writable_results_dir()
+    results = s.writable_results_dir(json_out)
     t, d, vocab = load_pair(s, target, draft)
     why = TransformersEngine(t, d).supports(Mode("ssp", k, engine="hf")) if "hf" in rivals else None
     if why:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterator
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 from rich.text import Text
@@ -28,7 +28,7 @@ from lssp.cli.options import (
     read_task_prompts,
     sampling_params,
 )
-from lssp.cli.output import console, err_console, exit_interrupted, fmt, k_label
+from lssp.cli.output import console, err_console, exit_interrupted, fmt, k_label, table
 from lssp.errors import UserError
 
 
@@ -62,9 +62,10 @@ def compare(
     check_positive("--max-new-tokens", max_new_tokens)
     check_positive("--lookup", lookup, minimum=0)
     params = sampling_params(temperature, top_k, top_p)
-    if task and prompt:
-        raise UserError("--task and --prompt: give one of them")
-    task_list = read_task_prompts(task, None, nb_prompts, chat) if task else None
+    if (task or nb_prompts) and prompt:
+        raise UserError(f"{'--task' if task else '--nb-prompts'} and --prompt: give one of them")
+    # --nb-prompts alone: the first N of the default workload (the reference's story openings), not stdin.
+    task_list = read_task_prompts(task, None, nb_prompts, chat) if task or nb_prompts else None
     (chosen,) = parse_engines(engine) if "," not in engine else (None,)
     if chosen is None:
         raise UserError(f"--engine {engine!r}: compare streams one engine at a time (ours or vllm)")
@@ -94,6 +95,8 @@ def compare(
     via = " in vLLM" if chosen == "vllm" else ""
     helper = f"{d.name}" if d is not None and not (chosen == "vllm" and lookup) else "vLLM's n-gram lookup"
 
+    done: list[tuple[str, Any, Any]] = []  # (label, RSp stats, SSp stats) per prompt, for the summary
+
     def run_one(prompt, index: int) -> None:
         console.print(Text(f"\n=> Regular sampling with {t.name}{via}" + (f" ({prompt.task})" if task else ""),
                            style="bold"))
@@ -110,6 +113,7 @@ def compare(
                            "tokens per target forward", style="bold green"))
         speedup = _ms_per_token(rsp) / _ms_per_token(ssp)
         console.print(Text(f"   speedup {speedup:.2f}×", style="bold green" if speedup > 1 else "bold red"))
+        done.append((prompt.turns[0], rsp, ssp))
 
     try:
         with err_console.status("Warming up…"):
@@ -121,7 +125,30 @@ def compare(
         for index, one in enumerate(prompts):
             run_one(one, index)
     except KeyboardInterrupt:
+        _summary(done)
         exit_interrupted("\ninterrupted: the completions shown above are all there is (compare writes no files)")
+    _summary(done)
+
+
+def _summary(done: list[tuple[str, Any, Any]]) -> None:
+    """Per prompt and overall: RSp's and SSp's ms/token (whole completions) and the speedup."""
+    if not done:
+        return
+    out = table("compare: wall time per token, prefill included", [("prompt", "left"), ("RSp ms/token", "right"),
+                                                                   ("SSp ms/token", "right"), ("accepted", "right"),
+                                                                   ("speedup", "right")])
+    for label, rsp, ssp in done:
+        short = label if len(label) <= 28 else label[:27] + "…"
+        out.add_row(short, f"{_ms_per_token(rsp):.1f}", f"{_ms_per_token(ssp):.1f}",
+                    fmt(ssp.acceptance_rate, 0, pct=True), f"{_ms_per_token(rsp) / _ms_per_token(ssp):.2f}×")
+    rsp_ms = 1000 * sum(r.total_time_s for _, r, _ in done) / max(1, sum(r.new_tokens for _, r, _ in done))
+    ssp_ms = 1000 * sum(s.total_time_s for _, _, s in done) / max(1, sum(s.new_tokens for _, _, s in done))
+    drafted = sum(s.drafted for _, _, s in done)
+    out.add_row(f"all {len(done)}", f"{rsp_ms:.1f}", f"{ssp_ms:.1f}",
+                fmt(sum(s.accepted for _, _, s in done) / drafted if drafted else float("nan"), 0, pct=True),
+                f"{rsp_ms / ssp_ms:.2f}×", style="bold")
+    console.print()
+    console.print(out)
 
 
 def _ms_per_token(stats) -> float:

@@ -44,7 +44,7 @@ def cost(
     if not chosen or any(p not in allowed for p in chosen):
         raise UserError(f"--precisions takes some of {','.join(allowed)}, got {precisions!r}")
     names = models or [s.registry.target_name(None), s.registry.draft_name(None)]
-    results = s.writable_results_dir()
+    results = s.writable_results_dir(json_out)
     loaded = []
     for name in names:
         spec = replace(s.registry.get(name), quantization="none")  # each precision is made from the plain weights

@@ -73,7 +73,7 @@ def eval_cmd(
     if (target is None and draft is None) or (both and draft is None):  # the default pair
         draft = s.registry.draft_name(None)
     modes = ["rsp", "ssp"] if both else ["ssp"] if draft else ["rsp"]
-    results = s.writable_results_dir()
+    results = s.writable_results_dir(json_out)
     if resume:  # say "nothing to resume" before loading anything
         resume_point(results / "eval_records", eval_config(
             s.registry.target_name(target), s.registry.draft_name(draft) if draft else None, modes, nb_prompts, s.seed,

@@ -90,7 +90,7 @@ def latency(
         from lssp.engines.vllm import check_options
 
         check_options(confidences)
-    results = s.writable_results_dir()
+    results = s.writable_results_dir(json_out)
     use_draft = draft is not None or default_pair or target is None
     draft_names = [name.strip() for name in (draft or "").split(",") if name.strip()] or [None]
     if len(draft_names) > 1 and "vllm" in engines_wanted:

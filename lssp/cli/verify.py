@@ -79,7 +79,7 @@ def verify(
     paired = {name: two_sample if two_sample is not None else name != "ours" for name in engines}
     if not params.greedy:
         _check_power(engines, paired, len(prompt_list), samples, depth, effect, significance)
-    results = s.writable_results_dir()
+    results = s.writable_results_dir(json_out)
     t, d, vocab = load_pair(s, target, draft)  # our models give the exact laws, whichever engine is audited
     runners = _engines(s, engines, t, d, vocab, target, draft, ks, lookup)
     reports, info = [], RunInfo.for_models(t, d)

@@ -19,11 +19,11 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
-            raise UserError(f"temperature must be >= 0, got {self.temperature}")
+            raise UserError(f"--temperature must be >= 0, got {self.temperature}")
         if self.top_k < 0:
-            raise UserError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+            raise UserError(f"--top-k must be >= 0 (0 disables it), got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
-            raise UserError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise UserError(f"--top-p must be in (0, 1], got {self.top_p}")
 
     @property
     def greedy(self) -> bool:

@@ -174,7 +174,7 @@ def append_csv(path: Path, rows: Iterable[Mapping[str, Any]]) -> Appended:
         if not part.exists() or part.stat().st_size == 0:
             header = columns
             with part.open("w", newline="") as f:
-                csv.writer(f).writerow(header)
+                csv.writer(f, lineterminator="\n").writerow(header)
             break
         problem = csv_problem(part)
         header = _header(part) if problem is None else []
@@ -185,10 +185,16 @@ def append_csv(path: Path, rows: Iterable[Mapping[str, Any]]) -> Appended:
             note = (f"{path} is malformed ({problem}) and is left as it is" if problem
                     else f"{path} lacks columns {', '.join(c for c in columns if c not in header)}")
     with part.open("a", newline="") as f:
-        writer = csv.writer(f)
+        writer = csv.writer(f, lineterminator=_line_end(part))
         for row in rows:
             writer.writerow([_csv_cell(row.get(c)) for c in header])
     return Appended(part, f"{note}; new rows went to {part}" if note else "")
+
+
+def _line_end(path: Path) -> str:
+    """The line end ``path``'s header uses ("\r\n" in files written before 2026-11-24), so that appended lines match."""
+    with path.open("rb") as f:
+        return "\r\n" if f.readline().endswith(b"\r\n") else "\n"
 
 
 def _parts(path: Path, existing_only: bool = True) -> Iterator[Path]:
