@@ -83,6 +83,7 @@ def test_eval_both_reports_intervals_and_resumes(run, tmp_path):
     code, out, err = run("eval", "tiny-target", "--draft", "tiny-draft", "--both", "--nb-prompts", "6", "--resume")
     assert code == 0, err
     assert "resumed: 5 records reused" in out
+    assert "[6/12]" in err and "[1/12]" not in err  # progress counts on from the 5 records reused
     resumed = path.read_text().splitlines()
     assert len(resumed) == 1 + 12
     assert sorted((json.loads(x)["mode"], json.loads(x)["index"]) for x in resumed[1:]) == sorted(

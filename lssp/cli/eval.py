@@ -22,7 +22,7 @@ from lssp.cli.options import (
     parse_engines,
     sampling_params,
 )
-from lssp.cli.output import console, exit_interrupted, exit_with, fmt, k_label, plot_charts, save, table
+from lssp.cli.output import console, err_console, exit_interrupted, exit_with, fmt, k_label, plot_charts, save, table
 from lssp.cli.progress import progress
 from lssp.errors import UserError
 from lssp.report.results import plural
@@ -73,11 +73,15 @@ def eval_cmd(
     if (target is None and draft is None) or (both and draft is None):  # the default pair
         draft = s.registry.draft_name(None)
     modes = ["rsp", "ssp"] if both else ["ssp"] if draft else ["rsp"]
+    hint = ("" if both else " (--both compares it with RSp)" if modes == ["ssp"]
+            else " (a target alone: --draft D for SSp, --both for RSp and SSp)")
+    err_console.print(f"[dim]eval: {' and '.join(m.upper() for m in modes)}{hint}[/dim]", soft_wrap=True)
     results = s.writable_results_dir(json_out)
+    done_before = 0
     if resume:  # say "nothing to resume" before loading anything
-        resume_point(results / "eval_records", eval_config(
+        done_before = len(resume_point(results / "eval_records", eval_config(
             s.registry.target_name(target), s.registry.draft_name(draft) if draft else None, modes, nb_prompts, s.seed,
-            k, max_new_tokens, params, lookup, op, max_operand, engine))
+            k, max_new_tokens, params, lookup, op, max_operand, engine))[1])
     if engine == "vllm":
         from lssp.engines import VllmEngine
 
@@ -90,7 +94,7 @@ def eval_cmd(
         runner = OursEngine(t, [d] if d else [], [vocab]) if engine == "ours" else TransformersEngine(t, d)
     correct = {m: 0 for m in modes}
     try:
-        with progress(nb_prompts * len(modes), "eval") as tick:
+        with progress(nb_prompts * len(modes), "eval", done_before) as tick:
             def on_record(r) -> None:
                 correct[r.mode] += r.correct
                 tick(" ".join(f"{m.upper()} {c}✓" for m, c in correct.items()))

@@ -20,18 +20,19 @@ class ProgressLog:
     """Progress as lines on stderr (for logs and pipes): at most one per LOG_EVERY_S, with the
     elapsed time and, from the fraction done, an estimate of the rest."""
 
-    def __init__(self, label: str) -> None:
+    def __init__(self, label: str, start_fraction: float = 0.0) -> None:
         self.label = label
         self.start = time.perf_counter()
         self.last = -math.inf
+        self.start_fraction = start_fraction  # done before this run (a resumed one): not in the rate
 
     def show(self, fraction: float, message: str, count: str = "") -> None:
         now = time.perf_counter()
         if now - self.last < LOG_EVERY_S and fraction < 1:
             return
         self.last = now
-        elapsed = now - self.start
-        rest = f", ~{_duration(elapsed / fraction * (1 - fraction))} left" if fraction > 0 else ""
+        elapsed, gained = now - self.start, fraction - self.start_fraction
+        rest = f", ~{_duration(elapsed / gained * (1 - fraction))} left" if gained > 0 else ""
         err_console.print(f"{count}{self.label}: {message} · {_duration(elapsed)} elapsed{rest}", soft_wrap=True)
 
 
@@ -41,13 +42,14 @@ def _bar() -> Progress:
 
 
 @contextmanager
-def progress(total: int | None, label: str) -> Iterator[Tick]:
+def progress(total: int | None, label: str, done_before: int = 0) -> Iterator[Tick]:
     """A bar on a terminal, ProgressLog lines elsewhere. Yields ``tick(description, done=None, total=None)``,
     called after each step: without ``done`` and ``total`` a step of the ``total`` given here, with them (the run
-    loop's) where the run stands."""
+    loop's) where the run stands. ``done_before``: steps an earlier run did (a resumed eval), counted as done
+    but not in the time estimate."""
     if err_console.is_terminal:
         with _bar() as bar:
-            task = bar.add_task(label, total=total)
+            task = bar.add_task(label, total=total, completed=done_before)
 
             def advance(message: str, done: int | None = None, of: int | None = None) -> None:
                 if of is not None:
@@ -57,7 +59,7 @@ def progress(total: int | None, label: str) -> Iterator[Tick]:
 
             yield advance
         return
-    lines, count = ProgressLog(label), 0
+    lines, count = ProgressLog(label, done_before / max(1, total or 1)), done_before
 
     def tick(message: str, done: int | None = None, of: int | None = None) -> None:
         nonlocal count, total
