@@ -41,6 +41,18 @@ def tiny_llama(seed: int, vocab_size: int = 64, hidden: int = 32, layers: int = 
     return model
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _temporary_files_inside_pytests_own(tmp_path_factory):
+    """Fallback copies of results (``llamassp-RUNID`` in the temporary folder) go under pytest's basetemp, which
+    pytest prunes, rather than into /tmp for good."""
+    import tempfile
+
+    base = str(tmp_path_factory.mktemp("tmp"))
+    before, tempfile.tempdir = tempfile.tempdir, base
+    yield
+    tempfile.tempdir = before
+
+
 @pytest.fixture(scope="session")
 def target() -> LlamaForCausalLM:
     return tiny_llama(0, scale=30.0)

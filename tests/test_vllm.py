@@ -206,8 +206,9 @@ def test_bench_with_vllm_as_rival(run, tmp_path):
     assert "ours÷vllm" in out and all(len(line) <= 80 for line in out.splitlines())
 
 
-def test_a_frequent_token_head_draft_runs_through_its_export(run):
+def test_a_frequent_token_head_draft_runs_through_its_export(run, tmp_path, monkeypatch):
     vllm_or_skip()
+    monkeypatch.setenv("LLAMASSP_CACHE", str(tmp_path / "cache"))  # the export stays out of the user's cache
     code, out, err = run("latency", "v-target", "--draft", "v-head-draft", "--engine", "vllm", "--k", "2",
                          "--nb-prompts", "1", "--max-new-tokens", "6")
     assert code == 0, err
