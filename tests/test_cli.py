@@ -328,3 +328,10 @@ def test_verify_keeps_the_other_engines_reports_when_one_breaks_down(run, tmp_pa
                          "--k", "2", "--effect", "2", "--json", str(tmp_path / "v.json"))
     assert code == 2 and "verify --engine hf K=2 failed while running (RuntimeError: max()" in err and "Traceback" not in err
     assert json.loads((tmp_path / "v.json").read_text())["engine"] == "ours" and "verdict (ours, K=2)" in out
+
+
+@pytest.mark.parametrize("args", [("compare", "--prompt", "x", "--k", "100", "--max-new-tokens", "16"),
+                                  ("eval", "--k", "9", "--nb-prompts", "2")])
+def test_a_k_above_the_token_budget_is_one_line(run, args):
+    code, _, err = run(*args)
+    assert code == 2 and "is more than --max-new-tokens" in err and "Traceback" not in err

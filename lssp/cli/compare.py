@@ -23,6 +23,7 @@ from lssp.cli.options import (
     TemperatureOpt,
     TopKOpt,
     TopPOpt,
+    check_k_within_budget,
     check_positive,
     parse_engines,
     read_task_prompts,
@@ -60,6 +61,7 @@ def compare(
     s = settings(ctx)
     check_positive("--k", k)
     check_positive("--max-new-tokens", max_new_tokens)
+    check_k_within_budget(k, max_new_tokens)
     check_positive("--lookup", lookup, minimum=0)
     params = sampling_params(temperature, top_k, top_p)
     if (task or nb_prompts) and prompt:

@@ -17,6 +17,7 @@ from lssp.cli.options import (
     TemperatureOpt,
     TopKOpt,
     TopPOpt,
+    check_k_within_budget,
     check_positive,
     flag,
     parse_engines,
@@ -73,6 +74,8 @@ def eval_cmd(
     if (target is None and draft is None) or (both and draft is None):  # the default pair
         draft = s.registry.draft_name(None)
     modes = ["rsp", "ssp"] if both else ["ssp"] if draft else ["rsp"]
+    if "ssp" in modes:
+        check_k_within_budget(k, max_new_tokens)
     hint = ("" if both else " (--both compares it with RSp)" if modes == ["ssp"]
             else " (a target alone: --draft D for SSp, --both for RSp and SSp)")
     err_console.print(f"[dim]eval: {' and '.join(m.upper() for m in modes)}{hint}[/dim]", soft_wrap=True)

@@ -56,6 +56,14 @@ def check_positive(name: str, value: int, minimum: int = 1) -> None:
         raise UserError(f"{name} must be at least {minimum}, got {value}")
 
 
+def check_k_within_budget(ks: list[int] | int, max_new_tokens: int) -> None:
+    """A K above the token budget drafts tokens that can never be kept: one line instead."""
+    k = max(ks) if isinstance(ks, list) else ks
+    if k > max_new_tokens:
+        raise UserError(f"--k {k} is more than --max-new-tokens {max_new_tokens}: at most {max_new_tokens} drafts "
+                        "could ever be kept")
+
+
 def _comma_list(name: str, text: str, kind: str) -> list[str]:
     parts = [part.strip() for part in text.split(",")]
     if not text.strip() or any(not part for part in parts):
