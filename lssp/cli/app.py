@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -12,7 +12,7 @@ import typer
 from lssp.cli.options import flag
 from lssp.cli.output import console, err_console
 from lssp.errors import UserError
-from lssp.models.registry import Registry, load_registry
+from lssp.models.registry import REGISTRY_ENV, Registry, load_registry, registry_path
 from lssp.report.results import check_writable_dir
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -40,7 +40,7 @@ class Settings:
     @property
     def registry(self) -> Registry:
         if self._registry is None:
-            self._registry = load_registry(self.config)
+            self._registry = replace(load_registry(self.config), notify=_say_unlisted)
         return self._registry
 
     def writable_results_dir(self, json_out: Path | None = None) -> Path:
@@ -52,6 +52,13 @@ class Settings:
             raise UserError(f"--json {json_out}: the folder {json_out.parent} does not exist")
         check_writable_dir(self.results_dir)
         return self.results_dir
+
+
+def _say_unlisted(line: str) -> None:
+    """A model named by its hub id or path, not by an entry: one line saying how it will be loaded."""
+    from rich.text import Text
+
+    err_console.print(Text(line, style="dim"), soft_wrap=True)
 
 
 def settings(ctx: typer.Context) -> Settings:
@@ -69,7 +76,9 @@ def _print_version(value: bool) -> None:
 @app.callback()
 def main_options(
     ctx: typer.Context,
-    config: Annotated[Path, typer.Option(help="Model registry.")] = Path("models.yaml"),
+    config: Annotated[Optional[Path], typer.Option(
+        help=f"Model registry (default: ${REGISTRY_ENV}, else models.yaml here or beside the tool).",
+        show_default=False)] = None,
     results_dir: Annotated[Path, typer.Option(help="Where CSV, Markdown and JSON results go.")] = Path("results"),
     seed: Annotated[int, typer.Option(help="Seed for sampling and prompt draws.")] = 0,
     verbose: Annotated[bool, flag("--verbose", "-v", help="Log progress; show tracebacks.")] = False,
@@ -82,7 +91,7 @@ def main_options(
                                           callback=_print_version, metavar="")] = False,
 ) -> None:
     """Global options go before or after the subcommand: llamassp.py latency --seed 1 ..."""
-    ctx.obj = Settings(config, results_dir, seed, verbose, device, compile, compile_fallback)
+    ctx.obj = Settings(registry_path(config), results_dir, seed, verbose, device, compile, compile_fallback)
     _configure_logging(verbose)
 
 

@@ -345,6 +345,9 @@ def feature_head_folder(spec: ModelSpec) -> Path | None:
         return None
     from huggingface_hub import snapshot_download
 
+    from lssp.models.hub import require_cached_or_online
+
+    require_cached_or_online(spec.path, spec.revision, f"model {spec.name!r}")
     try:
         return Path(snapshot_download(spec.path, revision=spec.revision,
                                       allow_patterns=["*.json", "*.safetensors", "pytorch_model*.bin"]))

@@ -1,9 +1,11 @@
 """Where models go on a node of GPUs: worked out on the meta device before anything is loaded.
 
 The target is spread over the GPUs by accelerate's balanced placement (what transformers'
-``device_map="auto"`` does); the draft is kept whole on the GPU with the most memory left
-after the target. The same rules serve ``plan`` (a node described by ``--gpus`` and
-``--gpu-memory``) and loading (the machine's own GPUs).
+``device_map="auto"`` does, within the entry's ``max_memory`` if it has one); the draft is kept
+whole on the GPU with the most memory left after the target. The same rules serve ``plan`` (a
+node described by ``--gpus`` and ``--gpu-memory``) and loading (the machine's own GPUs); where
+they leave the draft no room, ``plan`` keeps its room first and says which ``max_memory`` line
+makes loading do the same.
 """
 from __future__ import annotations
 
@@ -46,20 +48,27 @@ def model_config(spec: ModelSpec) -> Any:
     try:
         where, extra = model_source(spec)
         return AutoConfig.from_pretrained(where, **extra)
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, UserError) as exc:
         if spec.config:
             return random_config(spec)
-        raise UserError(f"model {spec.name!r}: cannot read its config offline ({str(exc).splitlines()[0]}); "
-                        "add 'config: <architecture>' to its entry (lssp/models/architectures.yaml lists them)") from None
+        if isinstance(exc, UserError) and spec.local_path() is not None:
+            raise
+        why = str(exc) if isinstance(exc, UserError) else (
+            f"model {spec.name!r}: cannot read its config offline ({str(exc).splitlines()[0]})")
+        raise UserError(f"{why}; add 'config: <architecture>' to its entry (lssp/models/architectures.yaml lists "
+                        "them)") from None
 
 
 def empty_model(config: Any, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
-    """The model with every weight on the meta device (no memory), buffers real."""
+    """The model with every weight on the meta device (no memory), buffers real, and its output layer tied to
+    its embeddings where the config says so (else a tied model would be counted with two copies)."""
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
     with init_empty_weights():
-        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.tie_weights()
+    return model
 
 
 def _dtypes(model: nn.Module, precision: str) -> tuple[Any, dict[str, Any]]:
@@ -154,16 +163,34 @@ def _bytes_per_device(model: nn.Module, device_map: dict[str, int | str], precis
     return dict(per)
 
 
-def place_target(model: nn.Module, name: str, precision: str, max_memory: dict[int | str, int]) -> Placement:
-    """Balanced placement over the GPUs in ``max_memory`` (bytes each), as ``device_map="auto"`` does."""
-    from accelerate.utils import get_balanced_memory, infer_auto_device_map
+def place_target(model: nn.Module, name: str, precision: str, max_memory: dict[int | str, int],
+                 balanced: bool = True) -> Placement:
+    """Placement over the GPUs in ``max_memory`` (bytes each): balanced, as ``device_map="auto"`` does, or filling
+    each in turn, as ``device_map="sequential"`` does."""
+    from accelerate.utils import infer_auto_device_map
 
     dtype, special = _dtypes(model, precision)
     split = getattr(model, "_no_split_modules", None) or []
-    balanced = get_balanced_memory(model, dict(max_memory), split, dtype, special)
-    device_map = infer_auto_device_map(model, balanced, split, dtype, special)
+    budgets = balanced_budgets(model, max_memory, split, dtype, special) if balanced else dict(max_memory)
+    device_map = infer_auto_device_map(model, budgets, split, dtype, special)
     return Placement(name, precision, weight_bytes(model, precision), device_map,
                      _bytes_per_device(model, device_map, precision))
+
+
+def balanced_budgets(model: nn.Module, max_memory: dict[int | str, int], split: list[str], dtype: Any,
+                     special: dict[str, Any]) -> dict[int | str, int]:
+    """What transformers' ``device_map="auto"`` lets each GPU take: every GPU but the last is capped at an even
+    share of the model plus a buffer (1.25 × its largest unsplittable block or parameter-holding module)."""
+    from accelerate.utils import compute_module_sizes
+
+    gpus = sorted(k for k, v in max_memory.items() if isinstance(k, int) and v > 0)
+    if len(gpus) < 2:
+        return dict(max_memory)
+    sizes = compute_module_sizes(model, dtype=dtype, special_dtypes=special)
+    pieces = [sizes[name] for name, module in model.named_modules()
+              if name and (type(module).__name__ in split or next(module.parameters(recurse=False), None) is not None)]
+    share = sizes[""] // len(gpus) + int(1.25 * max(pieces, default=0))
+    return {k: min(v, share) if k in gpus[:-1] else v for k, v in max_memory.items()}
 
 
 def emptiest(free: dict[int, int]) -> int:
@@ -181,7 +208,13 @@ def place_whole(model: nn.Module, name: str, precision: str, free: dict[int, int
 
 @dataclass
 class NodePlan:
-    """Both models on a node of ``gpus`` GPUs of ``gpu_bytes`` each, ``reserve_bytes`` of each kept free."""
+    """Both models on a node of ``gpus`` GPUs of ``gpu_bytes`` each, ``reserve_bytes`` of each kept free.
+
+    At each precision the target is placed within ``budgets`` (bytes per GPU: the usable memory, or what the
+    target entry's ``max_memory`` allows), then the draft whole beside it on the GPU with the most room left. Where
+    that leaves the draft no room, its room is kept first on one GPU and the target placed in the rest
+    (``draft_first``): loading does the same when the target's entry carries ``max_memory_line``.
+    """
 
     gpus: int
     gpu_bytes: int
@@ -190,6 +223,13 @@ class NodePlan:
     draft: dict[str, Placement]  # by the target's precision: placed after it
     kv_bytes_per_token: int = 0
     bandwidth: float = float("nan")  # bytes/s of one GPU (measured or given)
+    budgets: dict[str, dict[int, int]] = field(default_factory=dict)  # by precision: what the target was allowed
+    draft_first: dict[str, bool] = field(default_factory=dict)  # by precision: the draft's room kept before
+    entry_max_memory: bool = False  # the budgets come from the target entry's max_memory
+    gpus_needed: dict[str, int | None] = field(default_factory=dict)  # by precision that does not fit: GPUs that do
+    fits_within: dict[str, dict[int, int]] = field(default_factory=dict)  # by precision the entry's max_memory stops
+    sequential_fits: dict[str, bool] = field(default_factory=dict)  # ... and that device_map: sequential would fit
+    balanced: bool = True  # the target spread evenly (device_map auto), else filling each GPU in turn (sequential)
 
     @property
     def usable_bytes(self) -> int:
@@ -204,28 +244,135 @@ class NodePlan:
         """The widest precision at which the target (and the draft, if any) fit."""
         return next((p for p in PRECISIONS if not self.missing_bytes(p)), None)
 
+    def max_memory_line(self, precision: str) -> str | None:
+        """The ``max_memory`` the target's entry needs for loading to place it as planned at ``precision``; None
+        where its entry as it is does (the balanced placement, or its own max_memory)."""
+        return max_memory_line(self.budgets[precision]) if self.draft_first.get(precision) else None
+
+    def other_max_memory_line(self, precision: str) -> str | None:
+        """Where the entry's own max_memory is what stops the pair fitting at ``precision``: one that fits."""
+        budgets = self.fits_within.get(precision)
+        return max_memory_line(budgets) if budgets else None
+
     def floor_ms(self, placement: Placement) -> float:
         """Memory-bandwidth floor per forward: every weight read once, one GPU at a time (layers run in sequence)."""
         return 1000 * placement.weight_bytes / self.bandwidth if self.bandwidth == self.bandwidth else float("nan")
 
 
+def format_gib(n: int) -> str:
+    """Bytes as a max_memory value: 78GiB, 63.5GiB."""
+    return f"{int(n / GiB * 10 + 1e-6) / 10:g}GiB"
+
+
+def max_memory_line(budgets: dict[int, int]) -> str:
+    """A registry line that gives the target these bytes per GPU: max_memory: {0: 63GiB, 1: 78GiB}."""
+    return "max_memory: {" + ", ".join(f"{i}: {format_gib(b)}" for i, b in sorted(budgets.items())) + "}"
+
+
+def _floor_gib(n: float) -> int:
+    """Down to a tenth of a GiB, so that a max_memory line says exactly what was planned."""
+    return int(n / GiB * 10) * GiB // 10
+
+
+@dataclass
+class PairPlan:
+    """The target and the draft at one precision, and the budgets the target was placed within."""
+
+    target: Placement
+    draft: Placement | None
+    budgets: dict[int, int]
+    draft_first: bool = False
+
+    @property
+    def fits(self) -> bool:
+        return self.target.fits and (self.draft is None or self.draft.fits)
+
+
+def _beside(target: nn.Module, t_name: str, draft: nn.Module | None, d_name: str, precision: str,
+            budgets: dict[int, int], usable: dict[int, int], balanced: bool, draft_first: bool = False) -> PairPlan:
+    """The target within ``budgets``, then the draft whole on the GPU with the most of ``usable`` left."""
+    placed = place_target(target, t_name, precision, dict(budgets), balanced)
+    d = None
+    if draft is not None:
+        free = {i: room - placed.bytes_per_device.get(i, 0) for i, room in usable.items()}
+        d = place_whole(draft, d_name, precision, free)
+    return PairPlan(placed, d, budgets, draft_first)
+
+
+def place_pair(target: nn.Module, t_name: str, draft: nn.Module | None, d_name: str, precision: str,
+               budgets: dict[int, int], usable: dict[int, int], balanced: bool = True) -> PairPlan:
+    """The draft beside the target as loading places them; where it then has no room, its room kept first on
+    one GPU (each tried in turn) and the target placed in what is left."""
+    pair = _beside(target, t_name, draft, d_name, precision, budgets, usable, balanced)
+    if pair.fits or draft is None:
+        return pair
+    size = weight_bytes(draft, precision)
+    for gpu in sorted(budgets):
+        kept = {i: _floor_gib(min(b, usable[i] - size) if i == gpu else b) for i, b in budgets.items()}
+        if kept[gpu] <= 0:
+            continue
+        tried = _beside(target, t_name, draft, d_name, precision, kept, usable, balanced, draft_first=True)
+        if tried.fits:
+            return tried
+    return pair
+
+
+def gpus_needed(target: nn.Module, draft: nn.Module | None, precision: str, gpus: int, usable: int,
+                tries: int = 8) -> int | None:
+    """The fewest GPUs of ``usable`` bytes (more than ``gpus``) on which the pair fits at ``precision``."""
+    total = weight_bytes(target, precision) + (weight_bytes(draft, precision) if draft is not None else 0)
+    first = max(gpus + 1, -(-total // usable))
+    for n in range(first, first + tries):
+        budgets = {i: usable for i in range(n)}
+        if place_pair(target, "target", draft, "draft", precision, budgets, budgets).fits:
+            return n
+    return None
+
+
+def entry_budgets(max_memory: dict[str, str] | None, gpus: int, usable: int) -> dict[int, int] | None:
+    """Bytes per GPU an entry's ``max_memory`` allows on a node of ``gpus`` (each at most ``usable``); None when
+    it names no GPU of the node."""
+    if not max_memory:
+        return None
+    budgets = {int(k): min(usable, parse_bytes(v, f"max_memory {k}")) for k, v in max_memory.items()
+               if str(k).isdigit() and int(k) < gpus}
+    return budgets or None
+
+
 def plan_node(target: nn.Module, target_name: str, draft: nn.Module | None, draft_name: str | None, gpus: int,
-              gpu_bytes: int, reserve_bytes: int, kv_per_token: int = 0,
-              bandwidth: float = float("nan")) -> NodePlan:
-    """Place the target at each precision, then the draft (same precision) whole on the emptiest GPU."""
+              gpu_bytes: int, reserve_bytes: int, kv_per_token: int = 0, bandwidth: float = float("nan"),
+              max_memory: dict[str, str] | None = None, device_map: str | None = None) -> NodePlan:
+    """Place the pair at each precision (``place_pair``), the target within its entry's ``max_memory`` if it has
+    one (filling the GPUs in turn where its ``device_map`` is sequential, else balanced); for a precision that does
+    not fit, how many GPUs of this size would, and whether another max_memory or device_map would."""
     if gpus < 1:
         raise UserError(f"--gpus must be at least 1, got {gpus}")
     usable = gpu_bytes - reserve_bytes
     if usable <= 0:
         raise UserError(f"--reserve ({reserve_bytes / GiB:.1f} GiB) leaves nothing of --gpu-memory ({gpu_bytes / GiB:.1f} GiB)")
-    memory: dict[int | str, int] = {i: usable for i in range(gpus)}
-    targets, drafts = {}, {}
+    room = {i: usable for i in range(gpus)}
+    budgets = entry_budgets(max_memory, gpus, usable)
+    balanced = device_map != "sequential"
+    node = NodePlan(gpus, gpu_bytes, reserve_bytes, {}, {}, kv_per_token, bandwidth, entry_max_memory=bool(budgets),
+                    balanced=balanced)
+    names = (target_name, draft_name or "draft")
     for precision in PRECISIONS:
-        targets[precision] = placed = place_target(target, target_name, precision, memory)
-        if draft is not None:
-            free = {i: usable - placed.bytes_per_device.get(i, 0) for i in range(gpus)}
-            drafts[precision] = place_whole(draft, draft_name or "draft", precision, free)
-    return NodePlan(gpus, gpu_bytes, reserve_bytes, targets, drafts, kv_per_token, bandwidth)
+        pair = place_pair(target, names[0], draft, names[1], precision, budgets or room, room, balanced)
+        node.target[precision], node.budgets[precision] = pair.target, pair.budgets
+        node.draft_first[precision] = pair.draft_first
+        if pair.draft is not None:
+            node.draft[precision] = pair.draft
+        if pair.fits:
+            continue
+        if budgets:  # is it the entry's max_memory, or balancing within it, that stops it?
+            node.sequential_fits[precision] = balanced and place_pair(
+                target, names[0], draft, names[1], precision, budgets, room, balanced=False).fits
+            whole = {i: _floor_gib(usable) for i in room}
+            freed = place_pair(target, names[0], draft, names[1], precision, whole, room, balanced)
+            if freed.fits:
+                node.fits_within[precision] = freed.budgets
+        node.gpus_needed[precision] = gpus_needed(target, draft, precision, gpus, usable)
+    return node
 
 
 def device_names(model: nn.Module) -> str:
@@ -239,6 +386,13 @@ def device_names(model: nn.Module) -> str:
         names.append(f"cuda:{gpus[0]}" if len(gpus) == 1 else
                      f"cuda:{gpus[0]}-{gpus[-1]}" if consecutive else "cuda:" + ",".join(map(str, gpus)))
     return "+".join(names + others)
+
+
+def parse_size(text: str, option: str) -> tuple[int, bool]:
+    """A size where a bare number means GiB (``--gpu-memory 40``): the bytes, and whether GiB was assumed."""
+    if re.fullmatch(r"\s*[\d.]+\s*", text):
+        return parse_bytes(text.strip() + "GiB", option), True
+    return parse_bytes(text, option), False
 
 
 def parse_bytes(text: str, option: str) -> int:

@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
+import json
+import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -10,6 +13,7 @@ from typing import Any
 import yaml
 
 from lssp.errors import UserError
+from lssp.models.hub import cached_file, is_repo_id, offline_reason
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 # 8bit/4bit: bitsandbytes. dynamic-*: torch's dynamic quantization of every Linear layer (CPU only):
@@ -34,6 +38,10 @@ SPECULATIVE_METHODS = ("draft_model", "eagle", "eagle3", "mtp", "medusa")  # vLL
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")  # vLLM: argmax drafts with one-hot q, or draws from q (as ours)
 TOP_KEYS = {"default_target", "default_draft", "models"}
 PACKAGE_PREFIX = "pkg:"
+# Where the registry is looked for when --config is not given, or given as a relative path not found here.
+TOOL_DIR = Path(__file__).resolve().parents[2]
+DEFAULT_REGISTRY = "models.yaml"
+REGISTRY_ENV = "LLAMASSP_CONFIG"  # a user's own registry, used where --config is not given
 
 
 @dataclass(frozen=True)
@@ -101,25 +109,52 @@ class ModelSpec:
             return False
         if local is not None:
             return local.exists()
-        try:
-            from huggingface_hub import try_to_load_from_cache
-
-            return isinstance(try_to_load_from_cache(self.path, "config.json", revision=self.revision), str)
-        except Exception:  # noqa: BLE001 - any hub-cache trouble means "not available"
-            return False
+        return cached_file(self.path, revision=self.revision) is not None
 
 
 @dataclass(frozen=True)
 class Registry:
+    """The entries of one models.yaml; ``get`` also takes a hub id or a local folder or .gguf file that is not
+    an entry (loaded with defaults, announced once through ``notify``)."""
+
     models: dict[str, ModelSpec]
     default_target: str | None
     default_draft: str | None
     source: Path
+    notify: Callable[[str], None] | None = field(default=None, compare=False)
+    unlisted: dict[str, ModelSpec] = field(default_factory=dict, compare=False)
 
     def get(self, name: str) -> ModelSpec:
-        if name not in self.models:
-            raise UserError(f"unknown model {name!r} in {self.source}{_suggest(name, self.models)}")
-        return self.models[name]
+        if name in self.models:
+            return self.models[name]
+        if name not in self.unlisted:
+            self.unlisted[name] = spec = self._unlisted_spec(name)
+            if self.notify is not None:
+                self.notify(spec.description)
+        return self.unlisted[name]
+
+    def _unlisted_spec(self, name: str) -> ModelSpec:
+        """A name that is no entry: an existing folder or .gguf file, or a hub id (cached, or the hub answers)."""
+        unknown = f"unknown model {name!r} in {self.source}"
+        path = Path(name).expanduser()
+        if path.is_dir() or (path.is_file() and path.suffix == ".gguf"):
+            return unlisted_spec(name, str(path.resolve()), self.source, _config_file(path),
+                                 "the GGUF file" if path.is_file() else "the folder")
+        if not is_repo_id(name):
+            looks_like_path = name.startswith((".", "/", "~")) or name.endswith(".gguf") or os.sep in name
+            raise UserError(unknown + (", and no such file or folder" if looks_like_path else "")
+                            + _suggest(name, self.models))
+        by_path = [n for n, spec in self.models.items() if spec.path.lower() == name.lower()]
+        hint = (f"; did you mean {by_path[0]!r} (its entry has that path)?" if by_path
+                else _suggest(name, self.models))
+        config = cached_file(name)
+        if config is None:
+            reason = offline_reason()
+            if reason:
+                raise UserError(f"{unknown}, and as a hub id not in the local Hugging Face cache (the hub is "
+                                f"{reason}){hint}")
+            config = _download_config(name, unknown)
+        return unlisted_spec(name, name, self.source, config, "the hub model")
 
     def target_name(self, name: str | None) -> str:
         return self._name_or_default(name, self.default_target, "default_target", "a target model")
@@ -133,6 +168,43 @@ class Registry:
         if not default:
             raise UserError(f"no {what} given and {self.source} sets no {key}")
         return default
+
+
+def _config_file(folder: Path) -> Path | None:
+    return folder / "config.json" if (folder / "config.json").is_file() else None
+
+
+def _download_config(repo_id: str, unknown: str) -> Path:
+    """config.json of a hub model not yet cached (small; the weights come when it loads)."""
+    from huggingface_hub import hf_hub_download
+
+    try:
+        return Path(hf_hub_download(repo_id, "config.json"))
+    except Exception as exc:  # noqa: BLE001 - not found, gated, no network: one line
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise UserError(f"{unknown}, and the hub gives no config for it ({type(exc).__name__}: {first})") from None
+
+
+def unlisted_spec(name: str, path: str, registry: Path, config: Path | None, kind: str) -> ModelSpec:
+    """An entry made for a model named by its hub id or path: the dtype its config.json gives (a GGUF file has
+    none: bfloat16 on a GPU, float32 on a CPU), placed by the machine (over the GPUs it has, else the CPU)."""
+    import torch
+
+    gpus = torch.cuda.device_count()
+    dtype, said = "auto", "the dtype it was saved in"
+    try:
+        fields = json.loads(config.read_text()) if config is not None else {}
+    except (OSError, ValueError):
+        fields = {}
+    saved = fields.get("dtype") or fields.get("torch_dtype")
+    if saved in DTYPES:
+        dtype, said = saved, f"{saved} (its config's)"
+    elif path.endswith(".gguf"):
+        dtype = "bfloat16" if gpus else "float32"
+        said = f"{dtype} (a GGUF file on a {'GPU' if gpus else 'CPU'})"
+    where = "on this machine's GPUs" if gpus else "on the CPU (no GPU visible)"
+    description = f"{name} is not in {registry.name}: loading {kind} with defaults, {said}, {where}"
+    return ModelSpec(name=name, path=path, dtype=dtype, description=description)
 
 
 def _suggest(name: str, choices: Any) -> str:
@@ -159,13 +231,25 @@ def _python(node: yaml.Node) -> Any:
     return yaml.constructor.SafeConstructor().construct_object(node, deep=True)
 
 
+def registry_path(given: str | Path | None = None) -> Path:
+    """The registry to read: ``given`` (--config), else $LLAMASSP_CONFIG, else models.yaml; a relative path not
+    found in the working directory is looked for next to the tool (the repository's own models.yaml)."""
+    if given is None:
+        given = os.environ.get(REGISTRY_ENV) or DEFAULT_REGISTRY
+    path = Path(given).expanduser()
+    if path.is_absolute() or path.exists() or not (TOOL_DIR / path).exists():
+        return path
+    return TOOL_DIR / path
+
+
 def load_registry(path: str | Path) -> Registry:
     """Read and validate a models.yaml; any mistake raises UserError naming file, line and key."""
     source = Path(path)
     try:
         text = source.read_text()
     except OSError as exc:
-        raise UserError(f"cannot read model registry {source}: {exc.strerror or exc}") from None
+        where = "" if source.is_absolute() else f" (looked in the working directory and in {TOOL_DIR})"
+        raise UserError(f"cannot read model registry {source}: {exc.strerror or exc}{where}") from None
     try:
         root = yaml.compose(text)
     except yaml.YAMLError as exc:

@@ -13,6 +13,7 @@ import yaml
 from transformers import AutoConfig
 
 from lssp.errors import UserError
+from lssp.models.hub import require_cached_or_online
 from lssp.models.registry import ModelSpec
 
 ARCHITECTURES_FILE = Path(__file__).with_name("architectures.yaml")
@@ -39,10 +40,12 @@ def random_config(spec: ModelSpec) -> Any:
 
 
 def model_source(spec: ModelSpec) -> tuple[str, dict[str, Any]]:
-    """The path or repo id from_pretrained takes, and the gguf_file/revision it needs."""
+    """The path or repo id from_pretrained takes, and the gguf_file/revision it needs; a repo id neither cached
+    nor reachable (offline) is refused in one line, before transformers would retry each file."""
     local = spec.local_path()
     extra: dict[str, Any] = {"revision": spec.revision} if spec.revision else {}
     if local is None:
+        require_cached_or_online(spec.path, spec.revision, f"model {spec.name!r}")
         return spec.path, extra
     if not local.exists():
         raise UserError(f"model {spec.name!r}: {local} does not exist")
