@@ -9,7 +9,9 @@ from conftest import char_tokenizer, tiny_llama
 
 import lssp.measure.bench as bench
 from lssp.cli import main
+from lssp.decoding.generation import FIRST_TO_LAST, WHOLE_COMPLETION, GenerationStats
 from lssp.decoding.sampling import SamplingParams
+from lssp.engines import Mode, Request, TransformersEngine
 from lssp.measure.bench import ENGINES, BenchSetup, EngineRun, copy_bandwidth, run_bench, summarize
 from lssp.models.loading import LoadedModel, load_model
 from lssp.models.registry import ModelSpec, load_registry
@@ -106,8 +108,65 @@ def test_summary_figures_against_hand_computed_values():
     assert "α 0.800; c = 0.200; v = 1.200; SSp speedup measured 2.00x" in text and "floor 2.00 ms/token" in text
     assert f"predicted {run.predicted_speedup:.2f}x (v = 1), {run.predicted_speedup_v:.2f}x (measured v)" in text
     assert "ours-rsp 7.50x the floor" in text and "Noisy" not in text
-    run.forward_spread = 2.0  # as if one prompt's forwards had taken twice the median's
-    assert run.noisy and "Noisy: the slowest prompt's target forwards took 2.0x the median prompt's" in run.markdown()
+    # Records without stats: only the whole completion's time is known, and every row says so.
+    assert all(r["timing_basis"] == WHOLE_COMPLETION and r["timing_fallbacks"] == 2 for r in rows.values())
+    assert "Fallback: 8 completions" in text
+    run.noise_spread = 2.0  # as if one completion had taken twice its typical time per iteration
+    assert run.noisy and "Noisy: a completion's time per iteration stood 2.0x" in run.markdown()
+
+
+def _timed(engine: str, index: int, per_iteration_ms: float, split: bool = False,
+           target_ms: float = float("nan")) -> EngineRun:
+    """A hand-made run of 40 tokens: 40 iterations for RSp, 20 for SSp, each ``per_iteration_ms`` long."""
+    mode = "ssp" if engine in ("ours-ssp", "hf-assisted", "vllm-ssp") else "rsp"
+    forwards = 20 if mode == "ssp" else 40
+    total = forwards * per_iteration_ms / 1000
+    first = total / forwards  # the first emission: prefill and one iteration
+    stats = GenerationStats(mode, 3 if mode == "ssp" else 0, new_tokens=40, drafted_at=[0] * 3, accepted_at=[0] * 3,
+                            target_forwards=0 if engine.startswith("hf-") else forwards, total_time_s=total,
+                            ttft_s=first, first_emission_tokens=1 if mode == "rsp" else 2, after_first_s=total - first,
+                            forwards_timed=split)
+    return EngineRun(engine, index, list(range(40)), total, split_pass=split, target_ms_per_forward=target_ms,
+                     stats=stats)
+
+
+def test_the_bench_noise_flag_reads_the_headline_passes_of_every_engine():
+    """As latency's: a long prompt that slows every engine alike is not noise, one headline completion slowed 3x is,
+    whichever engine ran it; a slow prompt in ours' split pass alone (the old forward spread) is not."""
+    engines = ("ours-rsp", "hf-generate", "vllm-rsp", "ours-ssp", "hf-assisted", "vllm-ssp")
+    base = {"ours-rsp": 20.0, "hf-generate": 25.0, "vllm-rsp": 15.0, "ours-ssp": 30.0, "hf-assisted": 40.0,
+            "vllm-ssp": 22.0}
+
+    def records(slowed: tuple[str, int] | None) -> list[EngineRun]:
+        runs = [_timed(e, i, base[e] * (1.4 if i == 3 else 1.0) * (3.0 if (e, i) == slowed else 1.0))
+                for i in range(5) for e in engines]
+        return runs + [_timed(e, i, base[e], split=True, target_ms=10.0 * (3.0 if i == 2 else 1.0))
+                       for i in range(5) for e in ("ours-rsp", "ours-ssp")]  # one prompt slow in the split pass only
+
+    quiet = summarize(3, records(None), engines)
+    assert quiet.forward_spread == pytest.approx(3.0) and quiet.noise_spread == pytest.approx(1.0)
+    assert not quiet.noisy  # the split pass's slow prompt does not count
+    for slowed in (("vllm-rsp", 1), ("hf-generate", 4), ("ours-ssp", 0), ("vllm-ssp", 3)):
+        busy = summarize(3, records(slowed), engines)
+        assert busy.noisy and busy.noise_spread > 2.5, slowed
+    assert {x.timing_basis for x in quiet.summaries} == {FIRST_TO_LAST} and quiet.timing_fallbacks == 0
+
+
+def test_transformers_engine_records_its_first_emission(pair):
+    """A streamer notes when generate() emits: RSp's first emission is one token; assisted generation's carries
+    the drafts the target accepted (a twin of the target as the draft: all K of them) and the target's own."""
+    target, draft = pair
+    twin = LoadedModel(ModelSpec("twin"), copy.deepcopy(target.model), target.tokenizer)
+    request = Request(target.encode("hello there"), 12, SamplingParams(0), seed=0)
+    rsp = TransformersEngine(target, draft).complete(Mode("rsp", engine="hf"), request).stats
+    assert rsp.first_emission_tokens == 1 and 0 < rsp.ttft_s < rsp.total_time_s and not rsp.timing_fallback
+    assert rsp.ms_per_token == pytest.approx(1000 * rsp.after_first_s / 11)
+    ssp = TransformersEngine(target, twin).complete(Mode("ssp", 3, engine="hf"), request).stats
+    assert ssp.new_tokens == 12 and ssp.first_emission_tokens == 4 and ssp.timing_basis == FIRST_TO_LAST
+    assert ssp.ms_per_token == pytest.approx(1000 * ssp.after_first_s / 8)
+    one = TransformersEngine(target, draft).complete(Mode("rsp", engine="hf"),
+                                                     Request(request.ids, 1, SamplingParams(0), seed=0)).stats
+    assert one.timing_fallback and one.ms_per_token == pytest.approx(1000 * one.total_time_s)  # one token: marked
 
 
 def test_bench_cli_writes_table_and_predictions(tiny_dir, tmp_path, capsys):

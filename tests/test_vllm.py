@@ -11,7 +11,7 @@ import torch
 from conftest import TINY_REGISTRY, char_tokenizer, cli, save_tiny
 from transformers import LlamaForCausalLM
 
-from lssp.decoding.generation import generate_regular
+from lssp.decoding.generation import DECODE_TIMING, FIRST_TO_LAST, WHOLE_COMPLETION, generate_regular
 from lssp.decoding.sampling import SamplingParams
 from lssp.engines import vllm as vllm_engine
 from lssp.engines.vllm import (
@@ -180,7 +180,8 @@ def test_latency_engine_vllm_writes_rows(run, tmp_path):
     assert set(rows[rows.engine == "ours"].method) == {"none", "draft", "draft+lookup"}
     assert (vllm_rows.vllm.astype(str).str.len() > 0).all()
     assert vllm_rows[vllm_rows["mode"] == "ssp"].speedup.notna().all()
-    assert vllm_rows.decode_timing.str.startswith("vllm").all()
+    assert (rows.decode_timing == DECODE_TIMING).all()  # one definition for every engine
+    assert (vllm_rows.timing_basis == FIRST_TO_LAST).all()  # vLLM's request timestamps time its first token
     summary = json.loads((tmp_path / "l.json").read_text())
     assert len(summary) == 6
 
@@ -254,6 +255,17 @@ def test_stats_from_a_request_follow_our_definitions():
     assert stats.ttft_s == 0.2
     rsp = stats_from_request("rsp", 0, 5, 1.0, metrics, [], [])
     assert rsp.target_forwards == 5 and rsp.drafted == 0
+    assert stats.first_emission_tokens == 1 and stats.timing_basis == FIRST_TO_LAST  # its prefill emits one token
+
+
+def test_stats_without_a_first_token_time_fall_back_to_the_whole_request_and_say_so():
+    """Where vLLM gives no first-token time, ms/token is the whole request's (prefill included), marked as such,
+    instead of the prefill silently counting as decode."""
+    stats = stats_from_request("rsp", 0, 8, 1.2, SimpleNamespace(last_token_ts=10.9, first_token_latency=0.2), [], [])
+    assert stats.timing_fallback and stats.timing_basis == WHOLE_COMPLETION
+    assert stats.ms_per_token == pytest.approx(1000 * 1.2 / 8)
+    one = stats_from_request("rsp", 0, 1, 0.3, SimpleNamespace(first_token_ts=10.0, last_token_ts=10.0), [], [])
+    assert one.timing_fallback and one.ms_per_token == pytest.approx(300)  # one token: nothing after the first
 
 
 def test_drafted_flags():

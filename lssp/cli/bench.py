@@ -113,7 +113,7 @@ def render(run, alphas: list[float], random_weights: bool) -> None:
     if run.has("vllm"):
         console.print(f"  vLLM {run.vllm_version} SSp (draft_model): α = {run.vllm_alpha:.2f} (accepted/drafted "
                       f"{run.vllm_acceptance_rate:.1%}); its tokens equal vLLM RSp's on {fmt(run.vllm_agreement, 0, pct=True)}"
-                      " of prompts; its times are whole requests, prefill included, as for every engine")
+                      " of prompts; its ms/token from its request timestamps, first token to last")
     rsp_ms = next(x.ms_per_token for x in run.summaries if x.engine == "ours-rsp")
     console.print(f"  our SSp: {run.ssp_overhead_share:.1%} of decode time outside the two models' forwards; α = "
                   f"{run.alpha:.2f} (accepted/drafted {run.acceptance_rate:.1%}); c = {run.cost_ratio:.3f}; speedup over "
@@ -122,11 +122,13 @@ def render(run, alphas: list[float], random_weights: bool) -> None:
                   f"verification, v = {run.verify_ratio:.2f} 1-token forwards: (1−α^(K+1))/((1−α)(Kc+v))")
     console.print(f"  target weights {setup.target_weight_bytes / 1e6:.0f} MB ÷ copy bandwidth {run.bandwidth / 1e9:.1f} "
                   f"GB/s = floor {run.floor_ms:.2f} ms/token; ours-rsp is {rsp_ms / run.floor_ms:.2f}× the floor")
+    if run.timing_fallbacks:
+        console.print(f"[yellow]  ms/token of {plural(run.timing_fallbacks, 'completion')} is whole completion ÷ "
+                      "tokens (timing_basis)[/yellow]")
     if run.noisy:
-        console.print(f"[bold yellow]  busy machine: the slowest prompt's target forwards took "
-                      f"{run.forward_spread:.1f}× the median prompt's (a quiet machine stays under {NOISY_SPREAD}×): "
-                      "these ratios are unreliable"
-                      "[/bold yellow]")
+        console.print(f"[bold yellow]  busy machine: a completion took {run.noise_spread:.1f}× its engine's and its "
+                      f"prompt's typical time per iteration (a quiet machine stays under {NOISY_SPREAD}×): these ratios are "
+                      "unreliable[/bold yellow]")
     if alphas:
         ks = [1, 2, 3, 4, 6, 8]
         predicted = table(f"Predicted SSp speedup for c = {run.cost_ratio:.3f}, v = 1",

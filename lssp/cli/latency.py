@@ -131,7 +131,6 @@ ENGINE_LABELS = {"ours": "ours ", "hf": "hf ", "vllm": "vLLM "}
 
 
 def render(run, t, d, wide: bool = False, more: list | None = None) -> None:
-    from lssp.engines import ENGINES
     from lssp.measure.latency import SEPARATE_PASS
 
     setup = run.setup
@@ -187,12 +186,15 @@ def render(run, t, d, wide: bool = False, more: list | None = None) -> None:
                 console.print(f"    the lookup proposed {fmt(m.lookup_share, 0, pct=True)} of drafts, "
                               f"{fmt(m.lookup_acceptance, 0, pct=True)} of them accepted")
     if "hf" in run.engines:
-        console.print(f"  hf: {ENGINES['hf'].decode_timing}; assisted generation does not report acceptance")
+        console.print("  hf: assisted generation does not report acceptance")
     if "vllm" in run.engines:
         render_vllm(run)
     if setup.recompiles:
         console.print(f"[bold yellow]  torch.compile built {plural(setup.recompiles, 'graph')} while timing: "
                       "its compile time is in the figures[/bold yellow]")
+    if run.timing_fallbacks:
+        console.print(f"[yellow]  ms/token of {plural(run.timing_fallbacks, 'completion')} is whole completion ÷ "
+                      "tokens (timing_basis)[/yellow]")
     if setup.split_timing == SEPARATE_PASS:
         console.print("  ms/token: completions synchronized only at their boundaries; draft/target shares and c: "
                       "a separate pass synchronized around every forward")
@@ -265,7 +267,7 @@ def render_vllm(run) -> None:
     setup = run.setup
     ngram = any(m.engine == "vllm" and m.lookup for m in run.overall)
     console.print(f"  vLLM {setup.vllm_version}, {setup.vllm_precision}: decode ms/token from its request "
-                  "timestamps, (last − first token) ÷ (tokens − 1)"
+                  "timestamps, first token to last"
                   + ("; \"ngram N\": its n-gram drafts alone, no draft model" if ngram else ""))
     ours = {(m.mode, m.k, m.lookup): m for m in run.overall if m.engine == "ours"}
     pairs = [(m, ours[(m.mode, m.k, m.lookup)]) for m in run.overall

@@ -20,6 +20,21 @@ from lssp.report.stats import alpha_estimate
 # Called with each block of newly emitted token ids and, per token, whether the draft proposed it.
 TokenCallback = Callable[[list[int], list[bool]], None]
 
+# Decode ms/token, the same for every engine (it goes into every row as ``decode_timing``).
+DECODE_TIMING = ("(time of the last token - time of the first emission) / tokens emitted after the first emission; "
+                 "whole completion / tokens where there is no timed first emission or nothing after it")
+FIRST_TO_LAST = "first-to-last"  # the timing basis of a completion measured as DECODE_TIMING says
+WHOLE_COMPLETION = "whole completion (fallback)"  # one that fell back: prefill included
+
+
+def timing_basis(fallbacks: int, completions: int) -> str:
+    """How the ms/token of ``completions`` completions was measured, ``fallbacks`` of them on the whole completion."""
+    if not fallbacks:
+        return FIRST_TO_LAST
+    if fallbacks >= completions:
+        return WHOLE_COMPLETION
+    return f"mixed: {fallbacks} of {completions} {WHOLE_COMPLETION}"
+
 
 @dataclass
 class GenerationStats:
@@ -41,7 +56,9 @@ class GenerationStats:
     target_time_s: float = 0.0
     draft_time_s: float = 0.0
     total_time_s: float = 0.0
-    ttft_s: float = 0.0
+    ttft_s: float = 0.0  # when the first emission came out (the prefill included)
+    first_emission_tokens: int = 0  # tokens the first emission carried (SSp: its accepted drafts too); 0: not timed
+    after_first_s: float = float("nan")  # from the first emission to the last token
     forwards_timed: bool = True  # False: no sync around forwards, so draft/target times are not measured (0)
 
     @property
@@ -72,13 +89,34 @@ class GenerationStats:
         return self.decode_time_s - self.target_time_s - self.draft_time_s
 
     @property
+    def timing_fallback(self) -> bool:
+        """ms/token is the whole completion's: no timed first emission, or no token after it."""
+        return not (0 < self.first_emission_tokens < self.new_tokens and self.after_first_s > 0)
+
+    @property
+    def timing_basis(self) -> str:
+        return WHOLE_COMPLETION if self.timing_fallback else FIRST_TO_LAST
+
+    @property
+    def timed_tokens(self) -> int:
+        """The tokens ms/token counts: those after the first emission (all of them where it falls back)."""
+        return self.new_tokens if self.timing_fallback else self.new_tokens - self.first_emission_tokens
+
+    @property
+    def timed_s(self) -> float:
+        """The time ms/token divides: first emission to last token (the whole completion where it falls back)."""
+        return self.total_time_s if self.timing_fallback else self.after_first_s
+
+    @property
     def ms_per_token(self) -> float:
-        return 1000 * self.decode_time_s / self.new_tokens if self.new_tokens else float("nan")
+        """Decode ms/token as ``DECODE_TIMING`` defines it, for every engine."""
+        return 1000 * self.timed_s / self.timed_tokens if self.timed_tokens else float("nan")
 
 
 def combined(parts: Sequence[GenerationStats]) -> GenerationStats:
     """The stats of several generations in a row (the turns of a conversation) as one: counts and times add
-    up, the time to first token is the first one's."""
+    up, the time to first token is the first one's; ms/token counts each turn from its own first emission (every
+    turn's must be timed, else it falls back)."""
     first = parts[0]
     total = GenerationStats(mode=first.mode, k=first.k, drafted_at=[0] * len(first.drafted_at),
                             accepted_at=[0] * len(first.accepted_at), ttft_s=first.ttft_s,
@@ -86,6 +124,9 @@ def combined(parts: Sequence[GenerationStats]) -> GenerationStats:
     for name in ("new_tokens", "target_forwards", "draft_forwards", "drafted", "accepted", "rejections", "looked_up",
                  "looked_up_accepted", "prefill_time_s", "target_time_s", "draft_time_s", "total_time_s"):
         setattr(total, name, sum(getattr(p, name) for p in parts))
+    if all(p.first_emission_tokens > 0 and p.after_first_s >= 0 for p in parts):
+        total.first_emission_tokens = sum(p.first_emission_tokens for p in parts)
+        total.after_first_s = sum(p.after_first_s for p in parts)
     for part in parts:
         total.drafted_at = [a + b for a, b in zip(total.drafted_at, part.drafted_at)]
         total.accepted_at = [a + b for a, b in zip(total.accepted_at, part.accepted_at)]
@@ -165,7 +206,7 @@ def generate_regular(
         next_ids = token.view(1, 1)
         n += 1
         if n == 1:
-            stats.ttft_s = clock.now() - start
+            stats.ttft_s, stats.first_emission_tokens = clock.now() - start, 1
         if host_needed:
             tokens.append(int(token))
             if on_tokens:
@@ -174,6 +215,7 @@ def generate_regular(
                 stopped = True
                 break
     stats.total_time_s = clock.now() - start
+    stats.after_first_s = stats.total_time_s - stats.ttft_s
     stats.new_tokens = n
     return GenerationOutput(out[:n].cpu(), stats, stopped)
 

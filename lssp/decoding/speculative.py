@@ -70,12 +70,13 @@ def speculative_decode(target: PreTrainedModel, drafter: Drafter, input_ids: tor
             stopped = True
             del tokens[keep:]
         _count(stats, proposal, n, len(tokens) - first_new)
-        if first_new == 0:
-            stats.ttft_s = clock.now() - start
+        if first_new == 0:  # the first emission: one token, or accepted drafts and one more
+            stats.ttft_s, stats.first_emission_tokens = clock.now() - start, len(tokens)
         if on_tokens and len(tokens) > first_new:
             shown = tokens[first_new:]
             on_tokens(shown, [i < n for i in range(len(shown))])
     stats.total_time_s = clock.now() - start
+    stats.after_first_s = stats.total_time_s - stats.ttft_s
     stats.new_tokens = len(tokens)
     return GenerationOutput(torch.tensor(tokens, dtype=torch.long), stats, stopped)
 

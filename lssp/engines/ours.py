@@ -14,7 +14,6 @@ from lssp.models.loading import LoadedModel
 
 class OursEngine(Engine):
     name = "ours"
-    decode_timing = "lssp clock: (end - end of prefill) / tokens"
     splits_time = True
 
     def __init__(self, target: LoadedModel, drafts: Sequence[LoadedModel] = (), vocabs: Sequence[int | None] = ()) -> None:

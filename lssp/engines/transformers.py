@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import copy
+import time
 from typing import Any
 
 import torch
+from transformers.generation.streamers import BaseStreamer
 
 from lssp.decoding.generation import GenerationOutput, GenerationStats
 from lssp.decoding.sampling import SamplingParams
@@ -31,9 +33,40 @@ def generation_config(model: LoadedModel, request: Request) -> Any:
     return cfg
 
 
+class EmissionTimes(BaseStreamer):
+    """A streamer that notes when ``generate()`` emits tokens: its first ``put`` is the prompt, each later one the
+    tokens of one step (one token; in assisted generation the accepted drafts and the target's own). The tokens
+    reach it on the host, so the device has finished them (``perf_counter`` readings)."""
+
+    def __init__(self) -> None:
+        self.prompt_seen = False
+        self.first_tokens = self.tokens = 0
+        self.first_s = self.last_s = float("nan")
+
+    def put(self, value: torch.Tensor) -> None:
+        now = time.perf_counter()
+        if not self.prompt_seen:
+            self.prompt_seen = True
+            return
+        n = int(value.numel())  # batch 1: (n,) or (1, n)
+        if n and not self.tokens:
+            self.first_tokens, self.first_s = n, now
+        if n:
+            self.tokens += n
+            self.last_s = now
+
+    def end(self) -> None:
+        """Nothing to flush."""
+
+    def record(self, stats: GenerationStats, start: float) -> None:
+        """The first emission's time and size into ``stats``, where the streamed tokens are the completion's."""
+        if self.tokens and self.tokens == stats.new_tokens:
+            stats.ttft_s, stats.first_emission_tokens = self.first_s - start, self.first_tokens
+            stats.after_first_s = self.last_s - self.first_s
+
+
 class TransformersEngine(Engine):
     name = "hf"
-    decode_timing = "whole completion / tokens (generate() reports no prefill time)"
 
     def __init__(self, target: LoadedModel, draft: LoadedModel | None = None) -> None:
         self.target, self.draft = target, draft
@@ -69,10 +102,12 @@ class TransformersEngine(Engine):
         ids = request.ids.to(target.device)
         clock = Clock.for_models(target.model, *([draft.model] if draft is not None else []))
         torch.manual_seed(request.seed)
+        emissions = EmissionTimes()
         try:
             start = clock.now()
             with torch.inference_mode():
-                out = target.hf_model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=cfg, **kwargs)
+                out = target.hf_model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=cfg,
+                                               streamer=emissions, **kwargs)
             seconds = clock.now() - start
         finally:
             if draft is not None:
@@ -81,4 +116,5 @@ class TransformersEngine(Engine):
         stopped = bool(len(tokens)) and int(tokens[-1]) in request.stopping.token_ids and not request.ignore_eos
         stats = GenerationStats(mode=mode.mode, k=mode.k, new_tokens=len(tokens), total_time_s=seconds, ttft_s=seconds,
                                 forwards_timed=False, drafted_at=[0] * mode.k, accepted_at=[0] * mode.k)  # not reported
+        emissions.record(stats, start)
         return GenerationOutput(tokens.cpu(), stats, stopped)

