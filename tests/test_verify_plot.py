@@ -1,9 +1,8 @@
-"""`verify` catches broken verifiers on tiny models; `plot` draws the data it is given."""
+"""`verify` catches broken verifiers on tiny models (the `plot` tests are in test_plot.py)."""
 from __future__ import annotations
 
 from dataclasses import replace
 
-import pandas as pd
 import pytest
 from conftest import char_tokenizer, tiny_llama
 
@@ -13,7 +12,6 @@ from lssp.engines import OursEngine, TransformersEngine
 from lssp.measure.verify import verify_greedy, verify_sampled
 from lssp.models.loading import LoadedModel
 from lssp.models.registry import ModelSpec
-from lssp.report.plot import acceptance_figure, eval_figure, latency_figure, plot_results, speedup_figure
 
 PROMPTS = ["ab", "hello", "12 * 3"]
 
@@ -141,94 +139,3 @@ def test_the_two_sample_test():
     assert same.p_value > 0.9 and same.cells == 3  # tokens 3 and 4 pooled into the tail
     apart = chi_square_homogeneity([1] * 80 + [2] * 20, [1] * 20 + [2] * 80)
     assert apart.p_value < 1e-10 and apart.dof == 1
-
-
-# --- plot ------------------------------------------------------------------------------------
-def latency_rows() -> pd.DataFrame:
-    base = {"timestamp": "2026-01-01T00:00:00", "run_id": "r1", "target": "T", "temperature": 0.0, "device": "CPU: test",
-            "ms_per_token_min": 8.0, "ms_per_token_max": 12.0, "target_ms_per_forward": 10.0}
-    rows = [{**base, "mode": "rsp", "draft": "", "k": 0, "ms_per_token": 10.0, "speedup": float("nan"),
-             "acceptance_rate": float("nan"), "draft_ms_per_forward": float("nan"), "acceptance_by_position": ""}]
-    for k, ms in [(2, 7.0), (4, 6.0), (8, 6.5)]:
-        rows.append({**base, "mode": "ssp", "draft": "D", "k": k, "ms_per_token": ms, "speedup": 10.0 / ms,
-                     "acceptance_rate": 0.5, "alpha": 0.7, "draft_ms_per_forward": 1.0,
-                     "acceptance_by_position": ";".join(["0.8"] + ["0.6"] * (k - 1))})
-    return pd.DataFrame(rows)
-
-
-def test_latency_figure_has_a_bar_per_mode_with_error_bars():
-    fig = latency_figure(latency_rows())
-    ax = fig.axes[0]
-    heights = [p.get_height() for p in ax.patches]
-    assert heights == [10.0, 7.0, 6.0, 6.5]
-    assert "ms" in ax.get_ylabel() and "CPU: test" in fig.texts[0].get_text()
-
-
-def test_speedup_figure_plots_measured_points_and_model_curve():
-    ax = speedup_figure(latency_rows()).axes[0]
-    measured, model = ax.lines[0], ax.lines[1]
-    assert list(measured.get_xdata()) == [2, 4, 8]
-    assert list(measured.get_ydata()) == pytest.approx([10 / 7, 10 / 6, 10 / 6.5])
-    from lssp.report.stats import predicted_speedup
-
-    assert model.get_ydata()[3] == pytest.approx(predicted_speedup(0.7, 4, 0.1))  # K=4, c = 1 ms / 10 ms
-
-
-def test_speedup_model_counts_the_measured_cost_of_verification():
-    from lssp.report.stats import predicted_speedup
-
-    rows = latency_rows()
-    ssp = rows["mode"] == "ssp"
-    rows.loc[ssp, "target_ms_per_forward"] = 10.0 + 0.5 * rows.loc[ssp, "k"]  # a (K+1)-token forward: 1 + 0.05 K
-    model = speedup_figure(rows).axes[0].lines[1]
-    assert model.get_ydata()[3] == pytest.approx(predicted_speedup(0.7, 4, 0.1, 1.2))
-    assert "v=1+0.050K" in model.get_label()
-
-
-def test_speedup_model_falls_back_to_alpha_from_tokens_per_forward():
-    from lssp.report.stats import expected_tokens_per_iteration, predicted_speedup
-
-    rows = latency_rows().drop(columns=["alpha"])
-    rows["mean_accepted"] = [float("nan")] + [expected_tokens_per_iteration(0.6, k) for k in (2, 4, 8)]
-    model = speedup_figure(rows).axes[0].lines[1]
-    assert model.get_ydata()[0] == pytest.approx(predicted_speedup(0.6, 1, 0.1))
-
-
-def test_acceptance_figure_has_one_bar_per_position_per_k():
-    ax = acceptance_figure(latency_rows()).axes[0]
-    assert len(ax.patches) == 2 + 4 + 8
-    assert max(p.get_height() for p in ax.patches) == pytest.approx(0.8)
-
-
-def test_eval_figure_bars_and_intervals():
-    frame = pd.DataFrame([
-        {"timestamp": "t", "run_id": "e1", "mode": m, "target": "T", "draft": d, "success_rate": r, "wald_low": r - 0.05,
-         "wald_high": r + 0.05, "device": "CPU: test"} for m, d, r in [("rsp", "", 0.30), ("ssp", "D", 0.28)]])
-    ax = eval_figure(frame).axes[0]
-    assert [p.get_height() for p in ax.patches] == pytest.approx([30.0, 28.0])
-    errorbar = next(c for c in ax.containers if c.has_yerr)
-    segments = errorbar.lines[2][0].get_segments()
-    assert [(s[0][1], s[1][1]) for s in segments] == [pytest.approx((25.0, 35.0)), pytest.approx((23.0, 33.0))]
-
-
-def test_plot_results_writes_pngs_and_filters(tmp_path):
-    latency_rows().to_csv(tmp_path / "latency.csv", index=False)
-    paths = plot_results(tmp_path)
-    assert {p.name for p in paths} == {"latency.png", "speedup.png", "acceptance.png"}
-    assert all(p.stat().st_size > 5000 for p in paths)
-    from lssp.errors import UserError
-
-    with pytest.raises(UserError, match="nothing to plot"):
-        plot_results(tmp_path, run_id="no-such-run")
-
-
-def test_a_chart_keeps_to_one_machine(tmp_path):
-    from lssp.report.plot import _filter
-
-    rows = latency_rows()
-    other = rows.assign(run_id="r-other", device="CPU: another machine", timestamp="2099-01-01T00:00:00")
-    frame = pd.concat([rows, other], ignore_index=True)
-    assert set(_filter(frame, None, None, None)["device"]) == {"CPU: another machine"}  # the newest row's machine
-    assert set(_filter(frame, None, None, None, machine="another")["run_id"]) == {"r-other"}
-    assert len(_filter(frame, None, None, None, machine="all")) == len(frame)
-    assert set(_filter(frame, str(rows["run_id"].iloc[0]), None, None)["run_id"]) == {rows["run_id"].iloc[0]}
