@@ -297,7 +297,7 @@ def test_every_commands_json_rows_name_their_engine(run, tmp_path, args):
 
 
 @pytest.mark.parametrize("command, engine, takes", [("cost", "vllm", "cost takes ours"),
-                                                   ("verify", "llamacpp", "verify takes ours, hf, vllm")])
+                                                   ("verify", "tgi", "verify takes ours, hf, vllm, llamacpp")])
 def test_an_engine_a_command_cannot_use_is_one_line_naming_those_it_takes(run, command, engine, takes):
     code, _, err = run(command, "--engine", engine)
     assert code == 2 and takes in err and "Traceback" not in err

@@ -43,11 +43,15 @@ def _terminate(signum: int, frame: object) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Run the app; user mistakes become one red line and exit code 2 (tracebacks with -v);
     Ctrl-C (or SIGTERM) exits 130."""
+    from lssp.engines.llamacpp import servers_started, stop_servers
+
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
+    started_before = servers_started()
     try:
         return _run(hoist_global_options(list(sys.argv[1:] if argv is None else argv)))
     finally:
+        stop_servers(since=started_before)  # every llama-server the command started, however it ended
         if main_thread:
             signal.signal(signal.SIGTERM, previous)
 

@@ -9,7 +9,7 @@ import typer
 from rich.text import Text
 
 from lssp.cli.app import app, settings
-from lssp.cli.loaders import load_engine_pair, load_pair, start_vllm
+from lssp.cli.loaders import llamacpp_runner, load_engine_pair, load_pair, start_vllm
 from lssp.cli.options import (
     ChatOpt,
     DraftArg,
@@ -68,10 +68,12 @@ def compare(
         raise UserError(f"{'--task' if task else '--nb-prompts'} and --prompt: give one of them")
     # --nb-prompts alone: the first N of the default workload (the reference's story openings), not stdin.
     task_list = read_task_prompts(task, None, nb_prompts, chat) if task or nb_prompts else None
-    (chosen,) = parse_engines(engine) if "," not in engine else (None,)
+    (chosen,) = parse_engines(engine, ("ours", "vllm", "llamacpp")) if "," not in engine else (None,)
     if chosen is None:
-        raise UserError(f"--engine {engine!r}: compare streams one engine at a time (ours or vllm)")
-    if chosen == "vllm":
+        raise UserError(f"--engine {engine!r}: compare streams one engine at a time (ours, vllm or llamacpp)")
+    if chosen == "llamacpp":
+        t, d, runner = llamacpp_runner(s, target, draft, [(0, 0), (k, lookup)], not lookup or draft is not None)
+    elif chosen == "vllm":
         t, d = load_engine_pair(s, target, draft, need_draft=not lookup or draft is not None)
         runner = VllmEngine(start_vllm(t, d, [(0, 0), (k, lookup)]))
     else:
@@ -94,8 +96,8 @@ def compare(
         stats, _, _ = complete_turns(t, prompt, uses_chat_template(t, prompt, chat), generate)
         return stats
 
-    via = " in vLLM" if chosen == "vllm" else ""
-    helper = f"{d.name}" if d is not None and not (chosen == "vllm" and lookup) else "vLLM's n-gram lookup"
+    via = {"vllm": " in vLLM", "llamacpp": " in llama.cpp (whole answers: drafted tokens not coloured)"}.get(chosen, "")
+    helper = f"{d.name}" if d is not None and not (chosen != "ours" and lookup) else f"{via[4:].split(' ')[0]}'s n-gram lookup"
 
     done: list[tuple[str, Any, Any]] = []  # (label, RSp stats, SSp stats) per prompt, for the summary
 

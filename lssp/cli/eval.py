@@ -6,7 +6,7 @@ from typing import Annotated, Optional
 import typer
 
 from lssp.cli.app import app, settings
-from lssp.cli.loaders import load_engine_pair, load_pair, start_vllm
+from lssp.cli.loaders import llamacpp_runner, load_engine_pair, load_pair, start_vllm
 from lssp.cli.options import (
     JsonOpt,
     KOpt,
@@ -69,8 +69,8 @@ def eval_cmd(
         raise UserError(f"--op {op!r}: expected one of {', '.join(OPERATIONS)}")
     params = sampling_params(temperature, top_k, top_p)
     if "," in engine:
-        raise UserError(f"--engine {engine!r}: eval runs one engine at a time (ours, hf or vllm)")
-    (engine,) = parse_engines(engine, ("ours", "hf", "vllm"))
+        raise UserError(f"--engine {engine!r}: eval runs one engine at a time (ours, hf, vllm or llamacpp)")
+    (engine,) = parse_engines(engine, ("ours", "hf", "vllm", "llamacpp"))
     if (target is None and draft is None) or (both and draft is None):  # the default pair
         draft = s.registry.draft_name(None)
     modes = ["rsp", "ssp"] if both else ["ssp"] if draft else ["rsp"]
@@ -85,7 +85,10 @@ def eval_cmd(
         done_before = len(resume_point(results / "eval_records", eval_config(
             s.registry.target_name(target), s.registry.draft_name(draft) if draft else None, modes, nb_prompts, s.seed,
             k, max_new_tokens, params, lookup, op, max_operand, engine))[1])
-    if engine == "vllm":
+    if engine == "llamacpp":
+        t, d, runner = llamacpp_runner(s, target, draft, [(0, 0) if m == "rsp" else (k, lookup) for m in modes],
+                                       draft is not None)
+    elif engine == "vllm":
         from lssp.engines import VllmEngine
 
         t, d = load_engine_pair(s, target, draft, need_draft=draft is not None)
@@ -123,7 +126,7 @@ def render(run, t, d) -> None:
     symbol = OPERATIONS[setup.op][0]
     out = table(f"Eval \"a {symbol} b = \", a and b in {LOW}..{setup.max_operand}: {t.name}"
                 + (f" (draft {d.name}, K={k_label(setup.k, 0, setup.lookup)})" if d else "")
-                + (" in vLLM" if setup.engine == "vllm" else "")
+                + {"vllm": " in vLLM", "llamacpp": " in llama.cpp"}.get(setup.engine, "")
                 + f", {plural(setup.nb_prompts, 'problem')}, T={setup.params.temperature:g}",
                 [("mode", "left"), *((c, "right") for c in ("correct", "rate ±95%", "95% Wald", "95% Wilson", "s/problem"))])
     for m in run.summaries:

@@ -8,7 +8,7 @@ import typer
 from rich.text import Text
 
 from lssp.cli.app import app, settings
-from lssp.cli.loaders import load_draft_for, load_engine_pair, load_pair, start_vllm
+from lssp.cli.loaders import llamacpp_engine, llamacpp_pair, load_draft_for, load_engine_pair, load_pair, start_vllm
 from lssp.cli.options import (
     ChatOpt,
     ConfidenceOpt,
@@ -76,7 +76,7 @@ def latency(
     from lssp.workloads.prompts import WARMUP_PROMPT
 
     s = settings(ctx)
-    engines_wanted = parse_engines(engine, ("ours", "hf", "vllm"))
+    engines_wanted = parse_engines(engine, ("ours", "hf", "vllm", "llamacpp"))
     ks = parse_ints("--k", k)
     confidences = parse_fractions("--draft-confidence", draft_confidence)
     lookups = parse_ints("--lookup", lookup, minimum=0)
@@ -93,11 +93,12 @@ def latency(
     results = s.writable_results_dir(json_out)
     use_draft = draft is not None or default_pair or target is None
     draft_names = [name.strip() for name in (draft or "").split(",") if name.strip()] or [None]
-    if len(draft_names) > 1 and "vllm" in engines_wanted:
-        raise UserError("--engine vllm times one draft: give --draft a single name")
+    if len(draft_names) > 1 and (one := next((e for e in ("vllm", "llamacpp") if e in engines_wanted), None)):
+        raise UserError(f"--engine {one} times one draft: give --draft a single name")
     if len(set(draft_names)) < len(draft_names):
         raise UserError(f"--draft {draft!r} names a draft twice")
     draft = draft_names[0]
+    lc = llamacpp_pair(s, engines_wanted, target, draft, use_draft, confidences)  # said before anything else loads
     engines, drafts, t = {}, [], None
     if "ours" in engines_wanted or "hf" in engines_wanted:  # both run the weights loaded here
         t, d, vocab = load_pair(s, target, draft, need_draft=use_draft)
@@ -110,9 +111,13 @@ def latency(
     if "vllm" in engines_wanted:
         vt, vd = load_engine_pair(s, target, draft, need_draft=use_draft)
         t, drafts = t or vt, drafts or ([vd] if vd else [])
+    if lc and t is None:
+        t, drafts = lc[0], [x for x in lc[1:] if x]
     modes = latency_modes(engines_wanted, [x.name for x in drafts], ks, confidences, lookups, not no_baseline)
     if "vllm" in engines_wanted:
         engines["vllm"] = VllmEngine(start_vllm(vt, vd, [VllmEngine.key(m) for m in modes if m.engine == "vllm"]))
+    if lc:
+        engines["llamacpp"] = llamacpp_engine(lc, modes)
     d = drafts[0] if drafts else None
     with progress(None, "latency") as tick:
         run = run_latency(t, engines, modes, prompt_list, WARMUP_PROMPT, params, max_new_tokens, s.seed, drafts,
@@ -127,7 +132,7 @@ def latency(
     exit_with(code)
 
 
-ENGINE_LABELS = {"ours": "ours ", "hf": "hf ", "vllm": "vLLM "}
+ENGINE_LABELS = {"ours": "ours ", "hf": "hf ", "vllm": "vLLM ", "llamacpp": "llama.cpp "}
 
 
 def render(run, t, d, wide: bool = False, more: list | None = None) -> None:
@@ -189,6 +194,10 @@ def render(run, t, d, wide: bool = False, more: list | None = None) -> None:
         console.print("  hf: assisted generation does not report acceptance")
     if "vllm" in run.engines:
         render_vllm(run)
+    if "llamacpp" in run.engines:
+        console.print(f"  llama.cpp {setup.llamacpp_version}: llama-server, one per mode; decode ms/token from its "
+                      "timings, first token to last" + ("; \"ngram N\": its n-gram drafts alone" if any(
+                          m.engine == "llamacpp" and m.lookup for m in run.overall) else ""))
     if setup.recompiles:
         console.print(f"[bold yellow]  torch.compile built {plural(setup.recompiles, 'graph')} while timing: "
                       "its compile time is in the figures[/bold yellow]")
@@ -233,7 +242,7 @@ def _named(run, m) -> str:
 
 def _k(m) -> str:
     """The K column: ours' label, or vLLM's n-gram method with its lookup length."""
-    if m.engine == "vllm" and m.lookup:
+    if m.engine in ("vllm", "llamacpp") and m.lookup:
         return f"{m.k} ngram {m.lookup}"
     return k_label(m.k, m.confidence, m.lookup)
 

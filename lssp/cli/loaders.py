@@ -62,3 +62,67 @@ def start_vllm(target, draft, keys: list[tuple[int, int]]):
 
     with err_console.status(f"Starting {plural(len(keys), 'vLLM engine')}…") as status:
         return VllmEngines(target, draft, keys, lambda key: status.update(f"Started vLLM for K={key[0]}…"))
+
+
+def load_llamacpp_pair(s: Settings, target_name: str | None, draft_name: str | None, need_draft: bool = True):
+    """The pair as llama.cpp will run it: GGUF files (converted and cached where needed) and tokenizers."""
+    from lssp.engines.llamacpp import LlamacppModel
+    from lssp.engines.llamacpp_build import require_build
+    from lssp.models.loading import check_compatible
+
+    build = require_build()
+    t_spec = s.registry.get(s.registry.target_name(target_name))
+    d_name = s.registry.draft_name(draft_name) if (draft_name or need_draft) else None
+    with err_console.status(f"Preparing {t_spec.name} for llama.cpp (GGUF)…"):
+        target = LlamacppModel(t_spec, build)
+        draft = LlamacppModel(s.registry.get(d_name), build) if d_name else None
+    if draft is not None:
+        check_compatible(target, draft)
+    return target, draft
+
+
+def llamacpp_pair(s: Settings, wanted: list[str], target_name: str | None, draft_name: str | None,
+                  need_draft: bool = True, confidences: tuple[float, ...] | list[float] = (0.0,)):
+    """Where ``wanted`` names llamacpp: the build checked and what llama.cpp refuses refused, one line each, before
+    anything else loads; then the pair as GGUF files (``load_llamacpp_pair``). None where it is not wanted."""
+    if "llamacpp" not in wanted:
+        return None
+    check_llamacpp(wanted, confidences)
+    return load_llamacpp_pair(s, target_name, draft_name, need_draft)
+
+
+def check_llamacpp(wanted: list[str], confidences: tuple[float, ...] | list[float] = (0.0,)) -> list[str]:
+    """``wanted``; where it names llamacpp, one line first if llama.cpp is not built or an option has no llama.cpp
+    equivalent."""
+    if "llamacpp" in wanted:
+        from lssp.engines.llamacpp import check_ready
+
+        check_ready(confidences)
+    return wanted
+
+
+def llamacpp_runner(s: Settings, target_name: str | None, draft_name: str | None, keys: list[tuple[int, int]],
+                    need_draft: bool = True):
+    """(target, draft, engine) for a command that runs llama.cpp alone, its servers for ``keys`` started."""
+    pair = llamacpp_pair(s, ["llamacpp"], target_name, draft_name, need_draft)
+    return (*pair, llamacpp_engine(pair, keys))
+
+
+def llamacpp_engine(pair, modes: list):
+    """llama.cpp's engine for ``modes`` (the llamacpp ``Mode``s of a list, or (k, lookup) keys, k = 0: RSp) of
+    ``pair`` (``llamacpp_pair``), its servers started."""
+    from lssp.engines import LlamacppEngine, Mode
+
+    keys = [LlamacppEngine.key(m) if isinstance(m, Mode) else m for m in modes
+            if not isinstance(m, Mode) or m.engine == "llamacpp"]
+    return LlamacppEngine(start_llamacpp(*pair, keys))
+
+
+def start_llamacpp(target, draft, keys: list[tuple[int, int]]):
+    """One llama-server per (k, lookup) mode (k = 0: RSp), all started before anything is timed (``main`` stops
+    them when the command ends, however it ends)."""
+    from lssp.engines.llamacpp import LlamacppServers
+
+    with err_console.status(f"Starting {plural(len(set(keys)), 'llama-server')}…") as status:
+        servers = LlamacppServers(target, draft, keys, lambda key: status.update(f"Started llama-server for K={key[0]}…"))
+    return servers

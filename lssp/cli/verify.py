@@ -12,7 +12,7 @@ import typer
 from rich.text import Text
 
 from lssp.cli.app import app, settings
-from lssp.cli.loaders import load_pair
+from lssp.cli.loaders import check_llamacpp, load_pair
 from lssp.cli.options import (
     DraftArg,
     LookupOpt,
@@ -30,6 +30,8 @@ from lssp.cli.progress import progress
 from lssp.engines import check_engines
 from lssp.errors import UserError
 from lssp.report.results import RunInfo
+
+VERIFY_ENGINES = ("ours", "hf", "vllm", "llamacpp")
 
 
 @app.command()
@@ -64,7 +66,7 @@ def verify(
     from lssp.measure import verify as vf
 
     s = settings(ctx)
-    engines = check_engines("verify", [e.strip() for e in engine.split(",") if e.strip()], ("ours", "hf", "vllm"))
+    engines = check_llamacpp(check_engines("verify", [e.strip() for e in engine.split(",") if e.strip()], VERIFY_ENGINES))
     ks = parse_ints("--k", k)
     for name, value in [("--nb-prompts", nb_prompts), ("--samples", samples), ("--depth", depth),
                         ("--max-new-tokens", max_new_tokens)]:
@@ -146,12 +148,13 @@ def _check_power(engines: list[str], paired: dict[str, bool], prompts: int, samp
 def _engines(s, names: list[str], t, d, vocab: int, target: str | None, draft: str | None, ks: list[int],
              lookup: int) -> list:
     """The engines to audit, in the order given, all started before anything runs."""
-    from lssp.cli.loaders import load_engine_pair, start_vllm
+    from lssp.cli.loaders import llamacpp_engine, load_engine_pair, load_llamacpp_pair, start_vllm
     from lssp.engines import Mode, OursEngine, TransformersEngine, VllmEngine
 
     made = {"ours": lambda: OursEngine(t, [d], [vocab]), "hf": lambda: TransformersEngine(t, d),
             "vllm": lambda: VllmEngine(start_vllm(*load_engine_pair(s, target, draft),
-                                                  [(0, 0)] + [(k, lookup) for k in ks]))}
+                                                  [(0, 0)] + [(k, lookup) for k in ks])),
+            "llamacpp": lambda: llamacpp_engine(load_llamacpp_pair(s, target, draft), [(0, 0)] + [(k, lookup) for k in ks])}
     runners = []
     for name in names:
         runner = made[name]()

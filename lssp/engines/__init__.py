@@ -1,18 +1,20 @@
-"""Engines: one way to run a completion (ours, transformers, vLLM) behind one interface (``base.Engine``).
+"""Engines: one way to run a completion (ours, transformers, vLLM, llama.cpp) behind one interface (``base.Engine``).
 
 Adding an engine is one module with an ``Engine`` subclass and its line in ``ENGINES``.
 """
 from __future__ import annotations
 
 from lssp.engines.base import Engine, Mode, Request, request_seed
+from lssp.engines.llamacpp import LlamacppEngine
 from lssp.engines.ours import OursEngine
 from lssp.engines.transformers import TransformersEngine
 from lssp.engines.vllm import VllmEngine
 from lssp.errors import UserError
 
-ENGINES: dict[str, type[Engine]] = {"ours": OursEngine, "hf": TransformersEngine, "vllm": VllmEngine}
+ENGINES: dict[str, type[Engine]] = {"ours": OursEngine, "hf": TransformersEngine, "vllm": VllmEngine,
+                                    "llamacpp": LlamacppEngine}
 
-__all__ = ["ENGINES", "Engine", "Mode", "OursEngine", "Request", "TransformersEngine", "VllmEngine", "check_engines",
+__all__ = ["ENGINES", "Engine", "LlamacppEngine", "Mode", "OursEngine", "Request", "TransformersEngine", "VllmEngine", "check_engines",
            "request_seed"]
 
 

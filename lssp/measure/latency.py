@@ -206,6 +206,7 @@ class LatencySetup:
     vllm_version: str = ""  # where vLLM ran some modes (--engine vllm)
     vllm_precision: str = ""
     vllm_draft_method: str = "draft_model"  # vLLM's speculative method with the draft (registry: speculative_method)
+    llamacpp_version: str = ""  # where llama.cpp ran some modes (--engine llamacpp)
     draft_kinds: dict[str, str] = field(default_factory=dict)  # each draft's kind: draft (a model) or eagle (a head)
     draft_precisions: dict[str, str] = field(default_factory=dict)  # in a run of several drafts
 
@@ -217,6 +218,8 @@ class LatencySetup:
             return "assisted"
         if m.engine == "vllm":
             return "ngram" if m.lookup else self.vllm_draft_method
+        if m.engine == "llamacpp":
+            return "ngram" if m.lookup else "draft-simple"
         kind = self.draft_kinds.get(self.draft_of(m), "draft")
         return f"{kind}+lookup" if m.lookup else kind
 
@@ -314,6 +317,7 @@ class LatencyRun:
             "recompiles": setup.recompiles,
             "target_precision": setup.vllm_precision if m.engine == "vllm" else setup.target_precision,
             "draft_precision": setup.draft_precisions.get(m.draft, setup.draft_precision) or "", "vllm": setup.vllm_version if m.engine == "vllm" else "",
+            "llamacpp": setup.llamacpp_version if m.engine == "llamacpp" else "",
             "decode_timing": ENGINES[m.engine].decode_timing, **info.env,
         } for m in self.summaries]
 
@@ -495,7 +499,7 @@ def latency_modes(engines: Sequence[str], drafts: Sequence[str], ks: Sequence[in
     names = list(drafts) if len(drafts) > 1 else [""]
     for engine in engines:
         modes += [Mode("rsp", engine=engine)] if baseline or not drafts else []
-        if drafts or (engine == "vllm" and any(lookups)):
+        if drafts or (engine in ("vllm", "llamacpp") and any(lookups)):
             modes += [Mode("ssp", k, c, n, engine, name if engine == "ours" else "") for name in names
                       for n in lookups for c in confidences for k in ks
                       if (drafts or n) and not (engine == "hf" and n)]  # assisted generation: no lookup here
@@ -567,6 +571,8 @@ def _setup(target: LoadedModel, drafts: Sequence[LoadedModel], engines: dict[str
     if len(drafts) > 1:
         setup.draft, setup.draft_precision = ", ".join(d.name for d in drafts), ""
         setup.draft_precisions = {d.name: d.precision for d in drafts}
+    if "llamacpp" in engines:
+        setup.llamacpp_version = engines["llamacpp"].version
     vllm = engines.get("vllm")
     if vllm is not None:
         started = vllm.engines

@@ -1,0 +1,160 @@
+"""llama.cpp as built by ``./setup.sh --llamacpp``, and our registry entries as the GGUF files it runs.
+
+The build lives in ``$LLAMASSP_CACHE/llamacpp/VERSION-FLAVOR`` (default ``~/.cache/llamassp``), shared by clones:
+``bin/llama-server``, ``src/`` (the llama.cpp tree that llama-cpp-python VERSION vendors: ``convert_hf_to_gguf.py``
+and its ``gguf-py``) and ``build.json`` (what was built). Entries become GGUF files: a ``.gguf`` entry as it is, a
+local Hugging Face folder converted by llama.cpp's own converter into ``$LLAMASSP_CACHE/llamacpp/gguf/`` (a draft
+with a frequent-token head through its full-width export first, as for vLLM).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from lssp.errors import UserError
+from lssp.models.draft_head import has_subset_head
+from lssp.models.eagle import is_feature_head
+from lssp.models.export import export_draft, exported_dir
+from lssp.models.registry import ModelSpec
+from lssp.models.sources import cache_root
+
+log = logging.getLogger(__name__)
+
+LLAMACPP_VERSION = "0.3.36"  # llama-cpp-python's version whose vendored llama.cpp is built; setup.sh pins the same
+SETUP_HINT = "llama.cpp is not built: run ./setup.sh --llamacpp (builds llama-server once into {where})"
+CONVERT_TIMEOUT_S = 1800
+OUTTYPES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}  # registry dtype -> converter --outtype
+
+
+@dataclass(frozen=True)
+class LlamacppBuild:
+    """One build of llama.cpp in the cache."""
+
+    folder: Path
+    llama_cpp_python: str
+    commit: str
+    flavor: str  # cpu or cuda
+    server_version: str = ""
+
+    @property
+    def server(self) -> Path:
+        return self.folder / "bin" / "llama-server"
+
+    @property
+    def converter(self) -> Path:
+        return self.folder / "src" / "convert_hf_to_gguf.py"
+
+    @property
+    def version(self) -> str:
+        """What goes into every row: llama-cpp-python's version and the llama.cpp commit it vendors."""
+        return f"{self.llama_cpp_python} (llama.cpp {self.commit}, {self.flavor})"
+
+
+def builds_root() -> Path:
+    return cache_root() / "llamacpp"
+
+
+def gguf_root() -> Path:
+    """Where converted GGUF files are kept (the tests point it at a folder of their own)."""
+    return builds_root() / "gguf"
+
+
+def find_build(cuda: bool | None = None) -> LlamacppBuild | None:
+    """The cached build of ``LLAMACPP_VERSION`` (the CUDA one first where ``cuda``), or None."""
+    if cuda is None:
+        import torch
+
+        cuda = torch.cuda.is_available()
+    for flavor in ("cuda", "cpu") if cuda else ("cpu", "cuda"):
+        folder = builds_root() / f"{LLAMACPP_VERSION}-{flavor}"
+        try:
+            info = json.loads((folder / "build.json").read_text())
+        except (OSError, ValueError):
+            continue
+        build = LlamacppBuild(folder, info.get("llama_cpp_python", LLAMACPP_VERSION), info.get("llama_cpp_commit", "unknown"),
+                              info.get("flavor", flavor), info.get("server_version", ""))
+        if os.access(build.server, os.X_OK):
+            return build
+    return None
+
+
+def require_build() -> LlamacppBuild:
+    """The build, or one line naming the setup option."""
+    found = find_build()
+    if found is None:
+        raise UserError(SETUP_HINT.format(where=builds_root()))
+    return found
+
+
+def gguf_path(spec: ModelSpec, build: LlamacppBuild) -> Path:
+    """The GGUF file llama.cpp runs for ``spec``: the entry's own ``.gguf``, else its folder converted (cached)."""
+    if spec.is_random:
+        raise UserError(f"model {spec.name!r}: llama.cpp runs weights from a file, not 'init: random'")
+    local = spec.local_path()
+    if local is None:
+        raise UserError(f"model {spec.name!r}: --engine llamacpp runs local files; {spec.path!r} is a hub id "
+                        "(point the entry at a downloaded folder or .gguf file)")
+    if not local.exists():
+        raise UserError(f"model {spec.name!r}: {local} does not exist")
+    if spec.is_gguf:
+        return local
+    if is_feature_head(local):
+        raise UserError(f"model {spec.name!r} is a feature head (EAGLE-1 layout, one target layer): llama.cpp's "
+                        "draft-eagle3 needs an EAGLE-3 head (three target layers); use a draft model or --lookup")
+    folder = local
+    if has_subset_head(local):
+        folder = exported_dir(local)
+        if not (folder / "model.safetensors").exists():
+            log.info("exporting %s with a full-width output layer into %s", spec.name, folder)
+            export_draft(local, folder)
+    return convert(folder, spec, build)
+
+
+def converted_path(folder: Path, outtype: str, build: LlamacppBuild) -> Path:
+    """Where ``folder``'s conversion is kept: named by the folder, its files' sizes and times, the type, the build."""
+    stamp = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in folder.iterdir() if p.is_file())
+    key = json.dumps([str(folder.resolve()), stamp, outtype, build.commit])
+    return gguf_root() / f"{folder.name}-{outtype}-{hashlib.sha1(key.encode()).hexdigest()[:12]}.gguf"
+
+
+def convert(folder: Path, spec: ModelSpec, build: LlamacppBuild) -> Path:
+    """``folder`` as GGUF through llama.cpp's ``convert_hf_to_gguf.py`` (with the tree's own gguf-py), kept."""
+    outtype = OUTTYPES.get(spec.dtype, "auto")
+    out = converted_path(folder, outtype, build)
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial, log_path = out.with_suffix(".partial"), out.with_suffix(".log")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(build.folder / "src" / "gguf-py"),
+                                                         os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    command = [sys.executable, str(build.converter), str(folder), "--outfile", str(partial), "--outtype", outtype]
+    log.info("converting %s to GGUF: %s", spec.name, " ".join(command))
+    try:
+        with open(log_path, "w") as sink:
+            done = subprocess.run(command, stdout=sink, stderr=subprocess.STDOUT, env=env, timeout=CONVERT_TIMEOUT_S,
+                                  check=False)
+    except subprocess.TimeoutExpired:
+        raise UserError(f"model {spec.name!r}: llama.cpp's converter took over {CONVERT_TIMEOUT_S} s on {folder} "
+                        f"(log: {log_path})") from None
+    if done.returncode != 0 or not partial.exists():
+        partial.unlink(missing_ok=True)
+        raise UserError(f"model {spec.name!r}: llama.cpp's converter could not convert {folder}: "
+                        f"{last_error_line(log_path)} (log: {log_path})")
+    partial.rename(out)
+    return out
+
+
+def last_error_line(log_path: Path) -> str:
+    """The line of a log that says what went wrong: the last error-looking line, else the last line."""
+    try:
+        lines = [line.strip() for line in log_path.read_text(errors="replace").splitlines() if line.strip()]
+    except OSError:
+        return "no log"
+    errors = [line for line in lines if "error" in line.lower() or "exception" in line.lower()]
+    return (errors or lines or ["no output"])[-1][:300]

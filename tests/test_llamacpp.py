@@ -1,0 +1,292 @@
+"""--engine llamacpp: llama-server built by ``./setup.sh --llamacpp`` on tiny fp32 Llamas converted to GGUF by
+llama.cpp's own converter, and what needs no build at all.
+
+The tiny models use the SmolLM2 tokenizer shipped with the default draft (llama.cpp's converter knows its
+pre-tokenizer; it cannot convert a tokenizer it has never seen, such as the character tokenizer of the other tests).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+from conftest import cli
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from lssp.decoding.generation import Stopping, generate_regular
+from lssp.decoding.sampling import SamplingParams
+from lssp.engines import llamacpp, llamacpp_build
+from lssp.engines.base import Mode, Request
+from lssp.engines.llamacpp import (
+    LlamacppEngine,
+    LlamacppModel,
+    LlamacppServers,
+    LlamaServer,
+    request_body,
+    server_args,
+    stats_from_response,
+)
+from lssp.errors import UserError
+from lssp.models.registry import load_registry
+
+pytestmark = [pytest.mark.filterwarnings("ignore"), pytest.mark.llamacpp]
+ROOT = Path(__file__).resolve().parents[1]
+TOKENIZER = ROOT / "drafts" / "smollm2-135m-draft"
+GREEDY = SamplingParams(0.0)
+PROMPTS = ["Once upon a time, there was a little", "The cat sat on the", "1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5, 6, 1, 2, 3"]
+
+REGISTRY = """\
+default_target: l-target
+default_draft: l-draft
+models:
+  l-target: {path: ./l-target, dtype: float32}
+  l-draft: {path: ./l-draft, dtype: float32}
+  l-broken: {path: ./l-broken, dtype: float32}
+  l-garbage: {path: ./garbage.gguf}
+  l-eagle: {path: ./l-eagle, dtype: float32}
+"""
+
+
+def build_or_skip() -> llamacpp_build.LlamacppBuild:
+    """The cached build; skip where there is none, saying how to make it, or fail where CI requires it."""
+    build = llamacpp_build.find_build()
+    if build is None:
+        if os.environ.get("LLAMASSP_REQUIRE_LLAMACPP") == "1":
+            pytest.fail("LLAMASSP_REQUIRE_LLAMACPP=1 but llama.cpp is not built (./setup.sh --llamacpp)")
+        pytest.skip("llama.cpp is not built (./setup.sh --llamacpp builds it)")
+    return build
+
+
+def save_tiny_smol(path: Path, seed: int, hidden: int, layers: int, scale: float) -> None:
+    """A random fp32 Llama over SmolLM2's 49,152 tokens, with SmolLM2's tokenizer; ``scale`` sharpens its output
+    layer so that greedy choices are far from ties (llama.cpp's sums run in another order than torch's)."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=49152, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(scale)
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(TOKENIZER).save_pretrained(path)
+
+
+def save_noisy_copy(source: Path, path: Path, seed: int, noise: float) -> None:
+    """``source``'s model with every weight moved by ``noise`` × its own size: a draft that agrees with its target
+    on most greedy choices, not all."""
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM.from_pretrained(source, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * p.std() * noise)
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(source).save_pretrained(path)
+
+
+@pytest.fixture(scope="module")
+def lc_dir(tmp_path_factory):
+    build_or_skip()
+    root = tmp_path_factory.mktemp("llamacpp")
+    with pytest.MonkeyPatch.context() as patch:  # conversions go under pytest's folder, not the user's cache
+        patch.setattr(llamacpp_build, "gguf_root", lambda: root / "gguf")
+        yield make_models(root)
+
+
+def make_models(root: Path) -> Path:
+    save_tiny_smol(root / "l-target", 0, hidden=128, layers=2, scale=30.0)
+    save_noisy_copy(root / "l-target", root / "l-draft", 1, noise=0.1)
+    shutil.copytree(root / "l-target", root / "l-broken")
+    config = json.loads((root / "l-broken" / "config.json").read_text())
+    (root / "l-broken" / "config.json").write_text(json.dumps({**config, "architectures": ["NoSuchModelForCausalLM"]}))
+    (root / "garbage.gguf").write_bytes(b"GGUF" + b"\0" * 60)
+    (root / "l-eagle").mkdir()
+    (root / "l-eagle" / "config.json").write_text(json.dumps({"feature_head": {}}))
+    (root / "models.yaml").write_text(REGISTRY)
+    return root
+
+
+@pytest.fixture(scope="module")
+def pair(lc_dir):
+    build = build_or_skip()
+    registry = load_registry(lc_dir / "models.yaml")
+    return LlamacppModel(registry.get("l-target"), build), LlamacppModel(registry.get("l-draft"), build)
+
+
+@pytest.fixture(scope="module")
+def servers(pair):
+    """RSp, the draft at K=3, n-gram lookup (N=2) at K=3: started together, stopped after the module."""
+    started = LlamacppServers(*pair, [(0, 0), (3, 0), (3, 2)])
+    yield started
+    started.close()
+    assert all(s.process.poll() is not None for s in started.servers.values())
+
+
+def ours_greedy(folder: Path, ids: list[int], n: int) -> list[int]:
+    model = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    return generate_regular(model, torch.tensor([ids]), n, GREEDY).tokens.tolist()
+
+
+# --- What needs no build -----------------------------------------------------------------------------------------
+
+def test_setup_builds_the_version_the_engine_looks_for():
+    setup = (ROOT / "setup.sh").read_text()
+    assert re.search(r"LLAMACPP_VERSION=\$\{LLAMACPP_VERSION:-([0-9.]+)\}", setup).group(1) == \
+        llamacpp_build.LLAMACPP_VERSION
+
+
+def test_not_built_is_one_line_naming_the_setup_option(tmp_path, monkeypatch, capsys, tiny_dir):
+    monkeypatch.setenv("LLAMASSP_CACHE", str(tmp_path / "empty-cache"))
+    run = cli(capsys, tiny_dir / "models.yaml", tmp_path / "results")
+    code, out, err = run("latency", "--engine", "ours,llamacpp", "--k", "2", "--nb-prompts", "1")
+    assert code == 2
+    assert "./setup.sh --llamacpp" in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_request_asks_for_token_ids_and_the_plain_warped_softmax():
+    body = request_body([1, 2, 3], 16, SamplingParams(0.7, 50, 0.9), 2**40 + 5, Stopping(token_ids={2}))
+    assert body["prompt"] == [1, 2, 3] and body["n_predict"] == 16 and body["return_tokens"] is True
+    assert body["samplers"] == ["temperature", "top_k", "top_p"]  # no penalties, DRY, min-p, XTC, typical
+    assert (body["temperature"], body["top_k"], body["top_p"]) == (0.7, 50, 0.9)
+    assert body["cache_prompt"] is False and body["ignore_eos"] is False
+    assert 0 <= body["seed"] < 2**32 - 1  # 2^32 - 1 means "random" to llama.cpp
+    assert request_body([1], 4, GREEDY, 0)["ignore_eos"] is True  # no stop conditions: run to the budget
+    assert request_body([1], 4, GREEDY, 0)["temperature"] == 0.0
+
+
+def test_stats_follow_our_definitions():
+    timings = {"prompt_ms": 5.0, "predicted_ms": 90.0, "predicted_n": 10, "draft_n": 9, "draft_n_accepted": 6}
+    steps = [(3, 3), (1, 3), (2, 3)]  # 3 + 1 + 2 accepted, one target token each: 9 tokens after the first
+    stats = stats_from_response("ssp", 3, 10, 0.1, timings, steps)
+    assert (stats.drafted, stats.accepted, stats.rejections) == (9, 6, 2)
+    assert stats.target_forwards == 1 + 3  # the prefill, then one per verification
+    assert stats.drafted_at == [3, 3, 3] and stats.accepted_at == [3, 2, 1]
+    assert stats.ms_per_token == pytest.approx(10.0)  # 90 ms over the 9 tokens after the first
+    assert stats.total_time_s == pytest.approx(0.1) and stats.ttft_s == pytest.approx(0.01)
+    rsp = stats_from_response("rsp", 0, 10, 0.1, {"predicted_ms": 90.0}, [])
+    assert rsp.target_forwards == 10 and rsp.drafted == 0
+
+
+def test_server_flags_per_mode(tmp_path):
+    build = llamacpp_build.LlamacppBuild(tmp_path, "0.3.36", "abc", "cpu")
+
+    class Fake:
+        def __init__(self, name: str) -> None:
+            self.gguf, self.build = tmp_path / f"{name}.gguf", build
+            self.spec = type("Spec", (), {"dtype": "float32"})()
+
+    target, draft = Fake("t"), Fake("d")
+    assert "-md" not in server_args(target, draft, 0, 0)
+    ssp = server_args(target, draft, 3, 0)
+    assert ssp[ssp.index("-md") + 1].endswith("d.gguf") and ssp[ssp.index("--spec-draft-n-max") + 1] == "3"
+    assert ssp[ssp.index("--spec-type") + 1] == "draft-simple" and "f32" in ssp
+    ngram = server_args(target, None, 4, 2)
+    assert ngram[ngram.index("--spec-type") + 1] == "ngram-simple" and "-md" not in ngram
+    assert ngram[ngram.index("--spec-ngram-simple-size-n") + 1] == "2"
+    assert ngram[ngram.index("--spec-ngram-simple-size-m") + 1] == "4"
+    with pytest.raises(UserError, match="needs a draft"):
+        server_args(target, None, 3, 0)
+
+
+# --- On the build: real servers ----------------------------------------------------------------------------------
+
+def test_greedy_llamacpp_rsp_equals_ssp_equals_ours(pair, servers, lc_dir):
+    target, _ = pair
+    for text in PROMPTS:
+        ids = target.tokenizer(text).input_ids
+        ours = ours_greedy(lc_dir / "l-target", ids, 24)
+        outputs = {key: servers.generate(*key, ids, 24, GREEDY, 0).tokens.tolist() for key in servers.servers}
+        assert outputs[(0, 0)] == ours, text
+        assert outputs[(3, 0)] == ours and outputs[(3, 2)] == ours, text
+
+
+def test_counters_add_up_over_two_requests(pair, servers):
+    target, _ = pair
+    for key in ((3, 0), (3, 2)):
+        server = servers.servers[key]
+        before = server.metrics()
+        outs = [servers.generate(*key, target.tokenizer(text).input_ids, 24, GREEDY, 0) for text in PROMPTS[:2]]
+        after = server.metrics()
+
+        def delta(name: str) -> float:
+            return after.get(name, 0) - before.get(name, 0)
+
+        stats = [o.stats for o in outs]
+        assert delta("spec_decode_num_draft_tokens_total") == sum(s.drafted for s in stats)
+        assert delta("spec_decode_num_accepted_tokens_total") == sum(s.accepted for s in stats)
+        assert delta("spec_decode_num_drafts_total") == sum(s.drafted_at[0] for s in stats)  # verifications
+        if key == (3, 0):  # the noisy copy agrees with its target often, not always
+            assert 0 < sum(s.accepted for s in stats) < sum(s.drafted for s in stats)
+            assert sum(s.rejections for s in stats) > 0
+            for i in range(3):
+                assert delta(f'spec_decode_num_accepted_tokens_per_pos_total{{position="{i}"}}') == \
+                    sum(s.accepted_at[i] for s in stats)
+        for s in stats:
+            assert s.accepted <= s.drafted and s.new_tokens == 24
+            assert sum(s.accepted_at) == s.accepted and sum(s.drafted_at) == s.drafted
+
+
+def test_sampled_completions_repeat_with_the_seed(pair, servers):
+    target, _ = pair
+    ids = target.tokenizer(PROMPTS[0]).input_ids
+    params = SamplingParams(1.0, 0, 1.0)
+    first = servers.generate(0, 0, ids, 16, params, 7).tokens.tolist()
+    assert servers.generate(0, 0, ids, 16, params, 7).tokens.tolist() == first
+    ssp = servers.generate(3, 0, ids, 16, params, 7)
+    assert len(ssp.tokens) == 16 and ssp.stats.drafted > 0
+
+
+def test_end_token_stops_unless_ignored(pair, servers):
+    target, _ = pair
+    ids = target.tokenizer(PROMPTS[1]).input_ids
+    full = servers.generate(0, 0, ids, 24, GREEDY, 0).tokens.tolist()
+    stop_at = full[5]
+    cut = servers.generate(0, 0, ids, 24, GREEDY, 0, Stopping(token_ids={stop_at}))
+    assert cut.tokens.tolist() == full[:full.index(stop_at) + 1] and cut.stopped
+
+
+def test_engine_interface_and_refusals(servers, pair):
+    engine = LlamacppEngine(servers)
+    assert engine.supports(Mode("ssp", 3, engine="llamacpp")) is None
+    assert "no llama-server" in engine.supports(Mode("ssp", 5, engine="llamacpp"))
+    assert "draft-confidence" in engine.supports(Mode("ssp", 3, 0.5, engine="llamacpp"))
+    ids = torch.tensor([pair[0].tokenizer(PROMPTS[0]).input_ids])
+    out = engine.complete(Mode("ssp", 3, engine="llamacpp"), Request(ids, 8, GREEDY, 0))
+    assert len(out.tokens) == 8 and engine.version.startswith(llamacpp_build.LLAMACPP_VERSION)
+
+
+def test_latency_rows_name_the_engine_and_version(lc_dir, tmp_path, capsys):
+    build_or_skip()
+    run = cli(capsys, lc_dir / "models.yaml", tmp_path / "results")
+    before, logs_before = llamacpp.servers_started(), set(Path(tempfile.gettempdir()).glob("llamassp-llamacpp-*"))
+    code, out, err = run("latency", "--engine", "ours,llamacpp", "--k", "2", "--max-new-tokens", "8",
+                         "--nb-prompts", "2", "--ignore-eos")
+    assert code == 0, err
+    assert llamacpp.servers_started() > before  # it started servers, and stopped them all when it ended:
+    assert all(s.serial <= before and s.process.poll() is None for s in llamacpp._STARTED)
+    assert set(Path(tempfile.gettempdir()).glob("llamassp-llamacpp-*")) == logs_before  # nothing failed: no logs kept
+    assert "llama.cpp" in out
+    rows = pd.read_csv(next((tmp_path / "results").glob("**/latency.csv")))
+    lc = rows[rows.engine == "llamacpp"]
+    assert set(lc["mode"]) == {"rsp", "ssp"} and set(rows.engine) == {"ours", "llamacpp"}
+    assert all(str(v).startswith(llamacpp_build.LLAMACPP_VERSION) for v in lc["llamacpp"])
+    assert set(lc["method"]) == {"none", "draft-simple"}
+
+
+def test_bad_inputs_are_one_line(lc_dir):
+    build = build_or_skip()
+    registry = load_registry(lc_dir / "models.yaml")
+    with pytest.raises(UserError, match=r"l-broken.*converter could not convert.*NoSuchModel.*log: "):
+        LlamacppModel(registry.get("l-broken"), build)
+    with pytest.raises(UserError, match="feature head.*eagle3"):
+        llamacpp_build.gguf_path(registry.get("l-eagle"), build)
+    server = LlamaServer(build, "garbage", ["-m", str(lc_dir / "garbage.gguf")], lc_dir / "garbage.log")
+    with pytest.raises(UserError, match=r"exited at start with code .*log: .*garbage\.log"):
+        server.start(timeout_s=60)
+    assert server.process.poll() is not None
