@@ -49,11 +49,12 @@ def compare(
     task: TaskOpt = None,
     nb_prompts: NbPromptsOpt = None,
     ignore_eos: IgnoreEosOpt = False,
-    engine: Annotated[str, typer.Option("--engine", help="ours, or vllm (./setup.sh --vllm installs it).")] = "ours",
+    engine: Annotated[str, typer.Option("--engine", help="ours, vllm or llamacpp (./setup.sh --vllm or --llamacpp "
+                                        "installs them).")] = "ours",
 ) -> None:
     """Stream RSp then SSp completions of each prompt, with wall times and the speedup."""
     from lssp.decoding.generation import Stopping
-    from lssp.engines import Mode, OursEngine, Request, VllmEngine, request_seed
+    from lssp.engines import Mode, Request, request_seed
     from lssp.measure.latency import complete_turns, uses_chat_template
     from lssp.workloads.prompts import WARMUP_PROMPT
     from lssp.workloads.tasks import TaskPrompt
@@ -68,17 +69,7 @@ def compare(
         raise UserError(f"{'--task' if task else '--nb-prompts'} and --prompt: give one of them")
     # --nb-prompts alone: the first N of the default workload (the reference's story openings), not stdin.
     task_list = read_task_prompts(task, None, nb_prompts, chat) if task or nb_prompts else None
-    (chosen,) = parse_engines(engine, ("ours", "vllm", "llamacpp")) if "," not in engine else (None,)
-    if chosen is None:
-        raise UserError(f"--engine {engine!r}: compare streams one engine at a time (ours, vllm or llamacpp)")
-    if chosen == "llamacpp":
-        t, d, runner = llamacpp_runner(s, target, draft, [(0, 0), (k, lookup)], not lookup or draft is not None)
-    elif chosen == "vllm":
-        t, d = load_engine_pair(s, target, draft, need_draft=not lookup or draft is not None)
-        runner = VllmEngine(start_vllm(t, d, [(0, 0), (k, lookup)]))
-    else:
-        t, d, vocab = load_pair(s, target, draft)
-        runner = OursEngine(t, [d], [vocab])
+    chosen, t, d, runner = _start_engine(s, engine, target, draft, k, lookup)
     stopping = Stopping() if ignore_eos else Stopping(token_ids=t.eos_ids)
     modes = {"rsp": Mode("rsp", engine=chosen), "ssp": Mode("ssp", k, lookup=lookup, engine=chosen)}
 
@@ -132,6 +123,24 @@ def compare(
         _summary(done)
         exit_interrupted("\ninterrupted: the completions shown above are all there is (compare writes no files)")
     _summary(done)
+
+
+def _start_engine(s, engine: str, target: str | None, draft: str | None, k: int, lookup: int):
+    """The one engine compare streams, loaded with its RSp and SSp modes: (name, target, draft, runner)."""
+    from lssp.engines import OursEngine, VllmEngine
+
+    (chosen,) = parse_engines(engine, ("ours", "vllm", "llamacpp")) if "," not in engine else (None,)
+    if chosen is None:
+        raise UserError(f"--engine {engine!r}: compare streams one engine at a time (ours, vllm or llamacpp)")
+    if chosen == "llamacpp":
+        t, d, runner = llamacpp_runner(s, target, draft, [(0, 0), (k, lookup)], not lookup or draft is not None)
+    elif chosen == "vllm":
+        t, d = load_engine_pair(s, target, draft, need_draft=not lookup or draft is not None)
+        runner = VllmEngine(start_vllm(t, d, [(0, 0), (k, lookup)]))
+    else:
+        t, d, vocab = load_pair(s, target, draft)
+        runner = OursEngine(t, [d], [vocab])
+    return chosen, t, d, runner
 
 
 def _summary(done: list[tuple[str, Any, Any]]) -> None:

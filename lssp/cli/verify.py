@@ -55,7 +55,7 @@ def verify(
     tie_tolerance: Annotated[float, typer.Option(
         help="Greedy mode: a top-2 logit gap up to this (or 2 ulp of the logits' dtype) is a near-tie.")] = 0.1,
     lookup: LookupOpt = 0,
-    engine: Annotated[str, typer.Option("--engine", help="The engines to audit: ours, hf (assisted generation), vllm, "
+    engine: Annotated[str, typer.Option("--engine", help="The engines to audit: ours, hf (assisted generation), vllm, llamacpp, "
                                         "or a comma list; a verdict for each.")] = "ours",
     two_sample: Annotated[Optional[bool], typer.Option(
         "--two-sample/--no-two-sample", help="Sampled mode: also test SSp's tokens against the same engine's RSp "
@@ -84,31 +84,9 @@ def verify(
     results = s.writable_results_dir(json_out)
     t, d, vocab = load_pair(s, target, draft)  # our models give the exact laws, whichever engine is audited
     runners = _engines(s, engines, t, d, vocab, target, draft, ks, lookup)
-    reports, info = [], RunInfo.for_models(t, d)
-    steps = len(ks) * sum(len(prompt_list) * (1 if params.greedy else samples // 50 * (1 + paired[r.name]))
-                          for r in runners)
-    failed: dict[str, str] = {}  # an engine that broke down: the others' reports are still saved
-    with progress(steps, "verify") as tick:
-        for runner, k_now in ((r, k_now) for r in runners for k_now in ks):
-            try:
-                if params.greedy:
-                    rep = vf.verify_greedy(t, d, prompt_list, k_now, max_new_tokens, vocab, tie_tolerance, tick,
-                                           lookup, runner)
-                else:
-                    rep = vf.verify_sampled(t, d, prompt_list, params, k_now, samples, depth, s.seed, vocab,
-                                            significance, tick, lookup, runner, paired[runner.name], effect)
-            except KeyboardInterrupt:  # outside the sampling loops (which keep their prompts done): stop here
-                reports.append(vf.VerifyReport("sampled", significance, "", interrupted=True))
-                break
-            except Exception as exc:  # noqa: BLE001 - an engine's own failure, reported in one line below
-                if s.verbose:
-                    raise
-                text = str(exc).strip()
-                failed[f"{runner.name} K={k_now}"] = f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
-                continue
-            reports.append(rep)
-            if rep.interrupted:
-                break
+    info = RunInfo.for_models(t, d)
+    reports, failed = _run_audits(s, runners, ks, t, d, prompt_list, params, vocab, samples, depth, significance,
+                                  max_new_tokens, tie_tolerance, lookup, paired, effect)
     interrupted = any(rep.interrupted for rep in reports)
     reports = [rep for rep in reports if rep.prompts_done]  # interrupted before its first prompt: nothing to say
     if not reports:
@@ -129,6 +107,40 @@ def verify(
                          f"whose runs were complete ({reports[-1].prompts_done} in the last)")
     verdicts = {rep.verdict for rep in reports}
     exit_with(2 if failed else 1 if vf.NOT_LOSSLESS in verdicts else 3 if vf.INCONCLUSIVE in verdicts else code)
+
+
+def _run_audits(s, runners, ks: list[int], t, d, prompt_list: list[str], params, vocab: int, samples: int, depth: int,
+                significance: float, max_new_tokens: int, tie_tolerance: float, lookup: int, paired: dict[str, bool],
+                effect: float) -> tuple[list, dict[str, str]]:
+    """Each engine at each K; an engine that breaks down is named in the second result, the others go on."""
+    from lssp.measure import verify as vf
+
+    reports: list = []
+    steps = len(ks) * sum(len(prompt_list) * (1 if params.greedy else samples // 50 * (1 + paired[r.name]))
+                          for r in runners)
+    failed: dict[str, str] = {}
+    with progress(steps, "verify") as tick:
+        for runner, k_now in ((r, k_now) for r in runners for k_now in ks):
+            try:
+                if params.greedy:
+                    rep = vf.verify_greedy(t, d, prompt_list, k_now, max_new_tokens, vocab, tie_tolerance, tick,
+                                           lookup, runner)
+                else:
+                    rep = vf.verify_sampled(t, d, prompt_list, params, k_now, samples, depth, s.seed, vocab,
+                                            significance, tick, lookup, runner, paired[runner.name], effect)
+            except KeyboardInterrupt:  # outside the sampling loops (which keep their prompts done): stop here
+                reports.append(vf.VerifyReport("sampled", significance, "", interrupted=True))
+                break
+            except Exception as exc:  # noqa: BLE001 - an engine's own failure, reported in one line by the caller
+                if s.verbose:
+                    raise
+                text = str(exc).strip()
+                failed[f"{runner.name} K={k_now}"] = f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+                continue
+            reports.append(rep)
+            if rep.interrupted:
+                break
+    return reports, failed
 
 
 def _check_power(engines: list[str], paired: dict[str, bool], prompts: int, samples: int, depth: int, effect: float,
