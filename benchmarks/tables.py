@@ -36,6 +36,8 @@ HEADLINE_AUDIT_RUNS = [
     "20261124-045540-832783", "20261124-050026-eb33c7",  # vLLM's drafts sampled from q; n-gram lookup 1
     "20261124-050631-4c80ad", "20261124-051248-59b634",  # the feature head: T=1.0; greedy
 ]
+# The quality check the headline quotes (eval.csv): `eval --both --max-operand 9 --nb-prompts 1500` (run.sh step 4).
+HEADLINE_EVAL_RUN = "20261124-144234-09fa35"
 HEADLINE_BEGIN, HEADLINE_END = "<!-- headline:begin -->\n", "<!-- headline:end -->"
 HEADLINE_COLUMNS = ["task", "mode", "K", "ms/token", "α", "speedup"]
 
@@ -152,9 +154,31 @@ def headline(root: Path) -> str:
         several = rows["draft"].nunique() > 1
         parts.append(markdown_table([_headline_row(r, several) for _, r in rows.iterrows()], HEADLINE_COLUMNS) + "\n")
         parts.append(_headline_chart(root, run_id))
+    if HEADLINE_EVAL_RUN:
+        parts.append(quality_line(root, HEADLINE_EVAL_RUN) + "\n\n")
     if HEADLINE_AUDIT_RUNS:
         parts.append(audit_table(root, HEADLINE_AUDIT_RUNS))
     return "".join(parts)
+
+
+def quality_line(root: Path, run_id: str) -> str:
+    """The eval run's RSp and SSp scores and their paired difference, in one paragraph."""
+    frame = read_csv_parts(root / "eval.csv")
+    run = frame[frame["run_id"] == run_id].set_index("mode")
+    if not {"rsp", "ssp"} <= set(run.index):
+        raise SystemExit(f"tables.py: run {run_id} (HEADLINE_EVAL_RUN) has no RSp and SSp rows in {root / 'eval.csv'}")
+    rsp, ssp = run.loc["rsp"], run.loc["ssp"]
+
+    def score(r: pd.Series) -> str:
+        return (f"{int(r['successes'])}/{int(r['trials'])} ({100 * r['success_rate']:.1f}%, Wilson 95% "
+                f"[{100 * r['wilson_low']:.1f}, {100 * r['wilson_high']:.1f}])")
+
+    op = "*" if rsp["op"] == "mul" else "+"
+    return (f"**Does SSp keep the target's quality?** `eval --both` on {int(rsp['trials'])} problems `a {op} b = ` "
+            f"with operands 1..{int(rsp['max_operand'])}, T={rsp['temperature']:g}, K={int(ssp['k'])}: RSp "
+            f"{score(rsp)}, SSp {score(ssp)}; RSp − SSp = {100 * rsp['diff_rsp_minus_ssp']:+.1f} points, paired 95% "
+            f"interval [{100 * rsp['diff_low']:+.1f}, {100 * rsp['diff_high']:+.1f}], McNemar p = "
+            f"{rsp['mcnemar_p']:.2f} · {rsp['device']} · run `{run_id}`")
 
 
 def _proposer(row: pd.Series) -> str:
