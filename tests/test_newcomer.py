@@ -381,3 +381,22 @@ def test_ctrl_c_while_loading_says_nothing_was_saved(run, monkeypatch):
     for args in (("verify", "--temperature", "0"), ("latency",)):
         code, _, err = run(*args)
         assert code == 130 and "interrupted: nothing was saved" in err, err
+
+
+def test_latency_ends_with_a_verdict_that_matches_its_table(run, tmp_path, monkeypatch):
+    import lssp.measure.latency
+
+    code, out, err = run("latency", "--nb-prompts", "2", "--max-new-tokens", "6", "--k", "1,2", "--json",
+                         str(tmp_path / "l.json"))
+    assert code == 0, err
+    rows = [r for r in json.loads((tmp_path / "l.json").read_text()) if r["mode"] == "ssp"]
+    best = min(rows, key=lambda r: r["ms_per_token"])
+    verdict = " ".join(out.split("verdict: ")[1].split("Results")[0].split("results")[0].split())
+    expected = "use" if best["speedup"] > 1 else "SSp does not pay here: the best,"
+    assert verdict.startswith(f"{expected} K={best['k']}"), out
+    assert f"{best['speedup']:.2f}×" in verdict and "2 prompts" in verdict and "--repeats 3" in verdict
+    stars = [line for line in out.splitlines() if "★" in line]
+    assert len(stars) == (1 if best["speedup"] > 1 else 0)
+    monkeypatch.setattr(lssp.measure.latency, "NOISY_SPREAD", 1.0)  # a busy machine: the verdict says what to do
+    code, out, err = run("latency", "--nb-prompts", "2", "--max-new-tokens", "6", "--k", "2")
+    assert "rerun with --repeats 3 on a quiet machine" in " ".join(out.split())

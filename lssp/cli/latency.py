@@ -157,12 +157,13 @@ def render(run, t, d, wide: bool = False, more: list | None = None) -> None:
                     "prompt)", [("mode", "left"), ("median", "right"), ("TTFT ms", "right"), ("accepted", "right"),
                              ("draft", "right"), ("target", "right"), ("spread", "right")])
     both = len(run.engines) > 1
+    star = fastest(overall) if several else None
     for m in overall:
         mode = (ENGINE_LABELS.get(m.engine, "") if both else "") + m.mode.upper() \
             + (f" {setup.method(m).split('+')[0]}" if len(setup.draft_kinds) > 1 and m.mode == "ssp" else "") \
-            + (" ★" if m.best and several else "")
+            + (" ★" if m is star else "")
         k = _k(m) if m.mode == "ssp" else "–"
-        style = "bold" if m.best else None
+        style = "bold" if m is star else None
         out.add_row(mode, k, f"{m.ms_per_token:.1f}", f"{m.ms_per_token_min:.1f}–{m.ms_per_token_max:.1f}",
                     fmt(m.alpha, 2), fmt(m.mean_accepted, 2), _speedup(m.speedup),
                     *([fmt(m.speedup_sd, 2)] if repeated else []), style=style)
@@ -214,16 +215,41 @@ def render(run, t, d, wide: bool = False, more: list | None = None) -> None:
     elif not math.isnan(run.cost_ratio):
         console.print(f"  draft/target cost ratio c = {run.cost_ratio:.3f} (draft ms per forward ÷ target ms per "
                       "1-token forward)")
+    if t.spec.is_random or (d is not None and d.spec.is_random):
+        console.print("[yellow]  Random weights: timings are real, acceptance figures mean nothing.[/yellow]")
+    render_verdict(run)
+
+
+def fastest(modes: list) -> object | None:
+    """The SSp row a table stars: the highest speedup over its own RSp, if any beats RSp at all."""
+    paying = [m for m in modes if m.mode == "ssp" and m.speedup == m.speedup and m.speedup > 1]
+    return max(paying, key=lambda m: m.speedup) if paying else None
+
+
+def render_verdict(run) -> None:
+    """The lines a user acts on: a busy machine said first, then per engine the K to use (or that SSp does not pay),
+    its speedup with its spread over passes, α, and on what prompts."""
+    setup = run.setup
     if run.noisy:
         from lssp.measure.latency import NOISY_SPREAD
 
-        worst = max((m for m in overall if m.noisy), key=lambda m: max(_finite(m.noise_spread), _finite(m.forward_spread)))
+        worst = max((m for m in run.overall if m.noisy), key=lambda m: max(_finite(m.noise_spread), _finite(m.forward_spread)))
         console.print(f"[bold yellow]  busy machine: a {_engine(worst)}{worst.mode.upper()} completion took "
                       f"{max(_finite(worst.noise_spread), _finite(worst.forward_spread)):.1f}× its typical time per "
-                      f"iteration (a quiet machine stays under {NOISY_SPREAD}×): the speedup is unreliable; rerun on a "
-                      "quiet machine or with --repeats[/bold yellow]")
-    if t.spec.is_random or (d is not None and d.spec.is_random):
-        console.print("[yellow]  Random weights: timings are real, acceptance figures mean nothing.[/yellow]")
+                      f"iteration (a quiet machine stays under {NOISY_SPREAD}×): the speedup is unreliable[/bold yellow]")
+    workload = (f"{len(setup.tasks)} tasks" if run.by_task else setup.tasks[0]) if setup.tasks else "the prompts given"
+    prompts = f"{plural(run.prompts_done // setup.repeats, 'prompt')} ({workload})"
+    advice = ("; the machine was busy: rerun with --repeats 3 on a quiet machine" if run.noisy
+              else "; --repeats 3 gives the speedup a spread" if setup.repeats == 1 else "")
+    for m in run.recommended:
+        if m.speedup != m.speedup:  # no RSp to compare with (--no-baseline)
+            continue
+        what = f"{_engine(m)}{_named(run, m)}K={_k(m)}"
+        figures = (f"{m.speedup:.2f}×" + (f" ± {m.speedup_sd:.2f}" if m.speedup_sd == m.speedup_sd else "")
+                   + (f", α {m.alpha:.2f}" if m.alpha == m.alpha else ""))
+        text = (f"use {what}: {figures}, on {prompts}" if m.speedup > 1 else
+                f"SSp does not pay here: the best, {what}, runs at {figures} of RSp's speed on {prompts}")
+        console.print(Text("verdict: " + text + advice, style="bold green" if m.speedup > 1 else "bold red"))
 
 
 def _finite(x: float) -> float:
@@ -257,7 +283,7 @@ def render_tasks(run) -> None:
                 "share of completions that ran to the token budget", [
                     ("task", "left"), ("mode", "left"), ("ms/token", "right"), ("α", "right"), ("tok/fwd", "right"),
                     ("speedup", "right"), ("budget", "right")])
-    previous = None
+    previous, star = None, fastest(run.by_task)
     for m in run.by_task:
         first = m.task != previous
         if first and previous is not None:
@@ -265,9 +291,9 @@ def render_tasks(run) -> None:
         previous = m.task
         mode = "RSp" if m.mode == "rsp" else _named(run, m) + "K=" + _k(m)
         label = f"{m.task} ({run.prompt_format(m.task)}, {m.prompts})" if first else ""
-        out.add_row(label, mode + (" ★" if m.best else ""), f"{m.ms_per_token:.1f}", fmt(m.alpha, 2),
+        out.add_row(label, mode + (" ★" if m is star else ""), f"{m.ms_per_token:.1f}", fmt(m.alpha, 2),
                     fmt(m.mean_accepted, 2), _speedup(m.speedup), fmt(m.at_budget_share, 0, pct=True),
-                    style="bold" if m.best else None)
+                    style="bold" if m is star else None)
     console.print(out)
 
 

@@ -95,9 +95,13 @@ def interrupt_said(reset: bool = False) -> bool:
 
 
 def plot_charts(results_dir: Path, **filters: Any) -> None:
+    """Draw the charts ``filters`` select from ``results_dir``, warning in one line per malformed part skipped."""
     try:
         from lssp.report import plot as plotting
     except ImportError:
         raise UserError("plotting needs matplotlib (run ./setup.sh)") from None
-    for path in plotting.plot_results(results_dir, **filters):
-        console.print(f"  chart: {path}")
+    charts = plotting.draw_charts(results_dir, **filters)
+    for warning in charts.warnings:
+        err_console.print(f"[yellow]warning:[/yellow] {warning}", soft_wrap=True)
+    for path in charts.require():
+        console.print(f"  chart: {path}", soft_wrap=True)

@@ -7,8 +7,7 @@ from typing import Annotated, Optional
 import typer
 
 from lssp.cli.app import app, settings
-from lssp.cli.output import console, err_console
-from lssp.errors import UserError
+from lssp.cli.output import plot_charts
 
 
 @app.command("plot")
@@ -22,13 +21,4 @@ def plot_cmd(
         help="Only runs whose device contains this text, or 'all' (default: the machine of the newest run).")] = None,
 ) -> None:
     """Draw PNG charts from the CSVs in the results directory (one machine per chart)."""
-    try:
-        from lssp.report import plot as plotting
-    except ImportError:
-        raise UserError("plotting needs matplotlib (run ./setup.sh)") from None
-    charts = plotting.draw_charts(settings(ctx).results_dir, run_id=run_id, target=target, draft=draft, out_dir=out,
-                                  machine=machine)
-    for warning in charts.warnings:
-        err_console.print(f"[yellow]warning:[/yellow] {warning}", soft_wrap=True)
-    for path in charts.require():
-        console.print(f"  chart: {path}", soft_wrap=True)
+    plot_charts(settings(ctx).results_dir, run_id=run_id, target=target, draft=draft, out_dir=out, machine=machine)

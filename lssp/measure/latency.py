@@ -247,6 +247,11 @@ class LatencyRun:
         return [s for s in self.summaries if s not in overall]
 
     @property
+    def recommended(self) -> list[ModeSummary]:
+        """Per engine, its fastest SSp mode over every prompt (the one to use, if it beats RSp at all)."""
+        return [s for s in self.overall if s.best]
+
+    @property
     def baseline(self) -> ModeSummary | None:
         return next((s for s in self.overall if s.mode == "rsp" and s.engine == "ours"), None)
 
