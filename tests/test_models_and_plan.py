@@ -40,6 +40,7 @@ def _one_line(err: str) -> bool:
     (("plan", "meta-llama/Llama-3.1-8B", "--no-draft", "--gpus", "1", "--gpu-memory", "80GiB"),
      "did you mean 'llama-3.1-8b' (its entry has that path)?"),
     (("latency", "7B"), "huggyllama/llama-7b is not in the local Hugging Face cache and the hub is offline"),
+    (("latency", "30B", "--device", "cpu"), "(once there, its weights need ~61 GiB in float16)"),
 ])
 def test_a_hub_id_offline_and_not_cached_is_one_line_with_no_retries(real, args, message):
     """HF_HUB_OFFLINE=1 (as the tests run): a hub id, by name or in an entry, fails at once in one line."""
