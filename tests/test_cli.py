@@ -331,7 +331,9 @@ def test_verify_keeps_the_other_engines_reports_when_one_breaks_down(run, tmp_pa
 
 
 @pytest.mark.parametrize("args", [("compare", "--prompt", "x", "--k", "100", "--max-new-tokens", "16"),
-                                  ("eval", "--k", "9", "--nb-prompts", "2")])
+                                  ("eval", "--k", "9", "--nb-prompts", "2"),
+                                  ("latency", "--k", "2,100", "--max-new-tokens", "16"),
+                                  ("bench", "--k", "100", "--max-new-tokens", "16")])
 def test_a_k_above_the_token_budget_is_one_line(run, args):
     code, _, err = run(*args)
     assert code == 2 and "is more than --max-new-tokens" in err and "Traceback" not in err

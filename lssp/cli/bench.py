@@ -20,6 +20,7 @@ from lssp.cli.options import (
     TemperatureOpt,
     TopKOpt,
     TopPOpt,
+    check_k_within_budget,
     check_positive,
     parse_engines,
     parse_fractions,
@@ -56,7 +57,7 @@ def bench(
 
     s = settings(ctx)
     check_positive("--k", k)
-    check_positive("--max-new-tokens", max_new_tokens)
+    check_k_within_budget(k, max_new_tokens)
     alphas = parse_fractions("--alpha", alpha) if alpha else []
     confidences = parse_fractions("--draft-confidence", draft_confidence)
     if len(confidences) != 1:

@@ -25,6 +25,7 @@ from lssp.cli.options import (
     TopKOpt,
     TopPOpt,
     WideOpt,
+    check_k_within_budget,
     check_positive,
     flag,
     parse_engines,
@@ -80,7 +81,7 @@ def latency(
     ks = parse_ints("--k", k)
     confidences = parse_fractions("--draft-confidence", draft_confidence)
     lookups = parse_ints("--lookup", lookup, minimum=0)
-    check_positive("--max-new-tokens", max_new_tokens)
+    check_k_within_budget(ks, max_new_tokens)
     check_positive("--repeats", repeats)
     if split not in SPLIT_CHOICES:
         raise UserError(f"--split {split!r}: expected one of {', '.join(SPLIT_CHOICES)}")

@@ -57,7 +57,8 @@ def check_positive(name: str, value: int, minimum: int = 1) -> None:
 
 
 def check_k_within_budget(ks: list[int] | int, max_new_tokens: int) -> None:
-    """A K above the token budget drafts tokens that can never be kept: one line instead."""
+    """A K above the token budget drafts tokens that can never be kept: one line instead (and the budget is positive)."""
+    check_positive("--max-new-tokens", max_new_tokens)
     k = max(ks) if isinstance(ks, list) else ks
     if k > max_new_tokens:
         raise UserError(f"--k {k} is more than --max-new-tokens {max_new_tokens}: at most {max_new_tokens} drafts "
