@@ -246,10 +246,10 @@ def render_verdict(run) -> None:
         if m.speedup != m.speedup:  # no RSp to compare with (--no-baseline)
             continue
         what = f"{_engine(m)}{_named(run, m)}K={_k(m)}"
-        figures = (f"{m.speedup:.2f}×" + (f" ± {m.speedup_sd:.2f}" if m.speedup_sd == m.speedup_sd else "")
-                   + (f", α {m.alpha:.2f}" if m.alpha == m.alpha else ""))
-        text = (f"use {what}: {figures}, on {prompts}" if m.speedup > 1 else
-                f"SSp does not pay here: the best, {what}, runs at {figures} of RSp's speed on {prompts}")
+        speedup = f"{m.speedup:.2f}×" + (f" ± {m.speedup_sd:.2f}" if m.speedup_sd == m.speedup_sd else "")
+        alpha = f", α {m.alpha:.2f}" if m.alpha == m.alpha else ""
+        text = (f"use {what}: {speedup}{alpha}, on {prompts}" if m.speedup > 1 else
+                f"SSp does not pay here: the best, {what}, runs at {speedup} RSp's speed{alpha}, on {prompts}")
         console.print(Text("verdict: " + text + advice, style="bold green" if m.speedup > 1 else "bold red"))
 
 
