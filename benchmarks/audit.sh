@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Is every engine's SSp lossless? `verify` on ours, transformers' assisted generation and vLLM, on the default
+# Is every engine's SSp lossless? `verify` on ours, transformers' assisted generation, vLLM and llama.cpp, on the default
 # pair in float32 (so that no engine's rounding differs from our exact law's precision), at T=1.0 and at T=0.7
 # with top-k 50, then greedy; for vLLM also with drafts drawn from q, with n-gram lookup and with the feature
 # head. Engines other than ours are tested against their own RSp samples too (the verdict rests on that test).
@@ -31,3 +31,8 @@ audit $T smollm2-135m-eagle-fp32 --engine ours,vllm --temperature 0 --k "1,3" --
 #   saved and the failure named), so vLLM is also audited at T=0.7 without top-k.
 audit $T $D --engine ours,hf,vllm --temperature 0.7 --top-k 50 "${MORE[@]}" --json "$OUT/audit-fp32-t0.7-topk50.json"
 audit $T $D --engine vllm --temperature 0.7 "${MORE[@]}" --json "$OUT/audit-fp32-t0.7-vllm.json"
+#   llama.cpp's llama-server (./setup.sh --llamacpp), with the target's Q4_1 GGUF as it is and the draft converted:
+#   its arithmetic is not ours, so its verdict rests on the test against its own RSp samples.
+audit $T $D --engine llamacpp --temperature 1.0 "${MAIN[@]}" --json "$OUT/audit-fp32-t1.0-llamacpp.json"
+audit $T $D --engine llamacpp --temperature 0 --k "1,3" --json "$OUT/audit-fp32-greedy-llamacpp.json"
+audit $T $D --engine llamacpp --temperature 0.7 --top-k 50 "${MORE[@]}" --json "$OUT/audit-fp32-t0.7-topk50-llamacpp.json"

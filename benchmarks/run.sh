@@ -98,6 +98,11 @@ else
     echo "benchmarks: vLLM is not installed (./setup.sh --vllm): skipping ours vs vLLM" >&2
 fi
 
+# 2c. Ours, vLLM and llama.cpp (./setup.sh --vllm --llamacpp) in one interleaved run each, greedy and T=0.7, fixed-
+#     length completions: RSp, SSp with the draft at K = 2, 3, 4, and the 4-gram lookup (ours: draft + lookup;
+#     vLLM and llama.cpp: their n-gram drafter alone). benchmarks/engines.sh runs only this step.
+bash benchmarks/engines.sh "${1:-}" || true
+
 # 3. Quality: RSp vs SSp on the same problems - the reference's multiplications (operands 1..99), then a
 #    range where the target scores between 20% and 80%, so that a difference would show - and the
 #    losslessness checks.
