@@ -36,6 +36,8 @@ HEADLINE_AUDIT_RUNS = [
     "20261124-045540-832783", "20261124-050026-eb33c7",  # vLLM's drafts sampled from q; n-gram lookup 1
     "20261124-050631-4c80ad", "20261124-051248-59b634",  # the feature head: T=1.0; greedy
 ]
+# Ours beside vLLM and llama.cpp (benchmarks/engines.sh, run.sh step 2c): one latency run per sampling setting.
+HEADLINE_ENGINE_RUNS: list[str] = []
 # The quality check the headline quotes (eval.csv): `eval --both --max-operand 9 --nb-prompts 1500` (run.sh step 4).
 HEADLINE_EVAL_RUN = "20261124-144234-09fa35"
 HEADLINE_BEGIN, HEADLINE_END = "<!-- headline:begin -->\n", "<!-- headline:end -->"
@@ -154,11 +156,54 @@ def headline(root: Path) -> str:
         several = rows["draft"].nunique() > 1
         parts.append(markdown_table([_headline_row(r, several) for _, r in rows.iterrows()], HEADLINE_COLUMNS) + "\n")
         parts.append(_headline_chart(root, run_id))
+    for run_id in HEADLINE_ENGINE_RUNS:
+        parts.append(engines_table(root, run_id) + "\n")
     if HEADLINE_EVAL_RUN:
         parts.append(quality_line(root, HEADLINE_EVAL_RUN) + "\n\n")
     if HEADLINE_AUDIT_RUNS:
         parts.append(audit_table(root, HEADLINE_AUDIT_RUNS))
     return "".join(parts)
+
+
+ENGINE_NAMES = {"ours": "ours", "vllm": "vLLM", "llamacpp": "llama.cpp", "hf": "transformers"}
+
+
+def engines_table(root: Path, run_id: str) -> str:
+    """One row per engine of a multi-engine latency run: its RSp, its fastest SSp with the draft and with the
+    n-gram lookup (K, ms/token, α, speedup over its own RSp), and ours' best ÷ its best."""
+    frame = read_csv_parts(root / "latency.csv")
+    run = frame[frame["run_id"] == run_id]
+    if run.empty:
+        raise SystemExit(f"tables.py: run {run_id} (HEADLINE_ENGINE_RUNS) is not in {root / 'latency.csv'}")
+    run = run.assign(engine=run["engine"].fillna("ours"), lookup=run["lookup"].fillna(0))
+
+    def fastest(rows: pd.DataFrame) -> str:
+        if rows.empty:
+            return "–"
+        r = rows.loc[rows["ms_per_token"].idxmin()]
+        alpha = f", α {r['alpha']:.2f}" if pd.notna(r["alpha"]) else ""
+        return f"{r['ms_per_token']:.1f} (K={int(r['k'])}{alpha}) {r['speedup']:.2f}×"
+
+    best_of = {e: g["ms_per_token"].min() for e, g in run.groupby("engine")}
+    rows = []
+    for engine, group in run.groupby("engine", sort=False):
+        ssp = group[group["mode"] == "ssp"]
+        rsp = group[group["mode"] == "rsp"]["ms_per_token"]
+        rows.append({"engine": ENGINE_NAMES.get(engine, engine), "RSp ms/token": f"{rsp.iloc[0]:.1f}" if len(rsp) else "–",
+                     "SSp, draft": fastest(ssp[ssp["lookup"] == 0]), "SSp, n-gram": fastest(ssp[ssp["lookup"] > 0]),
+                     "ours ÷ it": f"{best_of['ours'] / best_of[engine]:.2f}×" if "ours" in best_of else "–"})
+    first = run.iloc[0]
+    names = [ENGINE_NAMES.get(e, e) for e in dict.fromkeys(run["engine"])]
+    noisy = " · **flagged busy: the ratios are unreliable**" if run["noisy"].astype(str).eq("True").any() else ""
+    length = "exactly" if str(first["ignore_eos"]) == "True" else "at most"
+    task = first["task"] if "task" in run and pd.notna(first["task"]) else "stories"
+    caption = (f"**{', '.join(names[:-1]).capitalize()} and {names[-1]}** · {first['device']} · run `{run_id}` · {first['target']} + "
+               f"{run['draft'].dropna().max()}, T={first['temperature']:g}, {int(first['prompts'])} prompts ({task}) × "
+               f"{length} {int(first['max_new_tokens'])} tokens. SSp cells: the fastest K's ms/token, its α, its speedup "
+               "over the engine's own RSp; n-gram: ours drafts with the draft and a 4-gram lookup, the others with their "
+               "n-gram drafter alone; ours ÷ it: ours' fastest mode ÷ the engine's fastest, RSp included (below 1: "
+               f"ours is faster){noisy}")
+    return caption + "\n\n" + markdown_table(rows, ["engine", "RSp ms/token", "SSp, draft", "SSp, n-gram", "ours ÷ it"])
 
 
 def quality_line(root: Path, run_id: str) -> str:
