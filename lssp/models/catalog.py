@@ -163,3 +163,16 @@ def _short_placement(spec: ModelSpec) -> str:
     if spec.gpus:
         return f"{spec.gpus} GPUs"
     return spec.device_map or spec.speculative_method or "vLLM keys"
+
+
+BYTES_PER_WEIGHT = {"8bit": 1.0, "4bit": 0.5, "float32": 4.0}  # otherwise 2 (16-bit)
+
+
+def memory_note(spec: ModelSpec) -> str:
+    """" (once there, its weights need ~61 GiB in float16)" where the entry's shape is known, else nothing."""
+    parameters = entry_row(spec).parameters
+    if not parameters:
+        return ""
+    precision = spec.quantization if spec.quantization not in (None, "", "none") else spec.dtype or "float16"
+    gib = parameters * BYTES_PER_WEIGHT.get(precision, 2.0) / 2**30
+    return f" (once there, its weights need ~{gib:.0f} GiB in {precision})"

@@ -19,7 +19,8 @@ from lssp.models.compact import CompactLlama
 from lssp.models.draft_head import has_subset_head, load_subset_head_model
 from lssp.models.modules import logit_width, model_device
 from lssp.models.registry import DYNAMIC_QUANTIZATIONS, ModelSpec
-from lssp.models.sources import gguf_copy_dir, model_source, random_config
+from lssp.models.sources import gguf_copy_dir, random_config
+from lssp.models.sources import model_source as _model_source
 
 log = logging.getLogger(__name__)
 DynamicLinear = torch.ao.nn.quantized.dynamic.Linear
@@ -274,6 +275,18 @@ def save_gguf_copy(model: PreTrainedModel, spec: ModelSpec, where: str, extra: d
         log.warning("could not keep a converted copy of %s in %s: %s", spec.path, target, _first_line(exc))
         return
     log.info("kept a converted copy of %s in %s", spec.path, target)
+
+
+def model_source(spec: ModelSpec) -> tuple[str, dict[str, Any]]:
+    """``sources.model_source``, its "not cached and no hub" line saying how much memory the weights would need."""
+    from lssp.models.catalog import memory_note
+
+    try:
+        return _model_source(spec)
+    except UserError as exc:
+        if "Hugging Face cache" not in str(exc):
+            raise
+        raise UserError(f"{exc}{memory_note(spec)}") from None
 
 
 def load_tokenizer(spec: ModelSpec) -> PreTrainedTokenizerBase | None:

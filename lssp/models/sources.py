@@ -39,31 +39,13 @@ def random_config(spec: ModelSpec) -> Any:
         raise UserError(f"model {spec.name!r}: bad config: {exc}") from None
 
 
-BYTES_PER_WEIGHT = {"8bit": 1.0, "4bit": 0.5, "float32": 4.0}  # otherwise 2 (16-bit)
-
-
-def _memory_note(spec: ModelSpec) -> str:
-    """"; once there, its weights need ~61 GiB in float16" where the entry's shape is known, else nothing."""
-    from lssp.models.catalog import entry_row
-
-    parameters = entry_row(spec).parameters
-    if not parameters:
-        return ""
-    precision = spec.quantization if spec.quantization not in (None, "", "none") else spec.dtype or "float16"
-    gib = parameters * BYTES_PER_WEIGHT.get(precision, 2.0) / 2**30
-    return f" (once there, its weights need ~{gib:.0f} GiB in {precision})"
-
-
 def model_source(spec: ModelSpec) -> tuple[str, dict[str, Any]]:
     """The path or repo id from_pretrained takes, and the gguf_file/revision it needs; a repo id neither cached
     nor reachable (offline) is refused in one line, before transformers would retry each file."""
     local = spec.local_path()
     extra: dict[str, Any] = {"revision": spec.revision} if spec.revision else {}
     if local is None:
-        try:
-            require_cached_or_online(spec.path, spec.revision, f"model {spec.name!r}")
-        except UserError as exc:
-            raise UserError(f"{exc}{_memory_note(spec)}") from None
+        require_cached_or_online(spec.path, spec.revision, f"model {spec.name!r}")
         return spec.path, extra
     if not local.exists():
         raise UserError(f"model {spec.name!r}: {local} does not exist")
