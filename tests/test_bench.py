@@ -17,6 +17,8 @@ from lssp.models.loading import LoadedModel, load_model
 from lssp.models.registry import ModelSpec, load_registry
 from lssp.report.stats import predicted_speedup
 
+nan = float("nan")
+
 
 @pytest.fixture(scope="module")
 def pair():
@@ -115,10 +117,44 @@ def test_summary_figures_against_hand_computed_values():
     assert run.noisy and "Noisy: a completion's time per iteration stood 2.0x" in run.markdown()
 
 
+def test_rival_engines_share_one_path_ratios_version_acceptance_agreement():
+    """vLLM and llama.cpp go through the same code: ours ÷ each per prompt on ours' rows, and per rival its α,
+    acceptance and SSp = RSp agreement on its SSp row, its version on its rows."""
+    same, other = [1, 2, 3, 4], [1, 2, 3, 9]
+    runs = [EngineRun(e, i, other if (e, i) == ("llamacpp-ssp", 1) else same, seconds, acceptance_rate=rate,
+                      accepted=accepted, rejections=rejections)
+            for e, i, seconds, rate, accepted, rejections in (
+                ("ours-rsp", 0, 0.04, nan, 0, 0), ("vllm-rsp", 0, 0.02, nan, 0, 0), ("llamacpp-rsp", 0, 0.01, nan, 0, 0),
+                ("ours-ssp", 0, 0.02, 0.5, 3, 1), ("vllm-ssp", 0, 0.04, 0.5, 2, 2), ("llamacpp-ssp", 0, 0.01, 0.25, 1, 3),
+                ("ours-rsp", 1, 0.08, nan, 0, 0), ("vllm-rsp", 1, 0.08, nan, 0, 0), ("llamacpp-rsp", 1, 0.02, nan, 0, 0),
+                ("ours-ssp", 1, 0.04, 0.5, 3, 1), ("vllm-ssp", 1, 0.02, 0.75, 6, 2), ("llamacpp-ssp", 1, 0.02, 0.75, 3, 1))]
+    engines = bench.engines_for(("vllm", "llamacpp"))
+    assert engines == ("ours-rsp", "vllm-rsp", "llamacpp-rsp", "ours-ssp", "vllm-ssp", "llamacpp-ssp")
+    run = summarize(3, runs, engines)
+    by = {x.engine: x for x in run.summaries}
+    assert vars(by["ours-rsp"].rival_ratio("vllm")) == pytest.approx({"median": 1.5, "min": 1.0, "max": 2.0})
+    assert vars(by["ours-rsp"].rival_ratio("llamacpp")) == pytest.approx({"median": 4.0, "min": 4.0, "max": 4.0})
+    assert vars(by["ours-ssp"].rival_ratio("vllm")) == pytest.approx({"median": 1.25, "min": 0.5, "max": 2.0})
+    assert by["vllm-rsp"].rival_ratio("vllm").median != by["vllm-rsp"].rival_ratio("vllm").median  # nan: not ours
+    assert list(run.rivals) == ["vllm", "llamacpp"]
+    assert (run.rivals["vllm"].alpha, run.rivals["vllm"].acceptance_rate, run.rivals["vllm"].agreement) == \
+        pytest.approx((8 / 12, 0.625, 1.0))
+    assert (run.rivals["llamacpp"].alpha, run.rivals["llamacpp"].agreement) == pytest.approx((4 / 8, 0.5))
+    run.rivals["llamacpp"].version = "0.3.36"
+    run.setup = BenchSetup("T", "D", "float32", "float32", 10**9, SamplingParams(0), 4, 2)
+    rows = {r["engine"]: r for r in run.rows()}
+    assert rows["ours-ssp"]["ours_over_llamacpp_median"] == pytest.approx(2.0)  # 2/1 and 4/2
+    assert rows["llamacpp-ssp"]["llamacpp_ssp_equals_llamacpp_rsp"] == 0.5 and rows["llamacpp-rsp"]["llamacpp"] == "0.3.36"
+    assert rows["llamacpp-ssp"]["llamacpp_alpha"] == pytest.approx(0.5) and rows["ours-rsp"]["llamacpp"] == ""
+    assert rows["vllm-ssp"]["vllm_acceptance_rate"] == pytest.approx(0.625)
+    assert rows["llamacpp-rsp"]["llamacpp_alpha"] != rows["llamacpp-rsp"]["llamacpp_alpha"]  # nan: SSp row only
+    assert len({tuple(r) for r in rows.values()}) == 1  # every row has the same columns
+
+
 def _timed(engine: str, index: int, per_iteration_ms: float, split: bool = False,
            target_ms: float = float("nan")) -> EngineRun:
     """A hand-made run of 40 tokens: 40 iterations for RSp, 20 for SSp, each ``per_iteration_ms`` long."""
-    mode = "ssp" if engine in ("ours-ssp", "hf-assisted", "vllm-ssp") else "rsp"
+    mode = bench.LABELS[engine][1]
     forwards = 20 if mode == "ssp" else 40
     total = forwards * per_iteration_ms / 1000
     first = total / forwards  # the first emission: prefill and one iteration
@@ -133,9 +169,9 @@ def _timed(engine: str, index: int, per_iteration_ms: float, split: bool = False
 def test_the_bench_noise_flag_reads_the_headline_passes_of_every_engine():
     """As latency's: a long prompt that slows every engine alike is not noise, one headline completion slowed 3x is,
     whichever engine ran it; a slow prompt in ours' split pass alone (the old forward spread) is not."""
-    engines = ("ours-rsp", "hf-generate", "vllm-rsp", "ours-ssp", "hf-assisted", "vllm-ssp")
-    base = {"ours-rsp": 20.0, "hf-generate": 25.0, "vllm-rsp": 15.0, "ours-ssp": 30.0, "hf-assisted": 40.0,
-            "vllm-ssp": 22.0}
+    engines = bench.engines_for(("hf", "vllm", "llamacpp"))
+    base = {"ours-rsp": 20.0, "hf-generate": 25.0, "vllm-rsp": 15.0, "llamacpp-rsp": 12.0, "ours-ssp": 30.0,
+            "hf-assisted": 40.0, "vllm-ssp": 22.0, "llamacpp-ssp": 18.0}
 
     def records(slowed: tuple[str, int] | None) -> list[EngineRun]:
         runs = [_timed(e, i, base[e] * (1.4 if i == 3 else 1.0) * (3.0 if (e, i) == slowed else 1.0))
@@ -146,7 +182,8 @@ def test_the_bench_noise_flag_reads_the_headline_passes_of_every_engine():
     quiet = summarize(3, records(None), engines)
     assert quiet.forward_spread == pytest.approx(3.0) and quiet.noise_spread == pytest.approx(1.0)
     assert not quiet.noisy  # the split pass's slow prompt does not count
-    for slowed in (("vllm-rsp", 1), ("hf-generate", 4), ("ours-ssp", 0), ("vllm-ssp", 3)):
+    for slowed in (("vllm-rsp", 1), ("hf-generate", 4), ("ours-ssp", 0), ("vllm-ssp", 3), ("llamacpp-rsp", 2),
+                   ("llamacpp-ssp", 1)):
         busy = summarize(3, records(slowed), engines)
         assert busy.noisy and busy.noise_spread > 2.5, slowed
     assert {x.timing_basis for x in quiet.summaries} == {FIRST_TO_LAST} and quiet.timing_fallbacks == 0

@@ -33,6 +33,7 @@ from lssp.engines.llamacpp import (
     stats_from_response,
 )
 from lssp.errors import UserError
+from lssp.measure import bench
 from lssp.models.registry import load_registry
 
 pytestmark = [pytest.mark.filterwarnings("ignore"), pytest.mark.llamacpp]
@@ -277,6 +278,35 @@ def test_latency_rows_name_the_engine_and_version(lc_dir, tmp_path, capsys):
     assert set(lc["mode"]) == {"rsp", "ssp"} and set(rows.engine) == {"ours", "llamacpp"}
     assert all(str(v).startswith(llamacpp_build.LLAMACPP_VERSION) for v in lc["llamacpp"])
     assert set(lc["method"]) == {"none", "draft-simple"}
+
+
+def test_bench_takes_llamacpp_as_a_rival(lc_dir, pair, tmp_path, capsys, monkeypatch):  # pair: GGUFs converted
+    """bench --engine hf,llamacpp: llama.cpp's RSp and SSp rows beside ours and hf's, its version, ours ÷ it, its
+    α and SSp = RSp agreement; its servers started by bench and stopped when it ends; the table in 80 columns."""
+    build_or_skip()
+    monkeypatch.setattr(bench, "copy_bandwidth", lambda device: 1e10)  # 2 GiB of copies: test_bench times them
+    run = cli(capsys, lc_dir / "models.yaml", tmp_path / "results")
+    before = llamacpp.servers_started()
+    code, out, err = run("bench", "--engine", "hf,llamacpp", "--k", "2", "--max-new-tokens", "8", "--nb-prompts", "2")
+    assert code == 0, err
+    assert llamacpp.servers_started() > before and all(s.serial <= before for s in llamacpp._STARTED)
+    rows = pd.read_csv(next((tmp_path / "results").glob("**/bench.csv"))).set_index("engine")
+    assert list(rows.index) == ["ours-rsp", "hf-generate", "llamacpp-rsp", "ours-ssp", "hf-assisted", "llamacpp-ssp"]
+    lc = rows.loc[["llamacpp-rsp", "llamacpp-ssp"]]
+    assert all(str(v).startswith(llamacpp_build.LLAMACPP_VERSION) for v in lc["llamacpp"])
+    assert rows.loc[["ours-rsp", "hf-generate"], "llamacpp"].isna().all()  # the version on llama.cpp's rows only
+    assert rows.loc[["ours-rsp", "ours-ssp"], "ours_over_llamacpp_median"].notna().all()
+    assert rows.loc[["ours-rsp", "ours-ssp"], "ours_over_hf_median"].notna().all()
+    assert rows.loc["ours-rsp", "ours_over_vllm_median"] != rows.loc["ours-rsp", "ours_over_vllm_median"]  # nan
+    ssp = rows.loc["llamacpp-ssp"]
+    assert ssp["llamacpp_ssp_equals_llamacpp_rsp"] == 1.0  # greedy, sharpened fp32 models: the same tokens
+    assert 0 < ssp["llamacpp_acceptance_rate"] <= 1 and 0 <= ssp["llamacpp_alpha"] <= 1
+    assert (lc["ms_per_token"] > 0).all()
+    text = " ".join(out.split())
+    assert f"llama.cpp {lc['llamacpp'].iloc[0]} SSp (draft-simple" in text and "ours÷it" in out
+    table_rows = {line.split()[1]: line for line in out.splitlines() if line.startswith("│ ")}
+    assert table_rows["llamacpp-rsp"].split("│")[4].strip() == f"{rows.loc['ours-rsp', 'ours_over_llamacpp_median']:.2f}"
+    assert all(len(line) <= 80 for line in out.splitlines())
 
 
 def test_bad_inputs_are_one_line(lc_dir):

@@ -1,4 +1,5 @@
-"""`bench`: ours vs transformers — RSp vs generate(), SSp vs assisted generation, in one run."""
+"""`bench`: ours vs transformers — RSp vs generate(), SSp vs assisted generation — and vs rival engines that run
+their own RSp and SSp (vLLM, llama.cpp), in one run."""
 from __future__ import annotations
 
 import math
@@ -7,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from lssp.cli.app import app, settings
-from lssp.cli.loaders import load_engine_pair, load_pair, start_vllm
+from lssp.cli.loaders import llamacpp_engine, llamacpp_pair, load_engine_pair, load_pair, start_vllm
 from lssp.cli.options import (
     ConfidenceOpt,
     DraftArg,
@@ -47,12 +48,13 @@ def bench(
     top_p: TopPOpt = 1.0,
     alpha: Annotated[Optional[str], typer.Option(help="Acceptance rates to predict the speedup for: 0.6,0.7,0.8.")] = None,
     draft_confidence: ConfidenceOpt = "0",
-    engine: Annotated[str, typer.Option("--engine", help="Rivals of ours: hf (transformers), vllm, or hf,vllm.")] = "hf",
+    engine: Annotated[str, typer.Option("--engine", help="Rivals of ours: hf (transformers), vllm, llamacpp, or a "
+                                        "comma list such as hf,vllm,llamacpp.")] = "hf",
     json_out: JsonOpt = None,
 ) -> None:
-    """Ours vs transformers: RSp vs generate(), SSp vs assisted generation, same prompts, one run."""
-    from lssp.engines import Mode, TransformersEngine
-    from lssp.measure.bench import engines_for, run_bench
+    """Ours vs transformers (RSp vs generate(), SSp vs assisted generation), vLLM or llama.cpp: same prompts, one run."""
+    from lssp.engines import Mode, TransformersEngine, VllmEngine
+    from lssp.measure.bench import RIVALS, engines_for, run_bench
     from lssp.workloads.prompts import WARMUP_PROMPT
 
     s = settings(ctx)
@@ -62,7 +64,7 @@ def bench(
     confidences = parse_fractions("--draft-confidence", draft_confidence)
     if len(confidences) != 1:
         raise UserError(f"bench takes one --draft-confidence, got {draft_confidence!r}")
-    rivals = parse_engines(engine, ("hf", "vllm"))
+    rivals = parse_engines(engine, ("hf", *RIVALS))
     engines = engines_for(rivals)
     if "vllm" in rivals:
         from lssp.engines.vllm import check_options
@@ -71,14 +73,18 @@ def bench(
     prompt_list = read_prompt_list(prompts, nb_prompts)
     params = sampling_params(temperature, top_k, top_p)
     results = s.writable_results_dir(json_out)
+    lc = llamacpp_pair(s, rivals, target, draft, confidences=confidences)  # said before anything else loads
     t, d, vocab = load_pair(s, target, draft)
     why = TransformersEngine(t, d).supports(Mode("ssp", k, engine="hf")) if "hf" in rivals else None
     if why:
-        raise UserError(f"--engine hf with {d.name!r}: {why}; use --engine vllm as its rival")
-    vllm = start_vllm(*load_engine_pair(s, target, draft), [(0, 0), (k, 0)]) if "vllm" in rivals else None
+        raise UserError(f"--engine hf with {d.name!r}: {why}; use --engine vllm or llamacpp as its rival")
+    keys = [(0, 0), (k, 0)]  # RSp, and SSp with the draft at K: every rival's engines started before anything is timed
+    started = {"vllm": VllmEngine(start_vllm(*load_engine_pair(s, target, draft), keys))} if "vllm" in rivals else {}
+    if lc:
+        started["llamacpp"] = llamacpp_engine(lc, keys)  # its servers stop when the command ends, however it ends
     with progress(None, "bench") as tick:
         run = run_bench(t, d, prompt_list, WARMUP_PROMPT, k, params, max_new_tokens, s.seed, vocab, engines=engines,
-                        progress=tick, confidence=confidences[0], measure_bandwidth=True, vllm=vllm)
+                        progress=tick, confidence=confidences[0], measure_bandwidth=True, rivals=started)
     render(run, alphas, t.spec.is_random or d.spec.is_random)
     rows = run.rows()
     code = save(results, run.info.run_id, "bench", rows, run.markdown(), json_out, rows,
@@ -88,33 +94,39 @@ def bench(
     exit_with(code)
 
 
+# Per rival engine (lssp.measure.bench.RIVALS): its name in words, its SSp method, where its ms/token comes from.
+RIVAL_WORDS = {"vllm": ("vLLM", "draft_model", "its request timestamps"),
+               "llamacpp": ("llama.cpp", "draft-simple, one llama-server per mode", "llama-server's timings")}
+
+
 def render(run, alphas: list[float], random_weights: bool) -> None:
     from lssp.measure.latency import NOISY_SPREAD
     from lssp.report.stats import predicted_speedup
 
     setup = run.setup
-    hf_header = "ours÷hf" if run.has("vllm") else "ours÷hf [min–max]"  # 80 columns
+    rivals = [r for r in ("hf", *run.rivals) if run.has(r)]
+    ranged = len(rivals) == 1  # one rival: its ratio's [min–max] fits in 80 columns
+    spread = " \\[min–max]"  # escaped: rich would read "[min–max]" as a style tag and drop it
     out = table(f"{setup.target} + {setup.draft}, K={run.k}, {plural(setup.prompts, 'prompt')} × {setup.max_new_tokens} tokens, "
                 f"T={setup.params.temperature:g}",
-                [("engine", "left"), *((c, "right") for c in ("ms/token", "median [min–max]",
-                                                           *([hf_header] if run.has("hf") else []),
-                                                           *(["ours÷vllm"] if run.has("vllm") else []), "= ours-rsp"))],
+                [("engine", "left"), *((c, "right") for c in ("ms/token", "median" + spread,
+                                                           *(["ours÷it" + (spread if ranged else "")] if rivals else []),
+                                                           "= ours-rsp"))],
                 keep_whole=("engine",))
     for x in run.summaries:
-        ratio = "–" if math.isnan(x.ratio_median) else f"{x.ratio_median:.2f}" + (
-            "" if run.has("vllm") else f" [{x.ratio_min:.2f}–{x.ratio_max:.2f}]")
         agree = run.greedy_agreement.get(x.engine)
         out.add_row(x.engine, f"{x.ms_per_token:.1f}",
                     f"{x.ms_per_token_median:.1f} [{x.ms_per_token_min:.1f}–{x.ms_per_token_max:.1f}]",
-                    *([ratio] if run.has("hf") else []),
-                    *([fmt(x.vllm_ratio_median, 2)] if run.has("vllm") else []), "–" if agree is None else f"{agree:.0%}")
+                    *([ours_over(run, x.engine, ranged)] if rivals else []), "–" if agree is None else f"{agree:.0%}")
     console.print(out)
-    console.print("  ours÷hf, ours÷vllm: our time ÷ the rival's per prompt (median); = ours-rsp: share of "
-                  "prompts whose tokens equal our RSp's")
-    if run.has("vllm"):
-        console.print(f"  vLLM {run.vllm_version} SSp (draft_model): α = {run.vllm_alpha:.2f} (accepted/drafted "
-                      f"{run.vllm_acceptance_rate:.1%}); its tokens equal vLLM RSp's on {fmt(run.vllm_agreement, 0, pct=True)}"
-                      " of prompts; its ms/token from its request timestamps, first token to last")
+    console.print(("  ours÷it: our time ÷ this engine's in the same mode (RSp, SSp), per prompt: median"
+                   + (spread if ranged else "") + "; " if rivals else "  ")
+                  + "= ours-rsp: share of prompts whose tokens equal our RSp's")
+    for name, figures in run.rivals.items():
+        words, method, timing = RIVAL_WORDS[name]
+        console.print(f"  {words} {figures.version} SSp ({method}): α = {fmt(figures.alpha, 2)} (accepted/drafted "
+                      f"{fmt(figures.acceptance_rate, 1, pct=True)}); its tokens equal its RSp's on "
+                      f"{fmt(figures.agreement, 0, pct=True)} of prompts; its ms/token from {timing}, first token to last")
     rsp_ms = next(x.ms_per_token for x in run.summaries if x.engine == "ours-rsp")
     console.print(f"  our SSp: {run.ssp_overhead_share:.1%} of decode time outside the two models' forwards; α = "
                   f"{run.alpha:.2f} (accepted/drafted {run.acceptance_rate:.1%}); c = {run.cost_ratio:.3f}; speedup over "
@@ -140,3 +152,14 @@ def render(run, alphas: list[float], random_weights: bool) -> None:
     if random_weights:
         console.print("[yellow]  Random weights: timings and c are real; acceptance and measured speedup mean nothing."
                       "[/yellow]")
+
+
+def ours_over(run, engine: str, ranged: bool) -> str:
+    """On a rival's row: ours ÷ it in the same mode, per prompt (median, [min–max] if ``ranged``); "–" elsewhere."""
+    from lssp.measure.bench import LABELS
+
+    owner, mode = LABELS[engine]
+    ratio = next(x for x in run.summaries if x.engine == f"ours-{mode}").rival_ratio(owner) if owner != "ours" else None
+    if ratio is None or math.isnan(ratio.median):
+        return "–"
+    return f"{ratio.median:.2f}" + (f" [{ratio.min:.2f}–{ratio.max:.2f}]" if ranged else "")

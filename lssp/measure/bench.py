@@ -1,6 +1,7 @@
-"""Our RSp and SSp against transformers' generate() and assisted generation, in one run.
+"""Our RSp and SSp against transformers' generate() and assisted generation, and against rival engines that run
+their own RSp and SSp (vLLM, llama.cpp), in one run.
 
-The four engines run the same prompts, token budget, K and sampling parameters,
+The engines run the same prompts, token budget, K and sampling parameters,
 interleaved prompt by prompt so that machine drift hits all of them alike. Every engine
 completes exactly ``max_new_tokens`` tokens (EOS disabled), counted from ids; ms/token is decode ms/token as
 ``lssp.decoding.generation.DECODE_TIMING`` defines it for every engine.
@@ -17,8 +18,7 @@ import torch
 from lssp.decoding.generation import DECODE_TIMING, FIRST_TO_LAST, GenerationStats, timing_basis
 from lssp.decoding.sampling import SamplingParams
 from lssp.decoding.timing import Clock
-from lssp.engines import Engine, Mode, OursEngine, Request, TransformersEngine, VllmEngine, request_seed
-from lssp.engines.vllm import VllmEngines
+from lssp.engines import Engine, Mode, OursEngine, Request, TransformersEngine, request_seed
 from lssp.measure.latency import (
     NOISY_SPREAD,
     SAME_PASS,
@@ -34,14 +34,19 @@ from lssp.report.results import RunInfo, markdown_table, plural
 from lssp.report.stats import alpha_estimate, predicted_speedup
 
 ENGINES = ("ours-rsp", "hf-generate", "ours-ssp", "hf-assisted")
-VLLM_ENGINES = ("vllm-rsp", "vllm-ssp")  # with --engine vllm (lssp.engines.vllm)
+# Rival engines that run their own RSp and SSp (their engine name: lssp.engines.ENGINES): each adds "NAME-rsp" and
+# "NAME-ssp" rows, ours ÷ it per prompt, and its version, acceptance, α and SSp = RSp agreement.
+RIVALS = ("vllm", "llamacpp")
+LABELS = {"ours-rsp": ("ours", "rsp"), "hf-generate": ("hf", "rsp"),
+          **{f"{r}-rsp": (r, "rsp") for r in RIVALS},
+          "ours-ssp": ("ours", "ssp"), "hf-assisted": ("hf", "ssp"),
+          **{f"{r}-ssp": (r, "ssp") for r in RIVALS}}  # in table order: RSp rows first
 
 
 def engines_for(rivals: Sequence[str]) -> tuple[str, ...]:
-    """The engines a bench runs: ours and each rival ("hf", "vllm"), RSp ones first."""
+    """The engines a bench runs: ours and each rival ("hf", "vllm", "llamacpp"), RSp ones first."""
     wanted = {"ours", *rivals}
-    return tuple(e for e in (*ENGINES[:2], VLLM_ENGINES[0], *ENGINES[2:], VLLM_ENGINES[1])
-                 if e.split("-")[0] in wanted)
+    return tuple(label for label, (engine, _) in LABELS.items() if engine in wanted)
 
 
 @dataclass
@@ -80,6 +85,25 @@ class EngineRun:
 
 
 @dataclass
+class Ratios:
+    """Ours ÷ a rival, prompt by prompt: median, min, max."""
+
+    median: float = float("nan")
+    min: float = float("nan")
+    max: float = float("nan")
+
+
+@dataclass
+class RivalFigures:
+    """What a rival engine (``RIVALS``) reports of its own SSp, beside its RSp."""
+
+    version: str = ""
+    acceptance_rate: float = float("nan")  # its SSp: accepted / drafted, median over prompts
+    alpha: float = float("nan")  # from its accepted drafts and rejecting steps, all prompts
+    agreement: float = float("nan")  # share of prompts where its SSp's tokens equal its RSp's
+
+
+@dataclass
 class EngineSummary:
     engine: str
     ms_per_token: float  # all prompts: timed spans ÷ timed tokens (DECODE_TIMING)
@@ -91,9 +115,13 @@ class EngineSummary:
     ratio_median: float = float("nan")  # ours / hf per prompt (ours-* rows only)
     ratio_min: float = float("nan")
     ratio_max: float = float("nan")
-    vllm_ratio_median: float = float("nan")  # ours / vLLM per prompt (ours-* rows, when vLLM ran)
-    vllm_ratio_min: float = float("nan")
-    vllm_ratio_max: float = float("nan")
+    rival_ratios: dict[str, Ratios] = field(default_factory=dict)  # ours / each rival that ran (ours-* rows only)
+
+    def rival_ratio(self, rival: str) -> Ratios:
+        """Ours ÷ ``rival`` (hf or one of ``RIVALS``) per prompt; NaNs where it did not run or this is not ours."""
+        if rival == "hf":
+            return Ratios(self.ratio_median, self.ratio_min, self.ratio_max)
+        return self.rival_ratios.get(rival, Ratios())
 
 
 @dataclass
@@ -129,10 +157,7 @@ class BenchRun:
     cost_ratio: float = float("nan")  # c = draft ms/forward ÷ target ms per 1-token forward
     verify_ratio: float = float("nan")  # v = target ms per SSp (K+1-token) forward ÷ per RSp forward
     greedy_agreement: dict[str, float] = field(default_factory=dict)  # share of prompts equal to ours-rsp
-    vllm_version: str = ""
-    vllm_acceptance_rate: float = float("nan")  # vllm-ssp: accepted / drafted, median over prompts
-    vllm_alpha: float = float("nan")
-    vllm_agreement: float = float("nan")  # share of prompts where vllm-ssp's tokens equal vllm-rsp's
+    rivals: dict[str, RivalFigures] = field(default_factory=dict)  # each rival engine that ran (RIVALS order)
 
     @property
     def noisy(self) -> bool:
@@ -145,7 +170,7 @@ class BenchRun:
         return sum(x.timing_fallbacks for x in self.summaries)
 
     def has(self, rival: str) -> bool:
-        """Whether engines of ``rival`` (hf, vllm) ran."""
+        """Whether engines of ``rival`` (hf, vllm, llamacpp) ran."""
         return any(x.engine.startswith(rival + "-") for x in self.summaries)
 
     def _ms(self, engine: str) -> float:
@@ -178,9 +203,7 @@ class BenchRun:
             "prompts": setup.prompts, "ms_per_token": x.ms_per_token, "ms_per_token_median": x.ms_per_token_median,
             "ms_per_token_min": x.ms_per_token_min, "ms_per_token_max": x.ms_per_token_max,
             "ours_over_hf_median": x.ratio_median, "ours_over_hf_min": x.ratio_min, "ours_over_hf_max": x.ratio_max,
-            "ours_over_vllm_median": x.vllm_ratio_median, "ours_over_vllm_min": x.vllm_ratio_min,
-            "ours_over_vllm_max": x.vllm_ratio_max, "vllm": self.vllm_version if x.engine.startswith("vllm") else "",
-            "vllm_ssp_equals_vllm_rsp": self.vllm_agreement if x.engine == "vllm-ssp" else float("nan"),
+            **self._rival_columns(x),
             "greedy_agreement": self.greedy_agreement.get(x.engine, float("nan")),
             "ssp_overhead_share": self.ssp_overhead_share, "acceptance_rate": self.acceptance_rate, "alpha": self.alpha,
             "cost_ratio": self.cost_ratio, "verify_ratio": self.verify_ratio,
@@ -193,16 +216,33 @@ class BenchRun:
             "target_precision": setup.target_precision, "draft_precision": setup.draft_precision, **self.info.env,
         } for x in self.summaries]
 
+    def _rival_columns(self, x: EngineSummary) -> dict[str, Any]:
+        """Per rival R (every one of ``RIVALS``, so that every run writes the same columns): ours ÷ R on ours' rows
+        (``ours_over_R_median``, ``_min``, ``_max``), R's version on its rows (column ``R``), and on its SSp row its
+        SSp = RSp agreement, acceptance rate and α (``R_ssp_equals_R_rsp``, ``R_acceptance_rate``, ``R_alpha``)."""
+        columns: dict[str, Any] = {}
+        for r in RIVALS:
+            ratio, figures, ssp = x.rival_ratio(r), self.rivals.get(r, RivalFigures()), x.engine == f"{r}-ssp"
+            columns.update({f"ours_over_{r}_median": ratio.median, f"ours_over_{r}_min": ratio.min,
+                            f"ours_over_{r}_max": ratio.max, r: figures.version if x.engine.startswith(r + "-") else ""})
+            columns.update({f"{r}_ssp_equals_{r}_rsp": figures.agreement, f"{r}_acceptance_rate": figures.acceptance_rate,
+                            f"{r}_alpha": figures.alpha} if ssp else dict.fromkeys(
+                (f"{r}_ssp_equals_{r}_rsp", f"{r}_acceptance_rate", f"{r}_alpha"), float("nan")))
+        return columns
+
     def markdown(self) -> str:
         setup = self.setup
         columns = ["engine", "ms_per_token", "ms_per_token_median", "ms_per_token_min", "ms_per_token_max",
-                   "ours_over_hf_median", "ours_over_hf_min", "ours_over_hf_max", "greedy_agreement"]
+                   "ours_over_hf_median", "ours_over_hf_min", "ours_over_hf_max",
+                   *(f"ours_over_{r}_median" for r in self.rivals), "greedy_agreement"]
         return (f"# bench run {self.info.run_id}\n\ntarget `{setup.target}` ({setup.target_precision}), draft "
                 f"`{setup.draft}`, K={self.k}, {plural(setup.prompts, 'prompt')} x {setup.max_new_tokens} tokens, {setup.params}"
                 f"\n\n{self.info.describe()}\n\n" + markdown_table(self.rows(), columns) +
                 f"\nour SSp overhead outside forwards: {self.ssp_overhead_share:.1%} of decode time; α {self.alpha:.3f}; "
                 f"c = {self.cost_ratio:.3f}; v = {self.verify_ratio:.3f}; SSp speedup measured {self.measured_speedup:.2f}x, "
                 f"predicted {self.predicted_speedup:.2f}x (v = 1), {self.predicted_speedup_v:.2f}x (measured v)\n\n"
+                + "".join(f"{r} {x.version}: SSp α {x.alpha:.3f}, accepted/drafted {x.acceptance_rate:.1%}, SSp tokens "
+                          f"equal its RSp's on {x.agreement:.0%} of prompts\n\n" for r, x in self.rivals.items()) +
                 f"target weights {setup.target_weight_bytes / 1e6:.0f} MB, copy bandwidth {self.bandwidth / 1e9:.1f} GB/s, "
                 f"floor {self.floor_ms:.2f} ms/token, ours-rsp {self._ms('ours-rsp') / self.floor_ms:.2f}x the floor\n"
                 + (f"\nFallback: {plural(self.timing_fallbacks, 'completion')} had no timed first emission or nothing "
@@ -212,10 +252,6 @@ class BenchRun:
                    "prompt's typical one.\n" if self.noisy else ""))
 
 
-LABELS = {"ours-rsp": ("ours", "rsp"), "hf-generate": ("hf", "rsp"), "vllm-rsp": ("vllm", "rsp"),
-          "ours-ssp": ("ours", "ssp"), "hf-assisted": ("hf", "ssp"), "vllm-ssp": ("vllm", "ssp")}
-
-
 def bench_modes(labels: Sequence[str], k: int, confidence: float = 0.0) -> dict[str, Mode]:
     """Each engine label's mode: RSp, or SSp at ``k`` (``confidence`` > 0: both of ours and assisted generation
     stop drafting early)."""
@@ -223,19 +259,19 @@ def bench_modes(labels: Sequence[str], k: int, confidence: float = 0.0) -> dict[
     for label in labels:
         engine, mode = LABELS[label]
         modes[label] = Mode("rsp", engine=engine) if mode == "rsp" else \
-            Mode("ssp", k, confidence if engine != "vllm" else 0.0, engine=engine)
+            Mode("ssp", k, confidence if engine not in RIVALS else 0.0, engine=engine)
     return modes
 
 
 def run_bench(target: LoadedModel, draft: LoadedModel, prompts: Sequence[str], warmup_prompt: str, k: int,
               params: SamplingParams, max_new_tokens: int, seed: int, vocab_size: int | None = None,
               engines: Sequence[str] = ENGINES, progress: Progress | None = None, confidence: float = 0.0,
-              measure_bandwidth: bool = False, vllm: VllmEngines | None = None) -> BenchRun:
-    """Every engine on every prompt, interleaved through the run loop; ``confidence`` > 0 lets both SSp engines
-    stop drafting early. ``measure_bandwidth`` adds the device's copy bandwidth (for the memory-bandwidth floor)."""
-    runners: dict[str, Engine] = {"ours": OursEngine(target, [draft], [vocab_size]), "hf": TransformersEngine(target, draft)}
-    if vllm is not None:
-        runners["vllm"] = VllmEngine(vllm)
+              measure_bandwidth: bool = False, rivals: dict[str, Engine] | None = None) -> BenchRun:
+    """Every engine on every prompt, interleaved through the run loop; ``confidence`` > 0 lets ours and assisted
+    generation stop drafting early. ``rivals``: the started engine of each rival (``RIVALS``) the labels name, keyed
+    by its name. ``measure_bandwidth`` adds the device's copy bandwidth (for the memory-bandwidth floor)."""
+    runners: dict[str, Engine] = {"ours": OursEngine(target, [draft], [vocab_size]), "hf": TransformersEngine(target, draft),
+                                  **(rivals or {})}
     modes = bench_modes(engines, k, confidence)
     label_of = {mode: label for label, mode in modes.items()}
     separate = separate_split_pass("auto", target.model, draft.model)
@@ -266,7 +302,8 @@ def run_bench(target: LoadedModel, draft: LoadedModel, prompts: Sequence[str], w
                              max_new_tokens, len([r for r in runs if not r.split_pass]) // len(engines), confidence,
                              SEPARATE_PASS if separate else SAME_PASS)
     bench.info = RunInfo.for_models(target, draft)
-    bench.vllm_version = vllm.version if vllm is not None else ""
+    for name, figures in bench.rivals.items():
+        figures.version = runners[name].version
     if measure_bandwidth:
         bench.bandwidth = copy_bandwidth(target.device)
     return bench
@@ -284,21 +321,16 @@ def summarize(k: int, runs: list[EngineRun], engines: Sequence[str] = ENGINES, c
         fallbacks = sum(r.timing_fallback for r in rs)
         summary = EngineSummary(engine, 1000 * sum(r.timed_s for r in rs) / sum(r.timed_tokens for r in rs),
                                 median(per), min(per), max(per), fallbacks, timing_basis(fallbacks, len(rs)))
-        for prefix, rivals in (("", {"ours-rsp": "hf-generate", "ours-ssp": "hf-assisted"}),
-                               ("vllm_", {"ours-rsp": "vllm-rsp", "ours-ssp": "vllm-ssp"})):
-            rival = rivals.get(engine)
-            if rival in by:  # ours ÷ the rival, prompt by prompt: median, min, max
-                ratios = [a.ms_per_token / b.ms_per_token for a, b in zip(rs, by[rival])]
-                for name, value in (("median", median(ratios)), ("min", min(ratios)), ("max", max(ratios))):
-                    setattr(summary, f"{prefix}ratio_{name}", value)
+        if engine in ("ours-rsp", "ours-ssp"):
+            mode = engine.split("-")[1]
+            hf = "hf-generate" if mode == "rsp" else "hf-assisted"
+            if hf in by:
+                hf_ratio = ratios(rs, by[hf])
+                summary.ratio_median, summary.ratio_min, summary.ratio_max = hf_ratio.median, hf_ratio.min, hf_ratio.max
+            summary.rival_ratios = {r: ratios(rs, by[f"{r}-{mode}"]) for r in RIVALS if f"{r}-{mode}" in by}
         bench.summaries.append(summary)
-    if "vllm-ssp" in by:
-        ssp = by["vllm-ssp"]
-        bench.vllm_acceptance_rate = median(r.acceptance_rate for r in ssp)
-        bench.vllm_alpha = alpha_estimate(sum(r.accepted for r in ssp), sum(r.rejections for r in ssp))
-        if "vllm-rsp" in by:
-            reference = {r.prompt_index: r.tokens for r in by["vllm-rsp"]}
-            bench.vllm_agreement = sum(r.tokens == reference[r.prompt_index] for r in ssp) / len(ssp)
+    bench.rivals = {r: rival_figures(by.get(f"{r}-rsp"), by.get(f"{r}-ssp")) for r in RIVALS
+                    if f"{r}-rsp" in by or f"{r}-ssp" in by}
     if "ours-ssp" in by:
         ssp, ssp_split = by["ours-ssp"], split["ours-ssp"]
         bench.ssp_overhead_share = sum(r.ssp_other_s for r in ssp_split) / sum(r.ssp_decode_s for r in ssp_split)
@@ -321,6 +353,24 @@ def summarize(k: int, runs: list[EngineRun], engines: Sequence[str] = ENGINES, c
             same = [r.tokens == reference[r.prompt_index] for r in by[engine]]
             bench.greedy_agreement[engine] = sum(same) / len(same)
     return bench
+
+
+def ratios(ours: list[EngineRun], rival: list[EngineRun]) -> Ratios:
+    """Ours ÷ the rival, prompt by prompt (runs in the same prompt order): median, min, max."""
+    values = [a.ms_per_token / b.ms_per_token for a, b in zip(ours, rival)]
+    return Ratios(median(values), min(values), max(values))
+
+
+def rival_figures(rsp: list[EngineRun] | None, ssp: list[EngineRun] | None) -> RivalFigures:
+    """A rival's acceptance, α and SSp = RSp agreement from its timed runs (the version comes from its engine)."""
+    figures = RivalFigures()
+    if ssp:
+        figures.acceptance_rate = median(r.acceptance_rate for r in ssp)
+        figures.alpha = alpha_estimate(sum(r.accepted for r in ssp), sum(r.rejections for r in ssp))
+        if rsp:
+            reference = {r.prompt_index: r.tokens for r in rsp}
+            figures.agreement = sum(r.tokens == reference[r.prompt_index] for r in ssp) / len(ssp)
+    return figures
 
 
 def headline_timings(by: dict[str, list[EngineRun]], k: int, confidence: float = 0.0) -> list[PromptTiming]:
