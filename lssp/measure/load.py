@@ -1,0 +1,394 @@
+"""Speculative decoding under load: RSp and SSp serving the same requests at rising concurrency, and the
+concurrency from which SSp no longer pays (per-user latency and throughput, separately).
+
+At each concurrency level every mode serves the same request set, at most ``concurrency`` requests in flight,
+through one engine behind ``LoadBackend`` (``lssp.measure.load_backends``: vLLM servers loaded by vLLM's own
+client; our engine in static batches). Per request: TTFT (request start to first token) and TPOT, the per-user
+decode time per token, (last token time − first token time) ÷ (tokens − 1); per level and mode their median and
+90th percentile, the output throughput (tokens ÷ the level's wall time), and for SSp the acceptance rate (accepted
+÷ drafted) and mean acceptance length (1 + accepted ÷ verification steps), from counter deltas over the level.
+"""
+from __future__ import annotations
+
+import math
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, ClassVar
+
+from lssp.decoding.sampling import SamplingParams
+from lssp.engines.base import Mode, request_seed
+from lssp.engines.vllm import Counters
+from lssp.errors import UserError
+from lssp.measure.latency import uses_chat_template
+from lssp.measure.runloop import rotated
+from lssp.models.loading import ModelHandle
+from lssp.report.results import RunInfo, markdown_table, plural
+from lssp.workloads.tasks import TaskPrompt
+
+TPOT = "per request: (last token time - first token time) / (tokens - 1); median and p90 over the level's requests"
+NAN = float("nan")
+
+
+# --- statistics (pure) -----------------------------------------------------------------------------------------
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0-100) of the finite values, interpolated linearly between order statistics (numpy's
+    and vLLM's client's default); nan for none."""
+    finite = sorted(v for v in values if v == v and not math.isinf(v))
+    if not finite:
+        return NAN
+    position = (len(finite) - 1) * q / 100
+    low = math.floor(position)
+    high = min(low + 1, len(finite) - 1)
+    return finite[low] + (finite[high] - finite[low]) * (position - low)
+
+
+def ratio(numerator: float, denominator: float) -> float:
+    """numerator ÷ denominator, nan where either is missing or the denominator is not positive."""
+    if numerator != numerator or denominator != denominator or denominator <= 0:
+        return NAN
+    return numerator / denominator
+
+
+@dataclass(frozen=True)
+class BreakEven:
+    """Where SSp stops paying on one figure: ``level`` is the lowest concurrency from which on every measured ratio
+    is ≤ 1 (None: SSp still pays at the highest level measured)."""
+
+    level: int | None
+    levels: tuple[int, ...]
+    ratios: tuple[float, ...]
+
+    @property
+    def pays_everywhere(self) -> bool:
+        known = [r for r in self.ratios if r == r]
+        return bool(known) and all(r > 1 for r in known)
+
+    def describe(self) -> str:
+        if not any(r == r for r in self.ratios):
+            return "not measured (no ratio)"
+        if self.pays_everywhere:
+            return "SSp pays at every level measured"
+        if self.level is None:
+            return "none: SSp pays again at the highest level measured"
+        if self.level == self.levels[0]:
+            return f"SSp pays at no level measured (from {self.level})"
+        return f"SSp no longer pays from concurrency {self.level}"
+
+
+def break_even(levels: Sequence[int], ratios: Sequence[float]) -> BreakEven:
+    """The break-even rule: the lowest level c such that SSp's ratio to RSp (> 1: SSp pays) is ≤ 1 at c and at
+    every level measured above it; levels without a ratio (nan) are skipped."""
+    pairs = sorted((c, r) for c, r in zip(levels, ratios) if r == r)
+    level = None
+    for c, r in reversed(pairs):
+        if r > 1:
+            break
+        level = c
+    return BreakEven(level, tuple(levels), tuple(ratios))
+
+
+# --- what a backend measures --------------------------------------------------------------------------------------
+
+@dataclass
+class LoadRequest:
+    """One request of the set every mode serves: prompt ids, its seed, where it came from."""
+
+    index: int
+    ids: list[int]
+    seed: int
+    task: str = ""
+    prompt_id: str = ""
+
+
+@dataclass
+class RequestTiming:
+    """One served request (seconds): from its start to its first token, and from its first token to its last."""
+
+    index: int
+    tokens: int
+    ttft_s: float
+    first_to_last_s: float
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not self.error
+
+    @property
+    def tpot_s(self) -> float:
+        return self.first_to_last_s / (self.tokens - 1) if self.ok and self.tokens > 1 else NAN
+
+
+@dataclass
+class ModeLevel:
+    """One mode at one concurrency level: its requests' timings, the level's wall time, counter deltas."""
+
+    mode: Mode
+    concurrency: int
+    wall_s: float
+    requests: list[RequestTiming]
+    counters: Counters | None = None  # speculative-decoding counter deltas over the level (None: RSp)
+    batched: bool = True  # False: an engine that served this mode one request at a time (said in the output)
+    prompt_tokens_cut: int = 0  # prompt tokens an engine dropped to batch (ours: equal lengths per static batch)
+    client: dict[str, Any] = field(default_factory=dict)  # the load client's own summary, where it gives one
+
+
+class LoadFailure(Exception):
+    """A backend failed mid-run (a server died): the levels completed are kept, then this message is raised."""
+
+
+class LoadBackend(ABC):
+    """One engine under load: serves a request set in one mode at one concurrency. Started before anything is
+    timed (servers up, models loaded), closed after."""
+
+    name: ClassVar[str]
+
+    @property
+    def version(self) -> str:
+        return ""
+
+    def notes(self) -> list[str]:
+        """Lines the output prints about how this engine was loaded."""
+        return []
+
+    def check(self, mode: Mode, setup: LoadSetup) -> None:  # noqa: B027 - most engines take every mode
+        """Refuse, with one line, what this engine cannot run (before anything is timed)."""
+
+    def warm_up(self, modes: Sequence[Mode], request: LoadRequest) -> None:  # noqa: B027
+        """One untimed request per mode (first-request costs stay out of the figures)."""
+
+    @abstractmethod
+    def serve(self, mode: Mode, requests: Sequence[LoadRequest], concurrency: int) -> ModeLevel:
+        """Every request once in ``mode``, at most ``concurrency`` at a time; raises LoadFailure if the engine
+        broke down (UserError for anything else users can fix)."""
+
+    def close(self) -> None:  # noqa: B027
+        """Stop what the backend started."""
+
+
+# --- a run ------------------------------------------------------------------------------------------------------
+
+@dataclass
+class LoadSetup:
+    """What a load run was asked to do."""
+
+    engine: str
+    target: str
+    draft: str | None
+    modes: list[Mode]
+    levels: list[int]
+    params: SamplingParams
+    max_new_tokens: int
+    requests: int
+    workload: str  # task names or the prompts file
+    prompts: int  # distinct prompts behind the requests
+    chat: bool = False
+    ignore_eos: bool = False
+    request_rate: float | None = None  # Poisson arrivals per second (None: closed loop, all sent at once)
+    seed: int = 0
+    engine_version: str = ""
+    draft_method: str = ""  # vLLM's speculative method for the draft
+
+
+@dataclass
+class LevelSummary:
+    """One mode at one concurrency level, in the figures the output shows."""
+
+    concurrency: int
+    mode: str
+    k: int
+    lookup: int
+    label: str
+    requests: int
+    completed: int
+    failed: int
+    output_tokens: int
+    wall_s: float
+    tpot_median_ms: float
+    tpot_p90_ms: float
+    ttft_median_ms: float
+    ttft_p90_ms: float
+    throughput_tok_s: float
+    acceptance_rate: float = NAN
+    mean_acceptance_length: float = NAN
+    drafts: int = 0  # verification steps that drafted
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    latency_ratio: float = NAN  # RSp's median TPOT ÷ this one's (> 1: SSp faster per user)
+    throughput_ratio: float = NAN  # this throughput ÷ RSp's (> 1: SSp serves more tokens per second)
+    batched: bool = True
+    prompt_tokens_cut: int = 0
+
+
+def mode_label(mode: Mode, engine: str) -> str:
+    """RSp, SSp k=4, ngram 3 k=4 (vLLM's n-gram drafter alone), SSp k=4 +lookup 3 (ours: draft and lookup)."""
+    if mode.mode == "rsp":
+        return "RSp"
+    if mode.lookup and engine != "ours":
+        return f"ngram {mode.lookup} k={mode.k}"
+    return f"SSp k={mode.k}" + (f" +lookup {mode.lookup}" if mode.lookup else "")
+
+
+def summarize_level(level: ModeLevel, engine: str) -> LevelSummary:
+    """The figures of one mode at one level (ratios filled in by ``with_ratios``)."""
+    done = [r for r in level.requests if r.ok]
+    tokens = sum(r.tokens for r in done)
+    tpots = [1000 * r.tpot_s for r in done]
+    ttfts = [1000 * r.ttft_s for r in done]
+    c = level.counters
+    summary = LevelSummary(
+        level.concurrency, level.mode.mode, level.mode.k, level.mode.lookup, mode_label(level.mode, engine),
+        len(level.requests), len(done), len(level.requests) - len(done), tokens, level.wall_s,
+        percentile(tpots, 50), percentile(tpots, 90), percentile(ttfts, 50), percentile(ttfts, 90),
+        tokens / level.wall_s if level.wall_s > 0 else NAN, batched=level.batched,
+        prompt_tokens_cut=level.prompt_tokens_cut)
+    if c is not None and level.mode.mode == "ssp":
+        summary.drafts, summary.draft_tokens, summary.accepted_tokens = c.drafts, c.draft_tokens, c.accepted
+        summary.acceptance_rate = ratio(c.accepted, c.draft_tokens)
+        summary.mean_acceptance_length = 1 + c.accepted / c.drafts if c.drafts else NAN
+    return summary
+
+
+def with_ratios(summaries: list[LevelSummary]) -> list[LevelSummary]:
+    """SSp's ratios to the RSp of the same level: per-user latency (RSp median TPOT ÷ SSp's) and throughput."""
+    rsp = {s.concurrency: s for s in summaries if s.mode == "rsp"}
+    for s in summaries:
+        base = rsp.get(s.concurrency)
+        if s.mode == "ssp" and base is not None:
+            s.latency_ratio = ratio(base.tpot_median_ms, s.tpot_median_ms)
+            s.throughput_ratio = ratio(s.throughput_tok_s, base.throughput_tok_s)
+    return summaries
+
+
+@dataclass
+class LoadRun:
+    """A load run: its setup, the levels completed, whether Ctrl-C cut it or a backend failed."""
+
+    setup: LoadSetup
+    info: RunInfo
+    levels: list[list[ModeLevel]] = field(default_factory=list)  # per level done, one ModeLevel per mode
+    interrupted: bool = False
+    failure: str = ""
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def summaries(self) -> list[LevelSummary]:
+        return with_ratios([summarize_level(m, self.setup.engine) for level in self.levels for m in level])
+
+    @property
+    def levels_done(self) -> list[int]:
+        return [level[0].concurrency for level in self.levels if level]
+
+    def break_evens(self) -> list[tuple[str, BreakEven, BreakEven]]:
+        """(SSp mode label, per-user latency break-even, throughput break-even) for each SSp mode."""
+        out = []
+        summaries = self.summaries
+        for label in dict.fromkeys(s.label for s in summaries if s.mode == "ssp"):
+            rows = [s for s in summaries if s.label == label]
+            levels = [s.concurrency for s in rows]
+            out.append((label, break_even(levels, [s.latency_ratio for s in rows]),
+                        break_even(levels, [s.throughput_ratio for s in rows])))
+        return out
+
+    def rows(self, summaries: list[LevelSummary] | None = None) -> list[dict[str, Any]]:
+        """One CSV row per level and mode (``summaries``: some of them; default all)."""
+        setup, info = self.setup, self.info
+        return [{
+            **info.head(), "engine": setup.engine, "concurrency": s.concurrency, "mode": s.mode,
+            "method": "none" if s.mode == "rsp" else ("ngram" if s.lookup and setup.engine != "ours"
+                                                       else setup.draft_method or "draft"),
+            "target": setup.target, "draft": (setup.draft or "") if s.mode == "ssp" and not (
+                s.lookup and setup.engine != "ours") else "", "k": s.k,
+            "lookup": s.lookup, **setup.params.as_dict(), "max_new_tokens": setup.max_new_tokens,
+            "ignore_eos": setup.ignore_eos, "task": setup.workload, "chat": setup.chat,
+            "request_rate": setup.request_rate if setup.request_rate else "inf", "seed": setup.seed,
+            **{key: value for key, value in asdict(s).items() if key not in ("concurrency", "mode", "k", "lookup")},
+            "interrupted": self.interrupted, "engine_version": setup.engine_version, "tpot_definition": TPOT,
+            **info.env,
+        } for s in (summaries if summaries is not None else self.summaries)]
+
+    def level_rows(self, index: int) -> list[dict[str, Any]]:
+        """The rows of the ``index``-th level done (what is appended after each level)."""
+        concurrency = self.levels_done[index]
+        return self.rows([s for s in self.summaries if s.concurrency == concurrency])
+
+    def summary_json(self) -> dict[str, Any]:
+        return {"run_id": self.info.run_id, "engine": self.setup.engine, "target": self.setup.target,
+                "draft": self.setup.draft, "levels": self.levels_done, "interrupted": self.interrupted,
+                "failure": self.failure or None, "notes": self.notes,
+                "break_even": [{"mode": label, "latency": lat.level, "latency_text": lat.describe(),
+                                "throughput": thr.level, "throughput_text": thr.describe()}
+                               for label, lat, thr in self.break_evens()],
+                "rows": self.rows()}
+
+    def markdown(self) -> str:
+        setup = self.setup
+        columns = ["concurrency", "label", "completed", "tpot_median_ms", "tpot_p90_ms", "ttft_median_ms",
+                   "ttft_p90_ms", "throughput_tok_s", "acceptance_rate", "mean_acceptance_length", "latency_ratio",
+                   "throughput_ratio", "batched"]
+        lines = [f"- {label}: per-user latency break-even: {lat.describe()}; throughput break-even: {thr.describe()}"
+                 for label, lat, thr in self.break_evens()]
+        return (f"# load run {self.info.run_id}\n\n{setup.engine} {setup.engine_version}: target `{setup.target}`, "
+                f"draft `{setup.draft or '-'}`, {plural(setup.requests, 'request')} ({setup.workload}) per level "
+                f"and mode, ≤{setup.max_new_tokens} new tokens, {setup.params}, "
+                f"{'Poisson arrivals at ' + format(setup.request_rate, 'g') + '/s' if setup.request_rate else 'closed loop'}"
+                f"\n\n{self.info.describe()}\n\n{markdown_table(self.rows(), columns)}\n" + "\n".join(lines)
+                + "\n\n" + " ".join(self.notes) + ("\n\nInterrupted: the levels shown completed." if self.interrupted
+                                                  else "") + (f"\n\nFailed: {self.failure}" if self.failure else "")
+                + f"\n\nTPOT: {TPOT}. Ratios: latency = RSp median TPOT ÷ SSp's; throughput = SSp tokens/s ÷ RSp's; "
+                "> 1: SSp pays. Break-even: the lowest concurrency from which on every ratio measured is ≤ 1.\n")
+
+
+# --- building the request set and running the levels ----------------------------------------------------------
+
+def build_requests(target: ModelHandle, prompts: Sequence[TaskPrompt], count: int, seed: int,
+                   chat: bool = False) -> list[LoadRequest]:
+    """``count`` requests: the prompts' first turns in turn (cycling where there are fewer prompts), in the target's
+    chat template where ``chat`` or the prompt asks for it, each with its seed (``request_seed``)."""
+    if not prompts:
+        raise UserError("no prompts to build requests from")
+    encoded = [target.encode_turns(p.turns[:1], (), uses_chat_template(target, p, chat))[0].tolist() for p in prompts]
+    return [LoadRequest(i, encoded[i % len(prompts)], request_seed(seed, i), prompts[i % len(prompts)].task,
+                        prompts[i % len(prompts)].id) for i in range(count)]
+
+
+LevelDone = Callable[["LoadRun"], None]
+Progress = Callable[[str, int, int], None]
+
+
+def run_load(backend: LoadBackend, setup: LoadSetup, info: RunInfo, requests: Sequence[LoadRequest],
+             on_level: LevelDone | None = None, progress: Progress | None = None) -> LoadRun:
+    """Every mode at every level on the same requests, the modes' order rotating from one level to the next;
+    ``on_level`` after each level (saving it). Ctrl-C after a level keeps the levels done (``interrupted``); a
+    backend failure ends the run with the levels done and ``failure`` set."""
+    for mode in setup.modes:
+        backend.check(mode, setup)
+    run = LoadRun(setup, info, notes=backend.notes())
+    total, done = len(setup.levels) * len(setup.modes) + 1, 0
+    if progress:
+        progress("warm-up", done, total)
+    backend.warm_up(setup.modes, requests[0])
+    done += 1
+    try:
+        for index, concurrency in enumerate(setup.levels):
+            served: dict[Mode, ModeLevel] = {}
+            for mode in rotated(setup.modes, index):
+                start = time.perf_counter()
+                served[mode] = backend.serve(mode, requests, concurrency)
+                done += 1
+                if progress:
+                    progress(f"concurrency {concurrency} {mode_label(mode, setup.engine)} "
+                             f"({time.perf_counter() - start:.0f} s)", done, total)
+            run.levels.append([served[m] for m in setup.modes])
+            if on_level:
+                on_level(run)
+    except KeyboardInterrupt:
+        if not run.levels:
+            raise
+        run.interrupted = True
+    except LoadFailure as exc:
+        run.failure = str(exc)
+    return run

@@ -1,0 +1,215 @@
+"""The engines ``load`` drives: vLLM servers loaded by vLLM's own benchmark client, and our engine in static batches.
+
+Adding an engine is one ``LoadBackend`` subclass here (``serve(mode, requests, concurrency)`` giving per-request
+timings, the level's wall time and counter deltas) and its line in the CLI.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from lssp.decoding.generation import GenerationOutput, Stopping
+from lssp.engines.base import Mode, Request
+from lssp.engines.ours import OursEngine
+from lssp.engines.vllm import Counters
+from lssp.engines.vllm_server import ClientRequest, VllmServers, run_client, sampling_body
+from lssp.errors import UserError
+from lssp.measure.load import LoadBackend, LoadFailure, LoadRequest, LoadSetup, ModeLevel, RequestTiming
+
+WARM_UP_TOKENS = 8
+
+
+class VllmLoadBackend(LoadBackend):
+    """One vLLM server per mode (``VllmServers``), loaded by vLLM's benchmark client (``run_client``); acceptance
+    from each server's /metrics counters, read before and after every level."""
+
+    name = "vllm"
+
+    def __init__(self, servers: VllmServers, setup: LoadSetup, stop_ids: Sequence[int], tokenizer=None) -> None:
+        self.servers, self.setup, self.tokenizer = servers, setup, tokenizer
+        self.body = sampling_body(setup.params, stop_ids, setup.ignore_eos)
+
+    @property
+    def version(self) -> str:
+        return self.servers.version
+
+    def notes(self) -> list[str]:
+        return [f"vLLM {self.version}: one server per mode (the server `vllm serve` runs, on 127.0.0.1), loaded by "
+                "vLLM's own benchmark client (vllm.benchmarks.serve); TTFT and TPOT timed by the client from the "
+                "streamed tokens; acceptance from each server's /metrics counters, as deltas per level."]
+
+    @staticmethod
+    def key(mode: Mode) -> tuple[int, int]:
+        return (mode.k, mode.lookup) if mode.mode == "ssp" else (0, 0)
+
+    def check(self, mode: Mode, setup: LoadSetup) -> None:
+        if self.key(mode) not in self.servers.servers:
+            raise UserError(f"{mode.name}: no vLLM server was started for it")
+
+    def _client(self, mode: Mode, requests: Sequence[LoadRequest], concurrency: int, max_new_tokens: int,
+                rate: float | None):
+        server = self.servers.server(*self.key(mode))
+        return server, run_client(server, self.setup.target, [ClientRequest(r.ids, r.seed) for r in requests],
+                                  max_new_tokens, self.body, self.setup.ignore_eos, concurrency, rate, self.setup.seed,
+                                  self.tokenizer)
+
+    def warm_up(self, modes: Sequence[Mode], request: LoadRequest) -> None:
+        for mode in modes:
+            server, result = self._client(mode, [request], 1, min(WARM_UP_TOKENS, self.setup.max_new_tokens), None)
+            if any(result.errors):
+                raise self.servers.failed(server, f"on its warm-up request ({first_error(result.errors)})")
+
+    def serve(self, mode: Mode, requests: Sequence[LoadRequest], concurrency: int) -> ModeLevel:
+        server = self.servers.server(*self.key(mode))
+        before = server.counters() if mode.mode == "ssp" else None
+        _, result = self._client(mode, requests, concurrency, self.setup.max_new_tokens, self.setup.request_rate)
+        if any(result.errors):
+            raise LoadFailure(str(self.servers.failed(
+                server, f"at concurrency {concurrency}: {sum(map(bool, result.errors))} of {len(requests)} requests "
+                f"failed ({first_error(result.errors)})")))
+        after = server.counters() if before is not None else None
+        timings = [RequestTiming(r.index, tokens, ttft, max(0.0, latency - ttft)) for r, tokens, ttft, latency
+                   in zip(requests, result.output_tokens, result.ttft_s, result.latency_s)]
+        return ModeLevel(mode, concurrency, result.duration_s, timings, after - before if after else None,
+                         client=result.summary)
+
+    def close(self) -> None:
+        self.servers.close()
+
+
+def first_error(errors: Sequence[str]) -> str:
+    text = next((e for e in errors if e), "")
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    return (lines[-1] if lines else "no message")[:200]
+
+
+@dataclass
+class StaticBatch:
+    """Requests served together, their prompts cut to one length (rows of a batch share positions)."""
+
+    requests: list[LoadRequest]
+    ids: list[list[int]]
+    cut: int  # prompt tokens dropped
+
+
+def static_batches(requests: Sequence[LoadRequest], size: int) -> list[StaticBatch]:
+    """The requests in batches of ``size``, shortest prompts first (so that a batch holds similar lengths), each
+    prompt cut to its batch's shortest by dropping tokens from its start (left truncation, as vLLM's
+    ``truncate_prompt_tokens`` does): our batched decoding runs rows of one length side by side, unpadded."""
+    ordered = sorted(requests, key=lambda r: (len(r.ids), r.index))
+    batches = []
+    for start in range(0, len(ordered), size):
+        group = ordered[start:start + size]
+        length = min(len(r.ids) for r in group)
+        batches.append(StaticBatch(group, [r.ids[len(r.ids) - length:] for r in group],
+                                   sum(len(r.ids) - length for r in group)))
+    return batches
+
+
+def ssp_counters(outputs: Sequence[GenerationOutput]) -> Counters:
+    """Verification steps that drafted, drafted and accepted tokens of our completions."""
+    return Counters(sum(o.stats.drafted_at[0] if o.stats.drafted_at else 0 for o in outputs),
+                    sum(o.stats.drafted for o in outputs), sum(o.stats.accepted for o in outputs))
+
+
+class OursLoadBackend(LoadBackend):
+    """Our engine in static batches of B = concurrency: B requests start together and the next B start when the
+    whole batch is done (no continuous batching). RSp runs each batch in one batched loop
+    (``OursEngine.complete_rsp_batch``); SSp runs batched where our engine has a batched SSp
+    (``complete_ssp_batch``), else one request of the batch after another, said in the output as not batched."""
+
+    name = "ours"
+
+    def __init__(self, engine: OursEngine, setup: LoadSetup, stopping: Stopping) -> None:
+        self.engine, self.setup, self.stopping = engine, setup, stopping
+        self.batched_ssp = callable(getattr(engine, "complete_ssp_batch", None))
+
+    def notes(self) -> list[str]:
+        lines = ["ours: static batches of B = concurrency (the next batch starts when one ends); prompts of a batch "
+                 "cut on the left to its shortest (rows share positions), the tokens dropped in prompt_tokens_cut; "
+                 "RSp batched: every row's TTFT = the batch's prefill + its mean forward, TPOT = its mean forward."]
+        if not self.batched_ssp:
+            lines.append("ours SSp is NOT batched: our engine has no batched SSp yet, so each batch's requests run "
+                         "one after another (TTFT includes the wait for those before it); its throughput is that of "
+                         "one request at a time.")
+        return lines
+
+    def check(self, mode: Mode, setup: LoadSetup) -> None:
+        if setup.request_rate:
+            raise UserError("--request-rate: --engine ours serves static batches (closed loop); open-loop Poisson "
+                            "arrivals go through vLLM's client (--engine vllm)")
+        why = self.engine.supports(mode)
+        if why:
+            raise UserError(f"{mode.name}: {why}")
+
+    def _request(self, ids: list[int], seed: int, max_new_tokens: int | None = None) -> Request:
+        return Request(torch.tensor([ids], dtype=torch.long), max_new_tokens or self.setup.max_new_tokens,
+                       self.setup.params, seed, self.stopping, time_forwards=False)
+
+    def warm_up(self, modes: Sequence[Mode], request: LoadRequest) -> None:
+        budget = min(8, self.setup.max_new_tokens)
+        for mode in modes:
+            self.engine.complete(mode, self._request(request.ids, request.seed, budget))
+        self.engine.complete_rsp_batch(torch.tensor([request.ids] * 2), self._request(request.ids, 0, budget), [0, 1])
+
+    def serve(self, mode: Mode, requests: Sequence[LoadRequest], concurrency: int) -> ModeLevel:
+        timings: list[RequestTiming] = []
+        outputs: list[GenerationOutput] = []
+        batches = static_batches(requests, concurrency)
+        start = time.perf_counter()
+        for batch in batches:
+            if mode.mode == "rsp":
+                done = self._rsp_batch(batch)
+            elif self.batched_ssp:
+                done = self._ssp_batch(mode, batch)
+            else:
+                done = self._one_at_a_time(mode, batch)
+            timings += done[0]
+            outputs += done[1]
+        wall = time.perf_counter() - start
+        timings.sort(key=lambda t: t.index)
+        return ModeLevel(mode, concurrency, wall, timings, ssp_counters(outputs) if mode.mode == "ssp" else None,
+                         batched=mode.mode == "rsp" or self.batched_ssp, prompt_tokens_cut=sum(b.cut for b in batches))
+
+    def _rsp_batch(self, batch: StaticBatch) -> tuple[list[RequestTiming], list[GenerationOutput]]:
+        """One batched RSp loop; its stats are the batch's, times divided by B (``generate_regular_batch``)."""
+        size = len(batch.requests)
+        outs = self.engine.complete_rsp_batch(torch.tensor(batch.ids, dtype=torch.long),
+                                              self._request(batch.ids[0], batch.requests[0].seed),
+                                              [r.seed for r in batch.requests])
+        stats = outs[0].stats
+        prefill, total = stats.prefill_time_s * size, stats.total_time_s * size
+        forward = (total - prefill) / stats.target_forwards if stats.target_forwards else 0.0
+        return [RequestTiming(r.index, len(o.tokens), prefill + forward, forward * max(0, len(o.tokens) - 1))
+                for r, o in zip(batch.requests, outs)], outs
+
+    def _ssp_batch(self, mode: Mode, batch: StaticBatch) -> tuple[list[RequestTiming], list[GenerationOutput]]:
+        """Batched SSp (our engine's ``complete_ssp_batch``): each row's own first and last token times."""
+        start = time.perf_counter()
+        outs = self.engine.complete_ssp_batch(mode, torch.tensor(batch.ids, dtype=torch.long),
+                                              self._request(batch.ids[0], batch.requests[0].seed),
+                                              [r.seed for r in batch.requests])
+        wall = time.perf_counter() - start
+        timings = []
+        for r, o in zip(batch.requests, outs):
+            s = o.stats
+            ttft = s.ttft_s if s.ttft_s > 0 else wall
+            after = s.after_first_s if s.after_first_s == s.after_first_s else max(0.0, wall - ttft)
+            timings.append(RequestTiming(r.index, len(o.tokens), ttft, after))
+        return timings, outs
+
+    def _one_at_a_time(self, mode: Mode, batch: StaticBatch) -> tuple[list[RequestTiming], list[GenerationOutput]]:
+        """The batch's requests one after another: a request's TTFT counts the wait for those before it."""
+        waited, timings, outs = 0.0, [], []
+        for r, ids in zip(batch.requests, batch.ids):
+            start = time.perf_counter()
+            out = self.engine.complete(mode, self._request(ids, r.seed))
+            s = out.stats
+            after = s.after_first_s if s.after_first_s == s.after_first_s else 0.0
+            timings.append(RequestTiming(r.index, len(out.tokens), waited + s.ttft_s, after))
+            outs.append(out)
+            waited += time.perf_counter() - start
+        return timings, outs

