@@ -151,6 +151,29 @@ def test_rival_engines_share_one_path_ratios_version_acceptance_agreement():
     assert len({tuple(r) for r in rows.values()}) == 1  # every row has the same columns
 
 
+def test_the_table_keeps_engine_names_whole_in_80_columns_whatever_the_rivals(capsys):
+    """Ours ÷ each rival on its row, with [min–max] only where that fits: slow runs (wide numbers) with hf, vLLM and
+    llama.cpp still give whole engine names and lines of 80 columns at most."""
+    from lssp.cli.bench import render
+
+    for rivals, scale in ((("hf",), 1.0), (("llamacpp",), 1.0), (("llamacpp",), 100.0), (("hf", "vllm", "llamacpp"), 100.0)):
+        engines = bench.engines_for(rivals)
+        runs = [_timed(e, i, (10.0 + 7 * i + len(e)) * scale) for i in range(2) for e in engines]
+        run = summarize(3, runs, engines)
+        run.setup = BenchSetup("a-target", "a-draft", "float32", "float32", 10**9, SamplingParams(0), 40, 2)
+        run.bandwidth = 1e10
+        render(run, [], False)
+        out = capsys.readouterr().out
+        lines = out.splitlines()
+        assert all(len(line) <= 80 for line in lines), (rivals, scale)
+        cells = {line.split()[1]: [c.strip() for c in line.split("│")[1:-1]] for line in lines if line.startswith("│ ")}
+        assert list(cells) == list(engines) and cells["ours-rsp"][-1] == "100%"
+        ranged = "ours÷it [min–max]" in out
+        assert ranged == (scale == 1.0) and ("median [min–max];" in " ".join(out.split())) == ranged
+        rival = rivals[-1] + ("-generate" if rivals[-1] == "hf" else "-rsp")
+        assert cells[rival][3].split()[0] == f"{next(x for x in run.summaries if x.engine == 'ours-rsp').rival_ratio(rivals[-1]).median:.2f}"
+
+
 def _timed(engine: str, index: int, per_iteration_ms: float, split: bool = False,
            target_ms: float = float("nan")) -> EngineRun:
     """A hand-made run of 40 tokens: 40 iterations for RSp, 20 for SSp, each ``per_iteration_ms`` long."""

@@ -6,6 +6,8 @@ import math
 from typing import Annotated, Optional
 
 import typer
+from rich.measure import Measurement
+from rich.table import Table
 
 from lssp.cli.app import app, settings
 from lssp.cli.loaders import llamacpp_engine, llamacpp_pair, load_engine_pair, load_pair, start_vllm
@@ -105,22 +107,13 @@ def render(run, alphas: list[float], random_weights: bool) -> None:
 
     setup = run.setup
     rivals = [r for r in ("hf", *run.rivals) if run.has(r)]
-    ranged = len(rivals) == 1  # one rival: its ratio's [min–max] fits in 80 columns
-    spread = " \\[min–max]"  # escaped: rich would read "[min–max]" as a style tag and drop it
-    out = table(f"{setup.target} + {setup.draft}, K={run.k}, {plural(setup.prompts, 'prompt')} × {setup.max_new_tokens} tokens, "
-                f"T={setup.params.temperature:g}",
-                [("engine", "left"), *((c, "right") for c in ("ms/token", "median" + spread,
-                                                           *(["ours÷it" + (spread if ranged else "")] if rivals else []),
-                                                           "= ours-rsp"))],
-                keep_whole=("engine",))
-    for x in run.summaries:
-        agree = run.greedy_agreement.get(x.engine)
-        out.add_row(x.engine, f"{x.ms_per_token:.1f}",
-                    f"{x.ms_per_token_median:.1f} [{x.ms_per_token_min:.1f}–{x.ms_per_token_max:.1f}]",
-                    *([ours_over(run, x.engine, ranged)] if rivals else []), "–" if agree is None else f"{agree:.0%}")
+    out = bench_table(run, rivals, ranged=True)
+    ranged = bool(rivals) and Measurement.get(console, console.options.update_width(1000), out).maximum <= console.width
+    if not ranged:  # ours ÷ a rival's [min–max] only where it fits (80 columns)
+        out = bench_table(run, rivals, ranged=False)
     console.print(out)
     console.print(("  ours÷it: our time ÷ this engine's in the same mode (RSp, SSp), per prompt: median"
-                   + (spread if ranged else "") + "; " if rivals else "  ")
+                   + (" \\[min–max]" if ranged else "") + "; " if rivals else "  ")
                   + "= ours-rsp: share of prompts whose tokens equal our RSp's")
     for name, figures in run.rivals.items():
         words, method, timing = RIVAL_WORDS[name]
@@ -152,6 +145,24 @@ def render(run, alphas: list[float], random_weights: bool) -> None:
     if random_weights:
         console.print("[yellow]  Random weights: timings and c are real; acceptance and measured speedup mean nothing."
                       "[/yellow]")
+
+
+def bench_table(run, rivals: list[str], ranged: bool) -> Table:
+    """One row per engine: ms/token, ours ÷ it on rivals' rows (with its [min–max] if ``ranged``), = ours-rsp."""
+    setup = run.setup
+    spread = " \\[min–max]"  # escaped: rich would read "[min–max]" as a style tag and drop it
+    out = table(f"{setup.target} + {setup.draft}, K={run.k}, {plural(setup.prompts, 'prompt')} × {setup.max_new_tokens} tokens, "
+                f"T={setup.params.temperature:g}",
+                [("engine", "left"), *((c, "right") for c in ("ms/token", "median" + spread,
+                                                           *(["ours÷it" + (spread if ranged else "")] if rivals else []),
+                                                           "= ours-rsp"))],
+                keep_whole=("engine",))
+    for x in run.summaries:
+        agree = run.greedy_agreement.get(x.engine)
+        out.add_row(x.engine, f"{x.ms_per_token:.1f}",
+                    f"{x.ms_per_token_median:.1f} [{x.ms_per_token_min:.1f}–{x.ms_per_token_max:.1f}]",
+                    *([ours_over(run, x.engine, ranged)] if rivals else []), "–" if agree is None else f"{agree:.0%}")
+    return out
 
 
 def ours_over(run, engine: str, ranged: bool) -> str:

@@ -15,9 +15,10 @@ from typing import Any
 
 import torch
 
-from lssp.decoding.generation import DECODE_TIMING, FIRST_TO_LAST, GenerationStats, timing_basis
+from lssp.decoding.generation import FIRST_TO_LAST, GenerationStats, timing_basis
 from lssp.decoding.sampling import SamplingParams
 from lssp.decoding.timing import Clock
+from lssp.engines import ENGINES as ENGINE_KINDS
 from lssp.engines import Engine, Mode, OursEngine, Request, TransformersEngine, request_seed
 from lssp.measure.latency import (
     NOISY_SPREAD,
@@ -211,7 +212,7 @@ class BenchRun:
             "ssp_speedup_predicted_v": self.predicted_speedup_v, "target_weight_bytes": setup.target_weight_bytes,
             "copy_bandwidth_gbs": self.bandwidth / 1e9, "bandwidth_floor_ms": self.floor_ms,
             "forward_spread": self.forward_spread, "noise_spread": self.noise_spread, "noisy": self.noisy,
-            "interrupted": self.interrupted, "split_timing": setup.split_timing, "decode_timing": DECODE_TIMING,
+            "interrupted": self.interrupted, "split_timing": setup.split_timing, "decode_timing": ENGINE_KINDS[LABELS[x.engine][0]].decode_timing,
             "timing_basis": x.timing_basis, "timing_fallbacks": x.timing_fallbacks,
             "target_precision": setup.target_precision, "draft_precision": setup.draft_precision, **self.info.env,
         } for x in self.summaries]
