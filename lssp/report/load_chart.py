@@ -22,6 +22,7 @@ def load_chart(rows: Sequence[Mapping[str, Any]], path: Path, title: str, captio
     (PNG); None where there is nothing to draw (no SSp row with a ratio)."""
     ssp = [r for r in rows if r.get("mode") == "ssp"]
     labels = list(dict.fromkeys(str(r["label"]) for r in ssp))
+    unbatched = {str(r["label"]) for r in ssp if str(r.get("batched")) == "False"}
     if not any(_finite(r.get(key)) for r in ssp for key, *_ in FIGURES):
         return None
     fig, ax = plt.subplots(figsize=(7.0, 4.2), layout="constrained")
@@ -32,9 +33,8 @@ def load_chart(rows: Sequence[Mapping[str, Any]], path: Path, title: str, captio
         for key, what, style, marker in FIGURES:
             points = [(int(r["concurrency"]), float(r[key])) for r in mine if _finite(r.get(key))]
             if points:
-                ax.plot(*zip(*points), style, marker=marker, color=colours(i), label=f"{label}: {what}")
+                ax.plot(*zip(*points), style, marker=marker, color=colours(i), label=f"{label}{' (not batched)' if label in unbatched else ''}: {what}")
     ax.axhline(1.0, color="0.4", linewidth=0.9)
-    ax.text(levels[0], 1.0, " SSp pays above this line", va="bottom", fontsize=7, color="0.35")
     ax.set_xscale("log", base=2)
     ax.set_xticks(levels, [str(c) for c in levels])
     ax.minorticks_off()
