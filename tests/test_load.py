@@ -132,21 +132,28 @@ def test_a_failure_or_an_interruption_keeps_the_levels_done():
 # --- our engine, end to end -------------------------------------------------------------------------------------
 
 def test_load_on_our_engine_through_the_cli(run, tmp_path):
+    from lssp.engines import OursEngine
+
     code, out, err = run("load", "--engine", "ours", "--concurrency", "1,2", "--requests", "4", "--task", "stories",
-                         "--max-new-tokens", "6", "--k", "2", "--json", str(tmp_path / "load.json"))
+                         "--max-new-tokens", "6", "--k", "2", "--lookup", "2", "--json", str(tmp_path / "load.json"))
     assert code == 0, err
     assert "break-even (per-user latency, SSp k=2):" in out and "break-even (throughput, SSp k=2):" in out
-    assert "not batched" in out  # until our engine batches SSp, the output says so
     assert max(len(line) for line in out.splitlines()) <= 80
     rows = pd.read_csv(tmp_path / "results" / "load.csv")
-    assert sorted(zip(rows["concurrency"], rows["mode"])) == [(1, "rsp"), (1, "ssp"), (2, "rsp"), (2, "ssp")]
+    assert sorted(zip(rows["concurrency"], rows["label"])) == [
+        (1, "RSp"), (1, "SSp k=2"), (1, "SSp k=2 +lookup 2"), (2, "RSp"), (2, "SSp k=2"), (2, "SSp k=2 +lookup 2")]
     assert set(rows["engine"]) == {"ours"} and rows["run_id"].nunique() == 1 and "device" in rows
     assert (rows["completed"] == 4).all() and (rows["output_tokens"] > 0).all()
     ssp = rows[rows["mode"] == "ssp"]
-    assert (ssp["draft_tokens"] > 0).all() and ssp["latency_ratio"].notna().all()
-    assert list(ssp["batched"]) == [False, False]
+    assert (ssp["draft_tokens"] > 0).all() and ssp["throughput_ratio"].notna().all()
+    plain, lookup = ssp[ssp["lookup"] == 0], ssp[ssp["lookup"] == 2]
+    batched = hasattr(OursEngine, "complete_ssp_batch")  # our batched SSp; the context lookup runs one at a time
+    assert list(plain["batched"]) == [batched] * 2 and list(lookup["batched"]) == [False] * 2
+    assert lookup["latency_ratio"].isna().all()  # one request at a time: its TPOT is a lone request's
+    assert plain["latency_ratio"].notna().all() == batched
+    assert "not measured" in out and "NOT batched" in out
     summary = json.loads((tmp_path / "load.json").read_text())
-    assert summary["levels"] == [1, 2] and len(summary["break_even"]) == 1
+    assert summary["levels"] == [1, 2] and len(summary["break_even"]) == 2
     assert (tmp_path / "results" / f"load-{rows['run_id'][0]}.png").exists()
 
 

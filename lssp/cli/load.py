@@ -239,8 +239,11 @@ def render(run) -> None:
     for label, latency, throughput in run.break_evens():
         for what, rule in (("per-user latency", latency), ("throughput", throughput)):
             style = "bold green" if rule.pays_everywhere else "bold red" if rule.level is not None else "bold"
-            console.print(Text(f"break-even ({what}, {label}): {rule.describe()}"
-                               + (" († SSp not batched)" if label in unbatched else ""), style=style))
+            text = rule.describe()
+            if label in unbatched:
+                text = ("not measured: † SSp ran one request at a time, so its TPOT is a lone request's (the wait is "
+                        "in its TTFT)") if what == "per-user latency" else text + " († SSp not batched)"
+            console.print(Text(f"break-even ({what}, {label}): {text}", style=style))
     for note in run.notes:
         console.print(f"  {note}")
     cut = sum(row.prompt_tokens_cut for row in run.summaries if row.mode == "rsp")

@@ -253,12 +253,15 @@ def summarize_level(level: ModeLevel, engine: str) -> LevelSummary:
 
 
 def with_ratios(summaries: list[LevelSummary]) -> list[LevelSummary]:
-    """SSp's ratios to the RSp of the same level: per-user latency (RSp median TPOT ÷ SSp's) and throughput."""
+    """SSp's ratios to the RSp of the same level: per-user latency (RSp median TPOT ÷ SSp's) and throughput. An
+    SSp served one request at a time (not batched) gets no latency ratio: its TPOT is that of a request running
+    alone, not under load (the wait is in its TTFT)."""
     rsp = {s.concurrency: s for s in summaries if s.mode == "rsp"}
     for s in summaries:
         base = rsp.get(s.concurrency)
         if s.mode == "ssp" and base is not None:
-            s.latency_ratio = ratio(base.tpot_median_ms, s.tpot_median_ms)
+            if s.batched:
+                s.latency_ratio = ratio(base.tpot_median_ms, s.tpot_median_ms)
             s.throughput_ratio = ratio(s.throughput_tok_s, base.throughput_tok_s)
     return summaries
 

@@ -17,7 +17,15 @@ from lssp.engines.ours import OursEngine
 from lssp.engines.vllm import Counters
 from lssp.engines.vllm_server import ClientRequest, VllmServers, run_client, sampling_body
 from lssp.errors import UserError
-from lssp.measure.load import LoadBackend, LoadFailure, LoadRequest, LoadSetup, ModeLevel, RequestTiming
+from lssp.measure.load import (
+    LoadBackend,
+    LoadFailure,
+    LoadRequest,
+    LoadSetup,
+    ModeLevel,
+    RequestTiming,
+    mode_label,
+)
 
 WARM_UP_TOKENS = 8
 
@@ -132,14 +140,27 @@ class OursLoadBackend(LoadBackend):
         self.engine, self.setup, self.stopping = engine, setup, stopping
         self.batched_ssp = callable(getattr(engine, "complete_ssp_batch", None))
 
+    def unbatched_reason(self, mode: Mode) -> str | None:
+        """Why our engine serves SSp ``mode`` one request at a time, or None: it batches it."""
+        if not self.batched_ssp:
+            return "our engine has no batched SSp"
+        reason = getattr(self.engine, "unbatched_reason", None)
+        return reason(mode) if callable(reason) else None
+
     def notes(self) -> list[str]:
         lines = ["ours: static batches of B = concurrency (the next batch starts when one ends); prompts of a batch "
-                 "cut on the left to its shortest (rows share positions), the tokens dropped in prompt_tokens_cut; "
-                 "RSp batched: every row's TTFT = the batch's prefill + its mean forward, TPOT = its mean forward."]
-        if not self.batched_ssp:
-            lines.append("ours SSp is NOT batched: our engine has no batched SSp yet, so each batch's requests run "
-                         "one after another (TTFT includes the wait for those before it); its throughput is that of "
-                         "one request at a time.")
+                 "cut on the left to its shortest (RSp's batched rows share positions), the tokens dropped in "
+                 "prompt_tokens_cut; RSp batched: every row's TTFT = the batch's prefill + its mean forward, TPOT = "
+                 "its mean forward."]
+        ssp = [m for m in self.setup.modes if m.mode == "ssp"]
+        if any(self.unbatched_reason(m) is None for m in ssp):
+            lines.append("ours SSp batched (complete_ssp_batch): each row its own first and last token times.")
+        for mode in ssp:
+            reason = self.unbatched_reason(mode)
+            if reason:
+                lines.append(f"ours {mode_label(mode, self.name)} is NOT batched ({reason}): each batch's requests "
+                             "run one after another (TTFT includes the wait for those before it); its throughput is "
+                             "that of one request at a time.")
         return lines
 
     def check(self, mode: Mode, setup: LoadSetup) -> None:
@@ -164,11 +185,12 @@ class OursLoadBackend(LoadBackend):
         timings: list[RequestTiming] = []
         outputs: list[GenerationOutput] = []
         batches = static_batches(requests, concurrency)
+        batched = mode.mode == "rsp" or self.unbatched_reason(mode) is None
         start = time.perf_counter()
         for batch in batches:
             if mode.mode == "rsp":
                 done = self._rsp_batch(batch)
-            elif self.batched_ssp:
+            elif batched:
                 done = self._ssp_batch(mode, batch)
             else:
                 done = self._one_at_a_time(mode, batch)
@@ -177,7 +199,7 @@ class OursLoadBackend(LoadBackend):
         wall = time.perf_counter() - start
         timings.sort(key=lambda t: t.index)
         return ModeLevel(mode, concurrency, wall, timings, ssp_counters(outputs) if mode.mode == "ssp" else None,
-                         batched=mode.mode == "rsp" or self.batched_ssp, prompt_tokens_cut=sum(b.cut for b in batches))
+                         batched=batched, prompt_tokens_cut=sum(b.cut for b in batches))
 
     def _rsp_batch(self, batch: StaticBatch) -> tuple[list[RequestTiming], list[GenerationOutput]]:
         """One batched RSp loop; its stats are the batch's, times divided by B (``generate_regular_batch``)."""
