@@ -271,7 +271,8 @@ def _eval_records(run, tmp_path, *args: str) -> list[dict]:
 
 @pytest.mark.parametrize("temperature", ["0", "1"])
 def test_the_fast_eval_writes_the_same_records_as_the_plain_one(run, tmp_path, temperature):
-    plain = _eval_records(run, tmp_path, "--temperature", temperature, "--no-prefix-cache", "--rsp-batch", "1")
+    plain = _eval_records(run, tmp_path, "--temperature", temperature, "--no-prefix-cache", "--rsp-batch", "1",
+                          "--ssp-batch", "1")
     fast = _eval_records(run, tmp_path, "--temperature", temperature, "--seed", "0")
     assert fast == plain and len(fast) == 140
 

@@ -43,6 +43,8 @@ def eval_cmd(
         "--prefix-cache/--no-prefix-cache", help="Compute the few-shot prefix's keys and values once per model.")] = True,
     rsp_batch: Annotated[int, typer.Option(help="RSp problems whose prompts have the same token count run in "
                                            "batches of up to N (the same tokens as one by one; 1: off).")] = 16,
+    ssp_batch: Annotated[int, typer.Option(help="SSp problems run in batches of up to N (the same tokens as one by "
+                                           "one; 1: off; with --lookup or a feature head: one by one).")] = 16,
     k: KOpt = 4,
     max_new_tokens: MaxNewOpt = 8,
     temperature: TemperatureOpt = 1.0,
@@ -65,6 +67,7 @@ def eval_cmd(
     check_positive("--lookup", lookup, minimum=0)
     check_positive("--max-operand", max_operand, minimum=LOW)
     check_positive("--rsp-batch", rsp_batch)
+    check_positive("--ssp-batch", ssp_batch)
     if op not in OPERATIONS:
         raise UserError(f"--op {op!r}: expected one of {', '.join(OPERATIONS)}")
     params = sampling_params(temperature, top_k, top_p)
@@ -107,7 +110,7 @@ def eval_cmd(
 
             run = run_eval(t, d, runner, modes, nb_prompts, s.seed, params, max_new_tokens, k, results / "eval_records",
                            resume=resume, on_record=on_record, lookup=lookup, op=op, max_operand=max_operand,
-                           prefix_cache=prefix_cache, rsp_batch=rsp_batch)
+                           prefix_cache=prefix_cache, rsp_batch=rsp_batch, ssp_batch=ssp_batch)
     except EvalInterrupted as stop:
         exit_interrupted(f"interrupted: {plural(stop.records, 'record')} kept in {stop.records_path}; "
                          "the same command with --resume continues it")  # soft-wrapped: the path stays whole
@@ -135,8 +138,10 @@ def render(run, t, d) -> None:
                     f"[{100 * m.wald.low:.1f}, {100 * m.wald.high:.1f}]", f"[{100 * m.wilson.low:.1f}, {100 * m.wilson.high:.1f}]",
                     fmt(m.seconds_per_problem, 3) + ("*" if run.timing_basis(m.mode) != "per problem" else ""))
     console.print(out)
-    if any(run.timing_basis(m.mode) != "per problem" for m in run.summaries):
-        console.print(f"  * {run.timing_basis('rsp')} (--rsp-batch): not comparable with a one-at-a-time s/problem")
+    batched = [m.mode for m in run.summaries if run.timing_basis(m.mode) != "per problem"]
+    if batched:
+        console.print(f"  * {run.timing_basis(batched[0])} ({', '.join(f'--{m}-batch' for m in batched)}): "
+                      "not comparable with a one-at-a-time s/problem")
     cmp = run.comparison
     if cmp:
         verdict = ("[green]contains 0: no evidence that SSp changes quality[/green]" if cmp.difference.contains(0)

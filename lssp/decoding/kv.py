@@ -21,7 +21,7 @@ NO_FEATURES = None  # what prefill_target gives when the drafter reads no featur
 
 
 @cache
-def _accepts_logits_to_keep(model_class: type) -> bool:
+def accepts_logits_to_keep(model_class: type) -> bool:
     return "logits_to_keep" in inspect.signature(model_class.forward).parameters
 
 
@@ -31,7 +31,7 @@ def forward_logits(model: PreTrainedModel, ids: torch.Tensor, kv: DynamicCache, 
     They are returned on the device of the input embeddings, where sampling happens, also
     when accelerate has split the model over several GPUs.
     """
-    kwargs = {"logits_to_keep": last} if _accepts_logits_to_keep(type(model)) else {}
+    kwargs = {"logits_to_keep": last} if accepts_logits_to_keep(type(model)) else {}
     out = model(input_ids=ids, past_key_values=kv, use_cache=True, **kwargs)
     return out.logits[0, -last:].to(model_device(model))
 
@@ -46,7 +46,7 @@ def new_cache(model: PreTrainedModel, batch: int = 1) -> DynamicCache:
 
 def feed(model: PreTrainedModel, ids: torch.Tensor, kv: DynamicCache) -> None:
     """Extend ``kv`` with ``ids`` (B, n), computing no logits but the last position's."""
-    kwargs = {"logits_to_keep": 1} if _accepts_logits_to_keep(type(model)) else {}
+    kwargs = {"logits_to_keep": 1} if accepts_logits_to_keep(type(model)) else {}
     model(input_ids=ids.to(model_device(model)), past_key_values=kv, use_cache=True, **kwargs)
 
 

@@ -54,7 +54,7 @@ def speculative_decode(target: PreTrainedModel, drafter: Drafter, input_ids: tor
         stats.target_time_s += clock.forward_now() - t0
 
         # 3. Keep the longest run of drafts that passes, then one token of the target's.
-        n, extra = _verify(logits[:, :vocab], proposal, params, generator)
+        n, extra = verify_proposal(logits[:, :vocab], proposal, params, generator)
 
         # 4. Emit, and roll both sides back to what stays valid.
         emitted = torch.cat([proposal.tokens[:n], extra.view(1)])
@@ -69,7 +69,7 @@ def speculative_decode(target: PreTrainedModel, drafter: Drafter, input_ids: tor
         if keep is not None:
             stopped = True
             del tokens[keep:]
-        _count(stats, proposal, n, len(tokens) - first_new)
+        count_iteration(stats, proposal, n, len(tokens) - first_new)
         if first_new == 0:  # the first emission: one token, or accepted drafts and one more
             stats.ttft_s, stats.first_emission_tokens = clock.now() - start, len(tokens)
         if on_tokens and len(tokens) > first_new:
@@ -81,7 +81,7 @@ def speculative_decode(target: PreTrainedModel, drafter: Drafter, input_ids: tor
     return GenerationOutput(torch.tensor(tokens, dtype=torch.long), stats, stopped)
 
 
-def _verify(logits: torch.Tensor, proposal: Proposal, params: SamplingParams,
+def verify_proposal(logits: torch.Tensor, proposal: Proposal, params: SamplingParams,
             generator: torch.Generator | None) -> tuple[int, torch.Tensor]:
     """(accepted drafts, next token) by the rule for these sampling parameters."""
     if params.greedy:
@@ -90,7 +90,7 @@ def _verify(logits: torch.Tensor, proposal: Proposal, params: SamplingParams,
     return verification.sampled_verification(warp(logits, params), proposal.q, proposal.tokens, accept_u, next_u)
 
 
-def _count(stats: GenerationStats, proposal: Proposal, accepted: int, kept: int) -> None:
+def count_iteration(stats: GenerationStats, proposal: Proposal, accepted: int, kept: int) -> None:
     """Add one iteration to ``stats``, up to the stop: of its emitted tokens only ``kept`` stay, and drafts past a
     stop token count as neither drafted nor accepted."""
     drafted = len(proposal)

@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 
+from lssp.decoding.batched import batchable, speculative_decode_batch
 from lssp.decoding.generation import GenerationOutput, generate_regular, generate_regular_batch
 from lssp.decoding.speculative import speculative_decode
 from lssp.drafters import drafter_for
@@ -48,3 +50,23 @@ class OursEngine(Engine):
         """RSp of prompts of equal length (``ids`` (B, T)) in one batch, each row as it would run alone with its seed."""
         return generate_regular_batch(self.target.model, ids, request.max_new_tokens, request.params,
                                       [self.generator(s) for s in seeds], request.stopping, request.prefix)
+
+    def unbatched_reason(self, mode: Mode) -> str | None:
+        """Why ``complete_ssp_batch`` runs ``mode`` one completion at a time (a feature head, the context lookup,
+        the confidence stop), or None: it runs batched."""
+        draft, _ = self.drafts[mode.draft or self.default]
+        return batchable(draft.model, mode.lookup, mode.confidence)
+
+    def complete_ssp_batch(self, mode: Mode, ids: torch.Tensor | Sequence[torch.Tensor], request: Request,
+                           seeds: Sequence[int]) -> list[GenerationOutput]:
+        """SSp of several prompts (``ids`` (B, T), or one (1, T) tensor per row, of any lengths) in one batched loop,
+        each row giving the tokens it gives alone with its seed (``speculative_decode_batch``: each row's own first
+        and last token times, the batch's time totals shared by its rows). ``request`` gives what every row shares
+        (budget, sampling, stopping, prefix). Where ``unbatched_reason(mode)``, the rows run one after another."""
+        rows = [row.reshape(1, -1) for row in ids]
+        if self.unbatched_reason(mode):
+            return [self.complete(mode, replace(request, ids=row, seed=seed)) for row, seed in zip(rows, seeds)]
+        draft, vocab = self.drafts[mode.draft or self.default]
+        return speculative_decode_batch(self.target.model, draft.model, rows, request.max_new_tokens, mode.k,
+                                        request.params, [self.generator(s) for s in seeds], request.stopping, vocab,
+                                        request.prefix)

@@ -87,6 +87,7 @@ class EvalSetup:
     prefix_cache: bool = True
     rsp_batch: int = 1  # RSp problems of equal prompt length run in batches of up to this many
     engine: str = "ours"  # or vllm: every problem through vLLM, one request at a time
+    ssp_batch: int = 1  # SSp problems run in batches of up to this many (batched SSp: any prompt lengths)
 
 
 @dataclass
@@ -119,8 +120,9 @@ class EvalRun:
 
     def timing_basis(self, mode: str) -> str:
         """How a mode's seconds per problem were measured: per problem, or a batch's time shared by its rows."""
-        if mode == "rsp" and self.setup.rsp_batch > 1:
-            return f"amortised over batches of up to {self.setup.rsp_batch}"
+        size = self.setup.rsp_batch if mode == "rsp" else self.setup.ssp_batch
+        if size > 1:
+            return f"amortised over batches of up to {size}"
         return "per problem"
 
     def summary_json(self) -> list[dict[str, Any]]:
@@ -239,21 +241,25 @@ def _score(target: LoadedModel, engine: Engine, mode: str, a: int, b: int, index
                                                                                     prefix)))
 
 
-def _score_rsp_batches(target: LoadedModel, engine: OursEngine, problems: Sequence[tuple[int, int, int]],
-                       setup: EvalSetup, stopping: Stopping, prefix: PrefixCache | None) -> list[EvalRecord]:
-    """RSp of (index, a, b) problems, those whose prompts have the same token count in batches of up to
-    ``setup.rsp_batch``: the same tokens as one at a time, in a fraction of the forwards."""
-    by_length: dict[int, list[tuple[int, int, int, Request]]] = {}
+def _score_batches(target: LoadedModel, engine: OursEngine, mode: str, problems: Sequence[tuple[int, int, int]],
+                   setup: EvalSetup, stopping: Stopping, prefix: PrefixCache | None) -> list[EvalRecord]:
+    """(index, a, b) problems in batches, the same tokens as one at a time in a fraction of the forwards: RSp those
+    whose prompts have the same token count, up to ``setup.rsp_batch`` at a time (``complete_rsp_batch``); SSp any,
+    up to ``setup.ssp_batch`` (``complete_ssp_batch``: one at a time where the drafting is not batchable)."""
+    groups: dict[int, list[tuple[int, int, int, Request]]] = {}
     for index, a, b in problems:
         request = _request(target, a, b, index, setup, stopping, prefix)
-        by_length.setdefault(request.ids.shape[1], []).append((index, a, b, request))
+        groups.setdefault(request.ids.shape[1] if mode == "rsp" else 0, []).append((index, a, b, request))
+    size = setup.rsp_batch if mode == "rsp" else setup.ssp_batch
+    ssp = Mode("ssp", setup.k, lookup=setup.lookup, engine=engine.name)
     records = []
-    for group in by_length.values():
-        for start in range(0, len(group), setup.rsp_batch):
-            batch = group[start:start + setup.rsp_batch]
-            outs = engine.complete_rsp_batch(torch.cat([r.ids for *_, r in batch]), batch[0][3],
-                                             [r.seed for *_, r in batch])
-            records += [_record(target, "rsp", index, a, b, setup, out) for (index, a, b, _), out in zip(batch, outs)]
+    for group in groups.values():
+        for start in range(0, len(group), size):
+            batch = group[start:start + size]
+            ids, seeds = [r.ids for *_, r in batch], [r.seed for *_, r in batch]
+            outs = (engine.complete_rsp_batch(torch.cat(ids), batch[0][3], seeds) if mode == "rsp"
+                    else engine.complete_ssp_batch(ssp, ids, batch[0][3], seeds))
+            records += [_record(target, mode, index, a, b, setup, out) for (index, a, b, _), out in zip(batch, outs)]
     return sorted(records, key=lambda r: r.index)
 
 
@@ -269,13 +275,14 @@ def run_eval(
     target: LoadedModel, draft: LoadedModel | None, engine: Engine, modes: Sequence[str], nb_prompts: int, seed: int,
     params: SamplingParams, max_new_tokens: int, k: int, records_dir: Path, resume: bool = False,
     on_record: Callable[[EvalRecord], None] | None = None, lookup: int = 0, op: str = "mul", max_operand: int = HIGH,
-    prefix_cache: bool = True, rsp_batch: int = 1,
+    prefix_cache: bool = True, rsp_batch: int = 1, ssp_batch: int = 1,
 ) -> EvalRun:
     """Score each mode on the same ``nb_prompts`` problems ``a OP b = `` (operands in LOW..``max_operand``),
     streaming records to JSONL as they come. With ``prefix_cache``, each model computes the few-shot prefix's
     keys and values once and every problem starts from them. ``rsp_batch`` > 1 runs RSp problems whose prompts
-    have the same token count in batches (``generate_regular_batch``). Modes take turns every CHUNK problems.
-    Every problem runs through ``engine``, one request at a time (ours: the prefix cache and RSp batches)."""
+    have the same token count in batches (``generate_regular_batch``), ``ssp_batch`` > 1 SSp problems
+    (``speculative_decode_batch``). Modes take turns every CHUNK problems. Every problem runs through ``engine``, one
+    request at a time (ours: the prefix cache and the batches)."""
     if nb_prompts < 1:
         raise UserError("--nb-prompts must be at least 1")
     if max_operand < LOW:
@@ -298,18 +305,19 @@ def run_eval(
     ours = isinstance(engine, OursEngine)
     prefix = PrefixCache(target.encode(few_shot(op))[0].tolist()) if prefix_cache and ours else None
     problems = multiplication_problems(nb_prompts, seed, max_operand)
+    batched_ssp = ours and "ssp" in modes and engine.unbatched_reason(Mode("ssp", k, lookup=lookup)) is None
     records = list(done)
     setup = EvalSetup(target.name, draft.name if draft else None, target.precision, draft.precision if draft else "",
                       params, nb_prompts, seed, k, max_new_tokens, lookup, op, max_operand, prefix is not None,
-                      rsp_batch if ours else 1, engine.name)
+                      rsp_batch if ours else 1, engine.name, ssp_batch if batched_ssp else 1)
     with path.open("a") as sink:
         try:
             for chunk in range(0, nb_prompts, CHUNK):  # modes interleaved chunk by chunk
                 for mode in modes:
                     todo = [(index, a, b) for index, (a, b) in enumerate(problems[chunk:chunk + CHUNK], chunk)
                             if (mode, index) not in finished]
-                    if mode == "rsp" and setup.rsp_batch > 1:
-                        scored = iter(_score_rsp_batches(target, engine, todo, setup, stopping, prefix))
+                    if (setup.rsp_batch if mode == "rsp" else setup.ssp_batch) > 1:
+                        scored = iter(_score_batches(target, engine, mode, todo, setup, stopping, prefix))
                     else:
                         scored = (_score(target, engine, mode, a, b, index, setup, stopping, prefix)
                                   for index, a, b in todo)

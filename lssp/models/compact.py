@@ -51,6 +51,11 @@ class CompactCache:
             raise ValueError(f"crop takes the negative number of positions to drop, got {tokens}")
         self.length = max(0, self.length + tokens)
 
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep only ``rows`` (indices) of the batch, in that order (new buffers: a compiled cache's pooled ones stay
+        as they were)."""
+        self.keys_values = [buffer[rows] for buffer in self.keys_values]
+
     def reserve(self, total: int) -> None:
         """Room for ``total`` positions (the buffers double when they run out)."""
         if total > self.capacity:
@@ -123,8 +128,8 @@ def supports_compact(model: PreTrainedModel) -> str | None:
 
 
 class FusedDecoder(nn.Module):
-    """Llama decoder layers run through fused Linears over a CompactCache (batch 1, or rows of equal length at
-    equal positions). A layer whose ``input_layernorm`` is an ``nn.Identity`` skips that norm (an EAGLE head's
+    """Llama decoder layers run through fused Linears over a CompactCache (batch 1, rows of equal length at equal
+    positions, or rows at positions of their own under a mask). A layer whose ``input_layernorm`` is an ``nn.Identity`` skips that norm (an EAGLE head's
     first layer)."""
 
     def __init__(self, config: Any, layers: Sequence[nn.Module], dtype: torch.dtype) -> None:
@@ -166,8 +171,8 @@ class FusedDecoder(nn.Module):
 
     def _layers(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
                 keys_values: list[torch.Tensor], at: slice | torch.Tensor, upto: int | None) -> torch.Tensor:
-        """The decoder over ``hidden`` (batch, n, width), every row at the same positions: keys and values written
-        at ``at``, queries attending over the first ``upto`` cached positions (None: the whole buffer) under
+        """The decoder over ``hidden`` (batch, n, width) with rotary ``cos``/``sin`` of its positions (shared, or per
+        row): keys and values written at ``at``, queries attending over the first ``upto`` cached positions (None: the whole buffer) under
         ``mask``. Returns the last hidden states (before any final norm)."""
         batch, n = hidden.shape[:2]
         heads, half, rotated = self.heads, self.head_dim // 2, self.heads + self.kv_heads
@@ -188,21 +193,29 @@ class FusedDecoder(nn.Module):
             hidden = hidden + _linear(self.down[i], F.silu(gate) * up)
         return hidden
 
-    def _run(self, hidden: torch.Tensor, kv: CompactCache) -> torch.Tensor:
-        """The eager decoder over ``hidden`` (batch, n, width) after what ``kv`` holds, extending it."""
+    def _run(self, hidden: torch.Tensor, kv: CompactCache, mask: torch.Tensor | None = None,
+             positions: torch.Tensor | None = None) -> torch.Tensor:
+        """The eager decoder over ``hidden`` (batch, n, width) after what ``kv`` holds, extending it. By default
+        every row is at the cache's slots and attends causally; rows of their own (batched SSp) pass ``positions``
+        (batch, n) for the rotary embedding and an additive ``mask`` (batch, 1, n, slots) over the cache's slots."""
         start, n = kv.length, hidden.shape[1]
         end = start + n
         kv.reserve(end)
-        cos, sin = self._rotary(start, end, kv.keys_values[0])
-        # Queries see every cached position and the new ones up to their own.
-        mask = None if n == 1 else torch.ones(n, end, dtype=torch.bool, device=hidden.device).tril(diagonal=start)
+        if positions is None:
+            cos, sin = self._rotary(start, end, kv.keys_values[0])
+            # Queries see every cached position and the new ones up to their own.
+            mask = None if n == 1 else torch.ones(n, end, dtype=torch.bool, device=hidden.device).tril(diagonal=start)
+        else:
+            cos, sin = self._rotary(0, int(positions.max()) + 1, kv.keys_values[0])
+            cos, sin = cos[0][positions].unsqueeze(1), sin[0][positions].unsqueeze(1)  # (batch, 1, n, head_dim)
         out = self._layers(hidden, cos, sin, mask, kv.keys_values, slice(start, end), end)
         kv.length = end
         return out
 
 
 class CompactLlama(FusedDecoder):
-    """Forward of a LlamaForCausalLM over a CompactCache, batch 1 (or rows of equal length at equal positions);
+    """Forward of a LlamaForCausalLM over a CompactCache, batch 1 (or rows of equal length at equal positions, or
+    rows at positions of their own under a mask);
     ``hf`` is the model it wraps. With ``features=True`` it also returns the final hidden states (after the last
     norm) of every position it ran: what a feature-level draft reads."""
 
@@ -276,14 +289,19 @@ class CompactLlama(FusedDecoder):
         return self.hf.lm_head(final), final
 
     def forward(self, input_ids: torch.Tensor, past_key_values: CompactCache, use_cache: bool = True,
-                logits_to_keep: int = 0, features: bool = False) -> CompactOutput:
+                logits_to_keep: int = 0, features: bool = False, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None) -> CompactOutput:
+        """Logits (and with ``features`` the final hidden states) of ``input_ids`` (batch, n) after what
+        ``past_key_values`` holds. ``attention_mask`` (batch, 1, n, slots, additive) and ``position_ids`` (batch, n)
+        let each row attend to slots and sit at positions of its own (``lssp.decoding.batched``); they run eager."""
         kv = past_key_values
         if input_ids.shape[0] != kv.keys_values[0].shape[0]:
             raise ValueError(f"a batch of {input_ids.shape[0]} over a cache of {kv.keys_values[0].shape[0]} rows")
         start, n = kv.length, input_ids.shape[1]
         end = start + n
         kv.reserve(end)
-        if self._compiled_step is not None and 0 < start and n <= STEP_TOKENS and input_ids.shape[0] == 1:  # prefills (start 0) stay eager
+        if (self._compiled_step is not None and 0 < start and n <= STEP_TOKENS and input_ids.shape[0] == 1
+                and position_ids is None):  # prefills (start 0) stay eager
             positions = torch.arange(start, end, device=input_ids.device)
             graphs = self.compile_mode in ("reduce-overhead", "max-autotune")
             if graphs:
@@ -296,6 +314,6 @@ class CompactLlama(FusedDecoder):
                 logits, final = logits.clone(), final.clone()
             kv.length = end
             return CompactOutput(logits[:, -logits_to_keep:] if logits_to_keep else logits, final if features else None)
-        final = self._final(self._run(self.hf.model.embed_tokens(input_ids), kv))
+        final = self._final(self._run(self.hf.model.embed_tokens(input_ids), kv, attention_mask, position_ids))
         logits = self.hf.lm_head(final[:, -logits_to_keep:] if logits_to_keep else final)
         return CompactOutput(logits, final if features else None)

@@ -1,0 +1,254 @@
+"""Batched speculative sampling: B completions in one loop, each row accepting its own number of drafts.
+
+The rows drift apart in length; one rule keeps every row exact. Each forward writes the new keys and values of all
+rows into the same cache slots (a DynamicCache appends them, a compact cache writes them at its length), and each
+row keeps, per model (``RowCache``):
+
+- its position counter: how many of its own tokens the cache holds, the position of its next one (``position_ids``);
+- which slots hold its tokens (``valid``), turned into an additive mask at every forward: 0 on its valid slots up to
+  the query's own slot, -inf everywhere else.
+
+A slot that holds none of a row's tokens is a hole, masked for good: the left padding of a shorter prompt, the
+padding of a row that feeds fewer tokens than another in the same forward, and the slots of its rejected drafts.
+
+Why it is exact: attention at a query is softmax over the slots of (scores + mask). exp(-inf) is exactly 0, so a
+hole gets weight 0 and adds exactly 0 to the output; its value is finite, since a hole's own query attends to its own
+slot (no fully masked row, so no NaN). A row's query therefore sums over exactly the keys and values it would see
+alone, each computed at the position it would have alone (rotary embeddings read the position, never the slot),
+and everything else in the model (embeddings, norms, MLPs, the output layer) acts on each token by itself. So each
+row's logits are those of its own text, up to the order of floating-point sums in batched kernels. Each row also
+draws from its own generator in the order ``speculative_decode`` does (its drafts, then its acceptance uniforms and
+next token, through the same ``Picker`` and ``verify_proposal``), so its tokens are the ones it gets alone.
+
+Supported: a plain draft model (``DraftModel``), greedy or sampled; not a feature head, the context lookup or the
+confidence stop (``batchable`` says so, and callers run those one completion at a time).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel
+
+from lssp.decoding.generation import NO_STOP, GenerationOutput, GenerationStats, Stopping
+from lssp.decoding.kv import PrefixCache, accepts_logits_to_keep, drop, new_cache
+from lssp.decoding.sampling import SamplingParams
+from lssp.decoding.speculative import count_iteration, verify_proposal
+from lssp.decoding.timing import Clock
+from lssp.drafters.base import Picker, Proposal
+from lssp.models.eagle import FeatureDraft
+from lssp.models.modules import logit_width, model_device
+
+
+def batchable(draft: torch.nn.Module, lookup: int = 0, confidence: float = 0.0) -> str | None:
+    """Why SSp with this drafting cannot run batched (callers then go one completion at a time), or None."""
+    if isinstance(draft, FeatureDraft):
+        return "a feature head drafts one completion at a time"
+    if lookup:
+        return "the context lookup drafts one completion at a time"
+    if confidence:
+        return "the confidence stop drafts one completion at a time"
+    return None
+
+
+@dataclass
+class RowCache:
+    """One model's KV cache shared by the rows: which of its slots hold each row's tokens, and each row's next
+    position (how many of its tokens the cache holds)."""
+
+    model: PreTrainedModel
+    kv: Any  # a DynamicCache, or a compact forward's CompactCache
+    valid: torch.Tensor  # (rows, slots) bool
+    positions: torch.Tensor  # (rows,) long
+
+    @property
+    def slots(self) -> int:
+        return self.valid.shape[1]
+
+
+@dataclass
+class Row:
+    """One completion of the batch: its text so far, its generator and what it has done."""
+
+    seq: list[int]  # prompt and emitted tokens
+    generator: torch.Generator | None
+    stats: GenerationStats
+    tokens: list[int] = field(default_factory=list)
+    stopped: bool = False
+    done: bool = False
+    finished_s: float = 0.0  # when its last token came out, from the batch's start
+
+
+def forward_rows(cache: RowCache, pieces: Sequence[Sequence[int]], keep: int, left: bool) -> torch.Tensor:
+    """Feed each row its tokens ``pieces[r]`` (maybe none) in one forward, padded with holes on the ``left`` (else on
+    the right); returns the logits of the last ``keep`` columns (rows, keep, vocab)."""
+    device = model_device(cache.model)
+    width = max(map(len, pieces))
+    ids = torch.zeros(len(pieces), width, dtype=torch.long)
+    used = torch.zeros(len(pieces), width, dtype=torch.bool)
+    for r, piece in enumerate(pieces):
+        if piece:
+            at = slice(width - len(piece), width) if left else slice(0, len(piece))
+            ids[r, at], used[r, at] = torch.tensor(piece, dtype=torch.long), True
+    ids, used = ids.to(device), used.to(device)
+    positions = cache.positions[:, None] + (used.long().cumsum(1) - 1).clamp(min=0)  # holes: any finite position
+    valid = torch.cat([cache.valid, used], dim=1)
+    slot = torch.arange(valid.shape[1], device=device)[None, None, :]
+    query = cache.slots + torch.arange(width, device=device)[None, :, None]
+    allowed = (valid[:, None, :] & (slot <= query)) | (slot == query)  # a hole sees only itself
+    dtype = cache.model.get_input_embeddings().weight.dtype
+    bias = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))
+    kwargs = {"logits_to_keep": keep} if accepts_logits_to_keep(type(cache.model)) else {}
+    out = cache.model(input_ids=ids, past_key_values=cache.kv, use_cache=True, attention_mask=bias[:, None],
+                      position_ids=positions, **kwargs)
+    cache.valid, cache.positions = valid, cache.positions + used.sum(1)
+    return out.logits[:, -keep:].to(device)
+
+
+def begin_rows(model: PreTrainedModel, prompts: Sequence[list[int]], prefix: PrefixCache | None, role: str) -> RowCache:
+    """``model``'s cache holding every prompt but its last token: the shared ``prefix``'s keys and values once for all
+    rows where every prompt extends it, then each row's rest of its prompt, left-padded."""
+    device = model_device(model)
+    n = len(prefix.ids) if prefix is not None else 0
+    kv = None
+    if n and all(len(p) > n and p[:n] == prefix.ids for p in prompts):
+        kv = prefix.start(model, torch.tensor([p[:n + 1] for p in prompts], device=device), role)
+    if kv is None:
+        kv, n = new_cache(model, len(prompts)), 0
+    cache = RowCache(model, kv, torch.ones(len(prompts), n, dtype=torch.bool, device=device),
+                     torch.full((len(prompts),), n, dtype=torch.long, device=device))
+    rest = [p[n:-1] for p in prompts]
+    if any(rest):
+        forward_rows(cache, rest, 1, left=True)
+    return cache
+
+
+def drop_row(cache: RowCache, row: int, tokens: int) -> None:
+    """Forget the last ``tokens`` tokens of ``row`` (none when <= 0): their slots become holes."""
+    if tokens > 0:
+        slots = cache.valid[row].nonzero().flatten()[-tokens:]
+        cache.valid[row, slots] = False
+        cache.positions[row] -= tokens
+
+
+def keep_rows(cache: RowCache, rows: list[int]) -> None:
+    """Keep only ``rows`` of the batch (the others are done), then drop the slots at the end that no row holds."""
+    if len(rows) < cache.valid.shape[0]:
+        index = torch.tensor(rows, dtype=torch.long, device=cache.valid.device)
+        if hasattr(cache.kv, "keys_values"):  # a compact forward's cache
+            cache.kv.select(index)
+        else:
+            cache.kv.batch_select_indices(index)
+        cache.valid, cache.positions = cache.valid[index], cache.positions[index]
+    held = cache.valid.any(0).nonzero()
+    end = int(held[-1]) + 1 if len(held) else 0
+    if 0 < end < cache.slots:
+        drop(cache.kv, cache.slots - end)
+        cache.valid = cache.valid[:, :end]
+
+
+def draft_rows(cache: RowCache, rows: Sequence[Row], budgets: Sequence[int], vocab: int, params: SamplingParams,
+               device: torch.device) -> list[Proposal]:
+    """Each row drafts ``budgets[r]`` tokens, one draft forward per step for the rows still drafting; as in
+    ``DraftModel.propose``, a row's first step feeds what its draft cache lacks and its last draft is never fed."""
+    pickers = [Picker(b, vocab, params, row.generator, device) for row, b in zip(rows, budgets)]
+    pending = [row.seq[p:] if b else [] for row, b, p in zip(rows, budgets, cache.positions.tolist())]
+    while any(pending):
+        logits = forward_rows(cache, pending, 1, left=True)[:, -1]
+        pending = [_next_draft(picker, logits[r]) if pending[r] else [] for r, picker in enumerate(pickers)]
+    return [picker.proposal() for picker in pickers]
+
+
+def _next_draft(picker: Picker, logits: torch.Tensor) -> list[int]:
+    """The row's next draft, as the token to feed next ([] once it has drafted its budget)."""
+    token = picker.add(logits)
+    return [] if picker.done else [int(token)]
+
+
+def emit(row: Row, proposal: Proposal, accepted: int, extra: torch.Tensor, stopping: Stopping, max_new_tokens: int,
+         now: float) -> None:
+    """Add one verification's tokens to ``row``, up to a stop, and count the iteration as ``speculative_decode``."""
+    new = proposal.tokens[:accepted].tolist() + [int(extra)]
+    first_new = len(row.tokens)
+    row.seq += new
+    row.tokens += new
+    keep = stopping.cut(row.tokens, first_new)
+    if keep is not None:
+        row.stopped = True
+        del row.tokens[keep:]
+    count_iteration(row.stats, proposal, accepted, len(row.tokens) - first_new)
+    if first_new == 0:
+        row.stats.ttft_s, row.stats.first_emission_tokens = now, len(row.tokens)
+    row.finished_s = now
+    row.done = row.stopped or len(row.tokens) >= max_new_tokens
+
+
+@torch.inference_mode()
+def speculative_decode_batch(target: PreTrainedModel, draft: PreTrainedModel, prompts: Sequence[torch.Tensor],
+                             max_new_tokens: int, k: int, params: SamplingParams,
+                             generators: Sequence[torch.Generator | None], stopping: Stopping = NO_STOP,
+                             vocab: int | None = None, prefix: PrefixCache | None = None) -> list[GenerationOutput]:
+    """SSp of several prompts (each (T,) or (1, T), of any lengths) with the plain draft model ``draft``, in one
+    loop: each row gives the tokens ``speculative_decode`` gives it alone with its generator (see the module's
+    docstring). A row leaves the batch at its stop or budget. Each row's stats count its own drafts, acceptances and
+    forwards; its ``ttft_s`` and ``after_first_s`` are its own (what a user waiting on it sees, from the batch's
+    start), while the time totals (prefill, target, draft, total) are the batch's shared by its rows (divided by B,
+    as ``generate_regular_batch``). ``vocab`` and ``prefix`` as in ``speculative_decode``."""
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    device = model_device(target)
+    vocab = vocab or min(logit_width(target), logit_width(draft))
+    clock = Clock.for_models(target, draft)
+    rows = [Row(p.reshape(-1).tolist(), g, GenerationStats(mode="ssp", k=k, drafted_at=[0] * k, accepted_at=[0] * k,
+                                                          forwards_timed=clock.per_forward))
+            for p, g in zip(prompts, generators, strict=True)]
+    start = clock.now()
+    target_cache = begin_rows(target, [row.seq for row in rows], prefix, "target")
+    draft_cache = begin_rows(draft, [row.seq for row in rows], prefix, "draft")
+    prefill_s, draft_s, target_s = clock.now() - start, 0.0, 0.0
+    live = list(rows) if max_new_tokens > 0 else []  # the rows still generating, in the caches' order
+    while live:
+        # 1. Each row drafts up to k tokens, never past its budget (the iteration then emits at most what is left).
+        budgets = [min(k, max_new_tokens - len(row.tokens) - 1) for row in live]
+        t0 = clock.now()
+        proposals = draft_rows(draft_cache, live, budgets, vocab, params, device)
+        t1 = clock.now()
+
+        # 2. One target forward scores every row's drafts and the position after them.
+        logits = forward_rows(target_cache, [[row.seq[-1], *p.tokens.tolist()] for row, p in zip(live, proposals)],
+                              1 + max(budgets), left=False)
+        t2 = clock.now()
+        draft_s, target_s = draft_s + t1 - t0, target_s + t2 - t1
+
+        # 3. Each row keeps its longest run of drafts that passes and one token of the target's; both caches
+        #    forget the drafts it rejected.
+        for r, (row, proposal) in enumerate(zip(live, proposals)):
+            drafted = len(proposal)
+            accepted, extra = verify_proposal(logits[r, :drafted + 1, :vocab], proposal, params, row.generator)
+            drop_row(target_cache, r, drafted - accepted)
+            drop_row(draft_cache, r, drafted - 1 - accepted)  # its last draft was never fed
+            emit(row, proposal, accepted, extra, stopping, max_new_tokens, clock.now() - start)
+
+        # 4. Rows done leave the batch.
+        kept = [r for r, row in enumerate(live) if not row.done]
+        keep_rows(target_cache, kept)
+        keep_rows(draft_cache, kept)
+        live = [live[r] for r in kept]
+    return _outputs(rows, clock.now() - start, prefill_s, target_s, draft_s)
+
+
+def _outputs(rows: Sequence[Row], total_s: float, prefill_s: float, target_s: float,
+             draft_s: float) -> list[GenerationOutput]:
+    """Each row's output: its own counts and first/last token times, the batch's time totals shared by its rows."""
+    share = len(rows)
+    outputs = []
+    for row in rows:
+        s = row.stats
+        s.new_tokens = len(row.tokens)
+        s.total_time_s, s.prefill_time_s = total_s / share, prefill_s / share
+        s.target_time_s, s.draft_time_s = target_s / share, draft_s / share
+        s.after_first_s = row.finished_s - s.ttft_s if row.tokens else float("nan")
+        outputs.append(GenerationOutput(torch.tensor(row.tokens, dtype=torch.long), s, row.stopped))
+    return outputs
