@@ -35,6 +35,8 @@ HEADLINE_AUDIT_RUNS = [
     "20261124-051423-6c9152", "20261124-051951-13d017",  # T=0.7 top-k 50 (vLLM fails there); vLLM at T=0.7
     "20261124-045540-832783", "20261124-050026-eb33c7",  # vLLM's drafts sampled from q; n-gram lookup 1
     "20261124-050631-4c80ad", "20261124-051248-59b634",  # the feature head: T=1.0; greedy
+    "20261124-145630-0050f7", "20261124-150058-9f7bc4",  # llama.cpp (llama-server draft-simple): T=1.0; greedy
+    "20261124-150154-65e4e9",  # llama.cpp at T=0.7 top-k 50
 ]
 # Ours beside vLLM and llama.cpp (benchmarks/engines.sh, run.sh step 2c): one latency run per sampling setting.
 HEADLINE_ENGINE_RUNS: list[str] = []
@@ -235,7 +237,7 @@ def _proposer(row: pd.Series) -> str:
         return "feature head (EAGLE)"
     if row["engine"] == "vllm":
         return "draft model, drafts " + ("sampled from q" if "sampled" in draft else "argmax (vLLM's default)")
-    return "draft model" + (" (assisted generation)" if row["engine"] == "hf" else "")
+    return "draft model" + {"hf": " (assisted generation)", "llamacpp": " (draft-simple)"}.get(row["engine"], "")
 
 
 def audit_rows(root: Path, run_ids: list[str]) -> list[dict[str, str]]:

@@ -85,7 +85,7 @@ def test_latency_summaries_pool_the_timed_spans_and_count_the_fallbacks():
 
 def test_latency_marks_completions_that_fell_back(run, tmp_path):
     """A one-token budget leaves nothing after the first emission: every row falls back and the table says so."""
-    code, out, err = run("latency", "--nb-prompts", "2", "--max-new-tokens", "1", "--k", "2", "--ignore-eos")
+    code, out, err = run("latency", "--nb-prompts", "2", "--max-new-tokens", "1", "--k", "1", "--ignore-eos")
     assert code == 0, err
     assert "  ms/token of 4 completions is whole completion ÷ tokens (timing_basis)" in out.splitlines()
     rows = pd.read_csv(tmp_path / "results" / "latency.csv")
