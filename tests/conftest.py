@@ -41,6 +41,16 @@ def tiny_llama(seed: int, vocab_size: int = 64, hidden: int = 32, layers: int = 
     return model
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Under pytest-xdist, the tests that start real engines (vLLM, llama-server) run on one worker, one after
+    another: their module fixtures start once, and two engines never compete for the memory and the cores."""
+    for item in items:
+        if item.get_closest_marker("vllm") or item.get_closest_marker("llamacpp") or "vllm" in item.nodeid \
+                or "llamacpp" in item.nodeid:
+            item.add_marker(pytest.mark.xdist_group("engines"))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _temporary_files_inside_pytests_own(tmp_path_factory):
     """Fallback copies of results (``llamassp-RUNID`` in the temporary folder) go under pytest's basetemp, which

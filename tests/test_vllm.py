@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pandas as pd
@@ -54,6 +55,7 @@ models:
   v-too-long: {path: ./v-target, dtype: float32, max_model_len: 100000}
   v-random: {init: random, config: llama-2-1b, tokenizer: ./v-target}
   v-8bit: {path: ./v-target, quantization: 8bit}
+  v-tp2: {path: ./v-target, dtype: float32, tensor_parallel_size: 2}
 """
 
 
@@ -314,6 +316,42 @@ def test_registry_takes_vllm_keys_and_refuses_bad_values(tmp_path):
         (tmp_path / "models.yaml").write_text(TINY_REGISTRY + f"  bad:\n    path: ./tiny-target\n    {key}: {value}\n")
         with pytest.raises(UserError, match=rf"models.yaml:\d+: model 'bad': bad {key}"):
             load_registry(tmp_path / "models.yaml")
+
+
+def test_tensor_parallel_on_a_cpu_binds_one_core_group_per_worker_and_refuses_more_workers_than_cores(
+        tmp_path, monkeypatch):
+    assert vllm_engine.cpu_core_groups([0, 1], 2) == "0|1"
+    assert vllm_engine.cpu_core_groups(list(range(8)), 2) == "0-3|4-7"
+    (tmp_path / "models.yaml").write_text(TINY_REGISTRY + "  tp:\n    path: ./tiny-target\n    tensor_parallel_size: 3\n")
+    spec = load_registry(tmp_path / "models.yaml").get("tp")
+    assert vllm_engine.engine_kwargs(spec, "/x", 1)["tensor_parallel_size"] == 3
+    monkeypatch.setattr(vllm_engine.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(vllm_engine.os, "sched_getaffinity", lambda pid: {0, 1})
+    with pytest.raises(UserError, match="tensor_parallel_size 3 on a CPU needs a core per worker; .* may use 2"):
+        vllm_engine.bind_cpu_workers(spec)
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    vllm_engine.bind_cpu_workers(replace(spec, tensor_parallel_size=2))
+    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "0|1"
+
+
+@pytest.mark.slow
+def test_latency_with_a_two_worker_tensor_parallel_target(run, tmp_path, monkeypatch):
+    """Tensor parallelism for real: the target's layers split over two vLLM worker processes, one per core; its
+    draft (the target itself, in one process) is kept as a greedy target keeps its own tokens."""
+    vllm_or_skip()
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    sizes = []
+    kwargs_of = vllm_engine.engine_kwargs
+    monkeypatch.setattr(vllm_engine, "engine_kwargs", lambda *a: sizes.append(kwargs_of(*a)["tensor_parallel_size"])
+                        or kwargs_of(*a))
+    code, out, err = run("latency", "v-tp2", "--draft", "v-same", "--engine", "vllm", "--k", "2", "--nb-prompts", "2",
+                         "--max-new-tokens", "8", "--ignore-eos", "--temperature", "0")
+    assert code == 0, err
+    rows = pd.read_csv(tmp_path / "results" / "latency.csv")
+    assert set(rows["mode"]) == {"rsp", "ssp"} and (rows["engine"] == "vllm").all()
+    assert sizes == [2, 2] and os.environ["VLLM_CPU_OMP_THREADS_BIND"].count("|") == 1  # two engines, two workers each
+    assert (rows[rows["mode"] == "ssp"]["acceptance_rate"] > 0.9).all()  # the target as its own draft: all kept
 
 
 def test_pipeline_parallel_with_speculation_is_refused_before_loading(tmp_path):

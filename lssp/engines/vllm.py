@@ -17,6 +17,7 @@ import logging
 import os
 import time
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
@@ -89,11 +90,37 @@ def check_options(confidences: tuple[float, ...] | list[float] = (0.0,)) -> None
         raise UserError(f"--engine vllm: {NO_CONFIDENCE}")
 
 
+def tensor_parallel(spec: ModelSpec) -> int:
+    """vLLM's tensor parallel size for ``spec``: its ``tensor_parallel_size``, else its ``gpus``, else 1."""
+    return spec.tensor_parallel_size or spec.gpus or 1
+
+
+def cpu_core_groups(cores: Sequence[int], size: int) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for ``size`` CPU workers: the cores split into ``size`` equal runs ("0|1",
+    "0-3|4-7"), each worker's threads bound to its own."""
+    per = len(cores) // size
+    runs = [cores[i * per:(i + 1) * per] for i in range(size)]
+    return "|".join(f"{run[0]}" if len(run) == 1 else f"{run[0]}-{run[-1]}" for run in runs)
+
+
+def bind_cpu_workers(spec: ModelSpec) -> None:
+    """Tensor parallelism on a CPU: one worker process per core group. Refuses more workers than cores, and binds
+    each worker's threads to its group unless ``VLLM_CPU_OMP_THREADS_BIND`` is already set."""
+    size = tensor_parallel(spec)
+    if size == 1 or torch.cuda.is_available():
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    if size > len(cores):
+        raise UserError(f"model {spec.name!r}: tensor_parallel_size {size} on a CPU needs a core per worker; this "
+                        f"process may use {len(cores)}")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_core_groups(cores, size))
+
+
 def check_placement(spec: ModelSpec, speculative: bool) -> None:
     """What vLLM refuses, said before anything loads."""
     if speculative and (spec.pipeline_parallel_size or 1) > 1:
         raise UserError(f"model {spec.name!r}: vLLM cannot run speculative decoding with pipeline parallelism "
-                        f"(pipeline_parallel_size {spec.pipeline_parallel_size}); use tensor parallelism (gpus)")
+                        f"(pipeline_parallel_size {spec.pipeline_parallel_size}); use tensor parallelism (tensor_parallel_size)")
     check_loadable(spec)
 
 
@@ -183,7 +210,7 @@ def engine_kwargs(spec: ModelSpec, path: str, engines: int) -> dict[str, Any]:
     """LLM(...) arguments from a registry entry: placement keys passed through, memory shared by ``engines``."""
     kwargs: dict[str, Any] = {
         "model": path, "dtype": spec.dtype, "seed": 0, "disable_log_stats": False,
-        "tensor_parallel_size": spec.gpus or 1,
+        "tensor_parallel_size": tensor_parallel(spec),
         "enforce_eager": spec.enforce_eager if spec.enforce_eager is not None else not torch.cuda.is_available(),
     }
     if not logging.getLogger("lssp").isEnabledFor(logging.INFO):
@@ -215,8 +242,8 @@ def speculative_config(k: int, lookup: int, draft: EngineModel | None) -> dict[s
         raise UserError("--engine vllm: SSp needs a draft model (or --lookup for n-gram drafts)")
     config = {"method": draft_method(draft), "model": draft.path, "num_speculative_tokens": k,
               "draft_sample_method": draft_sampling(draft)}
-    if draft.spec.gpus:
-        config["draft_tensor_parallel_size"] = draft.spec.gpus
+    if draft.spec.tensor_parallel_size or draft.spec.gpus:
+        config["draft_tensor_parallel_size"] = tensor_parallel(draft.spec)
     return config
 
 
@@ -357,11 +384,12 @@ class VllmEngines:
         check_placement(target.spec, any(k for k, _ in modes))
         if draft is not None:
             check_placement(draft.spec, True)
-            if (draft.spec.gpus or 1) not in (1, target.spec.gpus or 1):
-                raise UserError(f"model {draft.name!r}: vLLM runs a draft on 1 GPU or on as many as the target "
-                                f"({target.spec.gpus or 1}), not {draft.spec.gpus}")
+            if tensor_parallel(draft.spec) not in (1, tensor_parallel(target.spec)):
+                raise UserError(f"model {draft.name!r}: vLLM runs a draft on 1 worker or on as many as the target "
+                                f"({tensor_parallel(target.spec)}), not {tensor_parallel(draft.spec)}")
         self.target, self.draft = target, draft
-        single = (target.spec.gpus or 1) * (target.spec.pipeline_parallel_size or 1) == 1
+        bind_cpu_workers(target.spec)
+        single = tensor_parallel(target.spec) * (target.spec.pipeline_parallel_size or 1) == 1
         if single and target.spec.distributed_executor_backend is None:
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in this process: no IPC, no spin-waiting
         self.engines: dict[tuple[int, int], Any] = {}
@@ -371,7 +399,7 @@ class VllmEngines:
             if log_started:
                 log_started(key)
         self.counted = modes[-1] if modes else None  # the engine whose counters get_metrics() reads
-        target.engine_placement = (f"vLLM {self.version}, tensor parallel {target.spec.gpus or 1}"
+        target.engine_placement = (f"vLLM {self.version}, tensor parallel {tensor_parallel(target.spec)}"
                                    + (f" x pipeline {target.spec.pipeline_parallel_size}"
                                       if target.spec.pipeline_parallel_size else ""))
         if draft is not None:

@@ -38,7 +38,15 @@ from typing import Any
 from lssp.decoding.sampling import SamplingParams
 from lssp.engines.llamacpp import free_port
 from lssp.engines.llamacpp_build import last_error_line
-from lssp.engines.vllm import Counters, EngineModel, check_placement, engine_kwargs, require_vllm, speculative_config
+from lssp.engines.vllm import (
+    Counters,
+    EngineModel,
+    bind_cpu_workers,
+    check_placement,
+    engine_kwargs,
+    require_vllm,
+    speculative_config,
+)
 from lssp.errors import UserError
 
 START_TIMEOUT_S = float(os.environ.get("LLAMASSP_VLLM_START_TIMEOUT", 900))
@@ -205,6 +213,7 @@ class VllmServers:
         check_placement(target.spec, any(k for k, _ in modes))
         if draft is not None:
             check_placement(draft.spec, True)
+        bind_cpu_workers(target.spec)  # the servers inherit the binding
         self.target, self.draft = target, draft
         self.log_dir = Path(tempfile.mkdtemp(prefix="llamassp-vllm-"))
         self.keep_logs = False  # set on a failure: the logs its message names stay

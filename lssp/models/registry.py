@@ -29,9 +29,9 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-
 SPEC_KEYS = {
     "path", "tokenizer", "dtype", "quantization", "device_map", "gpus", "max_memory",
     "attn_implementation", "revision", "init", "config", "description", "forward", "compile",
-    # --engine vllm only (passed to vllm.LLM; gpus becomes tensor_parallel_size):
-    "pipeline_parallel_size", "distributed_executor_backend", "gpu_memory_utilization", "max_model_len",
-    "enforce_eager", "speculative_method", "draft_sample_method",
+    # --engine vllm only (passed to vllm.LLM; tensor_parallel_size defaults to gpus):
+    "tensor_parallel_size", "pipeline_parallel_size", "distributed_executor_backend", "gpu_memory_utilization",
+    "max_model_len", "enforce_eager", "speculative_method", "draft_sample_method",
 }
 EXECUTOR_BACKENDS = ("mp", "ray")
 SPECULATIVE_METHODS = ("draft_model", "eagle", "eagle3", "mtp", "medusa")  # vLLM's, for a draft entry
@@ -63,6 +63,7 @@ class ModelSpec:
     description: str = ""
     forward: str = "transformers"
     compile: bool | str = False  # run the compact forward's decode steps under torch.compile (True or a mode)
+    tensor_parallel_size: int | None = None  # vLLM: worker processes (GPUs, or CPU core groups); default gpus
     pipeline_parallel_size: int | None = None  # vLLM: pipeline stages (no speculative decoding with > 1)
     distributed_executor_backend: str | None = None  # vLLM: mp (one node) or ray (several nodes)
     gpu_memory_utilization: float | None = None  # vLLM: share of each GPU's memory per engine
@@ -316,7 +317,7 @@ def _check_value(name: str, key: str, value: Any, at: str) -> None:
     if choices is not None:
         if value not in choices:
             raise UserError(f"{at}: model {name!r}: bad {key} {value!r}; expected one of {', '.join(choices)}")
-    elif key in ("gpus", "pipeline_parallel_size", "max_model_len"):
+    elif key in ("gpus", "tensor_parallel_size", "pipeline_parallel_size", "max_model_len"):
         if not isinstance(value, int) or isinstance(value, bool) or value < (0 if key == "gpus" else 1):
             raise bad("a whole number >= " + ("0" if key == "gpus" else "1"))
     elif key == "gpu_memory_utilization":
