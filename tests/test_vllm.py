@@ -175,6 +175,8 @@ def test_latency_engine_vllm_writes_rows(run, tmp_path):
                          "--max-new-tokens", "8", "--ignore-eos", "--json", str(tmp_path / "l.json"))
     assert code == 0, err
     assert "vLLM RSP" in out and "ours ÷ vLLM ms/token" in out and "2 ngram 2" in out
+    verdicts = [line.split(":")[0] for line in out.splitlines() if line.startswith("verdict")]
+    assert verdicts == ["verdict (ours)", "verdict (vLLM)"]  # one line per engine, each named
     assert all(len(line) <= 80 for line in out.splitlines())
     rows = pd.read_csv(tmp_path / "results" / "latency.csv")
     vllm_rows = rows[rows.engine == "vllm"]

@@ -242,15 +242,17 @@ def render_verdict(run) -> None:
     prompts = f"{plural(run.prompts_done // setup.repeats, 'prompt')} ({workload})"
     advice = ("; the machine was busy: rerun with --repeats 3 on a quiet machine" if run.noisy
               else "; --repeats 3 gives the speedup a spread" if setup.repeats == 1 else "")
+    several = len({m.engine for m in run.recommended}) > 1
     for m in run.recommended:
         if m.speedup != m.speedup:  # no RSp to compare with (--no-baseline)
             continue
-        what = f"{_engine(m)}{_named(run, m)}K={_k(m)}"
+        what = f"{'' if several else _engine(m)}{_named(run, m)}K={_k(m)}"
         speedup = f"{m.speedup:.2f}×" + (f" ± {m.speedup_sd:.2f}" if m.speedup_sd == m.speedup_sd else "")
         alpha = f", α {m.alpha:.2f}" if m.alpha == m.alpha else ""
         text = (f"use {what}: {speedup}{alpha}, on {prompts}" if m.speedup > 1 else
                 f"SSp does not pay here: the best, {what}, runs at {speedup} RSp's speed{alpha}, on {prompts}")
-        console.print(Text("verdict: " + text + advice, style="bold green" if m.speedup > 1 else "bold red"))
+        head = f"verdict ({ENGINE_LABELS[m.engine].strip()}): " if several else "verdict: "
+        console.print(Text(head + text + advice, style="bold green" if m.speedup > 1 else "bold red"))
 
 
 def _finite(x: float) -> float:
