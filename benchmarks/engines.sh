@@ -20,3 +20,27 @@ for t in 0 0.7; do
     $PY llamassp.py "${L[@]}" latency --engine "$ENGINES" --k 2,3,4 --lookup 0,4 --ignore-eos --temperature "$t" \
         "${N[@]}" --json "$OUT/latency-engines-t$t.json"
 done
+
+# vLLM and llama.cpp load plain checkpoints: they run the shipped draft's full-width export (export-draft), whose
+# rows outside the frequent-token head are held down at the texts it was probed on, not everywhere. Ours with the
+# draft and with that export, greedy, in one run: how much of their lower acceptance is the export's doing.
+TMP=$(mktemp -d)
+trap 'rm -rf "$TMP"' EXIT
+if $PY llamassp.py export-draft smollm2-135m-draft --out "$TMP/export" >/dev/null; then
+    $PY - "$TMP" <<'PYEOF'
+import sys
+from pathlib import Path
+
+import yaml
+
+tmp = Path(sys.argv[1])
+shipped = yaml.safe_load(Path("models.yaml").read_text())
+models = {name: dict(shipped["models"][name]) for name in ("smollm2-135m-compact", "smollm2-135m-draft")}
+models["smollm2-135m-draft"]["path"] = str(Path(models["smollm2-135m-draft"]["path"]).resolve())
+models["smollm2-135m-draft-export"] = {**models["smollm2-135m-draft"], "path": str(tmp / "export")}
+registry = {"default_target": "smollm2-135m-compact", "default_draft": "smollm2-135m-draft", "models": models}
+(tmp / "models.yaml").write_text(yaml.safe_dump(registry))
+PYEOF
+    $PY llamassp.py --config "$TMP/models.yaml" "${L[@]}" latency --draft smollm2-135m-draft,smollm2-135m-draft-export \
+        --k 2,3,4 --ignore-eos --temperature 0 "${N[@]}" --json "$OUT/latency-draft-export.json"
+fi
