@@ -167,6 +167,14 @@ def _next_draft(picker: Picker, logits: torch.Tensor) -> list[int]:
     return [] if picker.done else [int(token)]
 
 
+def verify_rows(logits: torch.Tensor, proposals: Sequence[Proposal], params: SamplingParams,
+                generators: Sequence[torch.Generator | None], vocab: int) -> list[tuple[int, torch.Tensor]]:
+    """Each row's (accepted drafts, next token): row r verifies its own drafts against its own target logits
+    ``logits[r]`` with its own generator, as ``speculative_decode`` does alone (no row reads another's)."""
+    return [verify_proposal(logits[r, :len(p) + 1, :vocab], p, params, g)
+            for r, (p, g) in enumerate(zip(proposals, generators, strict=True))]
+
+
 def emit(row: Row, proposal: Proposal, accepted: int, extra: torch.Tensor, stopping: Stopping, max_new_tokens: int,
          now: float) -> None:
     """Add one verification's tokens to ``row``, up to a stop, and count the iteration as ``speculative_decode``."""
@@ -224,9 +232,9 @@ def speculative_decode_batch(target: PreTrainedModel, draft: PreTrainedModel, pr
 
         # 3. Each row keeps its longest run of drafts that passes and one token of the target's; both caches
         #    forget the drafts it rejected.
-        for r, (row, proposal) in enumerate(zip(live, proposals)):
+        verdicts = verify_rows(logits, proposals, params, [row.generator for row in live], vocab)
+        for r, (row, proposal, (accepted, extra)) in enumerate(zip(live, proposals, verdicts)):
             drafted = len(proposal)
-            accepted, extra = verify_proposal(logits[r, :drafted + 1, :vocab], proposal, params, row.generator)
             drop_row(target_cache, r, drafted - accepted)
             drop_row(draft_cache, r, drafted - 1 - accepted)  # its last draft was never fed
             emit(row, proposal, accepted, extra, stopping, max_new_tokens, clock.now() - start)

@@ -1,0 +1,200 @@
+"""Batched SSp (``speculative_decode_batch``): every row gives the tokens ``speculative_decode`` gives it alone with
+the same generator (greedy and seeded sampled, rows of different prompt lengths leaving the batch at different
+iterations), each row's first two tokens follow its own exact two-token law (chi-square), and a planted bug where
+rows share their acceptance fails that law test. Eval and verify give the same records and samples batched."""
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import char_tokenizer, random_head, tiny_llama
+
+import lssp.decoding.batched as batched
+from lssp.decoding.batched import speculative_decode_batch
+from lssp.decoding.generation import NO_STOP, Stopping, generate_regular
+from lssp.decoding.sampling import SamplingParams, warp
+from lssp.decoding.speculative import speculative_decode
+from lssp.drafters import DraftModel
+from lssp.engines import Mode, OursEngine, Request
+from lssp.measure.evals import run_eval
+from lssp.models.eagle import FeatureDraft
+from lssp.models.loading import LoadedModel
+from lssp.models.registry import ModelSpec
+from lssp.report.stats import chi_square_gof
+
+VOCAB, RUNS, SIGNIFICANCE = 8, 2000, 0.001
+GREEDY = SamplingParams(0)
+PROMPTS = [[0, 5, 3], [4, 1, 6, 2], [7], [2, 2, 2, 2, 2, 7, 3], [1, 9]]  # different lengths, in one batch
+LAW_PROMPTS = [[5, 6, 7, 0, 2, 1], [4], [1, 2, 3], [3, 3, 6, 2]]  # row 2: not the longest
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """A target and a draft that agree often but not always (vocabulary 64): the draft is the target with noise
+    added to every weight (two random models of their own agree on too few greedy tokens to exercise acceptance)."""
+    target, draft = tiny_llama(50, scale=6.0), tiny_llama(50, scale=6.0)
+    noise = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for weight in draft.parameters():
+            weight.add_(0.2 * weight.std() * torch.randn(weight.shape, generator=noise))
+    return target, draft
+
+
+@pytest.fixture(scope="module")
+def small():
+    """VOCAB-token models, as in test_drafters: the two-token law has VOCAB² cells."""
+    return (tiny_llama(40, vocab_size=VOCAB, hidden=16, layers=1, scale=3.0),
+            tiny_llama(41, vocab_size=VOCAB, hidden=16, layers=1, scale=3.0))
+
+
+def _alone(target, draft, prompt, budget, k, params, seed, stopping=NO_STOP):
+    generator = None if params.greedy else torch.Generator().manual_seed(seed)
+    return speculative_decode(target, DraftModel(draft), torch.tensor([prompt]), budget, k, params, generator,
+                              stopping)
+
+
+def _batch(target, draft, prompts, budget, k, params, seeds, stopping=NO_STOP):
+    generators = [None if params.greedy else torch.Generator().manual_seed(s) for s in seeds]
+    return speculative_decode_batch(target, draft, [torch.tensor(p) for p in prompts], budget, k, params, generators,
+                                    stopping)
+
+
+def _stop_token(target, prompts, budget) -> int:
+    """A token that ends some prompts' greedy continuations early and not others'."""
+    runs = [generate_regular(target, torch.tensor([p]), budget, GREEDY).tokens.tolist() for p in prompts]
+    for token in sorted({t for run in runs for t in run[1:budget - 2]}):
+        if 0 < sum(token in run for run in runs) < len(runs):
+            return token
+    raise AssertionError("no token ends only some rows")
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_greedy_rows_equal_ssp_alone_and_rsp(pair, k):
+    target, draft = pair
+    budget = 17  # not a multiple of K + 1: rows end at their budget in different iterations
+    stopping = Stopping(token_ids={_stop_token(target, PROMPTS, budget)})
+    outs = _batch(target, draft, PROMPTS, budget, k, GREEDY, [0] * len(PROMPTS), stopping)
+    for prompt, out in zip(PROMPTS, outs):
+        alone = _alone(target, draft, prompt, budget, k, GREEDY, 0, stopping)
+        rsp = generate_regular(target, torch.tensor([prompt]), budget, GREEDY, stopping=stopping)
+        assert out.tokens.tolist() == alone.tokens.tolist() == rsp.tokens.tolist()
+        assert out.stopped == alone.stopped
+        assert (out.stats.drafted, out.stats.accepted, out.stats.target_forwards) == \
+            (alone.stats.drafted, alone.stats.accepted, alone.stats.target_forwards)
+    assert 0 < sum(out.stopped for out in outs) < len(outs)  # some rows left the batch at the stop token
+    assert len({out.stats.target_forwards for out in outs}) > 1  # rows ended in different iterations
+
+
+@pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.7, top_k=5)], ids=["T=1", "T=0.7 top-k 5"])
+@pytest.mark.parametrize("k", [1, 3])
+def test_seeded_sampled_rows_equal_ssp_alone(pair, k, params):
+    """Exact equality: on these fp32 models the batched forwards give each row's logits as alone (no mismatch from
+    the order of floating-point sums has been seen; if one ever shows, it is a near-tie, not a broken row)."""
+    target, draft = pair
+    stopping = Stopping(token_ids={1})
+    for trial in range(3):
+        seeds = [100 * trial + r for r in range(len(PROMPTS))]
+        outs = _batch(target, draft, PROMPTS, 20, k, params, seeds, stopping)
+        for prompt, seed, out in zip(PROMPTS, seeds, outs):
+            alone = _alone(target, draft, prompt, 20, k, params, seed, stopping)
+            assert out.tokens.tolist() == alone.tokens.tolist(), (trial, prompt)
+            assert (out.stats.drafted, out.stats.accepted) == (alone.stats.drafted, alone.stats.accepted)
+
+
+def _exact_law(model, prompt: list[int], params: SamplingParams) -> list[float]:
+    """The target's law of the first two tokens after ``prompt``, by teacher forcing (VOCAB² cells)."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        p1 = warp(model(ids).logits[0, -1], params)
+        rows = [warp(model(torch.cat([ids, torch.tensor([[x]])], 1)).logits[0, -1], params) for x in range(VOCAB)]
+    return (p1[:, None] * torch.stack(rows)).flatten().tolist()
+
+
+def _two_token_counts(target, draft, k: int, params: SamplingParams, runs: int = RUNS) -> list[list[int]]:
+    """The first two tokens of ``runs`` batches of the LAW_PROMPTS rows (row r of batch b seeded 4b + r), per row.
+    At K=2 they are drafts or residual draws; at K=1 the second is the bonus wherever the first draft passed."""
+    rows = len(LAW_PROMPTS)
+    counts = [[0] * VOCAB * VOCAB for _ in range(rows)]
+    for b in range(runs):
+        outs = _batch(target, draft, LAW_PROMPTS, 3, k, params, [rows * b + r for r in range(rows)])
+        for r, out in enumerate(outs):
+            first, second = out.tokens[:2].tolist()
+            counts[r][first * VOCAB + second] += 1
+    return counts
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("k", [1, 2], ids=["K=1 (bonus)", "K=2"])
+def test_every_row_keeps_its_own_target_law(small, k):
+    """Each row (prompt lengths 6, 1, 3, 4; row 2 the one test_drafters checks alone) against its own law."""
+    target, draft = small
+    params = SamplingParams(1.0)
+    counts = _two_token_counts(target, draft, k, params)
+    for prompt, row in zip(LAW_PROMPTS, counts):
+        p = chi_square_gof(row, _exact_law(target, prompt, params)).p_value
+        assert p > SIGNIFICANCE, (prompt, p)
+
+
+def _shared_acceptance(real):
+    """A planted bug: every row keeps as many drafts as the batch's first row accepted (up to its own count),
+    whatever its own test said, with its own next token."""
+    def verify_rows(logits, proposals, params, generators, vocab):
+        verdicts = real(logits, proposals, params, generators, vocab)
+        first = verdicts[0][0]
+        return [verdicts[0]] + [(min(first, len(p)), extra) for p, (_, extra) in zip(proposals[1:], verdicts[1:])]
+    return verify_rows
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("k", [1, 2], ids=["K=1 (bonus)", "K=2"])
+def test_the_law_test_catches_rows_sharing_their_acceptance(small, monkeypatch, k):
+    """A quarter of the runs suffice: the bug moves row 2's law far (p ~ 1e-13 at 500 batches)."""
+    target, draft = small
+    params = SamplingParams(1.0)
+    monkeypatch.setattr(batched, "verify_rows", _shared_acceptance(batched.verify_rows))
+    counts = _two_token_counts(target, draft, k, params, RUNS // 4)
+    assert chi_square_gof(counts[2], _exact_law(target, LAW_PROMPTS[2], params)).p_value < SIGNIFICANCE
+
+
+@pytest.fixture(scope="module")
+def loaded(pair):
+    """The ``pair`` as loaded models with a character tokenizer, and a random feature head for the target."""
+    tok = char_tokenizer()
+    target, draft = pair
+    return (LoadedModel(ModelSpec("t"), target, tok), LoadedModel(ModelSpec("d"), draft, tok),
+            LoadedModel(ModelSpec("h"), FeatureDraft(random_head(target, 52, scale=2.0), target), tok))
+
+
+def _records(run) -> list[dict]:
+    from lssp.measure.evals import read_records
+
+    return [{**vars(r), "seconds": None} for r in read_records(run.records_path)]
+
+
+@pytest.mark.parametrize("params", [GREEDY, SamplingParams(1.0)], ids=["greedy", "T=1"])
+def test_eval_records_batched_equal_one_at_a_time(loaded, tmp_path, params):
+    """eval's SSp problems in batches of 4 (prompts of different lengths, the few-shot prefix cached): the same
+    records, problem by problem, as one at a time."""
+    target, draft, _ = loaded
+    engine = OursEngine(target, [draft], [64])
+    runs = {size: run_eval(target, draft, engine, ["ssp"], 12, 0, params, 8, 3, tmp_path / str(size), ssp_batch=size)
+            for size in (1, 4)}
+    assert runs[4].setup.ssp_batch == 4 and runs[1].setup.ssp_batch == 1
+    one, four = _records(runs[1]), _records(runs[4])
+    assert len(one) == 12 and one == four
+    assert len({len(target.encode(r["prompt"])[0]) for r in four}) > 1  # batches of different prompt lengths
+
+
+def test_complete_ssp_batch_runs_unbatchable_modes_one_at_a_time(loaded):
+    """A feature head or the context lookup cannot run batched: ``complete_ssp_batch`` runs the rows one after
+    another, with the tokens ``complete`` gives each, so callers can always call it."""
+    target, draft, head = loaded
+    engine = OursEngine(target, [draft, head], [64, 64])
+    prompts = [torch.tensor([p]) for p in PROMPTS]
+    for mode in (Mode("ssp", 3, draft="h"), Mode("ssp", 3, lookup=2, draft="d")):
+        assert engine.unbatched_reason(mode)
+        request = Request(prompts[0], 12, GREEDY, 0)
+        outs = engine.complete_ssp_batch(mode, prompts, request, list(range(len(prompts))))
+        for p, seed, out in zip(prompts, range(len(prompts)), outs):
+            alone = engine.complete(mode, Request(p, 12, GREEDY, seed))
+            assert out.tokens.tolist() == alone.tokens.tolist()
+    assert engine.unbatched_reason(Mode("ssp", 3, draft="d")) is None
