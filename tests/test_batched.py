@@ -198,3 +198,39 @@ def test_complete_ssp_batch_runs_unbatchable_modes_one_at_a_time(loaded):
             alone = engine.complete(mode, Request(p, 12, GREEDY, seed))
             assert out.tokens.tolist() == alone.tokens.tolist()
     assert engine.unbatched_reason(Mode("ssp", 3, draft="d")) is None
+
+
+@pytest.mark.parametrize("mode", [Mode("ssp", 3), Mode("rsp")], ids=["SSp", "RSp"])
+def test_verify_samples_batched_equal_one_at_a_time(loaded, mode):
+    """verify's runs of one prompt in batches of 32 (the last one short): seed for seed the samples, counts and
+    progress ticks of the runs one at a time."""
+    from lssp.measure.verify import _samples, batches_runs
+
+    target, draft, _ = loaded
+    engine = OursEngine(target, [draft], [64])
+    ids, params = target.encode("12 * 3"), SamplingParams(1.0)
+    assert batches_runs(engine, mode)
+    got = {}
+    for size in (1, 32):
+        ticks: list[str] = []
+        outputs, stats = _samples(engine, mode, ids, 70, 6, params, 1234, ticks.append, "p", size)
+        got[size] = outputs, [(s.drafted, s.accepted, s.new_tokens) for s in stats], ticks
+    assert got[1] == got[32]
+    assert len(set(map(tuple, got[1][0]))) > 10  # really sampled
+
+
+def test_verify_batches_only_what_the_engine_batches(loaded):
+    """The context lookup runs one at a time; so does an engine whose own ``complete`` overrides ours (a wrapper,
+    a planted bug: its ``complete`` is what is audited)."""
+    from lssp.measure.verify import batches_runs
+
+    target, draft, _ = loaded
+
+    class Wrapped(OursEngine):
+        def complete(self, mode, request):
+            return super().complete(mode, request)
+
+    engine = OursEngine(target, [draft], [64])
+    assert batches_runs(engine, Mode("ssp", 2)) and not batches_runs(engine, Mode("ssp", 2, lookup=2))
+    assert not batches_runs(Wrapped(target, [draft], [64]), Mode("ssp", 2))
+    assert not batches_runs(Wrapped(target, [draft], [64]), Mode("rsp"))

@@ -60,6 +60,9 @@ def verify(
     two_sample: Annotated[Optional[bool], typer.Option(
         "--two-sample/--no-two-sample", help="Sampled mode: also test SSp's tokens against the same engine's RSp "
         "tokens (default: for engines other than ours, whose arithmetic may differ from our exact law).")] = None,
+    batch: Annotated[int, typer.Option(help="Sampled mode: a prompt's runs go N at a time where the engine batches "
+                                       "them (ours: SSp with a draft model, and RSp), each with its own seed: the "
+                                       "same samples as one at a time.")] = 32,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the report as JSON here.")] = None,
 ) -> None:
     """Check that SSp samples exactly from the target (exit 1 when it does not, 3 when it cannot tell)."""
@@ -69,7 +72,7 @@ def verify(
     engines = check_llamacpp(check_engines("verify", [e.strip() for e in engine.split(",") if e.strip()], VERIFY_ENGINES))
     ks = parse_ints("--k", k)
     for name, value in [("--nb-prompts", nb_prompts), ("--samples", samples), ("--depth", depth),
-                        ("--max-new-tokens", max_new_tokens)]:
+                        ("--max-new-tokens", max_new_tokens), ("--batch", batch)]:
         check_positive(name, value)
     if not 0 < significance < 1:
         raise UserError(f"--significance must be in (0, 1), got {significance}")
@@ -86,7 +89,7 @@ def verify(
     runners = _engines(s, engines, t, d, vocab, target, draft, ks, lookup)
     info = RunInfo.for_models(t, d)
     reports, failed = _run_audits(s, runners, ks, t, d, prompt_list, params, vocab, samples, depth, significance,
-                                  max_new_tokens, tie_tolerance, lookup, paired, effect)
+                                  max_new_tokens, tie_tolerance, lookup, paired, effect, batch)
     interrupted = any(rep.interrupted for rep in reports)
     reports = [rep for rep in reports if rep.prompts_done]  # interrupted before its first prompt: nothing to say
     if not reports:
@@ -111,7 +114,7 @@ def verify(
 
 def _run_audits(s, runners, ks: list[int], t, d, prompt_list: list[str], params, vocab: int, samples: int, depth: int,
                 significance: float, max_new_tokens: int, tie_tolerance: float, lookup: int, paired: dict[str, bool],
-                effect: float) -> tuple[list, dict[str, str]]:
+                effect: float, batch: int) -> tuple[list, dict[str, str]]:
     """Each engine at each K; an engine that breaks down is named in the second result, the others go on."""
     from lssp.measure import verify as vf
 
@@ -127,7 +130,7 @@ def _run_audits(s, runners, ks: list[int], t, d, prompt_list: list[str], params,
                                            lookup, runner)
                 else:
                     rep = vf.verify_sampled(t, d, prompt_list, params, k_now, samples, depth, s.seed, vocab,
-                                            significance, tick, lookup, runner, paired[runner.name], effect)
+                                            significance, tick, lookup, runner, paired[runner.name], effect, batch)
             except KeyboardInterrupt:  # outside the sampling loops (which keep their prompts done): stop here
                 reports.append(vf.VerifyReport("sampled", significance, "", interrupted=True))
                 break

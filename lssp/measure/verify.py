@@ -37,6 +37,7 @@ Progress = Callable[[str], None]
 MIN_SAMPLES = 20  # runs sharing a prefix below which a position is not tested
 EFFECT = 0.5  # Cohen's w a LOSSLESS verdict must be able to see (0.5: "large"; the deviations found so far: w > 2)
 LOSSLESS, NOT_LOSSLESS, INCONCLUSIVE = "lossless", "not lossless", "inconclusive"
+BATCH = 32  # runs of one prompt per batch, where the engine batches them
 
 
 @dataclass
@@ -159,16 +160,41 @@ def _tv_null(p: torch.Tensor, n: int, generator: torch.Generator, reps: int = 20
     return float(tv.mean()), float(tv.std())
 
 
+def batches_runs(engine: Engine, mode: Mode) -> bool:
+    """Whether ``engine`` runs several completions of ``mode`` in one batch (ours: RSp, and SSp where the drafting
+    is batchable), each row as it would run alone with its seed. Not an engine whose ``complete`` overrides the
+    one its batch method was written beside (a subclass that changes how one completion runs): its own
+    ``complete`` is what is audited."""
+    name = "complete_ssp_batch" if mode.mode == "ssp" else "complete_rsp_batch"
+    if not callable(getattr(engine, name, None)):
+        return False
+    owner = {attr: next(c for c in type(engine).__mro__ if attr in vars(c)) for attr in (name, "complete")}
+    if not issubclass(owner[name], owner["complete"]):
+        return False
+    return mode.mode != "ssp" or not engine.unbatched_reason(mode)
+
+
 def _samples(engine: Engine, mode: Mode, ids: torch.Tensor, runs: int, tokens: int, params: SamplingParams,
-             seeds: int, progress: Progress | None, what: str) -> tuple[list[list[int]], list[Any]]:
-    """``runs`` completions of ``tokens`` tokens, seeded ``seeds``, ``seeds + 1``, …: their tokens and stats."""
+             seeds: int, progress: Progress | None, what: str, batch: int = BATCH) -> tuple[list[list[int]], list[Any]]:
+    """``runs`` completions of ``tokens`` tokens, seeded ``seeds``, ``seeds + 1``, …: their tokens and stats. Where
+    the engine batches ``mode`` (``batches_runs``), ``batch`` runs at a time, rows of the same prompt each with its
+    own seed: the samples of the runs one at a time (up to the order of floating-point sums in batched kernels)."""
+    size = max(1, batch) if batches_runs(engine, mode) else 1
     outputs, stats = [], []
-    for run in range(runs):
-        out = engine.complete(mode, Request(ids, tokens, params, seeds + run))
-        outputs.append(out.tokens.tolist())
-        stats.append(out.stats)
-        if progress and (run + 1) % 50 == 0:
-            progress(f"{what}: {run + 1}/{runs} {mode.mode.upper()} runs")
+    for start in range(0, runs, size):
+        seeds_now = [seeds + run for run in range(start, min(runs, start + size))]
+        request = Request(ids, tokens, params, seeds_now[0])
+        if size == 1:
+            outs = [engine.complete(mode, request)]
+        elif mode.mode == "ssp":
+            outs = engine.complete_ssp_batch(mode, ids.repeat(len(seeds_now), 1), request, seeds_now)
+        else:
+            outs = engine.complete_rsp_batch(ids.repeat(len(seeds_now), 1), request, seeds_now)
+        for out in outs:
+            outputs.append(out.tokens.tolist())
+            stats.append(out.stats)
+            if progress and len(outputs) % 50 == 0:
+                progress(f"{what}: {len(outputs)}/{runs} {mode.mode.upper()} runs")
     return outputs, stats
 
 
@@ -246,13 +272,14 @@ def samples_needed_upfront(prompts: int, depth: int, two_sample: bool, exact_law
 def verify_sampled(
     target: LoadedModel, draft: LoadedModel, prompts: Sequence[str], params: SamplingParams, k: int, samples: int,
     depth: int, seed: int, vocab: int, significance: float = 0.01, progress: Progress | None = None, lookup: int = 0,
-    engine: Engine | None = None, two_sample: bool = False, effect: float = EFFECT,
+    engine: Engine | None = None, two_sample: bool = False, effect: float = EFFECT, batch: int = BATCH,
 ) -> VerifyReport:
     """Chi-square and TV checks of SSp's emitted tokens at positions 0..depth-1 against the exact law computed from
     our ``target`` (and ``draft``, for α); the runs go through ``engine`` (ours by default). ``two_sample`` also draws
     as many RSp runs from the engine and tests SSp's tokens against them (independent of the engine's rounding). An
     engine that computes with weights of its own (vLLM) always gets the two-sample test, and its verdict rests on
-    it: the exact-law test is then reported, as a reference, not counted."""
+    it: the exact-law test is then reported, as a reference, not counted. The runs of a prompt go ``batch`` at a
+    time where the engine batches them (``_samples``): the same samples, seed for seed."""
     engine = engine or OursEngine(target, [draft], [vocab])
     two_sample = two_sample or not engine.runs_our_weights
     ssp, rsp = Mode("ssp", k, lookup=lookup, engine=engine.name), Mode("rsp", engine=engine.name)
@@ -265,9 +292,9 @@ def verify_sampled(
         what = f"prompt {index + 1}/{len(prompts)}"
         try:
             outputs, stats = _samples(engine, ssp, ids, samples, depth + k, params,
-                                      request_seed(seed, index * 100_003), progress, what)
+                                      request_seed(seed, index * 100_003), progress, what, batch)
             rsp_outputs = _samples(engine, rsp, ids, samples, depth, params, request_seed(seed + 1, index * 100_003),
-                                   progress, what)[0] if two_sample else None
+                                   progress, what, batch)[0] if two_sample else None
         except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the prompts done are tested, this one is dropped
             report.interrupted = True
             break
