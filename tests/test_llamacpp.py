@@ -183,7 +183,12 @@ def test_server_flags_per_mode(tmp_path):
             self.spec = type("Spec", (), {"dtype": "float32"})()
 
     target, draft = Fake("t"), Fake("d")
-    assert "-md" not in server_args(target, draft, 0, 0)
+    rsp = server_args(target, draft, 0, 0)
+    assert "-md" not in rsp and rsp[rsp.index("--parallel") + 1] == "1" and "--no-cont-batching" in rsp
+    assert "--ctx-size" not in rsp  # one request at a time, the model's own context
+    slots = server_args(target, draft, 3, 0, slots=4, context=1024)  # load: 4 requests at once, 256 tokens each
+    assert slots[slots.index("--parallel") + 1] == "4" and "--cont-batching" in slots and "--no-kv-unified" in slots
+    assert slots[slots.index("--ctx-size") + 1] == "1024" and "-md" in slots
     ssp = server_args(target, draft, 3, 0)
     assert ssp[ssp.index("-md") + 1].endswith("d.gguf") and ssp[ssp.index("--spec-draft-n-max") + 1] == "3"
     assert ssp[ssp.index("--spec-type") + 1] == "draft-simple" and "f32" in ssp

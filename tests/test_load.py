@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 
 import numpy as np
 import pandas as pd
@@ -160,7 +161,7 @@ def test_load_on_our_engine_through_the_cli(run, tmp_path):
 def test_load_refuses_bad_levels_in_one_line(run):
     for args, says in [(("--concurrency", "0"), "at least 1"), (("--concurrency", "2,x"), "whole numbers"),
                        (("--concurrency", "8", "--requests", "4"), "more than --requests 4"),
-                       (("--engine", "hf"), "load takes vllm or ours"),
+                       (("--engine", "hf"), "load takes vllm, ours or llamacpp"),
                        (("--engine", "ours", "--request-rate", "2"), "static batches"),
                        (("--request-rate", "-1",), "positive")]:
         code, out, err = run("load", "--engine", "ours", *args) if "--engine" not in args else run("load", *args)
@@ -269,3 +270,169 @@ def _port_free(port: int) -> bool:
         except OSError:
             return False
     return True
+
+
+# --- llama.cpp: llama-server with parallel slots, our streaming client ------------------------------------------
+
+@pytest.fixture(scope="module")
+def lc_models(tmp_path_factory):
+    """Tiny fp32 GGUFs (test_llamacpp's), converted under pytest's folder; the build or a skip (a failure under
+    LLAMASSP_REQUIRE_LLAMACPP=1)."""
+    from test_llamacpp import build_or_skip, make_models
+
+    from lssp.engines import llamacpp_build
+    from lssp.engines.llamacpp import LlamacppModel
+    from lssp.models.registry import load_registry
+
+    build = build_or_skip()
+    root = tmp_path_factory.mktemp("lcload")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(llamacpp_build, "gguf_root", lambda: root / "gguf")
+        make_models(root)
+        registry = load_registry(root / "models.yaml")
+        pair = LlamacppModel(registry.get("l-target"), build), LlamacppModel(registry.get("l-draft"), build)
+        yield root, pair
+
+
+LC_KEYS = [(0, 0), (2, 0), (2, 2)]  # RSp, the draft at K=2, n-gram (N=2) at K=2
+
+
+@pytest.fixture(scope="module")
+def lc_servers(lc_models):
+    """The three modes' servers with 2 slots each: started once for the module, stopped after it."""
+    from lssp.engines.llamacpp import LlamacppServers
+    from lssp.measure.load_llamacpp import slot_context
+
+    _, pair = lc_models
+    started = LlamacppServers(*pair, LC_KEYS, slots=2, context=2 * slot_context([64], 12, 2))
+    yield started
+    started.close()
+    assert not any(s.alive for s in started.servers.values())
+
+
+def lc_requests(target, count: int) -> list[LoadRequest]:
+    texts = ["Once upon a time, there was a little", "The cat sat on the", "1, 2, 3, 1, 2, 3, 1, 2"]
+    return [LoadRequest(i, target.tokenizer(texts[i % 3]).input_ids, 100 + i) for i in range(count)]
+
+
+@pytest.mark.llamacpp
+@pytest.mark.filterwarnings("ignore")
+def test_llamacpp_load_counters_add_up_and_greedy_ssp_equals_rsp(lc_models, lc_servers):
+    from lssp.measure.load_llamacpp import LlamacppLoadBackend, metric_counters
+
+    _, (target, _) = lc_models
+    modes = [Mode("rsp", engine="llamacpp"), Mode("ssp", 2, engine="llamacpp"), Mode("ssp", 2, lookup=2,
+                                                                                      engine="llamacpp")]
+    setup = LoadSetup("llamacpp", "l-target", "l-draft", modes, [1, 2], SamplingParams(0.0), 12, 4, "t", 3)
+    backend = LlamacppLoadBackend(lc_servers, setup)
+    requests = lc_requests(target, 4)
+    backend.warm_up(modes, requests[0])
+    before = {key: metric_counters(s.metrics()) for key, s in lc_servers.servers.items()}
+    backend.warm_up = lambda modes, request: None  # done above: the totals below hold the levels only
+    run = run_load(backend, setup, RunInfo(), requests)
+    assert run.levels_done == [1, 2] and not run.failure
+    for mode in modes[1:]:
+        server = lc_servers.servers[backend.key(mode)]
+        total = metric_counters(server.metrics()) - before[backend.key(mode)]
+        levels = [m for level in run.levels for m in level if m.mode == mode]
+        assert sum(m.counters.draft_tokens for m in levels) == total.draft_tokens
+        assert sum(m.counters.accepted for m in levels) == total.accepted
+        assert sum(m.counters.drafts for m in levels) == total.drafts
+        assert total.drafts > 0 or mode.lookup  # the draft model drafts; n-gram lookup where the text repeats
+        for m in levels:  # /metrics deltas = the level's per-request timings summed
+            assert m.counters.draft_tokens == m.client["timings_draft_tokens"]
+            assert m.counters.accepted == m.client["timings_accepted_tokens"]
+            assert m.counters.draft_tokens <= 2 * m.counters.drafts
+    tokens = {(m.mode, m.concurrency): m.client["tokens"] for level in run.levels for m in level}
+    reference = tokens[(modes[0], 1)]
+    assert all(len(t) == 12 for t in reference.values())
+    for key, got in tokens.items():  # greedy: SSp = RSp, and 2 requests side by side = one at a time
+        assert got == reference, key
+    rows = run.rows()
+    assert {r["engine"] for r in rows} == {"llamacpp"} and all(r["completed"] == 4 for r in rows)
+    assert {r["method"] for r in rows} == {"none", "draft", "ngram"}
+    summaries = {(s.concurrency, s.label): s for s in run.summaries}
+    assert summaries[(2, "SSp k=2")].throughput_ratio == summaries[(2, "SSp k=2")].throughput_ratio  # not nan
+    assert 0 < summaries[(1, "SSp k=2")].acceptance_rate <= 1
+
+
+@pytest.mark.llamacpp
+@pytest.mark.filterwarnings("ignore")
+def test_llamacpp_load_through_the_cli_stops_its_servers(lc_models, capsys, lc_servers):  # lc_servers: GGUFs made
+    from lssp.engines import llamacpp, llamacpp_build
+
+    root, _ = lc_models
+    started: list = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(llamacpp_build, "gguf_root", lambda: root / "gguf")
+        patch.setattr(llamacpp.LlamaServer, "start", _recording(llamacpp.LlamaServer.start, started))
+        run = cli(capsys, root / "models.yaml", root / "results")
+        code, out, err = run("load", "--engine", "llamacpp", "--concurrency", "1,2", "--requests", "3", "--task",
+                             "stories", "--max-new-tokens", "8", "--k", "2", "--ignore-eos")
+    assert code == 0, err
+    assert len(started) == 2 and not any(s.alive for s in started)  # RSp and the draft at K=2, both stopped
+    assert all("--parallel" in s.args and s.args[s.args.index("--parallel") + 1] == "2" for s in started)
+    rows = pd.read_csv(root / "results" / "load.csv")
+    assert set(rows["engine"]) == {"llamacpp"} and list(rows["concurrency"]) == [1, 1, 2, 2]
+    assert all(str(v).startswith(llamacpp_build.LLAMACPP_VERSION) for v in rows["engine_version"])
+    assert (rows["output_tokens"] == 3 * 8).all() and (rows["completed"] == 3).all()
+    ssp = rows[rows["mode"] == "ssp"]
+    assert (ssp["draft_tokens"] > 0).all() and set(ssp["method"]) == {"draft-simple"}
+    assert "break-even (throughput, SSp k=2)" in out and "2 parallel slots" in " ".join(out.split())
+    assert max(len(line) for line in out.splitlines()) <= 80
+
+
+@pytest.mark.llamacpp
+@pytest.mark.filterwarnings("ignore")
+def test_llamacpp_load_server_failing_to_start_is_one_line_naming_its_log(lc_models, capsys, lc_servers):
+    from lssp.engines import llamacpp, llamacpp_build
+
+    root, _ = lc_models
+    real = llamacpp.server_args
+
+    def broken(target, draft, k, lookup, *rest):  # the SSp server gets a flag llama-server does not know
+        return real(target, draft, k, lookup, *rest) + (["--no-such-flag"] if k else [])
+
+    started: list = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(llamacpp_build, "gguf_root", lambda: root / "gguf")
+        patch.setattr(llamacpp, "server_args", broken)
+        patch.setattr(llamacpp.LlamaServer, "start", _recording(llamacpp.LlamaServer.start, started))
+        run = cli(capsys, root / "models.yaml", root / "results-broken")
+        code, out, err = run("load", "--engine", "llamacpp", "--concurrency", "1", "--requests", "1", "--task",
+                             "stories", "--max-new-tokens", "4", "--k", "2")
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    log = re.search(r"log: (\S+\.log)", err).group(1)
+    assert "draft k=2" in err and "exited at start" in err and os.path.exists(log)
+    assert len(started) == 2 and not any(s.alive for s in started)  # the RSp server started first is stopped too
+
+
+def test_llamacpp_load_bad_inputs_are_one_line(run, tmp_path, monkeypatch):
+    for args, says in [(("--concurrency", "4", "--requests", "2"), "more than --requests 2"),
+                       (("--k", "9", "--max-new-tokens", "4"), "--k"),
+                       (("--concurrency", "0"), "at least 1")]:
+        code, out, err = run("load", "--engine", "llamacpp", *args)
+        assert code == 2 and says in err and len(err.strip().splitlines()) == 1, (args, err)
+    monkeypatch.setenv("LLAMASSP_CACHE", str(tmp_path / "empty-cache"))
+    code, out, err = run("load", "--engine", "llamacpp", "--requests", "2", "--concurrency", "1")
+    assert code == 2 and "./setup.sh --llamacpp" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_llamacpp_load_pieces():
+    from lssp.measure.load_llamacpp import Streamed, metric_counters, poisson_arrivals, slot_context
+
+    assert slot_context([10, 40], 64, 4) == 128 and slot_context([], 1, 1) == 64
+    assert poisson_arrivals(3, None, 0) == [0.0] * 3
+    times = poisson_arrivals(200, 10.0, 1)
+    assert times == poisson_arrivals(200, 10.0, 1) and times == sorted(times) and 10 < times[-1] < 30
+    counters = metric_counters({"spec_decode_num_drafts_total": 5.0, "spec_decode_num_draft_tokens_total": 10.0,
+                                "spec_decode_num_accepted_tokens_total": 6.0,
+                                'spec_decode_num_accepted_tokens_per_pos_total{position="1"}': 2.0,
+                                'spec_decode_num_accepted_tokens_per_pos_total{position="0"}': 4.0})
+    assert counters == Counters(5, 10, 6, (4, 2))
+    streamed = Streamed([5, 2, 7], [0.1, 0.2, 0.4], {})
+    from lssp.decoding.generation import Stopping
+
+    cut = streamed.cut(Stopping(token_ids={2}))
+    assert cut.tokens == [5, 2] and cut.timing(0).first_to_last_s == pytest.approx(0.1)
+    assert cut.timing(0).ttft_s == pytest.approx(0.1) and not Streamed(error="x").timing(0).ok

@@ -37,7 +37,7 @@ from lssp.report.results import ResultWriter, plural
 if TYPE_CHECKING:
     from lssp.measure.load import LoadSetup
 
-ENGINES = ("vllm", "ours")
+ENGINES = ("vllm", "ours", "llamacpp")
 
 
 @app.command()
@@ -47,15 +47,16 @@ def load(
     draft: Annotated[Optional[str], typer.Option(help="Draft model (default: the registry's default_draft).")] = None,
     engine: Annotated[str, typer.Option(
         "--engine", help="vllm: one vLLM server per mode, loaded by vLLM's benchmark client (./setup.sh --vllm); "
-        "ours: our engine in static batches of B = concurrency.")] = "vllm",
+        "ours: our engine in static batches of B = concurrency; llamacpp: one llama-server per mode with a slot per "
+        "request in flight, continuous batching (./setup.sh --llamacpp).")] = "vllm",
     concurrency: Annotated[str, typer.Option(help="Concurrency levels, comma-separated: requests in flight at once "
                                              "(ours: the batch size).")] = "1,2,4,8",
     requests: Annotated[int, typer.Option("--requests", help="Requests per level and mode (the same set each "
                                           "time); at least the highest concurrency.")] = 16,
     k: KOpt = 4,
     lookup: Annotated[int, typer.Option(
-        "--lookup", help="Also SSp with n-gram lookup of this length: vLLM's n-gram drafter alone; ours: the draft "
-        "with our context lookup (0: off).")] = 0,
+        "--lookup", help="Also SSp with n-gram lookup of this length: vLLM's and llama.cpp's n-gram drafter alone; "
+        "ours: the draft with our context lookup (0: off).")] = 0,
     max_new_tokens: MaxNewOpt = 64,
     task: TaskOpt = None,
     prompts: PromptsOpt = None,
@@ -67,14 +68,18 @@ def load(
     top_p: TopPOpt = 1.0,
     request_rate: Annotated[Optional[float], typer.Option(
         help="Open loop: Poisson arrivals at this many requests per second, still at most --concurrency in flight "
-             "(vLLM's client; default: closed loop, all sent at once).")] = None,
+             "(vllm, llamacpp; default: closed loop, all sent at once).")] = None,
     json_out: JsonOpt = None,
 ) -> None:
     """Speculative decoding under load: per-user latency and throughput of RSp and SSp at each concurrency,
     SSp's ratio to RSp, and the break-even concurrency for each."""
     s = settings(ctx)
     if engine not in ENGINES:
-        raise UserError(f"load --engine {engine!r}: load takes vllm or ours")
+        raise UserError(f"load --engine {engine!r}: load takes vllm, ours or llamacpp")
+    if engine == "llamacpp":
+        from lssp.cli.loaders import check_llamacpp
+
+        check_llamacpp([engine])  # not built: one line naming ./setup.sh --llamacpp, before anything loads
     levels = sorted(set(parse_ints("--concurrency", concurrency)))
     check_positive("--requests", requests)
     if levels[-1] > requests:
@@ -93,16 +98,21 @@ def load(
     params = sampling_params(temperature, top_k, top_p)
     results = s.writable_results_dir(json_out)
     need_draft = draft is not None or target is None or not lookup or engine == "ours"
-    modes, t, d, core = _start(s, engine, target, draft, need_draft, k, lookup)
+    request_set = None
+    if engine == "llamacpp":
+        modes, t, d, core, request_set = _start_llamacpp(s, target, draft, need_draft, k, lookup, levels[-1],
+                                                         prompt_list, requests, chat, max_new_tokens)
+    else:
+        modes, t, d, core = _start(s, engine, target, draft, need_draft, k, lookup)
     try:
         from lssp.measure.load import LoadSetup
 
         setup = LoadSetup(engine, t.name, d.name if d else None, modes, levels, params, max_new_tokens, requests,
                           workload, len(prompt_list), chat, ignore_eos, request_rate, s.seed)
         backend = _backend(engine, core, setup, t, d)
-        _measure(s, backend, t, d, prompt_list, results, json_out)
+        _measure(s, backend, t, d, prompt_list, results, json_out, request_set)
     finally:
-        if engine == "vllm":
+        if engine in ("vllm", "llamacpp"):
             core.close()
 
 
@@ -143,6 +153,31 @@ def _start(s: Settings, engine: str, target: str | None, draft: str | None, need
     return modes, t, d, OursEngine(t, [d] if d else [], [vocab])
 
 
+def _start_llamacpp(s: Settings, target: str | None, draft: str | None, need_draft: bool, k: int, lookup: int,
+                    slots: int, prompt_list: list, requests: int, chat: bool, max_new_tokens: int):
+    """(modes, target, draft, servers, request set): the pair as GGUF files, the request set (its longest prompt
+    sizes the slots), one llama-server per mode with ``slots`` parallel slots, all started before anything is
+    timed (``main`` stops them however the command ends)."""
+    from lssp.cli.loaders import load_llamacpp_pair
+    from lssp.engines.llamacpp import LlamacppServers
+    from lssp.measure.latency import latency_modes
+    from lssp.measure.load import build_requests
+    from lssp.measure.load_llamacpp import slot_context
+
+    t, d = load_llamacpp_pair(s, target, draft, need_draft)
+    modes = latency_modes(["llamacpp"], [d.name] if d else [], [k], (0.0,), [0, lookup] if lookup else [0])
+    if len(modes) < 2:
+        raise UserError("load compares SSp with RSp: give --draft D (or --lookup N for llama.cpp's n-gram drafts)")
+    request_set = build_requests(t, prompt_list, requests, s.seed, chat)
+    per_slot = slot_context([len(r.ids) for r in request_set], max_new_tokens, k)
+    keys = [(m.k, m.lookup) if m.mode == "ssp" else (0, 0) for m in modes]
+    with err_console.status(f"Starting {plural(len(keys), 'llama-server')} with {plural(slots, 'slot')} "
+                            "each…") as status:
+        servers = LlamacppServers(t, d, keys, lambda key: status.update(f"llama-server for K={key[0]} is up…"),
+                                  slots=slots, context=per_slot * slots)
+    return modes, t, d, servers, request_set
+
+
 def _backend(engine: str, core, setup: LoadSetup, t, d):
     """The LoadBackend over ``core`` (``_start``), the setup completed with what only the engine knows."""
     from lssp.decoding.generation import Stopping
@@ -152,6 +187,12 @@ def _backend(engine: str, core, setup: LoadSetup, t, d):
     if engine == "vllm":
         backend = VllmLoadBackend(core, setup, sorted(t.eos_ids), t.tokenizer)
         setup.draft_method = f"{draft_method(d)} ({draft_sampling(d)})" if d else ""
+    elif engine == "llamacpp":
+        from lssp.measure.load_llamacpp import LlamacppLoadBackend
+
+        stopping = Stopping() if setup.ignore_eos else Stopping(token_ids=t.eos_ids)
+        backend = LlamacppLoadBackend(core, setup, stopping)
+        setup.draft_method = "draft-simple" if d else ""
     else:
         backend = OursLoadBackend(core, setup, Stopping() if setup.ignore_eos else Stopping(token_ids=t.eos_ids))
         setup.draft_method = "draft"
@@ -159,13 +200,15 @@ def _backend(engine: str, core, setup: LoadSetup, t, d):
     return backend
 
 
-def _measure(s: Settings, backend, t, d, prompt_list: list, results: Path, json_out: Path | None) -> None:
-    """Build the request set, run every level (saving each), render, and end as the run ended."""
+def _measure(s: Settings, backend, t, d, prompt_list: list, results: Path, json_out: Path | None,
+             request_set: list | None = None) -> None:
+    """Build the request set (unless given), run every level (saving each), render, and end as the run ended."""
     from lssp.measure.load import build_requests, run_load
     from lssp.report.results import RunInfo
 
     setup = backend.setup
-    request_set = build_requests(t, prompt_list, setup.requests, s.seed, setup.chat)
+    if request_set is None:
+        request_set = build_requests(t, prompt_list, setup.requests, s.seed, setup.chat)
     info = RunInfo.for_models(t, d)
     writer = ResultWriter(results, info.run_id)
 

@@ -146,8 +146,8 @@ class LlamaServer:
     def start(self, timeout_s: float = START_TIMEOUT_S) -> None:
         """Start the server and wait until it answers /health; one line naming its log if it does not."""
         self.port = free_port()
-        command = [str(self.build.server), "--host", "127.0.0.1", "--port", str(self.port), "--parallel", "1",
-                   "--no-webui", "--no-cont-batching", "--metrics", *self.args]
+        command = [str(self.build.server), "--host", "127.0.0.1", "--port", str(self.port), "--no-webui", "--metrics",
+                   *self.args]
         env = {**os.environ, "LLAMA_TRACE": "1"}
         self.log_path.write_text(" ".join(command) + "\n")
         with open(self.log_path, "a") as sink:
@@ -167,6 +167,10 @@ class LlamaServer:
             time.sleep(0.2)
         self.close()
         raise UserError(f"llama-server ({self.label}) did not answer within {timeout_s:.0f} s (log: {self.log_path})")
+
+    @property
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
 
     def _healthy(self) -> bool:
         try:
@@ -260,9 +264,18 @@ def threads() -> int:
     return int(os.environ.get("LLAMASSP_LLAMACPP_THREADS") or torch.get_num_threads())
 
 
-def server_args(target: LlamacppModel, draft: LlamacppModel | None, k: int, lookup: int) -> list[str]:
-    """llama-server's model and speculative flags for one mode (k = 0: RSp)."""
-    args = ["-m", str(target.gguf), "--threads", str(threads())]
+def server_args(target: LlamacppModel, draft: LlamacppModel | None, k: int, lookup: int, slots: int = 1,
+                context: int = 0) -> list[str]:
+    """llama-server's model, slot and speculative flags for one mode (k = 0: RSp).
+
+    ``slots``: requests served at once (``--parallel``); one slot serves one request at a time, as every command
+    but ``load`` times them; more run side by side in each forward (continuous batching). ``context``: the KV
+    cache's tokens over all slots (``--ctx-size``; 0: the model's own context); llama-server splits it evenly
+    between the slots (``--no-kv-unified``: each slot its own share, whatever the others hold)."""
+    args = ["-m", str(target.gguf), "--threads", str(threads()), "--parallel", str(slots)]
+    args += ["--cont-batching", "--no-kv-unified"] if slots > 1 else ["--no-cont-batching"]
+    if context:
+        args += ["--ctx-size", str(context)]
     if target.build.flavor == "cuda":
         args += ["--n-gpu-layers", "all"]
     if target.spec.dtype == "float32":  # fp32 keys, values and attention (llama.cpp's CPU flash attention: f16)
@@ -324,22 +337,25 @@ def stats_from_response(mode: str, k: int, tokens: int, wall_s: float, timings: 
 
 
 class LlamacppServers:
-    """One llama-server per (k, lookup) mode, all started before anything is timed; stopped by ``close``."""
+    """One llama-server per (k, lookup) mode, all started before anything is timed; stopped by ``close``. ``slots``
+    and ``context``: as ``server_args`` (``load`` serves several requests at once; the other commands one)."""
 
     def __init__(self, target: LlamacppModel, draft: LlamacppModel | None, modes: list[tuple[int, int]],
-                 log_started: Any = None) -> None:
+                 log_started: Any = None, slots: int = 1, context: int = 0) -> None:
         self.build = target.build
         self.target, self.draft = target, draft
         self.serial = _next_serial()
         _GROUPS.append(self)
         self.log_dir = Path(tempfile.mkdtemp(prefix="llamassp-llamacpp-"))
         self.keep_logs = False  # set on a failure: the logs its message names stay
+        self.slots, self.context = slots, context
         self.servers: dict[tuple[int, int], LlamaServer] = {}
         try:
             for key in dict.fromkeys(modes):
                 label = "rsp" if key[0] == 0 else f"ngram n={key[1]} k={key[0]}" if key[1] else f"draft k={key[0]}"
                 name = label.replace(" ", "-").replace("=", "")
-                server = LlamaServer(self.build, label, server_args(target, draft, *key), self.log_dir / f"{name}.log")
+                server = LlamaServer(self.build, label, server_args(target, draft, *key, slots, context),
+                                     self.log_dir / f"{name}.log")
                 self.servers[key] = server
                 server.start()
                 if log_started:
@@ -375,6 +391,13 @@ class LlamacppServers:
             tokens, stopped = tokens[:cut], True
         stats = stats_from_response("ssp" if k else "rsp", k, len(tokens), wall, timings, steps)
         return GenerationOutput(torch.tensor(tokens, dtype=torch.long), stats, stopped)
+
+    def failed(self, server: LlamaServer, what: str) -> UserError:
+        """The error for a server that failed mid-run (its log kept and named)."""
+        self.keep_logs = True
+        state = "failed requests" if server.alive else "is no longer running"
+        return UserError(f"llama-server ({server.label}) {state} {what}: {last_error_line(server.log_path)} "
+                         f"(log: {server.log_path})")
 
     def close(self) -> None:
         """Stop every server; their logs are removed unless something failed (the error named them)."""
