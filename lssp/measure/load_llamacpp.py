@@ -142,9 +142,14 @@ def stream_requests(server: LlamaServer, bodies: Sequence[dict[str, Any]], concu
         with lock:
             ends.append(time.perf_counter())
 
-    with ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="llamassp-load") as pool:
+    pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="llamassp-load")
+    try:
         for future in [pool.submit(one, i) for i in range(len(bodies))]:
             future.result()
+    except BaseException:  # Ctrl-C: no new request; those in flight end when the servers stop
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown()
     return [r if r is not None else Streamed(error="not sent") for r in results], max(ends, default=start) - start
 
 
