@@ -107,10 +107,12 @@ class VllmServer:
     log_path: Path
     process: subprocess.Popen | None = None
     port: int = 0
+    host: str = "127.0.0.1"  # loopback, or an address inside a network namespace the caller made
+    env: dict[str, str] = field(default_factory=dict)  # added to the server's environment
 
     @property
     def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     @property
     def alive(self) -> bool:
@@ -119,9 +121,9 @@ class VllmServer:
     def launch(self) -> None:
         """Start the process (its own session, so that stopping it stops its children); ``wait_ready`` waits."""
         self.port = free_port()
-        command = [sys.executable, "-m", SERVER_MODULE, "--host", "127.0.0.1", "--port", str(self.port),
+        command = [sys.executable, "-m", SERVER_MODULE, "--host", self.host, "--port", str(self.port),
                    "--disable-uvicorn-access-log", *self.args]
-        env = {**os.environ, "VLLM_LOGGING_LEVEL": "INFO"}  # the log says what went wrong
+        env = {**os.environ, "VLLM_LOGGING_LEVEL": "INFO", **self.env}  # the log says what went wrong
         self.log_path.write_text(" ".join(command) + "\n")
         with open(self.log_path, "a") as sink:
             self.process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -145,7 +147,7 @@ class VllmServer:
                         f"(log: {self.log_path})")
 
     def _get(self, path: str, timeout: float) -> tuple[int, str]:
-        connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        connection = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
         try:
             connection.request("GET", path)
             response = connection.getresponse()
