@@ -297,6 +297,34 @@ def audit_table(root: Path, run_ids: list[str]) -> str:
     return intro + "\n\n" + markdown_table(table, ["engine", "proposer", *settings]) + "\n"
 
 
+def multihost_table(path: Path) -> str:
+    """benchmarks/multihost.sh's run: per layout and mode, TPOT and throughput at each concurrency, acceptance,
+    start-up time, and how many greedy texts equal the one-process RSp text."""
+    import json
+
+    run = json.loads(path.read_text())
+    levels = run["levels"]
+    rows = []
+    for r in run["rows"]:
+        row = {"layout": r["layout"], "mode": r["mode"]}
+        if "error" in r:
+            rows.append({**row, "start s": "failed: " + r["error"][:60]})
+            continue
+        row["start s"] = f"{r['start_s']:.0f}"
+        for c in levels:
+            row[f"c={c} TPOT ms"] = f"{r[f'c{c}_tpot_median_ms']:.1f}"
+            row[f"c={c} tok/s"] = f"{r[f'c{c}_throughput_tok_s']:.0f}"
+        accepted = r.get(f"c{levels[0]}_acceptance")
+        row["acceptance"] = "–" if accepted is None else f"{accepted:.0%}"
+        row["same text"] = f"{r.get('same_text_as_one_process_rsp', '?')}/{r.get('completions', '?')}"
+        rows.append(row)
+    columns = ["layout", "mode", "start s"] + [f"c={c} {m}" for c in levels for m in ("TPOT ms", "tok/s")] + \
+        ["acceptance", "same text"]
+    caption = (f"run `{run['run_id']}` · {run['device']} · vLLM {run['vllm_version']} · {run['requests']} requests "
+               f"× {run['max_new_tokens']} tokens, greedy, per level; TPOT: median ms per token after the first")
+    return caption + "\n\n" + markdown_table(rows, columns)
+
+
 def readme_block(text: str) -> str:
     """The headline block of a README's text: what lies between the two markers."""
     if text.count(HEADLINE_BEGIN) != 1 or text.count(HEADLINE_END) != 1:
@@ -316,10 +344,14 @@ def main() -> None:
     ap.add_argument("--runs", nargs="*", help="run ids to show (default: all)")
     ap.add_argument("--headline", action="store_true", help="print README.md's headline block (HEADLINE_RUNS)")
     ap.add_argument("--audit", action="store_true", help="print the engine audit per K (HEADLINE_AUDIT_RUNS)")
+    ap.add_argument("--multihost", action="store_true", help="print benchmarks/multihost.sh's table (multihost.json)")
     ap.add_argument("--write-readme", nargs="?", const=str(REPO / "README.md"), metavar="README",
                     help="rewrite the headline block of README.md (or the file given) in place")
     args = ap.parse_args()
     root = Path(args.results)
+    if args.multihost:
+        print(multihost_table(root / "multihost.json"))
+        return
     if args.audit:
         print(markdown_table(audit_rows(root, args.runs or HEADLINE_AUDIT_RUNS), AUDIT_COLUMNS))
         return
