@@ -38,8 +38,9 @@ HEADLINE_AUDIT_RUNS = [
     "20261124-145630-0050f7", "20261124-150058-9f7bc4",  # llama.cpp (llama-server draft-simple): T=1.0; greedy
     "20261124-150154-65e4e9",  # llama.cpp at T=0.7 top-k 50
 ]
-# Ours beside vLLM and llama.cpp (benchmarks/engines.sh, run.sh step 2c): one latency run per sampling setting.
-HEADLINE_ENGINE_RUNS: list[str] = []
+# Ours beside vLLM and llama.cpp (benchmarks/engines.sh, run.sh step 2c): one latency run per sampling setting,
+# 2026-11-24 on a 2-core AMD EPYC (AVX-512, bf16): greedy, then T=0.7.
+HEADLINE_ENGINE_RUNS: list[str] = ["20261124-220647-81f43c", "20261124-221150-b06d84"]
 # The quality check the headline quotes (eval.csv): `eval --both --max-operand 9 --nb-prompts 1500` (run.sh step 4).
 HEADLINE_EVAL_RUN = "20261124-144234-09fa35"
 HEADLINE_BEGIN, HEADLINE_END = "<!-- headline:begin -->\n", "<!-- headline:end -->"
@@ -199,7 +200,8 @@ def engines_table(root: Path, run_id: str) -> str:
     noisy = " · **flagged busy: the ratios are unreliable**" if run["noisy"].astype(str).eq("True").any() else ""
     length = "exactly" if str(first["ignore_eos"]) == "True" else "at most"
     task = first["task"] if "task" in run and pd.notna(first["task"]) else "stories"
-    caption = (f"**{', '.join(names[:-1]).capitalize()} and {names[-1]}** · {first['device']} · run `{run_id}` · {first['target']} + "
+    joined = ", ".join(names[:-1])
+    caption = (f"**{joined[:1].upper() + joined[1:]} and {names[-1]}** · {first['device']} · run `{run_id}` · {first['target']} + "
                f"{run['draft'].dropna().max()}, T={first['temperature']:g}, {int(first['prompts'])} prompts ({task}) × "
                f"{length} {int(first['max_new_tokens'])} tokens. SSp cells: the fastest K's ms/token, its α, its speedup "
                "over the engine's own RSp; n-gram: ours drafts with the draft and a 4-gram lookup, the others with their "
