@@ -152,7 +152,8 @@ def render(run, t, d, wide: bool = False, more: list | None = None) -> None:
              + (f", top-k {params.top_k}" if params.top_k else "") + (f", top-p {params.top_p:g}" if params.top_p < 1 else ""))
     repeated = setup.repeats > 1
     out = table(title, [("mode", "left"), ("K", "left"), ("ms/token", "right"), ("min–max", "right"), ("α", "right"),
-                        ("tok/fwd", "right"), ("speedup", "right"), *([("±sd", "right")] if repeated else [])])
+                        ("tok/fwd", "right"), ("speedup", "right"), *([("±sd", "right")] if repeated else [])],
+                keep_whole=("mode",))  # an engine's name and the mode on one line; K wraps instead
     details = table("Details: median ms/token, time to first token, accepted/drafted, shares of decode time in the "
                     "draft's and the target's forwards, and the spread of the target's forward time (slowest ÷ median "
                     "prompt)", [("mode", "left"), ("median", "right"), ("TTFT ms", "right"), ("accepted", "right"),
