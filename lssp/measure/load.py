@@ -169,6 +169,11 @@ class LoadBackend(ABC):
     def close(self) -> None:  # noqa: B027
         """Stop what the backend started."""
 
+    @staticmethod
+    def key(mode: Mode) -> tuple[int, int]:
+        """The (K, lookup) of the server that runs ``mode`` where an engine runs one server per mode ((0, 0): RSp)."""
+        return (mode.k, mode.lookup) if mode.mode == "ssp" else (0, 0)
+
 
 # --- a run ------------------------------------------------------------------------------------------------------
 

@@ -50,10 +50,6 @@ class VllmLoadBackend(LoadBackend):
                 "vLLM's own benchmark client (vllm.benchmarks.serve); TTFT and TPOT timed by the client from the "
                 "streamed tokens; acceptance from each server's /metrics counters, as deltas per level."]
 
-    @staticmethod
-    def key(mode: Mode) -> tuple[int, int]:
-        return (mode.k, mode.lookup) if mode.mode == "ssp" else (0, 0)
-
     def check(self, mode: Mode, setup: LoadSetup) -> None:
         if self.key(mode) not in self.servers.servers:
             raise UserError(f"{mode.name}: no vLLM server was started for it")

@@ -186,10 +186,6 @@ class LlamacppLoadBackend(LoadBackend):
                 "event, see docs/load.md); TTFT and TPOT timed by the client from the streamed tokens; acceptance "
                 "from each server's /metrics counters, as deltas per level."]
 
-    @staticmethod
-    def key(mode: Mode) -> tuple[int, int]:
-        return (mode.k, mode.lookup) if mode.mode == "ssp" else (0, 0)
-
     def check(self, mode: Mode, setup: LoadSetup) -> None:
         if mode.confidence:
             raise UserError(f"{mode.name}: --draft-confidence has no llama.cpp equivalent here")
