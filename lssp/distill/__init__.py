@@ -16,7 +16,15 @@ from __future__ import annotations
 
 from lssp.distill.acceptance import HELD_OUT_ACCEPTANCE, held_out_acceptance
 from lssp.distill.card import earlier_training, write_draft, write_head
-from lssp.distill.collection import REPEAT_CUE, REPEAT_WINDOW, chosen_shard, collect, repeat_prompts
+from lssp.distill.collection import (
+    REPEAT_CUE,
+    REPEAT_WINDOW,
+    chosen_shard,
+    collect,
+    collection_model,
+    generate_rows,
+    repeat_prompts,
+)
 from lssp.distill.config import Collected, DistillConfig, DistillReport, Progress
 from lssp.distill.data import training_prompts
 from lssp.distill.head_training import train_head
@@ -24,7 +32,7 @@ from lssp.distill.training import draft_config, init_draft, load_initial_draft, 
 
 __all__ = [
     "HELD_OUT_ACCEPTANCE", "REPEAT_CUE", "REPEAT_WINDOW", "Collected", "DistillConfig", "DistillReport", "Progress",
-    "chosen_shard", "collect", "draft_config", "earlier_training", "held_out_acceptance", "init_draft",
+    "chosen_shard", "collect", "collection_model", "generate_rows", "draft_config", "earlier_training", "held_out_acceptance", "init_draft",
     "load_initial_draft", "repeat_prompts", "top1_agreement", "train", "train_head", "training_prompts", "write_draft",
     "write_head",
 ]

@@ -2,101 +2,121 @@
 written as resumable shards (target-written, draft-written and scored, or continuing a repeated cue)."""
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import math
+import random
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from lssp.decoding.batched import RowCache, feed_rows, keep_rows
+from lssp.decoding.kv import accepts_logits_to_keep, new_cache
+from lssp.decoding.sampling import SamplingParams, sample_logits
 from lssp.distill.config import Collected, DistillConfig, Progress
+from lssp.distill.conversations import split_contexts
 from lssp.distill.data import training_prompts
-from lssp.models.draft_head import subset_head
-from lssp.models.loading import encode_prompt
+from lssp.errors import UserError
+from lssp.models.compact import CompactLlama, supports_compact
+from lssp.models.loading import encode_conversation, encode_prompt
 from lssp.models.modules import model_device
+from lssp.workloads.prompts import HELD_OUT
+from lssp.workloads.tasks import all_task_texts
 
 
-def _last_logits(model: PreTrainedModel, **inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Logits at each row's last position; for a draft with a frequent-token head, only the head's
-    rows and their vocabulary ids (a full-width -inf scatter costs more than the batch's forward)."""
-    head = subset_head(model)
-    if head is None:
-        return model(**inputs, logits_to_keep=1).logits[:, -1], None
-    return head.linear(model.model(**inputs).last_hidden_state[:, -1]), head.token_ids
+def collection_model(model: PreTrainedModel) -> PreTrainedModel:
+    """The forward collection runs: ``model`` if it is a compact forward, else a compact forward over it where it
+    can run one, else ``model`` itself (it then gives no features: ``--kind eagle`` needs the compact forward)."""
+    if isinstance(model, CompactLlama) or supports_compact(model):
+        return model
+    return CompactLlama(model)
 
 
-def _logits_and_features(model: PreTrainedModel, **inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logits at each row's last position and the final hidden states (after the last norm) of every position:
-    the features a feature-level draft reads."""
-    hidden = model.model(**inputs).last_hidden_state
-    return model.lm_head(hidden[:, -1]), hidden
+def _row_cache(model: PreTrainedModel, rows: int) -> RowCache:
+    """An empty cache for ``rows`` rows at positions of their own."""
+    device = model_device(model)
+    return RowCache(model, new_cache(model, rows), torch.ones(rows, 0, dtype=torch.bool, device=device),
+                    torch.zeros(rows, dtype=torch.long, device=device))
 
 
-def _left_padded(sequences: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """ids, attention mask and position ids of ``sequences`` padded on the left to one width."""
-    width = max(map(len, sequences))
-    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, seq in enumerate(sequences):
-        ids[row, width - len(seq):] = torch.as_tensor(seq)
-        mask[row, width - len(seq):] = 1
-    ids, mask = ids.to(device), mask.to(device)
-    return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
+def _logits_kwargs(model: PreTrainedModel, keep: int) -> dict[str, Any]:
+    return {"logits_to_keep": keep} if accepts_logits_to_keep(type(model)) else {}
+
+
+DROP_SHARE = 0.25  # finished rows leave the batch once they are this share of it (each leaving copies the cache)
 
 
 @torch.inference_mode()
-def _generate_batch(
-    model: PreTrainedModel, prompts: list[list[int]], new_tokens: int, temperature: float, top_k: int, pad_id: int,
-    generator: torch.Generator, features: bool = False,
-) -> dict[str, torch.Tensor]:
-    """Left-padded batched sampling that records ``model``'s top-k log-probs at each new position; with
-    ``features``, also its final hidden states at every position of each row (prompt and continuation, float16)."""
-    from transformers import DynamicCache
-
-    def forward(**inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if not features:
-            return _last_logits(model, **inputs)
-        logits, hidden = _logits_and_features(model, **inputs)
-        steps.append(hidden.half().cpu())
-        return logits, None
-
-    steps: list[torch.Tensor] = []
-    ids, mask, positions = _left_padded(prompts, pad_id, model_device(model))
-    kv = DynamicCache(config=model.config)
-    logits, vocab_ids = forward(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=kv,
-                                use_cache=True)
-    top_ids, top_lp, tokens = [], [], []
-    for _ in range(new_tokens):
-        logprobs = logits.float().log_softmax(-1)
-        lp, ix = logprobs.topk(top_k, dim=-1)
-        if temperature == 0:
-            nxt = logprobs.argmax(-1)
-        else:
-            nxt = torch.multinomial((logprobs / temperature).softmax(-1), 1, generator=generator)[:, 0]
-        if vocab_ids is not None:
-            ix, nxt = vocab_ids[ix], vocab_ids[nxt]
-        top_ids.append(ix.int().cpu())
-        top_lp.append(lp.half().cpu())
-        tokens.append(nxt.cpu())
-        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-        positions = positions[:, -1:] + 1
-        logits, _ = forward(input_ids=nxt[:, None], attention_mask=mask, position_ids=positions, past_key_values=kv,
-                            use_cache=True)
-    record = {"prompts": [torch.tensor(p, dtype=torch.int32) for p in prompts], "tokens": torch.stack(tokens, 1).int(),
-              "top_ids": torch.stack(top_ids, 1), "top_lp": torch.stack(top_lp, 1)}
-    if features:  # row r: its prompt's positions (the end of the left-padded prefill), then one per new token
-        continuation = torch.cat(steps[1:], dim=1)
-        record["features"] = [torch.cat([steps[0][r, steps[0].shape[1] - len(p):], continuation[r]])
-                              for r, p in enumerate(prompts)]
+def generate_rows(
+    model: PreTrainedModel, prompts: list[list[int]], new_tokens: int, params: SamplingParams,
+    generators: list[torch.Generator | None], top_k: int, stop_ids: set[int], features: bool = False,
+) -> dict[str, Any]:
+    """RSp of prompts of any lengths in one batch, each row at positions of its own (``lssp.decoding.batched``), so
+    each row gives the tokens it gives alone with its generator; a row ends at its first ``stop_ids`` token or after
+    ``new_tokens``, and finished rows leave the batch. Records each row's tokens (padded with 0 after its end) and
+    ``model``'s top-k log-probs at each new position; with ``features`` (a compact forward), the final hidden states of
+    every prompt position and of every new token (float16)."""
+    rows = len(prompts)
+    kwargs = _logits_kwargs(model, 1)
+    if features:
+        if not isinstance(model, CompactLlama):
+            raise UserError("collecting features (--kind eagle) needs a Llama target the compact forward runs")
+        kwargs["features"] = True
+    cache = _row_cache(model, rows)
+    out = feed_rows(cache, prompts, True, **kwargs)
+    logits = out.logits[:, -1]
+    feats = [[out.features[r, out.features.shape[1] - len(p):].half().cpu()] if features else [] for r, p in enumerate(prompts)]
+    tokens: list[list[int]] = [[] for _ in range(rows)]
+    top_ids = torch.zeros(rows, new_tokens, top_k, dtype=torch.int32)
+    top_lp = torch.zeros(rows, new_tokens, top_k, dtype=torch.float16)
+    finished = [new_tokens <= 0] * rows
+    spent = [False] * rows  # finished, and with features its last token fed: nothing left to do
+    in_cache = list(range(rows))  # the row of each cache row
+    while True:
+        sampling = [i for i, r in enumerate(in_cache) if not finished[r]]
+        if sampling:
+            lp, ix = logits[sampling].float().log_softmax(-1).topk(top_k, dim=-1)
+            for j, i in enumerate(sampling):
+                r = in_cache[i]
+                token = int(sample_logits(logits[i:i + 1], params, generators[r])[0])
+                top_ids[r, len(tokens[r])], top_lp[r, len(tokens[r])] = ix[j].int().cpu(), lp[j].half().cpu()
+                tokens[r].append(token)
+                finished[r] = token in stop_ids or len(tokens[r]) >= new_tokens
+        # Fed next: the rows still going and, for their last token's features, the rows that just ended.
+        fed = {r for r in in_cache if not spent[r] and (features or not finished[r])}
+        for r in in_cache:
+            spent[r] = spent[r] or r not in fed
+        if not fed:
+            break
+        if sum(spent[r] for r in in_cache) >= DROP_SHARE * len(in_cache):
+            kept = [i for i, r in enumerate(in_cache) if not spent[r]]
+            keep_rows(cache, kept)
+            in_cache = [in_cache[i] for i in kept]
+        out = feed_rows(cache, [[tokens[r][-1]] if r in fed else [] for r in in_cache], True, **kwargs)
+        logits = out.logits[:, -1]
+        for i, r in enumerate(in_cache):
+            if r in fed:
+                if features:
+                    feats[r].append(out.features[i, -1:].half().cpu())
+                spent[r] = finished[r]
+    width = torch.zeros(rows, new_tokens, dtype=torch.int32)
+    for r, row in enumerate(tokens):
+        width[r, :len(row)] = torch.tensor(row, dtype=torch.int32)
+    record: dict[str, Any] = {"prompts": [torch.tensor(p, dtype=torch.int32) for p in prompts], "tokens": width,
+                              "top_ids": top_ids, "top_lp": top_lp}
+    if features:
+        record["features"] = [torch.cat(f) for f in feats]
     return record
 
 
 @torch.inference_mode()
 def _score_batch(
-    target: PreTrainedModel, prompts: list[list[int]], tokens: torch.Tensor, top_k: int, pad_id: int, rows: int = 16,
+    target: PreTrainedModel, prompts: list[list[int]], tokens: torch.Tensor, top_k: int, rows: int = 16,
 ) -> dict[str, torch.Tensor]:
     """The target's top-k log-probs at every position of given continuations: one teacher-forced
     forward per ``rows`` sequences (~2x the tokens/s of generating them on a 2-core CPU)."""
@@ -105,9 +125,8 @@ def _score_batch(
     for at in range(0, len(prompts), rows):
         # Left-padded, so every continuation ends at the last column.
         chunk = [p + row.tolist() for p, row in zip(prompts[at: at + rows], tokens[at: at + rows])]
-        ids, mask, positions = _left_padded(chunk, pad_id, model_device(target))
-        logits = target(input_ids=ids, attention_mask=mask, position_ids=positions,
-                        logits_to_keep=new_tokens + 1).logits[:, :-1]  # the position before each continuation token
+        logits = feed_rows(_row_cache(target, len(chunk)), chunk, True, **_logits_kwargs(target, new_tokens + 1)
+                           ).logits[:, -new_tokens - 1:-1]  # the position before each continuation token
         lp, ix = logits.float().log_softmax(-1).topk(top_k, dim=-1)
         top_ids.append(ix.int().cpu())
         top_lp.append(lp.half().cpu())
@@ -152,89 +171,161 @@ def _repeat_source(shard: int, repeat_shards: list[int], share: float) -> int | 
     return sources[shard * 7919 % len(sources)] if sources else None
 
 
-def _batches(prompts: list[tuple[str, bool]], cfg: DistillConfig) -> Iterator[tuple[list[tuple[str, bool]], float]]:
+def _batches(prompts: list[list[int]], cfg: DistillConfig) -> Iterator[tuple[list[list[int]], float]]:
     """The prompts and temperature of each shard, in order (deterministic, so a resumed run continues it).
 
     Greedy continuations of a prompt are all the same, so a greedy batch skips prompts already run
     greedily (until every distinct prompt has been).
     """
-    done_greedy: set[tuple[str, bool]] = set()
-    distinct = len(set(prompts))
+    done_greedy: set[tuple[int, ...]] = set()
+    distinct = len({tuple(p) for p in prompts})
     at = 0
     for shard in itertools.count():
         temperature = cfg.temperatures[shard % len(cfg.temperatures)]
-        batch: list[tuple[str, bool]] = []
+        batch: list[list[int]] = []
         while len(batch) < cfg.batch_prompts:
             prompt = prompts[at % len(prompts)]
             at += 1
             if temperature == 0:
-                if prompt in done_greedy and len(done_greedy) < distinct:
+                if tuple(prompt) in done_greedy and len(done_greedy) < distinct:
                     continue
-                done_greedy.add(prompt)
+                done_greedy.add(tuple(prompt))
             batch.append(prompt)
         yield batch, temperature
 
 
+BUCKET_WINDOW = 8  # batches whose prompts are sorted by length together (less padding, still mixed)
+
+
+def bucketed(prompts: list[list[int]], batch: int, seed: int) -> list[list[int]]:
+    """``prompts`` shuffled with ``seed``, then sorted by length within windows of BUCKET_WINDOW batches, so that a
+    batch of consecutive prompts holds prompts of about one length (its shorter rows wait less on padding)."""
+    order = list(prompts)
+    random.Random(seed).shuffle(order)
+    window = batch * BUCKET_WINDOW
+    return [p for at in range(0, len(order), window) for p in sorted(order[at: at + window], key=len)]
+
+
+def source_prompts(tokenizer: PreTrainedTokenizerBase, cfg: DistillConfig) -> tuple[list[list[int]], list[list[int]]]:
+    """(training prompts, held-out prompts) as token ids. ``built-in``: the prompts of ``data.training_prompts``
+    (no held-out prompts: training holds out some of its sequences). ``sharegpt``: the contexts of
+    ``conversations.split_contexts`` in the target's chat template, at most ``cfg.max_prompt_tokens`` long,
+    bucketed by length."""
+    if cfg.source == "built-in":
+        return [encode_prompt(tokenizer, p, chat) for p, chat in training_prompts(2_000_000 // cfg.new_tokens + 1000, cfg.seed)], []
+    if cfg.source != "sharegpt":
+        raise UserError(f"--source {cfg.source!r}: expected built-in or sharegpt")
+    train, held = split_contexts(cfg.seed, excluded_texts=frozenset(HELD_OUT | all_task_texts()))
+    encoded = [[ids for c in contexts if len(ids := encode_conversation(tokenizer, c.turns, c.answers, True))
+                <= cfg.max_prompt_tokens] for contexts in (train, held)]
+    return bucketed(encoded[0], cfg.batch_prompts, cfg.seed), encoded[1]
+
+
+def _intact(data: Path, meta: dict) -> tuple[dict, str | None]:
+    """``meta`` cut back to its shards whose files are there at the size written (a resumed collection goes on from
+    the first one that is not), and what was cut, or None."""
+    files = meta.get("files", [])
+    for at, entry in enumerate(files):
+        path = data / entry["name"]
+        if not path.is_file() or path.stat().st_size != entry["bytes"]:
+            kept = files[:at]
+            cut = {"shards": at, "files": kept, **{key: sum(f[key] for f in kept) for key in SHARD_COUNTS},
+                   "seconds": sum(f["seconds"] for f in kept)}
+            return {**meta, **cut}, f"{entry['name']} is missing or truncated: collection goes on from shard {at}"
+    return meta, None
+
+
+SHARD_COUNTS = ("tokens", "draft_tokens", "repeat_tokens", "held_out_tokens")
+
+
+def _write_atomically(path: Path, write: Callable[[Path], None]) -> None:
+    """Write through a temporary file renamed into place: a stopped or failed write leaves the old file (or none)."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        write(tmp)
+        tmp.replace(path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise UserError(f"cannot write {path}: {exc.strerror or exc}; what was collected before it is kept, "
+                        "and the same command goes on from there") from None
+
+
 def collect(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out: Path, cfg: DistillConfig,
-            progress: Progress | None = None, draft: PreTrainedModel | None = None) -> Collected:
+            progress: Progress | None = None, draft: PreTrainedModel | None = None,
+            notice: Callable[[str], None] | None = None) -> Collected:
     """Write shards of continuations to ``out/data`` until ``cfg.data_tokens``; resumes.
 
-    The target writes them, except the ``cfg.on_policy`` share that ``draft`` writes (on-policy
-    data: the contexts the draft itself gets into); every position carries the target's top-k.
-    A ``cfg.repeat_share`` of shards replaces the prompts by repeat_prompts of an earlier shard.
+    The target writes them (``generate_rows``: batched, each row as alone with its seed), except the
+    ``cfg.on_policy`` share that ``draft`` writes (on-policy data: the contexts the draft itself gets into); every
+    position carries the target's top-k, and with ``cfg.kind == "eagle"`` its features. A ``cfg.repeat_share`` of
+    shards replaces the prompts by repeat_prompts of an earlier shard. With held-out prompts (``source_prompts``),
+    shard 0 answers them and is marked ``split: held_out``. A shard missing or cut short is collected again (said
+    through ``notice``).
     """
     data = out / "data"
     data.mkdir(parents=True, exist_ok=True)
     eos = set(tokenizer.all_special_ids)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    prompts = training_prompts(2_000_000 // cfg.new_tokens + 1000, cfg.seed)
+    prompts, held_out = source_prompts(tokenizer, cfg)
     meta_path = data / "meta.json"
-    meta = json.loads(meta_path.read_text()) if meta_path.exists() else {"shards": 0, "tokens": 0, "seconds": 0.0}
-    meta.setdefault("draft_tokens", 0)
-    meta.setdefault("repeat_tokens", 0)
+    meta = json.loads(meta_path.read_text()) if meta_path.exists() else {"shards": 0, "seconds": 0.0}
+    for key in SHARD_COUNTS:
+        meta.setdefault(key, 0)
     meta.setdefault("repeat_shards", [])
-    generator = torch.Generator(device=model_device(target)).manual_seed(cfg.seed)
-    for shard, (batch, temperature) in enumerate(_batches(prompts, cfg)):
+    meta.setdefault("files", [])
+    meta, cut = _intact(data, meta)
+    if cut and notice:
+        notice(cut)
+    meta["repeat_shards"] = [s for s in meta["repeat_shards"] if s < meta["shards"]]
+    params_of = {t: SamplingParams(temperature=t) for t in cfg.temperatures}
+    batches = _batches(prompts, cfg)
+    for shard in itertools.count():
         if meta["tokens"] >= cfg.data_tokens:
             break
+        held = shard == 0 and bool(held_out)
+        batch, temperature = (held_out[:cfg.batch_prompts], 0.0) if held else next(batches)
         if shard < meta["shards"]:
             continue
         start = time.perf_counter()
         shard_seed = cfg.seed * 100_003 + shard
-        generator.manual_seed(shard_seed)
-        repeat_from = _repeat_source(shard, meta["repeat_shards"], cfg.repeat_share)
+        never_repeated = meta["repeat_shards"] + ([0] if held_out else [])  # nor the held-out answers
+        repeat_from = None if held else _repeat_source(shard, never_repeated, cfg.repeat_share)
         repeat = repeat_from is not None
-        by_draft = not repeat and draft is not None and chosen_shard(shard, cfg.on_policy)
+        by_draft = not repeat and not held and draft is not None and chosen_shard(shard, cfg.on_policy)
         if repeat:
             source = torch.load(data / f"shard_{repeat_from:05d}.pt")
-            encoded = repeat_prompts(source, eos, torch.Generator().manual_seed(shard_seed))
-        else:
-            encoded = [encode_prompt(tokenizer, p, chat) for p, chat in batch]
+            batch = repeat_prompts(source, eos, torch.Generator().manual_seed(shard_seed))
+        generators = [torch.Generator(device=model_device(target)).manual_seed(shard_seed * 1000 + r)
+                      for r in range(len(batch))]
         if by_draft:
-            written = _generate_batch(draft, encoded, cfg.new_tokens, temperature, 1, pad_id, generator)["tokens"]
-            record = _score_batch(target, encoded, written, cfg.top_k_saved, pad_id)
+            written = generate_rows(draft, batch, cfg.new_tokens, params_of[temperature], generators, 1, eos)["tokens"]
+            record = _score_batch(target, batch, written, cfg.top_k_saved)
             record["source"] = "draft"
         else:
-            record = _generate_batch(target, encoded, cfg.new_tokens, temperature, cfg.top_k_saved, pad_id, generator,
-                                     features=cfg.kind == "eagle")
+            record = generate_rows(target, batch, cfg.new_tokens, params_of[temperature], generators, cfg.top_k_saved,
+                                   eos, features=cfg.kind == "eagle")
         # Keep each row up to and including its first special token.
         lengths = []
         for row in record["tokens"].tolist():
             stop = next((i for i, t in enumerate(row) if t in eos), len(row) - 1)
             lengths.append(stop + 1)
         record["lengths"] = torch.tensor(lengths)
+        record["split"] = "held_out" if held else "train"
         if repeat:
             record["source"] = "repeat"
-        torch.save(record, data / f"shard_{shard:05d}.pt")
+        name = f"shard_{shard:05d}.pt"
+        _write_atomically(data / name, functools.partial(torch.save, record))
+        tokens = int(sum(lengths))
+        entry = {"name": name, "bytes": (data / name).stat().st_size, "seconds": time.perf_counter() - start,
+                 "tokens": 0 if held else tokens, "held_out_tokens": tokens if held else 0,
+                 "draft_tokens": tokens if by_draft else 0, "repeat_tokens": tokens if repeat else 0}
+        meta["files"].append(entry)
         meta["shards"] += 1
-        meta["tokens"] += int(sum(lengths))
-        meta["draft_tokens"] += int(sum(lengths)) if by_draft else 0
-        meta["repeat_tokens"] += int(sum(lengths)) if repeat else 0
+        for key in (*SHARD_COUNTS, "seconds"):
+            meta[key] += entry[key]
         meta["repeat_shards"] += [shard] if repeat else []
-        meta["seconds"] += time.perf_counter() - start
-        meta_path.write_text(json.dumps(meta))
+        _write_atomically(meta_path, lambda path: path.write_text(json.dumps(meta)))
         if progress:
             progress("collect", min(1.0, meta["tokens"] / cfg.data_tokens),
                      f"{meta['tokens']} tokens ({meta['draft_tokens']} draft-written, {meta['repeat_tokens']} after a repeat), "
-                     f"{meta['tokens'] / max(meta['seconds'], 1e-9):.0f} tokens/s")
-    return Collected(meta["tokens"], meta["seconds"], meta["draft_tokens"], meta["repeat_tokens"])
+                     f"{(meta['tokens'] + meta['held_out_tokens']) / max(meta['seconds'], 1e-9):.0f} tokens/s")
+    return Collected(meta["tokens"], meta["seconds"], meta["draft_tokens"], meta["repeat_tokens"], meta["held_out_tokens"])

@@ -31,6 +31,8 @@ class DistillConfig:
     head_tokens: int = 0  # >0: the output layer covers only the target's most frequent tokens (see draft_head)
     on_policy: float = 0.0  # share of new shards the init_from draft writes and the target scores (teacher-forced)
     repeat_share: float = 0.0  # share of new shards the target continues from a cue repeated out of earlier text
+    source: str = "built-in"  # the prompts: "built-in" (lssp.distill.data) or "sharegpt" (lssp.distill.conversations)
+    max_prompt_tokens: int = 384  # sharegpt: longer contexts are left out (prefill and memory grow with them)
 
 
 @dataclass
@@ -58,3 +60,4 @@ class Collected:
     seconds: float
     draft_tokens: int
     repeat_tokens: int
+    held_out_tokens: int = 0  # answers to the held-out prompts (not counted in tokens)

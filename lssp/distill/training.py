@@ -33,7 +33,8 @@ def _examples(out: Path, cfg: DistillConfig) -> list[dict[str, torch.Tensor]]:
             room = max(1, cfg.max_seq_len - n)
             prompt = prompt[-room:]
             examples.append({"ids": torch.cat([prompt, rec["tokens"][i, :n]]).long(), "start": len(prompt) - 1,
-                             "top_ids": rec["top_ids"][i, :n].long(), "top_lp": rec["top_lp"][i, :n].float(), "n": n})
+                             "top_ids": rec["top_ids"][i, :n].long(), "top_lp": rec["top_lp"][i, :n].float(), "n": n,
+                             "held_out": rec.get("split") == "held_out"})
     return examples
 
 
@@ -132,9 +133,12 @@ def top1_agreement(draft: LlamaForCausalLM, examples: list[dict[str, torch.Tenso
 
 
 def held_out_split(examples: list[dict[str, torch.Tensor]], out: Path) -> tuple[list, list]:
-    """The training examples and ~2% of the sequences (at most 64) held out to measure agreement as training goes."""
+    """The training examples and those held out to measure agreement as training goes: the answers to held-out
+    prompts where the collection has them (``split: held_out``), else ~2% of the sequences (at most 64)."""
     if not examples:
         raise UserError(f"no training data in {out / 'data'}")
+    if any(e["held_out"] for e in examples):
+        return [e for e in examples if not e["held_out"]], [e for e in examples if e["held_out"]]
     held = min(64, len(examples) // 50)
     return (examples[:-held], examples[-held:]) if held else (examples, [])
 

@@ -67,8 +67,8 @@ def first_human_turn(conversation: dict) -> str | None:
 
 
 @cache
-def first_turns() -> tuple[tuple[str, str], ...]:
-    """(id, text) of every usable first human turn, in file order: the file is read once per process."""
+def conversations() -> tuple[tuple[str, dict], ...]:
+    """(id, conversation) of every complete conversation, in file order: the file is read once per process."""
     path = sharegpt_file()
     if path is None:
         raise UserError(INSTALL_HINT)
@@ -76,14 +76,24 @@ def first_turns() -> tuple[tuple[str, str], ...]:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise UserError(f"cannot read {path}: {getattr(exc, 'strerror', None) or exc}") from None
-    found = []
-    for number, conversation in enumerate(read_conversations(text)):
-        turn = first_human_turn(conversation)
-        if turn is not None:
-            found.append((str(conversation.get("id", f"sharegpt-{number}")), turn))
+    return tuple((str(c.get("id", f"sharegpt-{number}")) if isinstance(c, dict) else f"sharegpt-{number}", c)
+                 for number, c in enumerate(read_conversations(text)))
+
+
+@cache
+def first_turns() -> tuple[tuple[str, str], ...]:
+    """(id, text) of every usable first human turn, in file order."""
+    found = [(key, turn) for key, conversation in conversations()
+             if (turn := first_human_turn(conversation)) is not None]
     if not found:
-        raise UserError(f"{path} holds no usable first human turns")
+        raise UserError(f"{sharegpt_file()} holds no usable first human turns")
     return tuple(found)
+
+
+def clear_cache() -> None:
+    """Forget the file's contents read so far (the next use reads it again)."""
+    first_turns.cache_clear()
+    conversations.cache_clear()
 
 
 def draw(n: int, seed: int = DRAW_SEED) -> list[tuple[str, str]]:
