@@ -327,6 +327,19 @@ def multihost_table(path: Path) -> str:
     return caption + "\n\n" + markdown_table(rows, columns)
 
 
+def collection_table(path: Path) -> str:
+    """benchmarks/collection.py's run: distill's collection tokens/s per code and batch size."""
+    import json
+
+    run = json.loads(path.read_text())
+    rows = [{"collection": r["code"] + (", with features" if r["features"] else ""), "batch": r["batch"],
+             "prompt tokens": r["prompt_tokens"], "new tokens": r["new_tokens"], "s": f"{r['seconds']:.1f}",
+             "tokens/s": f"{r['tokens_per_s']:.0f}"} for r in run["rows"]]
+    caption = (f"run `{run['run_id']}` · {run['env']['device']} · `{run['target']}`, T={run['temperature']}, "
+               f"top-{run['top_k_saved']} saved, up to {run['new_tokens_per_context']} new tokens per context")
+    return caption + "\n\n" + markdown_table(rows, ["collection", "batch", "prompt tokens", "new tokens", "s", "tokens/s"])
+
+
 def readme_block(text: str) -> str:
     """The headline block of a README's text: what lies between the two markers."""
     if text.count(HEADLINE_BEGIN) != 1 or text.count(HEADLINE_END) != 1:
@@ -347,12 +360,16 @@ def main() -> None:
     ap.add_argument("--headline", action="store_true", help="print README.md's headline block (HEADLINE_RUNS)")
     ap.add_argument("--audit", action="store_true", help="print the engine audit per K (HEADLINE_AUDIT_RUNS)")
     ap.add_argument("--multihost", action="store_true", help="print benchmarks/multihost.sh's table (multihost.json)")
+    ap.add_argument("--collection", action="store_true", help="print benchmarks/collection.py's table")
     ap.add_argument("--write-readme", nargs="?", const=str(REPO / "README.md"), metavar="README",
                     help="rewrite the headline block of README.md (or the file given) in place")
     args = ap.parse_args()
     root = Path(args.results)
     if args.multihost:
         print(multihost_table(root / "multihost.json"))
+        return
+    if args.collection:
+        print(collection_table(root / "collection_speed.json"))
         return
     if args.audit:
         print(markdown_table(audit_rows(root, args.runs or HEADLINE_AUDIT_RUNS), AUDIT_COLUMNS))
