@@ -4,7 +4,7 @@ from __future__ import annotations
 import sys
 from dataclasses import asdict
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
@@ -14,6 +14,9 @@ from lssp.cli.options import TargetArg, check_positive
 from lssp.cli.output import console, err_console
 from lssp.cli.progress import phase_progress
 from lssp.errors import UserError
+
+if TYPE_CHECKING:
+    from lssp.distill.config import DistillConfig
 
 
 @app.command()
@@ -57,36 +60,17 @@ def distill(
     from lssp.models.modules import model_device
 
     s = settings(ctx)
-    if kind not in ("draft", "eagle"):
-        raise UserError(f"--kind {kind!r}: expected draft or eagle")
     layers = layers if layers is not None else 4 if kind == "draft" else 1
-    if kind == "eagle" and (init_draft or on_policy):
-        raise UserError("--kind eagle resumes from its own checkpoint in --data-dir; --init-draft and --on-policy "
-                        "are for --kind draft")
-    if source not in ("built-in", "sharegpt"):
-        raise UserError(f"--source {source!r}: expected built-in or sharegpt")
-    for name, value in [("--hidden-size", hidden_size), ("--layers", layers), ("--data-tokens", data_tokens),
-                        ("--batch-prompts", batch_prompts), ("--new-tokens", new_tokens),
-                        ("--max-prompt-tokens", max_prompt_tokens), ("--max-seq-len", max_seq_len)]:
-        check_positive(name, value)
-    if hidden_size % heads:
-        raise UserError(f"--hidden-size {hidden_size} must be a multiple of --heads {heads}")
-    if head_tokens < 0:
-        raise UserError(f"--head-tokens must be >= 0, got {head_tokens}")
-    for name, share in [("--on-policy", on_policy), ("--repeat-share", repeat_share)]:
-        if not 0.0 <= share <= 1.0:
-            raise UserError(f"{name} must be in [0, 1], got {share}")
-    if on_policy and not init_draft:
-        raise UserError("--on-policy needs --init-draft: the draft that writes the on-policy data")
-    t = load(s, s.registry.target_name(target))
-    if t.tokenizer is None:
-        raise UserError(f"model {t.name!r} has no tokenizer to share with a draft")
     cfg = dst.DistillConfig(kind=kind, hidden_size=hidden_size, layers=layers, heads=heads, intermediate_size=intermediate_size,
                             data_tokens=data_tokens, batch_prompts=batch_prompts, new_tokens=new_tokens,
                             train_minutes=train_minutes, max_steps=max_steps, epochs=epochs, lr=lr,
                             hard_weight=hard_weight, seed=s.seed, init_from=str(init_draft) if init_draft else None,
                             head_tokens=head_tokens, on_policy=on_policy, repeat_share=repeat_share, source=source,
                             max_prompt_tokens=max_prompt_tokens, max_seq_len=max_seq_len)
+    _check(cfg)
+    t = load(s, s.registry.target_name(target))
+    if t.tokenizer is None:
+        raise UserError(f"model {t.name!r} has no tokenizer to share with a draft")
     work = data_dir or out / "work"
     work.mkdir(parents=True, exist_ok=True)
     rep = dst.DistillReport(target=t.name, config=asdict(cfg))
@@ -118,3 +102,27 @@ def distill(
     console.print(f"{'Feature head' if kind == 'eagle' else 'Draft'} written to {out}: {rep.parameters / 1e6:.1f}M "
                   f"parameters, {rep.data_tokens} data tokens, {rep.steps} steps, final loss {rep.final_loss:.3f}, "
                   f"greedy acceptance {rep.acceptance[dst.HELD_OUT_ACCEPTANCE]:.1%}")
+
+
+def _check(cfg: DistillConfig) -> None:
+    """One line for each setting a user can get wrong."""
+    if cfg.kind not in ("draft", "eagle"):
+        raise UserError(f"--kind {cfg.kind!r}: expected draft or eagle")
+    if cfg.kind == "eagle" and (cfg.init_from or cfg.on_policy):
+        raise UserError("--kind eagle resumes from its own checkpoint in --data-dir; --init-draft and --on-policy "
+                        "are for --kind draft")
+    if cfg.source not in ("built-in", "sharegpt"):
+        raise UserError(f"--source {cfg.source!r}: expected built-in or sharegpt")
+    for name, value in [("--hidden-size", cfg.hidden_size), ("--layers", cfg.layers), ("--data-tokens", cfg.data_tokens),
+                        ("--batch-prompts", cfg.batch_prompts), ("--new-tokens", cfg.new_tokens),
+                        ("--max-prompt-tokens", cfg.max_prompt_tokens), ("--max-seq-len", cfg.max_seq_len)]:
+        check_positive(name, value)
+    if cfg.hidden_size % cfg.heads:
+        raise UserError(f"--hidden-size {cfg.hidden_size} must be a multiple of --heads {cfg.heads}")
+    if cfg.head_tokens < 0:
+        raise UserError(f"--head-tokens must be >= 0, got {cfg.head_tokens}")
+    for name, share in [("--on-policy", cfg.on_policy), ("--repeat-share", cfg.repeat_share)]:
+        if not 0.0 <= share <= 1.0:
+            raise UserError(f"{name} must be in [0, 1], got {share}")
+    if cfg.on_policy and not cfg.init_from:
+        raise UserError("--on-policy needs --init-draft: the draft that writes the on-policy data")

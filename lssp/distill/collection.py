@@ -194,6 +194,7 @@ def _batches(prompts: list[list[int]], cfg: DistillConfig) -> Iterator[tuple[lis
         yield batch, temperature
 
 
+CHARS_PER_TOKEN = 12  # more than any tokenizer's average on natural text: a longer context is left out unencoded
 BUCKET_WINDOW = 8  # batches whose prompts are sorted by length together (less padding, still mixed)
 
 
@@ -211,13 +212,16 @@ def source_prompts(tokenizer: PreTrainedTokenizerBase, cfg: DistillConfig) -> tu
     (no held-out prompts: training holds out some of its sequences). ``sharegpt``: the contexts of
     ``conversations.split_contexts`` in the target's chat template, at most ``cfg.max_prompt_tokens`` long,
     bucketed by length."""
-    if cfg.source == "built-in":
-        return [encode_prompt(tokenizer, p, chat) for p, chat in training_prompts(2_000_000 // cfg.new_tokens + 1000, cfg.seed)], []
+    if cfg.source == "built-in":  # as many prompts as the collection can use (a longer list extends a shorter one)
+        count = min(2_000_000, 4 * cfg.data_tokens) // cfg.new_tokens + 1000
+        return [encode_prompt(tokenizer, p, chat) for p, chat in training_prompts(count, cfg.seed)], []
     if cfg.source != "sharegpt":
         raise UserError(f"--source {cfg.source!r}: expected built-in or sharegpt")
     train, held = split_contexts(cfg.seed, excluded_texts=frozenset(HELD_OUT | all_task_texts()))
-    encoded = [[ids for c in contexts if len(ids := encode_conversation(tokenizer, c.turns, c.answers, True))
-                <= cfg.max_prompt_tokens] for contexts in (train, held)]
+    chars = CHARS_PER_TOKEN * cfg.max_prompt_tokens  # longer texts cannot fit: not worth encoding
+    encoded = [[ids for c in contexts if sum(map(len, c.turns + c.answers)) <= chars
+                and len(ids := encode_conversation(tokenizer, c.turns, c.answers, True)) <= cfg.max_prompt_tokens]
+               for contexts in (train, held)]
     return bucketed(encoded[0], cfg.batch_prompts, cfg.seed), encoded[1]
 
 

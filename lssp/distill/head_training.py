@@ -35,7 +35,7 @@ def feature_examples(out: Path, cfg: DistillConfig) -> list[dict[str, torch.Tens
         for i, prompt in enumerate(rec["prompts"]):
             n = int(rec["lengths"][i])
             ids = torch.cat([prompt, rec["tokens"][i, :n]]).long()[-cfg.max_seq_len:]
-            features = rec["features"][i][: len(prompt) + n][-cfg.max_seq_len:]
+            features = rec["features"][i][: len(prompt) + n][-cfg.max_seq_len:].clone()  # frees the rest
             examples.append({"ids": ids, "features": features, "n": len(ids) - 1, "held_out": rec.get("split") == "held_out"})
     return examples
 
