@@ -5,8 +5,10 @@ top-k probabilities plus cross-entropy on the sampled tokens).
 Both phases checkpoint into the output folder, so an interrupted run resumes.
 
 - config: DistillConfig, DistillReport, Collected
-- data: the training prompts
-- collection: batched generation and scoring of the target, repeat prompts, shards
+- data: the built-in training prompts
+- conversations: training and held-out contexts from ShareGPT's conversations (--source sharegpt)
+- collection: batched generation (rows at positions of their own) and scoring of the target, repeat prompts,
+  resumable shards
 - training: draft initialisation or loading, loss, training loop, checkpoints
 - card: the draft's files and model card; earlier_training reads one back
 - acceptance: held_out_acceptance of a written draft

@@ -51,9 +51,18 @@ Made with: `{command}`
   with the target's top-{report.config['top_k_saved']} log-probabilities at every position
 - training: {report.steps} steps in {report.train_seconds / 60:.1f} min; loss = soft cross-entropy to the target's
   top-k distribution + {report.config['hard_weight']} x cross-entropy on the target's argmax; final loss {report.final_loss:.3f}
-- prompts: written by `lssp/distill/data.py`; none of the `latency`, `compare` or `eval` prompts
+- {_prompts_line(report)}
 {lineage}
 {_curves(report)}""")
+
+
+def _prompts_line(report: DistillReport) -> str:
+    """Where the card's prompts came from."""
+    if report.config.get("source") == "sharegpt":
+        return ("prompts: ShareGPT conversations up to a human turn, in the target's chat template "
+                "(`lssp/distill/conversations.py`); none of the first 1,000 of the `--task sharegpt` draw, "
+                "none of the `latency`, `compare` or `eval` prompts")
+    return "prompts: written by `lssp/distill/data.py`; none of the `latency`, `compare` or `eval` prompts"
 
 
 def _curves(report: DistillReport) -> str:
@@ -106,7 +115,7 @@ Made with: `{command}`
   the head's tokens + {REGRESSION_WEIGHT} x smooth-L1 to the target's next feature, on the features (with uniform noise of
   {FEATURE_NOISE} x their RMS) and again, at half weight, on the head's own first guesses (an unrolled second step);
   final loss {report.final_loss:.3f}
-- prompts: written by `lssp/distill/data.py`; none of the `latency`, `compare` or `eval` prompts
+- {_prompts_line(report)}
 
 {_curves(report)}""")
 
