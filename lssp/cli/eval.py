@@ -42,7 +42,7 @@ def eval_cmd(
     prefix_cache: Annotated[bool, typer.Option(
         "--prefix-cache/--no-prefix-cache", help="Compute the few-shot prefix's keys and values once per model.")] = True,
     rsp_batch: Annotated[int, typer.Option(help="RSp problems whose prompts have the same token count run in "
-                                           "batches of up to N (the same tokens as one by one; 1: off).")] = 16,
+                                           "batches of up to N (the same tokens as one by one; 1: off).")] = 64,
     ssp_batch: Annotated[int, typer.Option(help="SSp problems run in batches of up to N (the same tokens as one by "
                                            "one; 1: off; with --lookup or a feature head: one by one).")] = 16,
     k: KOpt = 4,
