@@ -32,9 +32,8 @@ from lssp.workloads.tasks import all_task_texts
 def collection_model(model: PreTrainedModel) -> PreTrainedModel:
     """The forward collection runs: ``model`` if it is a compact forward, else a compact forward over it where it
     can run one, else ``model`` itself (it then gives no features: ``--kind eagle`` needs the compact forward)."""
-    if isinstance(model, CompactLlama) or supports_compact(model):
-        return model
-    return CompactLlama(model)
+    already_or_cannot = isinstance(model, CompactLlama) or supports_compact(model) is not None
+    return model if already_or_cannot else CompactLlama(model)
 
 
 def _row_cache(model: PreTrainedModel, rows: int) -> RowCache:
@@ -104,10 +103,10 @@ def generate_rows(
                 if features:
                     feats[r].append(out.features[i, -1:].half().cpu())
                 spent[r] = finished[r]
-    width = torch.zeros(rows, new_tokens, dtype=torch.int32)
+    written = torch.zeros(rows, new_tokens, dtype=torch.int32)
     for r, row in enumerate(tokens):
-        width[r, :len(row)] = torch.tensor(row, dtype=torch.int32)
-    record: dict[str, Any] = {"prompts": [torch.tensor(p, dtype=torch.int32) for p in prompts], "tokens": width,
+        written[r, :len(row)] = torch.tensor(row, dtype=torch.int32)
+    record: dict[str, Any] = {"prompts": [torch.tensor(p, dtype=torch.int32) for p in prompts], "tokens": written,
                               "top_ids": top_ids, "top_lp": top_lp}
     if features:
         record["features"] = [torch.cat(f) for f in feats]
