@@ -219,17 +219,19 @@ default_draft: v-draft
 models:
   v-target: {path: ./v-target, dtype: float32}
   v-draft: {path: ./v-draft, dtype: float32}
+  v-tp2: {path: ./v-target, dtype: float32, tensor_parallel_size: 2}
 """
 
 
 @pytest.mark.vllm
 @pytest.mark.filterwarnings("ignore")
-def test_load_through_real_vllm_servers_stops_them_and_reads_their_counters(tmp_path_factory, capsys, monkeypatch):
+def test_load_through_real_vllm_servers_with_a_two_worker_target_stops_them_and_reads_their_counters(tmp_path_factory, capsys, monkeypatch):
     from test_vllm import vllm_or_skip
 
     from lssp.engines import vllm_server
 
     vllm_or_skip()
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)  # set by the command, undone after the test
     root = tmp_path_factory.mktemp("vload")
     save_tiny(root / "v-target", 0, hidden=256, scale=4.0)  # vLLM's CPU attention takes head sizes from 32
     save_tiny(root / "v-draft", 1, hidden=256, layers=1, scale=4.0)
@@ -237,10 +239,12 @@ def test_load_through_real_vllm_servers_stops_them_and_reads_their_counters(tmp_
     started: list = []
     monkeypatch.setattr(vllm_server.VllmServer, "launch", _recording(vllm_server.VllmServer.launch, started))
     run = cli(capsys, root / "models.yaml", root / "results")
-    code, out, err = run("load", "--engine", "vllm", "--concurrency", "1,2", "--requests", "4", "--task", "stories",
-                         "--max-new-tokens", "8", "--k", "2", "--ignore-eos")
+    code, out, err = run("load", "v-tp2", "--engine", "vllm", "--concurrency", "1,2", "--requests", "4", "--task",
+                         "stories", "--max-new-tokens", "8", "--k", "2", "--ignore-eos")
     assert code == 0, err
     assert len(started) == 2  # RSp and SSp with the draft at K=2
+    for server in started:  # the target's two tensor-parallel workers, each bound to its own core
+        assert server.args[server.args.index("--tensor-parallel-size") + 1] == "2"
     for server in started:  # every process of every server's group is gone, and its port is free again
         assert not vllm_server.group_alive(server.process.pid)
         assert _port_free(server.port)
