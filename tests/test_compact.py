@@ -225,3 +225,20 @@ def test_the_registry_takes_compile_true_or_a_mode(tmp_path):
     registry.write_text("models:\n  a: {init: random, config: smollm2-135m, compile: fast}\n")
     with pytest.raises(UserError, match=r"models.yaml:2: model 'a': bad compile 'fast'; expected true, false or a"):
         load_registry(registry)
+
+
+def test_compact_cache_select_keeps_the_rows_asked_for_and_refuses_another_order():
+    cache = CompactCache(2, 1, 4, torch.float32, torch.device("cpu"), capacity=8, batch=4)
+    for buffer in cache.keys_values:
+        buffer.copy_(torch.arange(buffer.numel(), dtype=torch.float32).reshape(buffer.shape))
+    cache.length = 5
+    before = [buffer.clone() for buffer in cache.keys_values]
+    cache.select(torch.tensor([0, 2, 3]))
+    for old, new in zip(before, cache.keys_values, strict=True):
+        assert new.shape[0] == 3 and torch.equal(new[:, :, :5], old[[0, 2, 3], :, :5])
+    cache.select(torch.tensor([1]))
+    assert torch.equal(cache.keys_values[0][:, :, :5], before[0][[2], :, :5])
+    cache.select(torch.tensor([], dtype=torch.long))
+    assert cache.keys_values[0].shape[0] == 0
+    with pytest.raises(ValueError, match="increasing"):
+        CompactCache(1, 1, 4, torch.float32, torch.device("cpu"), batch=3).select(torch.tensor([2, 0]))

@@ -45,7 +45,8 @@ def eval_cmd(
                                            "batches of up to N (the same tokens as one by one; 1: off).")] = 64,
     ssp_batch: Annotated[int, typer.Option(help="SSp problems run in batches of up to N (the same tokens as one by "
                                            "one; 1: off; with --lookup or a feature head: one by one).")] = 16,
-    k: KOpt = 4,
+    k: Annotated[int, typer.Option("--k", help="Draft tokens per iteration (quality does not depend on K; 2 is the "
+                                   "fastest K that keeps a draft after an accepted one).")] = 2,
     max_new_tokens: MaxNewOpt = 8,
     temperature: TemperatureOpt = 1.0,
     top_k: TopKOpt = 0,
@@ -140,8 +141,8 @@ def render(run, t, d) -> None:
     console.print(out)
     batched = [m.mode for m in run.summaries if run.timing_basis(m.mode) != "per problem"]
     if batched:
-        console.print(f"  * {run.timing_basis(batched[0])} ({', '.join(f'--{m}-batch' for m in batched)}): "
-                      "not comparable with a one-at-a-time s/problem")
+        bases = "; ".join(f"{m.upper()} {run.timing_basis(m)} (--{m}-batch)" for m in batched)
+        console.print(f"  * {bases}: not comparable with a one-at-a-time s/problem")
     cmp = run.comparison
     if cmp:
         verdict = ("[green]contains 0: no evidence that SSp changes quality[/green]" if cmp.difference.contains(0)

@@ -52,9 +52,16 @@ class CompactCache:
         self.length = max(0, self.length + tokens)
 
     def select(self, rows: torch.Tensor) -> None:
-        """Keep only ``rows`` (indices) of the batch, in that order (new buffers: a compiled cache's pooled ones stay
-        as they were)."""
-        self.keys_values = [buffer[rows] for buffer in self.keys_values]
+        """Keep only ``rows`` (increasing indices) of the batch. The rows after the first one left move up in place,
+        their filled positions only (rows leave a batch often: copying whole buffers cost more than a forward)."""
+        batch = self.keys_values[0].shape[0]
+        moved = next((i for i, row in enumerate(rows.tolist()) if row != i), len(rows))
+        if len(rows) > batch or (len(rows) > 1 and bool((rows[1:] <= rows[:-1]).any())):
+            raise ValueError("select takes increasing row indices")
+        if moved < len(rows):
+            for buffer in self.keys_values:
+                buffer[moved:len(rows), :, :self.length] = buffer[rows[moved:], :, :self.length]
+        self.keys_values = [buffer[:len(rows)] for buffer in self.keys_values]
 
     def reserve(self, total: int) -> None:
         """Room for ``total`` positions (the buffers double when they run out)."""
