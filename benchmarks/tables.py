@@ -340,6 +340,42 @@ def collection_table(path: Path) -> str:
     return caption + "\n\n" + markdown_table(rows, ["collection", "batch", "prompt tokens", "new tokens", "s", "tokens/s"])
 
 
+def load_matrix_table(root: Path) -> str:
+    """benchmarks/load.sh's runs (load-matrix-*.json): per engine, temperature and SSp mode, the latency and
+    throughput ratios to the same run's RSp at each concurrency, acceptance, and the break-even levels."""
+    import json
+
+    rows, levels, devices, run_ids = [], set(), set(), []
+    for path in sorted(root.glob("load-matrix-*.json")):
+        run = json.loads(path.read_text())
+        ssp = [r for r in run["rows"] if r["mode"] == "ssp"]
+        if not ssp:
+            continue
+        run_ids.append(run["run_id"])
+        devices.add(ssp[0].get("device", "?"))
+        even = {b["mode"]: b for b in run["break_even"]}
+        for label in dict.fromkeys(r["label"] for r in ssp):
+            mine = {r["concurrency"]: r for r in ssp if r["label"] == label}
+            levels.update(mine)
+            first = next(iter(mine.values()))
+            method = first["method"] if first["draft"] == "" else first["draft"]
+            row = {"engine": run["engine"], "T": f"{first['temperature']:g}", "mode": f"{label} ({method})",
+                   "acc": f"{first['acceptance_rate']:.2f}" if first["acceptance_rate"] is not None else "–"}
+            for c, r in mine.items():
+                row[f"c={c}"] = f"{r['latency_ratio']:.2f} / {r['throughput_ratio']:.2f}"
+            b = even.get(label, {})
+            row["break-even lat / thr"] = f"{b.get('latency', '–')} / {b.get('throughput', '–')}"
+            rows.append(row)
+    if not rows:
+        return "no load-matrix-*.json in " + str(root)
+    columns = ["engine", "T", "mode", "acc"] + [f"c={c}" for c in sorted(levels)] + ["break-even lat / thr"]
+    rows = [{column: row.get(column, "–") for column in columns} for row in rows]
+    caption = (f"runs {', '.join(f'`{r}`' for r in run_ids)} · {' / '.join(sorted(devices))} · per level: SSp's "
+               "per-user latency ratio / throughput ratio to the same run's RSp (> 1: SSp pays); acc: acceptance "
+               "rate at concurrency 1; break-even: the lowest level from which SSp no longer pays")
+    return caption + "\n\n" + markdown_table(rows, columns)
+
+
 def readme_block(text: str) -> str:
     """The headline block of a README's text: what lies between the two markers."""
     if text.count(HEADLINE_BEGIN) != 1 or text.count(HEADLINE_END) != 1:
@@ -361,6 +397,7 @@ def main() -> None:
     ap.add_argument("--audit", action="store_true", help="print the engine audit per K (HEADLINE_AUDIT_RUNS)")
     ap.add_argument("--multihost", action="store_true", help="print benchmarks/multihost.sh's table (multihost.json)")
     ap.add_argument("--collection", action="store_true", help="print benchmarks/collection.py's table")
+    ap.add_argument("--load", action="store_true", help="print benchmarks/load.sh's matrix (load-matrix-*.json)")
     ap.add_argument("--write-readme", nargs="?", const=str(REPO / "README.md"), metavar="README",
                     help="rewrite the headline block of README.md (or the file given) in place")
     args = ap.parse_args()
@@ -370,6 +407,9 @@ def main() -> None:
         return
     if args.collection:
         print(collection_table(root / "collection_speed.json"))
+        return
+    if args.load:
+        print(load_matrix_table(root))
         return
     if args.audit:
         print(markdown_table(audit_rows(root, args.runs or HEADLINE_AUDIT_RUNS), AUDIT_COLUMNS))

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Speculative decoding under load, the whole matrix on the default pair: ShareGPT first turns, 64 requests per level,
+# concurrency 1, 2, 4, 8, 16, greedy and T=0.7; through our engine (static batches) and through vLLM servers
+# (./setup.sh --vllm, its own serving client). Per engine and temperature two `load` runs, each with its own RSp
+# (ratios always come from one interleaved run): the draft model at K (with --lookup 3: ours the draft plus our
+# context lookup, vLLM its n-gram drafter alone), then the feature head at K. Each run writes
+# load-matrix-ENGINE-DRAFT-tT.json; `python benchmarks/tables.py --load` prints the table docs/load.md shows.
+# Usage: benchmarks/load.sh [quick] [ENGINES]   (ENGINES: ours,vllm by default; several hours on 2 cores, quick
+# takes minutes: 4 requests, levels 1 and 2, 16 tokens)
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 1
+PY=${PY:-.venv/bin/python}
+export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1}
+OUT=${RESULTS_DIR:-benchmarks/results}
+mkdir -p "$OUT"
+K=${K:-3}
+DRAFT=${DRAFT:-$($PY -c "from lssp.models.registry import load_registry; print(load_registry('models.yaml').draft_name(None))")}
+HEAD=${HEAD:-smollm2-135m-eagle}
+if [ "${1:-}" = "quick" ]; then
+    SIZE=(--requests 4 --concurrency "1,2" --max-new-tokens 16); shift
+else
+    SIZE=(--requests 64 --concurrency "1,2,4,8,16" --max-new-tokens 64)
+fi
+ENGINES=${1:-ours,vllm}
+status=0
+for engine in ${ENGINES//,/ }; do
+    if [ "$engine" = vllm ] && ! $PY -c "import vllm" 2>/dev/null; then
+        echo "load.sh: vLLM is not installed (./setup.sh --vllm): --engine vllm left out" >&2
+        continue
+    fi
+    for t in 0 0.7; do
+        for draft in "$DRAFT" "$HEAD"; do
+            extra=()
+            [ "$draft" = "$DRAFT" ] && extra=(--lookup 3)
+            $PY llamassp.py --results-dir "$OUT" load --engine "$engine" --draft "$draft" --k "$K" "${extra[@]}" \
+                --task sharegpt --temperature "$t" "${SIZE[@]}" --json "$OUT/load-matrix-$engine-$draft-t$t.json" \
+                || status=1
+        done
+    done
+done
+exit $status
