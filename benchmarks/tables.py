@@ -362,7 +362,8 @@ def load_matrix_table(root: Path) -> str:
             row = {"engine": run["engine"], "T": f"{first['temperature']:g}", "mode": f"{label} ({method})",
                    "acc": f"{first['acceptance_rate']:.2f}" if first["acceptance_rate"] is not None else "–"}
             for c, r in mine.items():
-                row[f"c={c}"] = f"{r['latency_ratio']:.2f} / {r['throughput_ratio']:.2f}"
+                row[f"c={c}"] = " / ".join("–" if r[key] is None else f"{r[key]:.2f}"
+                                           for key in ("latency_ratio", "throughput_ratio"))
             b = even.get(label, {})
             row["break-even lat / thr"] = f"{b.get('latency', '–')} / {b.get('throughput', '–')}"
             rows.append(row)
