@@ -365,12 +365,13 @@ def load_matrix_table(root: Path) -> str:
                 row[f"c={c}"] = " / ".join("–" if r[key] is None else f"{r[key]:.2f}"
                                            for key in ("latency_ratio", "throughput_ratio"))
             b = even.get(label, {})
-            row["break-even lat / thr"] = f"{b.get('latency', '–')} / {b.get('throughput', '–')}"
+            row["break-even lat / thr"] = " / ".join(str(b.get(key) or "–") for key in ("latency", "throughput"))
             rows.append(row)
     if not rows:
         return "no load-matrix-*.json in " + str(root)
     columns = ["engine", "T", "mode", "acc"] + [f"c={c}" for c in sorted(levels)] + ["break-even lat / thr"]
-    rows = [{column: row.get(column, "–") for column in columns} for row in rows]
+    rows = [{column: row.get(column, "–") for column in columns}
+            for row in sorted(rows, key=lambda row: (row["engine"], float(row["T"])))]
     caption = (f"runs {', '.join(f'`{r}`' for r in run_ids)} · {' / '.join(sorted(devices))} · per level: SSp's "
                "per-user latency ratio / throughput ratio to the same run's RSp (> 1: SSp pays); acc: acceptance "
                "rate at concurrency 1; break-even: the lowest level from which SSp no longer pays")
