@@ -14,8 +14,10 @@ from lssp.decoding.generation import NO_STOP, Stopping, generate_regular
 from lssp.decoding.sampling import SamplingParams, warp
 from lssp.decoding.speculative import speculative_decode
 from lssp.drafters import DraftModel
+from lssp.drafters.model import FeatureHead
 from lssp.engines import Mode, OursEngine, Request
 from lssp.measure.evals import run_eval
+from lssp.models.compact import CompactLlama
 from lssp.models.eagle import FeatureDraft
 from lssp.models.loading import LoadedModel
 from lssp.models.registry import ModelSpec
@@ -98,6 +100,63 @@ def test_seeded_sampled_rows_equal_ssp_alone(pair, k, params):
             alone = _alone(target, draft, prompt, 20, k, params, seed, stopping)
             assert out.tokens.tolist() == alone.tokens.tolist(), (trial, prompt)
             assert (out.stats.drafted, out.stats.accepted) == (alone.stats.drafted, alone.stats.accepted)
+
+
+@pytest.fixture(scope="module")
+def head_pair():
+    """A compact-forward target and a feature head that is right often but not always: test_eagle's planted pair,
+    the target's first MLP given small random weights again (its features then stray from what the head expects)."""
+    from test_eagle import planted_right
+
+    model, head = planted_right()
+    with torch.no_grad():
+        weight = model.model.layers[0].mlp.down_proj.weight
+        weight.copy_(0.2 * torch.randn(weight.shape, generator=torch.Generator().manual_seed(3)))
+    target = CompactLlama(model).eval()
+    return target, FeatureDraft(head, target)
+
+
+def _head_alone(target, draft, prompt, budget, k, params, seed, stopping=NO_STOP):
+    generator = None if params.greedy else torch.Generator().manual_seed(seed)
+    return speculative_decode(target, FeatureHead(draft), torch.tensor([prompt]), budget, k, params, generator, stopping)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_greedy_rows_with_a_feature_head_equal_the_head_alone_and_rsp(head_pair, k):
+    """Rows of lengths 1 to 7 (a prompt of one token has no feature yet: its first iteration drafts nothing)."""
+    target, draft = head_pair
+    budget = 17
+    stopping = Stopping(token_ids={_stop_token(target, PROMPTS, budget)})
+    outs = _batch(target, draft, PROMPTS, budget, k, GREEDY, [0] * len(PROMPTS), stopping)
+    for prompt, out in zip(PROMPTS, outs):
+        alone = _head_alone(target, draft, prompt, budget, k, GREEDY, 0, stopping)
+        rsp = generate_regular(target, torch.tensor([prompt]), budget, GREEDY, stopping=stopping)
+        assert out.tokens.tolist() == alone.tokens.tolist() == rsp.tokens.tolist(), prompt
+        assert (out.stats.drafted, out.stats.accepted, out.stats.target_forwards) == \
+            (alone.stats.drafted, alone.stats.accepted, alone.stats.target_forwards), prompt
+    assert sum(out.stats.accepted for out in outs) > 0 and any(o.stats.accepted < o.stats.drafted for o in outs)
+    assert 0 < sum(out.stopped for out in outs) < len(outs)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.7, top_k=5)], ids=["T=1", "T=0.7 top-k 5"])
+def test_seeded_sampled_rows_with_a_feature_head_equal_the_head_alone(head_pair, params):
+    target, draft = head_pair
+    for trial in range(2):
+        seeds = [100 * trial + r for r in range(len(PROMPTS))]
+        outs = _batch(target, draft, PROMPTS, 20, 3, params, seeds, Stopping(token_ids={1}))
+        for prompt, seed, out in zip(PROMPTS, seeds, outs):
+            alone = _head_alone(target, draft, prompt, 20, 3, params, seed, Stopping(token_ids={1}))
+            assert out.tokens.tolist() == alone.tokens.tolist(), (trial, prompt)
+            assert (out.stats.drafted, out.stats.accepted) == (alone.stats.drafted, alone.stats.accepted)
+
+
+def test_a_feature_head_is_batched_only_over_a_compact_target(head_pair):
+    target, draft = head_pair
+    assert batched.batchable(draft, target=target) is None
+    reason = batched.batchable(draft, target=target.hf)
+    assert "compact" in reason
+    with pytest.raises(ValueError, match="compact"):
+        speculative_decode_batch(target.hf, draft, [torch.tensor(PROMPTS[0])], 4, 2, GREEDY, [None])
 
 
 def _exact_law(model, prompt: list[int], params: SamplingParams) -> list[float]:

@@ -9,7 +9,6 @@ from lssp.cli.app import app, settings
 from lssp.cli.loaders import llamacpp_runner, load_engine_pair, load_pair, start_vllm
 from lssp.cli.options import (
     JsonOpt,
-    KOpt,
     LookupOpt,
     MaxNewOpt,
     PlotOpt,
@@ -44,7 +43,7 @@ def eval_cmd(
     rsp_batch: Annotated[int, typer.Option(help="RSp problems whose prompts have the same token count run in "
                                            "batches of up to N (the same tokens as one by one; 1: off).")] = 64,
     ssp_batch: Annotated[int, typer.Option(help="SSp problems run in batches of up to N (the same tokens as one by "
-                                           "one; 1: off; with --lookup or a feature head: one by one).")] = 16,
+                                           "one; 1: off; with --lookup, or a head over a target not under the compact forward: one by one).")] = 16,
     k: Annotated[int, typer.Option("--k", help="Draft tokens per iteration (quality does not depend on K; 2 is the "
                                    "fastest K that keeps a draft after an accepted one).")] = 2,
     max_new_tokens: MaxNewOpt = 8,

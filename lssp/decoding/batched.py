@@ -20,8 +20,10 @@ row's logits are those of its own text, up to the order of floating-point sums i
 draws from its own generator in the order ``speculative_decode`` does (its drafts, then its acceptance uniforms and
 next token, through the same ``Picker`` and ``verify_proposal``), so its tokens are the ones it gets alone.
 
-Supported: a plain draft model (``DraftModel``), greedy or sampled; not a feature head, the context lookup or the
-confidence stop (``batchable`` says so, and callers run those one completion at a time).
+Supported: a plain draft model (``DraftRows``) and a feature head over a compact-forward target (``HeadRows``: each
+row's head positions pair the target's feature of a token with the token after it, as ``FeatureHead`` does alone),
+greedy or sampled; not the context lookup or the confidence stop (``batchable`` says so, and callers run those one
+completion at a time).
 """
 from __future__ import annotations
 
@@ -38,14 +40,16 @@ from lssp.decoding.sampling import SamplingParams
 from lssp.decoding.speculative import count_iteration, verify_proposal
 from lssp.decoding.timing import Clock
 from lssp.drafters.base import Picker, Proposal
+from lssp.models.compact import CompactLlama
 from lssp.models.eagle import FeatureDraft
 from lssp.models.modules import logit_width, model_device
 
 
-def batchable(draft: torch.nn.Module, lookup: int = 0, confidence: float = 0.0) -> str | None:
+def batchable(draft: torch.nn.Module, lookup: int = 0, confidence: float = 0.0,
+              target: torch.nn.Module | None = None) -> str | None:
     """Why SSp with this drafting cannot run batched (callers then go one completion at a time), or None."""
-    if isinstance(draft, FeatureDraft):
-        return "a feature head drafts one completion at a time"
+    if isinstance(draft, FeatureDraft) and not isinstance(target, CompactLlama):
+        return "a feature head drafts batched only for a target under the compact forward"
     if lookup:
         return "the context lookup drafts one completion at a time"
     if confidence:
@@ -113,6 +117,13 @@ def feed_rows(cache: RowCache, pieces: Sequence[Sequence[int]], left: bool, **mo
     return out
 
 
+def empty_rows(model: PreTrainedModel, rows: int) -> RowCache:
+    """An empty cache for ``rows`` rows at positions of their own."""
+    device = model_device(model)
+    return RowCache(model, new_cache(model, rows), torch.ones(rows, 0, dtype=torch.bool, device=device),
+                    torch.zeros(rows, dtype=torch.long, device=device))
+
+
 def begin_rows(model: PreTrainedModel, prompts: Sequence[list[int]], prefix: PrefixCache | None, role: str) -> RowCache:
     """``model``'s cache holding every prompt but its last token: the shared ``prefix``'s keys and values once for all
     rows where every prompt extends it, then each row's rest of its prompt, left-padded."""
@@ -173,6 +184,98 @@ def _next_draft(picker: Picker, logits: torch.Tensor) -> list[int]:
     return [] if picker.done else [int(token)]
 
 
+class DraftRows:
+    """A plain draft model drafting for every row of the batch, in a cache of its own."""
+
+    needs_features = False
+
+    def __init__(self, draft: PreTrainedModel, prompts: Sequence[list[int]], prefix: PrefixCache | None) -> None:
+        self.cache = begin_rows(draft, prompts, prefix, "draft")
+
+    def ready(self, row: int) -> bool:
+        return True
+
+    def propose(self, rows: Sequence[Row], budgets: Sequence[int], vocab: int, params: SamplingParams,
+                device: torch.device) -> list[Proposal]:
+        return draft_rows(self.cache, rows, budgets, vocab, params, device)
+
+    def commit(self, row: int, proposal: Proposal, accepted: int, features: torch.Tensor | None) -> None:
+        drop_row(self.cache, row, len(proposal) - 1 - accepted)  # its last draft was never fed
+
+    def keep(self, rows: list[int]) -> None:
+        keep_rows(self.cache, rows)
+
+
+class HeadRows:
+    """A feature head drafting for every row. A row's head positions each pair the target's feature of a token with
+    the token after it; the features the target gave for tokens the head has not read yet wait in ``queued`` (its
+    first draft forward reads them), and each later draft reads the head's own guess of the feature before it."""
+
+    needs_features = True
+
+    def __init__(self, head: FeatureDraft, prompts: Sequence[list[int]], features: Sequence[torch.Tensor]) -> None:
+        self.cache = empty_rows(head, len(prompts))
+        self.width = head.config.hidden_size
+        if any(len(p) > 2 for p in prompts):  # the pairs of each prompt but the last
+            self._forward([p[1:-1] for p in prompts], [f[:-1] for f in features])
+        self.queued: list[torch.Tensor | None] = [f[-1:] if len(f) else None for f in features]
+
+    def ready(self, row: int) -> bool:
+        return self.queued[row] is not None
+
+    def _forward(self, pieces: Sequence[Sequence[int]], features: Sequence[torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feed each row its tokens with their features (left-padded, as ``feed_rows`` pads the tokens); the logits
+        and the head's guess at each row's last column."""
+        width = max(map(len, pieces))
+        paired = torch.zeros(len(pieces), width, self.width, device=self.cache.valid.device)
+        for r, (piece, feature) in enumerate(zip(pieces, features)):
+            if piece:
+                paired[r, width - len(piece):] = feature
+        out = feed_rows(self.cache, pieces, True, input_features=paired, logits_to_keep=1)
+        return out.logits[:, -1], self.cache.kv.guess[:, -1]
+
+    def propose(self, rows: Sequence[Row], budgets: Sequence[int], vocab: int, params: SamplingParams,
+                device: torch.device) -> list[Proposal]:
+        pickers = [Picker(b, vocab, params, row.generator, device) for row, b in zip(rows, budgets)]
+        pending = [row.seq[p + 1:] if b else [] for row, b, p in zip(rows, budgets, self.cache.positions.tolist())]
+        features = [self.queued[r] if b else None for r, b in enumerate(budgets)]
+        self.queued = [None if b else q for q, b in zip(self.queued, budgets)]
+        while any(pending):
+            logits, guesses = self._forward(pending, features)
+            for r, picker in enumerate(pickers):
+                if pending[r]:
+                    pending[r], features[r] = _next_draft(picker, logits[r]), guesses[r:r + 1]
+        return [picker.proposal() for picker in pickers]
+
+    def commit(self, row: int, proposal: Proposal, accepted: int, features: torch.Tensor | None) -> None:
+        drop_row(self.cache, row, len(proposal) - 1)  # the positions that read a guess
+        queued = self.queued[row]
+        self.queued[row] = features if queued is None else torch.cat([queued, features])
+
+    def keep(self, rows: list[int]) -> None:
+        keep_rows(self.cache, rows)
+        self.queued = [self.queued[r] for r in rows]
+
+
+def begin_rows_with_features(target: PreTrainedModel, prompts: Sequence[list[int]]) -> tuple[RowCache, list[torch.Tensor]]:
+    """The target's cache holding every prompt but its last token, and its features of those tokens, per row."""
+    cache = empty_rows(target, len(prompts))
+    rest = [p[:-1] for p in prompts]
+    if not any(rest):
+        return cache, [torch.zeros(0, target.config.hidden_size, device=model_device(target)) for _ in prompts]
+    found = feed_rows(cache, rest, True, logits_to_keep=1, features=True).features
+    return cache, [found[r, found.shape[1] - len(piece):] for r, piece in enumerate(rest)]
+
+
+def score_rows(cache: RowCache, pieces: Sequence[Sequence[int]], features: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The target's logits at every position of each row's ``pieces`` (right-padded), and with ``features`` its
+    final hidden states there."""
+    if not features:
+        return forward_rows(cache, pieces, max(map(len, pieces)), left=False), None
+    out = feed_rows(cache, pieces, False, logits_to_keep=max(map(len, pieces)), features=True)
+    return out.logits.to(model_device(cache.model)), out.features
+
+
 def verify_rows(logits: torch.Tensor, proposals: Sequence[Proposal], params: SamplingParams,
                 generators: Sequence[torch.Generator | None], vocab: int) -> list[tuple[int, torch.Tensor]]:
     """Each row's (accepted drafts, next token): row r verifies its own drafts against its own target logits
@@ -204,8 +307,8 @@ def speculative_decode_batch(target: PreTrainedModel, draft: PreTrainedModel, pr
                              max_new_tokens: int, k: int, params: SamplingParams,
                              generators: Sequence[torch.Generator | None], stopping: Stopping = NO_STOP,
                              vocab: int | None = None, prefix: PrefixCache | None = None) -> list[GenerationOutput]:
-    """SSp of several prompts (each (T,) or (1, T), of any lengths) with the plain draft model ``draft``, in one
-    loop: each row gives the tokens ``speculative_decode`` gives it alone with its generator (see the module's
+    """SSp of several prompts (each (T,) or (1, T), of any lengths) with ``draft`` (a plain draft model, or a feature
+    head over a compact-forward target, which then ignores ``prefix``), in one loop: each row gives the tokens ``speculative_decode`` gives it alone with its generator (see the module's
     docstring). A row leaves the batch at its stop or budget. Each row's stats count its own drafts, acceptances and
     forwards; its ``ttft_s`` and ``after_first_s`` are its own (what a user waiting on it sees, from the batch's
     start), while the time totals (prefill, target, draft, total) are the batch's shared by its rows (divided by B,
@@ -219,36 +322,42 @@ def speculative_decode_batch(target: PreTrainedModel, draft: PreTrainedModel, pr
                                                           forwards_timed=clock.per_forward))
             for p, g in zip(prompts, generators, strict=True)]
     start = clock.now()
-    target_cache = begin_rows(target, [row.seq for row in rows], prefix, "target")
-    draft_cache = begin_rows(draft, [row.seq for row in rows], prefix, "draft")
+    texts = [row.seq for row in rows]
+    if isinstance(draft, FeatureDraft):  # the head reads the target's features of each prompt
+        if batchable(draft, target=target):
+            raise ValueError(batchable(draft, target=target))
+        target_cache, features = begin_rows_with_features(target, texts)
+        drafter: DraftRows | HeadRows = HeadRows(draft, texts, features)
+    else:
+        target_cache, drafter = begin_rows(target, texts, prefix, "target"), DraftRows(draft, texts, prefix)
     prefill_s, draft_s, target_s = clock.now() - start, 0.0, 0.0
     live = list(rows) if max_new_tokens > 0 else []  # the rows still generating, in the caches' order
     while live:
         # 1. Each row drafts up to k tokens, never past its budget (the iteration then emits at most what is left).
-        budgets = [min(k, max_new_tokens - len(row.tokens) - 1) for row in live]
+        budgets = [min(k, max_new_tokens - len(row.tokens) - 1) if drafter.ready(r) else 0
+                   for r, row in enumerate(live)]
         t0 = clock.now()
-        proposals = draft_rows(draft_cache, live, budgets, vocab, params, device)
+        proposals = drafter.propose(live, budgets, vocab, params, device)
         t1 = clock.now()
 
         # 2. One target forward scores every row's drafts and the position after them.
-        logits = forward_rows(target_cache, [[row.seq[-1], *p.tokens.tolist()] for row, p in zip(live, proposals)],
-                              1 + max(budgets), left=False)
+        pieces = [[row.seq[-1], *p.tokens.tolist()] for row, p in zip(live, proposals)]
+        logits, features = score_rows(target_cache, pieces, drafter.needs_features)
         t2 = clock.now()
         draft_s, target_s = draft_s + t1 - t0, target_s + t2 - t1
 
-        # 3. Each row keeps its longest run of drafts that passes and one token of the target's; both caches
-        #    forget the drafts it rejected.
+        # 3. Each row keeps its longest run of drafts that passes and one token of the target's; the target's cache
+        #    forgets the drafts it rejected, the drafter what no longer holds.
         verdicts = verify_rows(logits, proposals, params, [row.generator for row in live], vocab)
         for r, (row, proposal, (accepted, extra)) in enumerate(zip(live, proposals, verdicts)):
-            drafted = len(proposal)
-            drop_row(target_cache, r, drafted - accepted)
-            drop_row(draft_cache, r, drafted - 1 - accepted)  # its last draft was never fed
+            drop_row(target_cache, r, len(proposal) - accepted)
+            drafter.commit(r, proposal, accepted, features[r, :1 + accepted] if features is not None else None)
             emit(row, proposal, accepted, extra, stopping, max_new_tokens, clock.now() - start)
 
         # 4. Rows done leave the batch.
         kept = [r for r, row in enumerate(live) if not row.done]
         keep_rows(target_cache, kept)
-        keep_rows(draft_cache, kept)
+        drafter.keep(kept)
         live = [live[r] for r in kept]
     return _outputs(rows, clock.now() - start, prefill_s, target_s, draft_s)
 

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from lssp.decoding.batched import RowCache, feed_rows, keep_rows
-from lssp.decoding.kv import accepts_logits_to_keep, new_cache
+from lssp.decoding.batched import empty_rows, feed_rows, keep_rows
+from lssp.decoding.kv import accepts_logits_to_keep
 from lssp.decoding.sampling import SamplingParams, sample_logits
 from lssp.distill.config import Collected, DistillConfig, Progress
 from lssp.distill.conversations import split_contexts
@@ -34,13 +34,6 @@ def collection_model(model: PreTrainedModel) -> PreTrainedModel:
     can run one, else ``model`` itself (it then gives no features: ``--kind eagle`` needs the compact forward)."""
     already_or_cannot = isinstance(model, CompactLlama) or supports_compact(model) is not None
     return model if already_or_cannot else CompactLlama(model)
-
-
-def _row_cache(model: PreTrainedModel, rows: int) -> RowCache:
-    """An empty cache for ``rows`` rows at positions of their own."""
-    device = model_device(model)
-    return RowCache(model, new_cache(model, rows), torch.ones(rows, 0, dtype=torch.bool, device=device),
-                    torch.zeros(rows, dtype=torch.long, device=device))
 
 
 def _logits_kwargs(model: PreTrainedModel, keep: int) -> dict[str, Any]:
@@ -66,7 +59,7 @@ def generate_rows(
         if not isinstance(model, CompactLlama):
             raise UserError("collecting features (--kind eagle) needs a Llama target the compact forward runs")
         kwargs["features"] = True
-    cache = _row_cache(model, rows)
+    cache = empty_rows(model, rows)
     out = feed_rows(cache, prompts, True, **kwargs)
     logits = out.logits[:, -1]
     feats = [[out.features[r, out.features.shape[1] - len(p):].half().cpu()] if features else [] for r, p in enumerate(prompts)]
@@ -124,7 +117,7 @@ def _score_batch(
     for at in range(0, len(prompts), rows):
         # Left-padded, so every continuation ends at the last column.
         chunk = [p + row.tolist() for p, row in zip(prompts[at: at + rows], tokens[at: at + rows])]
-        logits = feed_rows(_row_cache(target, len(chunk)), chunk, True, **_logits_kwargs(target, new_tokens + 1)
+        logits = feed_rows(empty_rows(target, len(chunk)), chunk, True, **_logits_kwargs(target, new_tokens + 1)
                            ).logits[:, -new_tokens - 1:-1]  # the position before each continuation token
         lp, ix = logits.float().log_softmax(-1).topk(top_k, dim=-1)
         top_ids.append(ix.int().cpu())

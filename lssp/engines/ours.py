@@ -55,7 +55,7 @@ class OursEngine(Engine):
         """Why ``complete_ssp_batch`` runs ``mode`` one completion at a time (a feature head, the context lookup,
         the confidence stop), or None: it runs batched."""
         draft, _ = self.drafts[mode.draft or self.default]
-        return batchable(draft.model, mode.lookup, mode.confidence)
+        return batchable(draft.model, mode.lookup, mode.confidence, self.target.model)
 
     def complete_ssp_batch(self, mode: Mode, ids: torch.Tensor | Sequence[torch.Tensor], request: Request,
                            seeds: Sequence[int]) -> list[GenerationOutput]:

@@ -258,10 +258,9 @@ class FeatureDraft(FusedDecoder):
         return self.__dict__["_compute_dtype"]
 
     def new_cache(self, batch: int = 1) -> FeatureCache:
-        if batch != 1:
-            raise ValueError("a feature draft runs batch 1")
+        """An empty cache; with ``batch`` > 1 for rows that pass their features to ``forward`` themselves."""
         weight = self.get_input_embeddings().weight
-        return FeatureCache(len(self.qkv), self.kv_heads, self.head_dim, self.compute_dtype, weight.device)
+        return FeatureCache(len(self.qkv), self.kv_heads, self.head_dim, self.compute_dtype, weight.device, batch=batch)
 
     def start(self, seq: torch.Tensor, features: torch.Tensor, kv: FeatureCache | None = None) -> FeatureCache:
         """The head's cache after the target's prefill of ``seq`` (1, T) but its last token, whose features
@@ -278,12 +277,18 @@ class FeatureDraft(FusedDecoder):
         return kv
 
     def forward(self, input_ids: torch.Tensor, past_key_values: FeatureCache, use_cache: bool = True,
-                logits_to_keep: int = 0) -> CompactOutput:
+                logits_to_keep: int = 0, input_features: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> CompactOutput:
+        """Logits after ``input_ids`` (batch, n), each token paired with the feature of the token before it: the
+        cache's queued features or its last guess, or ``input_features`` (batch, n, d) where the caller keeps them
+        (batched rows, with ``attention_mask`` and ``position_ids`` as in ``CompactLlama.forward``). The last
+        position's hidden state becomes the cache's ``guess``."""
         kv = past_key_values
-        features = kv.take(input_ids.shape[1])
+        features = kv.take(input_ids.shape[1]) if input_features is None else input_features
         dtype = self.compute_dtype
         embeds = self.get_input_embeddings()(input_ids).to(dtype)
-        hidden = self._run(self.head.fc(torch.cat([embeds, features.to(dtype)], dim=-1)), kv)
+        mask = attention_mask.to(dtype) if attention_mask is not None else None
+        hidden = self._run(self.head.fc(torch.cat([embeds, features.to(dtype)], dim=-1)), kv, mask, position_ids)
         kv.guess = hidden[:, -1:]
         return CompactOutput(self.get_output_embeddings()(hidden[:, -logits_to_keep:] if logits_to_keep else hidden))
 
