@@ -55,10 +55,10 @@ def cost(
         run = run_costs(loaded, chosen, counts, context, repeats, progress=lambda m: status.update(f"Timing {m}…"))
     counts_timed = sorted({c.tokens for c in run.costs})
     out = table(f"Forward ms after {context} cached tokens (× a 1-token forward) — {run.info.env['device']}",
-                [(c, "left") for c in ("model", "forward", "precision")]
-                + [(f"{n} token{'s' * (n > 1)}", "right") for n in counts_timed])
-    for (model, forward, precision), cells in run.cells().items():
-        out.add_row(model, forward, precision, *(f"{cells[n].ms:.1f} ×{cells[n].relative:.2f}" for n in counts_timed))
+                [("model (forward, precision)", "left")] + [(f"{n} tok", "right") for n in counts_timed])
+    for (model, forward, precision), cells in run.cells().items():  # two lines a row: fits 80 columns
+        out.add_row(f"{model}\n({forward}, {precision})",
+                    *(f"{cells[n].ms:.1f}\n×{cells[n].relative:.2f}" for n in counts_timed))
     console.print(out)
     names_timed = list(dict.fromkeys(x.name for x in loaded))
     if len(names_timed) >= 2:
