@@ -130,13 +130,14 @@ def test_the_real_sharegpt_file_gives_training_and_held_out_contexts():
 
 # --- resumable collection ------------------------------------------------------------------------------------------
 
-def _tiny_collection(monkeypatch, tmp_path, tokens: int):
+def _tiny_collection(monkeypatch, tmp_path, tokens: int, kind: str = "draft"):
     """collect() on a tiny model over fixed prompts (no ShareGPT needed): shards of 3 rows of up to 6 tokens."""
     prompts = [[3 + i, 4 + i, 5] for i in range(30)]
     monkeypatch.setattr(collection_module, "source_prompts", lambda tokenizer, cfg: (prompts, prompts[:3]))
-    cfg = DistillConfig(data_tokens=tokens, batch_prompts=3, new_tokens=6, top_k_saved=2, temperatures=(0.0, 1.0))
+    cfg = DistillConfig(kind=kind, data_tokens=tokens, batch_prompts=3, new_tokens=6, top_k_saved=2,
+                        temperatures=(0.0, 1.0))
     notices: list[str] = []
-    got = collect(tiny_llama(5).eval(), char_tokenizer(), tmp_path, cfg, notice=notices.append)
+    got = collect(CompactLlama(tiny_llama(5)).eval(), char_tokenizer(), tmp_path, cfg, notice=notices.append)
     return got, notices
 
 
@@ -154,6 +155,20 @@ def test_a_truncated_shard_is_collected_again_and_the_same_data_results(monkeypa
         again = torch.load(data / name)
         assert torch.equal(again["tokens"], record["tokens"]) and again["split"] == record["split"]
     assert torch.load(data / "shard_00000.pt")["split"] == "held_out"
+
+
+def test_a_collection_begun_for_a_head_keeps_features_when_a_draft_goes_on_with_it(monkeypatch, tmp_path):
+    _tiny_collection(monkeypatch, tmp_path / "head", 20, kind="eagle")
+    meta_path = tmp_path / "head" / "data" / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    del meta["features"]  # as a collection written before meta said so
+    meta_path.write_text(json.dumps(meta))
+    _tiny_collection(monkeypatch, tmp_path / "head", 40, kind="draft")
+    shards = sorted((tmp_path / "head" / "data").glob("shard_*.pt"))
+    assert len(shards) > meta["shards"] and all("features" in torch.load(p) for p in shards)
+    _tiny_collection(monkeypatch, tmp_path / "draft", 20, kind="draft")
+    with pytest.raises(UserError, match="without the target's features"):
+        _tiny_collection(monkeypatch, tmp_path / "draft", 40, kind="eagle")
 
 
 def test_a_full_disk_keeps_what_was_collected_and_says_so(monkeypatch, tmp_path):

@@ -153,7 +153,7 @@ def test_distill_on_policy_data_from_the_starting_draft(tiny_dir, tmp_path, caps
     assert main(common + ["--out", str(first), "--hidden-size", "16", "--layers", "1", "--heads", "2",
                           "--intermediate-size", "32", "--data-tokens", "30"]) == 0, capsys.readouterr().err
     before = len(list((work / "data").glob("shard_*.pt")))
-    (work / "checkpoint.pt").unlink()  # a new training run over the grown data
+    (work / "checkpoint-draft.pt").unlink()  # a new training run over the grown data
     assert main(common + ["--out", str(second), "--init-draft", str(first), "--data-tokens", "90", "--on-policy", "1"]) == 0
     shards = sorted((work / "data").glob("shard_*.pt"))
     sources = [torch.load(path).get("source", "target") for path in shards]

@@ -331,6 +331,15 @@ def test_distill_kind_eagle_makes_a_loadable_head_and_resumes(tiny_dir, tmp_path
     ids = torch.tensor([[0, 5, 9, 3]])
     want = generate_regular(target.model, ids, 12, GREEDY).tokens
     assert torch.equal(generate_speculative(target.model, head.model, ids, 12, 3, GREEDY).tokens, want)
+    # A plain draft trained on the same collection keeps a checkpoint of its own, and the head's resumes after it.
+    draft_out = tmp_path / "draft"
+    assert main(base[:6] + ["--out", str(draft_out), "--data-dir", str(out / "work"), "--data-tokens", "80",
+                            "--max-steps", "2", "--hidden-size", "16", "--layers", "1", "--heads", "2",
+                            "--intermediate-size", "32", "--batch-prompts", "4", "--new-tokens", "8"]) == 0, capsys.readouterr().err
+    assert json.loads((draft_out / "distill_report.json").read_text())["steps"] == 2
+    assert {p.name for p in (out / "work").glob("checkpoint-*.pt")} == {"checkpoint-eagle.pt", "checkpoint-draft.pt"}
+    assert main(base[:-1] + ["80", "--max-steps", "6"]) == 0, capsys.readouterr().err
+    assert [step for step, _, _ in json.loads((out / "distill_report.json").read_text())["loss_curve"]] == [3, 5, 6]
 
 
 def test_distill_kind_eagle_refuses_what_only_drafts_take(tiny_dir, tmp_path, capsys):

@@ -234,6 +234,19 @@ def _intact(data: Path, meta: dict) -> tuple[dict, str | None]:
 SHARD_COUNTS = ("tokens", "draft_tokens", "repeat_tokens", "held_out_tokens")
 
 
+def _keeps_features(data: Path, meta: dict, cfg: DistillConfig) -> bool:
+    """Whether the shards carry the target's features: for a head (``--kind eagle``), and for a draft that goes on with
+    a collection begun for one, so that a head can still train on every shard. A head refuses to go on with a
+    collection begun without them."""
+    if "features" not in meta and meta["files"]:  # written before meta said so
+        meta["features"] = "features" in torch.load(data / meta["files"][0]["name"], mmap=True)
+    began_with = meta.get("features")
+    if cfg.kind == "eagle" and began_with is False and meta["files"]:
+        raise UserError(f"{data} holds a collection without the target's features (made for --kind draft): collect "
+                        "into another --data-dir for --kind eagle")
+    return cfg.kind == "eagle" or bool(began_with)
+
+
 def _write_atomically(path: Path, write: Callable[[Path], None]) -> None:
     """Write through a temporary file renamed into place: a stopped or failed write leaves the old file (or none)."""
     tmp = path.with_name(path.name + ".tmp")
@@ -272,6 +285,7 @@ def collect(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out: Pa
     if cut and notice:
         notice(cut)
     meta["repeat_shards"] = [s for s in meta["repeat_shards"] if s < meta["shards"]]
+    meta["features"] = features = _keeps_features(data, meta, cfg)
     params_of = {t: SamplingParams(temperature=t) for t in cfg.temperatures}
     batches = _batches(prompts, cfg)
     for shard in itertools.count():
@@ -298,7 +312,7 @@ def collect(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out: Pa
             record["source"] = "draft"
         else:
             record = generate_rows(target, batch, cfg.new_tokens, params_of[temperature], generators, cfg.top_k_saved,
-                                   eos, features=cfg.kind == "eagle")
+                                   eos, features=features)
         # Keep each row up to and including its first special token.
         lengths = []
         for row in record["tokens"].tolist():

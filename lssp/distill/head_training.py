@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from lssp.distill.config import DistillConfig, DistillReport, Progress
-from lssp.distill.training import held_out_split, optimize
+from lssp.distill.training import checkpoint_path, held_out_split, optimize
 from lssp.errors import UserError
 from lssp.models.compact import float_weight
 from lssp.models.draft_head import most_frequent
@@ -117,7 +117,7 @@ def train_head(target: PreTrainedModel, out: Path, cfg: DistillConfig, report: D
     torch.manual_seed(cfg.seed)
     head = FeatureHead(head_config(target.config, cfg.layers, token_ids))
     trainer = HeadTrainer(head, target)
-    optimize(head, examples, held_out, trainer.loss, trainer.agreement, out / "checkpoint.pt", cfg, report, progress)
+    optimize(head, examples, held_out, trainer.loss, trainer.agreement, checkpoint_path(out, cfg), cfg, report, progress)
     if held_out:
         report.acceptance["held-out top-1 agreement, second draft (unrolled)"] = trainer.agreement(held_out, unrolled=True)
     head.eval()

@@ -132,6 +132,12 @@ def top1_agreement(draft: LlamaForCausalLM, examples: list[dict[str, torch.Tenso
     return hits / total if total else float("nan")
 
 
+def checkpoint_path(out: Path, cfg: DistillConfig) -> Path:
+    """Where training of ``cfg.kind`` checkpoints in ``out``: one file per kind, so a draft and a head can be
+    trained on the same collection."""
+    return out / f"checkpoint-{cfg.kind}.pt"
+
+
 def held_out_split(examples: list[dict[str, torch.Tensor]], out: Path) -> tuple[list, list]:
     """The training examples and those held out to measure agreement as training goes: the answers to held-out
     prompts where the collection has them (``split: held_out``), else ~2% of the sequences (at most 64)."""
@@ -156,7 +162,7 @@ def train(target: PreTrainedModel, out: Path, cfg: DistillConfig, report: Distil
             attach_subset_head(draft, most_frequent(counts, cfg.head_tokens))
         report.head_coverage = float(counts[subset_head(draft).token_ids].sum() / counts.sum())
     draft = optimize(draft, examples, held_out, lambda batch: _loss(draft, batch, cfg),
-                     lambda held: top1_agreement(draft, held), out / "checkpoint.pt", cfg, report, progress)
+                     lambda held: top1_agreement(draft, held), checkpoint_path(out, cfg), cfg, report, progress)
     draft.eval()
     return draft
 
