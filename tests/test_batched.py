@@ -102,6 +102,23 @@ def test_seeded_sampled_rows_equal_ssp_alone(pair, k, params):
             assert (out.stats.drafted, out.stats.accepted) == (alone.stats.drafted, alone.stats.accepted)
 
 
+@pytest.mark.parametrize("params", [GREEDY, SamplingParams(1.0), SamplingParams(0.7, top_k=5)],
+                         ids=["greedy", "T=1", "T=0.7 top-k 5"])
+def test_rsp_rows_of_any_lengths_equal_rsp_alone(pair, params):
+    target, _ = pair
+    stopping = Stopping(token_ids={_stop_token(target, PROMPTS, 17)})
+    seeds = list(range(len(PROMPTS)))
+    generators = [None if params.greedy else torch.Generator().manual_seed(s) for s in seeds]
+    outs = batched.generate_regular_rows(target, [torch.tensor(p) for p in PROMPTS], 17, params, generators, stopping)
+    for prompt, seed, out in zip(PROMPTS, seeds, outs):
+        generator = None if params.greedy else torch.Generator().manual_seed(seed)
+        alone = generate_regular(target, torch.tensor([prompt]), 17, params, generator, stopping)
+        assert out.tokens.tolist() == alone.tokens.tolist() and out.stopped == alone.stopped, prompt
+        assert out.stats.target_forwards == len(out.tokens) and 0 < out.stats.ttft_s <= out.stats.total_time_s * 5
+    if params.greedy:
+        assert 0 < sum(out.stopped for out in outs) < len(outs)
+
+
 @pytest.fixture(scope="module")
 def head_pair():
     """A compact-forward target and a feature head that is right often but not always: test_eagle's planted pair,

@@ -85,14 +85,11 @@ def test_break_even_is_the_lowest_level_from_which_ssp_no_longer_pays(ratios, le
     assert rule.describe() == text
 
 
-def test_static_batches_group_similar_lengths_and_cut_on_the_left():
+def test_static_batches_group_similar_lengths_and_keep_the_prompts_whole():
     requests = [LoadRequest(i, list(range(100 * i, 100 * i + n)), i) for i, n in enumerate([5, 3, 8, 4])]
     batches = static_batches(requests, 2)
-    assert [[r.index for r in b.requests] for b in batches] == [[1, 3], [0, 2]]
-    assert batches[0].ids == [[100, 101, 102], [301, 302, 303]]  # request 3's first token dropped
-    assert batches[1].ids == [[0, 1, 2, 3, 4], [203, 204, 205, 206, 207]]
-    assert [b.cut for b in batches] == [1, 3]
-    assert sum(b.cut for b in static_batches(requests, 1)) == 0
+    assert [[r.index for r in b] for b in batches] == [[1, 3], [0, 2]]
+    assert [r.ids for b in batches for r in b] == [requests[i].ids for i in (1, 3, 0, 2)]
 
 
 class FakeBackend(LoadBackend):
@@ -145,6 +142,7 @@ def test_load_on_our_engine_through_the_cli(run, tmp_path):
         (1, "RSp"), (1, "SSp k=2"), (1, "SSp k=2 +lookup 2"), (2, "RSp"), (2, "SSp k=2"), (2, "SSp k=2 +lookup 2")]
     assert set(rows["engine"]) == {"ours"} and rows["run_id"].nunique() == 1 and "device" in rows
     assert (rows["completed"] == 4).all() and (rows["output_tokens"] > 0).all()
+    assert (rows["prompt_tokens_cut"] == 0).all()  # every row runs its whole prompt
     ssp = rows[rows["mode"] == "ssp"]
     assert (ssp["draft_tokens"] > 0).all() and ssp["throughput_ratio"].notna().all()
     plain, lookup = ssp[ssp["lookup"] == 0], ssp[ssp["lookup"] == 2]

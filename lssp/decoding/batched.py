@@ -36,7 +36,7 @@ from transformers import PreTrainedModel
 
 from lssp.decoding.generation import NO_STOP, GenerationOutput, GenerationStats, Stopping
 from lssp.decoding.kv import PrefixCache, accepts_logits_to_keep, drop, new_cache
-from lssp.decoding.sampling import SamplingParams
+from lssp.decoding.sampling import SamplingParams, sample_logits
 from lssp.decoding.speculative import count_iteration, verify_proposal
 from lssp.decoding.timing import Clock
 from lssp.drafters.base import Picker, Proposal
@@ -300,6 +300,41 @@ def emit(row: Row, proposal: Proposal, accepted: int, extra: torch.Tensor, stopp
         row.stats.ttft_s, row.stats.first_emission_tokens = now, len(row.tokens)
     row.finished_s = now
     row.done = row.stopped or len(row.tokens) >= max_new_tokens
+
+
+@torch.inference_mode()
+def generate_regular_rows(model: PreTrainedModel, prompts: Sequence[torch.Tensor], max_new_tokens: int,
+                          params: SamplingParams, generators: Sequence[torch.Generator | None],
+                          stopping: Stopping = NO_STOP, prefix: PrefixCache | None = None) -> list[GenerationOutput]:
+    """RSp of several prompts (each (T,) or (1, T), of any lengths) in one loop, each row at positions of its own:
+    each row gives the tokens ``generate_regular`` gives it alone with its generator, and leaves the batch at its
+    stop or budget. Stats as ``speculative_decode_batch``'s: each row's first and last token times its own, the
+    time totals the batch's shared by its rows."""
+    clock = Clock.for_models(model)
+    rows = [Row(p.reshape(-1).tolist(), g, GenerationStats(mode="rsp", forwards_timed=False))
+            for p, g in zip(prompts, generators, strict=True)]
+    start = clock.now()
+    cache = begin_rows(model, [row.seq for row in rows], prefix, "target")
+    prefill_s = clock.now() - start
+    live = list(rows) if max_new_tokens > 0 else []
+    while live:
+        logits = forward_rows(cache, [[row.seq[-1]] for row in live], 1, left=True)[:, -1]
+        now = clock.now() - start
+        for r, row in enumerate(live):
+            token = int(sample_logits(logits[r:r + 1], params, row.generator)[0])
+            row.seq.append(token)
+            row.tokens.append(token)
+            row.stats.target_forwards += 1
+            if len(row.tokens) == 1:
+                row.stats.ttft_s, row.stats.first_emission_tokens = now, 1
+            row.stopped = stopping.cut(row.tokens, len(row.tokens) - 1) is not None
+            row.finished_s = now
+            row.done = row.stopped or len(row.tokens) >= max_new_tokens
+        kept = [r for r, row in enumerate(live) if not row.done]
+        keep_rows(cache, kept)
+        live = [live[r] for r in kept]
+    total = clock.now() - start
+    return _outputs(rows, total, prefill_s, total - prefill_s, 0.0)
 
 
 @torch.inference_mode()

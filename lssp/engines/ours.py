@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import torch
 
-from lssp.decoding.batched import batchable, speculative_decode_batch
+from lssp.decoding.batched import batchable, generate_regular_rows, speculative_decode_batch
 from lssp.decoding.generation import GenerationOutput, generate_regular, generate_regular_batch
 from lssp.decoding.speculative import speculative_decode
 from lssp.drafters import drafter_for
@@ -46,10 +46,18 @@ class OursEngine(Engine):
         return speculative_decode(self.target.model, drafter, r.ids, r.max_new_tokens, mode.k, r.params,
                                   self.generator(r.seed), r.stopping, r.on_tokens, vocab, r.time_forwards, r.prefix)
 
-    def complete_rsp_batch(self, ids: torch.Tensor, request: Request, seeds: Sequence[int]) -> list[GenerationOutput]:
-        """RSp of prompts of equal length (``ids`` (B, T)) in one batch, each row as it would run alone with its seed."""
-        return generate_regular_batch(self.target.model, ids, request.max_new_tokens, request.params,
-                                      [self.generator(s) for s in seeds], request.stopping, request.prefix)
+    def complete_rsp_batch(self, ids: torch.Tensor | Sequence[torch.Tensor], request: Request,
+                           seeds: Sequence[int]) -> list[GenerationOutput]:
+        """RSp of several prompts in one batch, each row as it would run alone with its seed: prompts of equal length
+        (``ids`` (B, T)) share positions, unpadded, the batch's stats shared by its rows (``generate_regular_batch``);
+        one (1, T) tensor per row, of any lengths, run at positions of their own, each row with its own first and
+        last token times (``generate_regular_rows``)."""
+        generators = [self.generator(s) for s in seeds]
+        if isinstance(ids, torch.Tensor):
+            return generate_regular_batch(self.target.model, ids, request.max_new_tokens, request.params, generators,
+                                          request.stopping, request.prefix)
+        return generate_regular_rows(self.target.model, ids, request.max_new_tokens, request.params, generators,
+                                     request.stopping, request.prefix)
 
     def unbatched_reason(self, mode: Mode) -> str | None:
         """Why ``complete_ssp_batch`` runs ``mode`` one completion at a time (a feature head, the context lookup,

@@ -133,7 +133,7 @@ class ModeLevel:
     requests: list[RequestTiming]
     counters: Counters | None = None  # speculative-decoding counter deltas over the level (None: RSp)
     batched: bool = True  # False: an engine that served this mode one request at a time (said in the output)
-    prompt_tokens_cut: int = 0  # prompt tokens an engine dropped to batch (ours: equal lengths per static batch)
+    prompt_tokens_cut: int = 0  # prompt tokens an engine dropped to batch (none now: ours runs each row whole; rows written before did)
     client: dict[str, Any] = field(default_factory=dict)  # the load client's own summary, where it gives one
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
@@ -96,27 +95,11 @@ def first_error(errors: Sequence[str]) -> str:
     return (lines[-1] if lines else "no message")[:200]
 
 
-@dataclass
-class StaticBatch:
-    """Requests served together, their prompts cut to one length (rows of a batch share positions)."""
-
-    requests: list[LoadRequest]
-    ids: list[list[int]]
-    cut: int  # prompt tokens dropped
-
-
-def static_batches(requests: Sequence[LoadRequest], size: int) -> list[StaticBatch]:
-    """The requests in batches of ``size``, shortest prompts first (so that a batch holds similar lengths), each
-    prompt cut to its batch's shortest by dropping tokens from its start (left truncation, as vLLM's
-    ``truncate_prompt_tokens`` does): our batched decoding runs rows of one length side by side, unpadded."""
+def static_batches(requests: Sequence[LoadRequest], size: int) -> list[list[LoadRequest]]:
+    """The requests in batches of ``size``, shortest prompts first (so that a batch holds similar lengths and its rows
+    pad little: each row runs at positions of its own)."""
     ordered = sorted(requests, key=lambda r: (len(r.ids), r.index))
-    batches = []
-    for start in range(0, len(ordered), size):
-        group = ordered[start:start + size]
-        length = min(len(r.ids) for r in group)
-        batches.append(StaticBatch(group, [r.ids[len(r.ids) - length:] for r in group],
-                                   sum(len(r.ids) - length for r in group)))
-    return batches
+    return [ordered[start:start + size] for start in range(0, len(ordered), size)]
 
 
 def ssp_counters(outputs: Sequence[GenerationOutput]) -> Counters:
@@ -127,9 +110,9 @@ def ssp_counters(outputs: Sequence[GenerationOutput]) -> Counters:
 
 class OursLoadBackend(LoadBackend):
     """Our engine in static batches of B = concurrency: B requests start together and the next B start when the
-    whole batch is done (no continuous batching). RSp runs each batch in one batched loop
-    (``OursEngine.complete_rsp_batch``); SSp runs batched where our engine has a batched SSp
-    (``complete_ssp_batch``), else one request of the batch after another, said in the output as not batched."""
+    whole batch is done (no continuous batching). RSp runs each batch in one batched loop over whole prompts of any
+    lengths (``OursEngine.complete_rsp_batch``); SSp too where our engine batches the mode (``complete_ssp_batch``),
+    else one request of the batch after another, said in the output as not batched."""
 
     name = "ours"
 
@@ -145,13 +128,10 @@ class OursLoadBackend(LoadBackend):
         return reason(mode) if callable(reason) else None
 
     def notes(self) -> list[str]:
-        lines = ["ours: static batches of B = concurrency (the next batch starts when one ends); prompts of a batch "
-                 "cut on the left to its shortest (RSp's batched rows share positions), the tokens dropped in "
-                 "prompt_tokens_cut; RSp batched: every row's TTFT = the batch's prefill + its mean forward, TPOT = "
-                 "its mean forward."]
+        lines = ["ours: static batches of B = concurrency (the next batch starts when one ends), similar prompt "
+                 "lengths together, each row whole at positions of its own; RSp and batched SSp: each row its own "
+                 "first and last token times."]
         ssp = [m for m in self.setup.modes if m.mode == "ssp"]
-        if any(self.unbatched_reason(m) is None for m in ssp):
-            lines.append("ours SSp batched (complete_ssp_batch): each row its own first and last token times.")
         for mode in ssp:
             reason = self.unbatched_reason(mode)
             if reason:
@@ -176,61 +156,46 @@ class OursLoadBackend(LoadBackend):
         budget = min(8, self.setup.max_new_tokens)
         for mode in modes:
             self.engine.complete(mode, self._request(request.ids, request.seed, budget))
-        self.engine.complete_rsp_batch(torch.tensor([request.ids] * 2), self._request(request.ids, 0, budget), [0, 1])
+        rows = [torch.tensor([request.ids]), torch.tensor([request.ids[1:] or request.ids])]  # two lengths
+        self.engine.complete_rsp_batch(rows, self._request(request.ids, 0, budget), [0, 1])
 
     def serve(self, mode: Mode, requests: Sequence[LoadRequest], concurrency: int) -> ModeLevel:
         timings: list[RequestTiming] = []
         outputs: list[GenerationOutput] = []
-        batches = static_batches(requests, concurrency)
         batched = mode.mode == "rsp" or self.unbatched_reason(mode) is None
         start = time.perf_counter()
-        for batch in batches:
-            if mode.mode == "rsp":
-                done = self._rsp_batch(batch)
-            elif batched:
-                done = self._ssp_batch(mode, batch)
-            else:
-                done = self._one_at_a_time(mode, batch)
+        for batch in static_batches(requests, concurrency):
+            done = self._batch(mode, batch) if batched else self._one_at_a_time(mode, batch)
             timings += done[0]
             outputs += done[1]
         wall = time.perf_counter() - start
         timings.sort(key=lambda t: t.index)
         return ModeLevel(mode, concurrency, wall, timings, ssp_counters(outputs) if mode.mode == "ssp" else None,
-                         batched=batched, prompt_tokens_cut=sum(b.cut for b in batches))
+                         batched=batched)
 
-    def _rsp_batch(self, batch: StaticBatch) -> tuple[list[RequestTiming], list[GenerationOutput]]:
-        """One batched RSp loop; its stats are the batch's, times divided by B (``generate_regular_batch``)."""
-        size = len(batch.requests)
-        outs = self.engine.complete_rsp_batch(torch.tensor(batch.ids, dtype=torch.long),
-                                              self._request(batch.ids[0], batch.requests[0].seed),
-                                              [r.seed for r in batch.requests])
-        stats = outs[0].stats
-        prefill, total = stats.prefill_time_s * size, stats.total_time_s * size
-        forward = (total - prefill) / stats.target_forwards if stats.target_forwards else 0.0
-        return [RequestTiming(r.index, len(o.tokens), prefill + forward, forward * max(0, len(o.tokens) - 1))
-                for r, o in zip(batch.requests, outs)], outs
-
-    def _ssp_batch(self, mode: Mode, batch: StaticBatch) -> tuple[list[RequestTiming], list[GenerationOutput]]:
-        """Batched SSp (our engine's ``complete_ssp_batch``): each row's own first and last token times."""
+    def _batch(self, mode: Mode, batch: list[LoadRequest]) -> tuple[list[RequestTiming], list[GenerationOutput]]:
+        """One batched loop (our engine's ``complete_rsp_batch`` or ``complete_ssp_batch`` over whole prompts of
+        any lengths): each row's own first and last token times."""
+        rows = [torch.tensor([r.ids], dtype=torch.long) for r in batch]
+        request, seeds = self._request(batch[0].ids, batch[0].seed), [r.seed for r in batch]
         start = time.perf_counter()
-        outs = self.engine.complete_ssp_batch(mode, torch.tensor(batch.ids, dtype=torch.long),
-                                              self._request(batch.ids[0], batch.requests[0].seed),
-                                              [r.seed for r in batch.requests])
+        outs = (self.engine.complete_rsp_batch(rows, request, seeds) if mode.mode == "rsp"
+                else self.engine.complete_ssp_batch(mode, rows, request, seeds))
         wall = time.perf_counter() - start
         timings = []
-        for r, o in zip(batch.requests, outs):
+        for r, o in zip(batch, outs):
             s = o.stats
             ttft = s.ttft_s if s.ttft_s > 0 else wall
             after = s.after_first_s if s.after_first_s == s.after_first_s else max(0.0, wall - ttft)
             timings.append(RequestTiming(r.index, len(o.tokens), ttft, after))
         return timings, outs
 
-    def _one_at_a_time(self, mode: Mode, batch: StaticBatch) -> tuple[list[RequestTiming], list[GenerationOutput]]:
+    def _one_at_a_time(self, mode: Mode, batch: list[LoadRequest]) -> tuple[list[RequestTiming], list[GenerationOutput]]:
         """The batch's requests one after another: a request's TTFT counts the wait for those before it."""
         waited, timings, outs = 0.0, [], []
-        for r, ids in zip(batch.requests, batch.ids):
+        for r in batch:
             start = time.perf_counter()
-            out = self.engine.complete(mode, self._request(ids, r.seed))
+            out = self.engine.complete(mode, self._request(r.ids, r.seed))
             s = out.stats
             after = s.after_first_s if s.after_first_s == s.after_first_s else 0.0
             timings.append(RequestTiming(r.index, len(out.tokens), waited + s.ttft_s, after))
