@@ -69,9 +69,10 @@ def _stop_token(target, prompts, budget) -> int:
     raise AssertionError("no token ends only some rows")
 
 
+@pytest.mark.parametrize("compact", [False, True], ids=["transformers", "compact (rows prefilled alone)"])
 @pytest.mark.parametrize("k", [1, 3])
-def test_greedy_rows_equal_ssp_alone_and_rsp(pair, k):
-    target, draft = pair
+def test_greedy_rows_equal_ssp_alone_and_rsp(pair, k, compact):
+    target, draft = (CompactLlama(m).eval() for m in pair) if compact else pair
     budget = 17  # not a multiple of K + 1: rows end at their budget in different iterations
     stopping = Stopping(token_ids={_stop_token(target, PROMPTS, budget)})
     outs = _batch(target, draft, PROMPTS, budget, k, GREEDY, [0] * len(PROMPTS), stopping)
@@ -102,10 +103,11 @@ def test_seeded_sampled_rows_equal_ssp_alone(pair, k, params):
             assert (out.stats.drafted, out.stats.accepted) == (alone.stats.drafted, alone.stats.accepted)
 
 
+@pytest.mark.parametrize("compact", [False, True], ids=["transformers", "compact (rows prefilled alone)"])
 @pytest.mark.parametrize("params", [GREEDY, SamplingParams(1.0), SamplingParams(0.7, top_k=5)],
                          ids=["greedy", "T=1", "T=0.7 top-k 5"])
-def test_rsp_rows_of_any_lengths_equal_rsp_alone(pair, params):
-    target, _ = pair
+def test_rsp_rows_of_any_lengths_equal_rsp_alone(pair, params, compact):
+    target = CompactLlama(pair[0]).eval() if compact else pair[0]
     stopping = Stopping(token_ids={_stop_token(target, PROMPTS, 17)})
     seeds = list(range(len(PROMPTS)))
     generators = [None if params.greedy else torch.Generator().manual_seed(s) for s in seeds]

@@ -40,7 +40,7 @@ from lssp.decoding.sampling import SamplingParams, sample_logits
 from lssp.decoding.speculative import count_iteration, verify_proposal
 from lssp.decoding.timing import Clock
 from lssp.drafters.base import Picker, Proposal
-from lssp.models.compact import CompactLlama
+from lssp.models.compact import CompactCache, CompactLlama
 from lssp.models.eagle import FeatureDraft
 from lssp.models.modules import logit_width, model_device
 
@@ -134,12 +134,52 @@ def begin_rows(model: PreTrainedModel, prompts: Sequence[list[int]], prefix: Pre
         kv = prefix.start(model, torch.tensor([p[:n + 1] for p in prompts], device=device), role)
     if kv is None:
         kv, n = new_cache(model, len(prompts)), 0
+    if n == 0:
+        return prefill_rows(model, [p[:-1] for p in prompts])[0]
     cache = RowCache(model, kv, torch.ones(len(prompts), n, dtype=torch.bool, device=device),
                      torch.full((len(prompts),), n, dtype=torch.long, device=device))
     rest = [p[n:-1] for p in prompts]
     if any(rest):
         forward_rows(cache, rest, 1, left=True)
     return cache
+
+
+ALONE_BELOW = 0.8  # prefill rows one by one where their tokens fill less than this share of the padded batch
+
+
+def prefill_rows(model: PreTrainedModel, pieces: Sequence[Sequence[int]],
+                 features: bool = False) -> tuple[RowCache, list[torch.Tensor] | None]:
+    """A cache holding each row's ``pieces``, left-padded with holes, and with ``features`` each row's final hidden
+    states of them (a compact forward's). Under a compact forward each row runs alone and its keys and values are
+    copied into place: nothing is computed for the padding, which for prompts of unequal lengths (a ShareGPT
+    batch of 16: ~1.8x the tokens) costs more than the batch saves. Rows of about one length, and other models,
+    get one padded forward."""
+    cache = empty_rows(model, len(pieces))
+    width = max(map(len, pieces), default=0)
+    if width == 0:
+        return cache, [torch.zeros(0, model.config.hidden_size, device=model_device(model)) for _ in pieces] \
+            if features else None
+    kwargs = {"features": True} if features else {}
+    if not isinstance(cache.kv, CompactCache) or sum(map(len, pieces)) > ALONE_BELOW * len(pieces) * width:
+        out = feed_rows(cache, pieces, True, logits_to_keep=1, **kwargs)
+        return cache, [out.features[r, width - len(p):] for r, p in enumerate(pieces)] if features else None
+    kv, device, found = cache.kv, model_device(model), []
+    kv.reserve(width)
+    for buffer in kv.keys_values:
+        buffer[:, :, :width].zero_()  # holes hold finite values: a masked slot's weight is 0, and 0 * NaN is NaN
+    for r, piece in enumerate(pieces):
+        if piece:
+            alone = new_cache(model)
+            out = model(input_ids=torch.tensor([piece], device=device), past_key_values=alone, use_cache=True,
+                        logits_to_keep=1, **kwargs)
+            for mine, theirs in zip(kv.keys_values, alone.keys_values, strict=True):
+                mine[r, :, width - len(piece):width] = theirs[0, :, :len(piece)]
+        found.append(out.features[0] if features and piece else torch.zeros(0, model.config.hidden_size, device=device))
+    kv.length = width
+    lengths = torch.tensor([len(p) for p in pieces], device=device)
+    cache.valid = torch.arange(width, device=device)[None, :] >= width - lengths[:, None]
+    cache.positions = lengths
+    return cache, found if features else None
 
 
 def drop_row(cache: RowCache, row: int, tokens: int) -> None:
@@ -259,12 +299,8 @@ class HeadRows:
 
 def begin_rows_with_features(target: PreTrainedModel, prompts: Sequence[list[int]]) -> tuple[RowCache, list[torch.Tensor]]:
     """The target's cache holding every prompt but its last token, and its features of those tokens, per row."""
-    cache = empty_rows(target, len(prompts))
-    rest = [p[:-1] for p in prompts]
-    if not any(rest):
-        return cache, [torch.zeros(0, target.config.hidden_size, device=model_device(target)) for _ in prompts]
-    found = feed_rows(cache, rest, True, logits_to_keep=1, features=True).features
-    return cache, [found[r, found.shape[1] - len(piece):] for r, piece in enumerate(rest)]
+    cache, features = prefill_rows(target, [p[:-1] for p in prompts], features=True)
+    return cache, features if features is not None else []
 
 
 def score_rows(cache: RowCache, pieces: Sequence[Sequence[int]], features: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
