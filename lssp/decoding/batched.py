@@ -152,7 +152,7 @@ def prefill_rows(model: PreTrainedModel, pieces: Sequence[Sequence[int]],
     """A cache holding each row's ``pieces``, left-padded with holes, and with ``features`` each row's final hidden
     states of them (a compact forward's). Under a compact forward each row runs alone and its keys and values are
     copied into place: nothing is computed for the padding, which for prompts of unequal lengths (a ShareGPT
-    batch of 16: ~1.8x the tokens) costs more than the batch saves. Rows of about one length, and other models,
+    batch: tens to hundreds of tokens) costs more than the batch saves. Rows of about one length, and other models,
     get one padded forward."""
     cache = empty_rows(model, len(pieces))
     width = max(map(len, pieces), default=0)
