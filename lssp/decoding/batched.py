@@ -133,8 +133,6 @@ def begin_rows(model: PreTrainedModel, prompts: Sequence[list[int]], prefix: Pre
     if n and all(len(p) > n and p[:n] == prefix.ids for p in prompts):
         kv = prefix.start(model, torch.tensor([p[:n + 1] for p in prompts], device=device), role)
     if kv is None:
-        kv, n = new_cache(model, len(prompts)), 0
-    if n == 0:
         return prefill_rows(model, [p[:-1] for p in prompts])[0]
     cache = RowCache(model, kv, torch.ones(len(prompts), n, dtype=torch.bool, device=device),
                      torch.full((len(prompts),), n, dtype=torch.long, device=device))
@@ -163,23 +161,29 @@ def prefill_rows(model: PreTrainedModel, pieces: Sequence[Sequence[int]],
     if not isinstance(cache.kv, CompactCache) or sum(map(len, pieces)) > ALONE_BELOW * len(pieces) * width:
         out = feed_rows(cache, pieces, True, logits_to_keep=1, **kwargs)
         return cache, [out.features[r, width - len(p):] for r, p in enumerate(pieces)] if features else None
-    kv, device, found = cache.kv, model_device(model), []
-    kv.reserve(width)
-    for buffer in kv.keys_values:
-        buffer[:, :, :width].zero_()  # holes hold finite values: a masked slot's weight is 0, and 0 * NaN is NaN
-    for r, piece in enumerate(pieces):
-        if piece:
-            alone = new_cache(model)
-            out = model(input_ids=torch.tensor([piece], device=device), past_key_values=alone, use_cache=True,
-                        logits_to_keep=1, **kwargs)
-            for mine, theirs in zip(kv.keys_values, alone.keys_values, strict=True):
-                mine[r, :, width - len(piece):width] = theirs[0, :, :len(piece)]
-        found.append(out.features[0] if features and piece else torch.zeros(0, model.config.hidden_size, device=device))
-    kv.length = width
-    lengths = torch.tensor([len(p) for p in pieces], device=device)
-    cache.valid = torch.arange(width, device=device)[None, :] >= width - lengths[:, None]
+    cache.kv.reserve(width)
+    for buffer in cache.kv.keys_values:  # holes hold finite values: a masked slot's weight is 0, and 0 * NaN is NaN
+        buffer[:, :, :width].zero_()
+    found = [_prefill_alone(cache, r, piece, width, kwargs) for r, piece in enumerate(pieces)]
+    cache.kv.length = width
+    lengths = torch.tensor([len(p) for p in pieces], device=cache.valid.device)
+    cache.valid = torch.arange(width, device=lengths.device)[None, :] >= width - lengths[:, None]
     cache.positions = lengths
     return cache, found if features else None
+
+
+def _prefill_alone(cache: RowCache, row: int, piece: Sequence[int], width: int, kwargs: dict[str, Any]) -> torch.Tensor:
+    """Run ``piece`` alone and copy its keys and values into ``row`` of the compact ``cache``, right-aligned at
+    ``width``; its features (empty without ``features`` in ``kwargs``)."""
+    model, kv = cache.model, cache.kv
+    if not piece:
+        return torch.zeros(0, model.config.hidden_size, device=model_device(model))
+    alone = new_cache(model)
+    out = model(input_ids=torch.tensor([piece], device=model_device(model)), past_key_values=alone, use_cache=True,
+                logits_to_keep=1, **kwargs)
+    for mine, theirs in zip(kv.keys_values, alone.keys_values, strict=True):
+        mine[row, :, width - len(piece):width] = theirs[0, :, :len(piece)]
+    return out.features[0] if kwargs.get("features") else torch.zeros(0, model.config.hidden_size)
 
 
 def drop_row(cache: RowCache, row: int, tokens: int) -> None:
