@@ -223,7 +223,7 @@ models:
 
 @pytest.mark.vllm
 @pytest.mark.filterwarnings("ignore")
-def test_load_through_real_vllm_servers_with_a_two_worker_target_stops_them_and_reads_their_counters(tmp_path_factory, capsys, monkeypatch):
+def test_load_through_real_vllm_servers_stops_them_and_reads_their_counters(tmp_path_factory, capsys, monkeypatch):
     from test_vllm import vllm_or_skip
 
     from lssp.engines import vllm_server
@@ -237,12 +237,10 @@ def test_load_through_real_vllm_servers_with_a_two_worker_target_stops_them_and_
     started: list = []
     monkeypatch.setattr(vllm_server.VllmServer, "launch", _recording(vllm_server.VllmServer.launch, started))
     run = cli(capsys, root / "models.yaml", root / "results")
-    code, out, err = run("load", "v-tp2", "--engine", "vllm", "--concurrency", "1,2", "--requests", "4", "--task",
+    code, out, err = run("load", "--engine", "vllm", "--concurrency", "1,2", "--requests", "4", "--task",
                          "stories", "--max-new-tokens", "8", "--k", "2", "--ignore-eos")
     assert code == 0, err
     assert len(started) == 2  # RSp and SSp with the draft at K=2
-    for server in started:  # the target's two tensor-parallel workers, each bound to its own core
-        assert server.args[server.args.index("--tensor-parallel-size") + 1] == "2"
     for server in started:  # every process of every server's group is gone, and its port is free again
         assert not vllm_server.group_alive(server.process.pid)
         assert _port_free(server.port)
@@ -253,6 +251,20 @@ def test_load_through_real_vllm_servers_with_a_two_worker_target_stops_them_and_
     assert (ssp["draft_tokens"] == 2 * ssp["drafts"]).all()  # K=2 drafts per verification step
     assert (rows[rows["mode"] == "rsp"]["draft_tokens"] == 0).all()
     assert "break-even (throughput, SSp k=2)" in out and max(len(line) for line in out.splitlines()) <= 80
+
+
+def test_a_two_worker_target_is_served_with_its_tensor_parallel_size(tmp_path):
+    """What a TP=2 target's servers get (the server start itself ran once, 2026-11-25: 117 s, too long for the
+    suite beside the TP=2 latency test, which starts real workers)."""
+    from types import SimpleNamespace
+
+    from lssp.engines.vllm_server import server_args
+    from lssp.models.registry import load_registry
+
+    (tmp_path / "models.yaml").write_text(VLLM_REGISTRY)
+    spec = load_registry(tmp_path / "models.yaml").get("v-tp2")
+    args = server_args(SimpleNamespace(spec=spec, path=str(tmp_path / "v-target"), name="v-tp2"), None, 0, 0, 2)
+    assert args[args.index("--tensor-parallel-size") + 1] == "2"
 
 
 def _recording(launch, started: list):

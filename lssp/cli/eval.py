@@ -42,10 +42,9 @@ def eval_cmd(
         "--prefix-cache/--no-prefix-cache", help="Compute the few-shot prefix's keys and values once per model.")] = True,
     rsp_batch: Annotated[int, typer.Option(help="RSp problems whose prompts have the same token count run in "
                                            "batches of up to N (the same tokens as one by one; 1: off).")] = 64,
-    ssp_batch: Annotated[int, typer.Option(help="SSp problems run in batches of up to N (the same tokens as one by "
-                                           "one; 1: off; with --lookup, or a head over a target not under the compact forward: one by one).")] = 16,
-    k: Annotated[int, typer.Option("--k", help="Draft tokens per iteration (quality does not depend on K; 2 is the "
-                                   "fastest K that keeps a draft after an accepted one).")] = 2,
+    ssp_batch: Annotated[int, typer.Option(help="SSp problems in batches of up to N (as one by one; 1: off).")] = 16,
+    k: Annotated[int, typer.Option("--k", help="Draft tokens per iteration (2: the fastest that still drafts "
+                                   "after an accepted draft; quality does not depend on K).")] = 2,
     max_new_tokens: MaxNewOpt = 8,
     temperature: TemperatureOpt = 1.0,
     top_k: TopKOpt = 0,
