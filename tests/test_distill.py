@@ -140,6 +140,38 @@ def test_distill_with_a_frequent_token_head(tiny_dir, tmp_path, capsys):
     assert code == 2 and "--head-tokens" in capsys.readouterr().err
 
 
+def test_distill_trains_on_other_collections_too(tiny_dir, tmp_path, capsys):
+    from lssp.distill.training import _examples, held_out_split, training_examples
+
+    first, second = tmp_path / "w1", tmp_path / "w2"
+    common = ["--config", str(tiny_dir / "models.yaml"), "--results-dir", str(tmp_path / "results"), "distill", "tiny-target",
+              "--hidden-size", "16", "--layers", "1", "--heads", "2", "--intermediate-size", "32",
+              "--batch-prompts", "4", "--new-tokens", "8", "--max-steps", "2"]
+    assert main(common + ["--data-dir", str(first), "--data-tokens", "400", "--collect-only"]) == 0, capsys.readouterr().err
+    out = tmp_path / "draft"
+    assert main(common + ["--data-dir", str(second), "--data-tokens", "40", "--also-data", str(first),
+                          "--out", str(out)]) == 0, capsys.readouterr().err
+    meta = json.loads((first / "data" / "meta.json").read_text())
+    report = json.loads((out / "distill_report.json").read_text())
+    assert [(c["path"], c["source"], c["tokens"]) for c in report["also_data"]] == [(str(first), "built-in", meta["tokens"])]
+    assert report["config"]["also_data"] == [str(first)]
+    assert 0 <= report["acceptance"][f"held-out top-1 agreement on {first}"] <= 1
+    assert f"also trained on the {meta['tokens']} tokens of the collection in `{first}`" in (out / "README.md").read_text()
+    # Trained on both collections' sequences but their held-out ones; the curve is the --data-dir's.
+    cfg = DistillConfig(also_data=(str(first),))
+    examples, held, others = training_examples(_examples, second, cfg)
+    own, theirs = held_out_split(_examples(second, cfg), second), held_out_split(_examples(first, cfg), first)
+    assert len(examples) == len(own[0]) + len(theirs[0]) and theirs[1]
+    assert list(others) == [str(first)] and len(others[str(first)]) == len(theirs[1])
+    assert len(held) == len(own[1])
+    # What a user can get wrong: one line each.
+    for folder, message in [(tmp_path / "nothing", "no collection in"), (second, "is the --data-dir itself")]:
+        code = main(common + ["--data-dir", str(second), "--data-tokens", "40", "--also-data", str(folder), "--out", str(out)])
+        assert code == 2 and message in capsys.readouterr().err
+    code = main(common + ["--data-dir", str(first), "--source", "sharegpt", "--data-tokens", "40", "--out", str(out)])
+    assert code == 2 and "holds a collection of --source built-in prompts" in capsys.readouterr().err
+
+
 def test_chosen_shards_are_spread_evenly():
     assert [chosen_shard(i, 0.5) for i in range(4)] == [False, True, False, True]
     assert sum(chosen_shard(i, 0.25) for i in range(100)) == 25

@@ -54,6 +54,9 @@ def distill(
     max_prompt_tokens: Annotated[int, typer.Option(help="--source sharegpt: leave out longer contexts.")] = 384,
     max_seq_len: Annotated[int, typer.Option(help="Training sequences: the answer and as much of its context as "
                                              "fits.")] = 160,
+    also_data: Annotated[Optional[list[Path]], typer.Option(help="Also train on the collection in this folder (an "
+                                                            "earlier --data-dir for the same target, only read; "
+                                                            "repeatable).")] = None,
     collect_only: Annotated[bool, typer.Option("--collect-only", help="Collect --data-tokens into --data-dir and "
                                                "stop (a long collection, resumed by the same command; train later "
                                                "with the same --data-dir).")] = False,
@@ -68,14 +71,18 @@ def distill(
                             train_minutes=train_minutes, max_steps=max_steps, epochs=epochs, lr=lr,
                             hard_weight=hard_weight, seed=s.seed, init_from=str(init_draft) if init_draft else None,
                             head_tokens=head_tokens, on_policy=on_policy, repeat_share=repeat_share, source=source,
-                            max_prompt_tokens=max_prompt_tokens, max_seq_len=max_seq_len)
+                            max_prompt_tokens=max_prompt_tokens, max_seq_len=max_seq_len,
+                            also_data=tuple(str(folder) for folder in also_data or ()))
     _check(cfg)
+    work = data_dir or out / "work"
+    if any(Path(folder).resolve() == work.resolve() for folder in cfg.also_data):
+        raise UserError(f"--also-data {work}: that is the --data-dir itself")
+    others = [dst.collection_summary(Path(folder)) for folder in cfg.also_data]
     t = load(s, s.registry.target_name(target))
     if t.tokenizer is None:
         raise UserError(f"model {t.name!r} has no tokenizer to share with a draft")
-    work = data_dir or out / "work"
     work.mkdir(parents=True, exist_ok=True)
-    rep = dst.DistillReport(target=t.name, config=asdict(cfg))
+    rep = dst.DistillReport(target=t.name, config=asdict(cfg), also_data=others)
     if init_draft:
         rep.started_from = dst.earlier_training(init_draft)
     try:

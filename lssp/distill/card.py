@@ -56,13 +56,22 @@ Made with: `{command}`
 {_curves(report)}""")
 
 
+PROMPTS = {
+    "sharegpt": "ShareGPT conversations up to a human turn, in the target's chat template "
+                "(`lssp/distill/conversations.py`); none of the first 1,000 of the `--task sharegpt` draw",
+    "built-in": "written by `lssp/distill/data.py`",
+}
+
+
 def _prompts_line(report: DistillReport) -> str:
-    """Where the card's prompts came from."""
-    if report.config.get("source") == "sharegpt":
-        return ("prompts: ShareGPT conversations up to a human turn, in the target's chat template "
-                "(`lssp/distill/conversations.py`); none of the first 1,000 of the `--task sharegpt` draw, "
-                "none of the `latency`, `compare` or `eval` prompts")
-    return "prompts: written by `lssp/distill/data.py`; none of the `latency`, `compare` or `eval` prompts"
+    """Where the card's prompts came from, and the other collections it was trained on."""
+    sources = dict.fromkeys([report.config.get("source", "built-in")] + [c["source"] for c in report.also_data])
+    described = "; ".join(PROMPTS[s] for s in sources if s in PROMPTS)
+    line = f"prompts: {described}; none of the `latency`, `compare` or `eval` prompts"
+    for c in report.also_data:
+        line += (f"\n- also trained on the {c['tokens']} tokens of the collection in `{c['path']}` ({c['source']} prompts, "
+                 f"{c['seconds'] / 60:.1f} min of collection)")
+    return line
 
 
 def _curves(report: DistillReport) -> str:

@@ -274,7 +274,6 @@ def collect(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out: Pa
     data = out / "data"
     data.mkdir(parents=True, exist_ok=True)
     eos = set(tokenizer.all_special_ids)
-    prompts, held_out = source_prompts(tokenizer, cfg)
     meta_path = data / "meta.json"
     meta = json.loads(meta_path.read_text()) if meta_path.exists() else {"shards": 0, "seconds": 0.0}
     for key in SHARD_COUNTS:
@@ -285,6 +284,11 @@ def collect(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out: Pa
     if cut and notice:
         notice(cut)
     meta["repeat_shards"] = [s for s in meta["repeat_shards"] if s < meta["shards"]]
+    if meta["files"] and meta.setdefault("source", cfg.source) != cfg.source:
+        raise UserError(f"{data} holds a collection of --source {meta['source']} prompts: use --source "
+                        f"{meta['source']}, or collect into another --data-dir")
+    meta["source"] = cfg.source
+    prompts, held_out = source_prompts(tokenizer, cfg)
     meta["features"] = features = _keeps_features(data, meta, cfg)
     params_of = {t: SamplingParams(temperature=t) for t in cfg.temperatures}
     batches = _batches(prompts, cfg)
@@ -339,3 +343,15 @@ def collect(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out: Pa
                      f"{meta['tokens']} tokens ({meta['draft_tokens']} draft-written, {meta['repeat_tokens']} after a repeat), "
                      f"{(meta['tokens'] + meta['held_out_tokens']) / max(meta['seconds'], 1e-9):.0f} tokens/s")
     return Collected(meta["tokens"], meta["seconds"], meta["draft_tokens"], meta["repeat_tokens"], meta["held_out_tokens"])
+
+
+def collection_summary(folder: Path) -> dict:
+    """What the collection in ``folder`` holds, from its meta.json: path, source, tokens, held-out tokens and seconds
+    of collection (one line if there is none)."""
+    meta_path = folder / "data" / "meta.json"
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (OSError, ValueError):
+        raise UserError(f"no collection in {folder} ({meta_path} is missing or unreadable)") from None
+    return {"path": str(folder), "source": meta.get("source", "unknown"), "tokens": meta.get("tokens", 0),
+            "held_out_tokens": meta.get("held_out_tokens", 0), "seconds": meta.get("seconds", 0.0)}

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from lssp.distill.config import DistillConfig, DistillReport, Progress
-from lssp.distill.training import checkpoint_path, held_out_split, optimize
+from lssp.distill.training import checkpoint_path, optimize, training_examples
 from lssp.errors import UserError
 from lssp.models.compact import float_weight
 from lssp.models.draft_head import most_frequent
@@ -104,8 +104,9 @@ class HeadTrainer:
 
 def train_head(target: PreTrainedModel, out: Path, cfg: DistillConfig, report: DistillReport,
                progress: Progress | None = None) -> FeatureHead:
-    """Train (or resume training) a feature head for ``target`` on the collected shards."""
-    examples, held_out = held_out_split(feature_examples(out, cfg), out)
+    """Train (or resume training) a feature head for ``target`` on the collected shards (``out``'s and
+    ``cfg.also_data``'s)."""
+    examples, held_out, others = training_examples(feature_examples, out, cfg)
     width = target.get_output_embeddings().out_features
     token_ids = None
     if cfg.head_tokens:
@@ -117,7 +118,8 @@ def train_head(target: PreTrainedModel, out: Path, cfg: DistillConfig, report: D
     torch.manual_seed(cfg.seed)
     head = FeatureHead(head_config(target.config, cfg.layers, token_ids))
     trainer = HeadTrainer(head, target)
-    optimize(head, examples, held_out, trainer.loss, trainer.agreement, checkpoint_path(out, cfg), cfg, report, progress)
+    optimize(head, examples, held_out, trainer.loss, trainer.agreement, checkpoint_path(out, cfg), cfg, report, progress,
+             others)
     if held_out:
         report.acceptance["held-out top-1 agreement, second draft (unrolled)"] = trainer.agreement(held_out, unrolled=True)
     head.eval()

@@ -22,9 +22,12 @@ from lssp.models.draft_head import (
 )
 from lssp.models.modules import logit_width
 
+Examples = list[dict[str, torch.Tensor]]  # training sequences, as _examples or head_training.feature_examples give
 
-def _examples(out: Path, cfg: DistillConfig) -> list[dict[str, torch.Tensor]]:
-    """Training sequences: prompt + kept continuation, with the target's top-k at each continuation position."""
+
+def _examples(out: Path, cfg: DistillConfig) -> Examples:
+    """Training sequences of the collection in ``out``: prompt + kept continuation, with the target's top-k at each
+    continuation position."""
     examples = []
     for path in sorted((out / "data").glob("shard_*.pt")):
         rec = torch.load(path)
@@ -78,7 +81,7 @@ def load_initial_draft(target: PreTrainedModel, cfg: DistillConfig) -> LlamaForC
     return draft
 
 
-def _loss(draft: LlamaForCausalLM, batch: list[dict[str, torch.Tensor]], cfg: DistillConfig) -> torch.Tensor:
+def _loss(draft: LlamaForCausalLM, batch: Examples, cfg: DistillConfig) -> torch.Tensor:
     width = max(len(e["ids"]) for e in batch)
     ids = torch.zeros(len(batch), width, dtype=torch.long)
     mask = torch.zeros(len(batch), width, dtype=torch.long)
@@ -111,7 +114,7 @@ def _loss(draft: LlamaForCausalLM, batch: list[dict[str, torch.Tensor]], cfg: Di
 
 
 @torch.no_grad()
-def top1_agreement(draft: LlamaForCausalLM, examples: list[dict[str, torch.Tensor]], batch_size: int = 16) -> float:
+def top1_agreement(draft: LlamaForCausalLM, examples: Examples, batch_size: int = 16) -> float:
     """Share of positions where the draft's argmax is the target's (teacher-forced): a cheap proxy for greedy α."""
     was_training = draft.training
     draft.eval()
@@ -138,7 +141,7 @@ def checkpoint_path(out: Path, cfg: DistillConfig) -> Path:
     return out / f"checkpoint-{cfg.kind}.pt"
 
 
-def held_out_split(examples: list[dict[str, torch.Tensor]], out: Path) -> tuple[list, list]:
+def held_out_split(examples: Examples, out: Path) -> tuple[Examples, Examples]:
     """The training examples and those held out to measure agreement as training goes: the answers to held-out
     prompts where the collection has them (``split: held_out``), else ~2% of the sequences (at most 64)."""
     if not examples:
@@ -149,10 +152,25 @@ def held_out_split(examples: list[dict[str, torch.Tensor]], out: Path) -> tuple[
     return (examples[:-held], examples[-held:]) if held else (examples, [])
 
 
+def training_examples(read: Callable[[Path, DistillConfig], Examples], out: Path,
+                      cfg: DistillConfig) -> tuple[Examples, Examples, dict[str, Examples]]:
+    """What ``read`` gives of the collection in ``out`` and of those in ``cfg.also_data``: the examples trained on
+    (all of them but the held-out ones), ``out``'s held-out examples (the agreement curve's), and each other
+    collection's held-out examples, by folder (measured once trained)."""
+    examples, held_out = held_out_split(read(out, cfg), out)
+    others = {}
+    for folder in map(Path, cfg.also_data):
+        trained, held = held_out_split(read(folder, cfg), folder)
+        examples += trained
+        if held:
+            others[str(folder)] = held
+    return examples, held_out, others
+
+
 def train(target: PreTrainedModel, out: Path, cfg: DistillConfig, report: DistillReport,
           progress: Progress | None = None) -> LlamaForCausalLM:
-    """Train (or resume training) the draft on the collected shards."""
-    examples, held_out = held_out_split(_examples(out, cfg), out)
+    """Train (or resume training) the draft on the collected shards (``out``'s and ``cfg.also_data``'s)."""
+    examples, held_out, others = training_examples(_examples, out, cfg)
     draft = load_initial_draft(target, cfg) if cfg.init_from else init_draft(target, cfg)
     if cfg.head_tokens or subset_head(draft) is not None:
         counts = torch.zeros(logit_width(draft), dtype=torch.long)
@@ -162,20 +180,21 @@ def train(target: PreTrainedModel, out: Path, cfg: DistillConfig, report: Distil
             attach_subset_head(draft, most_frequent(counts, cfg.head_tokens))
         report.head_coverage = float(counts[subset_head(draft).token_ids].sum() / counts.sum())
     draft = optimize(draft, examples, held_out, lambda batch: _loss(draft, batch, cfg),
-                     lambda held: top1_agreement(draft, held), checkpoint_path(out, cfg), cfg, report, progress)
+                     lambda held: top1_agreement(draft, held), checkpoint_path(out, cfg), cfg, report, progress, others)
     draft.eval()
     return draft
 
 
-Loss = Callable[[list[dict[str, torch.Tensor]]], torch.Tensor]
-Agreement = Callable[[list[dict[str, torch.Tensor]]], float]
+Loss = Callable[[Examples], torch.Tensor]
+Agreement = Callable[[Examples], float]
 
 
-def optimize(model: nn.Module, examples: list[dict[str, torch.Tensor]], held_out: list[dict[str, torch.Tensor]],
-             loss_of: Loss, agreement_of: Agreement, ckpt_path: Path, cfg: DistillConfig, report: DistillReport,
-             progress: Progress | None = None) -> nn.Module:
+def optimize(model: nn.Module, examples: Examples, held_out: Examples, loss_of: Loss, agreement_of: Agreement,
+             ckpt_path: Path, cfg: DistillConfig, report: DistillReport, progress: Progress | None = None,
+             other_held_out: dict[str, Examples] | None = None) -> nn.Module:
     """AdamW with warm-up and cosine decay over random batches of ``examples`` until ``cfg``'s step or time budget,
-    resuming from and saving to ``ckpt_path``; records the loss and held-out agreement curves in ``report``."""
+    resuming from and saving to ``ckpt_path``; records the loss and held-out agreement curves in ``report``, and
+    the final agreement on each of ``other_held_out`` in its acceptance table."""
     tokens_per_epoch = sum(e["n"] for e in examples)  # each example: "n" positions trained on
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.98))
@@ -232,6 +251,8 @@ def optimize(model: nn.Module, examples: list[dict[str, torch.Tensor]], held_out
     report.final_loss = report.loss_curve[-1][2] if report.loss_curve else float("nan")
     if held_out:
         report.agreement_curve.append((step, seen, agreement_of(held_out)))
+    for folder, held in (other_held_out or {}).items():
+        report.acceptance[f"held-out top-1 agreement on {folder}"] = agreement_of(held)
     return model
 
 
