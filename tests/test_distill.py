@@ -172,6 +172,32 @@ def test_distill_trains_on_other_collections_too(tiny_dir, tmp_path, capsys):
     assert code == 2 and "holds a collection of --source built-in prompts" in capsys.readouterr().err
 
 
+def test_training_precision_is_bf16_where_the_cpu_computes_it_natively(tiny_dir, tmp_path, capsys, monkeypatch):
+    from lssp.distill import training
+    from lssp.report import results
+
+    model = torch.nn.Linear(2, 2)
+    for flags, want in [([], "fp32"), (["avx512_bf16"], "bf16")]:
+        monkeypatch.setattr(results, "native_bf16", lambda flags=flags: flags)
+        assert training.training_precision(model, "auto") == want
+        assert training.training_precision(model, "fp32") == "fp32"
+    monkeypatch.undo()
+    out = tmp_path / "draft"
+    argv = ["--config", str(tiny_dir / "models.yaml"), "--results-dir", str(tmp_path / "results"), "distill", "tiny-target",
+            "--out", str(out), "--hidden-size", "16", "--layers", "1", "--heads", "2", "--intermediate-size", "32",
+            "--batch-prompts", "4", "--new-tokens", "8", "--data-tokens", "40", "--max-steps", "2"]
+    losses = {}
+    for precision in ("fp32", "bf16"):
+        assert main(argv + ["--precision", precision, "--data-dir", str(tmp_path / "w")]) == 0, capsys.readouterr().err
+        report = json.loads((out / "distill_report.json").read_text())
+        assert report["precision"] == precision and f"min in {precision}" in (out / "README.md").read_text()
+        losses[precision] = report["loss_curve"][0][2]
+        (tmp_path / "w" / "checkpoint-draft.pt").unlink()  # the same two steps again, in the other precision
+    assert losses["bf16"] != losses["fp32"] and losses["bf16"] == pytest.approx(losses["fp32"], rel=0.05)
+    code = main(argv + ["--precision", "fp16"])
+    assert code == 2 and "--precision 'fp16'" in capsys.readouterr().err
+
+
 def test_chosen_shards_are_spread_evenly():
     assert [chosen_shard(i, 0.5) for i in range(4)] == [False, True, False, True]
     assert sum(chosen_shard(i, 0.25) for i in range(100)) == 25

@@ -54,6 +54,8 @@ def distill(
     max_prompt_tokens: Annotated[int, typer.Option(help="--source sharegpt: leave out longer contexts.")] = 384,
     max_seq_len: Annotated[int, typer.Option(help="Training sequences: the answer and as much of its context as "
                                              "fits.")] = 160,
+    precision: Annotated[str, typer.Option(help="Training's arithmetic: bf16 (autocast; weights stay fp32), fp32, or "
+                                           "auto: bf16 where the GPU or CPU computes it natively.")] = "auto",
     also_data: Annotated[Optional[list[Path]], typer.Option(help="Also train on the collection in this folder (an "
                                                             "earlier --data-dir for the same target, only read; "
                                                             "repeatable).")] = None,
@@ -71,7 +73,7 @@ def distill(
                             train_minutes=train_minutes, max_steps=max_steps, epochs=epochs, lr=lr,
                             hard_weight=hard_weight, seed=s.seed, init_from=str(init_draft) if init_draft else None,
                             head_tokens=head_tokens, on_policy=on_policy, repeat_share=repeat_share, source=source,
-                            max_prompt_tokens=max_prompt_tokens, max_seq_len=max_seq_len,
+                            max_prompt_tokens=max_prompt_tokens, max_seq_len=max_seq_len, precision=precision,
                             also_data=tuple(str(folder) for folder in also_data or ()))
     _check(cfg)
     work = data_dir or out / "work"
@@ -136,6 +138,8 @@ def _check(cfg: DistillConfig) -> None:
     if cfg.kind == "eagle" and (cfg.init_from or cfg.on_policy):
         raise UserError("--kind eagle resumes from its own checkpoint in --data-dir; --init-draft and --on-policy "
                         "are for --kind draft")
+    if cfg.precision not in ("auto", "bf16", "fp32"):
+        raise UserError(f"--precision {cfg.precision!r}: expected auto, bf16 or fp32")
     if cfg.source not in ("built-in", "sharegpt"):
         raise UserError(f"--source {cfg.source!r}: expected built-in or sharegpt")
     for name, value in [("--hidden-size", cfg.hidden_size), ("--layers", cfg.layers), ("--data-tokens", cfg.data_tokens),

@@ -49,7 +49,7 @@ Made with: `{command}`
 
 - data: {report.data_tokens} tokens of continuations (collected in {report.collect_seconds / 60:.1f} min), {written_by}
   with the target's top-{report.config['top_k_saved']} log-probabilities at every position
-- training: {report.steps} steps in {report.train_seconds / 60:.1f} min; loss = soft cross-entropy to the target's
+- training: {report.steps} steps in {report.train_seconds / 60:.1f} min{_in(report)}; loss = soft cross-entropy to the target's
   top-k distribution + {report.config['hard_weight']} x cross-entropy on the target's argmax; final loss {report.final_loss:.3f}
 - {_prompts_line(report)}
 {lineage}
@@ -72,6 +72,10 @@ def _prompts_line(report: DistillReport) -> str:
         line += (f"\n- also trained on the {c['tokens']} tokens of the collection in `{c['path']}` ({c['source']} prompts, "
                  f"{c['seconds'] / 60:.1f} min of collection)")
     return line
+
+
+def _in(report: DistillReport) -> str:
+    return " in bf16 (autocast, fp32 weights)" if report.precision == "bf16" else " in fp32" if report.precision else ""
 
 
 def _curves(report: DistillReport) -> str:
@@ -120,7 +124,7 @@ Made with: `{command}`
 
 - data: {report.data_tokens} tokens of continuations written by the target (collected in {report.collect_seconds / 60:.1f} min),
   with its final hidden states at every position (prompt and continuation)
-- training: {report.steps} steps in {report.train_seconds / 60:.1f} min; loss = cross-entropy to the target's distribution over
+- training: {report.steps} steps in {report.train_seconds / 60:.1f} min{_in(report)}; loss = cross-entropy to the target's distribution over
   the head's tokens + {REGRESSION_WEIGHT} x smooth-L1 to the target's next feature, on the features (with uniform noise of
   {FEATURE_NOISE} x their RMS) and again, at half weight, on the head's own first guesses (an unrolled second step);
   final loss {report.final_loss:.3f}

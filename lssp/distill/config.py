@@ -33,6 +33,7 @@ class DistillConfig:
     repeat_share: float = 0.0  # share of new shards the target continues from a cue repeated out of earlier text
     source: str = "built-in"  # the prompts: "built-in" (lssp.distill.data) or "sharegpt" (lssp.distill.conversations)
     max_prompt_tokens: int = 384  # sharegpt: longer contexts are left out (prefill and memory grow with them)
+    precision: str = "auto"  # of training's forward: "bf16" (autocast, fp32 weights), "fp32", "auto" (bf16 where native)
     also_data: tuple[str, ...] = ()  # other collections' folders (their data/ is read, never written) trained on too
 
 
@@ -53,6 +54,7 @@ class DistillReport:
     head_coverage: float = float("nan")  # share of the training tokens a frequent-token head covers
     draft_written_tokens: int = 0  # of data_tokens, those the starting draft wrote (on-policy) and the target scored
     repeat_tokens: int = 0  # of data_tokens, the target's continuations of a repeated cue (see repeat_prompts)
+    precision: str = ""  # what training ran in: bf16 (autocast) or fp32
     also_data: list[dict] = field(default_factory=list)  # the other collections trained on: path, source, tokens, seconds
 
 

@@ -1,6 +1,7 @@
 """Train the draft on the collected shards: initialisation, loss, the resumable loop, top-1 agreement."""
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Callable
@@ -189,6 +190,18 @@ Loss = Callable[[Examples], torch.Tensor]
 Agreement = Callable[[Examples], float]
 
 
+def training_precision(model: nn.Module, precision: str) -> str:
+    """bf16 (forwards and backwards under autocast; the weights and optimizer stay fp32) or fp32: ``precision``, or
+    for auto bf16 on a GPU or CPU that computes it natively (on an AVX512-BF16 EPYC a feature head's training step
+    takes 0.4x its fp32 time, a draft's 0.75x)."""
+    from lssp.report.results import native_bf16
+
+    if precision != "auto":
+        return precision
+    device = next(model.parameters()).device
+    return "bf16" if (torch.cuda.is_bf16_supported() if device.type == "cuda" else native_bf16()) else "fp32"
+
+
 def optimize(model: nn.Module, examples: Examples, held_out: Examples, loss_of: Loss, agreement_of: Agreement,
              ckpt_path: Path, cfg: DistillConfig, report: DistillReport, progress: Progress | None = None,
              other_held_out: dict[str, Examples] | None = None) -> nn.Module:
@@ -209,6 +222,10 @@ def optimize(model: nn.Module, examples: Examples, held_out: Examples, loss_of: 
         report.loss_curve = [tuple(x) for x in state["loss_curve"]]
         report.agreement_curve = [tuple(x) for x in state.get("agreement_curve", [])]
         report.started_from = state.get("started_from", report.started_from)  # read before OUT was overwritten
+    report.precision = training_precision(model, cfg.precision)
+    precision = torch.autocast(next(model.parameters()).device.type, dtype=torch.bfloat16,
+                               enabled=report.precision == "bf16")
+    agreement_of = _under(precision, agreement_of)
     if step == 0 and held_out:
         report.agreement_curve.append((0, 0, agreement_of(held_out)))  # the starting point
     generator = torch.Generator().manual_seed(cfg.seed)
@@ -225,7 +242,8 @@ def optimize(model: nn.Module, examples: Examples, held_out: Examples, loss_of: 
         decay = 0.5 * (1 + math.cos(math.pi * min(1.0, done)))
         for group in opt.param_groups:
             group["lr"] = cfg.lr * warmup * (0.1 + 0.9 * decay)
-        loss = loss_of(batch)
+        with precision:
+            loss = loss_of(batch)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -254,6 +272,14 @@ def optimize(model: nn.Module, examples: Examples, held_out: Examples, loss_of: 
     for folder, held in (other_held_out or {}).items():
         report.acceptance[f"held-out top-1 agreement on {folder}"] = agreement_of(held)
     return model
+
+
+def _under(context: contextlib.AbstractContextManager, agreement_of: Agreement) -> Agreement:
+    """``agreement_of`` measured under ``context`` (the precision training runs in)."""
+    def measured(examples: Examples) -> float:
+        with context:
+            return agreement_of(examples)
+    return measured
 
 
 def _save_checkpoint(path: Path, draft: nn.Module, opt: torch.optim.Optimizer, step: int, seconds: float,

@@ -49,13 +49,16 @@ def cpu_name() -> str:
     return _cpuinfo("model name") or platform.processor() or platform.machine()
 
 
+def native_bf16() -> list[str]:
+    """The CPU's instruction sets that compute bf16 natively (none: bf16 is emulated, and slow)."""
+    return sorted(set((_cpuinfo("flags") or "").split()) & {"avx512_bf16", "amx_bf16"})
+
+
 def cpu_features() -> str:
     """The vector ISA torch uses and whether the CPU computes bf16 natively: the same model name can
     hide both, and bf16 matmuls without native support cost about K times more for K tokens."""
-    capability = torch.backends.cpu.get_cpu_capability()
-    flags = set((_cpuinfo("flags") or "").split())
-    native = sorted(flags & {"avx512_bf16", "amx_bf16"})
-    return f"{capability}, " + (f"bf16: {'+'.join(native)}" if native else "no native bf16")
+    native = native_bf16()
+    return f"{torch.backends.cpu.get_cpu_capability()}, " + (f"bf16: {'+'.join(native)}" if native else "no native bf16")
 
 
 def device_description(device: torch.device | str | None = None) -> str:
