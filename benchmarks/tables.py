@@ -340,6 +340,20 @@ def collection_table(path: Path) -> str:
     return caption + "\n\n" + markdown_table(rows, ["collection", "batch", "prompt tokens", "new tokens", "s", "tokens/s"])
 
 
+def training_table(path: Path) -> str:
+    """benchmarks/training_speed.py's run: distill's seconds per training step per kind and precision."""
+    import json
+
+    run = json.loads(path.read_text())
+    rows = [{"kind": r["kind"], "precision": r["precision"], "tokens per step": r["tokens"],
+             "trained tokens": r["trained_tokens"], "s per step": f"{r['s_per_step']:.2f}",
+             "trained tokens/s": r["trained_tokens_per_s"]} for r in run["rows"]]
+    first = run["rows"][0]
+    caption = (f"run `{run['run_id']}` · {run['env']['device']} · `{run['target']}`: {first['tokens']} tokens in "
+               f"{first['sequences']} ShareGPT sequences per step; {run['statistic']} ({run['steps']} steps each)")
+    return caption + "\n\n" + markdown_table(rows, list(rows[0]))
+
+
 def load_matrix_table(root: Path) -> str:
     """benchmarks/load.sh's runs (load-matrix-*.json): per engine, temperature and SSp mode, the latency and
     throughput ratios to the same run's RSp at each concurrency, acceptance, and the break-even levels."""
@@ -399,6 +413,7 @@ def main() -> None:
     ap.add_argument("--audit", action="store_true", help="print the engine audit per K (HEADLINE_AUDIT_RUNS)")
     ap.add_argument("--multihost", action="store_true", help="print benchmarks/multihost.sh's table (multihost.json)")
     ap.add_argument("--collection", action="store_true", help="print benchmarks/collection.py's table")
+    ap.add_argument("--training", action="store_true", help="print benchmarks/training_speed.py's table")
     ap.add_argument("--load", action="store_true", help="print benchmarks/load.sh's matrix (load-matrix-*.json)")
     ap.add_argument("--write-readme", nargs="?", const=str(REPO / "README.md"), metavar="README",
                     help="rewrite the headline block of README.md (or the file given) in place")
@@ -412,6 +427,9 @@ def main() -> None:
         return
     if args.load:
         print(load_matrix_table(root))
+        return
+    if args.training:
+        print(training_table(root / "training_speed.json"))
         return
     if args.audit:
         print(markdown_table(audit_rows(root, args.runs or HEADLINE_AUDIT_RUNS), AUDIT_COLUMNS))

@@ -290,7 +290,7 @@ def collect(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out: Pa
     meta["source"] = cfg.source
     prompts, held_out = source_prompts(tokenizer, cfg)
     meta["features"] = features = _keeps_features(data, meta, cfg)
-    params_of = {t: SamplingParams(temperature=t) for t in cfg.temperatures}
+    params_of = {t: SamplingParams(temperature=t) for t in (0.0, *cfg.temperatures)}  # held-out answers: greedy
     batches = _batches(prompts, cfg)
     for shard in itertools.count():
         if meta["tokens"] >= cfg.data_tokens:
