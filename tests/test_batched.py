@@ -178,6 +178,75 @@ def test_a_feature_head_is_batched_only_over_a_compact_target(head_pair):
         speculative_decode_batch(target.hf, draft, [torch.tensor(PROMPTS[0])], 4, 2, GREEDY, [None])
 
 
+JOINING = PROMPTS + [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], [6], [8, 8, 1]]  # 8 rows through 3 places
+
+
+@pytest.fixture(scope="module")
+def compact_pair(pair):
+    return tuple(CompactLlama(m).eval() for m in pair)
+
+
+@pytest.fixture
+def repacks(monkeypatch):
+    """How often a cache was repacked (rows that join and leave leave holes behind)."""
+    count = [0]
+    real = batched.repack_rows
+
+    def counted(cache):
+        before = cache.slots
+        real(cache)
+        count[0] += cache.slots < before
+    monkeypatch.setattr(batched, "repack_rows", counted)
+    return count
+
+
+@pytest.mark.parametrize("params", [GREEDY, SamplingParams(1.0), SamplingParams(0.7, top_k=5)],
+                         ids=["greedy", "T=1", "T=0.7 top-k 5"])
+@pytest.mark.parametrize("drafting", ["RSp", "draft K=3", "feature head K=2"])
+def test_rows_joining_a_running_batch_give_what_they_give_alone(compact_pair, head_pair, params, drafting, repacks):
+    """Continuous batching: 8 requests, at most 3 at once, each new one joining (prefilled alone, merged into the
+    running caches) as one leaves; each gives the tokens and counts it gives alone with its generator."""
+    target, draft = head_pair if "head" in drafting else compact_pair
+    stopping = Stopping(token_ids={_stop_token(target, JOINING, 20)}) if params.greedy else Stopping(token_ids={1})
+    seeds = list(range(len(JOINING)))
+    generators = [None if params.greedy else torch.Generator().manual_seed(s) for s in seeds]
+    prompts = [torch.tensor(p) for p in JOINING]
+    k = 3 if drafting == "draft K=3" else 2
+    if drafting == "RSp":
+        outs = batched.generate_regular_rows(target, prompts, 20, params, generators, stopping, concurrency=3)
+    else:
+        outs = speculative_decode_batch(target, draft, prompts, 20, k, params, generators, stopping, concurrency=3)
+    for prompt, seed, out in zip(JOINING, seeds, outs):
+        generator = None if params.greedy else torch.Generator().manual_seed(seed)
+        if drafting == "RSp":
+            alone = generate_regular(target, torch.tensor([prompt]), 20, params, generator, stopping)
+        else:
+            drafter = FeatureHead(draft) if "head" in drafting else DraftModel(draft)
+            alone = speculative_decode(target, drafter, torch.tensor([prompt]), 20, k, params, generator, stopping)
+            assert (out.stats.drafted, out.stats.accepted) == (alone.stats.drafted, alone.stats.accepted), prompt
+        assert out.tokens.tolist() == alone.tokens.tolist() and out.stopped == alone.stopped, prompt
+    if drafting != "RSp":
+        assert repacks[0] > 0  # holes were dropped on the way, and the rows still came out exact
+
+
+def test_joining_rows_wait_for_a_place_and_time_from_their_arrival(compact_pair):
+    """One place: the requests run one after another, each timed from when it joined (not from the run's start),
+    so their waits add up to no more than the run."""
+    target, _ = compact_pair
+    outs = batched.generate_regular_rows(target, [torch.tensor(p) for p in JOINING], 6, GREEDY,
+                                         [None] * len(JOINING), concurrency=1)
+    each = [o.stats.ttft_s + o.stats.after_first_s for o in outs]
+    assert all(t > 0 for t in each) and sum(each) <= outs[0].stats.total_time_s * len(outs)
+    assert max(o.stats.ttft_s for o in outs) < sum(each) / 2  # the last to join did not count the others' time
+
+
+def test_a_running_batch_takes_rows_only_under_the_compact_forward(pair):
+    target, draft = pair
+    with pytest.raises(ValueError, match="compact forward"):
+        speculative_decode_batch(target, draft, [torch.tensor(p) for p in PROMPTS], 6, 2, GREEDY,
+                                 [None] * len(PROMPTS), concurrency=2)
+
+
 def _exact_law(model, prompt: list[int], params: SamplingParams) -> list[float]:
     """The target's law of the first two tokens after ``prompt``, by teacher forcing (VOCAB² cells)."""
     ids = torch.tensor([prompt])

@@ -156,11 +156,22 @@ def test_load_on_our_engine_through_the_cli(run, tmp_path):
     assert (tmp_path / "results" / f"load-{rows['run_id'][0]}.png").exists()
 
 
+def test_load_on_compact_models_joins_requests_to_the_running_batch(run, tmp_path):
+    code, out, err = run("load", "tiny-target-compact", "--draft", "tiny-draft-compact", "--engine", "ours",
+                         "--concurrency", "1,2", "--requests", "5", "--task", "stories", "--max-new-tokens", "6",
+                         "--k", "2")
+    assert code == 0, err
+    assert "continuous batching" in " ".join(out.split()) and "static batches" not in out
+    rows = pd.read_csv(tmp_path / "results" / "load.csv")
+    assert (rows["completed"] == 5).all() and rows["batched"].all()
+    assert rows[rows["mode"] == "ssp"]["latency_ratio"].notna().all()
+
+
 def test_load_refuses_bad_levels_in_one_line(run):
     for args, says in [(("--concurrency", "0"), "at least 1"), (("--concurrency", "2,x"), "whole numbers"),
                        (("--concurrency", "8", "--requests", "4"), "more than --requests 4"),
                        (("--engine", "hf"), "load takes vllm, ours or llamacpp"),
-                       (("--engine", "ours", "--request-rate", "2"), "static batches"),
+                       (("--engine", "ours", "--request-rate", "2"), "closed loop"),
                        (("--request-rate", "-1",), "positive")]:
         code, out, err = run("load", "--engine", "ours", *args) if "--engine" not in args else run("load", *args)
         assert code == 2 and says in err, (args, err)

@@ -27,7 +27,7 @@ completion at a time).
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,6 +57,13 @@ def batchable(draft: torch.nn.Module, lookup: int = 0, confidence: float = 0.0,
     return None
 
 
+def joinable(*models: torch.nn.Module) -> str | None:
+    """Why rows cannot join a running batch of these models (``run_rows``'s continuous batching), or None."""
+    if all(isinstance(new_cache(model), CompactCache) for model in models):
+        return None
+    return "rows join a running batch only under the compact forward"
+
+
 @dataclass
 class RowCache:
     """One model's KV cache shared by the rows: which of its slots hold each row's tokens, and each row's next
@@ -82,7 +89,8 @@ class Row:
     tokens: list[int] = field(default_factory=list)
     stopped: bool = False
     done: bool = False
-    finished_s: float = 0.0  # when its last token came out, from the batch's start
+    finished_s: float = 0.0  # when its last token came out, from the run's start
+    arrived_s: float = 0.0  # when it joined the run, from the run's start
 
 
 def forward_rows(cache: RowCache, pieces: Sequence[Sequence[int]], keep: int, left: bool) -> torch.Tensor:
@@ -249,6 +257,9 @@ class DraftRows:
     def keep(self, rows: list[int]) -> None:
         keep_rows(self.cache, rows)
 
+    def merge(self, other: DraftRows) -> None:
+        merge_rows(self.cache, other.cache)
+
 
 class HeadRows:
     """A feature head drafting for every row. A row's head positions each pair the target's feature of a token with
@@ -300,6 +311,10 @@ class HeadRows:
         keep_rows(self.cache, rows)
         self.queued = [self.queued[r] for r in rows]
 
+    def merge(self, other: HeadRows) -> None:
+        merge_rows(self.cache, other.cache)
+        self.queued += other.queued
+
 
 def begin_rows_with_features(target: PreTrainedModel, prompts: Sequence[list[int]]) -> tuple[RowCache, list[torch.Tensor]]:
     """The target's cache holding every prompt but its last token, and its features of those tokens, per row."""
@@ -337,109 +352,272 @@ def emit(row: Row, proposal: Proposal, accepted: int, extra: torch.Tensor, stopp
         del row.tokens[keep:]
     count_iteration(row.stats, proposal, accepted, len(row.tokens) - first_new)
     if first_new == 0:
-        row.stats.ttft_s, row.stats.first_emission_tokens = now, len(row.tokens)
+        row.stats.ttft_s, row.stats.first_emission_tokens = now - row.arrived_s, len(row.tokens)
     row.finished_s = now
     row.done = row.stopped or len(row.tokens) >= max_new_tokens
+
+
+class RowsRun:
+    """Rows generating together: ``step`` runs one iteration for every live row, ``retire`` lets the rows done leave,
+    ``admit`` adds rows (each prompt prefilled alone, then merged in: compact caches only). Times are seconds from
+    ``start`` on ``clock``; the totals (prefill, target, draft) are the run's, shared by its rows at the end."""
+
+    def __init__(self, clock: Clock, start: float, max_new_tokens: int) -> None:
+        self.clock, self.start, self.max_new_tokens = clock, start, max_new_tokens
+        self.live: list[Row] = []
+        self.prefill_s = self.target_s = self.draft_s = 0.0
+
+    def now(self) -> float:
+        return self.clock.now() - self.start
+
+    def caches(self) -> list[RowCache]:
+        raise NotImplementedError
+
+    def _begin(self, rows: Sequence[Row]) -> Any:
+        """Prefill ``rows``' prompts; what ``_merge`` adds to the run."""
+        raise NotImplementedError
+
+    def _merge(self, begun: Any) -> None:
+        raise NotImplementedError
+
+    def _keep(self, kept: list[int]) -> None:
+        for cache in self.caches():
+            keep_rows(cache, kept)
+
+    def admit(self, rows: Sequence[Row]) -> None:
+        """Add ``rows``, each arriving now; they run from the next ``step``."""
+        t0 = self.clock.now()
+        for row in rows:
+            row.arrived_s = t0 - self.start
+        begun = self._begin(rows)
+        if self.live:
+            self._merge(begun)
+        else:  # nothing left to merge into: the new rows' caches become the run's
+            self._adopt(begun)
+        self.prefill_s += self.clock.now() - t0
+        self.live += rows if self.max_new_tokens > 0 else []
+
+    def _adopt(self, begun: Any) -> None:
+        raise NotImplementedError
+
+    def retire(self) -> None:
+        """The rows done leave the batch (and the caches drop what no row holds any more)."""
+        kept = [r for r, row in enumerate(self.live) if not row.done]
+        self._keep(kept)
+        if len(kept) < len(self.live):
+            self.live = [self.live[r] for r in kept]
+            for cache in self.caches():
+                repack_rows(cache)
+
+
+def merge_rows(cache: RowCache, joining: RowCache) -> None:
+    """Add ``joining``'s rows below ``cache``'s (compact caches): its slots right-aligned at the end of the merged
+    ones, holes before them; ``cache``'s rows get holes in the slots added at its end, if any."""
+    kv, theirs = cache.kv, joining.kv
+    if not isinstance(kv, CompactCache) or not isinstance(theirs, CompactCache):
+        raise ValueError("rows join a running batch only under the compact forward")
+    width = max(cache.slots, joining.slots)
+    if width > cache.slots:
+        kv.reserve(width)
+        for buffer in kv.keys_values:
+            buffer[:, :, kv.length:width].zero_()
+        kv.length = width
+        cache.valid = torch.cat([cache.valid, cache.valid.new_zeros(cache.valid.shape[0], width - cache.slots)], 1)
+    kv.add_rows(theirs, width - joining.slots)
+    valid = joining.valid.new_zeros(joining.valid.shape[0], width)
+    valid[:, width - joining.slots:] = joining.valid
+    cache.valid = torch.cat([cache.valid, valid])
+    cache.positions = torch.cat([cache.positions, joining.positions])
+
+
+REPACK_ABOVE = 2.0  # repack a compact cache when its slots outnumber its fullest row's tokens by this factor
+
+
+def repack_rows(cache: RowCache) -> None:
+    """Drop the holes of a compact cache whose slots are mostly holes: each row's tokens move, in order, to the end of
+    as many slots as its fullest row holds (exact: a hole adds exactly 0, and positions are the rows' own)."""
+    kv = cache.kv
+    counts = cache.valid.sum(1)
+    width = int(counts.max()) if len(counts) else 0
+    if not isinstance(kv, CompactCache) or cache.slots <= REPACK_ABOVE * width + 16:
+        return
+    order = torch.sort((~cache.valid).to(torch.uint8), dim=1, stable=True).indices  # each row's valid slots first
+    column = torch.arange(width, device=counts.device)[None, :] - (width - counts[:, None])  # its i-th token, or < 0
+    valid = column >= 0
+    source = order.gather(1, column.clamp(min=0))
+    for buffer in kv.keys_values:
+        index = source[:, None, :, None].expand(-1, buffer.shape[1], -1, buffer.shape[3])
+        buffer[:, :, :width] = buffer[:, :, :kv.length].gather(2, index)
+    kv.length = width
+    cache.valid = valid
+
+
+class RegularRows(RowsRun):
+    """RSp rows of ``model`` (``generate_regular_rows``)."""
+
+    def __init__(self, model: PreTrainedModel, rows: Sequence[Row], params: SamplingParams, stopping: Stopping,
+                 max_new_tokens: int, prefix: PrefixCache | None, clock: Clock, start: float) -> None:
+        super().__init__(clock, start, max_new_tokens)
+        self.model, self.params, self.stopping, self.prefix = model, params, stopping, prefix
+        self.cache = begin_rows(model, [row.seq for row in rows], prefix, "target")
+        self.prefill_s = self.now()
+        self.live = list(rows) if max_new_tokens > 0 else []
+
+    def caches(self) -> list[RowCache]:
+        return [self.cache]
+
+    def _begin(self, rows: Sequence[Row]) -> RowCache:
+        return begin_rows(self.model, [row.seq for row in rows], self.prefix, "target")
+
+    def _merge(self, begun: RowCache) -> None:
+        merge_rows(self.cache, begun)
+
+    def _adopt(self, begun: RowCache) -> None:
+        self.cache = begun
+
+    def step(self) -> None:
+        logits = forward_rows(self.cache, [[row.seq[-1]] for row in self.live], 1, left=True)[:, -1]
+        now = self.now()
+        for r, row in enumerate(self.live):
+            token = int(sample_logits(logits[r:r + 1], self.params, row.generator)[0])
+            row.seq.append(token)
+            row.tokens.append(token)
+            row.stats.target_forwards += 1
+            if len(row.tokens) == 1:
+                row.stats.ttft_s, row.stats.first_emission_tokens = now - row.arrived_s, 1
+            row.stopped = self.stopping.cut(row.tokens, len(row.tokens) - 1) is not None
+            row.finished_s = now
+            row.done = row.stopped or len(row.tokens) >= self.max_new_tokens
+
+
+class SpeculativeRows(RowsRun):
+    """SSp rows of ``target`` with ``draft`` (``speculative_decode_batch``)."""
+
+    def __init__(self, target: PreTrainedModel, draft: PreTrainedModel, rows: Sequence[Row], k: int,
+                 params: SamplingParams, stopping: Stopping, max_new_tokens: int, vocab: int,
+                 prefix: PrefixCache | None, clock: Clock, start: float) -> None:
+        super().__init__(clock, start, max_new_tokens)
+        if isinstance(draft, FeatureDraft) and batchable(draft, target=target):
+            raise ValueError(batchable(draft, target=target))
+        self.target, self.draft, self.k, self.params, self.stopping = target, draft, k, params, stopping
+        self.vocab, self.prefix, self.device = vocab, prefix, model_device(target)
+        self.target_cache, self.drafter = self._begin(rows)
+        self.prefill_s = self.now()
+        self.live = list(rows) if max_new_tokens > 0 else []  # the rows still generating, in the caches' order
+
+    def _begin(self, rows: Sequence[Row]) -> tuple[RowCache, DraftRows | HeadRows]:
+        texts = [row.seq for row in rows]
+        if isinstance(self.draft, FeatureDraft):  # the head reads the target's features of each prompt
+            cache, features = begin_rows_with_features(self.target, texts)
+            return cache, HeadRows(self.draft, texts, features)
+        return begin_rows(self.target, texts, self.prefix, "target"), DraftRows(self.draft, texts, self.prefix)
+
+    def caches(self) -> list[RowCache]:
+        return [self.target_cache, self.drafter.cache]
+
+    def _merge(self, begun: tuple[RowCache, DraftRows | HeadRows]) -> None:
+        merge_rows(self.target_cache, begun[0])
+        self.drafter.merge(begun[1])
+
+    def _adopt(self, begun: tuple[RowCache, DraftRows | HeadRows]) -> None:
+        self.target_cache, self.drafter = begun
+
+    def _keep(self, kept: list[int]) -> None:
+        keep_rows(self.target_cache, kept)
+        self.drafter.keep(kept)
+
+    def step(self) -> None:
+        live, k, max_new_tokens = self.live, self.k, self.max_new_tokens
+        # 1. Each row drafts up to k tokens, never past its budget (the iteration then emits at most what is left).
+        budgets = [min(k, max_new_tokens - len(row.tokens) - 1) if self.drafter.ready(r) else 0
+                   for r, row in enumerate(live)]
+        t0 = self.clock.now()
+        proposals = self.drafter.propose(live, budgets, self.vocab, self.params, self.device)
+        t1 = self.clock.now()
+
+        # 2. One target forward scores every row's drafts and the position after them.
+        pieces = [[row.seq[-1], *p.tokens.tolist()] for row, p in zip(live, proposals)]
+        logits, features = score_rows(self.target_cache, pieces, self.drafter.needs_features)
+        t2 = self.clock.now()
+        self.draft_s, self.target_s = self.draft_s + t1 - t0, self.target_s + t2 - t1
+
+        # 3. Each row keeps its longest run of drafts that passes and one token of the target's; the target's cache
+        #    forgets the drafts it rejected, the drafter what no longer holds.
+        verdicts = verify_rows(logits, proposals, self.params, [row.generator for row in live], self.vocab)
+        for r, (row, proposal, (accepted, extra)) in enumerate(zip(live, proposals, verdicts)):
+            drop_row(self.target_cache, r, len(proposal) - accepted)
+            self.drafter.commit(r, proposal, accepted, features[r, :1 + accepted] if features is not None else None)
+            emit(row, proposal, accepted, extra, self.stopping, max_new_tokens, self.now())
+
+
+def run_rows(run: RowsRun, waiting: Sequence[Row] = (), concurrency: int = 0) -> None:
+    """Run ``run`` until its rows are done. With ``waiting`` rows, continuous batching in a closed loop: whenever
+    rows leave, as many of ``waiting`` join (in order) as keep ``concurrency`` rows live, each arriving then."""
+    queue = list(waiting)
+    if queue and not all(isinstance(cache.kv, CompactCache) for cache in run.caches()):
+        raise ValueError(joinable(*(cache.model for cache in run.caches())))
+    while run.live or queue:
+        if queue and len(run.live) < concurrency:
+            joining, queue = queue[:concurrency - len(run.live)], queue[concurrency - len(run.live):]
+            run.admit(joining)
+        if run.live:
+            run.step()
+        run.retire()
+
+
+def _rows(prompts: Sequence[torch.Tensor], generators: Sequence[torch.Generator | None],
+          stats: Callable[[], GenerationStats]) -> list[Row]:
+    return [Row(p.reshape(-1).tolist(), g, stats()) for p, g in zip(prompts, generators, strict=True)]
 
 
 @torch.inference_mode()
 def generate_regular_rows(model: PreTrainedModel, prompts: Sequence[torch.Tensor], max_new_tokens: int,
                           params: SamplingParams, generators: Sequence[torch.Generator | None],
-                          stopping: Stopping = NO_STOP, prefix: PrefixCache | None = None) -> list[GenerationOutput]:
+                          stopping: Stopping = NO_STOP, prefix: PrefixCache | None = None,
+                          concurrency: int = 0) -> list[GenerationOutput]:
     """RSp of several prompts (each (T,) or (1, T), of any lengths) in one loop, each row at positions of its own:
     each row gives the tokens ``generate_regular`` gives it alone with its generator, and leaves the batch at its
-    stop or budget. Stats as ``speculative_decode_batch``'s: each row's first and last token times its own, the
-    time totals the batch's shared by its rows."""
+    stop or budget. With ``concurrency``, at most that many rows run at once and the others join as rows leave
+    (``run_rows``; compact forward). Stats as ``speculative_decode_batch``'s."""
     clock = Clock.for_models(model)
-    rows = [Row(p.reshape(-1).tolist(), g, GenerationStats(mode="rsp", forwards_timed=False))
-            for p, g in zip(prompts, generators, strict=True)]
-    start = clock.now()
-    cache = begin_rows(model, [row.seq for row in rows], prefix, "target")
-    prefill_s = clock.now() - start
-    live = list(rows) if max_new_tokens > 0 else []
-    while live:
-        logits = forward_rows(cache, [[row.seq[-1]] for row in live], 1, left=True)[:, -1]
-        now = clock.now() - start
-        for r, row in enumerate(live):
-            token = int(sample_logits(logits[r:r + 1], params, row.generator)[0])
-            row.seq.append(token)
-            row.tokens.append(token)
-            row.stats.target_forwards += 1
-            if len(row.tokens) == 1:
-                row.stats.ttft_s, row.stats.first_emission_tokens = now, 1
-            row.stopped = stopping.cut(row.tokens, len(row.tokens) - 1) is not None
-            row.finished_s = now
-            row.done = row.stopped or len(row.tokens) >= max_new_tokens
-        kept = [r for r, row in enumerate(live) if not row.done]
-        keep_rows(cache, kept)
-        live = [live[r] for r in kept]
-    total = clock.now() - start
-    return _outputs(rows, total, prefill_s, total - prefill_s, 0.0)
+    rows = _rows(prompts, generators, lambda: GenerationStats(mode="rsp", forwards_timed=False))
+    first = len(rows) if concurrency <= 0 else concurrency
+    run = RegularRows(model, rows[:first], params, stopping, max_new_tokens, prefix, clock, clock.now())
+    run_rows(run, rows[first:], concurrency)
+    total = run.now()
+    return _outputs(rows, total, run.prefill_s, total - run.prefill_s, 0.0)
 
 
 @torch.inference_mode()
 def speculative_decode_batch(target: PreTrainedModel, draft: PreTrainedModel, prompts: Sequence[torch.Tensor],
                              max_new_tokens: int, k: int, params: SamplingParams,
                              generators: Sequence[torch.Generator | None], stopping: Stopping = NO_STOP,
-                             vocab: int | None = None, prefix: PrefixCache | None = None) -> list[GenerationOutput]:
+                             vocab: int | None = None, prefix: PrefixCache | None = None,
+                             concurrency: int = 0) -> list[GenerationOutput]:
     """SSp of several prompts (each (T,) or (1, T), of any lengths) with ``draft`` (a plain draft model, or a feature
-    head over a compact-forward target, which then ignores ``prefix``), in one loop: each row gives the tokens ``speculative_decode`` gives it alone with its generator (see the module's
-    docstring). A row leaves the batch at its stop or budget. Each row's stats count its own drafts, acceptances and
-    forwards; its ``ttft_s`` and ``after_first_s`` are its own (what a user waiting on it sees, from the batch's
-    start), while the time totals (prefill, target, draft, total) are the batch's shared by its rows (divided by B,
-    as ``generate_regular_batch``). ``vocab`` and ``prefix`` as in ``speculative_decode``."""
+    head over a compact-forward target, which then ignores ``prefix``), in one loop: each row gives the tokens
+    ``speculative_decode`` gives it alone with its generator (see the module's docstring). A row leaves the batch at
+    its stop or budget; with ``concurrency``, at most that many rows run at once and the others join as rows leave
+    (``run_rows``; compact forwards). Each row's stats count its own drafts, acceptances and forwards; its ``ttft_s``
+    and ``after_first_s`` are its own (what a user waiting on it sees, from its arrival), while the time totals
+    (prefill, target, draft, total) are the run's shared by its rows (divided by B, as ``generate_regular_batch``).
+    ``vocab`` and ``prefix`` as in ``speculative_decode``."""
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
-    device = model_device(target)
     vocab = vocab or min(logit_width(target), logit_width(draft))
     clock = Clock.for_models(target, draft)
-    rows = [Row(p.reshape(-1).tolist(), g, GenerationStats(mode="ssp", k=k, drafted_at=[0] * k, accepted_at=[0] * k,
-                                                          forwards_timed=clock.per_forward))
-            for p, g in zip(prompts, generators, strict=True)]
-    start = clock.now()
-    texts = [row.seq for row in rows]
-    if isinstance(draft, FeatureDraft):  # the head reads the target's features of each prompt
-        if batchable(draft, target=target):
-            raise ValueError(batchable(draft, target=target))
-        target_cache, features = begin_rows_with_features(target, texts)
-        drafter: DraftRows | HeadRows = HeadRows(draft, texts, features)
-    else:
-        target_cache, drafter = begin_rows(target, texts, prefix, "target"), DraftRows(draft, texts, prefix)
-    prefill_s, draft_s, target_s = clock.now() - start, 0.0, 0.0
-    live = list(rows) if max_new_tokens > 0 else []  # the rows still generating, in the caches' order
-    while live:
-        # 1. Each row drafts up to k tokens, never past its budget (the iteration then emits at most what is left).
-        budgets = [min(k, max_new_tokens - len(row.tokens) - 1) if drafter.ready(r) else 0
-                   for r, row in enumerate(live)]
-        t0 = clock.now()
-        proposals = drafter.propose(live, budgets, vocab, params, device)
-        t1 = clock.now()
-
-        # 2. One target forward scores every row's drafts and the position after them.
-        pieces = [[row.seq[-1], *p.tokens.tolist()] for row, p in zip(live, proposals)]
-        logits, features = score_rows(target_cache, pieces, drafter.needs_features)
-        t2 = clock.now()
-        draft_s, target_s = draft_s + t1 - t0, target_s + t2 - t1
-
-        # 3. Each row keeps its longest run of drafts that passes and one token of the target's; the target's cache
-        #    forgets the drafts it rejected, the drafter what no longer holds.
-        verdicts = verify_rows(logits, proposals, params, [row.generator for row in live], vocab)
-        for r, (row, proposal, (accepted, extra)) in enumerate(zip(live, proposals, verdicts)):
-            drop_row(target_cache, r, len(proposal) - accepted)
-            drafter.commit(r, proposal, accepted, features[r, :1 + accepted] if features is not None else None)
-            emit(row, proposal, accepted, extra, stopping, max_new_tokens, clock.now() - start)
-
-        # 4. Rows done leave the batch.
-        kept = [r for r, row in enumerate(live) if not row.done]
-        keep_rows(target_cache, kept)
-        drafter.keep(kept)
-        live = [live[r] for r in kept]
-    return _outputs(rows, clock.now() - start, prefill_s, target_s, draft_s)
+    rows = _rows(prompts, generators, lambda: GenerationStats(mode="ssp", k=k, drafted_at=[0] * k, accepted_at=[0] * k,
+                                                               forwards_timed=clock.per_forward))
+    first = len(rows) if concurrency <= 0 else concurrency
+    run = SpeculativeRows(target, draft, rows[:first], k, params, stopping, max_new_tokens, vocab, prefix, clock,
+                          clock.now())
+    run_rows(run, rows[first:], concurrency)
+    return _outputs(rows, run.now(), run.prefill_s, run.target_s, run.draft_s)
 
 
 def _outputs(rows: Sequence[Row], total_s: float, prefill_s: float, target_s: float,
              draft_s: float) -> list[GenerationOutput]:
-    """Each row's output: its own counts and first/last token times, the batch's time totals shared by its rows."""
+    """Each row's output: its own counts and first/last token times, the run's time totals shared by its rows."""
     share = len(rows)
     outputs = []
     for row in rows:
@@ -447,6 +625,6 @@ def _outputs(rows: Sequence[Row], total_s: float, prefill_s: float, target_s: fl
         s.new_tokens = len(row.tokens)
         s.total_time_s, s.prefill_time_s = total_s / share, prefill_s / share
         s.target_time_s, s.draft_time_s = target_s / share, draft_s / share
-        s.after_first_s = row.finished_s - s.ttft_s if row.tokens else float("nan")
+        s.after_first_s = row.finished_s - row.arrived_s - s.ttft_s if row.tokens else float("nan")
         outputs.append(GenerationOutput(torch.tensor(row.tokens, dtype=torch.long), s, row.stopped))
     return outputs

@@ -109,10 +109,11 @@ def ssp_counters(outputs: Sequence[GenerationOutput]) -> Counters:
 
 
 class OursLoadBackend(LoadBackend):
-    """Our engine in static batches of B = concurrency: B requests start together and the next B start when the
-    whole batch is done (no continuous batching). RSp runs each batch in one batched loop over whole prompts of any
-    lengths (``OursEngine.complete_rsp_batch``); SSp too where our engine batches the mode (``complete_ssp_batch``),
-    else one request of the batch after another, said in the output as not batched."""
+    """Our engine under a closed loop of C = concurrency clients. Where requests can join a running batch (compact
+    forwards), continuous batching: C requests start, and each one that ends lets the next join the running batch
+    at the next iteration (``OursEngine.complete_*_batch`` with ``concurrency``). Elsewhere static batches of C: the
+    next C start when the whole batch is done. RSp and SSp run batched over whole prompts of any lengths where our
+    engine batches the mode, else one request after another, said in the output as not batched."""
 
     name = "ours"
 
@@ -127,10 +128,24 @@ class OursLoadBackend(LoadBackend):
         reason = getattr(self.engine, "unbatched_reason", None)
         return reason(mode) if callable(reason) else None
 
+    def joins(self, mode: Mode) -> bool:
+        """Whether ``mode``'s requests join a running batch (continuous batching)."""
+        reason = getattr(self.engine, "joining_reason", None)
+        return callable(reason) and reason(mode) is None
+
     def notes(self) -> list[str]:
-        lines = ["ours: static batches of B = concurrency (the next batch starts when one ends), similar prompt "
-                 "lengths together, each row whole at positions of its own; RSp and batched SSp: each row its own "
-                 "first and last token times."]
+        joining = [mode_label(m, self.name) for m in self.setup.modes if self.joins(m)]
+        static = [mode_label(m, self.name) for m in self.setup.modes if not self.joins(m)]
+        lines = []
+        if joining:
+            lines.append(f"ours {', '.join(joining)}: continuous batching under a closed loop of C = concurrency "
+                         "clients: as a request ends, the next joins the running batch at the next iteration "
+                         "(prefilled alone, then merged), each row whole at positions of its own; TTFT from when "
+                         "it joined.")
+        if static:
+            lines.append(f"ours {', '.join(static)}: static batches of C = concurrency (the next batch starts when "
+                         "one ends; requests join a running batch only under the compact forward), similar prompt "
+                         "lengths together; each row its own first and last token times.")
         ssp = [m for m in self.setup.modes if m.mode == "ssp"]
         for mode in ssp:
             reason = self.unbatched_reason(mode)
@@ -142,8 +157,8 @@ class OursLoadBackend(LoadBackend):
 
     def check(self, mode: Mode, setup: LoadSetup) -> None:
         if setup.request_rate:
-            raise UserError("--request-rate: --engine ours serves static batches (closed loop); open-loop Poisson "
-                            "arrivals go through vLLM's client (--engine vllm)")
+            raise UserError("--request-rate: --engine ours serves a closed loop of --concurrency clients; open-loop "
+                            "Poisson arrivals go through vLLM's client (--engine vllm)")
         why = self.engine.supports(mode)
         if why:
             raise UserError(f"{mode.name}: {why}")
@@ -164,23 +179,28 @@ class OursLoadBackend(LoadBackend):
         outputs: list[GenerationOutput] = []
         batched = mode.mode == "rsp" or self.unbatched_reason(mode) is None
         start = time.perf_counter()
-        for batch in static_batches(requests, concurrency):
-            done = self._batch(mode, batch) if batched else self._one_at_a_time(mode, batch)
-            timings += done[0]
-            outputs += done[1]
+        if batched and self.joins(mode):
+            timings, outputs = self._batch(mode, sorted(requests, key=lambda r: r.index), concurrency)
+        else:
+            for batch in static_batches(requests, concurrency):
+                done = self._batch(mode, batch) if batched else self._one_at_a_time(mode, batch)
+                timings += done[0]
+                outputs += done[1]
         wall = time.perf_counter() - start
         timings.sort(key=lambda t: t.index)
         return ModeLevel(mode, concurrency, wall, timings, ssp_counters(outputs) if mode.mode == "ssp" else None,
                          batched=batched)
 
-    def _batch(self, mode: Mode, batch: list[LoadRequest]) -> tuple[list[RequestTiming], list[GenerationOutput]]:
+    def _batch(self, mode: Mode, batch: list[LoadRequest],
+               concurrency: int = 0) -> tuple[list[RequestTiming], list[GenerationOutput]]:
         """One batched loop (our engine's ``complete_rsp_batch`` or ``complete_ssp_batch`` over whole prompts of
-        any lengths): each row's own first and last token times."""
+        any lengths; with ``concurrency``, at most that many at once, the next joining as one ends): each row's own
+        first and last token times, from when it joined."""
         rows = [torch.tensor([r.ids], dtype=torch.long) for r in batch]
         request, seeds = self._request(batch[0].ids, batch[0].seed), [r.seed for r in batch]
         start = time.perf_counter()
-        outs = (self.engine.complete_rsp_batch(rows, request, seeds) if mode.mode == "rsp"
-                else self.engine.complete_ssp_batch(mode, rows, request, seeds))
+        outs = (self.engine.complete_rsp_batch(rows, request, seeds, concurrency) if mode.mode == "rsp"
+                else self.engine.complete_ssp_batch(mode, rows, request, seeds, concurrency))
         wall = time.perf_counter() - start
         timings = []
         for r, o in zip(batch, outs):

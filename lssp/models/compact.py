@@ -63,6 +63,24 @@ class CompactCache:
                 buffer[moved:len(rows), :, :self.length] = buffer[rows[moved:], :, :self.length]
         self.keys_values = [buffer[:len(rows)] for buffer in self.keys_values]
 
+    def add_rows(self, other: CompactCache, at: int) -> None:
+        """Append ``other``'s rows to the batch, their positions at ``at`` .. ``at + other.length`` (zeros before them;
+        this cache's length must reach that far). The buffers keep room for the rows ``select`` removed and double
+        when that is not enough."""
+        rows, end = self.keys_values[0].shape[0], at + other.length
+        if end > self.length:
+            raise ValueError(f"rows up to position {end} added to a cache of length {self.length}")
+        added = other.keys_values[0].shape[0]
+        for i, (mine, theirs) in enumerate(zip(self.keys_values, other.keys_values, strict=True)):
+            base = mine if mine._base is None else mine._base  # select keeps the first rows of the same buffer
+            if base.shape[0] < rows + added or base.shape[2] != mine.shape[2]:
+                base = mine.new_empty(max(rows + added, 2 * rows), *mine.shape[1:])
+                base[:rows, :, :self.length] = mine[:, :, :self.length]
+            grown = base[:rows + added]
+            grown[rows:, :, :at] = 0
+            grown[rows:, :, at:end] = theirs[:, :, :other.length]
+            self.keys_values[i] = grown
+
     def reserve(self, total: int) -> None:
         """Room for ``total`` positions (the buffers double when they run out)."""
         if total > self.capacity:
