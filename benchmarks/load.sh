@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Speculative decoding under load, the whole matrix on the default pair: ShareGPT first turns, 64 requests per level,
-# concurrency 1, 2, 4, 8, 16, greedy and T=0.7; through our engine (static batches) and through vLLM servers
+# concurrency 1, 2, 4, 8, 16, greedy and T=0.7; through our engine (continuous batching) and through vLLM servers
 # (./setup.sh --vllm, its own serving client). Per engine and temperature two `load` runs, each with its own RSp
 # (ratios always come from one interleaved run): the draft model at K (with --lookup 3: ours the draft plus our
 # context lookup, vLLM its n-gram drafter alone), then the feature head at K. Each run writes

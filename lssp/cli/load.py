@@ -47,7 +47,7 @@ def load(
     draft: Annotated[Optional[str], typer.Option(help="Draft model (default: the registry's default_draft).")] = None,
     engine: Annotated[str, typer.Option(
         "--engine", help="vllm: one vLLM server per mode, loaded by vLLM's benchmark client (./setup.sh --vllm); "
-        "ours: our engine in static batches of B = concurrency; llamacpp: one llama-server per mode with a slot per "
+        "ours: our engine, continuous batching under a closed loop of C = concurrency clients; llamacpp: one llama-server per mode with a slot per "
         "request in flight, continuous batching (./setup.sh --llamacpp).")] = "vllm",
     concurrency: Annotated[str, typer.Option(help="Concurrency levels, comma-separated: requests in flight at once "
                                              "(ours: the batch size).")] = "1,2,4,8",
@@ -92,8 +92,8 @@ def load(
     if request_rate is not None and not request_rate > 0:
         raise UserError(f"--request-rate must be a positive number of requests per second, got {request_rate:g}")
     if engine == "ours" and request_rate:
-        raise UserError("--request-rate: --engine ours serves static batches (closed loop); open-loop Poisson "
-                        "arrivals go through vLLM's client (--engine vllm)")
+        raise UserError("--request-rate: --engine ours serves a closed loop of --concurrency clients; open-loop "
+                        "Poisson arrivals go through vLLM's client (--engine vllm)")
     workload, prompt_list = _workload(task, prompts, nb_prompts, requests, chat)
     params = sampling_params(temperature, top_k, top_p)
     results = s.writable_results_dir(json_out)

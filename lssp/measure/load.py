@@ -3,7 +3,7 @@ concurrency from which SSp no longer pays (per-user latency and throughput, sepa
 
 At each concurrency level every mode serves the same request set, at most ``concurrency`` requests in flight,
 through one engine behind ``LoadBackend`` (``lssp.measure.load_backends``: vLLM servers loaded by vLLM's own
-client; our engine in static batches; ``lssp.measure.load_llamacpp``: llama-servers with parallel slots, loaded by
+client; our engine, continuous batching; ``lssp.measure.load_llamacpp``: llama-servers with parallel slots, loaded by
 a streaming client of ours). Per request: TTFT (request start to first token) and TPOT, the per-user
 decode time per token, (last token time − first token time) ÷ (tokens − 1); per level and mode their median and
 90th percentile, the output throughput (tokens ÷ the level's wall time), and for SSp the acceptance rate (accepted

@@ -1,5 +1,5 @@
-"""The engines ``load`` drives: vLLM servers loaded by vLLM's own benchmark client, and our engine in static batches
-(llama.cpp's servers: ``lssp.measure.load_llamacpp``).
+"""The engines ``load`` drives: vLLM servers loaded by vLLM's own benchmark client, and our engine (continuous
+batching; llama.cpp's servers: ``lssp.measure.load_llamacpp``).
 
 Adding an engine is one ``LoadBackend`` subclass here (``serve(mode, requests, concurrency)`` giving per-request
 timings, the level's wall time and counter deltas) and its line in the CLI.
