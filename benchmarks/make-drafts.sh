@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The chat drafts of issue 30, made the way they were made: two collections of the default target's own answers
+# (ShareGPT conversations, and the built-in prompt set so that the draft keeps the stories), then a plain draft
+# (going on from the shipped one) and a feature head (from scratch) trained on both. Every step is resumable: rerun
+# the same command after a stop. Hours of CPU on 2 cores; nothing else should run meanwhile.
+# Usage: benchmarks/make-drafts.sh [collect|draft|head|all]   (default: all)
+#   DATA (~/.cache/llamassp/distill): where the collections and checkpoints go, outside the repository
+#   OUT (drafts/candidates): where the draft and the head are written
+#   SHAREGPT_TOKENS (2400000), BUILTIN_TOKENS (600000), DRAFT_MINUTES (50), HEAD_MINUTES (60)
+# Then: benchmarks/drafts.sh "$OUT/smollm2-135m-chat-draft" (and the head) measures them against the shipped draft.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1}
+DATA=${DATA:-$HOME/.cache/llamassp/distill}
+OUT=${OUT:-drafts/candidates}
+SHAREGPT="$DATA/sharegpt-smollm2-135m"
+BUILTIN="$DATA/builtin-smollm2-135m"
+SHAREGPT_TOKENS=${SHAREGPT_TOKENS:-2400000}
+BUILTIN_TOKENS=${BUILTIN_TOKENS:-600000}
+STEP=${1:-all}
+
+if [ "$STEP" = collect ] || [ "$STEP" = all ]; then
+    # Features kept (--kind eagle) so that both kinds train on the same collections.
+    $PY llamassp.py distill --source sharegpt --kind eagle --collect-only --data-dir "$SHAREGPT" \
+        --data-tokens "$SHAREGPT_TOKENS" --batch-prompts 128 --new-tokens 192 --max-prompt-tokens 384
+    $PY llamassp.py distill --source built-in --kind eagle --collect-only --data-dir "$BUILTIN" \
+        --data-tokens "$BUILTIN_TOKENS" --batch-prompts 128 --new-tokens 96
+fi
+if [ "$STEP" = draft ] || [ "$STEP" = all ]; then
+    $PY llamassp.py distill --source sharegpt --data-dir "$SHAREGPT" --also-data "$BUILTIN" \
+        --data-tokens "$SHAREGPT_TOKENS" --init-draft drafts/smollm2-135m-draft --out "$OUT/smollm2-135m-chat-draft" \
+        --max-seq-len 384 --train-minutes "${DRAFT_MINUTES:-50}" --epochs 3 --lr 1e-3 --hard-weight 0.5
+fi
+if [ "$STEP" = head ] || [ "$STEP" = all ]; then
+    $PY llamassp.py distill --kind eagle --source sharegpt --data-dir "$SHAREGPT" --also-data "$BUILTIN" \
+        --data-tokens "$SHAREGPT_TOKENS" --out "$OUT/smollm2-135m-chat-eagle" --head-tokens 8192 \
+        --max-seq-len 384 --train-minutes "${HEAD_MINUTES:-60}" --epochs 3 --lr 2e-3
+fi
