@@ -4,6 +4,8 @@ iterations), each row's first two tokens follow its own exact two-token law (chi
 rows share their acceptance fails that law test. Eval and verify give the same records and samples batched."""
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from conftest import char_tokenizer, random_head, tiny_llama
@@ -238,6 +240,24 @@ def test_joining_rows_wait_for_a_place_and_time_from_their_arrival(compact_pair)
     each = [o.stats.ttft_s + o.stats.after_first_s for o in outs]
     assert all(t > 0 for t in each) and sum(each) <= outs[0].stats.total_time_s * len(outs)
     assert max(o.stats.ttft_s for o in outs) < sum(each) / 2  # the last to join did not count the others' time
+
+
+def test_rows_join_not_before_their_arrival_and_an_idle_run_waits(compact_pair):
+    """Open loop: the second row arrives after the first is done; the run waits for it, and times it from then."""
+    target, draft = compact_pair
+    waited = []
+    run = batched.SpeculativeRows(target, draft, 2, GREEDY, NO_STOP, 5, 64, None, batched.Clock(), batched.Clock().now())
+    rows = batched._rows([torch.tensor(p) for p in PROMPTS[:2]], [None, None], lambda: batched.GenerationStats(mode="ssp", k=2, drafted_at=[0, 0], accepted_at=[0, 0]))
+
+    def wait(seconds):
+        waited.append(seconds)
+        time.sleep(seconds)
+    batched.run_rows(run, rows, 0, [0.0, 0.3], wait)
+    assert waited and 0 < sum(waited) <= 0.3 and rows[1].arrived_s >= 0.3 > rows[0].finished_s
+    assert rows[1].stats.ttft_s < 0.3  # from its arrival, not from the run's start
+    for prompt, row in zip(PROMPTS, rows):
+        alone = _alone(target, draft, prompt, 5, 2, GREEDY, 0)
+        assert row.tokens == alone.tokens.tolist()
 
 
 def test_a_running_batch_takes_rows_only_under_the_compact_forward(pair):

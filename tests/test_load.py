@@ -165,13 +165,24 @@ def test_load_on_compact_models_joins_requests_to_the_running_batch(run, tmp_pat
     rows = pd.read_csv(tmp_path / "results" / "load.csv")
     assert (rows["completed"] == 5).all() and rows["batched"].all()
     assert rows[rows["mode"] == "ssp"]["latency_ratio"].notna().all()
+    # Open loop: Poisson arrivals, at most 2 at once; the level lasts at least until the last arrival.
+    code, out, err = run("load", "tiny-target-compact", "--draft", "tiny-draft-compact", "--engine", "ours",
+                         "--concurrency", "2", "--requests", "5", "--task", "stories", "--max-new-tokens", "4",
+                         "--k", "2", "--request-rate", "20", "--json", str(tmp_path / "open.json"))
+    assert code == 0, err
+    assert "Poisson times (20/s)" in " ".join(out.split())
+    from lssp.measure.load import poisson_arrivals
+
+    summary = json.loads((tmp_path / "open.json").read_text())
+    last = poisson_arrivals(5, 20.0, summary["rows"][0]["seed"])[-1]
+    assert all(level["wall_s"] >= last for level in summary["rows"]), summary
 
 
 def test_load_refuses_bad_levels_in_one_line(run):
     for args, says in [(("--concurrency", "0"), "at least 1"), (("--concurrency", "2,x"), "whole numbers"),
                        (("--concurrency", "8", "--requests", "4"), "more than --requests 4"),
                        (("--engine", "hf"), "load takes vllm, ours or llamacpp"),
-                       (("--engine", "ours", "--request-rate", "2"), "closed loop"),
+                       (("--engine", "ours", "--request-rate", "2"), "static batches"),
                        (("--request-rate", "-1",), "positive")]:
         code, out, err = run("load", "--engine", "ours", *args) if "--engine" not in args else run("load", *args)
         assert code == 2 and says in err, (args, err)
@@ -444,7 +455,8 @@ def test_llamacpp_load_bad_inputs_are_one_line(run, tmp_path, monkeypatch):
 
 
 def test_llamacpp_load_pieces():
-    from lssp.measure.load_llamacpp import Streamed, metric_counters, poisson_arrivals, slot_context
+    from lssp.measure.load import poisson_arrivals
+    from lssp.measure.load_llamacpp import Streamed, metric_counters, slot_context
 
     assert slot_context([10, 40], 64, 4) == 128 and slot_context([], 1, 1) == 64
     assert poisson_arrivals(3, None, 0) == [0.0] * 3

@@ -68,7 +68,7 @@ def load(
     top_p: TopPOpt = 1.0,
     request_rate: Annotated[Optional[float], typer.Option(
         help="Open loop: Poisson arrivals at this many requests per second, still at most --concurrency in flight "
-             "(vllm, llamacpp; default: closed loop, all sent at once).")] = None,
+             "(vllm, llamacpp, and ours under the compact forward; default: closed loop, all sent at once).")] = None,
     json_out: JsonOpt = None,
 ) -> None:
     """Speculative decoding under load: per-user latency and throughput of RSp and SSp at each concurrency,
@@ -91,9 +91,6 @@ def load(
         raise UserError(f"--lookup must be 0 (off) or more, got {lookup}")
     if request_rate is not None and not request_rate > 0:
         raise UserError(f"--request-rate must be a positive number of requests per second, got {request_rate:g}")
-    if engine == "ours" and request_rate:
-        raise UserError("--request-rate: --engine ours serves a closed loop of --concurrency clients; open-loop "
-                        "Poisson arrivals go through vLLM's client (--engine vllm)")
     workload, prompt_list = _workload(task, prompts, nb_prompts, requests, chat)
     params = sampling_params(temperature, top_k, top_p)
     results = s.writable_results_dir(json_out)

@@ -27,6 +27,7 @@ completion at a time).
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -358,9 +359,10 @@ def emit(row: Row, proposal: Proposal, accepted: int, extra: torch.Tensor, stopp
 
 
 class RowsRun:
-    """Rows generating together: ``step`` runs one iteration for every live row, ``retire`` lets the rows done leave,
-    ``admit`` adds rows (each prompt prefilled alone, then merged in: compact caches only). Times are seconds from
-    ``start`` on ``clock``; the totals (prefill, target, draft) are the run's, shared by its rows at the end."""
+    """Rows generating together: ``admit`` adds rows (the first ones prefilled as one batch; rows joining a running
+    batch prefilled apart and merged in: compact caches only), ``step`` runs one iteration for every live row,
+    ``retire`` lets the rows done leave. Times are seconds from ``start`` on ``clock``; the totals (prefill, target,
+    draft) are the run's, shared by its rows at the end."""
 
     def __init__(self, clock: Clock, start: float, max_new_tokens: int) -> None:
         self.clock, self.start, self.max_new_tokens = clock, start, max_new_tokens
@@ -370,14 +372,20 @@ class RowsRun:
     def now(self) -> float:
         return self.clock.now() - self.start
 
+    def models(self) -> list[torch.nn.Module]:
+        raise NotImplementedError
+
     def caches(self) -> list[RowCache]:
         raise NotImplementedError
 
     def _begin(self, rows: Sequence[Row]) -> Any:
-        """Prefill ``rows``' prompts; what ``_merge`` adds to the run."""
+        """Prefill ``rows``' prompts, giving what ``_merge`` or ``_adopt`` takes."""
         raise NotImplementedError
 
     def _merge(self, begun: Any) -> None:
+        raise NotImplementedError
+
+    def _adopt(self, begun: Any) -> None:
         raise NotImplementedError
 
     def _keep(self, kept: list[int]) -> None:
@@ -392,13 +400,10 @@ class RowsRun:
         begun = self._begin(rows)
         if self.live:
             self._merge(begun)
-        else:  # nothing left to merge into: the new rows' caches become the run's
+        else:  # nothing to merge into: the new rows' caches become the run's
             self._adopt(begun)
         self.prefill_s += self.clock.now() - t0
         self.live += rows if self.max_new_tokens > 0 else []
-
-    def _adopt(self, begun: Any) -> None:
-        raise NotImplementedError
 
     def retire(self) -> None:
         """The rows done leave the batch (and the caches drop what no row holds any more)."""
@@ -455,16 +460,17 @@ def repack_rows(cache: RowCache) -> None:
 class RegularRows(RowsRun):
     """RSp rows of ``model`` (``generate_regular_rows``)."""
 
-    def __init__(self, model: PreTrainedModel, rows: Sequence[Row], params: SamplingParams, stopping: Stopping,
-                 max_new_tokens: int, prefix: PrefixCache | None, clock: Clock, start: float) -> None:
+    def __init__(self, model: PreTrainedModel, params: SamplingParams, stopping: Stopping, max_new_tokens: int,
+                 prefix: PrefixCache | None, clock: Clock, start: float) -> None:
         super().__init__(clock, start, max_new_tokens)
         self.model, self.params, self.stopping, self.prefix = model, params, stopping, prefix
-        self.cache = begin_rows(model, [row.seq for row in rows], prefix, "target")
-        self.prefill_s = self.now()
-        self.live = list(rows) if max_new_tokens > 0 else []
+        self.cache: RowCache | None = None
+
+    def models(self) -> list[torch.nn.Module]:
+        return [self.model]
 
     def caches(self) -> list[RowCache]:
-        return [self.cache]
+        return [self.cache] if self.cache is not None else []
 
     def _begin(self, rows: Sequence[Row]) -> RowCache:
         return begin_rows(self.model, [row.seq for row in rows], self.prefix, "target")
@@ -493,17 +499,22 @@ class RegularRows(RowsRun):
 class SpeculativeRows(RowsRun):
     """SSp rows of ``target`` with ``draft`` (``speculative_decode_batch``)."""
 
-    def __init__(self, target: PreTrainedModel, draft: PreTrainedModel, rows: Sequence[Row], k: int,
-                 params: SamplingParams, stopping: Stopping, max_new_tokens: int, vocab: int,
-                 prefix: PrefixCache | None, clock: Clock, start: float) -> None:
+    def __init__(self, target: PreTrainedModel, draft: PreTrainedModel, k: int, params: SamplingParams,
+                 stopping: Stopping, max_new_tokens: int, vocab: int, prefix: PrefixCache | None, clock: Clock,
+                 start: float) -> None:
         super().__init__(clock, start, max_new_tokens)
         if isinstance(draft, FeatureDraft) and batchable(draft, target=target):
             raise ValueError(batchable(draft, target=target))
         self.target, self.draft, self.k, self.params, self.stopping = target, draft, k, params, stopping
         self.vocab, self.prefix, self.device = vocab, prefix, model_device(target)
-        self.target_cache, self.drafter = self._begin(rows)
-        self.prefill_s = self.now()
-        self.live = list(rows) if max_new_tokens > 0 else []  # the rows still generating, in the caches' order
+        self.target_cache: RowCache | None = None
+        self.drafter: DraftRows | HeadRows | None = None
+
+    def models(self) -> list[torch.nn.Module]:
+        return [self.target, self.draft]
+
+    def caches(self) -> list[RowCache]:
+        return [self.target_cache, self.drafter.cache] if self.drafter is not None else []
 
     def _begin(self, rows: Sequence[Row]) -> tuple[RowCache, DraftRows | HeadRows]:
         texts = [row.seq for row in rows]
@@ -511,9 +522,6 @@ class SpeculativeRows(RowsRun):
             cache, features = begin_rows_with_features(self.target, texts)
             return cache, HeadRows(self.draft, texts, features)
         return begin_rows(self.target, texts, self.prefix, "target"), DraftRows(self.draft, texts, self.prefix)
-
-    def caches(self) -> list[RowCache]:
-        return [self.target_cache, self.drafter.cache]
 
     def _merge(self, begun: tuple[RowCache, DraftRows | HeadRows]) -> None:
         merge_rows(self.target_cache, begun[0])
@@ -523,8 +531,9 @@ class SpeculativeRows(RowsRun):
         self.target_cache, self.drafter = begun
 
     def _keep(self, kept: list[int]) -> None:
-        keep_rows(self.target_cache, kept)
-        self.drafter.keep(kept)
+        if self.drafter is not None:
+            keep_rows(self.target_cache, kept)
+            self.drafter.keep(kept)
 
     def step(self) -> None:
         live, k, max_new_tokens = self.live, self.k, self.max_new_tokens
@@ -550,19 +559,29 @@ class SpeculativeRows(RowsRun):
             emit(row, proposal, accepted, extra, self.stopping, max_new_tokens, self.now())
 
 
-def run_rows(run: RowsRun, waiting: Sequence[Row] = (), concurrency: int = 0) -> None:
-    """Run ``run`` until its rows are done. With ``waiting`` rows, continuous batching in a closed loop: whenever
-    rows leave, as many of ``waiting`` join (in order) as keep ``concurrency`` rows live, each arriving then."""
-    queue = list(waiting)
-    if queue and not all(isinstance(cache.kv, CompactCache) for cache in run.caches()):
-        raise ValueError(joinable(*(cache.model for cache in run.caches())))
+def run_rows(run: RowsRun, rows: Sequence[Row], concurrency: int = 0, arrivals: Sequence[float] = (),
+             wait: Callable[[float], None] = time.sleep) -> None:
+    """Run ``rows`` through ``run`` until they are done: all at once by default; with ``concurrency``, continuous
+    batching, at most that many live at once and the next joining (in order) as rows leave; with ``arrivals``
+    (seconds from the run's start, one per row, increasing), a row joins once its time has come, and a run with no
+    live row ``wait``s for the next. Joining a running batch takes compact forwards. A row's times count from when it
+    joined."""
+    concurrency = concurrency or len(rows)
+    times = list(arrivals) or [0.0] * len(rows)
+    if (concurrency < len(rows) or any(times)) and joinable(*run.models()):
+        raise ValueError(joinable(*run.models()))
+    queue = list(zip(rows, times))
     while run.live or queue:
-        if queue and len(run.live) < concurrency:
-            joining, queue = queue[:concurrency - len(run.live)], queue[concurrency - len(run.live):]
+        joining = []
+        while queue and len(run.live) + len(joining) < concurrency and queue[0][1] <= run.now():
+            joining.append(queue.pop(0)[0])
+        if joining:
             run.admit(joining)
         if run.live:
             run.step()
-        run.retire()
+            run.retire()
+        elif queue:
+            wait(max(0.0, queue[0][1] - run.now()))
 
 
 def _rows(prompts: Sequence[torch.Tensor], generators: Sequence[torch.Generator | None],
@@ -574,16 +593,15 @@ def _rows(prompts: Sequence[torch.Tensor], generators: Sequence[torch.Generator 
 def generate_regular_rows(model: PreTrainedModel, prompts: Sequence[torch.Tensor], max_new_tokens: int,
                           params: SamplingParams, generators: Sequence[torch.Generator | None],
                           stopping: Stopping = NO_STOP, prefix: PrefixCache | None = None,
-                          concurrency: int = 0) -> list[GenerationOutput]:
+                          concurrency: int = 0, arrivals: Sequence[float] = ()) -> list[GenerationOutput]:
     """RSp of several prompts (each (T,) or (1, T), of any lengths) in one loop, each row at positions of its own:
     each row gives the tokens ``generate_regular`` gives it alone with its generator, and leaves the batch at its
-    stop or budget. With ``concurrency``, at most that many rows run at once and the others join as rows leave
-    (``run_rows``; compact forward). Stats as ``speculative_decode_batch``'s."""
+    stop or budget. ``concurrency`` and ``arrivals``: continuous batching (``run_rows``). Stats as
+    ``speculative_decode_batch``'s."""
     clock = Clock.for_models(model)
     rows = _rows(prompts, generators, lambda: GenerationStats(mode="rsp", forwards_timed=False))
-    first = len(rows) if concurrency <= 0 else concurrency
-    run = RegularRows(model, rows[:first], params, stopping, max_new_tokens, prefix, clock, clock.now())
-    run_rows(run, rows[first:], concurrency)
+    run = RegularRows(model, params, stopping, max_new_tokens, prefix, clock, clock.now())
+    run_rows(run, rows, concurrency, arrivals)
     total = run.now()
     return _outputs(rows, total, run.prefill_s, total - run.prefill_s, 0.0)
 
@@ -593,25 +611,22 @@ def speculative_decode_batch(target: PreTrainedModel, draft: PreTrainedModel, pr
                              max_new_tokens: int, k: int, params: SamplingParams,
                              generators: Sequence[torch.Generator | None], stopping: Stopping = NO_STOP,
                              vocab: int | None = None, prefix: PrefixCache | None = None,
-                             concurrency: int = 0) -> list[GenerationOutput]:
+                             concurrency: int = 0, arrivals: Sequence[float] = ()) -> list[GenerationOutput]:
     """SSp of several prompts (each (T,) or (1, T), of any lengths) with ``draft`` (a plain draft model, or a feature
     head over a compact-forward target, which then ignores ``prefix``), in one loop: each row gives the tokens
     ``speculative_decode`` gives it alone with its generator (see the module's docstring). A row leaves the batch at
-    its stop or budget; with ``concurrency``, at most that many rows run at once and the others join as rows leave
-    (``run_rows``; compact forwards). Each row's stats count its own drafts, acceptances and forwards; its ``ttft_s``
-    and ``after_first_s`` are its own (what a user waiting on it sees, from its arrival), while the time totals
-    (prefill, target, draft, total) are the run's shared by its rows (divided by B, as ``generate_regular_batch``).
-    ``vocab`` and ``prefix`` as in ``speculative_decode``."""
+    its stop or budget; ``concurrency`` and ``arrivals``: continuous batching (``run_rows``). Each row's stats count
+    its own drafts, acceptances and forwards; its ``ttft_s`` and ``after_first_s`` are its own (what a user waiting
+    on it sees, from when it joined), while the time totals (prefill, target, draft, total) are the run's shared by
+    its rows (divided by B, as ``generate_regular_batch``). ``vocab`` and ``prefix`` as in ``speculative_decode``."""
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
     vocab = vocab or min(logit_width(target), logit_width(draft))
     clock = Clock.for_models(target, draft)
     rows = _rows(prompts, generators, lambda: GenerationStats(mode="ssp", k=k, drafted_at=[0] * k, accepted_at=[0] * k,
                                                                forwards_timed=clock.per_forward))
-    first = len(rows) if concurrency <= 0 else concurrency
-    run = SpeculativeRows(target, draft, rows[:first], k, params, stopping, max_new_tokens, vocab, prefix, clock,
-                          clock.now())
-    run_rows(run, rows[first:], concurrency)
+    run = SpeculativeRows(target, draft, k, params, stopping, max_new_tokens, vocab, prefix, clock, clock.now())
+    run_rows(run, rows, concurrency, arrivals)
     return _outputs(rows, run.now(), run.prefill_s, run.target_s, run.draft_s)
 
 

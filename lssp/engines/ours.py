@@ -47,22 +47,23 @@ class OursEngine(Engine):
                                   self.generator(r.seed), r.stopping, r.on_tokens, vocab, r.time_forwards, r.prefix)
 
     def complete_rsp_batch(self, ids: torch.Tensor | Sequence[torch.Tensor], request: Request,
-                           seeds: Sequence[int], concurrency: int = 0) -> list[GenerationOutput]:
+                           seeds: Sequence[int], concurrency: int = 0,
+                           arrivals: Sequence[float] = ()) -> list[GenerationOutput]:
         """RSp of several prompts in one batch, each row as it would run alone with its seed: prompts of equal length
         (``ids`` (B, T)) share positions, unpadded, the batch's stats shared by its rows (``generate_regular_batch``);
         one (1, T) tensor per row, of any lengths, run at positions of their own, each row with its own first and
         last token times (``generate_regular_rows``; with ``concurrency``, at most that many at once, the next
-        joining as one ends: see ``joining_reason``)."""
+        joining as one ends, and with ``arrivals`` not before its time: see ``joining_reason``)."""
         generators = [self.generator(s) for s in seeds]
         if isinstance(ids, torch.Tensor):
             return generate_regular_batch(self.target.model, ids, request.max_new_tokens, request.params, generators,
                                           request.stopping, request.prefix)
         return generate_regular_rows(self.target.model, ids, request.max_new_tokens, request.params, generators,
-                                     request.stopping, request.prefix, concurrency)
+                                     request.stopping, request.prefix, concurrency, arrivals)
 
     def joining_reason(self, mode: Mode) -> str | None:
-        """Why requests cannot join a running batch of ``mode`` (continuous batching: ``concurrency`` in the batch
-        methods), or None: they can."""
+        """Why requests cannot join a running batch of ``mode`` (continuous batching: ``concurrency`` and
+        ``arrivals`` in the batch methods), or None: they can."""
         if mode.mode == "ssp":
             draft, _ = self.drafts[mode.draft or self.default]
             return self.unbatched_reason(mode) or joinable(self.target.model, draft.model)
@@ -75,16 +76,17 @@ class OursEngine(Engine):
         return batchable(draft.model, mode.lookup, mode.confidence, self.target.model)
 
     def complete_ssp_batch(self, mode: Mode, ids: torch.Tensor | Sequence[torch.Tensor], request: Request,
-                           seeds: Sequence[int], concurrency: int = 0) -> list[GenerationOutput]:
+                           seeds: Sequence[int], concurrency: int = 0,
+                           arrivals: Sequence[float] = ()) -> list[GenerationOutput]:
         """SSp of several prompts (``ids`` (B, T), or one (1, T) tensor per row, of any lengths) in one batched loop,
         each row giving the tokens it gives alone with its seed (``speculative_decode_batch``: each row's own first
         and last token times, the batch's time totals shared by its rows). ``request`` gives what every row shares
         (budget, sampling, stopping, prefix). Where ``unbatched_reason(mode)``, the rows run one after another.
-        ``concurrency`` as in ``complete_rsp_batch``."""
+        ``concurrency`` and ``arrivals`` as in ``complete_rsp_batch``."""
         rows = [row.reshape(1, -1) for row in ids]
         if self.unbatched_reason(mode):
             return [self.complete(mode, replace(request, ids=row, seed=seed)) for row, seed in zip(rows, seeds)]
         draft, vocab = self.drafts[mode.draft or self.default]
         return speculative_decode_batch(self.target.model, draft.model, rows, request.max_new_tokens, mode.k,
                                         request.params, [self.generator(s) for s in seeds], request.stopping, vocab,
-                                        request.prefix, concurrency)
+                                        request.prefix, concurrency, arrivals)

@@ -12,6 +12,7 @@ decode time per token, (last token time − first token time) ÷ (tokens − 1);
 from __future__ import annotations
 
 import math
+import random
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -92,6 +93,18 @@ def break_even(levels: Sequence[int], ratios: Sequence[float]) -> BreakEven:
 
 
 # --- what a backend measures --------------------------------------------------------------------------------------
+
+def poisson_arrivals(count: int, rate: float | None, seed: int) -> list[float]:
+    """Seconds from the level's start at which each request may be sent: all at once (``rate`` None), or Poisson
+    arrivals at ``rate`` per second (exponential gaps, seeded)."""
+    if not rate:
+        return [0.0] * count
+    draw, at, times = random.Random(seed), 0.0, []
+    for _ in range(count):
+        at += draw.expovariate(rate)
+        times.append(at)
+    return times
+
 
 @dataclass
 class LoadRequest:

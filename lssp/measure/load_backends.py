@@ -25,6 +25,7 @@ from lssp.measure.load import (
     ModeLevel,
     RequestTiming,
     mode_label,
+    poisson_arrivals,
 )
 
 WARM_UP_TOKENS = 8
@@ -109,10 +110,11 @@ def ssp_counters(outputs: Sequence[GenerationOutput]) -> Counters:
 
 
 class OursLoadBackend(LoadBackend):
-    """Our engine under a closed loop of C = concurrency clients. Where requests can join a running batch (compact
-    forwards), continuous batching: C requests start, and each one that ends lets the next join the running batch
-    at the next iteration (``OursEngine.complete_*_batch`` with ``concurrency``). Elsewhere static batches of C: the
-    next C start when the whole batch is done. RSp and SSp run batched over whole prompts of any lengths where our
+    """Our engine under a closed loop of C = concurrency clients, or Poisson arrivals with at most C at once
+    (``--request-rate``). Where requests can join a running batch (compact forwards), continuous batching: each
+    request that ends lets the next join the running batch at the next iteration, not before its arrival
+    (``OursEngine.complete_*_batch`` with ``concurrency`` and ``arrivals``). Elsewhere static batches of C (closed
+    loop only): the next C start when the whole batch is done. RSp and SSp run batched over whole prompts of any lengths where our
     engine batches the mode, else one request after another, said in the output as not batched."""
 
     name = "ours"
@@ -138,10 +140,11 @@ class OursLoadBackend(LoadBackend):
         static = [mode_label(m, self.name) for m in self.setup.modes if not self.joins(m)]
         lines = []
         if joining:
-            lines.append(f"ours {', '.join(joining)}: continuous batching under a closed loop of C = concurrency "
-                         "clients: as a request ends, the next joins the running batch at the next iteration "
-                         "(prefilled alone, then merged), each row whole at positions of its own; TTFT from when "
-                         "it joined.")
+            arrive = (f"requests arriving at Poisson times ({self.setup.request_rate:g}/s), at most C = concurrency "
+                      "at once" if self.setup.request_rate else "a closed loop of C = concurrency clients")
+            lines.append(f"ours {', '.join(joining)}: continuous batching, {arrive}: a request joins the running "
+                         "batch at the next iteration once it may (prefilled alone, then merged), each row whole at "
+                         "positions of its own; TTFT from when it joined.")
         if static:
             lines.append(f"ours {', '.join(static)}: static batches of C = concurrency (the next batch starts when "
                          "one ends; requests join a running batch only under the compact forward), similar prompt "
@@ -156,12 +159,12 @@ class OursLoadBackend(LoadBackend):
         return lines
 
     def check(self, mode: Mode, setup: LoadSetup) -> None:
-        if setup.request_rate:
-            raise UserError("--request-rate: --engine ours serves a closed loop of --concurrency clients; open-loop "
-                            "Poisson arrivals go through vLLM's client (--engine vllm)")
         why = self.engine.supports(mode)
         if why:
             raise UserError(f"{mode.name}: {why}")
+        if setup.request_rate and not self.joins(mode):
+            raise UserError(f"--request-rate: --engine ours serves {mode_label(mode, self.name)} in static batches "
+                            "(requests join a running batch only under the compact forward, and batched SSp modes)")
 
     def _request(self, ids: list[int], seed: int, max_new_tokens: int | None = None) -> Request:
         return Request(torch.tensor([ids], dtype=torch.long), max_new_tokens or self.setup.max_new_tokens,
@@ -180,7 +183,8 @@ class OursLoadBackend(LoadBackend):
         batched = mode.mode == "rsp" or self.unbatched_reason(mode) is None
         start = time.perf_counter()
         if batched and self.joins(mode):
-            timings, outputs = self._batch(mode, sorted(requests, key=lambda r: r.index), concurrency)
+            arrivals = poisson_arrivals(len(requests), self.setup.request_rate, self.setup.seed)
+            timings, outputs = self._batch(mode, sorted(requests, key=lambda r: r.index), concurrency, arrivals)
         else:
             for batch in static_batches(requests, concurrency):
                 done = self._batch(mode, batch) if batched else self._one_at_a_time(mode, batch)
@@ -191,16 +195,16 @@ class OursLoadBackend(LoadBackend):
         return ModeLevel(mode, concurrency, wall, timings, ssp_counters(outputs) if mode.mode == "ssp" else None,
                          batched=batched)
 
-    def _batch(self, mode: Mode, batch: list[LoadRequest],
-               concurrency: int = 0) -> tuple[list[RequestTiming], list[GenerationOutput]]:
+    def _batch(self, mode: Mode, batch: list[LoadRequest], concurrency: int = 0,
+               arrivals: Sequence[float] = ()) -> tuple[list[RequestTiming], list[GenerationOutput]]:
         """One batched loop (our engine's ``complete_rsp_batch`` or ``complete_ssp_batch`` over whole prompts of
-        any lengths; with ``concurrency``, at most that many at once, the next joining as one ends): each row's own
-        first and last token times, from when it joined."""
+        any lengths; with ``concurrency``, at most that many at once, the next joining as one ends, not before its
+        ``arrivals`` time): each row's own first and last token times, from when it joined."""
         rows = [torch.tensor([r.ids], dtype=torch.long) for r in batch]
         request, seeds = self._request(batch[0].ids, batch[0].seed), [r.seed for r in batch]
         start = time.perf_counter()
-        outs = (self.engine.complete_rsp_batch(rows, request, seeds, concurrency) if mode.mode == "rsp"
-                else self.engine.complete_ssp_batch(mode, rows, request, seeds, concurrency))
+        outs = (self.engine.complete_rsp_batch(rows, request, seeds, concurrency, arrivals) if mode.mode == "rsp"
+                else self.engine.complete_ssp_batch(mode, rows, request, seeds, concurrency, arrivals))
         wall = time.perf_counter() - start
         timings = []
         for r, o in zip(batch, outs):

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import random
 import threading
 import time
 from collections.abc import Sequence
@@ -38,7 +37,15 @@ from lssp.engines.base import Mode
 from lssp.engines.llamacpp import REQUEST_TIMEOUT_S, LlamacppServers, LlamaServer, request_body
 from lssp.engines.vllm import Counters
 from lssp.errors import UserError
-from lssp.measure.load import LoadBackend, LoadFailure, LoadRequest, LoadSetup, ModeLevel, RequestTiming
+from lssp.measure.load import (
+    LoadBackend,
+    LoadFailure,
+    LoadRequest,
+    LoadSetup,
+    ModeLevel,
+    RequestTiming,
+    poisson_arrivals,
+)
 
 WARM_UP_TOKENS = 8
 CONTEXT_MARGIN = 16  # tokens per slot beyond prompt + budget + K (the draft's last K tokens, BOS, rounding)
@@ -110,18 +117,6 @@ def stream_completion(server: LlamaServer, body: dict[str, Any], timeout_s: floa
     if not out.error and not out.timings:
         out.error = "the stream ended before its final event"
     return out
-
-
-def poisson_arrivals(count: int, rate: float | None, seed: int) -> list[float]:
-    """Seconds from the level's start at which each request may be sent: all at once (``rate`` None), or Poisson
-    arrivals at ``rate`` per second (exponential gaps, seeded)."""
-    if not rate:
-        return [0.0] * count
-    draw, at, times = random.Random(seed), 0.0, []
-    for _ in range(count):
-        at += draw.expovariate(rate)
-        times.append(at)
-    return times
 
 
 def stream_requests(server: LlamaServer, bodies: Sequence[dict[str, Any]], concurrency: int,
