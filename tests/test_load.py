@@ -163,8 +163,16 @@ def test_load_on_compact_models_joins_requests_to_the_running_batch(run, tmp_pat
     assert code == 0, err
     assert "continuous batching" in " ".join(out.split()) and "static batches" not in out
     rows = pd.read_csv(tmp_path / "results" / "load.csv")
-    assert (rows["completed"] == 5).all() and rows["batched"].all()
+    assert (rows["completed"] == 5).all() and rows["batched"].all() and (rows["scheduling"] == "continuous").all()
     assert rows[rows["mode"] == "ssp"]["latency_ratio"].notna().all()
+    # Static batches when asked: the same requests, the next batch when one is done.
+    code, out, err = run("load", "tiny-target-compact", "--draft", "tiny-draft-compact", "--engine", "ours",
+                         "--concurrency", "2", "--requests", "5", "--task", "stories", "--max-new-tokens", "6",
+                         "--k", "2", "--batching", "static")
+    assert code == 0, err
+    assert "(--batching static)" in " ".join(out.split()) and "continuous batching" not in " ".join(out.split())
+    rows = pd.read_csv(tmp_path / "results" / "load.csv")
+    assert list(rows["scheduling"][-2:]) == ["static", "static"] and (rows["completed"][-2:] == 5).all()
     # Open loop: Poisson arrivals, at most 2 at once; the level lasts at least until the last arrival.
     code, out, err = run("load", "tiny-target-compact", "--draft", "tiny-draft-compact", "--engine", "ours",
                          "--concurrency", "2", "--requests", "5", "--task", "stories", "--max-new-tokens", "4",
@@ -183,7 +191,8 @@ def test_load_refuses_bad_levels_in_one_line(run):
                        (("--concurrency", "8", "--requests", "4"), "more than --requests 4"),
                        (("--engine", "hf"), "load takes vllm, ours or llamacpp"),
                        (("--engine", "ours", "--request-rate", "2"), "static batches"),
-                       (("--request-rate", "-1",), "positive")]:
+                       (("--request-rate", "-1",), "positive"), (("--batching", "x"), "continuous or static"),
+                       (("--engine", "vllm", "--batching", "static"), "only --engine ours")]:
         code, out, err = run("load", "--engine", "ours", *args) if "--engine" not in args else run("load", *args)
         assert code == 2 and says in err, (args, err)
 

@@ -69,6 +69,9 @@ def load(
     request_rate: Annotated[Optional[float], typer.Option(
         help="Open loop: Poisson arrivals at this many requests per second, still at most --concurrency in flight "
              "(vllm, llamacpp, and ours under the compact forward; default: closed loop, all sent at once).")] = None,
+    batching: Annotated[str, typer.Option(
+        help="ours: continuous (requests join the running batch, under the compact forward) or static (the next "
+             "--concurrency requests start when the whole batch is done).")] = "continuous",
     json_out: JsonOpt = None,
 ) -> None:
     """Speculative decoding under load: per-user latency and throughput of RSp and SSp at each concurrency,
@@ -89,6 +92,11 @@ def load(
     check_k_within_budget(k, max_new_tokens)
     if lookup < 0:
         raise UserError(f"--lookup must be 0 (off) or more, got {lookup}")
+    if batching not in ("continuous", "static"):
+        raise UserError(f"--batching {batching!r}: expected continuous or static")
+    if batching == "static" and engine != "ours":
+        raise UserError(f"--batching static: only --engine ours serves static batches ({engine} batches "
+                        "continuously)")
     if request_rate is not None and not request_rate > 0:
         raise UserError(f"--request-rate must be a positive number of requests per second, got {request_rate:g}")
     workload, prompt_list = _workload(task, prompts, nb_prompts, requests, chat)
@@ -105,7 +113,7 @@ def load(
         from lssp.measure.load import LoadSetup
 
         setup = LoadSetup(engine, t.name, d.name if d else None, modes, levels, params, max_new_tokens, requests,
-                          workload, len(prompt_list), chat, ignore_eos, request_rate, s.seed)
+                          workload, len(prompt_list), chat, ignore_eos, request_rate, s.seed, batching=batching)
         backend = _backend(engine, core, setup, t, d)
         _measure(s, backend, t, d, prompt_list, results, json_out, request_set)
     finally:

@@ -146,6 +146,7 @@ class ModeLevel:
     requests: list[RequestTiming]
     counters: Counters | None = None  # speculative-decoding counter deltas over the level (None: RSp)
     batched: bool = True  # False: an engine that served this mode one request at a time (said in the output)
+    scheduling: str = "continuous"  # how requests entered the engine's batch: continuous, or static batches
     prompt_tokens_cut: int = 0  # prompt tokens an engine dropped to batch (none now: ours runs each row whole; rows written before did)
     client: dict[str, Any] = field(default_factory=dict)  # the load client's own summary, where it gives one
 
@@ -208,6 +209,7 @@ class LoadSetup:
     ignore_eos: bool = False
     request_rate: float | None = None  # Poisson arrivals per second (None: closed loop, all sent at once)
     seed: int = 0
+    batching: str = "continuous"  # ours: continuous where it can (the compact forward), or static batches
     engine_version: str = ""
     draft_method: str = ""  # vLLM's speculative method for the draft
 
@@ -239,6 +241,7 @@ class LevelSummary:
     latency_ratio: float = NAN  # RSp's median TPOT ÷ this one's (> 1: SSp faster per user)
     throughput_ratio: float = NAN  # this throughput ÷ RSp's (> 1: SSp serves more tokens per second)
     batched: bool = True
+    scheduling: str = "continuous"
     prompt_tokens_cut: int = 0
 
 
@@ -262,7 +265,7 @@ def summarize_level(level: ModeLevel, engine: str) -> LevelSummary:
         level.concurrency, level.mode.mode, level.mode.k, level.mode.lookup, mode_label(level.mode, engine),
         len(level.requests), len(done), len(level.requests) - len(done), tokens, level.wall_s,
         percentile(tpots, 50), percentile(tpots, 90), percentile(ttfts, 50), percentile(ttfts, 90),
-        tokens / level.wall_s if level.wall_s > 0 else NAN, batched=level.batched,
+        tokens / level.wall_s if level.wall_s > 0 else NAN, batched=level.batched, scheduling=level.scheduling,
         prompt_tokens_cut=level.prompt_tokens_cut)
     if c is not None and level.mode.mode == "ssp":
         summary.drafts, summary.draft_tokens, summary.accepted_tokens = c.drafts, c.draft_tokens, c.accepted

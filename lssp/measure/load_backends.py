@@ -131,9 +131,10 @@ class OursLoadBackend(LoadBackend):
         return reason(mode) if callable(reason) else None
 
     def joins(self, mode: Mode) -> bool:
-        """Whether ``mode``'s requests join a running batch (continuous batching)."""
+        """Whether ``mode``'s requests join a running batch (continuous batching, unless static batches were
+        asked for)."""
         reason = getattr(self.engine, "joining_reason", None)
-        return callable(reason) and reason(mode) is None
+        return self.setup.batching == "continuous" and callable(reason) and reason(mode) is None
 
     def notes(self) -> list[str]:
         joining = [mode_label(m, self.name) for m in self.setup.modes if self.joins(m)]
@@ -146,9 +147,11 @@ class OursLoadBackend(LoadBackend):
                          "batch at the next iteration once it may (prefilled alone, then merged), each row whole at "
                          "positions of its own; TTFT from when it joined.")
         if static:
+            why = ("as asked (--batching static)" if self.setup.batching == "static" else
+                   "requests join a running batch only under the compact forward")
             lines.append(f"ours {', '.join(static)}: static batches of C = concurrency (the next batch starts when "
-                         "one ends; requests join a running batch only under the compact forward), similar prompt "
-                         "lengths together; each row its own first and last token times.")
+                         f"one ends; {why}), similar prompt lengths together; each row its own first and last "
+                         "token times.")
         ssp = [m for m in self.setup.modes if m.mode == "ssp"]
         for mode in ssp:
             reason = self.unbatched_reason(mode)
@@ -164,7 +167,8 @@ class OursLoadBackend(LoadBackend):
             raise UserError(f"{mode.name}: {why}")
         if setup.request_rate and not self.joins(mode):
             raise UserError(f"--request-rate: --engine ours serves {mode_label(mode, self.name)} in static batches "
-                            "(requests join a running batch only under the compact forward, and batched SSp modes)")
+                            "(closed loop only; requests join a running batch only under the compact forward, in "
+                            "batched modes, without --batching static)")
 
     def _request(self, ids: list[int], seed: int, max_new_tokens: int | None = None) -> Request:
         return Request(torch.tensor([ids], dtype=torch.long), max_new_tokens or self.setup.max_new_tokens,
@@ -193,7 +197,7 @@ class OursLoadBackend(LoadBackend):
         wall = time.perf_counter() - start
         timings.sort(key=lambda t: t.index)
         return ModeLevel(mode, concurrency, wall, timings, ssp_counters(outputs) if mode.mode == "ssp" else None,
-                         batched=batched)
+                         batched=batched, scheduling="continuous" if batched and self.joins(mode) else "static")
 
     def _batch(self, mode: Mode, batch: list[LoadRequest], concurrency: int = 0,
                arrivals: Sequence[float] = ()) -> tuple[list[RequestTiming], list[GenerationOutput]]:
