@@ -3,7 +3,8 @@
 # concurrency 1, 2, 4, 8, 16, greedy and T=0.7; through our engine (continuous batching) and through vLLM servers
 # (./setup.sh --vllm, its own serving client). Per engine and temperature two `load` runs, each with its own RSp
 # (ratios always come from one interleaved run): the draft model at K (with --lookup 3: ours the draft plus our
-# context lookup, vLLM its n-gram drafter alone), then the feature head at K. Each run writes
+# context lookup, vLLM its n-gram drafter alone), then the feature head at K; ours once more in static batches
+# (greedy, the draft), to show what continuous batching changes. Each run writes
 # load-matrix-ENGINE-DRAFT-tT.json; `python benchmarks/tables.py --load` prints the table docs/load.md shows.
 # Usage: benchmarks/load.sh [quick] [ENGINES]   (ENGINES: ours,vllm by default; several hours on 2 cores, quick
 # takes minutes: 4 requests, levels 1 and 2, 16 tokens)
@@ -37,5 +38,9 @@ for engine in ${ENGINES//,/ }; do
                 || status=1
         done
     done
+    if [ "$engine" = ours ]; then  # what continuous batching changes: the same greedy run in static batches
+        $PY llamassp.py --results-dir "$OUT" load --engine ours --draft "$DRAFT" --k "$K" --batching static \
+            --task sharegpt "${SIZE[@]}" --json "$OUT/load-matrix-ours-static-$DRAFT-t0.json" || status=1
+    fi
 done
 exit $status

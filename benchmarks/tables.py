@@ -368,12 +368,17 @@ def load_matrix_table(root: Path) -> str:
         run_ids.append(run["run_id"])
         devices.add(ssp[0].get("device", "?"))
         even = {b["mode"]: b for b in run["break_even"]}
+        rsp = {r["concurrency"]: r for r in run["rows"] if r["mode"] == "rsp"}
+        top = max(rsp, default=None)
+        static = " (static)" if all(r.get("scheduling") == "static" for r in run["rows"] if r.get("batched", True)) \
+            else ""
         for label in dict.fromkeys(r["label"] for r in ssp):
             mine = {r["concurrency"]: r for r in ssp if r["label"] == label}
             levels.update(mine)
             first = next(iter(mine.values()))
             method = first["method"] if first["draft"] == "" else first["draft"]
-            row = {"engine": run["engine"], "T": f"{first['temperature']:g}", "mode": f"{label} ({method})",
+            row = {"engine": run["engine"] + static, "T": f"{first['temperature']:g}", "mode": f"{label} ({method})",
+                   "RSp tok/s": f"{rsp[top]['throughput_tok_s']:.0f} at c={top}" if top else "–",
                    "acc": f"{first['acceptance_rate']:.2f}" if first["acceptance_rate"] is not None else "–"}
             for c, r in mine.items():
                 row[f"c={c}"] = " / ".join("–" if r[key] is None else f"{r[key]:.2f}"
@@ -383,12 +388,14 @@ def load_matrix_table(root: Path) -> str:
             rows.append(row)
     if not rows:
         return "no load-matrix-*.json in " + str(root)
-    columns = ["engine", "T", "mode", "acc"] + [f"c={c}" for c in sorted(levels)] + ["break-even lat / thr"]
+    columns = ["engine", "T", "mode", "RSp tok/s", "acc"] + [f"c={c}" for c in sorted(levels)] + \
+        ["break-even lat / thr"]
     rows = [{column: row.get(column, "–") for column in columns}
             for row in sorted(rows, key=lambda row: (row["engine"], float(row["T"])))]
     caption = (f"runs {', '.join(f'`{r}`' for r in run_ids)} · {' / '.join(sorted(devices))} · per level: SSp's "
                "per-user latency ratio / throughput ratio to the same run's RSp (> 1: SSp pays); acc: acceptance "
-               "rate at concurrency 1; break-even: the lowest level from which SSp no longer pays")
+               "rate at concurrency 1; break-even: the lowest level from which SSp no longer pays; RSp tok/s: the "
+               "run's RSp throughput at its highest level; (static): static batches, --batching static")
     return caption + "\n\n" + markdown_table(rows, columns)
 
 
