@@ -20,6 +20,11 @@ row's logits are those of its own text, up to the order of floating-point sums i
 draws from its own generator in the order ``speculative_decode`` does (its drafts, then its acceptance uniforms and
 next token, through the same ``Picker`` and ``verify_proposal``), so its tokens are the ones it gets alone.
 
+Rows can also join a running batch (continuous batching, ``run_rows``): a joining row's prompt is prefilled apart and
+its slots added at the end of the caches (``merge_rows``), the other rows holding holes there; when holes come to
+outnumber a cache's tokens, each row's tokens move together to fewer slots (``repack_rows``). Neither changes what a
+row's queries see, so joining rows stay exact too.
+
 Supported: a plain draft model (``DraftRows``) and a feature head over a compact-forward target (``HeadRows``: each
 row's head positions pair the target's feature of a token with the token after it, as ``FeatureHead`` does alone),
 greedy or sampled; not the context lookup or the confidence stop (``batchable`` says so, and callers run those one
