@@ -65,7 +65,7 @@ def batchable(draft: torch.nn.Module, lookup: int = 0, confidence: float = 0.0,
 
 def joinable(*models: torch.nn.Module) -> str | None:
     """Why rows cannot join a running batch of these models (``run_rows``'s continuous batching), or None."""
-    if all(isinstance(new_cache(model), CompactCache) for model in models):
+    if all(callable(getattr(model, "new_cache", None)) for model in models):  # compact forwards bring CompactCaches
         return None
     return "rows join a running batch only under the compact forward"
 
@@ -573,8 +573,9 @@ def run_rows(run: RowsRun, rows: Sequence[Row], concurrency: int = 0, arrivals: 
     joined."""
     concurrency = concurrency or len(rows)
     times = list(arrivals) or [0.0] * len(rows)
-    if (concurrency < len(rows) or any(times)) and joinable(*run.models()):
-        raise ValueError(joinable(*run.models()))
+    refused = joinable(*run.models()) if concurrency < len(rows) or any(times) else None
+    if refused:
+        raise ValueError(refused)
     queue = list(zip(rows, times))
     while run.live or queue:
         joining = []
