@@ -399,6 +399,53 @@ def load_matrix_table(root: Path) -> str:
     return caption + "\n\n" + markdown_table(rows, columns)
 
 
+# benchmarks/drafts.sh's results and the drafts issue's bars: (file, what it measures, the speedup to reach).
+DRAFT_BARS = (("drafts-tasks-greedy.json", "every task, greedy", 1.5),
+              ("drafts-tasks-t0.7.json", "every task, T=0.7", 1.3),
+              ("drafts-stories-greedy.json", "story openings, greedy", 2.0))
+
+
+def _fastest_k(rows: pd.DataFrame, task: str) -> pd.DataFrame:
+    """Per draft, its SSp row at the K fastest over `task`."""
+    ssp = rows[(rows["mode"] == "ssp") & (rows["task"] == task) & (rows["lookup"].fillna(0) == 0)]
+    return ssp.loc[ssp.groupby("draft")["ms_per_token"].idxmin()]
+
+
+def drafts_table(root: Path) -> str:
+    """benchmarks/drafts.sh's runs: each draft at its fastest K against each bar, then per task (greedy)."""
+    import json
+
+    bars, per_task, captions, devices = [], [], [], set()
+    for name, setting, bar in DRAFT_BARS:
+        path = root / name
+        if not path.exists():
+            continue
+        rows = pd.DataFrame(json.loads(path.read_text()))
+        rows = rows.assign(task=rows["task"].fillna("stories"))
+        overall = "all" if (rows["task"] == "all").any() else "stories"
+        first = rows.iloc[0]
+        captions.append(f"{setting}: run `{first['run_id']}`")
+        devices.add(str(first["device"]))
+        for _, r in _fastest_k(rows, overall).iterrows():
+            sd = f" ± {r['speedup_sd']:.2f}" if pd.notna(r.get("speedup_sd")) else ""
+            bars.append({"setting": setting, "draft": r["draft"], "K": str(int(r["k"])), "α": f"{r['alpha']:.2f}",
+                         "speedup": f"{r['speedup']:.2f}×{sd}", "bar": f"{bar:.1f}×",
+                         "met": "yes" if r["speedup"] >= bar else f"no ({r['speedup'] / bar:.0%} of it)"})
+            if overall == "all" and setting.endswith("greedy"):
+                at_k = rows[(rows["mode"] == "ssp") & (rows["draft"] == r["draft"]) & (rows["k"] == r["k"])]
+                per_task.append({"draft": f"{r['draft']} (K={int(r['k'])})",
+                                 **{t: f"{s:.2f}× ({a:.2f})" for t, s, a in
+                                    zip(at_k["task"], at_k["speedup"], at_k["alpha"]) if t != "all"}})
+    if not bars:
+        return "no drafts-*.json in " + str(root)
+    text = (f"{' · '.join(captions)} · {' / '.join(sorted(devices))} · each draft at its fastest K over all prompts; speedup ± sd over "
+            "the passes\n\n" + markdown_table(bars, ["setting", "draft", "K", "α", "speedup", "bar", "met"]).rstrip("\n"))
+    if per_task:
+        tasks = [c for c in per_task[0] if c != "draft"]
+        text += ("\n\nPer task, greedy, at that K: speedup (α)\n\n" + markdown_table(per_task, ["draft"] + tasks))
+    return text
+
+
 def readme_block(text: str) -> str:
     """The headline block of a README's text: what lies between the two markers."""
     if text.count(HEADLINE_BEGIN) != 1 or text.count(HEADLINE_END) != 1:
@@ -421,6 +468,7 @@ def main() -> None:
     ap.add_argument("--multihost", action="store_true", help="print benchmarks/multihost.sh's table (multihost.json)")
     ap.add_argument("--collection", action="store_true", help="print benchmarks/collection.py's table")
     ap.add_argument("--training", action="store_true", help="print benchmarks/training_speed.py's table")
+    ap.add_argument("--drafts", action="store_true", help="print benchmarks/drafts.sh's runs against the bars")
     ap.add_argument("--load", action="store_true", help="print benchmarks/load.sh's matrix (load-matrix-*.json)")
     ap.add_argument("--write-readme", nargs="?", const=str(REPO / "README.md"), metavar="README",
                     help="rewrite the headline block of README.md (or the file given) in place")
@@ -434,6 +482,9 @@ def main() -> None:
         return
     if args.load:
         print(load_matrix_table(root))
+        return
+    if args.drafts:
+        print(drafts_table(root))
         return
     if args.training:
         print(training_table(root / "training_speed.json"))

@@ -87,7 +87,9 @@ def phase_progress() -> Iterator[Callable[[str, float, str], None]]:
     logs: dict[str, ProgressLog] = {}
 
     def update(phase: str, fraction: float, message: str) -> None:
-        logs.setdefault(phase, ProgressLog(phase)).show(fraction, message, f"[{fraction:.0%}] ")
+        if phase not in logs:  # a phase's first report says where it starts (a resumed one: partly done)
+            logs[phase] = ProgressLog(phase, start_fraction=fraction)
+        logs[phase].show(fraction, message, f"[{fraction:.0%}] ")
 
     yield update
 
