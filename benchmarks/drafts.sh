@@ -3,15 +3,16 @@
 # --repeats 3, both drafts in the same run so their ratios compare): every task category greedy and at
 # T=0.7, the reference's story openings greedy, the target's cost at 1..32 tokens per forward (what tree
 # drafts would cost), and verify on the candidate (greedy and T=1).
-# Usage: benchmarks/drafts.sh CANDIDATE [quick]   (CANDIDATE: a models.yaml entry or a draft folder)
+# Usage: benchmarks/drafts.sh CANDIDATES [quick]   (CANDIDATES: models.yaml entries or draft folders, comma-separated;
+#   each is timed beside the shipped draft in the same runs, and verified)
 # Bars (issue 30): --task all greedy >= 1.5x overall, at T=0.7 >= 1.3x; story openings >= 2.0x greedy.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1}
 OUT=${RESULTS_DIR:-benchmarks/results}
-CANDIDATE=${1:?usage: benchmarks/drafts.sh CANDIDATE [quick]}
-DRAFTS="smollm2-135m-draft,$CANDIDATE"
+CANDIDATES=${1:?usage: benchmarks/drafts.sh CANDIDATES [quick]}
+DRAFTS="smollm2-135m-draft,$CANDIDATES"
 L=(--results-dir "$OUT")
 if [ "${2:-}" = "quick" ]; then
     N=(--nb-prompts 2); REPEATS=(--repeats 1); SAMPLES=(--samples 100 --depth 2)
@@ -25,7 +26,14 @@ $PY llamassp.py "${L[@]}" latency --draft "$DRAFTS" --task all --k 2,3,4 --tempe
     --json "$OUT/drafts-tasks-t0.7.json"
 $PY llamassp.py "${L[@]}" latency --draft "$DRAFTS" --k 2,3,4 "${REPEATS[@]}" "${N[@]}" \
     --json "$OUT/drafts-stories-greedy.json"
-$PY llamassp.py "${L[@]}" cost --tokens 1,2,4,8,16,32 --json "$OUT/drafts-target-cost.json"
-$PY llamassp.py "${L[@]}" verify smollm2-135m-compact "$CANDIDATE" --temperature 0 --json "$OUT/drafts-verify-greedy.json" || true
-$PY llamassp.py "${L[@]}" verify smollm2-135m-compact "$CANDIDATE" --temperature 1.0 "${SAMPLES[@]}" \
-    --json "$OUT/drafts-verify-t1.0.json" || true
+if [ ! -e "$OUT/drafts-target-cost.json" ]; then  # the target's cost, once per results folder (remove it to redo)
+    $PY llamassp.py "${L[@]}" cost --tokens 1,2,4,8,16,32 --json "$OUT/drafts-target-cost.json"
+fi
+IFS=, read -r -a EACH <<< "$CANDIDATES"
+for CANDIDATE in "${EACH[@]}"; do
+    NAME=$(basename "$CANDIDATE")
+    $PY llamassp.py "${L[@]}" verify smollm2-135m-compact "$CANDIDATE" --temperature 0 \
+        --json "$OUT/drafts-verify-greedy-$NAME.json" || true
+    $PY llamassp.py "${L[@]}" verify smollm2-135m-compact "$CANDIDATE" --temperature 1.0 "${SAMPLES[@]}" \
+        --json "$OUT/drafts-verify-t1.0-$NAME.json" || true
+done
