@@ -7,7 +7,8 @@
 # (greedy, the draft), to show what continuous batching changes. Each run writes
 # load-matrix-ENGINE-DRAFT-tT.json; `python benchmarks/tables.py --load` prints the table docs/load.md shows.
 # Usage: benchmarks/load.sh [quick] [ENGINES]   (ENGINES: ours,vllm by default; several hours on 2 cores, quick
-# takes minutes: 4 requests, levels 1 and 2, 16 tokens)
+# takes minutes: 4 requests, levels 1 and 2, 16 tokens). A run whose file is there, complete, is not run again
+# (the matrix can take several sittings): FORCE=1 runs everything.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 PY=${PY:-.venv/bin/python}
@@ -24,6 +25,20 @@ else
 fi
 ENGINES=${1:-ours,vllm}
 status=0
+# Whether a run's file is there, with every level, neither interrupted nor failed (then it is not run again).
+done_already() {
+    [ "${FORCE:-0}" != 1 ] && [ -e "$1" ] && $PY - "$1" "${SIZE[3]}" <<'PY'
+import json, sys
+run = json.load(open(sys.argv[1]))
+wanted = {int(c) for c in sys.argv[2].split(",")}
+sys.exit(0 if not run["interrupted"] and not run["failure"] and wanted <= set(run["levels"]) else 1)
+PY
+}
+run_load() {  # the JSON file, then load's options
+    local json=$1; shift
+    if done_already "$json"; then echo "load.sh: $json is complete; not run again (FORCE=1 runs it)" >&2; return; fi
+    $PY llamassp.py --results-dir "$OUT" load "$@" --json "$json" || status=1
+}
 for engine in ${ENGINES//,/ }; do
     if [ "$engine" = vllm ] && ! $PY -c "import vllm" 2>/dev/null; then
         echo "load.sh: vLLM is not installed (./setup.sh --vllm): --engine vllm left out" >&2
@@ -33,14 +48,13 @@ for engine in ${ENGINES//,/ }; do
         for draft in "$DRAFT" "$HEAD"; do
             extra=()
             [ "$draft" = "$DRAFT" ] && extra=(--lookup 3)
-            $PY llamassp.py --results-dir "$OUT" load --engine "$engine" --draft "$draft" --k "$K" "${extra[@]}" \
-                --task sharegpt --temperature "$t" "${SIZE[@]}" --json "$OUT/load-matrix-$engine-$draft-t$t.json" \
-                || status=1
+            run_load "$OUT/load-matrix-$engine-$draft-t$t.json" --engine "$engine" --draft "$draft" --k "$K" \
+                "${extra[@]}" --task sharegpt --temperature "$t" "${SIZE[@]}"
         done
     done
     if [ "$engine" = ours ]; then  # what continuous batching changes: the same greedy run in static batches
-        $PY llamassp.py --results-dir "$OUT" load --engine ours --draft "$DRAFT" --k "$K" --batching static \
-            --task sharegpt "${SIZE[@]}" --json "$OUT/load-matrix-ours-static-$DRAFT-t0.json" || status=1
+        run_load "$OUT/load-matrix-ours-static-$DRAFT-t0.json" --engine ours --draft "$DRAFT" --k "$K" \
+            --batching static --task sharegpt "${SIZE[@]}"
     fi
 done
 exit $status
