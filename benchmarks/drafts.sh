@@ -6,6 +6,7 @@
 # Usage: benchmarks/drafts.sh CANDIDATES [quick]   (CANDIDATES: models.yaml entries or draft folders, comma-separated;
 #   each is timed beside the shipped draft in the same runs, and verified)
 # Bars (issue 30): --task all greedy >= 1.5x overall, at T=0.7 >= 1.3x; story openings >= 2.0x greedy.
+# `python benchmarks/tables.py --drafts` prints the runs against the bars. Steps already complete are skipped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -49,20 +50,34 @@ else
     N=(); REPEATS=(--repeats 3); SAMPLES=(--samples 600 --depth 2)
 fi
 
-$PY llamassp.py "${L[@]}" latency --draft "$DRAFTS" --task all --k 2,3,4 "${REPEATS[@]}" "${N[@]}" \
-    --json "$OUT/drafts-tasks-greedy.json"
-$PY llamassp.py "${L[@]}" latency --draft "$DRAFTS" --task all --k 2,3,4 --temperature 0.7 "${REPEATS[@]}" "${N[@]}" \
-    --json "$OUT/drafts-tasks-t0.7.json"
-$PY llamassp.py "${L[@]}" latency --draft "$DRAFTS" --k 2,3,4 "${REPEATS[@]}" "${N[@]}" \
-    --json "$OUT/drafts-stories-greedy.json"
+# A step whose file is there, complete, for these drafts, is not run again (hours of CPU: several sittings);
+# FORCE=1 runs every step.
+complete() {
+    [ "${FORCE:-0}" != 1 ] && [ -e "$1" ] && $PY - "$1" "$DRAFTS" <<'PY'
+import json, sys
+rows = json.load(open(sys.argv[1]))
+drafts = {r["draft"] for r in rows if r.get("draft")}
+sys.exit(0 if drafts == set(sys.argv[2].split(",")) and not any(r.get("interrupted") for r in rows) else 1)
+PY
+}
+latency_step() {  # the JSON file, then latency's options beside the drafts, K, passes and prompts
+    local json=$1; shift
+    if complete "$json"; then echo "drafts.sh: $json is complete; not run again (FORCE=1 runs it)" >&2; return; fi
+    $PY llamassp.py "${L[@]}" latency --draft "$DRAFTS" --k 2,3,4 "${REPEATS[@]}" "${N[@]}" "$@" --json "$json"
+}
+latency_step "$OUT/drafts-tasks-greedy.json" --task all
+latency_step "$OUT/drafts-tasks-t0.7.json" --task all --temperature 0.7
+latency_step "$OUT/drafts-stories-greedy.json"
 if [ ! -e "$OUT/drafts-target-cost.json" ]; then  # the target's cost, once per results folder (remove it to redo)
     $PY llamassp.py "${L[@]}" cost --tokens 1,2,4,8,16,32 --json "$OUT/drafts-target-cost.json"
 fi
 IFS=, read -r -a EACH <<< "${DRAFTS#*,}"
 for CANDIDATE in "${EACH[@]}"; do
-    NAME=$CANDIDATE
-    $PY llamassp.py "${L[@]}" verify smollm2-135m-compact "$CANDIDATE" --temperature 0 \
-        --json "$OUT/drafts-verify-greedy-$NAME.json" || true
-    $PY llamassp.py "${L[@]}" verify smollm2-135m-compact "$CANDIDATE" --temperature 1.0 "${SAMPLES[@]}" \
-        --json "$OUT/drafts-verify-t1.0-$NAME.json" || true
+    for t in 0 1.0; do
+        json="$OUT/drafts-verify-$([ $t = 0 ] && echo greedy || echo t$t)-$CANDIDATE.json"
+        if [ "${FORCE:-0}" != 1 ] && [ -e "$json" ]; then continue; fi
+        more=(); [ "$t" = 0 ] || more=("${SAMPLES[@]}")
+        $PY llamassp.py "${L[@]}" verify smollm2-135m-compact "$CANDIDATE" --temperature "$t" "${more[@]}" \
+            --json "$json" || true
+    done
 done
