@@ -432,7 +432,8 @@ def drafts_table(root: Path) -> str:
                          "speedup": f"{r['speedup']:.2f}×{sd}", "bar": f"{bar:.1f}×",
                          "met": "yes" if r["speedup"] >= bar else f"no ({r['speedup'] / bar:.0%} of it)"})
             if overall == "all" and setting.endswith("greedy"):
-                at_k = rows[(rows["mode"] == "ssp") & (rows["draft"] == r["draft"]) & (rows["k"] == r["k"])]
+                at_k = rows[(rows["mode"] == "ssp") & (rows["draft"] == r["draft"]) & (rows["k"] == r["k"])
+                            & (rows["lookup"].fillna(0) == 0)]
                 per_task.append({"draft": f"{r['draft']} (K={int(r['k'])})",
                                  **{t: f"{s:.2f}× ({a:.2f})" for t, s, a in
                                     zip(at_k["task"], at_k["speedup"], at_k["alpha"]) if t != "all"}})
