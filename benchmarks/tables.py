@@ -406,9 +406,9 @@ DRAFT_BARS = (("drafts-tasks-greedy.json", "every task, greedy", 1.5),
 
 
 def _fastest_k(rows: pd.DataFrame, task: str) -> pd.DataFrame:
-    """Per draft, its SSp row at the K fastest over `task`."""
-    ssp = rows[(rows["mode"] == "ssp") & (rows["task"] == task) & (rows["lookup"].fillna(0) == 0)]
-    return ssp.loc[ssp.groupby("draft")["ms_per_token"].idxmin()]
+    """Per draft (and context lookup length), its SSp row at the K fastest over `task`."""
+    ssp = rows[(rows["mode"] == "ssp") & (rows["task"] == task)]
+    return ssp.loc[ssp.groupby(["draft", "lookup"])["ms_per_token"].idxmin()]
 
 
 def drafts_table(root: Path) -> str:
@@ -421,20 +421,21 @@ def drafts_table(root: Path) -> str:
         if not path.exists():
             continue
         rows = pd.DataFrame(json.loads(path.read_text()))
-        rows = rows.assign(task=rows["task"].fillna("stories"))
+        rows = rows.assign(task=rows["task"].fillna("stories"), lookup=rows.get("lookup", pd.Series(0, index=rows.index)).fillna(0))
         overall = "all" if (rows["task"] == "all").any() else "stories"
         first = rows.iloc[0]
         captions.append(f"{setting}: run `{first['run_id']}`")
         devices.add(str(first["device"]))
         for _, r in _fastest_k(rows, overall).iterrows():
             sd = f" ± {r['speedup_sd']:.2f}" if pd.notna(r.get("speedup_sd")) else ""
-            bars.append({"setting": setting, "draft": r["draft"], "K": str(int(r["k"])), "α": f"{r['alpha']:.2f}",
+            drafted = r["draft"] + (f" + lookup {int(r['lookup'])}" if r["lookup"] else "")
+            bars.append({"setting": setting, "draft": drafted, "K": str(int(r["k"])), "α": f"{r['alpha']:.2f}",
                          "speedup": f"{r['speedup']:.2f}×{sd}", "bar": f"{bar:.1f}×",
                          "met": "yes" if r["speedup"] >= bar else f"no ({r['speedup'] / bar:.0%} of it)"})
             if overall == "all" and setting.endswith("greedy"):
                 at_k = rows[(rows["mode"] == "ssp") & (rows["draft"] == r["draft"]) & (rows["k"] == r["k"])
-                            & (rows["lookup"].fillna(0) == 0)]
-                per_task.append({"draft": f"{r['draft']} (K={int(r['k'])})",
+                            & (rows["lookup"] == r["lookup"])]
+                per_task.append({"draft": f"{drafted} (K={int(r['k'])})",
                                  **{t: f"{s:.2f}× ({a:.2f})" for t, s, a in
                                     zip(at_k["task"], at_k["speedup"], at_k["alpha"]) if t != "all"}})
     if not bars:
