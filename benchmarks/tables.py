@@ -384,7 +384,9 @@ def load_matrix_table(root: Path) -> str:
                 row[f"c={c}"] = " / ".join("–" if r[key] is None else f"{r[key]:.2f}"
                                            for key in ("latency_ratio", "throughput_ratio"))
             b = even.get(label, {})
-            row["break-even lat / thr"] = " / ".join(str(b.get(key) or "–") for key in ("latency", "throughput"))
+            row["break-even lat / thr"] = " / ".join(
+                str(b[key]) if b.get(key) else f"> {max(mine)}" if any(r[ratio] is not None for r in mine.values())
+                else "–" for key, ratio in (("latency", "latency_ratio"), ("throughput", "throughput_ratio")))
             rows.append(row)
     if not rows:
         return "no load-matrix-*.json in " + str(root)
@@ -394,7 +396,8 @@ def load_matrix_table(root: Path) -> str:
             for row in sorted(rows, key=lambda row: (row["engine"], float(row["T"])))]
     caption = (f"runs {', '.join(f'`{r}`' for r in run_ids)} · {' / '.join(sorted(devices))} · per level: SSp's "
                "per-user latency ratio / throughput ratio to the same run's RSp (> 1: SSp pays); acc: acceptance "
-               "rate at concurrency 1; break-even: the lowest level from which SSp no longer pays; RSp tok/s: the "
+               "rate at concurrency 1; break-even: the lowest level from which SSp no longer pays (> c: it still pays at the highest level c; –: no ratio, "
+               "the context lookup being served one request at a time); RSp tok/s: the "
                "run's RSp throughput at its highest level; (static): static batches, --batching static")
     return caption + "\n\n" + markdown_table(rows, columns)
 

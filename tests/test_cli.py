@@ -59,6 +59,23 @@ def test_latency_with_default_pair_and_no_baseline(run, tmp_path):
     assert list(rows["mode"]) == ["ssp"] and rows["draft"][0] == "tiny-draft"
 
 
+def test_a_drafts_own_k_is_the_default_and_a_bad_one_is_one_line(run, tiny_dir, tmp_path):
+    registry = tmp_path / "k.yaml"
+    entries = f"  t: {{path: {tiny_dir}/tiny-target, dtype: float32}}\n  d: {{path: {tiny_dir}/tiny-draft, dtype: float32, k: 3}}\n"
+    registry.write_text("default_target: t\ndefault_draft: d\nmodels:\n" + entries)
+    code, _, err = run("latency", "--nb-prompts", "1", "--max-new-tokens", "6", config=registry)
+    assert code == 0, err
+    rows = pd.read_csv(tmp_path / "results" / "latency.csv")
+    assert list(rows["k"]) == [0, 3]  # RSp, then SSp at the draft's own K
+    code, out, err = run("compare", "--max-new-tokens", "6", "--prompt", "ab", config=registry)
+    assert code == 0 and "K=3" in out, err
+    assert run("latency", "--nb-prompts", "1", "--max-new-tokens", "6", "--k", "2", config=registry)[0] == 0
+    assert list(pd.read_csv(tmp_path / "results" / "latency.csv")["k"])[-1] == 2  # --k wins
+    registry.write_text(registry.read_text().replace("k: 3", "k: 0"))
+    code, out, err = run("latency", "--nb-prompts", "1", config=registry)
+    assert code == 2 and "bad k 0; expected a whole number >= 1" in err and "Traceback" not in err + out
+
+
 def test_eval_both_reports_intervals_and_resumes(run, tmp_path):
     code, out, err = run("eval", "tiny-target", "--draft", "tiny-draft", "--both", "--nb-prompts", "6",
                          "--json", str(tmp_path / "e.json"))

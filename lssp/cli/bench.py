@@ -41,7 +41,7 @@ def bench(
     ctx: typer.Context,
     target: TargetArg = None,
     draft: DraftArg = None,
-    k: KOpt = 4,
+    k: KOpt = None,
     max_new_tokens: MaxNewOpt = 64,
     prompts: PromptsOpt = None,
     nb_prompts: NbPromptsOpt = None,
@@ -60,6 +60,7 @@ def bench(
     from lssp.workloads.prompts import WARMUP_PROMPT
 
     s = settings(ctx)
+    k = s.registry.draft_k(draft) if k is None else k
     check_positive("--k", k)
     check_k_within_budget(k, max_new_tokens)
     alphas = parse_fractions("--alpha", alpha) if alpha else []

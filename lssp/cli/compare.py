@@ -39,7 +39,7 @@ def compare(
     target: TargetArg = None,
     draft: DraftArg = None,
     prompt: Annotated[Optional[list[str]], typer.Option(help="Prompt(s); otherwise read from stdin or a > prompt.")] = None,
-    k: KOpt = 4,
+    k: KOpt = None,
     max_new_tokens: MaxNewOpt = 64,
     temperature: TemperatureOpt = 0.0,
     top_k: TopKOpt = 0,
@@ -60,6 +60,7 @@ def compare(
     from lssp.workloads.tasks import TaskPrompt
 
     s = settings(ctx)
+    k = s.registry.draft_k(draft) if k is None else k
     check_positive("--k", k)
     check_positive("--max-new-tokens", max_new_tokens)
     check_k_within_budget(k, max_new_tokens)

@@ -48,7 +48,8 @@ def latency(
         help="Draft model (or feature head), or a comma list timed side by side; times SSp (and RSp unless "
              "--no-baseline).")] = None,
     default_pair: Annotated[bool, flag("--default-pair", help="Use the registry's default draft too.")] = False,
-    k: Annotated[str, typer.Option("--k", help="Draft length, or a comma list to sweep: 2,4,8.")] = "4",
+    k: Annotated[Optional[str], typer.Option("--k", help="Draft length, or a comma list to sweep: 2,4,8 (default: "
+                                             "each draft's own k in the registry, else 4).")] = None,
     max_new_tokens: MaxNewOpt = 64,
     task: TaskOpt = None,
     prompts: PromptsOpt = None,
@@ -78,6 +79,9 @@ def latency(
 
     s = settings(ctx)
     engines_wanted = parse_engines(engine, ("ours", "hf", "vllm", "llamacpp"))
+    draft_names = [name.strip() for name in (draft or "").split(",") if name.strip()] or [None]
+    if k is None:  # each draft's own default; several drafts: all of them, each draft at each
+        k = ",".join(str(n) for n in sorted({s.registry.draft_k(name) for name in draft_names}))
     ks = parse_ints("--k", k)
     confidences = parse_fractions("--draft-confidence", draft_confidence)
     lookups = parse_ints("--lookup", lookup, minimum=0)
@@ -93,7 +97,6 @@ def latency(
         check_options(confidences)
     results = s.writable_results_dir(json_out)
     use_draft = draft is not None or default_pair or target is None
-    draft_names = [name.strip() for name in (draft or "").split(",") if name.strip()] or [None]
     if len(draft_names) > 1 and (one := next((e for e in ("vllm", "llamacpp") if e in engines_wanted), None)):
         raise UserError(f"--engine {one} times one draft: give --draft a single name")
     if len(set(draft_names)) < len(draft_names):

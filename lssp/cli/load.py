@@ -53,7 +53,7 @@ def load(
                                              "(ours: the batch size).")] = "1,2,4,8",
     requests: Annotated[int, typer.Option("--requests", help="Requests per level and mode (the same set each "
                                           "time); at least the highest concurrency.")] = 16,
-    k: KOpt = 4,
+    k: KOpt = None,
     lookup: Annotated[int, typer.Option(
         "--lookup", help="Also SSp with n-gram lookup of this length: vLLM's and llama.cpp's n-gram drafter alone; "
         "ours: the draft with our context lookup (0: off).")] = 0,
@@ -88,6 +88,7 @@ def load(
     if levels[-1] > requests:
         raise UserError(f"--concurrency {levels[-1]} is more than --requests {requests}: no more than {requests} "
                         f"requests could be in flight; give --requests {levels[-1]} or more")
+    k = s.registry.draft_k(draft) if k is None else k
     check_positive("--k", k)
     check_k_within_budget(k, max_new_tokens)
     if lookup < 0:

@@ -16,7 +16,8 @@ def flag(*decls: str, help: str) -> Any:
     return typer.Option(*decls, help=help, metavar="")
 
 
-KOpt = Annotated[int, typer.Option("--k", help="Draft tokens per iteration.")]
+KOpt = Annotated[Optional[int], typer.Option(
+    "--k", help="Draft tokens per iteration (default: the draft's own k in the registry, else 4).")]
 ConfidenceOpt = Annotated[str, typer.Option(
     "--draft-confidence", help="Stop drafting once the draft's own probability of its token falls below this "
     "(K becomes a maximum; a comma list sweeps; 0: always K).")]

@@ -32,7 +32,9 @@ SPEC_KEYS = {
     # --engine vllm only (passed to vllm.LLM; tensor_parallel_size defaults to gpus):
     "tensor_parallel_size", "pipeline_parallel_size", "distributed_executor_backend", "gpu_memory_utilization",
     "max_model_len", "enforce_eager", "speculative_method", "draft_sample_method",
+    "k",  # on a draft: its default draft length
 }
+DEFAULT_K = 4  # draft tokens per iteration when neither --k nor the draft's registry entry says
 EXECUTOR_BACKENDS = ("mp", "ray")
 SPECULATIVE_METHODS = ("draft_model", "eagle", "eagle3", "mtp", "medusa")  # vLLM's, for a draft entry
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")  # vLLM: argmax drafts with one-hot q, or draws from q (as ours)
@@ -71,6 +73,7 @@ class ModelSpec:
     enforce_eager: bool | None = None  # vLLM: no CUDA graphs / torch.compile (default: eager on a CPU only)
     speculative_method: str | None = None  # vLLM, on a draft: draft_model (default), eagle, eagle3, mtp, ...
     draft_sample_method: str | None = None  # vLLM, on a draft: greedy (vLLM's default) or probabilistic (as ours)
+    k: int | None = None  # on a draft: draft tokens per iteration when --k is not given (chosen by measurement)
     base_dir: Path = field(default=Path("."), compare=False)
 
     @property
@@ -162,6 +165,12 @@ class Registry:
 
     def draft_name(self, name: str | None) -> str:
         return self._name_or_default(name, self.default_draft, "default_draft", "a draft model")
+
+    def draft_k(self, name: str | None) -> int:
+        """The draft length to use when none is given: the draft's own ``k`` (chosen by measurement), else 4."""
+        if not name and not self.default_draft:
+            return DEFAULT_K
+        return self.get(self.draft_name(name)).k or DEFAULT_K
 
     def _name_or_default(self, name: str | None, default: str | None, key: str, what: str) -> str:
         if name:
@@ -317,7 +326,7 @@ def _check_value(name: str, key: str, value: Any, at: str) -> None:
     if choices is not None:
         if value not in choices:
             raise UserError(f"{at}: model {name!r}: bad {key} {value!r}; expected one of {', '.join(choices)}")
-    elif key in ("gpus", "tensor_parallel_size", "pipeline_parallel_size", "max_model_len"):
+    elif key in ("gpus", "tensor_parallel_size", "pipeline_parallel_size", "max_model_len", "k"):
         if not isinstance(value, int) or isinstance(value, bool) or value < (0 if key == "gpus" else 1):
             raise bad("a whole number >= " + ("0" if key == "gpus" else "1"))
     elif key == "gpu_memory_utilization":
