@@ -48,8 +48,7 @@ def latency(
         help="Draft model (or feature head), or a comma list timed side by side; times SSp (and RSp unless "
              "--no-baseline).")] = None,
     default_pair: Annotated[bool, flag("--default-pair", help="Use the registry's default draft too.")] = False,
-    k: Annotated[Optional[str], typer.Option("--k", help="Draft length, or a comma list to sweep: 2,4,8 (default: "
-                                             "each draft's own k in the registry, else 4).")] = None,
+    k: Annotated[Optional[str], typer.Option("--k", help="Draft length, or a list to sweep: 2,4,8 (default: the draft's k).")] = None,
     max_new_tokens: MaxNewOpt = 64,
     task: TaskOpt = None,
     prompts: PromptsOpt = None,
@@ -80,9 +79,7 @@ def latency(
     s = settings(ctx)
     engines_wanted = parse_engines(engine, ("ours", "hf", "vllm", "llamacpp"))
     draft_names = [name.strip() for name in (draft or "").split(",") if name.strip()] or [None]
-    if k is None:  # each draft's own default; several drafts: all of them, each draft at each
-        k = ",".join(str(n) for n in sorted({s.registry.draft_k(name) for name in draft_names}))
-    ks = parse_ints("--k", k)
+    ks = parse_ints("--k", k) if k is not None else sorted({s.registry.draft_k(name) for name in draft_names})  # drafts' own
     confidences = parse_fractions("--draft-confidence", draft_confidence)
     lookups = parse_ints("--lookup", lookup, minimum=0)
     check_k_within_budget(ks, max_new_tokens)
