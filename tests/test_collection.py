@@ -237,3 +237,20 @@ def test_ctrl_c_in_a_collection_keeps_its_shards_and_the_same_command_goes_on(ti
     assert json.loads((work / "data" / "meta.json").read_text())["shards"] == 2
     monkeypatch.setattr(collection_module, "generate_rows", real)
     assert main(command) == 0 and "Collected" in capsys.readouterr().out
+
+
+def test_a_dynamically_quantized_cpu_target_collects_with_plain_weights(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lssp.distill import collection_spec
+    from lssp.models.registry import ModelSpec
+    from lssp.report import results
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    spec = ModelSpec("t", dtype="bfloat16", quantization="dynamic-fp16", forward="compact")
+    monkeypatch.setattr(results, "native_bf16", lambda: ["avx512_bf16"])
+    faster = collection_spec(spec, cpu)
+    assert faster is not None
+    assert (faster.quantization, faster.dtype, faster.forward, faster.name) == ("none", "bfloat16", "compact", "t")
+    monkeypatch.setattr(results, "native_bf16", lambda: [])  # bf16 emulated: float32 is faster
+    assert collection_spec(spec, cpu).dtype == "float32"  # type: ignore[union-attr]
+    assert collection_spec(spec, gpu) is None  # dynamic quantization never applied there
+    assert collection_spec(ModelSpec("t", dtype="bfloat16"), cpu) is None  # already plain: collected as loaded

@@ -18,6 +18,7 @@ from lssp.errors import UserError
 if TYPE_CHECKING:
     import torch
 
+    from lssp.cli.app import Settings
     from lssp.distill.config import DistillConfig, DistillReport
     from lssp.models.loading import LoadedModel
 
@@ -88,7 +89,7 @@ def distill(
     if init_draft:
         rep.started_from = dst.earlier_training(init_draft)
     try:
-        model = _collect_and_train(t, work, cfg, rep, collect_only)
+        model = _collect_and_train(s, t, work, cfg, rep, collect_only)
     except KeyboardInterrupt:
         exit_interrupted(f"interrupted: what was collected and trained so far is kept in {work}; "
                          "the same command goes on from there")
@@ -107,7 +108,20 @@ def distill(
                   f"greedy acceptance {rep.acceptance[dst.HELD_OUT_ACCEPTANCE]:.1%}")
 
 
-def _collect_and_train(t: LoadedModel, work: Path, cfg: DistillConfig, rep: DistillReport,
+def _collector(s: Settings, t: LoadedModel) -> torch.nn.Module:
+    """The forward collection runs: the target itself, or a copy of it in a form that runs batches faster."""
+    from lssp import distill as dst
+    from lssp.models.loading import load_model
+    from lssp.models.modules import model_device
+
+    faster = dst.collection_spec(s.registry.get(t.name), model_device(t.hf_model))
+    if faster is None:
+        return dst.collection_model(t.model)
+    with err_console.status(f"Loading {t.name} for collection ({faster.dtype}, plain weights)…"):
+        return dst.collection_model(load_model(faster, s.device).model)
+
+
+def _collect_and_train(s: Settings, t: LoadedModel, work: Path, cfg: DistillConfig, rep: DistillReport,
                        collect_only: bool) -> torch.nn.Module | None:
     """Collect into ``work``, then train there (None after --collect-only)."""
     from lssp import distill as dst
@@ -117,7 +131,7 @@ def _collect_and_train(t: LoadedModel, work: Path, cfg: DistillConfig, rep: Dist
         # Collection runs the target under the compact forward where it can (faster, and it gives the features a
         # head learns from); training reads the transformers model's weights.
         writer = dst.load_initial_draft(t.hf_model, cfg).to(model_device(t.hf_model)).eval() if cfg.on_policy else None
-        got = dst.collect(dst.collection_model(t.model), t.tokenizer, work, cfg, progress, draft=writer,
+        got = dst.collect(_collector(s, t), t.tokenizer, work, cfg, progress, draft=writer,
                           notice=lambda line: err_console.print(f"[yellow]{line}[/yellow]"))
         rep.data_tokens, rep.collect_seconds = got.tokens, got.seconds
         rep.draft_written_tokens, rep.repeat_tokens = got.draft_tokens, got.repeat_tokens

@@ -24,6 +24,7 @@ from lssp.distill.collection import (
     chosen_shard,
     collect,
     collection_model,
+    collection_spec,
     collection_summary,
     generate_rows,
     repeat_prompts,
@@ -35,7 +36,7 @@ from lssp.distill.training import draft_config, init_draft, load_initial_draft, 
 
 __all__ = [
     "HELD_OUT_ACCEPTANCE", "REPEAT_CUE", "REPEAT_WINDOW", "Collected", "DistillConfig", "DistillReport", "Progress",
-    "chosen_shard", "collect", "collection_summary", "collection_model", "generate_rows", "draft_config", "earlier_training", "held_out_acceptance", "init_draft",
+    "chosen_shard", "collect", "collection_summary", "collection_model", "collection_spec", "generate_rows", "draft_config", "earlier_training", "held_out_acceptance", "init_draft",
     "load_initial_draft", "repeat_prompts", "top1_agreement", "train", "train_head", "training_prompts", "write_draft",
     "write_head",
 ]
