@@ -1,5 +1,7 @@
 """How fast `distill` collects the target's own answers: tokens/s of batched generation at batch 1, 32 and 128,
 the collection as it is against the collection of an earlier commit, on the same ShareGPT contexts, in one run.
+At the largest batch the current code also runs the target as the registry loads it (dynamically quantized on a
+CPU), against the plain-weight form distill collects with.
 
 Each measurement runs in a process of its own, one after another (never two at once): the current code's
 ``generate_rows`` under the compact forward (with and without the features a head learns from), and the earlier
@@ -27,8 +29,9 @@ TEMPERATURE = 0.7
 TOP_K = 32
 
 
-def measure(code: str, batch: int, new_tokens: int, prompts_file: str, features: bool) -> dict:
-    """One batch of ``batch`` contexts through the collection of the code at ``code`` (a checkout's root)."""
+def measure(code: str, batch: int, new_tokens: int, prompts_file: str, features: bool, as_loaded: bool = False) -> dict:
+    """One batch of ``batch`` contexts through the collection of the code at ``code`` (a checkout's root); with
+    ``as_loaded``, the current code runs the target as the registry loads it (not the form distill collects with)."""
     sys.path.insert(0, code)
     import torch
 
@@ -39,7 +42,14 @@ def measure(code: str, batch: int, new_tokens: int, prompts_file: str, features:
     from lssp.models.loading import load_model
     from lssp.models.registry import load_registry
 
-    target = load_model(load_registry(str(REPO / "models.yaml")).get(TARGET))
+    spec = load_registry(str(Path(code) / "models.yaml")).get(TARGET)  # the checkout's own registry
+    form = "as loaded"
+    if code == str(REPO) and not as_loaded:  # the form distill collects with (plain weights where that is faster)
+        from lssp.distill import collection_spec
+
+        faster = collection_spec(spec, torch.device("cpu"))
+        spec, form = (faster, f"{faster.dtype}, plain weights") if faster else (spec, form)
+    target = load_model(spec)
     eos = set(target.tokenizer.all_special_ids)
     prompts = pickle.loads(Path(prompts_file).read_bytes())[:batch]
     start = time.perf_counter()
@@ -57,7 +67,7 @@ def measure(code: str, batch: int, new_tokens: int, prompts_file: str, features:
                                  torch.Generator().manual_seed(0), features=features)
     seconds = time.perf_counter() - start
     kept = sum(next((i + 1 for i, t in enumerate(row) if t in eos), new_tokens) for row in record["tokens"].tolist())
-    return {"batch": batch, "features": features, "prompt_tokens": sum(map(len, prompts)), "new_tokens": kept,
+    return {"batch": batch, "features": features, "target_form": form, "prompt_tokens": sum(map(len, prompts)), "new_tokens": kept,
             "seconds": round(seconds, 2), "tokens_per_s": round(kept / seconds, 1)}
 
 
@@ -71,7 +81,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker:
         code, batch, prompts, features = args.worker
-        print(json.dumps(measure(code, int(batch), args.new_tokens, prompts, features == "1")))
+        print(json.dumps(measure(code, int(batch), args.new_tokens, prompts, features == "1", features == "loaded")))
         return
 
     sys.path.insert(0, str(REPO))
@@ -97,9 +107,10 @@ def main() -> None:
         try:
             for label, code in codes:
                 for batch in batches:
-                    for features in (False, True) if label == "current" and batch == max(batches) else (False,):
+                    top = label == "current" and batch == max(batches)
+                    for features in ("0", "1", "loaded") if top else ("0",):
                         out = subprocess.run([sys.executable, __file__, "--new-tokens", str(args.new_tokens), "--worker",
-                                              code, str(batch), str(prompts), "1" if features else "0"],
+                                              code, str(batch), str(prompts), features],
                                              capture_output=True, text=True, check=True, cwd=tmp)
                         row = {"code": label, **json.loads(out.stdout.strip().splitlines()[-1])}
                         rows.append(row)

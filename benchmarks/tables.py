@@ -332,12 +332,14 @@ def collection_table(path: Path) -> str:
     import json
 
     run = json.loads(path.read_text())
-    rows = [{"collection": r["code"] + (", with features" if r["features"] else ""), "batch": r["batch"],
+    rows = [{"collection": r["code"] + (", with features" if r["features"] else ""), "target": r.get("target_form", ""),
+             "batch": r["batch"],
              "prompt tokens": r["prompt_tokens"], "new tokens": r["new_tokens"], "s": f"{r['seconds']:.1f}",
              "tokens/s": f"{r['tokens_per_s']:.0f}"} for r in run["rows"]]
     caption = (f"run `{run['run_id']}` · {run['env']['device']} · `{run['target']}`, T={run['temperature']}, "
                f"top-{run['top_k_saved']} saved, up to {run['new_tokens_per_context']} new tokens per context")
-    return caption + "\n\n" + markdown_table(rows, ["collection", "batch", "prompt tokens", "new tokens", "s", "tokens/s"])
+    return caption + "\n\n" + markdown_table(rows, ["collection", "target", "batch", "prompt tokens", "new tokens", "s",
+                                                    "tokens/s"])
 
 
 def training_table(path: Path) -> str:
