@@ -6,7 +6,8 @@
 # Usage: benchmarks/drafts.sh CANDIDATES [quick]   (CANDIDATES: models.yaml entries or draft folders, comma-separated;
 #   each is timed beside the shipped draft in the same runs, and verified)
 #   LOOKUP=0,3 also times each draft with the context lookup (n-gram length 3) in the same runs;
-#   SHIPPED=0 leaves the shipped draft out (the candidates alone: a shorter run once they are chosen).
+#   SHIPPED=0 leaves the shipped draft out (the candidates alone: a shorter run once they are chosen);
+#   STEPS (tasks,tasks-t0.7,stories,cost,verify): the steps to run, e.g. STEPS=tasks for a first choice.
 # Bars (issue 30): --task all greedy >= 1.5x overall, at T=0.7 >= 1.3x; story openings >= 2.0x greedy.
 # `python benchmarks/tables.py --drafts` prints the runs against the bars. Steps already complete are skipped.
 set -euo pipefail
@@ -66,18 +67,22 @@ same = drafts == set(sys.argv[2].split(",")) and lookups == {int(n) for n in sys
 sys.exit(0 if same and not any(r.get("interrupted") for r in rows) else 1)
 PY
 }
-latency_step() {  # the JSON file, then latency's options beside the drafts, K, passes and prompts
-    local json=$1; shift
+STEPS=",${STEPS:-tasks,tasks-t0.7,stories,cost,verify},"
+step() { [[ $STEPS == *",$1,"* ]]; }
+latency_step() {  # the step, the JSON file, then latency's options beside the drafts, K, passes and prompts
+    step "$1" || return 0
+    local json=$2; shift 2
     if complete "$json"; then echo "drafts.sh: $json is complete; not run again (FORCE=1 runs it)" >&2; return; fi
     $PY llamassp.py "${L[@]}" latency --draft "$DRAFTS" --k 2,3,4 --lookup "$LOOKUP" "${REPEATS[@]}" "${N[@]}" "$@" --json "$json"
 }
-latency_step "$OUT/drafts-tasks-greedy.json" --task all
-latency_step "$OUT/drafts-tasks-t0.7.json" --task all --temperature 0.7
-latency_step "$OUT/drafts-stories-greedy.json"
-if [ ! -e "$OUT/drafts-target-cost.json" ]; then  # the target's cost, once per results folder (remove it to redo)
+latency_step tasks "$OUT/drafts-tasks-greedy.json" --task all
+latency_step tasks-t0.7 "$OUT/drafts-tasks-t0.7.json" --task all --temperature 0.7
+latency_step stories "$OUT/drafts-stories-greedy.json"
+if step cost && [ ! -e "$OUT/drafts-target-cost.json" ]; then  # the target's cost, once per results folder (remove it to redo)
     $PY llamassp.py "${L[@]}" cost --tokens 1,2,4,8,16,32 --json "$OUT/drafts-target-cost.json"
 fi
 IFS=, read -r -a EACH <<< "$CANDIDATE_NAMES"
+step verify || EACH=()
 for CANDIDATE in "${EACH[@]}"; do
     for t in 0 1.0; do
         json="$OUT/drafts-verify-$([ $t = 0 ] && echo greedy || echo t$t)-$CANDIDATE.json"
