@@ -7,7 +7,9 @@
 #   each is timed beside the shipped draft in the same runs, and verified)
 #   LOOKUP=0,3 also times each draft with the context lookup (n-gram length 3) in the same runs;
 #   SHIPPED=0 leaves the shipped draft out (the candidates alone: a shorter run once they are chosen);
-#   STEPS (tasks,tasks-t0.7,stories,cost,verify): the steps to run, e.g. STEPS=tasks for a first choice.
+#   STEPS (tasks,tasks-t0.7,stories,cost,verify): the steps to run, e.g. STEPS=tasks for a first choice;
+#   quick: one pass over NB_PROMPTS (2) prompts per task; give it a RESULTS_DIR of its own (a step found complete
+#   there is not run again, whatever its prompt count).
 # Bars (issue 30): --task all greedy >= 1.5x overall, at T=0.7 >= 1.3x; story openings >= 2.0x greedy.
 # `python benchmarks/tables.py --drafts` prints the runs against the bars. Steps already complete are skipped.
 set -euo pipefail
@@ -50,7 +52,7 @@ PY
 CANDIDATE_NAMES=$DRAFTS; [ "${SHIPPED:-1}" = 0 ] || CANDIDATE_NAMES=${DRAFTS#*,}
 L=(--results-dir "$OUT" --config "$REGISTRY")
 if [ "${2:-}" = "quick" ]; then
-    N=(--nb-prompts 2); REPEATS=(--repeats 1); SAMPLES=(--samples 100 --depth 2)
+    N=(--nb-prompts "${NB_PROMPTS:-2}"); REPEATS=(--repeats 1); SAMPLES=(--samples 100 --depth 2)
 else
     N=(); REPEATS=(--repeats 3); SAMPLES=(--samples 600 --depth 2)
 fi
