@@ -22,12 +22,14 @@ sys.path.insert(0, str(REPO))
 from lssp.report.results import markdown_table, read_csv_parts  # noqa: E402
 
 # The runs README.md's headline shows, in this order: the default pair (SmolLM2-135M-Instruct + the shipped
-# draft), greedy, on one machine (2-core Intel Xeon, AVX-512), so the two tables compare.
-# - 20261123-125658-e0273a: benchmarks/run.sh step 1a (latency-headline-eos.json), the reference's 16 story
-#   openings, completions ending at the end token, 3 passes, K = 2, 3, 4 with and without the context lookup.
-# - 20261123-131217-66b0de: step 1b (latency-tasks-greedy.json), every task category (--task all), K = 2, 3, 4.
-# When run.sh writes newer runs, put their ids here and rerun with --write-readme.
-HEADLINE_RUNS = ["20261123-125658-e0273a", "20261123-131217-66b0de"]
+# draft, with the shipped feature head beside it), greedy, on one machine (2-core AMD EPYC, AVX-512, bf16), so the
+# two tables compare. Both from `SHIPPED=0 STEPS=tasks,stories,verify bash benchmarks/drafts.sh
+# smollm2-135m-draft,smollm2-135m-eagle` (issue 30's bars, the chat-trained drafters of 2026-11-25):
+# - 20261125-232355-98df8a: drafts-stories-greedy.json, the reference's 16 story openings, completions ending at
+#   the end token, 3 passes, K = 2, 3, 4.
+# - 20261125-224111-e86159: drafts-tasks-greedy.json, every task category (--task all, 100 prompts), 3 passes.
+# When newer runs are written, put their ids here and rerun with --write-readme.
+HEADLINE_RUNS = ["20261125-232355-98df8a", "20261125-224111-e86159"]
 # The engine audit README.md's headline shows (benchmarks/audit.sh, run by run.sh step 3b): `verify` runs on the
 # default pair in float32, every engine and proposer. When audit.sh writes newer runs, put their ids here.
 HEADLINE_AUDIT_RUNS = [

@@ -142,7 +142,7 @@ def test_the_readme_headline_block_is_what_tables_py_generates_from_the_results(
     tables = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tables)
     generated = tables.headline(ROOT / "benchmarks" / "results")
-    assert "| stories | SSp | 3 |" in generated  # the run's rows, not an empty block
+    assert re.search(r"\| stories \| SSp[^|]* \| 3 \|", generated)  # the run's rows, not an empty block
     assert tables.readme_block((ROOT / "README.md").read_text()) == generated
 
 
