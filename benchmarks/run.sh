@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The project's benchmark: writes to benchmarks/results/ (CSV rows, Markdown tables, JSON, charts).
-# On any machine: the default pair (SmolLM2-135M + shipped draft) - latency sweep greedy and at
+# On any machine: the default pair (SmolLM2-135M + the shipped feature head; engines that cannot run a head draft
+# with the shipped draft model) - latency sweep greedy and at
 # T=0.7, our engines against transformers', losslessness checks and the multiplication eval.
 # On a CUDA machine also: random-init Llama-2-7B-shaped target with a 1B-shaped draft (timing only).
 # Usage: benchmarks/run.sh [quick]   ("quick" cuts prompts and samples for a smoke run)

@@ -21,15 +21,15 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from lssp.report.results import markdown_table, read_csv_parts  # noqa: E402
 
-# The runs README.md's headline shows, in this order: the default pair (SmolLM2-135M-Instruct + the shipped
-# draft, with the shipped feature head beside it), greedy, on one machine (2-core AMD EPYC, AVX-512, bf16), so the
-# two tables compare. Both from `SHIPPED=0 STEPS=tasks,stories,verify bash benchmarks/drafts.sh
-# smollm2-135m-draft,smollm2-135m-eagle` (issue 30's bars, the chat-trained drafters of 2026-11-25):
+# The runs README.md's headline shows, in this order, greedy, on one machine (2-core AMD EPYC, AVX-512, bf16), so
+# the two tables compare (issue 30's bars, the chat-trained drafters of 2026-11-25):
 # - 20261125-232355-98df8a: drafts-stories-greedy.json, the reference's 16 story openings, completions ending at
-#   the end token, 3 passes, K = 2, 3, 4.
-# - 20261125-224111-e86159: drafts-tasks-greedy.json, every task category (--task all, 100 prompts), 3 passes.
+#   the end token, 3 passes, K = 2, 3, 4, the shipped draft model and feature head side by side (`SHIPPED=0
+#   STEPS=tasks,stories,verify bash benchmarks/drafts.sh smollm2-135m-draft,smollm2-135m-eagle`).
+# - 20261126-005516-a197fe: drafts-tasks-greedy-head.json, the default pair (the feature head as default_draft)
+#   on every task category (--task all, 100 prompts), 3 passes, K = 2, 3, 4.
 # When newer runs are written, put their ids here and rerun with --write-readme.
-HEADLINE_RUNS = ["20261125-232355-98df8a", "20261125-224111-e86159"]
+HEADLINE_RUNS = ["20261125-232355-98df8a", "20261126-005516-a197fe"]
 # The engine audit README.md's headline shows (benchmarks/audit.sh, run by run.sh step 3b): `verify` runs on the
 # default pair in float32, every engine and proposer. When audit.sh writes newer runs, put their ids here.
 HEADLINE_AUDIT_RUNS = [
@@ -407,8 +407,11 @@ def load_matrix_table(root: Path) -> str:
 
 
 # benchmarks/drafts.sh's results and the drafts issue's bars: (file, what it measures, the speedup to reach).
+# The -head files: the feature head alone once it became default_draft (the default pair's own runs).
 DRAFT_BARS = (("drafts-tasks-greedy.json", "every task, greedy", 1.5),
-              ("drafts-tasks-t0.7.json", "every task, T=0.7", 1.3),
+              ("drafts-tasks-greedy-head.json", "every task, greedy (head alone)", 1.5),
+              ("drafts-tasks-t0.7.json", "every task, T=0.7 (K=2)", 1.3),
+              ("drafts-tasks-t0.7-head.json", "every task, T=0.7 (head alone)", 1.3),
               ("drafts-stories-greedy.json", "story openings, greedy", 2.0))
 
 
@@ -439,10 +442,10 @@ def drafts_table(root: Path) -> str:
             bars.append({"setting": setting, "draft": drafted, "K": str(int(r["k"])), "α": f"{r['alpha']:.2f}",
                          "speedup": f"{r['speedup']:.2f}×{sd}", "bar": f"{bar:.1f}×",
                          "met": "yes" if r["speedup"] >= bar else f"no ({r['speedup'] / bar:.0%} of it)"})
-            if overall == "all" and setting.endswith("greedy"):
+            if overall == "all" and "greedy" in setting:
                 at_k = rows[(rows["mode"] == "ssp") & (rows["draft"] == r["draft"]) & (rows["k"] == r["k"])
                             & (rows["lookup"] == r["lookup"])]
-                per_task.append({"draft": f"{drafted} (K={int(r['k'])})",
+                per_task.append({"draft": f"{drafted} (K={int(r['k'])}), run …{first['run_id'][-6:]}",
                                  **{t: f"{s:.2f}× ({a:.2f})" for t, s, a in
                                     zip(at_k["task"], at_k["speedup"], at_k["alpha"]) if t != "all"}})
     if not bars:

@@ -33,18 +33,19 @@ def run(tmp_path, capsys):
 
 def test_default_pair_is_on_disk():
     reg = load_registry(ROOT / "models.yaml")
-    for name in (reg.default_target, reg.default_draft):
+    for name in (reg.default_target, reg.default_draft, reg.default_draft_model):
         assert reg.get(name).available_locally(), name
-    card = (ROOT / "drafts" / "smollm2-135m-draft" / "README.md").read_text()
-    assert "Made with:" in card
+    for draft in ("smollm2-135m-draft", "smollm2-135m-eagle"):
+        assert "Made with:" in (ROOT / "drafts" / draft / "README.md").read_text()
 
 
 def test_latency_on_the_default_pair(run, tmp_path):
     _, out = run("latency", "--nb-prompts", "2", "--max-new-tokens", "8", "--json", str(tmp_path / "l.json"))
     rsp, ssp = json.loads((tmp_path / "l.json").read_text())
-    k = load_registry(ROOT / "models.yaml").models["smollm2-135m-draft"].k  # the draft's own K: no --k given
+    k = load_registry(ROOT / "models.yaml").models["smollm2-135m-eagle"].k  # the head's own K: no --k given
     assert (rsp["mode"], ssp["mode"]) == ("rsp", "ssp") and k == 2
-    assert ssp["target"] == "smollm2-135m-compact" and ssp["draft"] == "smollm2-135m-draft" and ssp["k"] == k
+    assert ssp["target"] == "smollm2-135m-compact" and ssp["draft"] == "smollm2-135m-eagle" and ssp["k"] == k
+    assert ssp["method"] == "eagle"
     assert ssp["speedup"] == pytest.approx(rsp["ms_per_token"] / ssp["ms_per_token"])
     # Greedy on two fixed prompts: deterministic. The shipped draft predicts the target (about 0.6 here; a
     # draft that shares nothing with it, or a broken tokenizer match, is near 0).
@@ -61,6 +62,17 @@ def test_latency_on_the_default_pair(run, tmp_path):
         per_prompt = prompts.loc[prompts["mode"] == summary["mode"], "ms_per_token"]
         assert summary["ms_per_token_median"] == pytest.approx(median(per_prompt))
         assert per_prompt.min() <= summary["ms_per_token"] <= per_prompt.max()
+
+
+def test_an_engine_that_cannot_run_the_head_drafts_with_the_default_draft_model(tmp_path, capsys):
+    call = cli(capsys, ROOT / "models.yaml", tmp_path)
+    code, _, err = call("latency", "--engine", "ours,hf", "--nb-prompts", "1", "--max-new-tokens", "4",
+                        "--json", str(tmp_path / "l.json"))
+    assert code == 0, err
+    assert "drafting with smollm2-135m-draft, the default_draft_model" in " ".join(err.split())
+    ssp = [row for row in json.loads((tmp_path / "l.json").read_text()) if row["mode"] == "ssp"]
+    assert {(row["engine"], row["draft"]) for row in ssp} == {("ours", "smollm2-135m-draft"),
+                                                                ("hf", "smollm2-135m-draft")}
 
 
 def test_latency_on_chat_prompts(run, tmp_path):

@@ -163,7 +163,7 @@ def test_models_fits_80_columns_with_the_real_registry(real):
     for name in registry.models:
         assert f"│ {name} " in out  # whole, on one line
     rows = [line for line in out.splitlines() if line.startswith("│")]
-    assert len(rows) == len(registry.models) + 2  # one line per entry, and one for each default's tag
+    assert len(rows) == len(registry.models) + 3  # one line per entry, and one for each default's tag (three)
     assert "│ llama-3.1-8b " in out and " 8.0B │ bf16 " in out and "│ hub · 4 GPUs " in out
 
 
@@ -179,6 +179,8 @@ def test_models_wide_and_json_give_every_field(real, tmp_path):
     assert rows["llama-3.1-8b"]["path"] == "meta-llama/Llama-3.1-8B" and rows["llama-3.1-8b"]["source"] == "hub"
     assert 8.0e9 < rows["llama-3.1-8b"]["parameters"] < 8.1e9 and 72.6e9 < rows["qwen2.5-72b"]["parameters"] < 72.8e9
     assert rows["smollm2-135m-compact"]["role"] == "default target"
+    assert (rows["smollm2-135m-eagle"]["role"], rows["smollm2-135m-draft"]["role"]) == ("default draft",
+                                                                                         "default draft model")
 
 
 @pytest.mark.parametrize("arch", ["llama-3.1-8b", "llama-3.2-1b", "qwen2.5-0.5b", "qwen2.5-14b"])

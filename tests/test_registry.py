@@ -1,6 +1,7 @@
 """models.yaml validation and model loading."""
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -28,7 +29,8 @@ def test_shipped_registry_is_valid_and_has_the_families():
                  "llama-3.1-8b", "llama-3.1-70b", "qwen2.5-0.5b", "qwen2.5-72b"]:
         assert name in reg.models
     assert reg.models["65B_8bit"].quantization == "8bit"
-    assert reg.default_target == "smollm2-135m-compact" and reg.default_draft == "smollm2-135m-draft"
+    assert reg.default_target == "smollm2-135m-compact" and reg.default_draft == "smollm2-135m-eagle"
+    assert reg.default_draft_model == "smollm2-135m-draft"
     assert reg.models["llama-2-7b-random"].is_random
 
 
@@ -67,6 +69,21 @@ def test_malformed_yaml_and_missing_file(tmp_path):
 def test_default_must_name_a_model(tmp_path):
     with pytest.raises(UserError, match=r"models.yaml:1: default_target names unknown model 'b'"):
         load_registry(write(tmp_path, "default_target: b\nmodels:\n  a: {path: x}\n"))
+
+
+def test_default_draft_model_stands_in_where_a_feature_head_cannot_run(tmp_path):
+    said = []
+    text = ("default_draft: head\ndefault_draft_model: plain\nmodels:\n  head: {path: ./h, k: 2}\n"
+            "  plain: {path: ./p, k: 3}\n")
+    reg = replace(load_registry(write(tmp_path, text)), notify=said.append)
+    assert (reg.draft_name(None), reg.draft_k(None)) == ("head", 2) and not said
+    assert (reg.draft_name(None, heads=False), reg.draft_k(None, heads=False)) == ("plain", 3)
+    assert len(said) == 1 and "drafting with plain, the default_draft_model" in said[0]  # said once
+    assert reg.draft_name("head", heads=False) == "head"  # a draft named is used as given
+    without = load_registry(write(tmp_path, "default_draft: head\nmodels:\n  head: {path: ./h}\n"))
+    assert without.draft_name(None, heads=False) == "head"  # no stand-in: the engine says why it cannot run it
+    with pytest.raises(UserError, match=r"models.yaml:1: default_draft_model names unknown model 'plian'"):
+        load_registry(write(tmp_path, "default_draft_model: plian\nmodels:\n  plain: {path: ./p}\n"))
 
 
 def test_entry_needs_a_path(tmp_path):

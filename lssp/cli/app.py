@@ -55,7 +55,7 @@ class Settings:
 
 
 def _say_unlisted(line: str) -> None:
-    """A model named by its hub id or path, not by an entry: one line saying how it will be loaded."""
+    """The registry's one-line notices: how a model named by its hub id or path loads, a default draft swapped."""
     from rich.text import Text
 
     err_console.print(Text(line, style="dim"), soft_wrap=True)

@@ -10,7 +10,7 @@ from rich.measure import Measurement
 from rich.table import Table
 
 from lssp.cli.app import app, settings
-from lssp.cli.loaders import llamacpp_engine, llamacpp_pair, load_engine_pair, load_pair, start_vllm
+from lssp.cli.loaders import heads_run, llamacpp_engine, llamacpp_pair, load_engine_pair, load_pair, start_vllm
 from lssp.cli.options import (
     ConfidenceOpt,
     DraftArg,
@@ -60,14 +60,15 @@ def bench(
     from lssp.workloads.prompts import WARMUP_PROMPT
 
     s = settings(ctx)
-    k = s.registry.draft_k(draft) if k is None else k
+    rivals = parse_engines(engine, ("hf", *RIVALS))
+    heads = heads_run(rivals)  # ours and its rivals draft with the same model
+    k = s.registry.draft_k(draft, heads) if k is None else k
     check_positive("--k", k)
     check_k_within_budget(k, max_new_tokens)
     alphas = parse_fractions("--alpha", alpha) if alpha else []
     confidences = parse_fractions("--draft-confidence", draft_confidence)
     if len(confidences) != 1:
         raise UserError(f"bench takes one --draft-confidence, got {draft_confidence!r}")
-    rivals = parse_engines(engine, ("hf", *RIVALS))
     engines = engines_for(rivals)
     if "vllm" in rivals:
         from lssp.engines.vllm import check_options
@@ -77,12 +78,12 @@ def bench(
     params = sampling_params(temperature, top_k, top_p)
     results = s.writable_results_dir(json_out)
     lc = llamacpp_pair(s, rivals, target, draft, confidences=confidences)  # said before anything else loads
-    t, d, vocab = load_pair(s, target, draft)
+    t, d, vocab = load_pair(s, target, draft, heads=heads)
     why = TransformersEngine(t, d).supports(Mode("ssp", k, engine="hf")) if "hf" in rivals else None
     if why:
         raise UserError(f"--engine hf with {d.name!r}: {why}; use --engine vllm or llamacpp as its rival")
     keys = [(0, 0), (k, 0)]  # RSp, and SSp with the draft at K: every rival's engines started before anything is timed
-    started = {"vllm": VllmEngine(start_vllm(*load_engine_pair(s, target, draft), keys))} if "vllm" in rivals else {}
+    started = {"vllm": VllmEngine(start_vllm(*load_engine_pair(s, target, draft, heads=heads), keys))} if "vllm" in rivals else {}
     if lc:
         started["llamacpp"] = llamacpp_engine(lc, keys)  # its servers stop when the command ends, however it ends
     with progress(None, "bench") as tick:

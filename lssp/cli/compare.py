@@ -9,7 +9,7 @@ import typer
 from rich.text import Text
 
 from lssp.cli.app import app, settings
-from lssp.cli.loaders import llamacpp_runner, load_engine_pair, load_pair, start_vllm
+from lssp.cli.loaders import heads_run, llamacpp_runner, load_engine_pair, load_pair, start_vllm
 from lssp.cli.options import (
     ChatOpt,
     DraftArg,
@@ -60,7 +60,10 @@ def compare(
     from lssp.workloads.tasks import TaskPrompt
 
     s = settings(ctx)
-    k = s.registry.draft_k(draft) if k is None else k
+    (chosen,) = parse_engines(engine, ("ours", "vllm", "llamacpp")) if "," not in engine else (None,)
+    if chosen is None:
+        raise UserError(f"--engine {engine!r}: compare streams one engine at a time (ours, vllm or llamacpp)")
+    k = s.registry.draft_k(draft, heads_run([chosen])) if k is None else k
     check_positive("--k", k)
     check_positive("--max-new-tokens", max_new_tokens)
     check_k_within_budget(k, max_new_tokens)
@@ -70,7 +73,7 @@ def compare(
         raise UserError(f"{'--task' if task else '--nb-prompts'} and --prompt: give one of them")
     # --nb-prompts alone: the first N of the default workload (the reference's story openings), not stdin.
     task_list = read_task_prompts(task, None, nb_prompts, chat) if task or nb_prompts else None
-    chosen, t, d, runner = _start_engine(s, engine, target, draft, k, lookup)
+    t, d, runner = _start_engine(s, chosen, target, draft, k, lookup)
     stopping = Stopping() if ignore_eos else Stopping(token_ids=t.eos_ids)
     modes = {"rsp": Mode("rsp", engine=chosen), "ssp": Mode("ssp", k, lookup=lookup, engine=chosen)}
 
@@ -126,13 +129,10 @@ def compare(
     _summary(done)
 
 
-def _start_engine(s, engine: str, target: str | None, draft: str | None, k: int, lookup: int):
-    """The one engine compare streams, loaded with its RSp and SSp modes: (name, target, draft, runner)."""
+def _start_engine(s, chosen: str, target: str | None, draft: str | None, k: int, lookup: int):
+    """The one engine compare streams, loaded with its RSp and SSp modes: (target, draft, runner)."""
     from lssp.engines import OursEngine, VllmEngine
 
-    (chosen,) = parse_engines(engine, ("ours", "vllm", "llamacpp")) if "," not in engine else (None,)
-    if chosen is None:
-        raise UserError(f"--engine {engine!r}: compare streams one engine at a time (ours, vllm or llamacpp)")
     if chosen == "llamacpp":
         t, d, runner = llamacpp_runner(s, target, draft, [(0, 0), (k, lookup)], not lookup or draft is not None)
     elif chosen == "vllm":
@@ -141,7 +141,7 @@ def _start_engine(s, engine: str, target: str | None, draft: str | None, k: int,
     else:
         t, d, vocab = load_pair(s, target, draft)
         runner = OursEngine(t, [d], [vocab])
-    return chosen, t, d, runner
+    return t, d, runner
 
 
 def _summary(done: list[tuple[str, Any, Any]]) -> None:

@@ -43,7 +43,7 @@ def cost(
     allowed = [d for d in DTYPES if d != "auto"] + [q for q in QUANTIZATIONS if q.startswith("dynamic")]
     if not chosen or any(p not in allowed for p in chosen):
         raise UserError(f"--precisions takes some of {','.join(allowed)}, got {precisions!r}")
-    names = models or [s.registry.target_name(None), s.registry.draft_name(None)]
+    names = models or [s.registry.target_name(None), s.registry.draft_name(None, heads=False)]  # models alone
     results = s.writable_results_dir(json_out)
     loaded = []
     for name in names:

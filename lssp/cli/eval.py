@@ -6,7 +6,7 @@ from typing import Annotated, Optional
 import typer
 
 from lssp.cli.app import app, settings
-from lssp.cli.loaders import llamacpp_runner, load_engine_pair, load_pair, start_vllm
+from lssp.cli.loaders import heads_run, llamacpp_runner, load_engine_pair, load_pair, start_vllm
 from lssp.cli.options import (
     JsonOpt,
     LookupOpt,
@@ -74,7 +74,7 @@ def eval_cmd(
         raise UserError(f"--engine {engine!r}: eval runs one engine at a time (ours, hf, vllm or llamacpp)")
     (engine,) = parse_engines(engine, ("ours", "hf", "vllm", "llamacpp"))
     if (target is None and draft is None) or (both and draft is None):  # the default pair
-        draft = s.registry.draft_name(None)
+        draft = s.registry.draft_name(None, heads_run([engine]))
     modes = ["rsp", "ssp"] if both else ["ssp"] if draft else ["rsp"]
     if "ssp" in modes:
         check_k_within_budget(k, max_new_tokens)

@@ -14,7 +14,8 @@ from lssp.errors import UserError
 @app.command("export-draft")
 def export_draft_cmd(
     ctx: typer.Context,
-    draft: Annotated[Optional[str], typer.Argument(help="Draft model (default: the registry's default_draft).")] = None,
+    draft: Annotated[Optional[str], typer.Argument(
+        help="Draft model (default: the registry's default_draft_model, else its default_draft).")] = None,
     out: Annotated[Optional[Path], typer.Option(help="Folder to write (default: the cache folder vLLM runs use).")] = None,
 ) -> None:
     """Write the draft with a full-width output layer: rows outside its head are held far below it."""
@@ -23,7 +24,7 @@ def export_draft_cmd(
     from lssp.models.export import export_draft, exported_dir
 
     s = settings(ctx)
-    spec = s.registry.get(s.registry.draft_name(draft))
+    spec = s.registry.get(s.registry.draft_name(draft, heads=False))  # a head is exported as it is
     local = spec.local_path()
     if local is None or not local.is_dir():
         raise UserError(f"model {spec.name!r}: export-draft reads a local folder, not {spec.path!r}")

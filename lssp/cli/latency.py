@@ -8,7 +8,15 @@ import typer
 from rich.text import Text
 
 from lssp.cli.app import app, settings
-from lssp.cli.loaders import llamacpp_engine, llamacpp_pair, load_draft_for, load_engine_pair, load_pair, start_vllm
+from lssp.cli.loaders import (
+    heads_run,
+    llamacpp_engine,
+    llamacpp_pair,
+    load_draft_for,
+    load_engine_pair,
+    load_pair,
+    start_vllm,
+)
 from lssp.cli.options import (
     ChatOpt,
     ConfidenceOpt,
@@ -78,8 +86,9 @@ def latency(
 
     s = settings(ctx)
     engines_wanted = parse_engines(engine, ("ours", "hf", "vllm", "llamacpp"))
+    heads = heads_run(engines_wanted)  # where one cannot run a feature head, every engine drafts with a model
     draft_names = [name.strip() for name in (draft or "").split(",") if name.strip()] or [None]
-    ks = parse_ints("--k", k) if k is not None else sorted({s.registry.draft_k(name) for name in draft_names})  # drafts' own
+    ks = parse_ints("--k", k) if k is not None else sorted({s.registry.draft_k(name, heads) for name in draft_names})
     confidences = parse_fractions("--draft-confidence", draft_confidence)
     lookups = parse_ints("--lookup", lookup, minimum=0)
     check_k_within_budget(ks, max_new_tokens)
@@ -102,7 +111,7 @@ def latency(
     lc = llamacpp_pair(s, engines_wanted, target, draft, use_draft, confidences)  # said before anything else loads
     engines, drafts, t = {}, [], None
     if "ours" in engines_wanted or "hf" in engines_wanted:  # both run the weights loaded here
-        t, d, vocab = load_pair(s, target, draft, need_draft=use_draft)
+        t, d, vocab = load_pair(s, target, draft, need_draft=use_draft, heads=heads)
         more = [load_draft_for(s, t, name) for name in draft_names[1:]]
         drafts = [x for x in (d, *(m for m, _ in more)) if x is not None]
         if "ours" in engines_wanted:
@@ -110,7 +119,7 @@ def latency(
         if "hf" in engines_wanted:
             engines["hf"] = TransformersEngine(t, d)
     if "vllm" in engines_wanted:
-        vt, vd = load_engine_pair(s, target, draft, need_draft=use_draft)
+        vt, vd = load_engine_pair(s, target, draft, need_draft=use_draft, heads=heads)
         t, drafts = t or vt, drafts or ([vd] if vd else [])
     if lc and t is None:
         t, drafts = lc[0], [x for x in lc[1:] if x]

@@ -9,7 +9,7 @@ import typer
 from rich.text import Text
 
 from lssp.cli.app import Settings, app, settings
-from lssp.cli.loaders import load_engine_pair, load_pair
+from lssp.cli.loaders import heads_run, load_engine_pair, load_pair
 from lssp.cli.options import (
     ChatOpt,
     IgnoreEosOpt,
@@ -88,7 +88,7 @@ def load(
     if levels[-1] > requests:
         raise UserError(f"--concurrency {levels[-1]} is more than --requests {requests}: no more than {requests} "
                         f"requests could be in flight; give --requests {levels[-1]} or more")
-    k = s.registry.draft_k(draft) if k is None else k
+    k = s.registry.draft_k(draft, heads_run([engine])) if k is None else k  # llama.cpp: the default draft model's
     check_positive("--k", k)
     check_k_within_budget(k, max_new_tokens)
     if lookup < 0:

@@ -23,9 +23,19 @@ def load(s: Settings, name: str, draft: bool = False, target=None):
     return loaded
 
 
-def load_pair(s: Settings, target_name: str | None, draft_name: str | None, need_draft: bool = True):
+def heads_run(engines: list[str]) -> bool:
+    """Whether every engine named drafts with our feature heads (where not, a default draft that is one gives way
+    to the registry's ``default_draft_model``)."""
+    from lssp.engines import ENGINES
+
+    return all(ENGINES[name].runs_feature_heads for name in engines)
+
+
+def load_pair(s: Settings, target_name: str | None, draft_name: str | None, need_draft: bool = True,
+              heads: bool = True):
+    """(target, draft, shared logit width) loaded for our engine; ``heads``: see ``heads_run``."""
     t_name = s.registry.target_name(target_name)
-    d_name = s.registry.draft_name(draft_name) if (draft_name or need_draft) else None
+    d_name = s.registry.draft_name(draft_name, heads) if (draft_name or need_draft) else None
     target = load(s, t_name)
     if d_name is None:
         return target, None, None
@@ -40,14 +50,15 @@ def load_draft_for(s: Settings, target, name: str):
     return draft, check_compatible(target, draft)
 
 
-def load_engine_pair(s: Settings, target_name: str | None, draft_name: str | None, need_draft: bool = True):
+def load_engine_pair(s: Settings, target_name: str | None, draft_name: str | None, need_draft: bool = True,
+                     heads: bool = True):
     """The pair as vLLM will run it: tokenizers and configs only on our side (no weights loaded here)."""
     from lssp.engines.vllm import EngineModel, require_vllm
     from lssp.models.loading import check_compatible
 
     require_vllm()
     t_spec = s.registry.get(s.registry.target_name(target_name))
-    d_name = s.registry.draft_name(draft_name) if (draft_name or need_draft) else None
+    d_name = s.registry.draft_name(draft_name, heads) if (draft_name or need_draft) else None
     with err_console.status(f"Reading {t_spec.name} for vLLM…"):
         target = EngineModel(t_spec)
         draft = EngineModel(s.registry.get(d_name), target) if d_name else None
@@ -72,7 +83,7 @@ def load_llamacpp_pair(s: Settings, target_name: str | None, draft_name: str | N
 
     build = require_build()
     t_spec = s.registry.get(s.registry.target_name(target_name))
-    d_name = s.registry.draft_name(draft_name) if (draft_name or need_draft) else None
+    d_name = s.registry.draft_name(draft_name, heads=False) if (draft_name or need_draft) else None
     with err_console.status(f"Preparing {t_spec.name} for llama.cpp (GGUF)…"):
         target = LlamacppModel(t_spec, build)
         draft = LlamacppModel(s.registry.get(d_name), build) if d_name else None

@@ -12,7 +12,7 @@ import typer
 from rich.text import Text
 
 from lssp.cli.app import app, settings
-from lssp.cli.loaders import check_llamacpp, load_pair
+from lssp.cli.loaders import check_llamacpp, heads_run, load_pair
 from lssp.cli.options import (
     DraftArg,
     LookupOpt,
@@ -85,6 +85,7 @@ def verify(
     if not params.greedy:
         _check_power(engines, paired, len(prompt_list), samples, depth, effect, significance)
     results = s.writable_results_dir(json_out)
+    draft = s.registry.draft_name(draft, heads_run(engines))  # every engine audited drafts with the same one
     t, d, vocab = load_pair(s, target, draft)  # our models give the exact laws, whichever engine is audited
     runners = _engines(s, engines, t, d, vocab, target, draft, ks, lookup)
     info = RunInfo.for_models(t, d)

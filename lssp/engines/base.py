@@ -68,6 +68,7 @@ class Engine(ABC):
     decode_timing: ClassVar[str] = DECODE_TIMING  # decode ms/token, in words: one definition for every engine
     splits_time: ClassVar[bool] = False  # whether it times draft and target forwards apart (a split pass applies)
     runs_our_weights: ClassVar[bool] = True  # whether it computes with the models loaded here (our exact laws apply)
+    runs_feature_heads: ClassVar[bool] = True  # whether it drafts with our feature heads (EAGLE layout)
 
     @property
     def version(self) -> str:

@@ -415,6 +415,7 @@ class LlamacppEngine(Engine):
     name = "llamacpp"
     decode_timing = DECODE_TIMING
     runs_our_weights = False  # its own kernels and number formats: our exact law is a reference, not the verdict
+    runs_feature_heads = False  # its draft-eagle3 takes EAGLE-3 heads (three target layers); ours read one
 
     def __init__(self, servers: LlamacppServers) -> None:
         self.servers = servers

@@ -67,6 +67,7 @@ class EmissionTimes(BaseStreamer):
 
 class TransformersEngine(Engine):
     name = "hf"
+    runs_feature_heads = False  # assisted generation takes a draft model
 
     def __init__(self, target: LoadedModel, draft: LoadedModel | None = None) -> None:
         self.target, self.draft = target, draft

@@ -41,7 +41,8 @@ class CatalogRow:
 
 def catalog(registry: Registry) -> list[CatalogRow]:
     """Every entry of ``registry``, in its order."""
-    roles = {registry.default_target: "default target", registry.default_draft: "default draft"}
+    roles = {registry.default_draft_model: "default draft model", registry.default_target: "default target",
+             registry.default_draft: "default draft"}
     return [entry_row(spec, roles.get(spec.name, "")) for spec in registry.models.values()]
 
 

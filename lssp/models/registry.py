@@ -38,7 +38,7 @@ DEFAULT_K = 4  # draft tokens per iteration when neither --k nor the draft's reg
 EXECUTOR_BACKENDS = ("mp", "ray")
 SPECULATIVE_METHODS = ("draft_model", "eagle", "eagle3", "mtp", "medusa")  # vLLM's, for a draft entry
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")  # vLLM: argmax drafts with one-hot q, or draws from q (as ours)
-TOP_KEYS = {"default_target", "default_draft", "models"}
+TOP_KEYS = {"default_target", "default_draft", "default_draft_model", "models"}
 PACKAGE_PREFIX = "pkg:"
 # Where the registry is looked for when --config is not given, or given as a relative path not found here.
 TOOL_DIR = Path(__file__).resolve().parents[2]
@@ -127,6 +127,8 @@ class Registry:
     source: Path
     notify: Callable[[str], None] | None = field(default=None, compare=False)
     unlisted: dict[str, ModelSpec] = field(default_factory=dict, compare=False)
+    default_draft_model: str | None = None  # the default where a feature head cannot run (it is no model)
+    said: set[str] = field(default_factory=set, compare=False)
 
     def get(self, name: str) -> ModelSpec:
         if name in self.models:
@@ -163,14 +165,22 @@ class Registry:
     def target_name(self, name: str | None) -> str:
         return self._name_or_default(name, self.default_target, "default_target", "a target model")
 
-    def draft_name(self, name: str | None) -> str:
+    def draft_name(self, name: str | None, heads: bool = True) -> str:
+        """``name``'s entry name, else the default draft; ``heads``: whether what runs it runs feature heads
+        (where not, the default is ``default_draft_model`` when the registry sets one)."""
+        if not name and not heads and self.default_draft_model:
+            if self.default_draft_model != self.default_draft and self.notify and "fallback" not in self.said:
+                self.said.add("fallback")
+                self.notify(f"drafting with {self.default_draft_model}, the default_draft_model of {self.source.name}"
+                            f" (its default_draft {self.default_draft} is a feature head, which this engine or command cannot run)")
+            return self.default_draft_model
         return self._name_or_default(name, self.default_draft, "default_draft", "a draft model")
 
-    def draft_k(self, name: str | None) -> int:
+    def draft_k(self, name: str | None, heads: bool = True) -> int:
         """The draft length to use when none is given: the draft's own ``k`` (chosen by measurement), else 4."""
         if not name and not self.default_draft:
             return DEFAULT_K
-        return self.get(self.draft_name(name)).k or DEFAULT_K
+        return self.get(self.draft_name(name, heads)).k or DEFAULT_K
 
     def _name_or_default(self, name: str | None, default: str | None, key: str, what: str) -> str:
         if name:
@@ -285,7 +295,7 @@ def load_registry(path: str | Path) -> Registry:
             raise loc.error(name_node, f"model {name!r} is defined twice")
         models[name] = _spec(loc, name, entry_node, source.parent)
     defaults = {}
-    for key in ("default_target", "default_draft"):
+    for key in ("default_target", "default_draft", "default_draft_model"):
         node = top.get(key)
         if node is None:
             defaults[key] = None
@@ -294,7 +304,8 @@ def load_registry(path: str | Path) -> Registry:
         if value not in models:
             raise loc.error(node, f"{key} names unknown model {value!r}{_suggest(value, models)}")
         defaults[key] = value
-    return Registry(models, defaults["default_target"], defaults["default_draft"], source)
+    return Registry(models, defaults["default_target"], defaults["default_draft"], source,
+                    default_draft_model=defaults["default_draft_model"])
 
 
 def _spec(loc: _Located, name: str, node: yaml.Node, base_dir: Path) -> ModelSpec:
