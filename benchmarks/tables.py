@@ -41,8 +41,8 @@ HEADLINE_AUDIT_RUNS = [
     "20261124-150154-65e4e9",  # llama.cpp at T=0.7 top-k 50
 ]
 # Ours beside vLLM and llama.cpp (benchmarks/engines.sh, run.sh step 2c): one latency run per sampling setting,
-# 2026-11-24 on a 2-core AMD EPYC (AVX-512, bf16): greedy, then T=0.7.
-HEADLINE_ENGINE_RUNS: list[str] = ["20261124-220647-81f43c", "20261124-221150-b06d84"]
+# 2026-11-26 on a 2-core AMD EPYC (AVX-512, bf16), the chat-trained draft model: greedy, then T=0.7.
+HEADLINE_ENGINE_RUNS: list[str] = ["20261126-012436-957d34", "20261126-012806-a23a79"]
 # The quality check the headline quotes (eval.csv): `eval --both --max-operand 9 --nb-prompts 1500` (run.sh step 4).
 HEADLINE_EVAL_RUN = "20261124-144234-09fa35"
 HEADLINE_BEGIN, HEADLINE_END = "<!-- headline:begin -->\n", "<!-- headline:end -->"

@@ -10,7 +10,15 @@ from rich.measure import Measurement
 from rich.table import Table
 
 from lssp.cli.app import app, settings
-from lssp.cli.loaders import heads_run, llamacpp_engine, llamacpp_pair, load_engine_pair, load_pair, start_vllm
+from lssp.cli.loaders import (
+    check_vllm,
+    heads_run,
+    llamacpp_engine,
+    llamacpp_pair,
+    load_engine_pair,
+    load_pair,
+    start_vllm,
+)
 from lssp.cli.options import (
     ConfidenceOpt,
     DraftArg,
@@ -70,10 +78,7 @@ def bench(
     if len(confidences) != 1:
         raise UserError(f"bench takes one --draft-confidence, got {draft_confidence!r}")
     engines = engines_for(rivals)
-    if "vllm" in rivals:
-        from lssp.engines.vllm import check_options
-
-        check_options(confidences)
+    check_vllm(rivals, confidences)
     prompt_list = read_prompt_list(prompts, nb_prompts)
     params = sampling_params(temperature, top_k, top_p)
     results = s.writable_results_dir(json_out)

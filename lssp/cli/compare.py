@@ -60,10 +60,7 @@ def compare(
     from lssp.workloads.tasks import TaskPrompt
 
     s = settings(ctx)
-    (chosen,) = parse_engines(engine, ("ours", "vllm", "llamacpp")) if "," not in engine else (None,)
-    if chosen is None:
-        raise UserError(f"--engine {engine!r}: compare streams one engine at a time (ours, vllm or llamacpp)")
-    k = s.registry.draft_k(draft, heads_run([chosen])) if k is None else k
+    chosen, k = _engine_and_k(s, engine, draft, k)
     check_positive("--k", k)
     check_positive("--max-new-tokens", max_new_tokens)
     check_k_within_budget(k, max_new_tokens)
@@ -127,6 +124,14 @@ def compare(
         _summary(done)
         exit_interrupted("\ninterrupted: the completions shown above are all there is (compare writes no files)")
     _summary(done)
+
+
+def _engine_and_k(s, engine: str, draft: str | None, k: int | None) -> tuple[str, int]:
+    """The one engine ``--engine`` names (compare streams one at a time), and K: ``k``, else the draft's own."""
+    (chosen,) = parse_engines(engine, ("ours", "vllm", "llamacpp")) if "," not in engine else (None,)
+    if chosen is None:
+        raise UserError(f"--engine {engine!r}: compare streams one engine at a time (ours, vllm or llamacpp)")
+    return chosen, s.registry.draft_k(draft, heads_run([chosen])) if k is None else k
 
 
 def _start_engine(s, chosen: str, target: str | None, draft: str | None, k: int, lookup: int):

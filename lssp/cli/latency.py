@@ -9,6 +9,7 @@ from rich.text import Text
 
 from lssp.cli.app import app, settings
 from lssp.cli.loaders import (
+    check_vllm,
     heads_run,
     llamacpp_engine,
     llamacpp_pair,
@@ -97,10 +98,7 @@ def latency(
         raise UserError(f"--split {split!r}: expected one of {', '.join(SPLIT_CHOICES)}")
     prompt_list = read_task_prompts(task, prompts, nb_prompts, chat)
     params = sampling_params(temperature, top_k, top_p)
-    if "vllm" in engines_wanted:
-        from lssp.engines.vllm import check_options
-
-        check_options(confidences)
+    check_vllm(engines_wanted, confidences)
     results = s.writable_results_dir(json_out)
     use_draft = draft is not None or default_pair or target is None
     if len(draft_names) > 1 and (one := next((e for e in ("vllm", "llamacpp") if e in engines_wanted), None)):

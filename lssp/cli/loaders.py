@@ -102,6 +102,14 @@ def llamacpp_pair(s: Settings, wanted: list[str], target_name: str | None, draft
     return load_llamacpp_pair(s, target_name, draft_name, need_draft)
 
 
+def check_vllm(wanted: list[str], confidences: tuple[float, ...] | list[float]) -> None:
+    """Where ``wanted`` names vllm, one line first for an option vLLM has no equivalent of."""
+    if "vllm" in wanted:
+        from lssp.engines.vllm import check_options
+
+        check_options(confidences)
+
+
 def check_llamacpp(wanted: list[str], confidences: tuple[float, ...] | list[float] = (0.0,)) -> list[str]:
     """``wanted``; where it names llamacpp, one line first if llama.cpp is not built or an option has no llama.cpp
     equivalent."""
