@@ -69,8 +69,8 @@ def bench(
 
     s = settings(ctx)
     rivals = parse_engines(engine, ("hf", *RIVALS))
-    heads = heads_run(rivals)  # ours and its rivals draft with the same model
-    k = s.registry.draft_k(draft, heads) if k is None else k
+    draft = s.registry.draft_name(draft, heads_run(rivals))  # ours and its rivals draft with the same model
+    k = s.registry.draft_k(draft) if k is None else k
     check_positive("--k", k)
     check_k_within_budget(k, max_new_tokens)
     alphas = parse_fractions("--alpha", alpha) if alpha else []
@@ -83,12 +83,12 @@ def bench(
     params = sampling_params(temperature, top_k, top_p)
     results = s.writable_results_dir(json_out)
     lc = llamacpp_pair(s, rivals, target, draft, confidences=confidences)  # said before anything else loads
-    t, d, vocab = load_pair(s, target, draft, heads=heads)
+    t, d, vocab = load_pair(s, target, draft)
     why = TransformersEngine(t, d).supports(Mode("ssp", k, engine="hf")) if "hf" in rivals else None
     if why:
         raise UserError(f"--engine hf with {d.name!r}: {why}; use --engine vllm or llamacpp as its rival")
     keys = [(0, 0), (k, 0)]  # RSp, and SSp with the draft at K: every rival's engines started before anything is timed
-    started = {"vllm": VllmEngine(start_vllm(*load_engine_pair(s, target, draft, heads=heads), keys))} if "vllm" in rivals else {}
+    started = {"vllm": VllmEngine(start_vllm(*load_engine_pair(s, target, draft), keys))} if "vllm" in rivals else {}
     if lc:
         started["llamacpp"] = llamacpp_engine(lc, keys)  # its servers stop when the command ends, however it ends
     with progress(None, "bench") as tick:

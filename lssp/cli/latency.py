@@ -87,9 +87,11 @@ def latency(
 
     s = settings(ctx)
     engines_wanted = parse_engines(engine, ("ours", "hf", "vllm", "llamacpp"))
-    heads = heads_run(engines_wanted)  # where one cannot run a feature head, every engine drafts with a model
+    use_draft = draft is not None or default_pair or target is None
+    if draft is None and use_draft:  # where one engine cannot run a feature head, every engine drafts with a model
+        draft = s.registry.draft_name(None, heads_run(engines_wanted))
     draft_names = [name.strip() for name in (draft or "").split(",") if name.strip()] or [None]
-    ks = parse_ints("--k", k) if k is not None else sorted({s.registry.draft_k(name, heads) for name in draft_names})
+    ks = parse_ints("--k", k) if k is not None else sorted({s.registry.draft_k(name) for name in draft_names})
     confidences = parse_fractions("--draft-confidence", draft_confidence)
     lookups = parse_ints("--lookup", lookup, minimum=0)
     check_k_within_budget(ks, max_new_tokens)
@@ -100,7 +102,6 @@ def latency(
     params = sampling_params(temperature, top_k, top_p)
     check_vllm(engines_wanted, confidences)
     results = s.writable_results_dir(json_out)
-    use_draft = draft is not None or default_pair or target is None
     if len(draft_names) > 1 and (one := next((e for e in ("vllm", "llamacpp") if e in engines_wanted), None)):
         raise UserError(f"--engine {one} times one draft: give --draft a single name")
     if len(set(draft_names)) < len(draft_names):
@@ -109,7 +110,7 @@ def latency(
     lc = llamacpp_pair(s, engines_wanted, target, draft, use_draft, confidences)  # said before anything else loads
     engines, drafts, t = {}, [], None
     if "ours" in engines_wanted or "hf" in engines_wanted:  # both run the weights loaded here
-        t, d, vocab = load_pair(s, target, draft, need_draft=use_draft, heads=heads)
+        t, d, vocab = load_pair(s, target, draft, need_draft=use_draft)
         more = [load_draft_for(s, t, name) for name in draft_names[1:]]
         drafts = [x for x in (d, *(m for m, _ in more)) if x is not None]
         if "ours" in engines_wanted:
@@ -117,7 +118,7 @@ def latency(
         if "hf" in engines_wanted:
             engines["hf"] = TransformersEngine(t, d)
     if "vllm" in engines_wanted:
-        vt, vd = load_engine_pair(s, target, draft, need_draft=use_draft, heads=heads)
+        vt, vd = load_engine_pair(s, target, draft, need_draft=use_draft)
         t, drafts = t or vt, drafts or ([vd] if vd else [])
     if lc and t is None:
         t, drafts = lc[0], [x for x in lc[1:] if x]

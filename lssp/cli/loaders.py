@@ -31,11 +31,9 @@ def heads_run(engines: list[str]) -> bool:
     return all(ENGINES[name].runs_feature_heads for name in engines)
 
 
-def load_pair(s: Settings, target_name: str | None, draft_name: str | None, need_draft: bool = True,
-              heads: bool = True):
-    """(target, draft, shared logit width) loaded for our engine; ``heads``: see ``heads_run``."""
+def load_pair(s: Settings, target_name: str | None, draft_name: str | None, need_draft: bool = True):
     t_name = s.registry.target_name(target_name)
-    d_name = s.registry.draft_name(draft_name, heads) if (draft_name or need_draft) else None
+    d_name = s.registry.draft_name(draft_name) if (draft_name or need_draft) else None
     target = load(s, t_name)
     if d_name is None:
         return target, None, None
@@ -50,15 +48,14 @@ def load_draft_for(s: Settings, target, name: str):
     return draft, check_compatible(target, draft)
 
 
-def load_engine_pair(s: Settings, target_name: str | None, draft_name: str | None, need_draft: bool = True,
-                     heads: bool = True):
+def load_engine_pair(s: Settings, target_name: str | None, draft_name: str | None, need_draft: bool = True):
     """The pair as vLLM will run it: tokenizers and configs only on our side (no weights loaded here)."""
     from lssp.engines.vllm import EngineModel, require_vllm
     from lssp.models.loading import check_compatible
 
     require_vllm()
     t_spec = s.registry.get(s.registry.target_name(target_name))
-    d_name = s.registry.draft_name(draft_name, heads) if (draft_name or need_draft) else None
+    d_name = s.registry.draft_name(draft_name) if (draft_name or need_draft) else None
     with err_console.status(f"Reading {t_spec.name} for vLLM…"):
         target = EngineModel(t_spec)
         draft = EngineModel(s.registry.get(d_name), target) if d_name else None
