@@ -168,3 +168,17 @@ def test_device_names_are_compact():
     assert device_names(on("cuda:3", "cuda:3")) == "cuda:3"
     assert device_names(on("cuda:2", "cuda:0", "cuda:1", "cuda:3")) == "cuda:0-3"
     assert device_names(on("cuda:2", "cuda:0", "cpu")) == "cuda:0,2+cpu"
+
+
+def test_budgets_written_as_sizes_place_like_budgets_in_bytes():
+    """Loading passes ``max_memory`` as sizes ("139000MiB", as from_pretrained takes them); the balanced placement
+    of random-init models read them as numbers (found on the first GPU run)."""
+    from transformers import LlamaConfig
+
+    from lssp.models.placement import place_target
+
+    model = empty_model(LlamaConfig(**{k: v for k, v in TINY.items() if k != "model_type"}), torch.float32)
+    as_sizes = place_target(model, "r", "16-bit", {0: "60KiB", 1: "60KiB", "cpu": "1GiB"})
+    in_bytes = place_target(model, "r", "16-bit", {0: 60 * 2**10, 1: 60 * 2**10, "cpu": 2**30})
+    assert as_sizes.device_map == in_bytes.device_map
+    assert {0, 1} <= set(as_sizes.device_map.values())

@@ -120,6 +120,15 @@ RECOMPILE_LIMIT = 64
 COMPILED_CAPACITY = 1024  # compiled: positions each cache buffer holds (it doubles, and recompiles, if outgrown)
 
 
+def _static(buffer: torch.Tensor) -> torch.Tensor:
+    """``buffer`` marked as an address that never changes: CUDA graphs then record the compiled step's in-place
+    cache writes instead of skipping the graph ("mutated inputs")."""
+    import torch._dynamo
+
+    torch._dynamo.mark_static_address(buffer)
+    return buffer
+
+
 def compiled_graphs() -> int:
     """Graphs torch.compile has built in this process: a rise while timing means recompiles were timed."""
     from torch._dynamo.utils import counters
@@ -217,7 +226,8 @@ class FusedDecoder(nn.Module):
             values[:, :, at] = qkv[:, rotated:]
             out = F.scaled_dot_product_attention(qk[:, :heads].reshape(grouped), keys[:, :, :upto], values[:, :, :upto],
                                                  attn_mask=mask, scale=self.scale)
-            hidden = hidden + _linear(self.o[i], out.view(batch, heads, n, -1).transpose(1, 2).reshape(batch, n, -1))
+            # reshape, not view: CUDA's attention kernels may return the grouped heads in another memory layout
+            hidden = hidden + _linear(self.o[i], out.reshape(batch, heads, n, -1).transpose(1, 2).reshape(batch, n, -1))
             x = self._rms_norm(hidden, layer.post_attention_layernorm.weight)
             gate, up = _linear(self.gate_up[i], x).chunk(2, dim=-1)
             hidden = hidden + _linear(self.down[i], F.silu(gate) * up)
@@ -278,7 +288,7 @@ class CompactLlama(FusedDecoder):
         # Compiled: a zeroed buffer of fixed capacity (positions past the text are masked, never NaN), reused by the
         # next cache once this one is dropped, so CUDA graphs see the same addresses and no new shape.
         buffers = self._free_buffers.pop() if self._free_buffers else [
-            torch.zeros(1, args[1], COMPILED_CAPACITY, args[2], dtype=weight.dtype, device=weight.device)
+            _static(torch.zeros(1, args[1], COMPILED_CAPACITY, args[2], dtype=weight.dtype, device=weight.device))
             for _ in range(2 * args[0])]
         cache = CompactCache(*args, buffers=buffers)
         weakref.finalize(cache, self._free_buffers.append, buffers)

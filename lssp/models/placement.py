@@ -163,12 +163,13 @@ def _bytes_per_device(model: nn.Module, device_map: dict[str, int | str], precis
     return dict(per)
 
 
-def place_target(model: nn.Module, name: str, precision: str, max_memory: dict[int | str, int],
+def place_target(model: nn.Module, name: str, precision: str, max_memory: dict[int | str, int | str],
                  balanced: bool = True) -> Placement:
-    """Placement over the GPUs in ``max_memory`` (bytes each): balanced, as ``device_map="auto"`` does, or filling
+    """Placement over the GPUs in ``max_memory`` (bytes each, or sizes such as "38GiB"): balanced, as ``device_map="auto"`` does, or filling
     each in turn, as ``device_map="sequential"`` does."""
-    from accelerate.utils import infer_auto_device_map
+    from accelerate.utils import convert_file_size_to_int, infer_auto_device_map
 
+    max_memory = {k: convert_file_size_to_int(v) for k, v in max_memory.items()}  # "38GiB" as the registry says it
     dtype, special = _dtypes(model, precision)
     split = getattr(model, "_no_split_modules", None) or []
     budgets = balanced_budgets(model, max_memory, split, dtype, special) if balanced else dict(max_memory)
