@@ -401,3 +401,38 @@ def test_verify_batches_only_what_the_engine_batches(loaded):
     assert batches_runs(engine, Mode("ssp", 2)) and not batches_runs(engine, Mode("ssp", 2, lookup=2))
     assert not batches_runs(Wrapped(target, [draft], [64]), Mode("ssp", 2))
     assert not batches_runs(Wrapped(target, [draft], [64]), Mode("rsp"))
+
+
+@pytest.mark.parametrize("compact", [False, True], ids=["transformers", "compact"])
+@pytest.mark.parametrize("drafting", ["RSp", "draft K=3"])
+def test_a_one_row_batch_leaves_the_shared_prefix_whole(pair, compact, drafting):
+    """A batch of one row over a cached prefix once got the prefix's own cache and emptied it when the row left
+    (``eval --ssp-batch 3 --nb-prompts 66`` crashed on the next problem): every later batch, of one row or more,
+    gives what it gives without the prefix."""
+    from lssp.decoding.batched import generate_regular_rows
+    from lssp.decoding.kv import PrefixCache
+
+    target, draft = (CompactLlama(m).eval() for m in pair) if compact else pair
+    shared = [3, 1, 4, 1, 5]
+    prompts = [torch.tensor(shared + p) for p in PROMPTS]
+
+    def run(rows, prefix):
+        if drafting == "RSp":
+            return generate_regular_rows(target, rows, 8, GREEDY, [None] * len(rows), prefix=prefix)
+        return speculative_decode_batch(target, draft, rows, 8, 3, GREEDY, [None] * len(rows), prefix=prefix)
+
+    prefix = PrefixCache(shared)
+    for rows in ([prompts[0]], [prompts[1]], prompts[2:4], [prompts[4]]):
+        with_prefix, without = run(rows, prefix), run(rows, None)
+        assert [o.tokens.tolist() for o in with_prefix] == [o.tokens.tolist() for o in without]
+
+
+def test_eval_with_a_last_batch_of_one_row_runs_on_and_records_as_one_at_a_time(loaded, tmp_path):
+    """``eval --both --ssp-batch 3`` over 7 problems: the third SSp batch has one row, and RSp's problems after it
+    use the same cached prefix (the CLI case of the crash above)."""
+    target, draft, _ = loaded
+    engine = OursEngine(target, [draft], [64])
+    runs = {size: run_eval(target, draft, engine, ["ssp", "rsp"], 7, 0, GREEDY, 8, 3, tmp_path / str(size),
+                           ssp_batch=size) for size in (1, 3)}
+    one, three = _records(runs[1]), _records(runs[3])
+    assert len(three) == 14 and one == three

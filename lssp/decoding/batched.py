@@ -145,7 +145,7 @@ def begin_rows(model: PreTrainedModel, prompts: Sequence[list[int]], prefix: Pre
     n = len(prefix.ids) if prefix is not None else 0
     kv = None
     if n and all(len(p) > n and p[:n] == prefix.ids for p in prompts):
-        kv = prefix.start(model, torch.tensor([p[:n + 1] for p in prompts], device=device), role)
+        kv = prefix.start(model, torch.tensor([p[:n + 1] for p in prompts], device=device), role, own=True)
     if kv is None:
         return prefill_rows(model, [p[:-1] for p in prompts])[0]
     cache = RowCache(model, kv, torch.ones(len(prompts), n, dtype=torch.bool, device=device),

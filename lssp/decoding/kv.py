@@ -87,9 +87,12 @@ class PrefixCache:
         n = len(self.ids)
         return seq.shape[1] > n and all(row[:n].tolist() == self.ids for row in seq)
 
-    def start(self, model: PreTrainedModel, seq: torch.Tensor, role: str = "target") -> DynamicCache | None:
+    def start(self, model: PreTrainedModel, seq: torch.Tensor, role: str = "target",
+              own: bool = False) -> DynamicCache | None:
         """``model``'s cache holding all of ``seq`` (1, T), or of every row of ``seq`` (B, T), but its last token;
-        None where a row does not extend the prefix (its tokenization differs there, or it is no longer)."""
+        None where a row does not extend the prefix (its tokenization differs there, or it is no longer). One row
+        gets the stored cache itself (the next start rolls it back) unless ``own``: a caller that removes rows
+        (a batch) needs a copy, or the prefix would lose its only row."""
         n = len(self.ids)
         if not self.extends(seq):
             return None
@@ -99,7 +102,7 @@ class PrefixCache:
             feed(model, seq[:1, :n], kv)
         else:
             drop(kv, kv.get_seq_length() - n)
-        if seq.shape[0] > 1:
+        if seq.shape[0] > 1 or own:
             kv = repeated(model, kv, seq.shape[0])
         if seq.shape[1] > n + 1:
             feed(model, seq[:, n:-1], kv)
