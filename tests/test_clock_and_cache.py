@@ -11,8 +11,8 @@ import lssp.decoding.timing
 from lssp.decoding.generation import generate_regular
 from lssp.decoding.kv import drop, forward_logits, new_cache
 from lssp.decoding.sampling import SamplingParams
-from lssp.decoding.speculative import generate_speculative
 from lssp.decoding.timing import Clock, cuda_devices
+from lssp.drafters import generate_speculative
 
 
 @pytest.fixture()

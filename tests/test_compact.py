@@ -11,7 +11,7 @@ from test_generation import SIGNIFICANCE, VOCAB, exact_two_token_law, two_token_
 from lssp.decoding.generation import generate_regular
 from lssp.decoding.kv import forward_logits, new_cache
 from lssp.decoding.sampling import SamplingParams
-from lssp.decoding.speculative import generate_speculative
+from lssp.drafters import generate_speculative
 from lssp.errors import UserError
 from lssp.models.compact import CompactCache, CompactLlama, supports_compact
 from lssp.models.draft_head import (

@@ -1,6 +1,6 @@
 """Every drafter through the same exactness tests: greedy SSp equals greedy RSp, and sampled SSp's first two tokens
-follow the target's exact law (chi-square), for the draft model, the feature head and the wrappers over them; a
-drafter that misreports its q must fail the same test."""
+follow the target's exact law (chi-square), for the draft model, the feature head, the n-gram drafter and the
+policies over them; a drafter that misreports its q must fail the same test."""
 from __future__ import annotations
 
 import pytest
@@ -11,7 +11,7 @@ from lssp.decoding import verification
 from lssp.decoding.generation import generate_regular
 from lssp.decoding.sampling import SamplingParams, inverse_cdf, warp
 from lssp.decoding.speculative import speculative_decode
-from lssp.drafters import ConfidenceStop, DraftModel, FeatureHead, LookupDrafter, Picker, Proposal
+from lssp.drafters import ConfidenceStop, DraftModel, FeatureHead, LookupHint, NgramDrafter, Picker, Proposal
 from lssp.drafters.base import DrafterWrapper
 from lssp.models.eagle import FeatureDraft
 from lssp.report.stats import chi_square_gof
@@ -30,10 +30,11 @@ def models():
 DRAFTERS = {  # name: how to build it from (draft model, feature head)
     "draft-model": lambda draft, head: DraftModel(draft),
     "feature-head": lambda draft, head: FeatureHead(head),
-    "lookup(draft-model)": lambda draft, head: LookupDrafter(DraftModel(draft), 1),
-    "lookup(feature-head)": lambda draft, head: LookupDrafter(FeatureHead(head), 1),
-    "confidence(draft-model)": lambda draft, head: ConfidenceStop(DraftModel(draft), 0.3),
-    "confidence(lookup(feature-head))": lambda draft, head: ConfidenceStop(LookupDrafter(FeatureHead(head), 1), 0.3),
+    "lookup(draft-model)": lambda draft, head: DraftModel(draft, [LookupHint(1)]),
+    "lookup(feature-head)": lambda draft, head: FeatureHead(head, [LookupHint(1)]),
+    "confidence(draft-model)": lambda draft, head: DraftModel(draft, [ConfidenceStop(0.3)]),
+    "confidence(lookup(feature-head))": lambda draft, head: FeatureHead(head, [LookupHint(1), ConfidenceStop(0.3)]),
+    "n-gram": lambda draft, head: NgramDrafter(1),
 }
 
 
@@ -93,15 +94,24 @@ def test_the_law_test_catches_a_drafter_that_misreports_q(models, name):
     assert chi_square_gof(counts, _exact_law(target, prompt, params).tolist()).p_value < SIGNIFICANCE
 
 
-def test_wrappers_report_what_they_did(models):
+def test_policies_report_what_they_did(models):
     target, draft, _ = models
     ids = torch.tensor([[2, 3, 2, 3, 2, 3, 2]])
-    looked = speculative_decode(target, LookupDrafter(DraftModel(draft), 2), ids, 30, 3, SamplingParams(1.0),
+    looked = speculative_decode(target, DraftModel(draft, [LookupHint(2)]), ids, 30, 3, SamplingParams(1.0),
                                 torch.Generator().manual_seed(0)).stats
     plain = speculative_decode(target, DraftModel(draft), ids, 30, 3, GREEDY).stats
-    stopped = speculative_decode(target, ConfidenceStop(DraftModel(draft), 0.9), ids, 30, 3, GREEDY).stats
+    stopped = speculative_decode(target, DraftModel(draft, [ConfidenceStop(0.9)]), ids, 30, 3, GREEDY).stats
     assert looked.looked_up > 0 and plain.looked_up == 0
     assert stopped.drafted < plain.drafted  # K became a maximum
+
+
+def test_the_ngram_drafter_proposes_the_texts_own_continuations_and_nothing_where_the_ngram_is_new(models):
+    target, _, _ = models
+    ids = torch.tensor([[2, 3, 2, 3, 2, 3, 2]])
+    stats = speculative_decode(target, NgramDrafter(2), ids, 20, 3, GREEDY).stats
+    assert stats.drafted > 0 and stats.draft_forwards == stats.drafted  # no model: drafts are lookups alone
+    new = speculative_decode(target, NgramDrafter(2), torch.tensor([[1, 2]]), 1, 3, GREEDY).stats
+    assert new.drafted == 0
 
 
 def _planted(law):

@@ -11,7 +11,7 @@ import lssp.decoding.verification as verification
 import lssp.models.eagle as eagle
 from lssp.decoding.generation import generate_regular
 from lssp.decoding.sampling import SamplingParams, warp
-from lssp.decoding.speculative import generate_speculative
+from lssp.drafters import generate_speculative
 from lssp.errors import UserError
 from lssp.models.compact import CompactLlama
 from lssp.models.eagle import FeatureDraft, FeatureHead, load_feature_head, save_feature_head

@@ -11,7 +11,7 @@ from torch import nn
 import lssp.decoding.verification as verification
 from lssp.decoding.generation import Stopping, generate_regular
 from lssp.decoding.sampling import SamplingParams, argmax, sample, warp
-from lssp.decoding.speculative import generate_speculative
+from lssp.drafters import generate_speculative
 from lssp.drafters.lookup import ContextLookup
 from lssp.report.stats import chi_square_gof
 

@@ -15,8 +15,8 @@ from test_generation import N_RUNS, SIGNIFICANCE, VOCAB, PrefixTableLM, exact_tw
 
 from lssp.decoding.generation import generate_regular
 from lssp.decoding.sampling import SamplingParams
-from lssp.decoding.speculative import generate_speculative
 from lssp.decoding.timing import Clock
+from lssp.drafters import generate_speculative
 from lssp.models.compact import CompactLlama
 from lssp.report.stats import chi_square_gof
 

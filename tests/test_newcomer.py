@@ -353,15 +353,16 @@ def test_verify_exits_1_when_not_lossless(run, monkeypatch):
 def test_ctrl_c_in_verify_keeps_the_prompts_done_and_says_so(run, tmp_path, monkeypatch):
     from lssp.engines import OursEngine
 
-    runs, batched = [0], OursEngine.complete_ssp_batch
+    runs, batched = [0], OursEngine.complete_many
 
     def interrupted_later(self, mode, ids, request, seeds):  # verify runs a prompt's samples in batches
-        runs[0] += len(seeds)
+        if mode.mode == "ssp":
+            runs[0] += len(seeds)
         if runs[0] > 120:  # prompt 1's 100 runs are done, prompt 2's are not
             raise KeyboardInterrupt
         return batched(self, mode, ids, request, seeds)
 
-    monkeypatch.setattr(OursEngine, "complete_ssp_batch", interrupted_later)
+    monkeypatch.setattr(OursEngine, "complete_many", interrupted_later)
     code, out, err = run("verify", "--nb-prompts", "2", "--samples", "100", "--depth", "1", "--k", "2", "--effect",
                          "1.5", "--json", str(tmp_path / "v.json"))
     assert code == 130 and "interrupted: 1 report(s) saved" in err and "(1 in the last)" in err, err

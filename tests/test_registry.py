@@ -9,7 +9,7 @@ import torch
 
 from lssp.decoding.generation import generate_regular
 from lssp.decoding.sampling import SamplingParams
-from lssp.decoding.speculative import generate_speculative
+from lssp.drafters import generate_speculative
 from lssp.errors import IncompatibleModelsError, UserError
 from lssp.models.loading import check_compatible, load_model
 from lssp.models.registry import load_registry

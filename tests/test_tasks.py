@@ -11,7 +11,7 @@ from conftest import tiny_llama
 from lssp.decoding.generation import Stopping, generate_regular, generate_regular_batch
 from lssp.decoding.kv import PrefixCache
 from lssp.decoding.sampling import SamplingParams
-from lssp.decoding.speculative import generate_speculative
+from lssp.drafters import generate_speculative
 from lssp.errors import UserError
 from lssp.models.compact import CompactLlama
 from lssp.models.loading import LoadedModel

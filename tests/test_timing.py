@@ -18,7 +18,7 @@ from lssp.decoding.generation import (
     timing_basis,
 )
 from lssp.decoding.sampling import SamplingParams
-from lssp.decoding.speculative import generate_speculative
+from lssp.drafters import generate_speculative
 from lssp.engines import ENGINES, Mode
 from lssp.measure.latency import PromptTiming, summaries_by_task
 

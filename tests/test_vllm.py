@@ -371,7 +371,7 @@ def test_vllm_runs_our_feature_head_with_its_eagle_method(tmp_path):
     vllm_or_skip()
     from conftest import char_tokenizer, tiny_llama
 
-    from lssp.decoding.speculative import generate_speculative
+    from lssp.drafters import generate_speculative
     from lssp.models.eagle import FeatureDraft, FeatureHead, head_config, save_feature_head
 
     target = tiny_llama(12, hidden=256, scale=4.0)

@@ -188,7 +188,7 @@ def _backend(engine: str, core, setup: LoadSetup, t, d):
     """The LoadBackend over ``core`` (``_start``), the setup completed with what only the engine knows."""
     from lssp.decoding.generation import Stopping
     from lssp.engines.vllm import draft_method, draft_sampling
-    from lssp.measure.load_backends import OursLoadBackend, VllmLoadBackend
+    from lssp.measure.load_backends import EngineLoadBackend, VllmLoadBackend
 
     if engine == "vllm":
         backend = VllmLoadBackend(core, setup, sorted(t.eos_ids), t.tokenizer)
@@ -200,7 +200,7 @@ def _backend(engine: str, core, setup: LoadSetup, t, d):
         backend = LlamacppLoadBackend(core, setup, stopping)
         setup.draft_method = "draft-simple" if d else ""
     else:
-        backend = OursLoadBackend(core, setup, Stopping() if setup.ignore_eos else Stopping(token_ids=t.eos_ids))
+        backend = EngineLoadBackend(core, setup, Stopping() if setup.ignore_eos else Stopping(token_ids=t.eos_ids))
         setup.draft_method = "draft"
     setup.engine_version = backend.version
     return backend

@@ -25,10 +25,10 @@ its slots added at the end of the caches (``merge_rows``), the other rows holdin
 outnumber a cache's tokens, each row's tokens move together to fewer slots (``repack_rows``). Neither changes what a
 row's queries see, so joining rows stay exact too.
 
-Supported: a plain draft model (``DraftRows``) and a feature head over a compact-forward target (``HeadRows``: each
-row's head positions pair the target's feature of a token with the token after it, as ``FeatureHead`` does alone),
-greedy or sampled; not the context lookup or the confidence stop (``batchable`` says so, and callers run those one
-completion at a time).
+The drafter's side of the rows is the drafter's own (``Drafter.begin_rows``: a draft model's cache, a feature head's
+pairs of features and tokens, an n-gram drafter's contexts), with its policies (the context lookup, the confidence
+stop) applied to each row's picker as for one completion; ``Drafter.rows_reason`` says where a drafter cannot
+(a feature head over a target not under the compact forward).
 """
 from __future__ import annotations
 
@@ -40,27 +40,14 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
+from lssp.decoding.drafting import Drafter, DraftRows, Picker, Proposal
 from lssp.decoding.generation import NO_STOP, GenerationOutput, GenerationStats, Stopping
 from lssp.decoding.kv import PrefixCache, accepts_logits_to_keep, drop, new_cache
 from lssp.decoding.sampling import SamplingParams, sample_logits
 from lssp.decoding.speculative import count_iteration, verify_proposal
 from lssp.decoding.timing import Clock
-from lssp.drafters.base import Picker, Proposal
-from lssp.models.compact import CompactCache, CompactLlama
-from lssp.models.eagle import FeatureDraft
+from lssp.models.compact import CompactCache
 from lssp.models.modules import logit_width, model_device
-
-
-def batchable(draft: torch.nn.Module, lookup: int = 0, confidence: float = 0.0,
-              target: torch.nn.Module | None = None) -> str | None:
-    """Why SSp with this drafting cannot run batched (callers then go one completion at a time), or None."""
-    if isinstance(draft, FeatureDraft) and not isinstance(target, CompactLlama):
-        return "a feature head drafts batched only for a target under the compact forward"
-    if lookup:
-        return "the context lookup drafts one completion at a time"
-    if confidence:
-        return "the confidence stop drafts one completion at a time"
-    return None
 
 
 def joinable(*models: torch.nn.Module) -> str | None:
@@ -222,104 +209,6 @@ def keep_rows(cache: RowCache, rows: list[int]) -> None:
     if 0 < end < cache.slots:
         drop(cache.kv, cache.slots - end)
         cache.valid = cache.valid[:, :end]
-
-
-def draft_rows(cache: RowCache, rows: Sequence[Row], budgets: Sequence[int], vocab: int, params: SamplingParams,
-               device: torch.device) -> list[Proposal]:
-    """Each row drafts ``budgets[r]`` tokens, one draft forward per step for the rows still drafting; as in
-    ``DraftModel.propose``, a row's first step feeds what its draft cache lacks and its last draft is never fed."""
-    pickers = [Picker(b, vocab, params, row.generator, device) for row, b in zip(rows, budgets)]
-    pending = [row.seq[p:] if b else [] for row, b, p in zip(rows, budgets, cache.positions.tolist())]
-    while any(pending):
-        logits = forward_rows(cache, pending, 1, left=True)[:, -1]
-        pending = [_next_draft(picker, logits[r]) if pending[r] else [] for r, picker in enumerate(pickers)]
-    return [picker.proposal() for picker in pickers]
-
-
-def _next_draft(picker: Picker, logits: torch.Tensor) -> list[int]:
-    """The row's next draft, as the token to feed next ([] once it has drafted its budget)."""
-    token = picker.add(logits)
-    return [] if picker.done else [int(token)]
-
-
-class DraftRows:
-    """A plain draft model drafting for every row of the batch, in a cache of its own."""
-
-    needs_features = False
-
-    def __init__(self, draft: PreTrainedModel, prompts: Sequence[list[int]], prefix: PrefixCache | None) -> None:
-        self.cache = begin_rows(draft, prompts, prefix, "draft")
-
-    def ready(self, row: int) -> bool:
-        return True
-
-    def propose(self, rows: Sequence[Row], budgets: Sequence[int], vocab: int, params: SamplingParams,
-                device: torch.device) -> list[Proposal]:
-        return draft_rows(self.cache, rows, budgets, vocab, params, device)
-
-    def commit(self, row: int, proposal: Proposal, accepted: int, features: torch.Tensor | None) -> None:
-        drop_row(self.cache, row, len(proposal) - 1 - accepted)  # its last draft was never fed
-
-    def keep(self, rows: list[int]) -> None:
-        keep_rows(self.cache, rows)
-
-    def merge(self, other: DraftRows) -> None:
-        merge_rows(self.cache, other.cache)
-
-
-class HeadRows:
-    """A feature head drafting for every row. A row's head positions each pair the target's feature of a token with
-    the token after it; the features the target gave for tokens the head has not read yet wait in ``queued`` (its
-    first draft forward reads them), and each later draft reads the head's own guess of the feature before it."""
-
-    needs_features = True
-
-    def __init__(self, head: FeatureDraft, prompts: Sequence[list[int]], features: Sequence[torch.Tensor]) -> None:
-        self.cache = empty_rows(head, len(prompts))
-        self.width = head.config.hidden_size
-        if any(len(p) > 2 for p in prompts):  # the pairs of each prompt but the last
-            self._forward([p[1:-1] for p in prompts], [f[:-1] for f in features])
-        self.queued: list[torch.Tensor | None] = [f[-1:] if len(f) else None for f in features]
-
-    def ready(self, row: int) -> bool:
-        return self.queued[row] is not None
-
-    def _forward(self, pieces: Sequence[Sequence[int]], features: Sequence[torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Feed each row its tokens with their features (left-padded, as ``feed_rows`` pads the tokens); the logits
-        and the head's guess at each row's last column."""
-        width = max(map(len, pieces))
-        paired = torch.zeros(len(pieces), width, self.width, device=self.cache.valid.device)
-        for r, (piece, feature) in enumerate(zip(pieces, features)):
-            if piece:
-                paired[r, width - len(piece):] = feature
-        out = feed_rows(self.cache, pieces, True, input_features=paired, logits_to_keep=1)
-        return out.logits[:, -1], self.cache.kv.guess[:, -1]
-
-    def propose(self, rows: Sequence[Row], budgets: Sequence[int], vocab: int, params: SamplingParams,
-                device: torch.device) -> list[Proposal]:
-        pickers = [Picker(b, vocab, params, row.generator, device) for row, b in zip(rows, budgets)]
-        pending = [row.seq[p + 1:] if b else [] for row, b, p in zip(rows, budgets, self.cache.positions.tolist())]
-        features = [self.queued[r] if b else None for r, b in enumerate(budgets)]
-        self.queued = [None if b else q for q, b in zip(self.queued, budgets)]
-        while any(pending):
-            logits, guesses = self._forward(pending, features)
-            for r, picker in enumerate(pickers):
-                if pending[r]:
-                    pending[r], features[r] = _next_draft(picker, logits[r]), guesses[r:r + 1]
-        return [picker.proposal() for picker in pickers]
-
-    def commit(self, row: int, proposal: Proposal, accepted: int, features: torch.Tensor | None) -> None:
-        drop_row(self.cache, row, len(proposal) - 1)  # the positions that read a guess
-        queued = self.queued[row]
-        self.queued[row] = features if queued is None else torch.cat([queued, features])
-
-    def keep(self, rows: list[int]) -> None:
-        keep_rows(self.cache, rows)
-        self.queued = [self.queued[r] for r in rows]
-
-    def merge(self, other: HeadRows) -> None:
-        merge_rows(self.cache, other.cache)
-        self.queued += other.queued
 
 
 def begin_rows_with_features(target: PreTrainedModel, prompts: Sequence[list[int]]) -> tuple[RowCache, list[torch.Tensor]]:
@@ -502,51 +391,52 @@ class RegularRows(RowsRun):
 
 
 class SpeculativeRows(RowsRun):
-    """SSp rows of ``target`` with ``draft`` (``speculative_decode_batch``)."""
+    """SSp rows of ``target`` with ``drafter`` (``speculative_decode_batch``)."""
 
-    def __init__(self, target: PreTrainedModel, draft: PreTrainedModel, k: int, params: SamplingParams,
+    def __init__(self, target: PreTrainedModel, drafter: Drafter, k: int, params: SamplingParams,
                  stopping: Stopping, max_new_tokens: int, vocab: int, prefix: PrefixCache | None, clock: Clock,
                  start: float) -> None:
         super().__init__(clock, start, max_new_tokens)
-        if isinstance(draft, FeatureDraft) and batchable(draft, target=target):
-            raise ValueError(batchable(draft, target=target))
-        self.target, self.draft, self.k, self.params, self.stopping = target, draft, k, params, stopping
+        refused = drafter.rows_reason(target)
+        if refused:
+            raise ValueError(refused)
+        self.target, self.drafter, self.k, self.params, self.stopping = target, drafter, k, params, stopping
         self.vocab, self.prefix, self.device = vocab, prefix, model_device(target)
         self.target_cache: RowCache | None = None
-        self.drafter: DraftRows | HeadRows | None = None
+        self.drafting: DraftRows | None = None  # the drafter's state of the live rows
 
     def models(self) -> list[torch.nn.Module]:
-        return [self.target, self.draft]
+        return [m for m in (self.target, self.drafter.model) if m is not None]
 
     def caches(self) -> list[RowCache]:
-        return [self.target_cache, self.drafter.cache] if self.drafter is not None else []
+        return [self.target_cache, *self.drafting.caches()] if self.drafting is not None else []
 
-    def _begin(self, rows: Sequence[Row]) -> tuple[RowCache, DraftRows | HeadRows]:
+    def _begin(self, rows: Sequence[Row]) -> tuple[RowCache, DraftRows]:
         texts = [row.seq for row in rows]
-        if isinstance(self.draft, FeatureDraft):  # the head reads the target's features of each prompt
+        if self.drafter.needs_features:  # a feature head reads the target's features of each prompt
             cache, features = begin_rows_with_features(self.target, texts)
-            return cache, HeadRows(self.draft, texts, features)
-        return begin_rows(self.target, texts, self.prefix, "target"), DraftRows(self.draft, texts, self.prefix)
+            return cache, self.drafter.begin_rows(texts, None, features)
+        return begin_rows(self.target, texts, self.prefix, "target"), self.drafter.begin_rows(texts, self.prefix, None)
 
-    def _merge(self, begun: tuple[RowCache, DraftRows | HeadRows]) -> None:
+    def _merge(self, begun: tuple[RowCache, DraftRows]) -> None:
         merge_rows(self.target_cache, begun[0])
-        self.drafter.merge(begun[1])
+        self.drafting.merge(begun[1])
 
-    def _adopt(self, begun: tuple[RowCache, DraftRows | HeadRows]) -> None:
-        self.target_cache, self.drafter = begun
+    def _adopt(self, begun: tuple[RowCache, DraftRows]) -> None:
+        self.target_cache, self.drafting = begun
 
     def _keep(self, kept: list[int]) -> None:
-        if self.drafter is not None:
+        if self.drafting is not None:
             keep_rows(self.target_cache, kept)
-            self.drafter.keep(kept)
+            self.drafting.keep(kept)
 
     def step(self) -> None:
         live, k, max_new_tokens = self.live, self.k, self.max_new_tokens
         # 1. Each row drafts up to k tokens, never past its budget (the iteration then emits at most what is left).
-        budgets = [min(k, max_new_tokens - len(row.tokens) - 1) if self.drafter.ready(r) else 0
-                   for r, row in enumerate(live)]
+        pickers = [Picker(min(k, max_new_tokens - len(row.tokens) - 1) if self.drafting.ready(r) else 0, self.vocab,
+                          self.params, row.generator, self.device) for r, row in enumerate(live)]
         t0 = self.clock.now()
-        proposals = self.drafter.propose(live, budgets, self.vocab, self.params, self.device)
+        proposals = self.drafting.propose([row.seq for row in live], pickers)
         t1 = self.clock.now()
 
         # 2. One target forward scores every row's drafts and the position after them.
@@ -560,7 +450,8 @@ class SpeculativeRows(RowsRun):
         verdicts = verify_rows(logits, proposals, self.params, [row.generator for row in live], self.vocab)
         for r, (row, proposal, (accepted, extra)) in enumerate(zip(live, proposals, verdicts)):
             drop_row(self.target_cache, r, len(proposal) - accepted)
-            self.drafter.commit(r, proposal, accepted, features[r, :1 + accepted] if features is not None else None)
+            self.drafting.commit(r, proposal, accepted, [*proposal.tokens[:accepted].tolist(), int(extra)],
+                                 features[r, :1 + accepted] if features is not None else None)
             emit(row, proposal, accepted, extra, self.stopping, max_new_tokens, self.now())
 
 
@@ -613,25 +504,26 @@ def generate_regular_rows(model: PreTrainedModel, prompts: Sequence[torch.Tensor
 
 
 @torch.inference_mode()
-def speculative_decode_batch(target: PreTrainedModel, draft: PreTrainedModel, prompts: Sequence[torch.Tensor],
+def speculative_decode_batch(target: PreTrainedModel, drafter: Drafter, prompts: Sequence[torch.Tensor],
                              max_new_tokens: int, k: int, params: SamplingParams,
                              generators: Sequence[torch.Generator | None], stopping: Stopping = NO_STOP,
                              vocab: int | None = None, prefix: PrefixCache | None = None,
                              concurrency: int = 0, arrivals: Sequence[float] = ()) -> list[GenerationOutput]:
-    """SSp of several prompts (each (T,) or (1, T), of any lengths) with ``draft`` (a plain draft model, or a feature
-    head over a compact-forward target, which then ignores ``prefix``), in one loop: each row gives the tokens
-    ``speculative_decode`` gives it alone with its generator (see the module's docstring). A row leaves the batch at
-    its stop or budget; ``concurrency`` and ``arrivals``: continuous batching (``run_rows``). Each row's stats count
-    its own drafts, acceptances and forwards; its ``ttft_s`` and ``after_first_s`` are its own (what a user waiting
-    on it sees, from when it joined), while the time totals (prefill, target, draft, total) are the run's shared by
-    its rows (divided by B, as ``generate_regular_batch``). ``vocab`` and ``prefix`` as in ``speculative_decode``."""
+    """SSp of several prompts (each (T,) or (1, T), of any lengths) with ``drafter`` (one whose ``rows_reason(target)``
+    is None; a feature head then ignores ``prefix``), in one loop: each row gives the tokens ``speculative_decode``
+    gives it alone with its generator (see the module's docstring). A row leaves the batch at its stop or budget;
+    ``concurrency`` and ``arrivals``: continuous batching (``run_rows``). Each row's stats count its own drafts,
+    acceptances and forwards; its ``ttft_s`` and ``after_first_s`` are its own (what a user waiting on it sees, from
+    when it joined), while the time totals (prefill, target, draft) are the run's shared by its rows (divided by B,
+    as ``generate_regular_batch``). ``vocab`` and ``prefix`` as in ``speculative_decode``."""
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
-    vocab = vocab or min(logit_width(target), logit_width(draft))
-    clock = Clock.for_models(target, draft)
+    models = [m for m in (target, drafter.model) if m is not None]
+    vocab = vocab or min(map(logit_width, models))
+    clock = Clock.for_models(*models)
     rows = _rows(prompts, generators, lambda: GenerationStats(mode="ssp", k=k, drafted_at=[0] * k, accepted_at=[0] * k,
                                                                forwards_timed=clock.per_forward))
-    run = SpeculativeRows(target, draft, k, params, stopping, max_new_tokens, vocab, prefix, clock, clock.now())
+    run = SpeculativeRows(target, drafter, k, params, stopping, max_new_tokens, vocab, prefix, clock, clock.now())
     run_rows(run, rows, concurrency, arrivals)
     return _outputs(rows, run.now(), run.prefill_s, run.target_s, run.draft_s)
 

@@ -11,11 +11,11 @@ import torch
 from transformers import PreTrainedModel
 
 from lssp.decoding import verification
+from lssp.decoding.drafting import Drafter, Picker, Proposal
 from lssp.decoding.generation import NO_STOP, GenerationOutput, GenerationStats, Stopping, TokenCallback
 from lssp.decoding.kv import PrefixCache, drop, prefill, prefill_with_features, scoring_forward
 from lssp.decoding.sampling import SamplingParams, warp
 from lssp.decoding.timing import Clock
-from lssp.drafters import Drafter, Picker, Proposal, drafter_for
 from lssp.models.modules import logit_width, model_device
 
 
@@ -30,8 +30,9 @@ def speculative_decode(target: PreTrainedModel, drafter: Drafter, input_ids: tor
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
     device = model_device(target)
-    vocab = vocab or min(logit_width(target), logit_width(drafter.model))
-    clock = Clock.for_models(target, drafter.model, per_forward=time_forwards)
+    models = [m for m in (target, drafter.model) if m is not None]  # an n-gram drafter has no model
+    vocab = vocab or min(map(logit_width, models))
+    clock = Clock.for_models(*models, per_forward=time_forwards)
     stats = GenerationStats(mode="ssp", k=k, drafted_at=[0] * k, accepted_at=[0] * k, forwards_timed=clock.per_forward)
     seq, tokens, stopped = input_ids.to(device), [], False
     start = clock.now()
@@ -107,15 +108,3 @@ def count_iteration(stats: GenerationStats, proposal: Proposal, accepted: int, k
     for i in range(drafted):
         stats.drafted_at[i] += 1
         stats.accepted_at[i] += int(i < accepted)
-
-
-def generate_speculative(target: PreTrainedModel, draft: PreTrainedModel | Drafter, input_ids: torch.Tensor,
-                         max_new_tokens: int, k: int, params: SamplingParams, generator: torch.Generator | None = None,
-                         stopping: Stopping = NO_STOP, on_tokens: TokenCallback | None = None,
-                         vocab_size: int | None = None, confidence: float = 0.0, lookup: int = 0,
-                         time_forwards: bool = True, prefix: PrefixCache | None = None) -> GenerationOutput:
-    """``speculative_decode`` with ``draft`` a drafter, or a draft model (or feature head) wrapped by
-    ``drafter_for`` with the context lookup over ``lookup``-grams and the confidence stop below ``confidence``."""
-    drafter = draft if isinstance(draft, Drafter) else drafter_for(draft, lookup, confidence)
-    return speculative_decode(target, drafter, input_ids, max_new_tokens, k, params, generator, stopping, on_tokens,
-                              vocab_size, time_forwards, prefix)

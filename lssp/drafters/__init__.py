@@ -1,25 +1,47 @@
 """Drafters: what proposes tokens for speculative sampling, one class per method behind one interface
-(``base.Drafter``). ``drafter_for`` builds the drafter a draft model (or feature head) and the options ask for."""
+(``lssp.decoding.drafting.Drafter``: one completion, or the rows of a batch), and the policies any of them applies to
+its picks (the context lookup, the confidence stop). ``drafter_for`` builds the drafter that a draft model (or
+feature head) and the options ask for."""
 from __future__ import annotations
 
+import torch
 from transformers import PreTrainedModel
 
-from lssp.drafters.base import Drafter, Picker, Proposal
+from lssp.decoding.drafting import Drafter, DraftRows, Picker, PickPolicy, Proposal
+from lssp.decoding.generation import NO_STOP, GenerationOutput, Stopping, TokenCallback
+from lssp.decoding.kv import PrefixCache
+from lssp.decoding.sampling import SamplingParams
+from lssp.decoding.speculative import speculative_decode
 from lssp.drafters.confidence import ConfidenceStop
-from lssp.drafters.lookup import ContextLookup, LookupDrafter
+from lssp.drafters.lookup import ContextLookup, LookupHint, NgramDrafter
 from lssp.drafters.model import DraftModel, FeatureHead
 from lssp.models.eagle import FeatureDraft
 
-__all__ = ["ConfidenceStop", "ContextLookup", "DraftModel", "Drafter", "FeatureHead", "LookupDrafter", "Picker",
-           "Proposal", "drafter_for"]
+__all__ = ["ConfidenceStop", "ContextLookup", "DraftModel", "DraftRows", "Drafter", "FeatureHead", "LookupHint",
+           "NgramDrafter", "PickPolicy", "Picker", "Proposal", "drafter_for", "generate_speculative"]
 
 
-def drafter_for(draft: PreTrainedModel, lookup: int = 0, confidence: float = 0.0) -> Drafter:
-    """The drafter for ``draft`` (a feature head reads the target's features), with the context lookup over
-    ``lookup``-grams (0: off) and the confidence stop below ``confidence`` (0: off) around it."""
-    drafter: Drafter = FeatureHead(draft) if isinstance(draft, FeatureDraft) else DraftModel(draft)
-    if lookup:
-        drafter = LookupDrafter(drafter, lookup)
+def drafter_for(draft: PreTrainedModel | None, lookup: int = 0, confidence: float = 0.0) -> Drafter:
+    """The drafter for ``draft`` (a feature head reads the target's features; None: the n-gram drafter over
+    ``lookup``-grams, no model), with the context lookup over ``lookup``-grams (0: off) and the confidence stop below
+    ``confidence`` (0: off) as its policies."""
+    policies: list[PickPolicy] = [LookupHint(lookup)] if lookup and draft is not None else []
     if confidence:
-        drafter = ConfidenceStop(drafter, confidence)
-    return drafter
+        policies.append(ConfidenceStop(confidence))
+    if draft is None:
+        if not lookup:
+            raise ValueError("the n-gram drafter needs an n-gram length (lookup >= 1)")
+        return NgramDrafter(lookup, policies)
+    return FeatureHead(draft, policies) if isinstance(draft, FeatureDraft) else DraftModel(draft, policies)
+
+
+def generate_speculative(target: PreTrainedModel, draft: PreTrainedModel | Drafter, input_ids: torch.Tensor,
+                         max_new_tokens: int, k: int, params: SamplingParams, generator: torch.Generator | None = None,
+                         stopping: Stopping = NO_STOP, on_tokens: TokenCallback | None = None,
+                         vocab_size: int | None = None, confidence: float = 0.0, lookup: int = 0,
+                         time_forwards: bool = True, prefix: PrefixCache | None = None) -> GenerationOutput:
+    """``speculative_decode`` with ``draft`` a drafter, or a draft model (or feature head) made one by
+    ``drafter_for`` with the context lookup over ``lookup``-grams and the confidence stop below ``confidence``."""
+    drafter = draft if isinstance(draft, Drafter) else drafter_for(draft, lookup, confidence)
+    return speculative_decode(target, drafter, input_ids, max_new_tokens, k, params, generator, stopping, on_tokens,
+                              vocab_size, time_forwards, prefix)

@@ -1,19 +1,22 @@
-"""The context lookup (prompt lookup) as a wrapper over another drafter.
+"""The context lookup (prompt lookup): a policy over another drafter's picks, or a drafter of its own.
 
-Where the text's last n tokens occurred before and the inner drafter is unsure of its own top token, the token
-that followed their latest occurrence is proposed instead (greedy), or gets half of q's mass (sampling). q is
-whatever the draft side proposes from, so the acceptance rule keeps SSp exact.
+Where the text's last n tokens occurred before, the token that followed their latest occurrence is a guess. As a
+policy (``LookupHint``) it speaks where the drafter is unsure of its own top token: proposed instead (greedy), or
+given half of q's mass (sampling). As a drafter (``NgramDrafter``, no model) it proposes the chain of such guesses
+with q one-hot on each, as vLLM's and llama.cpp's n-gram drafters do. q is whatever the draft side proposes from, so
+the acceptance rule keeps SSp exact either way.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 
 import torch
 
+from lssp.decoding.drafting import Drafter, DraftRows, Picker, PickPolicy, PolicyRows, Proposal, probability
 from lssp.decoding.kv import PrefixCache
 from lssp.decoding.sampling import argmax
 from lssp.decoding.timing import Clock
-from lssp.drafters.base import Drafter, DrafterWrapper, Picker, Proposal, probability
 
 LOOKUP_BELOW = 0.5  # the lookup speaks only where the draft's own top probability is below this
 
@@ -35,35 +38,102 @@ class ContextLookup:
                 self.successor[tuple(self.tokens[-self.n:])] = token
             self.tokens.append(token)
 
+    def catch_up(self, text: Sequence[int]) -> None:
+        """Extend to ``text``, of which the tokens read so far are the start."""
+        self.extend(text[len(self.tokens):])
+
     def propose(self, drafted: Sequence[int] = ()) -> int | None:
         """The hint for the token after the text plus ``drafted``, or None where the n-gram is new."""
         tail = (self.tokens[-self.n:] + list(drafted))[-self.n:]
         return self.successor.get(tuple(tail)) if len(tail) == self.n else None
 
 
-class LookupDrafter(DrafterWrapper):
-    """``inner``'s drafts, with the context lookup over n-grams of length ``n`` where ``inner`` is unsure."""
+def unsure_hint(context: ContextLookup, drafted: Sequence[int], logits: torch.Tensor) -> int | None:
+    """The lookup's token, where it has one and the draft is unsure of its own top token."""
+    token = context.propose(drafted)
+    if token is None or probability(logits, argmax(logits)) >= LOOKUP_BELOW:
+        return None
+    return token
 
-    def __init__(self, inner: Drafter, n: int) -> None:
-        super().__init__(inner)
+
+class LookupHint(PickPolicy):
+    """The context lookup over n-grams of length ``n``, where the drafter is unsure."""
+
+    def __init__(self, n: int) -> None:
+        if n < 1:
+            raise ValueError(f"lookup n-gram length must be >= 1, got {n}")
+        self.n = n
+
+    def start(self, prompt: Sequence[int]) -> ContextLookup:
+        return ContextLookup(self.n, prompt)
+
+    def prepare(self, state: ContextLookup, picker: Picker) -> None:
+        picker.hint = partial(unsure_hint, state)
+
+    def commit(self, state: ContextLookup, emitted: Sequence[int]) -> None:
+        state.extend(emitted)
+
+
+def ngram_drafts(context: ContextLookup, text: Sequence[int], picker: Picker) -> Proposal:
+    """The chain of lookups after ``text``, each drawn from a one-hot q, until ``picker`` is done or the n-gram is
+    new."""
+    context.catch_up(text)
+    drafted: list[int] = []
+    while not picker.done:
+        token = context.propose(drafted)
+        if token is None:
+            break
+        logits = torch.full((picker.vocab,), float("-inf"), device=picker.device)
+        logits[token] = 0.0
+        drafted.append(int(picker.add(logits)))
+    return picker.proposal()
+
+
+class NgramDrafter(Drafter):
+    """Drafts from the text alone (no model): the context lookup's chain of guesses over n-grams of length ``n``."""
+
+    def __init__(self, n: int, policies: Sequence[PickPolicy] = ()) -> None:
+        super().__init__(policies)
         self.n = n
         self.context = ContextLookup(n, ())
 
-    def begin(self, seq: torch.Tensor, features: torch.Tensor | None, prefix: PrefixCache | None, clock: Clock) -> None:
-        self.context = ContextLookup(self.n, seq[0].tolist())
-        self.inner.begin(seq, features, prefix, clock)
+    @property
+    def model(self) -> None:
+        return None
 
-    def hint(self, drafted: Sequence[int], logits: torch.Tensor) -> int | None:
-        """The lookup's token, where it has one and the draft is unsure of its own top token."""
-        token = self.context.propose(drafted)
-        if token is None or probability(logits, argmax(logits)) >= LOOKUP_BELOW:
-            return None
-        return token
+    def start(self, seq: torch.Tensor, features: torch.Tensor | None, prefix: PrefixCache | None,
+              clock: Clock) -> None:
+        self.context = ContextLookup(self.n, ())
 
-    def propose(self, seq: torch.Tensor, picker: Picker) -> Proposal:
-        picker.hint = self.hint
-        return self.inner.propose(seq, picker)
+    def draft(self, seq: torch.Tensor, picker: Picker) -> Proposal:
+        return ngram_drafts(self.context, seq[0].tolist(), picker)
 
-    def commit(self, proposal: Proposal, accepted: int, emitted: list[int], features: torch.Tensor | None) -> None:
-        self.context.extend(emitted)
-        self.inner.commit(proposal, accepted, emitted, features)
+    def advance(self, proposal: Proposal, accepted: int, features: torch.Tensor | None) -> None:
+        pass  # the next draft reads the text
+
+    def rows_reason(self, target: torch.nn.Module) -> str | None:
+        return None
+
+    def begin_rows(self, prompts: Sequence[list[int]], prefix: PrefixCache | None,
+                   features: Sequence[torch.Tensor] | None) -> NgramRows:
+        return NgramRows(self.n, PolicyRows(self.policies, prompts), len(prompts))
+
+
+class NgramRows(DraftRows):
+    """The n-gram drafter's rows: one context per row."""
+
+    def __init__(self, n: int, policies: PolicyRows, rows: int) -> None:
+        super().__init__(policies)
+        self.contexts = [ContextLookup(n, ()) for _ in range(rows)]
+
+    def draft(self, seqs: Sequence[Sequence[int]], pickers: Sequence[Picker]) -> list[Proposal]:
+        return [ngram_drafts(context, seq, picker) for context, seq, picker in zip(self.contexts, seqs, pickers)]
+
+    def advance(self, row: int, proposal: Proposal, accepted: int, features: torch.Tensor | None) -> None:
+        pass
+
+    def keep_rows(self, rows: list[int]) -> None:
+        self.contexts = [self.contexts[r] for r in rows]
+
+    def merge_rows(self, other: DraftRows) -> None:
+        self.contexts += other.contexts

@@ -1,13 +1,16 @@
 """The engine interface: one way to run a completion, whatever runs it (ours, transformers, vLLM).
 
-Every command that generates goes through ``Engine.complete(mode, request)``: the engine is started (models loaded,
-servers or engines up) before anything is timed, completes one request at a time, and is closed after. A ``Mode``
-says how to generate (RSp, or SSp with its drafting settings), a ``Request`` what (ids, budget, sampling, seed).
+Every command that generates goes through ``Engine.complete(mode, request)`` for one request, or
+``Engine.complete_many(mode, rows, request, seeds)`` for many (one batch where ``batch_reason(mode)`` is None, requests
+joining a running batch where ``joining_reason(mode)`` is None; else one after another): the engine is started
+(models loaded, servers or engines up) before anything is timed and closed after. A ``Mode`` says how to generate
+(RSp, or SSp with its drafting settings), a ``Request`` what (ids, budget, sampling, seed).
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import torch
@@ -81,6 +84,29 @@ class Engine(ABC):
     @abstractmethod
     def complete(self, mode: Mode, request: Request) -> GenerationOutput:
         """One completion, timed, with its stats in our definitions."""
+
+    caches_prefixes: ClassVar[bool] = False  # whether it reuses a shared prompt prefix's caches (``Request.prefix``)
+
+    def batch_reason(self, mode: Mode) -> str | None:
+        """Why ``complete_many`` runs ``mode``'s requests one after another, or None: in one batch, each row giving
+        what it gives alone with its seed."""
+        return f"the {self.name} engine runs one request at a time here"
+
+    def joining_reason(self, mode: Mode) -> str | None:
+        """Why requests of ``mode`` cannot join a running batch (``complete_many``'s ``concurrency`` and
+        ``arrivals``), or None: they can."""
+        return self.batch_reason(mode)
+
+    def complete_many(self, mode: Mode, rows: Sequence[torch.Tensor], request: Request, seeds: Sequence[int],
+                      concurrency: int = 0, arrivals: Sequence[float] = ()) -> list[GenerationOutput]:
+        """Completions of ``rows`` (each (1, T) or (T,), of any lengths), row i seeded ``seeds[i]``; ``request`` gives
+        what they share (budget, sampling, stopping, prefix). One after another here; an engine that batches says so
+        in ``batch_reason`` (and with ``concurrency``, at most that many at once, the next joining as one ends, not
+        before its ``arrivals`` time: ``joining_reason``)."""
+        if (concurrency or arrivals) and self.joining_reason(mode):
+            raise ValueError(self.joining_reason(mode))
+        return [self.complete(mode, replace(request, ids=row.reshape(1, -1), seed=seed))
+                for row, seed in zip(rows, seeds, strict=True)]
 
     def close(self) -> None:  # noqa: B027 - most engines start nothing to stop
         """Stop what the engine started (processes, servers)."""

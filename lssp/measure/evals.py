@@ -13,7 +13,7 @@ import torch
 from lssp.decoding.generation import GenerationOutput, Stopping
 from lssp.decoding.kv import PrefixCache
 from lssp.decoding.sampling import SamplingParams
-from lssp.engines import Engine, Mode, OursEngine, Request, request_seed
+from lssp.engines import Engine, Mode, Request, request_seed
 from lssp.errors import UserError
 from lssp.models.loading import LoadedModel
 from lssp.report.results import RunInfo, markdown_table
@@ -236,29 +236,32 @@ def _request(target: LoadedModel, a: int, b: int, index: int, setup: EvalSetup, 
 def _score(target: LoadedModel, engine: Engine, mode: str, a: int, b: int, index: int, setup: EvalSetup,
            stopping: Stopping, prefix: PrefixCache | None) -> EvalRecord:
     """One problem in one mode."""
-    how = Mode("ssp", setup.k, lookup=setup.lookup, engine=engine.name) if mode == "ssp" else Mode("rsp", engine=engine.name)
-    return _record(target, mode, index, a, b, setup, engine.complete(how, _request(target, a, b, index, setup, stopping,
-                                                                                    prefix)))
+    return _record(target, mode, index, a, b, setup, engine.complete(_mode(engine, mode, setup),
+                                                                     _request(target, a, b, index, setup, stopping,
+                                                                              prefix)))
 
 
-def _score_batches(target: LoadedModel, engine: OursEngine, mode: str, problems: Sequence[tuple[int, int, int]],
+def _mode(engine: Engine, mode: str, setup: EvalSetup) -> Mode:
+    return Mode("ssp", setup.k, lookup=setup.lookup, engine=engine.name) if mode == "ssp" else Mode("rsp", engine=engine.name)
+
+
+def _score_batches(target: LoadedModel, engine: Engine, mode: str, problems: Sequence[tuple[int, int, int]],
                    setup: EvalSetup, stopping: Stopping, prefix: PrefixCache | None) -> list[EvalRecord]:
-    """(index, a, b) problems in batches, the same tokens as one at a time in a fraction of the forwards: RSp those
-    whose prompts have the same token count, up to ``setup.rsp_batch`` at a time (``complete_rsp_batch``); SSp any,
-    up to ``setup.ssp_batch`` (``complete_ssp_batch``: one at a time where the drafting is not batchable)."""
+    """(index, a, b) problems in batches (``Engine.complete_many``), the same tokens as one at a time in a fraction
+    of the forwards: RSp those whose prompts have the same token count, up to ``setup.rsp_batch`` at a time, sharing
+    positions; SSp any, up to ``setup.ssp_batch``."""
     groups: dict[int, list[tuple[int, int, int, Request]]] = {}
     for index, a, b in problems:
         request = _request(target, a, b, index, setup, stopping, prefix)
         groups.setdefault(request.ids.shape[1] if mode == "rsp" else 0, []).append((index, a, b, request))
     size = setup.rsp_batch if mode == "rsp" else setup.ssp_batch
-    ssp = Mode("ssp", setup.k, lookup=setup.lookup, engine=engine.name)
+    how = _mode(engine, mode, setup)
     records = []
     for group in groups.values():
         for start in range(0, len(group), size):
             batch = group[start:start + size]
             ids, seeds = [r.ids for *_, r in batch], [r.seed for *_, r in batch]
-            outs = (engine.complete_rsp_batch(torch.cat(ids), batch[0][3], seeds) if mode == "rsp"
-                    else engine.complete_ssp_batch(ssp, ids, batch[0][3], seeds))
+            outs = engine.complete_many(how, torch.cat(ids) if mode == "rsp" else ids, batch[0][3], seeds)
             records += [_record(target, mode, index, a, b, setup, out) for (index, a, b, _), out in zip(batch, outs)]
     return sorted(records, key=lambda r: r.index)
 
@@ -302,14 +305,14 @@ def run_eval(
         run_id = info.run_id = json.loads(path.open().readline()).get("run_id", run_id)
     finished = {(r.mode, r.index) for r in done}
     stopping = answer_stopping(target)
-    ours = isinstance(engine, OursEngine)
-    prefix = PrefixCache(target.encode(few_shot(op))[0].tolist()) if prefix_cache and ours else None
+    prefix = PrefixCache(target.encode(few_shot(op))[0].tolist()) if prefix_cache and engine.caches_prefixes else None
     problems = multiplication_problems(nb_prompts, seed, max_operand)
-    batched_ssp = ours and "ssp" in modes and engine.unbatched_reason(Mode("ssp", k, lookup=lookup)) is None
+    batched = {m: m in modes and engine.batch_reason(Mode(m, k if m == "ssp" else 0, lookup=lookup)) is None
+               for m in ("rsp", "ssp")}
     records = list(done)
     setup = EvalSetup(target.name, draft.name if draft else None, target.precision, draft.precision if draft else "",
                       params, nb_prompts, seed, k, max_new_tokens, lookup, op, max_operand, prefix is not None,
-                      rsp_batch if ours else 1, engine.name, ssp_batch if batched_ssp else 1)
+                      rsp_batch if batched["rsp"] else 1, engine.name, ssp_batch if batched["ssp"] else 1)
     with path.open("a") as sink:
         try:
             for chunk in range(0, nb_prompts, CHUNK):  # modes interleaved chunk by chunk

@@ -12,8 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from lssp.decoding.generation import GenerationOutput, Stopping
-from lssp.engines.base import Mode, Request
-from lssp.engines.ours import OursEngine
+from lssp.engines.base import Engine, Mode, Request
 from lssp.engines.vllm import Counters
 from lssp.engines.vllm_server import ClientRequest, VllmServers, run_client, sampling_body
 from lssp.errors import UserError
@@ -109,32 +108,30 @@ def ssp_counters(outputs: Sequence[GenerationOutput]) -> Counters:
                     sum(o.stats.drafted for o in outputs), sum(o.stats.accepted for o in outputs))
 
 
-class OursLoadBackend(LoadBackend):
-    """Our engine under a closed loop of C = concurrency clients, or Poisson arrivals with at most C at once
-    (``--request-rate``). Where requests can join a running batch (compact forwards), continuous batching: each
-    request that ends lets the next join the running batch at the next iteration, not before its arrival
-    (``OursEngine.complete_*_batch`` with ``concurrency`` and ``arrivals``). Elsewhere static batches of C (closed
-    loop only): the next C start when the whole batch is done. RSp and SSp run batched over whole prompts of any lengths where our
-    engine batches the mode, else one request after another, said in the output as not batched."""
+class EngineLoadBackend(LoadBackend):
+    """An engine of this process (ours) under a closed loop of C = concurrency clients, or Poisson arrivals with at
+    most C at once (``--request-rate``), through ``Engine.complete_many``. Where requests can join a running batch
+    (``joining_reason``: ours under compact forwards), continuous batching: each request that ends lets the next join
+    the running batch at the next iteration, not before its arrival. Elsewhere static batches of C (closed loop
+    only): the next C start when the whole batch is done. Modes the engine batches (``batch_reason``) run batched over
+    whole prompts of any lengths, others one request after another, said in the output as not batched."""
 
-    name = "ours"
-
-    def __init__(self, engine: OursEngine, setup: LoadSetup, stopping: Stopping) -> None:
+    def __init__(self, engine: Engine, setup: LoadSetup, stopping: Stopping) -> None:
         self.engine, self.setup, self.stopping = engine, setup, stopping
-        self.batched_ssp = callable(getattr(engine, "complete_ssp_batch", None))
+        self.name = engine.name
+
+    @property
+    def version(self) -> str:
+        return self.engine.version
 
     def unbatched_reason(self, mode: Mode) -> str | None:
-        """Why our engine serves SSp ``mode`` one request at a time, or None: it batches it."""
-        if not self.batched_ssp:
-            return "our engine has no batched SSp"
-        reason = getattr(self.engine, "unbatched_reason", None)
-        return reason(mode) if callable(reason) else None
+        """Why the engine serves ``mode`` one request at a time, or None: it batches it."""
+        return self.engine.batch_reason(mode)
 
     def joins(self, mode: Mode) -> bool:
         """Whether ``mode``'s requests join a running batch (continuous batching, unless static batches were
         asked for)."""
-        reason = getattr(self.engine, "joining_reason", None)
-        return self.setup.batching == "continuous" and callable(reason) and reason(mode) is None
+        return self.setup.batching == "continuous" and self.engine.joining_reason(mode) is None
 
     def notes(self) -> list[str]:
         joining = [mode_label(m, self.name) for m in self.setup.modes if self.joins(m)]
@@ -143,20 +140,20 @@ class OursLoadBackend(LoadBackend):
         if joining:
             arrive = (f"requests arriving at Poisson times ({self.setup.request_rate:g}/s), at most C = concurrency "
                       "at once" if self.setup.request_rate else "a closed loop of C = concurrency clients")
-            lines.append(f"ours {', '.join(joining)}: continuous batching, {arrive}: a request joins the running "
+            lines.append(f"{self.name} {', '.join(joining)}: continuous batching, {arrive}: a request joins the running "
                          "batch at the next iteration once it may (prefilled alone, then merged), each row whole at "
                          "positions of its own; TTFT from when it joined.")
         if static:
-            why = ("as asked (--batching static)" if self.setup.batching == "static" else
-                   "requests join a running batch only under the compact forward")
-            lines.append(f"ours {', '.join(static)}: static batches of C = concurrency (the next batch starts when "
+            first = next(m for m in self.setup.modes if not self.joins(m))
+            why = "as asked (--batching static)" if self.setup.batching == "static" else self.engine.joining_reason(first)
+            lines.append(f"{self.name} {', '.join(static)}: static batches of C = concurrency (the next batch starts when "
                          f"one ends; {why}), similar prompt lengths together; each row its own first and last "
                          "token times.")
         ssp = [m for m in self.setup.modes if m.mode == "ssp"]
         for mode in ssp:
             reason = self.unbatched_reason(mode)
             if reason:
-                lines.append(f"ours {mode_label(mode, self.name)} is NOT batched ({reason}): each batch's requests "
+                lines.append(f"{self.name} {mode_label(mode, self.name)} is NOT batched ({reason}): each batch's requests "
                              "run one after another (TTFT includes the wait for those before it); its throughput is "
                              "that of one request at a time.")
         return lines
@@ -166,7 +163,7 @@ class OursLoadBackend(LoadBackend):
         if why:
             raise UserError(f"{mode.name}: {why}")
         if setup.request_rate and not self.joins(mode):
-            raise UserError(f"--request-rate: --engine ours serves {mode_label(mode, self.name)} in static batches "
+            raise UserError(f"--request-rate: --engine {self.name} serves {mode_label(mode, self.name)} in static batches "
                             "(closed loop only; requests join a running batch only under the compact forward, in "
                             "batched modes, without --batching static)")
 
@@ -178,13 +175,14 @@ class OursLoadBackend(LoadBackend):
         budget = min(8, self.setup.max_new_tokens)
         for mode in modes:
             self.engine.complete(mode, self._request(request.ids, request.seed, budget))
-        rows = [torch.tensor([request.ids]), torch.tensor([request.ids[1:] or request.ids])]  # two lengths
-        self.engine.complete_rsp_batch(rows, self._request(request.ids, 0, budget), [0, 1])
+            rows = [torch.tensor([request.ids]), torch.tensor([request.ids[1:] or request.ids])]  # two lengths
+            if self.unbatched_reason(mode) is None:
+                self.engine.complete_many(mode, rows, self._request(request.ids, 0, budget), [0, 1])
 
     def serve(self, mode: Mode, requests: Sequence[LoadRequest], concurrency: int) -> ModeLevel:
         timings: list[RequestTiming] = []
         outputs: list[GenerationOutput] = []
-        batched = mode.mode == "rsp" or self.unbatched_reason(mode) is None
+        batched = self.unbatched_reason(mode) is None
         start = time.perf_counter()
         if batched and self.joins(mode):
             arrivals = poisson_arrivals(len(requests), self.setup.request_rate, self.setup.seed)
@@ -201,14 +199,13 @@ class OursLoadBackend(LoadBackend):
 
     def _batch(self, mode: Mode, batch: list[LoadRequest], concurrency: int = 0,
                arrivals: Sequence[float] = ()) -> tuple[list[RequestTiming], list[GenerationOutput]]:
-        """One batched loop (our engine's ``complete_rsp_batch`` or ``complete_ssp_batch`` over whole prompts of
-        any lengths; with ``concurrency``, at most that many at once, the next joining as one ends, not before its
-        ``arrivals`` time): each row's own first and last token times, from when it joined."""
+        """One batched loop (``complete_many`` over whole prompts of any lengths; with ``concurrency``, at most that
+        many at once, the next joining as one ends, not before its ``arrivals`` time): each row's own first and last
+        token times, from when it joined."""
         rows = [torch.tensor([r.ids], dtype=torch.long) for r in batch]
         request, seeds = self._request(batch[0].ids, batch[0].seed), [r.seed for r in batch]
         start = time.perf_counter()
-        outs = (self.engine.complete_rsp_batch(rows, request, seeds, concurrency, arrivals) if mode.mode == "rsp"
-                else self.engine.complete_ssp_batch(mode, rows, request, seeds, concurrency, arrivals))
+        outs = self.engine.complete_many(mode, rows, request, seeds, concurrency, arrivals)
         wall = time.perf_counter() - start
         timings = []
         for r, o in zip(batch, outs):

@@ -161,17 +161,9 @@ def _tv_null(p: torch.Tensor, n: int, generator: torch.Generator, reps: int = 20
 
 
 def batches_runs(engine: Engine, mode: Mode) -> bool:
-    """Whether ``engine`` runs several completions of ``mode`` in one batch (ours: RSp, and SSp where the drafting
-    is batchable), each row as it would run alone with its seed. Not an engine whose ``complete`` overrides the
-    one its batch method was written beside (a subclass that changes how one completion runs): its own
-    ``complete`` is what is audited."""
-    name = "complete_ssp_batch" if mode.mode == "ssp" else "complete_rsp_batch"
-    if not callable(getattr(engine, name, None)):
-        return False
-    owner = {attr: next(c for c in type(engine).__mro__ if attr in vars(c)) for attr in (name, "complete")}
-    if not issubclass(owner[name], owner["complete"]):
-        return False
-    return mode.mode != "ssp" or not engine.unbatched_reason(mode)
+    """Whether ``engine`` runs several completions of ``mode`` in one batch, each row as it would run alone with its
+    seed (``Engine.batch_reason``)."""
+    return engine.batch_reason(mode) is None
 
 
 def _samples(engine: Engine, mode: Mode, ids: torch.Tensor, runs: int, tokens: int, params: SamplingParams,
@@ -184,12 +176,8 @@ def _samples(engine: Engine, mode: Mode, ids: torch.Tensor, runs: int, tokens: i
     for start in range(0, runs, size):
         seeds_now = [seeds + run for run in range(start, min(runs, start + size))]
         request = Request(ids, tokens, params, seeds_now[0])
-        if size == 1:
-            outs = [engine.complete(mode, request)]
-        elif mode.mode == "ssp":
-            outs = engine.complete_ssp_batch(mode, ids.repeat(len(seeds_now), 1), request, seeds_now)
-        else:
-            outs = engine.complete_rsp_batch(ids.repeat(len(seeds_now), 1), request, seeds_now)
+        outs = ([engine.complete(mode, request)] if size == 1 else
+                engine.complete_many(mode, ids.repeat(len(seeds_now), 1), request, seeds_now))
         for out in outs:
             outputs.append(out.tokens.tolist())
             stats.append(out.stats)

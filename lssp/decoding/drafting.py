@@ -1,0 +1,236 @@
+"""The drafter interface: what the SSp loops (one completion, or the rows of a batch) ask of whatever proposes tokens.
+
+A drafter is begun once per completion (``begin``), then each iteration proposes up to k tokens with the law q
+they were drawn from (``propose``) and is told what the target kept (``commit``); for a batch it begins the rows'
+state (``begin_rows``: a ``DraftRows``), which proposes for every row at once and commits, keeps and merges rows.
+How a draft token comes out of the drafter's logits is the ``Picker``'s job, and ``PickPolicy``s (the context lookup,
+the confidence stop) change the picking of any drafter, row by row, without knowing how it computes its logits.
+The drafters themselves live in ``lssp.drafters``; this interface sits here, below the loops that use it.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lssp.decoding.kv import PrefixCache
+from lssp.decoding.sampling import SamplingParams, argmax, sample, warp
+from lssp.decoding.timing import Clock
+
+LOOKUP_WEIGHT = 0.5  # sampling: the share of q moved onto a hinted token
+
+# A hint: given the drafts so far this iteration and the draft's logits at the next position, a token to propose
+# instead of the draft's own choice, or None.
+Hint = Callable[[Sequence[int], torch.Tensor], "int | None"]
+
+
+@dataclass
+class Proposal:
+    """What a drafter proposed in one iteration."""
+
+    tokens: torch.Tensor  # (n,) on the target's device
+    q: torch.Tensor | None  # (n, vocab): the law each draft was drawn from (None when greedy: q is one-hot)
+    looked_up: list[bool]  # per draft: proposed (greedy) or reweighted (sampling) by a hint
+    forward_s: float = 0.0  # time in the drafter's forwards (0 where forwards are not timed)
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+
+def probability(logits: torch.Tensor, token: torch.Tensor | int) -> float:
+    """softmax(logits)[token], read on the host."""
+    return float((logits[token].float() - logits.float().logsumexp(-1)).exp())
+
+
+class Picker:
+    """Turns the drafter's logits at each position into a draft, up to ``k`` of them: the argmax (greedy) or a draw
+    from q = the warped logits. A ``hint`` replaces the argmax, or gets LOOKUP_WEIGHT of q; ``stop_below`` > 0 ends
+    the proposal once the draft's own (untempered) probability of its token falls below it (K becomes a maximum;
+    the rule reads the draft alone, so sampling stays exact)."""
+
+    def __init__(self, k: int, vocab: int, params: SamplingParams, generator: torch.Generator | None,
+                 device: torch.device) -> None:
+        self.k, self.vocab, self.params, self.generator, self.device = k, vocab, params, generator, device
+        self.tokens = torch.empty(k, dtype=torch.long, device=device)
+        self.q = None if params.greedy else torch.empty(k, vocab, device=device)
+        self.looked_up: list[bool] = []
+        self.drafted: list[int] = []  # the drafts on the host, kept for hints
+        self.hint: Hint | None = None
+        self.stop_below = 0.0
+
+    @property
+    def done(self) -> bool:
+        return len(self.looked_up) >= self.k
+
+    def add(self, logits: torch.Tensor) -> torch.Tensor:
+        """The next draft from the drafter's ``logits`` (vocab,) at its position; returns it (to feed next)."""
+        i = len(self.looked_up)
+        logits = logits[:self.vocab]
+        hint = self.hint(self.drafted, logits) if self.hint else None
+        if self.q is None:
+            self.tokens[i] = argmax(logits).to(self.device) if hint is None else hint
+        else:
+            self.q[i] = warp(logits.unsqueeze(0).to(self.device), self.params)[0]
+            if hint is not None:
+                self.q[i] *= 1 - LOOKUP_WEIGHT
+                self.q[i, hint] += LOOKUP_WEIGHT
+            self.tokens[i] = sample(self.q[i], self.params, self.generator)
+        self.looked_up.append(hint is not None)
+        if self.hint:
+            self.drafted.append(int(self.tokens[i]))
+        if self.stop_below and hint is None and i + 1 < self.k and probability(logits, self.tokens[i]) < self.stop_below:
+            self.k = i + 1
+        return self.tokens[i]
+
+    def proposal(self, forward_s: float = 0.0) -> Proposal:
+        n = len(self.looked_up)
+        return Proposal(self.tokens[:n], self.q[:n] if self.q is not None else None, self.looked_up, forward_s)
+
+
+class PickPolicy(ABC):
+    """A rule that changes how a drafter picks (a hook on each iteration's ``Picker``), with a state per row."""
+
+    def start(self, prompt: Sequence[int]) -> Any:
+        """This policy's state for a row whose text starts as ``prompt``."""
+        return None
+
+    @abstractmethod
+    def prepare(self, state: Any, picker: Picker) -> None:
+        """Hook the row's picker before it drafts."""
+
+    def commit(self, state: Any, emitted: Sequence[int]) -> None:  # noqa: B027 - most policies keep no state
+        """The row's text grew by ``emitted``."""
+
+
+class PolicyRows:
+    """Every row's state of each of ``policies``: what a one-row completion and a batch's rows share."""
+
+    def __init__(self, policies: Sequence[PickPolicy], prompts: Sequence[Sequence[int]]) -> None:
+        self.policies = list(policies)
+        self.states = [[policy.start(prompt) for policy in self.policies] for prompt in prompts]
+
+    def prepare(self, row: int, picker: Picker) -> None:
+        for policy, state in zip(self.policies, self.states[row]):
+            policy.prepare(state, picker)
+
+    def commit(self, row: int, emitted: Sequence[int]) -> None:
+        for policy, state in zip(self.policies, self.states[row]):
+            policy.commit(state, emitted)
+
+    def keep(self, rows: Sequence[int]) -> None:
+        self.states = [self.states[r] for r in rows]
+
+    def merge(self, other: PolicyRows) -> None:
+        self.states += other.states
+
+
+class DraftRows(ABC):
+    """A drafter's state for the rows of a batch: it drafts for every row at once, each row as it would alone."""
+
+    def __init__(self, policies: PolicyRows) -> None:
+        self.policies = policies
+
+    def ready(self, row: int) -> bool:
+        """Whether ``row`` can propose now (a feature head waits for the target's first feature)."""
+        return True
+
+    def caches(self) -> list[Any]:
+        """The row caches it keeps (``lssp.decoding.batched.RowCache``), which the batch repacks."""
+        return []
+
+    def propose(self, seqs: Sequence[Sequence[int]], pickers: Sequence[Picker]) -> list[Proposal]:
+        """Each row's drafts for its text ``seqs[r]`` until ``pickers[r]`` is done (a picker of k 0: none)."""
+        for r, picker in enumerate(pickers):
+            self.policies.prepare(r, picker)
+        return self.draft(seqs, pickers)
+
+    def commit(self, row: int, proposal: Proposal, accepted: int, emitted: Sequence[int],
+               features: torch.Tensor | None) -> None:
+        """The target kept ``accepted`` of ``row``'s drafts and emitted ``emitted``; ``features``: its hidden states
+        of the positions it fed that stay valid."""
+        self.policies.commit(row, emitted)
+        self.advance(row, proposal, accepted, features)
+
+    def keep(self, rows: list[int]) -> None:
+        """Keep only ``rows`` (increasing) of the batch."""
+        self.policies.keep(rows)
+        self.keep_rows(rows)
+
+    def merge(self, other: DraftRows) -> None:
+        """Add ``other``'s rows (begun apart: rows joining a running batch) below these."""
+        self.policies.merge(other.policies)
+        self.merge_rows(other)
+
+    @abstractmethod
+    def draft(self, seqs: Sequence[Sequence[int]], pickers: Sequence[Picker]) -> list[Proposal]: ...
+
+    @abstractmethod
+    def advance(self, row: int, proposal: Proposal, accepted: int, features: torch.Tensor | None) -> None: ...
+
+    @abstractmethod
+    def keep_rows(self, rows: list[int]) -> None: ...
+
+    @abstractmethod
+    def merge_rows(self, other: DraftRows) -> None: ...
+
+
+class Drafter(ABC):
+    """Proposes tokens for speculative sampling, one method per class: for one completion at a time (``begin``,
+    ``propose``, ``commit``), and, where ``rows_reason`` is None, for the rows of a batch (``begin_rows``). Its
+    ``policies`` change its picks in both."""
+
+    needs_features = False  # whether it reads the target's final hidden states
+
+    def __init__(self, policies: Sequence[PickPolicy] = ()) -> None:
+        self.policies = list(policies)
+        self.rows = PolicyRows(self.policies, [[]])  # one completion's policy states
+
+    @property
+    @abstractmethod
+    def model(self) -> torch.nn.Module | None:
+        """The module whose forwards draft (for clocks and devices), or None: a drafter without a model."""
+
+    @property
+    def ready(self) -> bool:
+        """Whether it can propose now (a feature head waits for the target's first feature)."""
+        return True
+
+    def begin(self, seq: torch.Tensor, features: torch.Tensor | None, prefix: PrefixCache | None, clock: Clock) -> None:
+        """Start a completion of ``seq`` (1, T); ``features``: the target's of all but its last token (or None)."""
+        self.rows = PolicyRows(self.policies, [seq[0].tolist()])
+        self.start(seq, features, prefix, clock)
+
+    def propose(self, seq: torch.Tensor, picker: Picker) -> Proposal:
+        """Drafts for the text ``seq`` until ``picker`` is done."""
+        self.rows.prepare(0, picker)
+        return self.draft(seq, picker)
+
+    def commit(self, proposal: Proposal, accepted: int, emitted: list[int], features: torch.Tensor | None) -> None:
+        """The target kept ``accepted`` drafts and emitted ``emitted``; ``features``: its hidden states of the
+        positions it fed that stay valid."""
+        self.rows.commit(0, emitted)
+        self.advance(proposal, accepted, features)
+
+    @abstractmethod
+    def start(self, seq: torch.Tensor, features: torch.Tensor | None, prefix: PrefixCache | None,
+              clock: Clock) -> None: ...
+
+    @abstractmethod
+    def draft(self, seq: torch.Tensor, picker: Picker) -> Proposal: ...
+
+    @abstractmethod
+    def advance(self, proposal: Proposal, accepted: int, features: torch.Tensor | None) -> None: ...
+
+    def rows_reason(self, target: torch.nn.Module) -> str | None:
+        """Why it cannot draft for the rows of a batch over ``target`` (callers then go one completion at a time),
+        or None."""
+        return f"{type(self).__name__} drafts one completion at a time"
+
+    def begin_rows(self, prompts: Sequence[list[int]], prefix: PrefixCache | None,
+                   features: Sequence[torch.Tensor] | None) -> DraftRows:
+        """The state of rows starting as ``prompts`` (``features``: the target's of each prompt but its last token,
+        where ``needs_features``)."""
+        raise ValueError(self.rows_reason(self.model))
