@@ -45,6 +45,7 @@ from lssp.cli.options import (
 )
 from lssp.cli.output import console, exit_interrupted, exit_with, fmt, k_label, plot_charts, save, table
 from lssp.cli.progress import progress
+from lssp.engines import engine_class
 from lssp.errors import UserError
 from lssp.report.results import plural
 
@@ -141,7 +142,8 @@ def latency(
     exit_with(code)
 
 
-ENGINE_LABELS = {"ours": "ours ", "hf": "hf ", "vllm": "vLLM ", "llamacpp": "llama.cpp "}
+def engine_label(name: str) -> str:
+    return engine_class(name).label or name
 
 
 def render(run, t, d, wide: bool = False, more: list | None = None) -> None:
@@ -169,7 +171,7 @@ def render(run, t, d, wide: bool = False, more: list | None = None) -> None:
     both = len(run.engines) > 1
     star = fastest(overall) if several else None
     for m in overall:
-        mode = (ENGINE_LABELS.get(m.engine, "") if both else "") + m.mode.upper() \
+        mode = (engine_label(m.engine) + " " if both else "") + m.mode.upper() \
             + (f" {setup.method(m).split('+')[0]}" if len(setup.draft_kinds) > 1 and m.mode == "ssp" else "") \
             + (" ★" if m is star else "")
         k = _k(m) if m.mode == "ssp" else "–"
@@ -198,17 +200,10 @@ def render(run, t, d, wide: bool = False, more: list | None = None) -> None:
             console.print(f"  share of iterations accepting draft i ({_engine(m)}"
                           f"{_named(run, m)}K={_k(m)}): " +
                           " ".join(f"{i + 1}:{fmt(x, 0, pct=True)}" for i, x in enumerate(m.acceptance_by_position)))
-            if m.lookup and m.engine == "ours":
+            if m.lookup and not engine_class(m.engine).lookup_alone:
                 console.print(f"    the lookup proposed {fmt(m.lookup_share, 0, pct=True)} of drafts, "
                               f"{fmt(m.lookup_acceptance, 0, pct=True)} of them accepted")
-    if "hf" in run.engines:
-        console.print("  hf: assisted generation does not report acceptance")
-    if "vllm" in run.engines:
-        render_vllm(run)
-    if "llamacpp" in run.engines:
-        console.print(f"  llama.cpp {setup.llamacpp_version}: llama-server, one per mode; decode ms/token from its "
-                      "timings, first token to last" + ("; \"ngram N\": its n-gram drafts alone" if any(
-                          m.engine == "llamacpp" and m.lookup for m in run.overall) else ""))
+    render_engines(run)
     if setup.recompiles:
         console.print(f"[bold yellow]  torch.compile built {plural(setup.recompiles, 'graph')} while timing: "
                       "its compile time is in the figures[/bold yellow]")
@@ -260,7 +255,7 @@ def render_verdict(run) -> None:
         alpha = f", α {m.alpha:.2f}" if m.alpha == m.alpha else ""
         text = (f"use {what}: {speedup}{alpha}, on {prompts}" if m.speedup > 1 else
                 f"SSp does not pay here: the best, {what}, runs at {speedup} RSp's speed{alpha}, on {prompts}")
-        head = f"verdict ({ENGINE_LABELS[m.engine].strip()}): " if several else "verdict: "
+        head = f"verdict ({engine_label(m.engine)}): " if several else "verdict: "
         console.print(Text(head + text + advice, style="bold green" if m.speedup > 1 else "bold red"))
 
 
@@ -269,18 +264,19 @@ def _finite(x: float) -> float:
 
 
 def _engine(m) -> str:
-    """"hf " or "vLLM " before a K label (nothing for ours)."""
-    return ENGINE_LABELS[m.engine] if m.engine != "ours" else ""
+    """"hf " or "vLLM " before a K label (nothing for the reference engine, ours)."""
+    return "" if engine_class(m.engine).reference else engine_label(m.engine) + " "
 
 
 def _named(run, m) -> str:
     """"eagle " or "draft " before a K label where a run times several kinds of draft."""
-    return f"{run.setup.method(m).split('+')[0]} " if len(run.setup.draft_kinds) > 1 and m.engine == "ours" else ""
+    return f"{run.setup.method(m).split('+')[0]} " if len(run.setup.draft_kinds) > 1 and engine_class(m.engine).runs_each_draft \
+        else ""
 
 
 def _k(m) -> str:
-    """The K column: ours' label, or vLLM's n-gram method with its lookup length."""
-    if m.engine in ("vllm", "llamacpp") and m.lookup:
+    """The K column: ours' label, or an engine's n-gram drafter with its lookup length."""
+    if engine_class(m.engine).lookup_alone and m.lookup:
         return f"{m.k} ngram {m.lookup}"
     return k_label(m.k, m.confidence, m.lookup)
 
@@ -309,16 +305,21 @@ def render_tasks(run) -> None:
     console.print(out)
 
 
-def render_vllm(run) -> None:
-    """What differs for vLLM's rows, and ours ÷ vLLM where both ran."""
-    setup = run.setup
-    ngram = any(m.engine == "vllm" and m.lookup for m in run.overall)
-    console.print(f"  vLLM {setup.vllm_version}, {setup.vllm_precision}: decode ms/token from its request "
-                  "timestamps, first token to last"
-                  + ("; \"ngram N\": its n-gram drafts alone, no draft model" if ngram else ""))
-    ours = {(m.mode, m.k, m.lookup): m for m in run.overall if m.engine == "ours"}
-    pairs = [(m, ours[(m.mode, m.k, m.lookup)]) for m in run.overall
-             if m.engine == "vllm" and (m.mode, m.k, m.lookup) in ours]
-    if pairs:
-        console.print("  ours ÷ vLLM ms/token: " + ", ".join(
-            ("RSp" if v.mode == "rsp" else f"K={_k(v)}") + f" {o.ms_per_token / v.ms_per_token:.2f}×" for v, o in pairs))
+def render_engines(run) -> None:
+    """Each other engine's note (how its figures are timed), and ours ÷ it where both ran a mode."""
+    reference = {(m.mode, m.k, m.lookup): m for m in run.overall if engine_class(m.engine).reference}
+    for name in run.engines:
+        if engine_class(name).reference:
+            continue
+        ngram = engine_class(name).lookup_alone and any(m.engine == name and m.lookup for m in run.overall)
+        note = run.setup.own(name).note
+        if note:
+            console.print(f"  {note}" + ("; \"ngram N\": its n-gram drafts alone, no draft model" if ngram else ""))
+        pairs = [(m, reference[(m.mode, m.k, m.lookup)]) for m in run.overall  # a lookup alone is no lookup hint
+                 if m.engine == name and (m.mode, m.k, m.lookup) in reference and not (ngram and m.lookup)]
+        if pairs:
+            console.print(f"  ours ÷ {engine_label(name)} ms/token: " + ", ".join(
+                ("RSp" if v.mode == "rsp" else f"K={_k(v)}") + f" {o.ms_per_token / v.ms_per_token:.2f}×"
+                for v, o in pairs))
+
+

@@ -4,7 +4,7 @@ Adding an engine is one module with an ``Engine`` subclass and its line in ``ENG
 """
 from __future__ import annotations
 
-from lssp.engines.base import Engine, Mode, Request, request_seed
+from lssp.engines.base import Engine, EngineInfo, Mode, Request, request_seed
 from lssp.engines.llamacpp import LlamacppEngine
 from lssp.engines.ours import OursEngine
 from lssp.engines.transformers import TransformersEngine
@@ -14,8 +14,14 @@ from lssp.errors import UserError
 ENGINES: dict[str, type[Engine]] = {"ours": OursEngine, "hf": TransformersEngine, "vllm": VllmEngine,
                                     "llamacpp": LlamacppEngine}
 
-__all__ = ["ENGINES", "Engine", "LlamacppEngine", "Mode", "OursEngine", "Request", "TransformersEngine", "VllmEngine", "check_engines",
+__all__ = ["ENGINES", "Engine", "EngineInfo", "LlamacppEngine", "Mode", "OursEngine", "Request", "TransformersEngine", "VllmEngine", "check_engines", "engine_class",
            "request_seed"]
+
+
+def engine_class(name: str) -> type[Engine]:
+    """The engine registered as ``name``, whose class attributes say what it can do (the base class for a name not
+    registered: a test's stand-in)."""
+    return ENGINES.get(name, Engine)
 
 
 def check_engines(command: str, wanted: list[str], allowed: tuple[str, ...]) -> list[str]:

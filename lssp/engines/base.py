@@ -64,18 +64,43 @@ class Request:
         return not (self.stopping.token_ids or self.stopping.strings)
 
 
+@dataclass(frozen=True)
+class EngineInfo:
+    """What an engine says of itself for rows and output: its version, the precision it computes the target in where
+    that is its own, and its drafting method with a draft model where that is one of its own ("": the draft's kind)."""
+
+    name: str
+    label: str
+    version: str = ""
+    target_precision: str = ""
+    draft_method: str = ""
+    note: str = ""  # how its figures differ from ours, for the output ("": they do not)
+
+
 class Engine(ABC):
-    """Runs completions of one target (and its drafts), one request at a time."""
+    """Runs completions of one target (and its drafts): one request (``complete``) or many (``complete_many``)."""
 
     name: ClassVar[str]
+    label: ClassVar[str] = ""  # its name in tables and verdicts ("" : the name)
     decode_timing: ClassVar[str] = DECODE_TIMING  # decode ms/token, in words: one definition for every engine
-    splits_time: ClassVar[bool] = False  # whether it times draft and target forwards apart (a split pass applies)
+    splits_time: ClassVar[bool] = False  # whether it times draft and target forwards apart (a split pass applies,
+    #   and its draft/target ratio c is the run's)
+    reference: ClassVar[bool] = False  # the engine the others are compared with (``ours ÷ it``) and RSp's baseline
     runs_our_weights: ClassVar[bool] = True  # whether it computes with the models loaded here (our exact laws apply)
     runs_feature_heads: ClassVar[bool] = True  # whether it drafts with our feature heads (EAGLE layout)
+    runs_each_draft: ClassVar[bool] = False  # whether it runs every draft of a run of several (else the first)
+    takes_lookup: ClassVar[bool] = True  # whether it has lookup modes (``Mode.lookup``) at all
+    lookup_alone: ClassVar[bool] = False  # whether its lookup modes draft with the n-gram lookup alone (no draft
+    #   model: vLLM's and llama.cpp's n-gram drafters) rather than as a hint over the draft model's picks (ours)
+    version_column: ClassVar[str] = ""  # the results column that holds its version, where it has one of its own
 
     @property
     def version(self) -> str:
         return ""
+
+    def describe(self) -> EngineInfo:
+        """What it says of itself (rows, output)."""
+        return EngineInfo(self.name, self.label or self.name, self.version)
 
     def supports(self, mode: Mode) -> str | None:
         """Why this engine cannot run ``mode``, or None."""

@@ -32,7 +32,7 @@ import torch
 
 from lssp.decoding.generation import NO_STOP, GenerationOutput, GenerationStats, Stopping
 from lssp.decoding.sampling import SamplingParams
-from lssp.engines.base import Engine, Mode, Request
+from lssp.engines.base import Engine, EngineInfo, Mode, Request
 from lssp.engines.llamacpp_build import LlamacppBuild, gguf_path, last_error_line, require_build
 from lssp.errors import UserError
 from lssp.models.loading import ModelHandle, load_tokenizer
@@ -413,9 +413,12 @@ class LlamacppEngine(Engine):
     """llama.cpp behind the engine interface: each mode's (k, lookup) server, started by ``LlamacppServers``."""
 
     name = "llamacpp"
+    label = "llama.cpp"
     decode_timing = DECODE_TIMING
     runs_our_weights = False  # its own kernels and number formats: our exact law is a reference, not the verdict
     runs_feature_heads = False  # its draft-eagle3 takes EAGLE-3 heads (three target layers); ours read one
+    lookup_alone = True
+    version_column = "llamacpp"
 
     def __init__(self, servers: LlamacppServers) -> None:
         self.servers = servers
@@ -423,6 +426,11 @@ class LlamacppEngine(Engine):
     @property
     def version(self) -> str:
         return self.servers.version
+
+    def describe(self) -> EngineInfo:
+        return EngineInfo(self.name, self.label, self.version, draft_method="draft-simple",
+                          note=f"llama.cpp {self.version}: llama-server, one per mode; decode ms/token from its timings, "
+                          "first token to last")
 
     @staticmethod
     def key(mode: Mode) -> tuple[int, int]:

@@ -16,6 +16,8 @@ from lssp.models.loading import LoadedModel
 class OursEngine(Engine):
     name = "ours"
     splits_time = True
+    reference = True
+    runs_each_draft = True
     caches_prefixes = True
 
     def __init__(self, target: LoadedModel, drafts: Sequence[LoadedModel] = (), vocabs: Sequence[int | None] = ()) -> None:

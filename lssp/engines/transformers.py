@@ -11,7 +11,7 @@ from transformers.generation.streamers import BaseStreamer
 from lssp.decoding.generation import GenerationOutput, GenerationStats
 from lssp.decoding.sampling import SamplingParams
 from lssp.decoding.timing import Clock
-from lssp.engines.base import Engine, Mode, Request
+from lssp.engines.base import Engine, EngineInfo, Mode, Request
 from lssp.models.loading import LoadedModel
 
 
@@ -67,7 +67,9 @@ class EmissionTimes(BaseStreamer):
 
 class TransformersEngine(Engine):
     name = "hf"
+    label = "hf"
     runs_feature_heads = False  # assisted generation takes a draft model
+    takes_lookup = False  # assisted generation has no context lookup in this tool
 
     def __init__(self, target: LoadedModel, draft: LoadedModel | None = None) -> None:
         self.target, self.draft = target, draft
@@ -77,6 +79,10 @@ class TransformersEngine(Engine):
         import transformers
 
         return transformers.__version__
+
+    def describe(self) -> EngineInfo:
+        return EngineInfo(self.name, self.label, self.version, draft_method="assisted",
+                          note="hf: assisted generation does not report acceptance")
 
     def supports(self, mode: Mode) -> str | None:
         if mode.mode == "ssp" and self.draft is None:

@@ -26,7 +26,7 @@ import torch
 
 from lssp.decoding.generation import GenerationOutput, GenerationStats, TokenCallback
 from lssp.decoding.sampling import SamplingParams
-from lssp.engines.base import Engine, Mode, Request
+from lssp.engines.base import Engine, EngineInfo, Mode, Request
 from lssp.errors import UserError
 from lssp.models.draft_head import has_subset_head
 from lssp.models.eagle import is_feature_head
@@ -466,7 +466,10 @@ class VllmEngine(Engine):
     """vLLM behind the engine interface: each mode's (k, lookup) engine, started together by ``VllmEngines``."""
 
     name = "vllm"
+    label = "vLLM"
     runs_our_weights = False  # its own copy, kernels and dtype: our exact law is a reference, not the verdict
+    lookup_alone = True
+    version_column = "vllm"
 
     def __init__(self, engines: VllmEngines) -> None:
         self.engines = engines
@@ -474,6 +477,14 @@ class VllmEngine(Engine):
     @property
     def version(self) -> str:
         return self.engines.version
+
+    def describe(self) -> EngineInfo:
+        draft = self.engines.draft
+        method = f"{draft_method(draft)} ({draft_sampling(draft)})" if draft is not None else "draft_model"
+        precision = self.engines.target.precision
+        return EngineInfo(self.name, self.label, self.version, precision, method,
+                          f"vLLM {self.version}, {precision}: decode ms/token from its request timestamps, first token "
+                          "to last")
 
     @staticmethod
     def key(mode: Mode) -> tuple[int, int]:

@@ -19,7 +19,7 @@ from lssp.decoding.generation import FIRST_TO_LAST, GenerationStats, timing_basi
 from lssp.decoding.sampling import SamplingParams
 from lssp.decoding.timing import Clock
 from lssp.engines import ENGINES as ENGINE_KINDS
-from lssp.engines import Engine, Mode, OursEngine, Request, TransformersEngine, request_seed
+from lssp.engines import Engine, Mode, OursEngine, Request, TransformersEngine, engine_class, request_seed
 from lssp.measure.latency import (
     NOISY_SPREAD,
     SAME_PASS,
@@ -282,7 +282,7 @@ def run_bench(target: LoadedModel, draft: LoadedModel, prompts: Sequence[str], w
         request = Request(target.encode(text), max_new_tokens, params, request_seed(seed, index), time_forwards=timed)
         out = runners[mode.engine].complete(mode, request)
         st, tokens = out.stats, out.tokens.tolist()
-        if mode.engine != "ours":
+        if not engine_class(mode.engine).splits_time:
             return EngineRun(label_of[mode], index, tokens, st.total_time_s, acceptance_rate=st.acceptance_rate,
                              accepted=st.accepted, rejections=st.rejections, stats=st)
         return EngineRun(label_of[mode], index, tokens, st.total_time_s, st.other_time_s if timed else nan,
@@ -290,9 +290,9 @@ def run_bench(target: LoadedModel, draft: LoadedModel, prompts: Sequence[str], w
                          1000 * st.draft_time_s / st.draft_forwards if timed and st.draft_forwards else nan,
                          1000 * st.target_time_s / st.target_forwards if timed else nan, stats=st)
 
-    ours = [m for m in modes.values() if m.engine == "ours"]
+    split = [m for m in modes.values() if engine_class(m.engine).splits_time]
     steps, interrupted = run_interleaved(prompts, list(modes.values()), once, warmup_prompt,
-                                         split_modes=ours if separate else (), progress=progress, label=label_of.get)
+                                         split_modes=split if separate else (), progress=progress, label=label_of.get)
     runs = []
     for step in steps:
         step.result.split_pass = step.split_pass

@@ -11,8 +11,7 @@ import torch
 from lssp.decoding.generation import FIRST_TO_LAST, GenerationOutput, GenerationStats, Stopping, combined, timing_basis
 from lssp.decoding.sampling import SamplingParams
 from lssp.decoding.timing import Clock
-from lssp.engines import ENGINES, Engine, Mode, OursEngine, Request, request_seed
-from lssp.engines.vllm import draft_method, draft_sampling
+from lssp.engines import ENGINES, Engine, EngineInfo, Mode, OursEngine, Request, engine_class, request_seed
 from lssp.errors import UserError
 from lssp.measure.runloop import Progress, run_interleaved
 from lssp.models.compact import compiled_graphs
@@ -203,28 +202,39 @@ class LatencySetup:
     prompt_formats: dict[str, str] = field(default_factory=dict)  # task: chat, raw or mixed
     split_timing: str = SAME_PASS  # where the draft/target/other split was measured
     recompiles: int = 0  # graphs torch.compile built during the timed passes (after the warm-ups)
-    vllm_version: str = ""  # where vLLM ran some modes (--engine vllm)
-    vllm_precision: str = ""
-    vllm_draft_method: str = "draft_model"  # vLLM's speculative method with the draft (registry: speculative_method)
-    llamacpp_version: str = ""  # where llama.cpp ran some modes (--engine llamacpp)
+    engines: dict[str, EngineInfo] = field(default_factory=dict)  # what each engine of the run says of itself
     draft_kinds: dict[str, str] = field(default_factory=dict)  # each draft's kind: draft (a model) or eagle (a head)
     draft_precisions: dict[str, str] = field(default_factory=dict)  # in a run of several drafts
 
     def method(self, m: ModeSummary) -> str:
-        """How a mode drafted: none (RSp); ours: draft or eagle, +lookup; hf: assisted; vLLM: its speculative method."""
+        """How a mode drafted: none (RSp); ngram (an engine's n-gram drafter alone); the engine's own method with a
+        draft (hf: assisted; vLLM: its speculative method; llama.cpp: draft-simple); else the draft's kind (draft or
+        eagle), +lookup."""
         if m.mode == "rsp":
             return "none"
-        if m.engine == "hf":
-            return "assisted"
-        if m.engine == "vllm":
-            return "ngram" if m.lookup else self.vllm_draft_method
-        if m.engine == "llamacpp":
-            return "ngram" if m.lookup else "draft-simple"
+        if m.lookup and engine_class(m.engine).lookup_alone:
+            return "ngram"
+        own = self.engines[m.engine].draft_method if m.engine in self.engines else ""
+        if own:
+            return own
         kind = self.draft_kinds.get(self.draft_of(m), "draft")
         return f"{kind}+lookup" if m.lookup else kind
 
     def draft_of(self, m: ModeSummary) -> str:
         return m.draft or self.draft or ""
+
+    def own(self, engine: str) -> EngineInfo:
+        """What ``engine`` said of itself (nothing, where it was not described)."""
+        return self.engines.get(engine) or EngineInfo(engine, engine)
+
+
+VERSION_COLUMNS = tuple(dict.fromkeys(e.version_column for e in ENGINES.values() if e.version_column))
+
+
+def version_columns(engine: type[Engine], version: str) -> dict[str, str]:
+    """The rows' version columns (one per engine that has a version of its own): ``engine``'s filled, the others
+    empty."""
+    return {column: version if column == engine.version_column else "" for column in VERSION_COLUMNS}
 
 
 @dataclass
@@ -253,7 +263,7 @@ class LatencyRun:
 
     @property
     def baseline(self) -> ModeSummary | None:
-        return next((s for s in self.overall if s.mode == "rsp" and s.engine == "ours"), None)
+        return next((s for s in self.overall if s.mode == "rsp" and engine_class(s.engine).reference), None)
 
     @property
     def engines(self) -> list[str]:
@@ -271,7 +281,7 @@ class LatencyRun:
         base = self.baseline
         ratios: dict[str, list[float]] = {}
         for s in self.overall:
-            if s.mode == "ssp" and s.engine == "ours":
+            if s.mode == "ssp" and engine_class(s.engine).splits_time:
                 ratios.setdefault(self.setup.draft_of(s), []).append(s.draft_ms_per_forward)
         if base is None:
             return {}
@@ -320,10 +330,10 @@ class LatencyRun:
             "acceptance_by_position": ";".join(f"{x:.4f}" for x in m.acceptance_by_position),
             "noisy": m.noisy, "interrupted": self.interrupted, "split_timing": setup.split_timing,
             "recompiles": setup.recompiles,
-            "target_precision": setup.vllm_precision if m.engine == "vllm" else setup.target_precision,
-            "draft_precision": setup.draft_precisions.get(m.draft, setup.draft_precision) or "", "vllm": setup.vllm_version if m.engine == "vllm" else "",
-            "llamacpp": setup.llamacpp_version if m.engine == "llamacpp" else "",
-            "decode_timing": ENGINES[m.engine].decode_timing, **info.env,
+            "target_precision": setup.own(m.engine).target_precision or setup.target_precision,
+            "draft_precision": setup.draft_precisions.get(m.draft, setup.draft_precision) or "",
+            **version_columns(engine_class(m.engine), setup.own(m.engine).version),
+            "decode_timing": engine_class(m.engine).decode_timing, **info.env,
         } for m in self.summaries]
 
     def prompt_format(self, task: str) -> str:
@@ -504,10 +514,11 @@ def latency_modes(engines: Sequence[str], drafts: Sequence[str], ks: Sequence[in
     names = list(drafts) if len(drafts) > 1 else [""]
     for engine in engines:
         modes += [Mode("rsp", engine=engine)] if baseline or not drafts else []
-        if drafts or (engine in ("vllm", "llamacpp") and any(lookups)):
-            modes += [Mode("ssp", k, c, n, engine, name if engine == "ours" else "") for name in names
+        kind = engine_class(engine)
+        if drafts or (kind.lookup_alone and any(lookups)):
+            modes += [Mode("ssp", k, c, n, engine, name if kind.runs_each_draft else "") for name in names
                       for n in lookups for c in confidences for k in ks
-                      if (drafts or n) and not (engine == "hf" and n)]  # assisted generation: no lookup here
+                      if (drafts or n) and not (n and not kind.takes_lookup)]
     return list(dict.fromkeys(modes))
 
 
@@ -552,7 +563,7 @@ def run_latency(
     graphs = compiled_graphs()
     steps, interrupted = run_interleaved(
         prompts, modes, complete, TaskPrompt("warm-up", (warmup_prompt,), False), repeats,
-        [m for m in modes if m.engine == "ours"] if separate else (), progress, describe=lambda p: p.task)
+        [m for m in modes if engine_class(m.engine).splits_time] if separate else (), progress, describe=lambda p: p.task)
     setup.recompiles = compiled_graphs() - graphs
     timings = [PromptTiming(s.index, s.mode.mode, s.mode.k, s.result[0], s.mode.confidence, s.mode.lookup, s.repeat,
                             s.split_pass, prompts[s.index].task, len(prompts[s.index].turns), s.result[1], s.mode.engine,
@@ -576,14 +587,7 @@ def _setup(target: LoadedModel, drafts: Sequence[LoadedModel], engines: dict[str
     if len(drafts) > 1:
         setup.draft, setup.draft_precision = ", ".join(d.name for d in drafts), ""
         setup.draft_precisions = {d.name: d.precision for d in drafts}
-    if "llamacpp" in engines:
-        setup.llamacpp_version = engines["llamacpp"].version
-    vllm = engines.get("vllm")
-    if vllm is not None:
-        started = vllm.engines
-        setup.vllm_version, setup.vllm_precision = started.version, started.target.precision
-        if started.draft is not None:
-            setup.vllm_draft_method = f"{draft_method(started.draft)} ({draft_sampling(started.draft)})"
+    setup.engines = {name: engine.describe() for name, engine in engines.items()}
     return setup
 
 

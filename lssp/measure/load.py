@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
 from lssp.decoding.sampling import SamplingParams
+from lssp.engines import engine_class
 from lssp.engines.base import Mode, request_seed
 from lssp.engines.vllm import Counters
 from lssp.errors import UserError
@@ -246,10 +247,11 @@ class LevelSummary:
 
 
 def mode_label(mode: Mode, engine: str) -> str:
-    """RSp, SSp k=4, ngram 3 k=4 (vLLM's n-gram drafter alone), SSp k=4 +lookup 3 (ours: draft and lookup)."""
+    """RSp, SSp k=4, ngram 3 k=4 (an engine's n-gram drafter alone: vLLM, llama.cpp), SSp k=4 +lookup 3 (ours: draft
+    and lookup)."""
     if mode.mode == "rsp":
         return "RSp"
-    if mode.lookup and engine != "ours":
+    if mode.lookup and engine_class(engine).lookup_alone:
         return f"ngram {mode.lookup} k={mode.k}"
     return f"SSp k={mode.k}" + (f" +lookup {mode.lookup}" if mode.lookup else "")
 
@@ -323,10 +325,10 @@ class LoadRun:
         setup, info = self.setup, self.info
         return [{
             **info.head(), "engine": setup.engine, "concurrency": s.concurrency, "mode": s.mode,
-            "method": "none" if s.mode == "rsp" else ("ngram" if s.lookup and setup.engine != "ours"
+            "method": "none" if s.mode == "rsp" else ("ngram" if s.lookup and engine_class(setup.engine).lookup_alone
                                                        else setup.draft_method or "draft"),
             "target": setup.target, "draft": (setup.draft or "") if s.mode == "ssp" and not (
-                s.lookup and setup.engine != "ours") else "", "k": s.k,
+                s.lookup and engine_class(setup.engine).lookup_alone) else "", "k": s.k,
             "lookup": s.lookup, **setup.params.as_dict(), "max_new_tokens": setup.max_new_tokens,
             "ignore_eos": setup.ignore_eos, "task": setup.workload, "chat": setup.chat,
             "request_rate": setup.request_rate if setup.request_rate else "inf", "seed": setup.seed,
