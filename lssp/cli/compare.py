@@ -9,7 +9,7 @@ import typer
 from rich.text import Text
 
 from lssp.cli.app import app, settings
-from lssp.cli.loaders import heads_run, llamacpp_runner, load_engine_pair, load_pair, start_vllm
+from lssp.cli.loaders import heads_run, start_engine
 from lssp.cli.options import (
     ChatOpt,
     DraftArg,
@@ -30,6 +30,7 @@ from lssp.cli.options import (
     sampling_params,
 )
 from lssp.cli.output import console, err_console, exit_interrupted, fmt, k_label, table
+from lssp.engines import engine_class
 from lssp.errors import UserError
 
 
@@ -89,7 +90,8 @@ def compare(
         return stats
 
     via = {"vllm": " in vLLM", "llamacpp": " in llama.cpp (whole answers: drafted tokens not coloured)"}.get(chosen, "")
-    helper = f"{d.name}" if d is not None and not (chosen != "ours" and lookup) else f"{via[4:].split(' ')[0]}'s n-gram lookup"
+    alone = bool(lookup) and engine_class(chosen).lookup_alone  # the engine's n-gram drafter, no draft model
+    helper = f"{d.name}" if d is not None and not alone else f"{engine_class(chosen).label}'s n-gram lookup"
 
     done: list[tuple[str, Any, Any]] = []  # (label, RSp stats, SSp stats) per prompt, for the summary
 
@@ -102,8 +104,9 @@ def compare(
                            style="bold") + Text("draft tokens accepted", style="green") + Text(" / ")
                       + Text("made by the target", style="bold blue"))
         ssp = stream(prompt, index, "ssp")
-        if chosen == "vllm" and lookup:
-            console.print(Text("\n   (vLLM's n-gram steps: which tokens were drafted is not shown)", style="dim"), end="")
+        if alone:
+            console.print(Text(f"\n   ({engine_class(chosen).label}'s n-gram steps: which tokens were drafted is not "
+                               "shown)", style="dim"), end="")
         console.print(Text(f"\n   {ssp.total_time_s:.2f}s, {_ms_per_token(ssp):.1f} ms/token, acceptance "
                            f"{fmt(ssp.acceptance_rate, 0, pct=True)}, {ssp.tokens_per_target_forward:.2f} "
                            "tokens per target forward", style="bold green"))
@@ -136,17 +139,8 @@ def _engine_and_k(s, engine: str, draft: str | None, k: int | None) -> tuple[str
 
 def _start_engine(s, chosen: str, target: str | None, draft: str | None, k: int, lookup: int):
     """The one engine compare streams, loaded with its RSp and SSp modes: (target, draft, runner)."""
-    from lssp.engines import OursEngine, VllmEngine
-
-    if chosen == "llamacpp":
-        t, d, runner = llamacpp_runner(s, target, draft, [(0, 0), (k, lookup)], not lookup or draft is not None)
-    elif chosen == "vllm":
-        t, d = load_engine_pair(s, target, draft, need_draft=not lookup or draft is not None)
-        runner = VllmEngine(start_vllm(t, d, [(0, 0), (k, lookup)]))
-    else:
-        t, d, vocab = load_pair(s, target, draft)
-        runner = OursEngine(t, [d], [vocab])
-    return t, d, runner
+    alone = bool(lookup) and engine_class(chosen).lookup_alone  # its n-gram drafter needs no draft model
+    return start_engine(s, chosen, [(0, 0), (k, lookup)], target, draft, need_draft=not alone or draft is not None)
 
 
 def _summary(done: list[tuple[str, Any, Any]]) -> None:

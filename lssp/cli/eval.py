@@ -6,7 +6,7 @@ from typing import Annotated, Optional
 import typer
 
 from lssp.cli.app import app, settings
-from lssp.cli.loaders import heads_run, llamacpp_runner, load_engine_pair, load_pair, start_vllm
+from lssp.cli.loaders import heads_run, start_engine
 from lssp.cli.options import (
     JsonOpt,
     LookupOpt,
@@ -87,19 +87,8 @@ def eval_cmd(
         done_before = len(resume_point(results / "eval_records", eval_config(
             s.registry.target_name(target), s.registry.draft_name(draft) if draft else None, modes, nb_prompts, s.seed,
             k, max_new_tokens, params, lookup, op, max_operand, engine))[1])
-    if engine == "llamacpp":
-        t, d, runner = llamacpp_runner(s, target, draft, [(0, 0) if m == "rsp" else (k, lookup) for m in modes],
-                                       draft is not None)
-    elif engine == "vllm":
-        from lssp.engines import VllmEngine
-
-        t, d = load_engine_pair(s, target, draft, need_draft=draft is not None)
-        runner = VllmEngine(start_vllm(t, d, [(0, 0) if m == "rsp" else (k, lookup) for m in modes]))
-    else:
-        from lssp.engines import OursEngine, TransformersEngine
-
-        t, d, vocab = load_pair(s, target, draft, need_draft=draft is not None)
-        runner = OursEngine(t, [d] if d else [], [vocab]) if engine == "ours" else TransformersEngine(t, d)
+    t, d, runner = start_engine(s, engine, [(0, 0) if m == "rsp" else (k, lookup) for m in modes], target, draft,
+                                need_draft=draft is not None)
     correct = {m: 0 for m in modes}
     try:
         with progress(nb_prompts * len(modes), "eval", done_before) as tick:

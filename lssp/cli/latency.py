@@ -103,14 +103,14 @@ def latency(
     params = sampling_params(temperature, top_k, top_p)
     check_vllm(engines_wanted, confidences)
     results = s.writable_results_dir(json_out)
-    if len(draft_names) > 1 and (one := next((e for e in ("vllm", "llamacpp") if e in engines_wanted), None)):
+    if len(draft_names) > 1 and (one := next((e for e in engines_wanted if not engine_class(e).runs_our_weights), None)):
         raise UserError(f"--engine {one} times one draft: give --draft a single name")
     if len(set(draft_names)) < len(draft_names):
         raise UserError(f"--draft {draft!r} names a draft twice")
     draft = draft_names[0]
     lc = llamacpp_pair(s, engines_wanted, target, draft, use_draft, confidences)  # said before anything else loads
     engines, drafts, t = {}, [], None
-    if "ours" in engines_wanted or "hf" in engines_wanted:  # both run the weights loaded here
+    if any(engine_class(e).runs_our_weights for e in engines_wanted):  # ours, hf: the weights loaded here
         t, d, vocab = load_pair(s, target, draft, need_draft=use_draft)
         more = [load_draft_for(s, t, name) for name in draft_names[1:]]
         drafts = [x for x in (d, *(m for m, _ in more)) if x is not None]

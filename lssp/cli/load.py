@@ -31,6 +31,7 @@ from lssp.cli.options import (
 )
 from lssp.cli.output import console, err_console, exit_interrupted, exit_with, finish, fmt, table
 from lssp.cli.progress import progress
+from lssp.engines import engine_class
 from lssp.errors import UserError
 from lssp.report.results import ResultWriter, plural
 
@@ -95,7 +96,7 @@ def load(
         raise UserError(f"--lookup must be 0 (off) or more, got {lookup}")
     if batching not in ("continuous", "static"):
         raise UserError(f"--batching {batching!r}: expected continuous or static")
-    if batching == "static" and engine != "ours":
+    if batching == "static" and not engine_class(engine).runs_our_weights:
         raise UserError(f"--batching static: only --engine ours serves static batches ({engine} batches "
                         "continuously)")
     if request_rate is not None and not request_rate > 0:
@@ -103,7 +104,7 @@ def load(
     workload, prompt_list = _workload(task, prompts, nb_prompts, requests, chat)
     params = sampling_params(temperature, top_k, top_p)
     results = s.writable_results_dir(json_out)
-    need_draft = draft is not None or target is None or not lookup or engine == "ours"
+    need_draft = draft is not None or target is None or not lookup or not engine_class(engine).lookup_alone
     request_set = None
     if engine == "llamacpp":
         modes, t, d, core, request_set = _start_llamacpp(s, target, draft, need_draft, k, lookup, levels[-1],
@@ -118,8 +119,7 @@ def load(
         backend = _backend(engine, core, setup, t, d)
         _measure(s, backend, t, d, prompt_list, results, json_out, request_set)
     finally:
-        if engine in ("vllm", "llamacpp"):
-            core.close()
+        core.close()  # servers and engines started for the run
 
 
 def _workload(task: str | None, prompts: Path | None, nb_prompts: int | None, requests: int, chat: bool):

@@ -142,3 +142,32 @@ def start_llamacpp(target, draft, keys: list[tuple[int, int]]):
     with err_console.status(f"Starting {plural(len(set(keys)), 'llama-server')}…") as status:
         servers = LlamacppServers(target, draft, keys, lambda key: status.update(f"Started llama-server for K={key[0]}…"))
     return servers
+
+
+def start_engine(s: Settings, name: str, keys: list[tuple[int, int]], target_name: str | None,
+                 draft_name: str | None, need_draft: bool = True, loaded: tuple | None = None):
+    """(target, draft, engine): engine ``name`` started for the (k, lookup) ``keys`` (k = 0: RSp) before anything is
+    timed. The one place that maps an engine's name to how it starts: ours and hf run the pair loaded here (``loaded``,
+    (target, draft, vocab), where a command has it already), vLLM and llama.cpp their own copies."""
+    from lssp.engines import OursEngine, TransformersEngine, VllmEngine
+
+    def ours_pair():
+        return loaded or load_pair(s, target_name, draft_name, need_draft)
+
+    def ours():
+        t, d, vocab = ours_pair()
+        return t, d, OursEngine(t, [d] if d else [], [vocab])
+
+    def hf():
+        t, d, _ = ours_pair()
+        return t, d, TransformersEngine(t, d)
+
+    def vllm():
+        t, d = load_engine_pair(s, target_name, draft_name, need_draft)
+        return t, d, VllmEngine(start_vllm(t, d, keys))
+
+    def llamacpp():
+        return llamacpp_runner(s, target_name, draft_name, keys, need_draft)
+
+    starters = {"ours": ours, "hf": hf, "vllm": vllm, "llamacpp": llamacpp}
+    return starters[name]()

@@ -27,7 +27,7 @@ from lssp.cli.options import (
 )
 from lssp.cli.output import console, err_console, exit_interrupted, exit_with, fmt, k_label, save, table
 from lssp.cli.progress import progress
-from lssp.engines import check_engines
+from lssp.engines import check_engines, engine_class
 from lssp.errors import UserError
 from lssp.report.results import RunInfo
 
@@ -81,7 +81,7 @@ def verify(
     check_positive("--lookup", lookup, minimum=0)
     params = sampling_params(temperature, top_k, top_p)
     prompt_list = read_prompt_list(prompts, nb_prompts)
-    paired = {name: two_sample if two_sample is not None else name != "ours" for name in engines}
+    paired = {name: two_sample if two_sample is not None else not engine_class(name).reference for name in engines}
     if not params.greedy:
         _check_power(engines, paired, len(prompt_list), samples, depth, effect, significance)
     results = s.writable_results_dir(json_out)
@@ -164,16 +164,12 @@ def _check_power(engines: list[str], paired: dict[str, bool], prompts: int, samp
 def _engines(s, names: list[str], t, d, vocab: int, target: str | None, draft: str | None, ks: list[int],
              lookup: int) -> list:
     """The engines to audit, in the order given, all started before anything runs."""
-    from lssp.cli.loaders import llamacpp_engine, load_engine_pair, load_llamacpp_pair, start_vllm
-    from lssp.engines import Mode, OursEngine, TransformersEngine, VllmEngine
+    from lssp.cli.loaders import start_engine
+    from lssp.engines import Mode
 
-    made = {"ours": lambda: OursEngine(t, [d], [vocab]), "hf": lambda: TransformersEngine(t, d),
-            "vllm": lambda: VllmEngine(start_vllm(*load_engine_pair(s, target, draft),
-                                                  [(0, 0)] + [(k, lookup) for k in ks])),
-            "llamacpp": lambda: llamacpp_engine(load_llamacpp_pair(s, target, draft), [(0, 0)] + [(k, lookup) for k in ks])}
     runners = []
     for name in names:
-        runner = made[name]()
+        runner = start_engine(s, name, [(0, 0)] + [(k, lookup) for k in ks], target, draft, loaded=(t, d, vocab))[2]
         for k in ks:
             why = runner.supports(Mode("ssp", k, lookup=lookup, engine=name))
             if why:

@@ -13,7 +13,7 @@ import torch
 from lssp.decoding.generation import GenerationOutput, Stopping
 from lssp.decoding.kv import PrefixCache
 from lssp.decoding.sampling import SamplingParams
-from lssp.engines import Engine, Mode, Request, request_seed
+from lssp.engines import Engine, Mode, Request, engine_class, request_seed
 from lssp.errors import UserError
 from lssp.models.loading import LoadedModel
 from lssp.report.results import RunInfo, markdown_table
@@ -185,7 +185,7 @@ def eval_config(target: str, draft: str | None, modes: Sequence[str], nb_prompts
     return {"target": target, "draft": draft, "modes": list(modes), "nb_prompts": nb_prompts, "seed": seed, "k": k,
             "max_new_tokens": max_new_tokens, **params.as_dict(), **({"lookup": lookup} if lookup else {}),
             **({"op": op} if op != "mul" else {}), **({"max_operand": max_operand} if max_operand != HIGH else {}),
-            **({"engine": engine} if engine != "ours" else {})}
+            **({"engine": engine} if not engine_class(engine).reference else {})}
 
 
 def resume_point(records_dir: Path, config: dict) -> tuple[Path, list[EvalRecord]]:
