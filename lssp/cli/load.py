@@ -80,10 +80,6 @@ def load(
     s = settings(ctx)
     if engine not in ENGINES:
         raise UserError(f"load --engine {engine!r}: load takes vllm, ours or llamacpp")
-    if engine == "llamacpp":
-        from lssp.cli.loaders import check_llamacpp
-
-        check_llamacpp([engine])  # not built: one line naming ./setup.sh --llamacpp, before anything loads
     levels = sorted(set(parse_ints("--concurrency", concurrency)))
     check_positive("--requests", requests)
     if levels[-1] > requests:
@@ -101,6 +97,10 @@ def load(
                         "continuously)")
     if request_rate is not None and not request_rate > 0:
         raise UserError(f"--request-rate must be a positive number of requests per second, got {request_rate:g}")
+    if engine == "llamacpp":
+        from lssp.cli.loaders import check_llamacpp
+
+        check_llamacpp([engine])  # not built: one line naming ./setup.sh --llamacpp, before anything loads
     workload, prompt_list = _workload(task, prompts, nb_prompts, requests, chat)
     params = sampling_params(temperature, top_k, top_p)
     results = s.writable_results_dir(json_out)
