@@ -92,7 +92,6 @@ def compare(
     via = {"vllm": " in vLLM", "llamacpp": " in llama.cpp (whole answers: drafted tokens not coloured)"}.get(chosen, "")
     alone = bool(lookup) and engine_class(chosen).lookup_alone  # the engine's n-gram drafter, no draft model
     helper = f"{d.name}" if d is not None and not alone else f"{engine_class(chosen).label}'s n-gram lookup"
-
     done: list[tuple[str, Any, Any]] = []  # (label, RSp stats, SSp stats) per prompt, for the summary
 
     def run_one(prompt, index: int) -> None:
@@ -105,8 +104,7 @@ def compare(
                       + Text("made by the target", style="bold blue"))
         ssp = stream(prompt, index, "ssp")
         if alone:
-            console.print(Text(f"\n   ({engine_class(chosen).label}'s n-gram steps: which tokens were drafted is not "
-                               "shown)", style="dim"), end="")
+            console.print(Text(f"\n   ({engine_class(chosen).label}'s n-gram steps: drafts not shown)", style="dim"), end="")
         console.print(Text(f"\n   {ssp.total_time_s:.2f}s, {_ms_per_token(ssp):.1f} ms/token, acceptance "
                            f"{fmt(ssp.acceptance_rate, 0, pct=True)}, {ssp.tokens_per_target_forward:.2f} "
                            "tokens per target forward", style="bold green"))
