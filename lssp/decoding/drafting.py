@@ -186,7 +186,7 @@ class Drafter(ABC):
 
     def __init__(self, policies: Sequence[PickPolicy] = ()) -> None:
         self.policies = list(policies)
-        self.rows = PolicyRows(self.policies, [[]])  # one completion's policy states
+        self.policy_states = PolicyRows(self.policies, [[]])  # one completion's policy states
 
     @property
     @abstractmethod
@@ -200,18 +200,18 @@ class Drafter(ABC):
 
     def begin(self, seq: torch.Tensor, features: torch.Tensor | None, prefix: PrefixCache | None, clock: Clock) -> None:
         """Start a completion of ``seq`` (1, T); ``features``: the target's of all but its last token (or None)."""
-        self.rows = PolicyRows(self.policies, [seq[0].tolist()])
+        self.policy_states = PolicyRows(self.policies, [seq[0].tolist()])
         self.start(seq, features, prefix, clock)
 
     def propose(self, seq: torch.Tensor, picker: Picker) -> Proposal:
         """Drafts for the text ``seq`` until ``picker`` is done."""
-        self.rows.prepare(0, picker)
+        self.policy_states.prepare(0, picker)
         return self.draft(seq, picker)
 
     def commit(self, proposal: Proposal, accepted: int, emitted: list[int], features: torch.Tensor | None) -> None:
         """The target kept ``accepted`` drafts and emitted ``emitted``; ``features``: its hidden states of the
         positions it fed that stay valid."""
-        self.rows.commit(0, emitted)
+        self.policy_states.commit(0, emitted)
         self.advance(proposal, accepted, features)
 
     @abstractmethod
@@ -233,4 +233,4 @@ class Drafter(ABC):
                    features: Sequence[torch.Tensor] | None) -> DraftRows:
         """The state of rows starting as ``prompts`` (``features``: the target's of each prompt but its last token,
         where ``needs_features``)."""
-        raise ValueError(self.rows_reason(self.model))
+        raise ValueError(f"{type(self).__name__} drafts one completion at a time")
