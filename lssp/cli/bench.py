@@ -10,15 +10,7 @@ from rich.measure import Measurement
 from rich.table import Table
 
 from lssp.cli.app import app, settings
-from lssp.cli.loaders import (
-    check_vllm,
-    heads_run,
-    llamacpp_engine,
-    llamacpp_pair,
-    load_engine_pair,
-    load_pair,
-    start_vllm,
-)
+from lssp.cli.loaders import check_llamacpp, check_vllm, heads_run, load_pair, start_engine
 from lssp.cli.options import (
     ConfidenceOpt,
     DraftArg,
@@ -40,6 +32,7 @@ from lssp.cli.options import (
 )
 from lssp.cli.output import console, exit_interrupted, exit_with, fmt, save, table
 from lssp.cli.progress import progress
+from lssp.engines import engine_class
 from lssp.errors import UserError
 from lssp.report.results import plural
 
@@ -63,7 +56,7 @@ def bench(
     json_out: JsonOpt = None,
 ) -> None:
     """Ours vs transformers (RSp vs generate(), SSp vs assisted generation), vLLM or llama.cpp: same prompts, one run."""
-    from lssp.engines import Mode, TransformersEngine, VllmEngine
+    from lssp.engines import Mode
     from lssp.measure.bench import RIVALS, engines_for, run_bench
     from lssp.workloads.prompts import WARMUP_PROMPT
 
@@ -82,15 +75,17 @@ def bench(
     prompt_list = read_prompt_list(prompts, nb_prompts)
     params = sampling_params(temperature, top_k, top_p)
     results = s.writable_results_dir(json_out)
-    lc = llamacpp_pair(s, rivals, target, draft, confidences=confidences)  # said before anything else loads
+    check_llamacpp(rivals, confidences)  # not built, or an option it lacks: said before anything loads
     t, d, vocab = load_pair(s, target, draft)
-    why = TransformersEngine(t, d).supports(Mode("ssp", k, engine="hf")) if "hf" in rivals else None
-    if why:
-        raise UserError(f"--engine hf with {d.name!r}: {why}; use --engine vllm or llamacpp as its rival")
     keys = [(0, 0), (k, 0)]  # RSp, and SSp with the draft at K: every rival's engines started before anything is timed
-    started = {"vllm": VllmEngine(start_vllm(*load_engine_pair(s, target, draft), keys))} if "vllm" in rivals else {}
-    if lc:
-        started["llamacpp"] = llamacpp_engine(lc, keys)  # its servers stop when the command ends, however it ends
+    for name in rivals:  # a rival that runs the models loaded here: refused in one line if it cannot run the draft
+        if engine_class(name).runs_our_weights:
+            why = start_engine(s, name, keys, target, draft, loaded=(t, [d], [vocab]))[2].supports(
+                Mode("ssp", k, engine=name))
+            if why:
+                raise UserError(f"--engine {name} with {d.name!r}: {why}; use --engine vllm or llamacpp as its rival")
+    started = {name: start_engine(s, name, keys, target, draft)[2] for name in rivals
+               if not engine_class(name).runs_our_weights}  # servers stop when the command ends, however it ends
     with progress(None, "bench") as tick:
         run = run_bench(t, d, prompt_list, WARMUP_PROMPT, k, params, max_new_tokens, s.seed, vocab, engines=engines,
                         progress=tick, confidence=confidences[0], measure_bandwidth=True, rivals=started)

@@ -8,16 +8,7 @@ import typer
 from rich.text import Text
 
 from lssp.cli.app import app, settings
-from lssp.cli.loaders import (
-    check_vllm,
-    heads_run,
-    llamacpp_engine,
-    llamacpp_pair,
-    load_draft_for,
-    load_engine_pair,
-    load_pair,
-    start_vllm,
-)
+from lssp.cli.loaders import check_llamacpp, check_vllm, heads_run, load_draft_for, load_pair, start_engine
 from lssp.cli.options import (
     ChatOpt,
     ConfidenceOpt,
@@ -82,7 +73,6 @@ def latency(
     plot: PlotOpt = False,
 ) -> None:
     """ms/token of RSp and SSp on a prompt list or task categories, measured side by side in one run."""
-    from lssp.engines import OursEngine, TransformersEngine, VllmEngine
     from lssp.measure.latency import SPLIT_CHOICES, latency_modes, run_latency
     from lssp.workloads.prompts import WARMUP_PROMPT
 
@@ -108,26 +98,19 @@ def latency(
     if len(set(draft_names)) < len(draft_names):
         raise UserError(f"--draft {draft!r} names a draft twice")
     draft = draft_names[0]
-    lc = llamacpp_pair(s, engines_wanted, target, draft, use_draft, confidences)  # said before anything else loads
-    engines, drafts, t = {}, [], None
-    if any(engine_class(e).runs_our_weights for e in engines_wanted):  # ours, hf: the weights loaded here
+    check_llamacpp(engines_wanted, confidences)  # not built, or an option it lacks: said before anything loads
+    names = [s.registry.draft_name(name) for name in draft_names] if use_draft else []
+    modes = latency_modes(engines_wanted, names, ks, confidences, lookups, not no_baseline)
+    loaded = None
+    if any(engine_class(e).runs_our_weights for e in engines_wanted):  # ours, hf: the models loaded here, once
         t, d, vocab = load_pair(s, target, draft, need_draft=use_draft)
         more = [load_draft_for(s, t, name) for name in draft_names[1:]]
-        drafts = [x for x in (d, *(m for m, _ in more)) if x is not None]
-        if "ours" in engines_wanted:
-            engines["ours"] = OursEngine(t, drafts, [vocab, *(v for _, v in more)])
-        if "hf" in engines_wanted:
-            engines["hf"] = TransformersEngine(t, d)
-    if "vllm" in engines_wanted:
-        vt, vd = load_engine_pair(s, target, draft, need_draft=use_draft)
-        t, drafts = t or vt, drafts or ([vd] if vd else [])
-    if lc and t is None:
-        t, drafts = lc[0], [x for x in lc[1:] if x]
-    modes = latency_modes(engines_wanted, [x.name for x in drafts], ks, confidences, lookups, not no_baseline)
-    if "vllm" in engines_wanted:
-        engines["vllm"] = VllmEngine(start_vllm(vt, vd, [VllmEngine.key(m) for m in modes if m.engine == "vllm"]))
-    if lc:
-        engines["llamacpp"] = llamacpp_engine(lc, modes)
+        loaded = (t, [x for x in (d, *(m for m, _ in more)) if x is not None], [vocab, *(v for _, v in more)])
+    started = {name: start_engine(s, name, [engine_class(name).key(m) for m in modes if m.engine == name], target,
+                                  draft, need_draft=use_draft, loaded=loaded) for name in engines_wanted}
+    engines = {name: engine for name, (_, _, engine) in started.items()}
+    first = next(iter(started.values()))
+    t, drafts = (loaded[0], loaded[1]) if loaded else (first[0], [first[1]] if first[1] else [])
     d = drafts[0] if drafts else None
     with progress(None, "latency") as tick:
         run = run_latency(t, engines, modes, prompt_list, WARMUP_PROMPT, params, max_new_tokens, s.seed, drafts,

@@ -147,19 +147,24 @@ def start_llamacpp(target, draft, keys: list[tuple[int, int]]):
 def start_engine(s: Settings, name: str, keys: list[tuple[int, int]], target_name: str | None,
                  draft_name: str | None, need_draft: bool = True, loaded: tuple | None = None):
     """(target, draft, engine): engine ``name`` started for the (k, lookup) ``keys`` (k = 0: RSp) before anything is
-    timed. The one place that maps an engine's name to how it starts: ours and hf run the pair loaded here (``loaded``,
-    (target, draft, vocab), where a command has it already), vLLM and llama.cpp their own copies."""
+    timed. The one place that maps an engine's name to how it starts: ours and hf run the models loaded here
+    (``loaded``: (target, drafts, the logit width each shares with it), where a command has them already; hf runs the
+    first draft), vLLM and llama.cpp their own copies."""
     from lssp.engines import OursEngine, TransformersEngine, VllmEngine
 
-    def ours_pair():
-        return loaded or load_pair(s, target_name, draft_name, need_draft)
+    def ours_models():
+        if loaded:
+            return loaded
+        t, d, vocab = load_pair(s, target_name, draft_name, need_draft)
+        return t, [d] if d else [], [vocab]
 
     def ours():
-        t, d, vocab = ours_pair()
-        return t, d, OursEngine(t, [d] if d else [], [vocab])
+        t, drafts, vocabs = ours_models()
+        return t, drafts[0] if drafts else None, OursEngine(t, drafts, vocabs)
 
     def hf():
-        t, d, _ = ours_pair()
+        t, drafts, _ = ours_models()
+        d = drafts[0] if drafts else None
         return t, d, TransformersEngine(t, d)
 
     def vllm():

@@ -169,7 +169,7 @@ def _engines(s, names: list[str], t, d, vocab: int, target: str | None, draft: s
 
     runners = []
     for name in names:
-        runner = start_engine(s, name, [(0, 0)] + [(k, lookup) for k in ks], target, draft, loaded=(t, d, vocab))[2]
+        runner = start_engine(s, name, [(0, 0)] + [(k, lookup) for k in ks], target, draft, loaded=(t, [d], [vocab]))[2]
         for k in ks:
             why = runner.supports(Mode("ssp", k, lookup=lookup, engine=name))
             if why:

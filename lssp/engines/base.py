@@ -102,6 +102,12 @@ class Engine(ABC):
         """What it says of itself (rows, output)."""
         return EngineInfo(self.name, self.label or self.name, self.version)
 
+    @staticmethod
+    def key(mode: Mode) -> tuple[int, int]:
+        """The (K, lookup) of the server or engine that runs ``mode`` where an engine starts one per mode ((0, 0):
+        RSp)."""
+        return (mode.k, mode.lookup) if mode.mode == "ssp" else (0, 0)
+
     def supports(self, mode: Mode) -> str | None:
         """Why this engine cannot run ``mode``, or None."""
         return None

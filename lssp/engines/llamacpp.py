@@ -432,10 +432,6 @@ class LlamacppEngine(Engine):
                           note=f"llama.cpp {self.version}: llama-server, one per mode; decode ms/token from its timings, "
                           "first token to last")
 
-    @staticmethod
-    def key(mode: Mode) -> tuple[int, int]:
-        return (mode.k, mode.lookup) if mode.mode == "ssp" else (0, 0)
-
     def supports(self, mode: Mode) -> str | None:
         if mode.confidence:
             return NO_CONFIDENCE

@@ -486,10 +486,6 @@ class VllmEngine(Engine):
                           f"vLLM {self.version}, {precision}: decode ms/token from its request timestamps, first token "
                           "to last")
 
-    @staticmethod
-    def key(mode: Mode) -> tuple[int, int]:
-        return (mode.k, mode.lookup) if mode.mode == "ssp" else (0, 0)
-
     def supports(self, mode: Mode) -> str | None:
         if mode.confidence:
             return NO_CONFIDENCE
