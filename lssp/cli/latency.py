@@ -99,6 +99,7 @@ def latency(
         raise UserError(f"--draft {draft!r} names a draft twice")
     draft = draft_names[0]
     check_llamacpp(engines_wanted, confidences)  # not built, or an option it lacks: said before anything loads
+    s.registry.target_name(target)  # the target resolved (a folder not in the registry said) before its drafts
     names = [s.registry.draft_name(name) for name in draft_names] if use_draft else []
     modes = latency_modes(engines_wanted, names, ks, confidences, lookups, not no_baseline)
     loaded = None

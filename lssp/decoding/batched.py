@@ -50,9 +50,10 @@ from lssp.models.compact import CompactCache
 from lssp.models.modules import logit_width, model_device
 
 
-def joinable(*models: torch.nn.Module) -> str | None:
-    """Why rows cannot join a running batch of these models (``run_rows``'s continuous batching), or None."""
-    if all(callable(getattr(model, "new_cache", None)) for model in models):  # compact forwards bring CompactCaches
+def joinable(*models: torch.nn.Module | None) -> str | None:
+    """Why rows cannot join a running batch of these models (``run_rows``'s continuous batching; None: a drafter's
+    missing model), or None."""
+    if all(callable(getattr(m, "new_cache", None)) for m in models if m is not None):  # compact forwards: CompactCaches
         return None
     return "rows join a running batch only under the compact forward"
 

@@ -62,7 +62,7 @@ class OursEngine(Engine):
 
     def joining_reason(self, mode: Mode) -> str | None:
         draft = self.drafter(mode)[0].model if mode.mode == "ssp" else None
-        return self.batch_reason(mode) or joinable(self.target.model, *[m for m in (draft,) if m is not None])
+        return self.batch_reason(mode) or joinable(self.target.model, draft)
 
     def complete_many(self, mode: Mode, rows: Sequence[torch.Tensor], request: Request, seeds: Sequence[int],
                       concurrency: int = 0, arrivals: Sequence[float] = ()) -> list[GenerationOutput]:
