@@ -235,10 +235,10 @@ def verify_rows(logits: torch.Tensor, proposals: Sequence[Proposal], params: Sam
             for r, (p, g) in enumerate(zip(proposals, generators, strict=True))]
 
 
-def emit(row: Row, proposal: Proposal, accepted: int, extra: torch.Tensor, stopping: Stopping, max_new_tokens: int,
+def emit(row: Row, proposal: Proposal, accepted: int, new: list[int], stopping: Stopping, max_new_tokens: int,
          now: float) -> None:
-    """Add one verification's tokens to ``row``, up to a stop, and count the iteration as ``speculative_decode``."""
-    new = proposal.tokens[:accepted].tolist() + [int(extra)]
+    """Add one verification's tokens ``new`` (its ``accepted`` drafts and the target's token) to ``row``, up to a
+    stop, and count the iteration as ``speculative_decode``."""
     first_new = len(row.tokens)
     row.seq += new
     row.tokens += new
@@ -451,9 +451,9 @@ class SpeculativeRows(RowsRun):
         verdicts = verify_rows(logits, proposals, self.params, [row.generator for row in live], self.vocab)
         for r, (row, proposal, (accepted, extra)) in enumerate(zip(live, proposals, verdicts)):
             drop_row(self.target_cache, r, len(proposal) - accepted)
-            self.drafting.commit(r, proposal, accepted, [*proposal.tokens[:accepted].tolist(), int(extra)],
-                                 features[r, :1 + accepted] if features is not None else None)
-            emit(row, proposal, accepted, extra, self.stopping, max_new_tokens, self.now())
+            new = [*proposal.tokens[:accepted].tolist(), int(extra)]
+            self.drafting.commit(r, proposal, accepted, new, features[r, :1 + accepted] if features is not None else None)
+            emit(row, proposal, accepted, new, self.stopping, max_new_tokens, self.now())
 
 
 def run_rows(run: RowsRun, rows: Sequence[Row], concurrency: int = 0, arrivals: Sequence[float] = (),
