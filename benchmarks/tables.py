@@ -173,6 +173,19 @@ def headline(root: Path) -> str:
 ENGINE_NAMES = {"ours": "ours", "vllm": "vLLM", "llamacpp": "llama.cpp", "hf": "transformers"}
 
 
+def split_ngram(frame: pd.DataFrame) -> pd.DataFrame:
+    """Rows with an ``ngram`` column for the engines' n-gram drafters alone and ``lookup`` for our context lookup over
+    a draft's picks: rows written before the two were split (2026-11-26) held vLLM's and llama.cpp's n-gram length
+    in ``lookup``."""
+    if frame.empty:
+        return frame
+    lookup = frame["lookup"].fillna(0) if "lookup" in frame else pd.Series(0, index=frame.index)
+    ngram = frame["ngram"] if "ngram" in frame else pd.Series(float("nan"), index=frame.index)
+    engine = frame["engine"].fillna("ours") if "engine" in frame else pd.Series("ours", index=frame.index)
+    older = ngram.isna() & engine.isin(["vllm", "llamacpp"]) & (lookup > 0)
+    return frame.assign(ngram=ngram.fillna(0).where(~older, lookup), lookup=lookup.where(~older, 0))
+
+
 def engines_table(root: Path, run_id: str) -> str:
     """One row per engine of a multi-engine latency run: its RSp, its fastest SSp with the draft and with the
     n-gram lookup (K, ms/token, α, speedup over its own RSp), and ours' best ÷ its best."""
@@ -180,7 +193,7 @@ def engines_table(root: Path, run_id: str) -> str:
     run = frame[frame["run_id"] == run_id]
     if run.empty:
         raise SystemExit(f"tables.py: run {run_id} (HEADLINE_ENGINE_RUNS) is not in {root / 'latency.csv'}")
-    run = run.assign(engine=run["engine"].fillna("ours"), lookup=run["lookup"].fillna(0))
+    run = split_ngram(run.assign(engine=run["engine"].fillna("ours")))
 
     def fastest(rows: pd.DataFrame) -> str:
         if rows.empty:
@@ -195,7 +208,8 @@ def engines_table(root: Path, run_id: str) -> str:
         ssp = group[group["mode"] == "ssp"]
         rsp = group[group["mode"] == "rsp"]["ms_per_token"]
         rows.append({"engine": ENGINE_NAMES.get(engine, engine), "RSp ms/token": f"{rsp.iloc[0]:.1f}" if len(rsp) else "–",
-                     "SSp, draft": fastest(ssp[ssp["lookup"] == 0]), "SSp, n-gram": fastest(ssp[ssp["lookup"] > 0]),
+                     "SSp, draft": fastest(ssp[(ssp["lookup"] == 0) & (ssp["ngram"] == 0)]),
+                     "SSp, n-gram": fastest(ssp[(ssp["lookup"] > 0) | (ssp["ngram"] > 0)]),
                      "ours ÷ it": f"{best_of['ours'] / best_of[engine]:.2f}×" if "ours" in best_of else "–"})
     first = run.iloc[0]
     names = [ENGINE_NAMES.get(e, e) for e in dict.fromkeys(run["engine"])]
@@ -235,8 +249,10 @@ def quality_line(root: Path, run_id: str) -> str:
 def _proposer(row: pd.Series) -> str:
     """What drafted, in words: the draft model (drafts sampled or argmax in vLLM), the feature head, a lookup."""
     draft = str(row["draft"])
+    if row.get("ngram", 0) > 0:
+        return f"n-gram lookup {int(row['ngram'])}"
     if pd.notna(row.get("lookup")) and row["lookup"] > 0:
-        return f"n-gram lookup {int(row['lookup'])}" + (" + draft" if row["engine"] != "vllm" else "")
+        return f"n-gram lookup {int(row['lookup'])} + draft"
     if "eagle" in draft:
         return "feature head (EAGLE)"
     if row["engine"] == "vllm":
@@ -247,7 +263,7 @@ def _proposer(row: pd.Series) -> str:
 def audit_rows(root: Path, run_ids: list[str]) -> list[dict[str, str]]:
     """One row per engine, proposer, sampling and K of the audit runs: the verdict and the deciding evidence
     (for engines other than ours, the two-sample test against the engine's own RSp)."""
-    frame = read_csv_parts(root / "verify.csv")
+    frame = split_ngram(read_csv_parts(root / "verify.csv"))
     rows = []
     for run_id in run_ids:
         run = frame[frame["run_id"] == run_id]

@@ -18,7 +18,7 @@ from lssp.decoding.sampling import SamplingParams
 from lssp.decoding.speculative import speculative_decode
 from lssp.drafters import ConfidenceStop, DraftModel, LookupHint, NgramDrafter, drafter_for
 from lssp.drafters.model import FeatureHead
-from lssp.engines import Mode, OursEngine, Request
+from lssp.engines import Engine, Mode, OursEngine, Request
 from lssp.measure.evals import run_eval
 from lssp.models.compact import CompactLlama
 from lssp.models.eagle import FeatureDraft
@@ -424,3 +424,30 @@ def test_eval_with_a_last_batch_of_one_row_runs_on_and_records_as_one_at_a_time(
                            ssp_batch=size) for size in (1, 3)}
     one, three = _records(runs[1]), _records(runs[3])
     assert len(three) == 14 and one == three
+
+
+def test_a_lookup_length_means_a_hint_for_ours_and_the_ngram_drafter_alone_elsewhere(loaded):
+    """``Mode.lookup`` is our context lookup over a draft's picks, ``Mode.ngram`` an n-gram drafter with no model:
+    ``--lookup N`` maps to the first where the engine takes it (ours with a draft), else to the second (vLLM,
+    llama.cpp; ours with no draft). Ours runs its n-gram drafter alone, batched as one at a time, and greedy SSp
+    through it equals RSp."""
+    from lssp.measure.latency import latency_modes
+
+    modes = latency_modes(["ours", "vllm", "hf"], ["d"], [2], lookups=[0, 3])
+    assert {(m.engine, m.lookup, m.ngram) for m in modes if m.mode == "ssp"} == {
+        ("ours", 0, 0), ("ours", 3, 0), ("vllm", 0, 0), ("vllm", 0, 3), ("hf", 0, 0)}
+    alone = latency_modes(["ours"], [], [2], lookups=[3])
+    assert [m.name for m in alone] == ["rsp", "ssp k=2 ngram=3"]
+    target, draft, _ = loaded
+    engine = OursEngine(target, [], [])
+    assert engine.supports(Mode("ssp", 2)) and engine.supports(alone[1]) is None
+    prompts = [torch.tensor([p]) for p in PROMPTS]
+    outs = engine.complete_many(alone[1], prompts, Request(prompts[0], 12, GREEDY, 0), list(range(len(prompts))))
+    for p, out in zip(prompts, outs):
+        assert out.tokens.tolist() == engine.complete(alone[0], Request(p, 12, GREEDY, 0)).tokens.tolist()
+    assert engine.batch_reason(alone[1]) is None
+    from lssp.engines import VllmEngine
+
+    assert VllmEngine.key(Mode("ssp", 2, engine="vllm", ngram=3)) == (2, 3)
+    assert "no context lookup" in Engine.supports(VllmEngine.__new__(VllmEngine), Mode("ssp", 2, lookup=3,
+                                                                                         engine="vllm"))

@@ -1,6 +1,8 @@
 """Every drafter through the same exactness tests: greedy SSp equals greedy RSp, and sampled SSp's first two tokens
 follow the target's exact law (chi-square), for the draft model, the feature head, the n-gram drafter and the
-policies over them; a drafter that misreports its q must fail the same test."""
+policies over them; a drafter that misreports its q must fail the same test. Every drafter's law is drawn in one
+batched loop (2,000 seeded rows, whose tokens equal single completions': tests/test_batched.py); the single-request
+loop draws the draft model's and the feature head's law beside each planted bug, one completion at a time."""
 from __future__ import annotations
 
 import pytest
@@ -8,11 +10,13 @@ import torch
 from conftest import random_head, tiny_llama
 
 from lssp.decoding import verification
+from lssp.decoding.batched import speculative_decode_batch
 from lssp.decoding.generation import generate_regular
 from lssp.decoding.sampling import SamplingParams, inverse_cdf, warp
 from lssp.decoding.speculative import speculative_decode
 from lssp.drafters import ConfidenceStop, DraftModel, FeatureHead, LookupHint, NgramDrafter, Picker, Proposal
 from lssp.drafters.base import DrafterWrapper
+from lssp.models.compact import CompactLlama
 from lssp.models.eagle import FeatureDraft
 from lssp.report.stats import chi_square_gof
 
@@ -45,12 +49,19 @@ def _exact_law(model, prompt: torch.Tensor, params: SamplingParams) -> torch.Ten
     return (p1[:, None] * torch.stack(rows)).flatten()
 
 
-def _two_token_counts(target, make, params: SamplingParams, prompt: torch.Tensor, k: int = 2) -> list[int]:
-    """The first two tokens of many SSp runs. At K=2 they are drafts or residual draws; at K=1 the second token is
-    the bonus wherever the first draft passed."""
+def _two_token_counts(target, make, params: SamplingParams, prompt: torch.Tensor, k: int = 2,
+                      batched: bool = False) -> list[int]:
+    """The first two tokens of many SSp runs (seeds 0, 1, …), one completion at a time (``speculative_decode``), or
+    with ``batched`` in one batched loop where the drafter batches (``speculative_decode_batch``, whose seeded rows
+    equal single completions token for token: tests/test_batched.py). At K=2 they are drafts or residual draws; at
+    K=1 the second token is the bonus wherever the first draft passed."""
+    generators = [torch.Generator().manual_seed(seed) for seed in range(RUNS)]
+    if batched and make().rows_reason(target) is None:
+        outs = speculative_decode_batch(target, make(), [prompt] * RUNS, 3, k, params, generators)
+    else:
+        outs = [speculative_decode(target, make(), prompt, 3, k, params, g) for g in generators]
     counts = [0] * VOCAB * VOCAB
-    for seed in range(RUNS):
-        out = speculative_decode(target, make(), prompt, 3, k, params, torch.Generator().manual_seed(seed))
+    for out in outs:
         first, second = out.tokens[:2].tolist()
         counts[first * VOCAB + second] += 1
     return counts
@@ -72,7 +83,8 @@ def test_every_drafter_keeps_greedy_ssp_equal_to_greedy_rsp(models, name):
 def test_every_drafter_keeps_the_target_law(models, name, k):
     target, draft, head = models
     prompt, params = torch.tensor([[1, 2, 3]]), SamplingParams(1.0)
-    counts = _two_token_counts(target, lambda: DRAFTERS[name](draft, head), params, prompt, k)
+    counts = _two_token_counts(CompactLlama(target), lambda: DRAFTERS[name](draft, head), params, prompt, k,
+                               batched=True)  # the compact forward: the target's logits, feature heads batched too
     assert chi_square_gof(counts, _exact_law(target, prompt, params).tolist()).p_value > SIGNIFICANCE
 
 

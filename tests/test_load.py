@@ -58,8 +58,8 @@ def level(mode: Mode, concurrency: int, wall: float, tpot_s: list[float], counte
 def test_summary_figures_and_ratios_to_the_same_levels_rsp():
     rsp, ssp = Mode("rsp", engine="vllm"), Mode("ssp", 4, engine="vllm")
     rows = with_ratios([
-        summarize_level(level(rsp, 2, 2.0, [0.010, 0.020, 0.030]), "vllm"),
-        summarize_level(level(ssp, 2, 1.0, [0.005, 0.010, 0.015], Counters(10, 40, 30)), "vllm"),
+        summarize_level(level(rsp, 2, 2.0, [0.010, 0.020, 0.030])),
+        summarize_level(level(ssp, 2, 1.0, [0.005, 0.010, 0.015], Counters(10, 40, 30))),
     ])
     base, fast = rows
     assert base.tpot_median_ms == pytest.approx(20.0) and base.tpot_p90_ms == pytest.approx(28.0)
@@ -192,7 +192,7 @@ def test_load_on_compact_models_joins_requests_to_the_running_batch(run, tmp_pat
 def test_load_refuses_bad_levels_in_one_line(run):
     for args, says in [(("--concurrency", "0"), "at least 1"), (("--concurrency", "2,x"), "whole numbers"),
                        (("--concurrency", "8", "--requests", "4"), "more than --requests 4"),
-                       (("--engine", "hf"), "load takes vllm, ours or llamacpp"),
+                       (("--engine", "hf"), "load takes ours, vllm or llamacpp"),
                        (("--engine", "ours", "--request-rate", "2"), "static batches"),
                        (("--request-rate", "-1",), "positive"), (("--batching", "x"), "continuous or static"),
                        (("--engine", "vllm", "--batching", "static"), "only --engine ours")]:
@@ -369,8 +369,8 @@ def test_llamacpp_load_counters_add_up_and_greedy_ssp_equals_rsp(lc_models, lc_s
     from lssp.measure.load_llamacpp import LlamacppLoadBackend, metric_counters
 
     _, (target, _) = lc_models
-    modes = [Mode("rsp", engine="llamacpp"), Mode("ssp", 2, engine="llamacpp"), Mode("ssp", 2, lookup=2,
-                                                                                      engine="llamacpp")]
+    modes = [Mode("rsp", engine="llamacpp"), Mode("ssp", 2, engine="llamacpp"), Mode("ssp", 2, engine="llamacpp",
+                                                                                      ngram=2)]
     setup = LoadSetup("llamacpp", "l-target", "l-draft", modes, [1, 2], SamplingParams(0.0), 12, 4, "t", 3)
     backend = LlamacppLoadBackend(lc_servers, setup)
     requests = lc_requests(target, 4)
@@ -386,7 +386,7 @@ def test_llamacpp_load_counters_add_up_and_greedy_ssp_equals_rsp(lc_models, lc_s
         assert sum(m.counters.draft_tokens for m in levels) == total.draft_tokens
         assert sum(m.counters.accepted for m in levels) == total.accepted
         assert sum(m.counters.drafts for m in levels) == total.drafts
-        assert total.drafts > 0 or mode.lookup  # the draft model drafts; n-gram lookup where the text repeats
+        assert total.drafts > 0 or mode.ngram  # the draft model drafts; n-gram lookup where the text repeats
         for m in levels:  # /metrics deltas = the level's per-request timings summed
             assert m.counters.draft_tokens == m.client["timings_draft_tokens"]
             assert m.counters.accepted == m.client["timings_accepted_tokens"]

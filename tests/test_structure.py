@@ -187,3 +187,30 @@ def test_the_readme_stays_short_and_its_links_resolve():
         for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text()):
             if "://" not in target:
                 assert (page.parent / target).exists(), f"{page.name} links to {target}"
+
+
+ENGINE_NAMES = {"ours", "hf", "vllm", "llamacpp"}
+
+
+def test_commands_and_measurements_never_branch_on_an_engines_name_or_class():
+    """``lssp/cli`` and ``lssp/measure`` ask engines what they can do (class attributes, ``describe``) and start them
+    through one registry (``cli/loaders.STARTERS``): no comparison with an engine's name, no lookup by a literal
+    name, no ``isinstance`` on an engine or drafter class."""
+    offences = []
+    for name, path in MODULES.items():
+        if not name.startswith(("lssp.cli.", "lssp.measure.")):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare):
+                named = [c for side in (node.left, *node.comparators) for c in ast.walk(side)
+                         if isinstance(c, ast.Constant) and c.value in ENGINE_NAMES]
+                if named:
+                    offences.append(f"{name}:{node.lineno} compares with {named[0].value!r}")
+            elif isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) \
+                    and node.slice.value in ENGINE_NAMES:
+                offences.append(f"{name}:{node.lineno} looks up {node.slice.value!r}")
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "isinstance":
+                classes = [c.id for c in ast.walk(node.args[1]) if isinstance(c, ast.Name)]
+                if any(c.endswith(("Engine", "Drafter", "Head", "Rows")) for c in classes):
+                    offences.append(f"{name}:{node.lineno} isinstance on {classes}")
+    assert offences == []

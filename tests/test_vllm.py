@@ -348,11 +348,11 @@ def test_latency_with_a_two_worker_tensor_parallel_target(run, tmp_path, monkeyp
     monkeypatch.setattr(vllm_engine, "engine_kwargs", lambda *a: sizes.append(kwargs_of(*a)["tensor_parallel_size"])
                         or kwargs_of(*a))
     code, out, err = run("latency", "v-tp2", "--draft", "v-same", "--engine", "vllm", "--k", "2", "--nb-prompts", "2",
-                         "--max-new-tokens", "8", "--ignore-eos", "--temperature", "0")
+                         "--max-new-tokens", "8", "--ignore-eos", "--temperature", "0", "--no-baseline")
     assert code == 0, err
     rows = pd.read_csv(tmp_path / "results" / "latency.csv")
-    assert set(rows["mode"]) == {"rsp", "ssp"} and (rows["engine"] == "vllm").all()
-    assert sizes == [2, 2] and os.environ["VLLM_CPU_OMP_THREADS_BIND"].count("|") == 1  # two engines, two workers each
+    assert set(rows["mode"]) == {"ssp"} and (rows["engine"] == "vllm").all()  # SSp alone: one engine to start
+    assert sizes == [2] and os.environ["VLLM_CPU_OMP_THREADS_BIND"].count("|") == 1  # two workers
     assert (rows[rows["mode"] == "ssp"]["acceptance_rate"] > 0.9).all()  # the target as its own draft: all kept
 
 

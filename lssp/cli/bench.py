@@ -10,7 +10,7 @@ from rich.measure import Measurement
 from rich.table import Table
 
 from lssp.cli.app import app, settings
-from lssp.cli.loaders import check_llamacpp, check_vllm, heads_run, load_pair, start_engine
+from lssp.cli.loaders import check_ready, heads_run, load_pair, start_engine
 from lssp.cli.options import (
     ConfidenceOpt,
     DraftArg,
@@ -71,11 +71,10 @@ def bench(
     if len(confidences) != 1:
         raise UserError(f"bench takes one --draft-confidence, got {draft_confidence!r}")
     engines = engines_for(rivals)
-    check_vllm(rivals, confidences)
+    check_ready(rivals, confidences)  # not installed or built, or an option one lacks: said first
     prompt_list = read_prompt_list(prompts, nb_prompts)
     params = sampling_params(temperature, top_k, top_p)
     results = s.writable_results_dir(json_out)
-    check_llamacpp(rivals, confidences)  # not built, or an option it lacks: said before anything loads
     t, d, vocab = load_pair(s, target, draft)
     keys = [(0, 0), (k, 0)]  # RSp, and SSp with the draft at K: every rival's engines started before anything is timed
     for name in rivals:  # a rival that runs the models loaded here: refused in one line if it cannot run the draft
@@ -108,7 +107,7 @@ def render(run, alphas: list[float], random_weights: bool) -> None:
     from lssp.report.stats import predicted_speedup
 
     setup = run.setup
-    rivals = [r for r in ("hf", *run.rivals) if run.has(r)]
+    rivals = run.compared()
     out = bench_table(run, rivals, ranged=True)
     ranged = bool(rivals) and Measurement.get(console, console.options.update_width(1000), out).maximum <= console.width
     if not ranged:  # ours ÷ a rival's [min–max] only where it fits (80 columns)
@@ -172,7 +171,8 @@ def ours_over(run, engine: str, ranged: bool) -> str:
     from lssp.measure.bench import LABELS
 
     owner, mode = LABELS[engine]
-    ratio = next(x for x in run.summaries if x.engine == f"ours-{mode}").rival_ratio(owner) if owner != "ours" else None
+    ratio = next((x for x in run.summaries if x.engine == f"ours-{mode}"), None)
+    ratio = ratio.rival_ratio(owner) if ratio is not None else None
     if ratio is None or math.isnan(ratio.median):
         return "–"
     return f"{ratio.median:.2f}" + (f" [{ratio.min:.2f}–{ratio.max:.2f}]" if ranged else "")

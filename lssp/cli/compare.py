@@ -55,25 +55,25 @@ def compare(
 ) -> None:
     """Stream RSp then SSp completions of each prompt, with wall times and the speedup."""
     from lssp.decoding.generation import Stopping
-    from lssp.engines import Mode, Request, request_seed
+    from lssp.engines import Request, request_seed
     from lssp.measure.latency import complete_turns, uses_chat_template
     from lssp.workloads.prompts import WARMUP_PROMPT
     from lssp.workloads.tasks import TaskPrompt
 
     s = settings(ctx)
     chosen, k = _engine_and_k(s, engine, draft, k)
-    check_positive("--k", k)
-    check_positive("--max-new-tokens", max_new_tokens)
+    for option, value, least in (("--k", k, 1), ("--max-new-tokens", max_new_tokens, 1), ("--lookup", lookup, 0)):
+        check_positive(option, value, minimum=least)
     check_k_within_budget(k, max_new_tokens)
-    check_positive("--lookup", lookup, minimum=0)
     params = sampling_params(temperature, top_k, top_p)
     if (task or nb_prompts) and prompt:
         raise UserError(f"{'--task' if task else '--nb-prompts'} and --prompt: give one of them")
     # --nb-prompts alone: the first N of the default workload (the reference's story openings), not stdin.
     task_list = read_task_prompts(task, None, nb_prompts, chat) if task or nb_prompts else None
-    t, d, runner = _start_engine(s, chosen, target, draft, k, lookup)
+    kind = engine_class(chosen)
+    alone = bool(lookup) and not kind.takes_lookup  # the engine's n-gram drafter, no draft model
+    t, d, runner, modes = _start(s, chosen, target, draft, k, lookup, alone)
     stopping = Stopping() if ignore_eos else Stopping(token_ids=t.eos_ids)
-    modes = {"rsp": Mode("rsp", engine=chosen), "ssp": Mode("ssp", k, lookup=lookup, engine=chosen)}
 
     def stream(prompt, index: int, mode: str):
         """Complete every turn of ``prompt`` in ``mode``, printing each turn and streaming its answer (vLLM stepped
@@ -89,9 +89,9 @@ def compare(
         stats, _, _ = complete_turns(t, prompt, uses_chat_template(t, prompt, chat), generate)
         return stats
 
-    via = {"vllm": " in vLLM", "llamacpp": " in llama.cpp (whole answers: drafted tokens not coloured)"}.get(chosen, "")
-    alone = bool(lookup) and engine_class(chosen).lookup_alone  # the engine's n-gram drafter, no draft model
-    helper = f"{d.name}" if d is not None and not alone else f"{engine_class(chosen).label}'s n-gram lookup"
+    via = "" if kind.reference else f" in {kind.label}" + ("" if kind.marks_drafts else
+                                                           " (whole answers: drafted tokens not coloured)")
+    helper = f"{d.name}" if d is not None and not alone else f"{kind.label}'s n-gram lookup"
     done: list[tuple[str, Any, Any]] = []  # (label, RSp stats, SSp stats) per prompt, for the summary
 
     def run_one(prompt, index: int) -> None:
@@ -104,7 +104,7 @@ def compare(
                       + Text("made by the target", style="bold blue"))
         ssp = stream(prompt, index, "ssp")
         if alone:
-            console.print(Text(f"\n   ({engine_class(chosen).label}'s n-gram steps: drafts not shown)", style="dim"), end="")
+            console.print(Text(f"\n   ({kind.label}'s n-gram steps: drafts not shown)", style="dim"), end="")
         console.print(Text(f"\n   {ssp.total_time_s:.2f}s, {_ms_per_token(ssp):.1f} ms/token, acceptance "
                            f"{fmt(ssp.acceptance_rate, 0, pct=True)}, {ssp.tokens_per_target_forward:.2f} "
                            "tokens per target forward", style="bold green"))
@@ -135,10 +135,16 @@ def _engine_and_k(s, engine: str, draft: str | None, k: int | None) -> tuple[str
     return chosen, s.registry.draft_k(draft, heads_run([chosen])) if k is None else k
 
 
-def _start_engine(s, chosen: str, target: str | None, draft: str | None, k: int, lookup: int):
-    """The one engine compare streams, loaded with its RSp and SSp modes: (target, draft, runner)."""
-    alone = bool(lookup) and engine_class(chosen).lookup_alone  # its n-gram drafter needs no draft model
-    return start_engine(s, chosen, [(0, 0), (k, lookup)], target, draft, need_draft=not alone or draft is not None)
+def _start(s, chosen: str, target: str | None, draft: str | None, k: int, lookup: int, alone: bool):
+    """(target, draft, engine, {"rsp": its RSp mode, "ssp": its SSp mode}): the one engine compare streams, started
+    for both."""
+    from lssp.measure.latency import latency_modes
+
+    modes = dict(zip(("rsp", "ssp"), latency_modes([chosen], [] if alone else ["draft"], [k], (0.0,), [lookup]),
+                     strict=True))
+    t, d, runner = start_engine(s, chosen, [engine_class(chosen).key(m) for m in modes.values()], target, draft,
+                                need_draft=not alone or draft is not None)
+    return t, d, runner, modes
 
 
 def _summary(done: list[tuple[str, Any, Any]]) -> None:

@@ -8,7 +8,7 @@ import typer
 from rich.text import Text
 
 from lssp.cli.app import app, settings
-from lssp.cli.loaders import check_llamacpp, check_vllm, heads_run, load_draft_for, load_pair, start_engine
+from lssp.cli.loaders import check_ready, heads_run, load_draft_for, load_pair, start_engine
 from lssp.cli.options import (
     ChatOpt,
     ConfidenceOpt,
@@ -61,7 +61,8 @@ def latency(
     no_baseline: Annotated[bool, flag("--no-baseline", help="Skip timing RSp.")] = False,
     draft_confidence: ConfidenceOpt = "0",
     lookup: Annotated[str, typer.Option(
-        "--lookup", help="Context lookup n-gram length for SSp, or a comma list to sweep: 0,4 (0: off).")] = "0",
+        "--lookup", help="Context lookup n-gram length for SSp, or a comma list to sweep: 0,4 (0: off). Ours: "
+        "the draft with our context lookup; vLLM and llama.cpp: their n-gram drafter alone.")] = "0",
     repeats: Annotated[int, typer.Option(help="Passes over the prompts (interleaved); the speedup's sd is over them.")] = 1,
     split: Annotated[str, typer.Option(
         help="Where the draft/target time split is measured: auto (a separate pass when a model is on a GPU), "
@@ -91,14 +92,13 @@ def latency(
         raise UserError(f"--split {split!r}: expected one of {', '.join(SPLIT_CHOICES)}")
     prompt_list = read_task_prompts(task, prompts, nb_prompts, chat)
     params = sampling_params(temperature, top_k, top_p)
-    check_vllm(engines_wanted, confidences)
+    check_ready(engines_wanted, confidences)  # not installed or built, or an option one lacks: said first
     results = s.writable_results_dir(json_out)
     if len(draft_names) > 1 and (one := next((e for e in engines_wanted if not engine_class(e).runs_our_weights), None)):
         raise UserError(f"--engine {one} times one draft: give --draft a single name")
     if len(set(draft_names)) < len(draft_names):
         raise UserError(f"--draft {draft!r} names a draft twice")
     draft = draft_names[0]
-    check_llamacpp(engines_wanted, confidences)  # not built, or an option it lacks: said before anything loads
     s.registry.target_name(target)  # the target resolved (a folder not in the registry said) before its drafts
     names = [s.registry.draft_name(name) for name in draft_names] if use_draft else []
     modes = latency_modes(engines_wanted, names, ks, confidences, lookups, not no_baseline)
@@ -184,7 +184,7 @@ def render(run, t, d, wide: bool = False, more: list | None = None) -> None:
             console.print(f"  share of iterations accepting draft i ({_engine(m)}"
                           f"{_named(run, m)}K={_k(m)}): " +
                           " ".join(f"{i + 1}:{fmt(x, 0, pct=True)}" for i, x in enumerate(m.acceptance_by_position)))
-            if m.lookup and not engine_class(m.engine).lookup_alone:
+            if m.lookup:
                 console.print(f"    the lookup proposed {fmt(m.lookup_share, 0, pct=True)} of drafts, "
                               f"{fmt(m.lookup_acceptance, 0, pct=True)} of them accepted")
     render_engines(run)
@@ -260,9 +260,7 @@ def _named(run, m) -> str:
 
 def _k(m) -> str:
     """The K column: ours' label, or an engine's n-gram drafter with its lookup length."""
-    if engine_class(m.engine).lookup_alone and m.lookup:
-        return f"{m.k} ngram {m.lookup}"
-    return k_label(m.k, m.confidence, m.lookup)
+    return k_label(m.k, m.confidence, m.lookup, m.ngram)
 
 
 def _speedup(value: float) -> Text | str:
@@ -291,16 +289,16 @@ def render_tasks(run) -> None:
 
 def render_engines(run) -> None:
     """Each other engine's note (how its figures are timed), and ours ÷ it where both ran a mode."""
-    reference = {(m.mode, m.k, m.lookup): m for m in run.overall if engine_class(m.engine).reference}
+    reference = {(m.mode, m.k, m.lookup, m.ngram): m for m in run.overall if engine_class(m.engine).reference}
     for name in run.engines:
         if engine_class(name).reference:
             continue
-        ngram = engine_class(name).lookup_alone and any(m.engine == name and m.lookup for m in run.overall)
+        ngram = any(m.engine == name and m.ngram for m in run.overall)
         note = run.setup.own(name).note
         if note:
             console.print(f"  {note}" + ("; \"ngram N\": its n-gram drafts alone, no draft model" if ngram else ""))
-        pairs = [(m, reference[(m.mode, m.k, m.lookup)]) for m in run.overall  # a lookup alone is no lookup hint
-                 if m.engine == name and (m.mode, m.k, m.lookup) in reference and not (ngram and m.lookup)]
+        pairs = [(m, reference[(m.mode, m.k, m.lookup, m.ngram)]) for m in run.overall
+                 if m.engine == name and (m.mode, m.k, m.lookup, m.ngram) in reference]
         if pairs:
             console.print(f"  ours ÷ {engine_label(name)} ms/token: " + ", ".join(
                 ("RSp" if v.mode == "rsp" else f"K={_k(v)}") + f" {o.ms_per_token / v.ms_per_token:.2f}×"

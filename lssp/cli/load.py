@@ -3,13 +3,13 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Optional
+from typing import Annotated, Optional
 
 import typer
 from rich.text import Text
 
 from lssp.cli.app import Settings, app, settings
-from lssp.cli.loaders import heads_run, load_engine_pair, load_pair
+from lssp.cli.loaders import STARTERS, check_ready, heads_run
 from lssp.cli.options import (
     ChatOpt,
     IgnoreEosOpt,
@@ -35,10 +35,7 @@ from lssp.engines import engine_class
 from lssp.errors import UserError
 from lssp.report.results import ResultWriter, plural
 
-if TYPE_CHECKING:
-    from lssp.measure.load import LoadSetup
-
-ENGINES = ("vllm", "ours", "llamacpp")
+ENGINES = tuple(name for name, starter in STARTERS.items() if starter.serve is not None)
 
 
 @app.command()
@@ -79,7 +76,7 @@ def load(
     SSp's ratio to RSp, and the break-even concurrency for each."""
     s = settings(ctx)
     if engine not in ENGINES:
-        raise UserError(f"load --engine {engine!r}: load takes vllm, ours or llamacpp")
+        raise UserError(f"load --engine {engine!r}: load takes {', '.join(ENGINES[:-1])} or {ENGINES[-1]}")
     levels = sorted(set(parse_ints("--concurrency", concurrency)))
     check_positive("--requests", requests)
     if levels[-1] > requests:
@@ -97,29 +94,30 @@ def load(
                         "continuously)")
     if request_rate is not None and not request_rate > 0:
         raise UserError(f"--request-rate must be a positive number of requests per second, got {request_rate:g}")
-    if engine == "llamacpp":
-        from lssp.cli.loaders import check_llamacpp
+    from lssp.measure.latency import latency_modes
+    from lssp.measure.load import LoadSetup, build_requests
 
-        check_llamacpp([engine])  # not built: one line naming ./setup.sh --llamacpp, before anything loads
+    check_ready([engine])  # not installed or built: one line naming ./setup.sh's option, before anything loads
     workload, prompt_list = _workload(task, prompts, nb_prompts, requests, chat)
     params = sampling_params(temperature, top_k, top_p)
     results = s.writable_results_dir(json_out)
-    need_draft = draft is not None or target is None or not lookup or not engine_class(engine).lookup_alone
-    request_set = None
-    if engine == "llamacpp":
-        modes, t, d, core, request_set = _start_llamacpp(s, target, draft, need_draft, k, lookup, levels[-1],
-                                                         prompt_list, requests, chat, max_new_tokens)
-    else:
-        modes, t, d, core = _start(s, engine, target, draft, need_draft, k, lookup)
+    kind = engine_class(engine)
+    need_draft = draft is not None or target is None or not lookup or kind.takes_lookup
+    starter = STARTERS[engine]
+    t, d, vocab = starter.models(s, target, draft, need_draft)
+    modes = latency_modes([engine], [d.name] if d else [], [k], (0.0,), [0, lookup] if lookup else [0])
+    if len(modes) < 2:
+        raise UserError(f"load compares SSp with RSp: give --draft D (or --lookup N for {kind.label}'s n-gram "
+                        "drafts)")
+    request_set = build_requests(t, prompt_list, requests, s.seed, chat)
+    setup = LoadSetup(engine, t.name, d.name if d else None, modes, levels, params, max_new_tokens, requests,
+                      workload, len(prompt_list), chat, ignore_eos, request_rate, s.seed, batching=batching)
+    backend = starter.serve(t, d, vocab, setup, request_set)  # servers or engine started before anything is timed
     try:
-        from lssp.measure.load import LoadSetup
-
-        setup = LoadSetup(engine, t.name, d.name if d else None, modes, levels, params, max_new_tokens, requests,
-                          workload, len(prompt_list), chat, ignore_eos, request_rate, s.seed, batching=batching)
-        backend = _backend(engine, core, setup, t, d)
-        _measure(s, backend, t, d, prompt_list, results, json_out, request_set)
+        setup.engine_version = backend.version
+        _measure(s, backend, t, d, results, json_out, request_set)
     finally:
-        core.close()  # servers and engines started for the run
+        backend.close()  # servers and engines started for the run
 
 
 def _workload(task: str | None, prompts: Path | None, nb_prompts: int | None, requests: int, chat: bool):
@@ -134,87 +132,12 @@ def _workload(task: str | None, prompts: Path | None, nb_prompts: int | None, re
     return (task or str(prompts)), read_task_prompts(task, prompts, nb_prompts, chat)
 
 
-def _start(s: Settings, engine: str, target: str | None, draft: str | None, need_draft: bool, k: int, lookup: int):
-    """(modes, target, draft, core): the modes the engine runs, and vLLM's servers started (``VllmServers``) or our
-    engine with its models loaded (``OursEngine``)."""
-    from lssp.measure.latency import latency_modes
-
-    if engine == "vllm":
-        from lssp.engines.vllm_server import VllmServers
-        from lssp.measure.load_backends import VllmLoadBackend
-
-        t, d = load_engine_pair(s, target, draft, need_draft)
-        modes = latency_modes(["vllm"], [d.name] if d else [], [k], (0.0,), [0, lookup] if lookup else [0])
-        if len(modes) < 2:
-            raise UserError("load compares SSp with RSp: give --draft D (or --lookup N for vLLM's n-gram drafts)")
-        keys = [VllmLoadBackend.key(m) for m in modes]
-        with err_console.status(f"Starting {plural(len(keys), 'vLLM server')} together (about a minute on a "
-                                "CPU)…") as status:
-            servers = VllmServers(t, d, keys, lambda key: status.update(f"vLLM server for K={key[0]} is up…"))
-        return modes, t, d, servers
-    from lssp.engines import OursEngine
-
-    t, d, vocab = load_pair(s, target, draft, need_draft)
-    modes = latency_modes(["ours"], [d.name] if d else [], [k], (0.0,), [0, lookup] if lookup else [0])
-    return modes, t, d, OursEngine(t, [d] if d else [], [vocab])
-
-
-def _start_llamacpp(s: Settings, target: str | None, draft: str | None, need_draft: bool, k: int, lookup: int,
-                    slots: int, prompt_list: list, requests: int, chat: bool, max_new_tokens: int):
-    """(modes, target, draft, servers, request set): the pair as GGUF files, the request set (its longest prompt
-    sizes the slots), one llama-server per mode with ``slots`` parallel slots, all started before anything is
-    timed (``main`` stops them however the command ends)."""
-    from lssp.cli.loaders import load_llamacpp_pair
-    from lssp.engines.llamacpp import LlamacppServers
-    from lssp.measure.latency import latency_modes
-    from lssp.measure.load import build_requests
-    from lssp.measure.load_llamacpp import slot_context
-
-    t, d = load_llamacpp_pair(s, target, draft, need_draft)
-    modes = latency_modes(["llamacpp"], [d.name] if d else [], [k], (0.0,), [0, lookup] if lookup else [0])
-    if len(modes) < 2:
-        raise UserError("load compares SSp with RSp: give --draft D (or --lookup N for llama.cpp's n-gram drafts)")
-    request_set = build_requests(t, prompt_list, requests, s.seed, chat)
-    per_slot = slot_context([len(r.ids) for r in request_set], max_new_tokens, k)
-    keys = [(m.k, m.lookup) if m.mode == "ssp" else (0, 0) for m in modes]
-    with err_console.status(f"Starting {plural(len(keys), 'llama-server')} with {plural(slots, 'slot')} "
-                            "each…") as status:
-        servers = LlamacppServers(t, d, keys, lambda key: status.update(f"llama-server for K={key[0]} is up…"),
-                                  slots=slots, context=per_slot * slots)
-    return modes, t, d, servers, request_set
-
-
-def _backend(engine: str, core, setup: LoadSetup, t, d):
-    """The LoadBackend over ``core`` (``_start``), the setup completed with what only the engine knows."""
-    from lssp.decoding.generation import Stopping
-    from lssp.engines.vllm import draft_method, draft_sampling
-    from lssp.measure.load_backends import EngineLoadBackend, VllmLoadBackend
-
-    if engine == "vllm":
-        backend = VllmLoadBackend(core, setup, sorted(t.eos_ids), t.tokenizer)
-        setup.draft_method = f"{draft_method(d)} ({draft_sampling(d)})" if d else ""
-    elif engine == "llamacpp":
-        from lssp.measure.load_llamacpp import LlamacppLoadBackend
-
-        stopping = Stopping() if setup.ignore_eos else Stopping(token_ids=t.eos_ids)
-        backend = LlamacppLoadBackend(core, setup, stopping)
-        setup.draft_method = "draft-simple" if d else ""
-    else:
-        backend = EngineLoadBackend(core, setup, Stopping() if setup.ignore_eos else Stopping(token_ids=t.eos_ids))
-        setup.draft_method = "draft"
-    setup.engine_version = backend.version
-    return backend
-
-
-def _measure(s: Settings, backend, t, d, prompt_list: list, results: Path, json_out: Path | None,
-             request_set: list | None = None) -> None:
-    """Build the request set (unless given), run every level (saving each), render, and end as the run ended."""
-    from lssp.measure.load import build_requests, run_load
+def _measure(s: Settings, backend, t, d, results: Path, json_out: Path | None, request_set: list) -> None:
+    """Run every level (saving each), render, and end as the run ended."""
+    from lssp.measure.load import run_load
     from lssp.report.results import RunInfo
 
     setup = backend.setup
-    if request_set is None:
-        request_set = build_requests(t, prompt_list, setup.requests, s.seed, setup.chat)
     info = RunInfo.for_models(t, d)
     writer = ResultWriter(results, info.run_id)
 

@@ -1,12 +1,18 @@
-"""Loading what a command runs: models for our engine, handles and engines for vLLM."""
+"""Loading what a command runs: models for our engine, the pair as vLLM and llama.cpp read it, and every engine started
+through one registry (``STARTERS``)."""
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 from lssp.cli.app import Settings
 from lssp.cli.output import err_console
 from lssp.report.results import plural
+
+if TYPE_CHECKING:
+    from lssp.measure.load import LoadBackend, LoadSetup
 
 log = logging.getLogger("lssp")
 
@@ -64,14 +70,6 @@ def load_engine_pair(s: Settings, target_name: str | None, draft_name: str | Non
     return target, draft
 
 
-def start_vllm(target, draft, keys: list[tuple[int, int]]):
-    """vLLM engines for (k, lookup) modes (k = 0: RSp), all started before anything is timed."""
-    from lssp.engines.vllm import VllmEngines
-
-    with err_console.status(f"Starting {plural(len(keys), 'vLLM engine')}…") as status:
-        return VllmEngines(target, draft, keys, lambda key: status.update(f"Started vLLM for K={key[0]}…"))
-
-
 def load_llamacpp_pair(s: Settings, target_name: str | None, draft_name: str | None, need_draft: bool = True):
     """The pair as llama.cpp will run it: GGUF files (converted and cached where needed) and tokenizers."""
     from lssp.engines.llamacpp import LlamacppModel
@@ -89,90 +87,136 @@ def load_llamacpp_pair(s: Settings, target_name: str | None, draft_name: str | N
     return target, draft
 
 
-def llamacpp_pair(s: Settings, wanted: list[str], target_name: str | None, draft_name: str | None,
-                  need_draft: bool = True, confidences: tuple[float, ...] | list[float] = (0.0,)):
-    """Where ``wanted`` names llamacpp: the build checked and what llama.cpp refuses refused, one line each, before
-    anything else loads; then the pair as GGUF files (``load_llamacpp_pair``). None where it is not wanted."""
-    if "llamacpp" not in wanted:
-        return None
-    check_llamacpp(wanted, confidences)
-    return load_llamacpp_pair(s, target_name, draft_name, need_draft)
+def check_ready(wanted: Sequence[str], confidences: Sequence[float] = (0.0,)) -> list[str]:
+    """``wanted``, each engine's readiness checked first (``Engine.check_ready``: installed or built, options it has
+    no equivalent of): one line before anything loads."""
+    from lssp.engines import engine_class
+
+    for name in wanted:
+        engine_class(name).check_ready(confidences)
+    return list(wanted)
 
 
-def check_vllm(wanted: list[str], confidences: tuple[float, ...] | list[float]) -> None:
-    """Where ``wanted`` names vllm, one line first for an option vLLM has no equivalent of."""
-    if "vllm" in wanted:
-        from lssp.engines.vllm import check_options
+@dataclass(frozen=True)
+class Starter:
+    """How one engine starts from the CLI: its pair as it runs it (``models``: (target, draft, the logit width they
+    share, or None)), the engine for a command's (k, n-gram) keys (``engine``), and its servers under load
+    (``serve``: the ``LoadBackend``)."""
 
-        check_options(confidences)
-
-
-def check_llamacpp(wanted: list[str], confidences: tuple[float, ...] | list[float] = (0.0,)) -> list[str]:
-    """``wanted``; where it names llamacpp, one line first if llama.cpp is not built or an option has no llama.cpp
-    equivalent."""
-    if "llamacpp" in wanted:
-        from lssp.engines.llamacpp import check_ready
-
-        check_ready(confidences)
-    return wanted
+    models: Callable[[Settings, str | None, str | None, bool], tuple[Any, Any, int | None]]
+    engine: Callable[[Any, list, list, list[tuple[int, int]]], Any]  # (target, drafts, their widths, keys)
+    serve: Callable[[Any, Any, int | None, LoadSetup, list], LoadBackend] | None = None  # None: not under load
 
 
-def llamacpp_runner(s: Settings, target_name: str | None, draft_name: str | None, keys: list[tuple[int, int]],
-                    need_draft: bool = True):
-    """(target, draft, engine) for a command that runs llama.cpp alone, its servers for ``keys`` started."""
-    pair = llamacpp_pair(s, ["llamacpp"], target_name, draft_name, need_draft)
-    return (*pair, llamacpp_engine(pair, keys))
+def _ours_models(s: Settings, target_name: str | None, draft_name: str | None, need_draft: bool):
+    return load_pair(s, target_name, draft_name, need_draft)
 
 
-def llamacpp_engine(pair, modes: list):
-    """llama.cpp's engine for ``modes`` (the llamacpp ``Mode``s of a list, or (k, lookup) keys, k = 0: RSp) of
-    ``pair`` (``llamacpp_pair``), its servers started."""
-    from lssp.engines import LlamacppEngine, Mode
-
-    keys = [LlamacppEngine.key(m) if isinstance(m, Mode) else m for m in modes
-            if not isinstance(m, Mode) or m.engine == "llamacpp"]
-    return LlamacppEngine(start_llamacpp(*pair, keys))
+def _vllm_models(s: Settings, target_name: str | None, draft_name: str | None, need_draft: bool):
+    return (*load_engine_pair(s, target_name, draft_name, need_draft), None)
 
 
-def start_llamacpp(target, draft, keys: list[tuple[int, int]]):
-    """One llama-server per (k, lookup) mode (k = 0: RSp), all started before anything is timed (``main`` stops
-    them when the command ends, however it ends)."""
+def _llamacpp_models(s: Settings, target_name: str | None, draft_name: str | None, need_draft: bool):
+    return (*load_llamacpp_pair(s, target_name, draft_name, need_draft), None)
+
+
+def _ours(t, drafts: list, vocabs: list, keys):
+    from lssp.engines import OursEngine
+
+    return OursEngine(t, drafts, vocabs)
+
+
+def _hf(t, drafts: list, vocabs: list, keys):
+    from lssp.engines import TransformersEngine
+
+    return TransformersEngine(t, drafts[0] if drafts else None)
+
+
+def _vllm(t, drafts: list, vocabs: list, keys):
+    from lssp.engines import VllmEngine
+    from lssp.engines.vllm import VllmEngines
+
+    with err_console.status(f"Starting {plural(len(keys), 'vLLM engine')}…") as status:
+        return VllmEngine(VllmEngines(t, drafts[0] if drafts else None, keys,
+                                      lambda key: status.update(f"Started vLLM for K={key[0]}…")))
+
+
+def _llamacpp(t, drafts: list, vocabs: list, keys):
+    from lssp.engines import LlamacppEngine
     from lssp.engines.llamacpp import LlamacppServers
 
     with err_console.status(f"Starting {plural(len(set(keys)), 'llama-server')}…") as status:
-        servers = LlamacppServers(target, draft, keys, lambda key: status.update(f"Started llama-server for K={key[0]}…"))
-    return servers
+        servers = LlamacppServers(t, drafts[0] if drafts else None, keys,
+                                  lambda key: status.update(f"Started llama-server for K={key[0]}…"))
+    return LlamacppEngine(servers)  # ``main`` stops the servers when the command ends, however it ends
+
+
+def _stopping(t, setup: LoadSetup):
+    from lssp.decoding.generation import Stopping
+
+    return Stopping() if setup.ignore_eos else Stopping(token_ids=t.eos_ids)
+
+
+def _serve_ours(t, d, vocab, setup: LoadSetup, requests: list) -> LoadBackend:
+    from lssp.measure.load_backends import EngineLoadBackend
+
+    setup.draft_method = "draft"
+    return EngineLoadBackend(_ours(t, [d] if d else [], [vocab], []), setup, _stopping(t, setup))
+
+
+def _serve_vllm(t, d, vocab, setup: LoadSetup, requests: list) -> LoadBackend:
+    from lssp.engines import Engine
+    from lssp.engines.vllm import draft_method, draft_sampling
+    from lssp.engines.vllm_server import VllmServers
+    from lssp.measure.load_backends import VllmLoadBackend
+
+    keys = [Engine.key(m) for m in setup.modes]
+    with err_console.status(f"Starting {plural(len(keys), 'vLLM server')} together (about a minute on a "
+                            "CPU)…") as status:
+        servers = VllmServers(t, d, keys, lambda key: status.update(f"vLLM server for K={key[0]} is up…"))
+    setup.draft_method = f"{draft_method(d)} ({draft_sampling(d)})" if d else ""
+    return VllmLoadBackend(servers, setup, sorted(t.eos_ids), t.tokenizer)
+
+
+def _serve_llamacpp(t, d, vocab, setup: LoadSetup, requests: list) -> LoadBackend:
+    """One llama-server per mode with a slot per request in flight, each slot as long as the longest request
+    needs."""
+    from lssp.engines import Engine
+    from lssp.engines.llamacpp import LlamacppServers
+    from lssp.measure.load_llamacpp import LlamacppLoadBackend, slot_context
+
+    slots = setup.levels[-1]
+    per_slot = slot_context([len(r.ids) for r in requests], setup.max_new_tokens, max(m.k for m in setup.modes))
+    keys = [Engine.key(m) for m in setup.modes]
+    with err_console.status(f"Starting {plural(len(keys), 'llama-server')} with {plural(slots, 'slot')} "
+                            "each…") as status:
+        servers = LlamacppServers(t, d, keys, lambda key: status.update(f"llama-server for K={key[0]} is up…"),
+                                  slots=slots, context=per_slot * slots)
+    setup.draft_method = "draft-simple" if d else ""
+    return LlamacppLoadBackend(servers, setup, _stopping(t, setup))
+
+
+# The one place that maps an engine's name to how the CLI starts it: ours and hf run the models loaded here, vLLM
+# and llama.cpp their own copies.
+STARTERS: dict[str, Starter] = {
+    "ours": Starter(_ours_models, _ours, _serve_ours),
+    "hf": Starter(_ours_models, _hf),
+    "vllm": Starter(_vllm_models, _vllm, _serve_vllm),
+    "llamacpp": Starter(_llamacpp_models, _llamacpp, _serve_llamacpp),
+}
 
 
 def start_engine(s: Settings, name: str, keys: list[tuple[int, int]], target_name: str | None,
                  draft_name: str | None, need_draft: bool = True, loaded: tuple | None = None):
-    """(target, draft, engine): engine ``name`` started for the (k, lookup) ``keys`` (k = 0: RSp) before anything is
-    timed. The one place that maps an engine's name to how it starts: ours and hf run the models loaded here
-    (``loaded``: (target, drafts, the logit width each shares with it), where a command has them already; hf runs the
-    first draft), vLLM and llama.cpp their own copies."""
-    from lssp.engines import OursEngine, TransformersEngine, VllmEngine
+    """(target, draft, engine): engine ``name`` started for the (k, n-gram) ``keys`` (``Engine.key``; (0, 0): RSp)
+    before anything is timed. ``loaded``: (target, drafts, the logit width each shares with it) where a command has
+    loaded our models already (ours runs them all, hf the first)."""
+    from lssp.engines import engine_class
 
-    def ours_models():
-        if loaded:
-            return loaded
-        t, d, vocab = load_pair(s, target_name, draft_name, need_draft)
-        return t, [d] if d else [], [vocab]
-
-    def ours():
-        t, drafts, vocabs = ours_models()
-        return t, drafts[0] if drafts else None, OursEngine(t, drafts, vocabs)
-
-    def hf():
-        t, drafts, _ = ours_models()
-        d = drafts[0] if drafts else None
-        return t, d, TransformersEngine(t, d)
-
-    def vllm():
-        t, d = load_engine_pair(s, target_name, draft_name, need_draft)
-        return t, d, VllmEngine(start_vllm(t, d, keys))
-
-    def llamacpp():
-        return llamacpp_runner(s, target_name, draft_name, keys, need_draft)
-
-    starters = {"ours": ours, "hf": hf, "vllm": vllm, "llamacpp": llamacpp}
-    return starters[name]()
+    starter = STARTERS[name]
+    if loaded and engine_class(name).runs_our_weights:
+        t, drafts, vocabs = loaded
+    else:
+        t, d, vocab = starter.models(s, target_name, draft_name, need_draft)
+        drafts, vocabs = ([d], [vocab]) if d else ([], [])
+    return t, drafts[0] if drafts else None, starter.engine(t, drafts, vocabs, keys)

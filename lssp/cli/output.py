@@ -33,9 +33,11 @@ def fmt(value: float | None, digits: int = 1, pct: bool = False, suffix: str = "
     return f"{100 * value:.{digits}f}%" if pct else f"{value:.{digits}f}{suffix}"
 
 
-def k_label(k: int, confidence: float, lookup: int = 0) -> str:
-    """K, or "≤K p≥0.4" where drafting stops early below a draft probability; "+lookup N" with the context lookup."""
-    return (f"≤{k} p≥{confidence:g}" if confidence else str(k)) + (f" +lookup {lookup}" if lookup else "")
+def k_label(k: int, confidence: float, lookup: int = 0, ngram: int = 0) -> str:
+    """K, or "≤K p≥0.4" where drafting stops early below a draft probability; "+lookup N" with the context lookup,
+    "ngram N" for an n-gram drafter alone."""
+    return ((f"≤{k} p≥{confidence:g}" if confidence else str(k)) + (f" +lookup {lookup}" if lookup else "")
+            + (f" ngram {ngram}" if ngram else ""))
 
 
 def table(title: str, columns: list[tuple[str, str]], keep_whole: tuple[str, ...] = ()) -> Table:

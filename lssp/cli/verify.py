@@ -12,7 +12,7 @@ import typer
 from rich.text import Text
 
 from lssp.cli.app import app, settings
-from lssp.cli.loaders import check_llamacpp, heads_run, load_pair
+from lssp.cli.loaders import check_ready, heads_run, load_pair
 from lssp.cli.options import (
     DraftArg,
     LookupOpt,
@@ -69,7 +69,7 @@ def verify(
     from lssp.measure import verify as vf
 
     s = settings(ctx)
-    engines = check_llamacpp(check_engines("verify", [e.strip() for e in engine.split(",") if e.strip()], VERIFY_ENGINES))
+    engines = check_ready(check_engines("verify", [e.strip() for e in engine.split(",") if e.strip()], VERIFY_ENGINES))
     ks = parse_ints("--k", k)
     for name, value in [("--nb-prompts", nb_prompts), ("--samples", samples), ("--depth", depth),
                         ("--max-new-tokens", max_new_tokens), ("--batch", batch)]:
@@ -165,13 +165,12 @@ def _engines(s, names: list[str], t, d, vocab: int, target: str | None, draft: s
              lookup: int) -> list:
     """The engines to audit, in the order given, all started before anything runs."""
     from lssp.cli.loaders import start_engine
-    from lssp.engines import Mode
 
     runners = []
     for name in names:
         runner = start_engine(s, name, [(0, 0)] + [(k, lookup) for k in ks], target, draft, loaded=(t, [d], [vocab]))[2]
         for k in ks:
-            why = runner.supports(Mode("ssp", k, lookup=lookup, engine=name))
+            why = runner.supports(runner.ssp_mode(name, k, lookup))
             if why:
                 raise UserError(f"verify --engine {name}: {why}")
         runners.append(runner)
@@ -179,7 +178,7 @@ def _engines(s, names: list[str], t, d, vocab: int, target: str | None, draft: s
 
 
 def render(rep, t, d, params) -> None:
-    title = f"verify {rep.engine}: {t.name} with draft {d.name}, K={k_label(rep.k, 0, rep.lookup)}, {params}"
+    title = f"verify {rep.engine}: {t.name} with draft {d.name}, K={k_label(rep.k, 0, rep.lookup, rep.ngram)}, {params}"
     if rep.mode == "greedy":
         _render_greedy(rep, title)
     else:

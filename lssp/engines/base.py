@@ -35,15 +35,16 @@ class Mode:
     mode: str  # rsp or ssp
     k: int = 0
     confidence: float = 0.0  # SSp: drafting stops below this draft probability (0: always k)
-    lookup: int = 0  # SSp: n-gram length of the context lookup (vLLM: its n-gram drafter alone); 0: off
+    lookup: int = 0  # SSp: n-gram length of the context lookup, a hint over the draft's picks (ours); 0: off
     engine: str = "ours"
     draft: str = ""  # in a run of several drafts: which one ("" in a run of one)
+    ngram: int = 0  # SSp: n-gram length of the engine's n-gram drafter, drafting alone (no draft model); 0: off
 
     @property
     def name(self) -> str:
         return ((f"{self.engine} " if self.engine != "ours" else "") + self.mode + (f" {self.draft}" if self.draft else "")
                 + (f" k={self.k}" if self.k else "") + (f" p>={self.confidence:g}" if self.confidence else "")
-                + (f" lookup={self.lookup}" if self.lookup else ""))
+                + (f" lookup={self.lookup}" if self.lookup else "") + (f" ngram={self.ngram}" if self.ngram else ""))
 
 
 @dataclass
@@ -89,9 +90,11 @@ class Engine(ABC):
     runs_our_weights: ClassVar[bool] = True  # whether it computes with the models loaded here (our exact laws apply)
     runs_feature_heads: ClassVar[bool] = True  # whether it drafts with our feature heads (EAGLE layout)
     runs_each_draft: ClassVar[bool] = False  # whether it runs every draft of a run of several (else the first)
-    takes_lookup: ClassVar[bool] = True  # whether it has lookup modes (``Mode.lookup``) at all
-    lookup_alone: ClassVar[bool] = False  # whether its lookup modes draft with the n-gram lookup alone (no draft
-    #   model: vLLM's and llama.cpp's n-gram drafters) rather than as a hint over the draft model's picks (ours)
+    takes_lookup: ClassVar[bool] = True  # whether it takes the context lookup as a hint over a draft's picks
+    #   (``Mode.lookup``)
+    takes_ngram: ClassVar[bool] = True  # whether it has an n-gram drafter that drafts alone (``Mode.ngram``)
+    marks_drafts: ClassVar[bool] = True  # whether its streamed tokens say which the draft proposed (else whole
+    #   answers: nothing to colour)
     version_column: ClassVar[str] = ""  # the results column that holds its version, where it has one of its own
 
     @property
@@ -104,12 +107,32 @@ class Engine(ABC):
 
     @staticmethod
     def key(mode: Mode) -> tuple[int, int]:
-        """The (K, lookup) of the server or engine that runs ``mode`` where an engine starts one per mode ((0, 0):
-        RSp)."""
-        return (mode.k, mode.lookup) if mode.mode == "ssp" else (0, 0)
+        """The (K, n-gram length) of the server or engine that runs ``mode`` where an engine starts one per mode
+        ((0, 0): RSp; (K, 0): the draft model at K)."""
+        return (mode.k, mode.ngram) if mode.mode == "ssp" else (0, 0)
+
+    @classmethod
+    def ssp_mode(cls, engine: str, k: int, lookup: int = 0, confidence: float = 0.0, draft: str = "",
+                 has_draft: bool = True) -> Mode:
+        """SSp at ``k`` on engine ``engine`` (of this class) with an n-gram length ``lookup``: our context lookup over
+        the draft's picks where it takes that (``takes_lookup``) and there is a draft, else its n-gram drafter alone
+        (``Mode.ngram``); ``draft`` named where it runs each draft of a run."""
+        hint = bool(lookup and has_draft and cls.takes_lookup)
+        ngram = 0 if hint else lookup
+        return Mode("ssp", k, confidence, lookup if hint else 0, engine,
+                    draft if cls.runs_each_draft and not ngram else "", ngram)
+
+    @classmethod  # noqa: B027 - most engines need nothing
+    def check_ready(cls, confidences: Sequence[float] = (0.0,)) -> None:
+        """Before anything loads: one line (``UserError``) if the engine is not installed or built here, or refuses
+        an option asked for (``confidences``: the confidence stops)."""
 
     def supports(self, mode: Mode) -> str | None:
         """Why this engine cannot run ``mode``, or None."""
+        if mode.lookup and not self.takes_lookup:
+            return f"{self.label or self.name} takes no context lookup over a draft's picks"
+        if mode.ngram and not self.takes_ngram:
+            return f"{self.label or self.name} has no n-gram drafter here"
         return None
 
     @abstractmethod

@@ -24,6 +24,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -410,18 +411,23 @@ class LlamacppServers:
 
 
 class LlamacppEngine(Engine):
-    """llama.cpp behind the engine interface: each mode's (k, lookup) server, started by ``LlamacppServers``."""
+    """llama.cpp behind the engine interface: each mode's (k, n-gram length) server, started by ``LlamacppServers``."""
 
     name = "llamacpp"
     label = "llama.cpp"
     decode_timing = DECODE_TIMING
     runs_our_weights = False  # its own kernels and number formats: our exact law is a reference, not the verdict
     runs_feature_heads = False  # its draft-eagle3 takes EAGLE-3 heads (three target layers); ours read one
-    lookup_alone = True
+    takes_lookup = False  # its n-gram drafter drafts alone (Mode.ngram), never as a hint over a draft model
+    marks_drafts = False  # whole answers: which tokens were drafted is not streamed
     version_column = "llamacpp"
 
     def __init__(self, servers: LlamacppServers) -> None:
         self.servers = servers
+
+    @classmethod
+    def check_ready(cls, confidences: Sequence[float] = (0.0,)) -> None:
+        check_ready(list(confidences))
 
     @property
     def version(self) -> str:
@@ -435,6 +441,8 @@ class LlamacppEngine(Engine):
     def supports(self, mode: Mode) -> str | None:
         if mode.confidence:
             return NO_CONFIDENCE
+        if super().supports(mode):
+            return super().supports(mode)
         return None if self.key(mode) in self.servers.servers else f"no llama-server was started for {mode.name}"
 
     def complete(self, mode: Mode, request: Request) -> GenerationOutput:

@@ -34,9 +34,9 @@ class OursEngine(Engine):
         return torch.Generator(device=self.target.device).manual_seed(seed)
 
     def supports(self, mode: Mode) -> str | None:
-        if mode.mode == "ssp" and not self.drafts:
-            return "SSp needs a draft model"
-        return None
+        if mode.mode == "ssp" and not self.drafts and not mode.ngram:
+            return "SSp needs a draft model (or the n-gram drafter)"
+        return super().supports(mode)
 
     def complete(self, mode: Mode, request: Request) -> GenerationOutput:
         r = request
@@ -48,7 +48,10 @@ class OursEngine(Engine):
                                   self.generator(r.seed), r.stopping, r.on_tokens, vocab, r.time_forwards, r.prefix)
 
     def drafter(self, mode: Mode) -> tuple[Drafter, int | None]:
-        """The drafter ``mode`` asks for, and the logit width it shares with the target."""
+        """The drafter ``mode`` asks for (``Mode.ngram``: the n-gram drafter, no model), and the logit width it shares
+        with the target (None: all of it)."""
+        if mode.ngram:
+            return drafter_for(None, mode.ngram, mode.confidence), None
         draft, vocab = self.drafts[mode.draft or self.default]
         return drafter_for(draft.model, mode.lookup, mode.confidence), vocab
 

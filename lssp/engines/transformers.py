@@ -69,7 +69,7 @@ class TransformersEngine(Engine):
     name = "hf"
     label = "hf"
     runs_feature_heads = False  # assisted generation takes a draft model
-    takes_lookup = False  # assisted generation has no context lookup in this tool
+    takes_lookup = takes_ngram = False  # assisted generation, no context lookup or n-gram drafter in this tool
 
     def __init__(self, target: LoadedModel, draft: LoadedModel | None = None) -> None:
         self.target, self.draft = target, draft
@@ -89,9 +89,7 @@ class TransformersEngine(Engine):
             return "SSp needs a draft model"
         if mode.mode == "ssp" and self.draft.draft_kind == "eagle":
             return "assisted generation cannot run the feature head"
-        if mode.lookup:
-            return "assisted generation has no context lookup in this tool"
-        return None
+        return super().supports(mode)
 
     def complete(self, mode: Mode, request: Request) -> GenerationOutput:
         """generate(), plain or assisted with a constant K (its schedule state reset every call)."""

@@ -463,16 +463,20 @@ class VllmEngines:
 
 
 class VllmEngine(Engine):
-    """vLLM behind the engine interface: each mode's (k, lookup) engine, started together by ``VllmEngines``."""
+    """vLLM behind the engine interface: each mode's (k, n-gram length) engine, started together by ``VllmEngines``."""
 
     name = "vllm"
     label = "vLLM"
     runs_our_weights = False  # its own copy, kernels and dtype: our exact law is a reference, not the verdict
-    lookup_alone = True
+    takes_lookup = False  # its n-gram drafter drafts alone (Mode.ngram), never as a hint over a draft model
     version_column = "vllm"
 
     def __init__(self, engines: VllmEngines) -> None:
         self.engines = engines
+
+    @classmethod
+    def check_ready(cls, confidences: Sequence[float] = (0.0,)) -> None:
+        check_options(list(confidences))  # whether vLLM imports: said when its pair is read (``require_vllm``)
 
     @property
     def version(self) -> str:
@@ -489,6 +493,8 @@ class VllmEngine(Engine):
     def supports(self, mode: Mode) -> str | None:
         if mode.confidence:
             return NO_CONFIDENCE
+        if super().supports(mode):
+            return super().supports(mode)
         return None if self.key(mode) in self.engines.engines else f"no vLLM engine was started for {mode.name}"
 
     def complete(self, mode: Mode, request: Request) -> GenerationOutput:

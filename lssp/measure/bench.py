@@ -120,8 +120,6 @@ class EngineSummary:
 
     def rival_ratio(self, rival: str) -> Ratios:
         """Ours ÷ ``rival`` (hf or one of ``RIVALS``) per prompt; NaNs where it did not run or this is not ours."""
-        if rival == "hf":
-            return Ratios(self.ratio_median, self.ratio_min, self.ratio_max)
         return self.rival_ratios.get(rival, Ratios())
 
 
@@ -173,6 +171,11 @@ class BenchRun:
     def has(self, rival: str) -> bool:
         """Whether engines of ``rival`` (hf, vllm, llamacpp) ran."""
         return any(x.engine.startswith(rival + "-") for x in self.summaries)
+
+    def compared(self) -> list[str]:
+        """The engines ours is compared with that ran (hf, then ``RIVALS``), in table order."""
+        return [name for name in dict.fromkeys(owner for owner, _ in LABELS.values())
+                if not ENGINE_KINDS[name].reference and self.has(name)]
 
     def _ms(self, engine: str) -> float:
         return next(x.ms_per_token for x in self.summaries if x.engine == engine)
@@ -328,7 +331,8 @@ def summarize(k: int, runs: list[EngineRun], engines: Sequence[str] = ENGINES, c
             if hf in by:
                 hf_ratio = ratios(rs, by[hf])
                 summary.ratio_median, summary.ratio_min, summary.ratio_max = hf_ratio.median, hf_ratio.min, hf_ratio.max
-            summary.rival_ratios = {r: ratios(rs, by[f"{r}-{mode}"]) for r in RIVALS if f"{r}-{mode}" in by}
+                summary.rival_ratios[LABELS[hf][0]] = hf_ratio
+            summary.rival_ratios |= {r: ratios(rs, by[f"{r}-{mode}"]) for r in RIVALS if f"{r}-{mode}" in by}
         bench.summaries.append(summary)
     bench.rivals = {r: rival_figures(by.get(f"{r}-rsp"), by.get(f"{r}-ssp")) for r in RIVALS
                     if f"{r}-rsp" in by or f"{r}-ssp" in by}

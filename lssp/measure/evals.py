@@ -100,13 +100,19 @@ class EvalRun:
     setup: EvalSetup | None = None
     info: RunInfo = field(default_factory=RunInfo)
 
+    def _drafted(self, mode: str) -> dict[str, int]:
+        """The lookup and n-gram columns of ``mode``'s rows (``Engine.ssp_mode``: what the n-gram length meant)."""
+        setup = self.setup
+        ssp = engine_class(setup.engine).ssp_mode(setup.engine, setup.k, setup.lookup)
+        return {"lookup": ssp.lookup, "ngram": ssp.ngram} if mode == "ssp" else {"lookup": 0, "ngram": 0}
+
     def rows(self) -> list[dict[str, Any]]:
         """One CSV row per mode."""
         setup, cmp, nan = self.setup, self.comparison, float("nan")
         return [{
             **self.info.head(), "run_id": self.run_id, "engine": setup.engine, "mode": m.mode, "target": setup.target,
             "draft": setup.draft if setup.draft and m.mode == "ssp" else "", "k": setup.k if m.mode == "ssp" else 0,
-            "lookup": setup.lookup if m.mode == "ssp" else 0, **setup.params.as_dict(),
+            **self._drafted(m.mode), **setup.params.as_dict(),
             "max_new_tokens": setup.max_new_tokens, "seed": setup.seed, "trials": m.trials, "successes": m.successes,
             "success_rate": m.success_rate, "wald_low": m.wald.low, "wald_high": m.wald.high,
             "wilson_low": m.wilson.low, "wilson_high": m.wilson.high,
@@ -242,7 +248,7 @@ def _score(target: LoadedModel, engine: Engine, mode: str, a: int, b: int, index
 
 
 def _mode(engine: Engine, mode: str, setup: EvalSetup) -> Mode:
-    return Mode("ssp", setup.k, lookup=setup.lookup, engine=engine.name) if mode == "ssp" else Mode("rsp", engine=engine.name)
+    return engine.ssp_mode(engine.name, setup.k, setup.lookup) if mode == "ssp" else Mode("rsp", engine=engine.name)
 
 
 def _score_batches(target: LoadedModel, engine: Engine, mode: str, problems: Sequence[tuple[int, int, int]],
@@ -307,8 +313,8 @@ def run_eval(
     stopping = answer_stopping(target)
     prefix = PrefixCache(target.encode(few_shot(op))[0].tolist()) if prefix_cache and engine.caches_prefixes else None
     problems = multiplication_problems(nb_prompts, seed, max_operand)
-    batched = {m: m in modes and engine.batch_reason(Mode(m, k if m == "ssp" else 0, lookup=lookup)) is None
-               for m in ("rsp", "ssp")}
+    ssp = engine.ssp_mode(engine.name, k, lookup)
+    batched = {m: m in modes and engine.batch_reason(ssp if m == "ssp" else Mode(m)) is None for m in ("rsp", "ssp")}
     records = list(done)
     setup = EvalSetup(target.name, draft.name if draft else None, target.precision, draft.precision if draft else "",
                       params, nb_prompts, seed, k, max_new_tokens, lookup, op, max_operand, prefix is not None,

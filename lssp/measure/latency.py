@@ -38,10 +38,11 @@ class PromptTiming:
     at_budget: int = 0  # of those, how many ran to max_new_tokens (no end token before)
     engine: str = "ours"
     draft: str = ""  # SSp in a run of several drafts: which one
+    ngram: int = 0  # SSp: n-gram length of the engine's n-gram drafter, drafting alone (0: a draft model)
 
     @property
     def how(self) -> Mode:
-        return Mode(self.mode, self.k, self.confidence, self.lookup, self.engine, self.draft)
+        return Mode(self.mode, self.k, self.confidence, self.lookup, self.engine, self.draft, self.ngram)
 
     @property
     def ms_per_target_forward(self) -> float:
@@ -100,6 +101,7 @@ class ModeSummary:
     draft: str = ""  # in a run of several drafts: which one drafted (else the run's draft)
     timing_fallbacks: int = 0  # completions whose ms/token is the whole completion's (no timed first emission)
     timing_basis: str = FIRST_TO_LAST  # how ms/token was measured (lssp.decoding.generation.timing_basis)
+    ngram: int = 0  # SSp: n-gram length of the engine's n-gram drafter, drafting alone (0: a draft model)
 
     @property
     def noisy(self) -> bool:
@@ -167,6 +169,7 @@ def summarize(timings: Sequence[PromptTiming], how: Mode = RSP,
         tokens_per_s=sum(t.tokens_per_s for t in timings) / len(timings),
         engine=how.engine,
         draft=how.draft,
+        ngram=how.ngram,
         timing_fallbacks=fallbacks,
         timing_basis=timing_basis(fallbacks, len(stats)),
     )
@@ -212,7 +215,7 @@ class LatencySetup:
         eagle), +lookup."""
         if m.mode == "rsp":
             return "none"
-        if m.lookup and engine_class(m.engine).lookup_alone:
+        if m.ngram:
             return "ngram"
         own = self.engines[m.engine].draft_method if m.engine in self.engines else ""
         if own:
@@ -346,6 +349,7 @@ class LatencyRun:
         """One CSV row per timed completion."""
         setup = self.setup
         return [{"run_id": self.info.run_id, "mode": p.mode, "k": p.k, "engine": p.engine, "confidence": p.confidence, "lookup": p.lookup,
+                 "ngram": p.ngram,
                  "repeat": p.repeat, "split_pass": p.split_pass, "prompt_index": p.prompt_index, "task": p.task,
                  "turns": p.turns, "at_budget": p.at_budget, "new_tokens": p.stats.new_tokens,
                  "ms_per_token": p.stats.ms_per_token, "timing_basis": p.stats.timing_basis,
@@ -356,7 +360,7 @@ class LatencyRun:
 
     def summary_json(self) -> list[dict[str, Any]]:
         """The run for scripts (``--json``)."""
-        keys = ("task", "engine", "method", "mode", "target", "draft", "k", "confidence", "lookup", "lookup_acceptance", "ms_per_token",
+        keys = ("task", "engine", "method", "mode", "target", "draft", "k", "confidence", "lookup", "lookup_acceptance", "ngram", "ms_per_token",
                 "ttft_ms", "acceptance_rate", "alpha", "mean_accepted", "speedup", "speedup_sd", "specbench_speedup",
                 "at_budget_share", "ms_per_token_median",
                 "forward_spread", "noise_spread", "noisy", "timing_basis", "interrupted", "run_id", "device")
@@ -367,7 +371,8 @@ class LatencyRun:
     def markdown(self) -> str:
         setup, rows = self.setup, self.rows()
         columns = ["mode", *(["method", "draft"] if len(setup.draft_kinds) > 1 else []), "k", *(["confidence"] if any(m.confidence for m in self.summaries) else []),
-                   *(["lookup"] if any(m.lookup for m in self.summaries) else []), "ms_per_token", "ms_per_token_median",
+                   *(["lookup"] if any(m.lookup for m in self.summaries) else []),
+                   *(["ngram"] if any(m.ngram for m in self.summaries) else []), "ms_per_token", "ms_per_token_median",
                    "ms_per_token_min", "ms_per_token_max", "ttft_ms", "acceptance_rate", "alpha", "mean_accepted",
                    "speedup", *(["speedup_sd"] if setup.repeats > 1 else []), "specbench_speedup", "at_budget_share",
                    "forward_spread", "noise_spread"]
@@ -452,7 +457,7 @@ def _summaries(timings: Sequence[PromptTiming], modes: Sequence[Mode], task: str
             s.speedup = rsp.ms_per_token / s.ms_per_token
             s.specbench_speedup = s.tokens_per_s / rsp.tokens_per_s
             if len(repeats) > 1:
-                how = Mode(s.mode, s.k, s.confidence, s.lookup, engine, s.draft)
+                how = Mode(s.mode, s.k, s.confidence, s.lookup, engine, s.draft, s.ngram)
                 per_pass = [_ms_per_token([t for t in headline if t.repeat == r and t.how == rsp_mode(engine)])
                             / _ms_per_token([t for t in headline if t.repeat == r and t.how == how]) for r in repeats]
                 s.speedup_sd = stdev(per_pass)
@@ -508,17 +513,18 @@ def complete_turns(target: LoadedModel, prompt: TaskPrompt, chat: bool,
 def latency_modes(engines: Sequence[str], drafts: Sequence[str], ks: Sequence[int], confidences: Sequence[float] = (0.0,),
                   lookups: Sequence[int] = (0,), baseline: bool = True) -> list[Mode]:
     """The modes a latency run times on each engine: RSp (unless no ``baseline`` and there is a draft), then SSp at
-    each k, confidence and lookup with each of ``drafts`` (ours; vLLM runs the first), or with vLLM's n-gram drafter
-    alone where there is no draft and a lookup length is given."""
+    each k, confidence and n-gram length of ``lookups`` with each of ``drafts`` (ours; the others run the first): a
+    length n > 0 is the context lookup over the draft's picks where the engine takes it (``Mode.lookup``), else the
+    engine's n-gram drafter alone (``Mode.ngram``: vLLM's, llama.cpp's; with no draft, ours' too)."""
     modes: list[Mode] = []
     names = list(drafts) if len(drafts) > 1 else [""]
     for engine in engines:
         modes += [Mode("rsp", engine=engine)] if baseline or not drafts else []
         kind = engine_class(engine)
-        if drafts or (kind.lookup_alone and any(lookups)):
-            modes += [Mode("ssp", k, c, n, engine, name if kind.runs_each_draft else "") for name in names
-                      for n in lookups for c in confidences for k in ks
-                      if (drafts or n) and not (n and not kind.takes_lookup)]
+        for name in names:
+            for n in lookups:
+                ssp = [kind.ssp_mode(engine, k, n, c, name, bool(drafts)) for c in confidences for k in ks]
+                modes += [m for m in ssp if (m.ngram and kind.takes_ngram) or (drafts and not m.ngram)]
     return list(dict.fromkeys(modes))
 
 
@@ -567,7 +573,7 @@ def run_latency(
     setup.recompiles = compiled_graphs() - graphs
     timings = [PromptTiming(s.index, s.mode.mode, s.mode.k, s.result[0], s.mode.confidence, s.mode.lookup, s.repeat,
                             s.split_pass, prompts[s.index].task, len(prompts[s.index].turns), s.result[1], s.mode.engine,
-                            s.mode.draft) for s in steps]
+                            s.mode.draft, s.mode.ngram) for s in steps]
     return LatencyRun(summaries_by_task(timings, modes), timings, setup, info, interrupted)
 
 
@@ -598,6 +604,6 @@ def run_latency_ours(target: LoadedModel, draft: LoadedModel | None, prompts: Se
     """``run_latency`` of one pair on our engine alone (``options``: run_latency's keywords)."""
     drafts = [draft] if draft is not None else []
     engine = OursEngine(target, drafts, [vocab_size])
-    modes = latency_modes(["ours"], [d.name for d in drafts], ks, confidences, lookups, baseline)
+    modes = latency_modes([OursEngine.name], [d.name for d in drafts], ks, confidences, lookups, baseline)
     return run_latency(target, {"ours": engine}, modes, prompts, warmup_prompt, params, max_new_tokens, seed, drafts,
                        **options)

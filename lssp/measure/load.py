@@ -20,8 +20,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
 from lssp.decoding.sampling import SamplingParams
-from lssp.engines import engine_class
-from lssp.engines.base import Mode, request_seed
+from lssp.engines.base import Engine, Mode, request_seed
 from lssp.engines.vllm import Counters
 from lssp.errors import UserError
 from lssp.measure.latency import uses_chat_template
@@ -184,10 +183,7 @@ class LoadBackend(ABC):
     def close(self) -> None:  # noqa: B027
         """Stop what the backend started."""
 
-    @staticmethod
-    def key(mode: Mode) -> tuple[int, int]:
-        """The (K, lookup) of the server that runs ``mode`` where an engine runs one server per mode ((0, 0): RSp)."""
-        return (mode.k, mode.lookup) if mode.mode == "ssp" else (0, 0)
+    key = staticmethod(Engine.key)  # the server of ``mode`` where an engine runs one per mode
 
 
 # --- a run ------------------------------------------------------------------------------------------------------
@@ -244,19 +240,20 @@ class LevelSummary:
     batched: bool = True
     scheduling: str = "continuous"
     prompt_tokens_cut: int = 0
+    ngram: int = 0  # SSp: n-gram length of the engine's n-gram drafter, drafting alone (0: a draft model)
 
 
-def mode_label(mode: Mode, engine: str) -> str:
-    """RSp, SSp k=4, ngram 3 k=4 (an engine's n-gram drafter alone: vLLM, llama.cpp), SSp k=4 +lookup 3 (ours: draft
-    and lookup)."""
+def mode_label(mode: Mode) -> str:
+    """RSp, SSp k=4, ngram 3 k=4 (an engine's n-gram drafter alone), SSp k=4 +lookup 3 (the draft with the context
+    lookup)."""
     if mode.mode == "rsp":
         return "RSp"
-    if mode.lookup and engine_class(engine).lookup_alone:
-        return f"ngram {mode.lookup} k={mode.k}"
+    if mode.ngram:
+        return f"ngram {mode.ngram} k={mode.k}"
     return f"SSp k={mode.k}" + (f" +lookup {mode.lookup}" if mode.lookup else "")
 
 
-def summarize_level(level: ModeLevel, engine: str) -> LevelSummary:
+def summarize_level(level: ModeLevel) -> LevelSummary:
     """The figures of one mode at one level (ratios filled in by ``with_ratios``)."""
     done = [r for r in level.requests if r.ok]
     tokens = sum(r.tokens for r in done)
@@ -264,11 +261,11 @@ def summarize_level(level: ModeLevel, engine: str) -> LevelSummary:
     ttfts = [1000 * r.ttft_s for r in done]
     c = level.counters
     summary = LevelSummary(
-        level.concurrency, level.mode.mode, level.mode.k, level.mode.lookup, mode_label(level.mode, engine),
+        level.concurrency, level.mode.mode, level.mode.k, level.mode.lookup, mode_label(level.mode),
         len(level.requests), len(done), len(level.requests) - len(done), tokens, level.wall_s,
         percentile(tpots, 50), percentile(tpots, 90), percentile(ttfts, 50), percentile(ttfts, 90),
         tokens / level.wall_s if level.wall_s > 0 else NAN, batched=level.batched, scheduling=level.scheduling,
-        prompt_tokens_cut=level.prompt_tokens_cut)
+        prompt_tokens_cut=level.prompt_tokens_cut, ngram=level.mode.ngram)
     if c is not None and level.mode.mode == "ssp":
         summary.drafts, summary.draft_tokens, summary.accepted_tokens = c.drafts, c.draft_tokens, c.accepted
         summary.acceptance_rate = ratio(c.accepted, c.draft_tokens)
@@ -303,7 +300,7 @@ class LoadRun:
 
     @property
     def summaries(self) -> list[LevelSummary]:
-        return with_ratios([summarize_level(m, self.setup.engine) for level in self.levels for m in level])
+        return with_ratios([summarize_level(m) for level in self.levels for m in level])
 
     @property
     def levels_done(self) -> list[int]:
@@ -325,14 +322,12 @@ class LoadRun:
         setup, info = self.setup, self.info
         return [{
             **info.head(), "engine": setup.engine, "concurrency": s.concurrency, "mode": s.mode,
-            "method": "none" if s.mode == "rsp" else ("ngram" if s.lookup and engine_class(setup.engine).lookup_alone
-                                                       else setup.draft_method or "draft"),
-            "target": setup.target, "draft": (setup.draft or "") if s.mode == "ssp" and not (
-                s.lookup and engine_class(setup.engine).lookup_alone) else "", "k": s.k,
-            "lookup": s.lookup, **setup.params.as_dict(), "max_new_tokens": setup.max_new_tokens,
+            "method": "none" if s.mode == "rsp" else "ngram" if s.ngram else setup.draft_method or "draft",
+            "target": setup.target, "draft": (setup.draft or "") if s.mode == "ssp" and not s.ngram else "", "k": s.k,
+            "lookup": s.lookup, "ngram": s.ngram, **setup.params.as_dict(), "max_new_tokens": setup.max_new_tokens,
             "ignore_eos": setup.ignore_eos, "task": setup.workload, "chat": setup.chat,
             "request_rate": setup.request_rate if setup.request_rate else "inf", "seed": setup.seed,
-            **{key: value for key, value in asdict(s).items() if key not in ("concurrency", "mode", "k", "lookup")},
+            **{key: value for key, value in asdict(s).items() if key not in ("concurrency", "mode", "k", "lookup", "ngram")},
             "interrupted": self.interrupted, "engine_version": setup.engine_version, "tpot_definition": TPOT,
             **info.env,
         } for s in (summaries if summaries is not None else self.summaries)]
@@ -407,7 +402,7 @@ def run_load(backend: LoadBackend, setup: LoadSetup, info: RunInfo, requests: Se
                 served[mode] = backend.serve(mode, requests, concurrency)
                 done += 1
                 if progress:
-                    progress(f"concurrency {concurrency} {mode_label(mode, setup.engine)} "
+                    progress(f"concurrency {concurrency} {mode_label(mode)} "
                              f"({time.perf_counter() - start:.0f} s)", done, total)
             run.levels.append([served[m] for m in setup.modes])
             if on_level:

@@ -50,6 +50,9 @@ class VllmLoadBackend(LoadBackend):
                 "streamed tokens; acceptance from each server's /metrics counters, as deltas per level."]
 
     def check(self, mode: Mode, setup: LoadSetup) -> None:
+        if mode.lookup:
+            raise UserError(f"{mode.name}: no context lookup over a draft's picks here (its n-gram drafter alone: "
+                            "Mode.ngram)")
         if self.key(mode) not in self.servers.servers:
             raise UserError(f"{mode.name}: no vLLM server was started for it")
 
@@ -134,8 +137,8 @@ class EngineLoadBackend(LoadBackend):
         return self.setup.batching == "continuous" and self.engine.joining_reason(mode) is None
 
     def notes(self) -> list[str]:
-        joining = [mode_label(m, self.name) for m in self.setup.modes if self.joins(m)]
-        static = [mode_label(m, self.name) for m in self.setup.modes if not self.joins(m)]
+        joining = [mode_label(m) for m in self.setup.modes if self.joins(m)]
+        static = [mode_label(m) for m in self.setup.modes if not self.joins(m)]
         lines = []
         if joining:
             arrive = (f"requests arriving at Poisson times ({self.setup.request_rate:g}/s), at most C = concurrency "
@@ -153,7 +156,7 @@ class EngineLoadBackend(LoadBackend):
         for mode in ssp:
             reason = self.unbatched_reason(mode)
             if reason:
-                lines.append(f"{self.name} {mode_label(mode, self.name)} is NOT batched ({reason}): each batch's requests "
+                lines.append(f"{self.name} {mode_label(mode)} is NOT batched ({reason}): each batch's requests "
                              "run one after another (TTFT includes the wait for those before it); its throughput is "
                              "that of one request at a time.")
         return lines
@@ -163,9 +166,12 @@ class EngineLoadBackend(LoadBackend):
         if why:
             raise UserError(f"{mode.name}: {why}")
         if setup.request_rate and not self.joins(mode):
-            raise UserError(f"--request-rate: --engine {self.name} serves {mode_label(mode, self.name)} in static batches "
+            raise UserError(f"--request-rate: --engine {self.name} serves {mode_label(mode)} in static batches "
                             "(closed loop only; requests join a running batch only under the compact forward, in "
                             "batched modes, without --batching static)")
+
+    def close(self) -> None:
+        self.engine.close()
 
     def _request(self, ids: list[int], seed: int, max_new_tokens: int | None = None) -> Request:
         return Request(torch.tensor([ids], dtype=torch.long), max_new_tokens or self.setup.max_new_tokens,

@@ -184,6 +184,9 @@ class LlamacppLoadBackend(LoadBackend):
     def check(self, mode: Mode, setup: LoadSetup) -> None:
         if mode.confidence:
             raise UserError(f"{mode.name}: --draft-confidence has no llama.cpp equivalent here")
+        if mode.lookup:
+            raise UserError(f"{mode.name}: no context lookup over a draft's picks here (its n-gram drafter alone: "
+                            "Mode.ngram)")
         if self.key(mode) not in self.servers.servers:
             raise UserError(f"{mode.name}: no llama-server was started for it")
 

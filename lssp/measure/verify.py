@@ -81,6 +81,7 @@ class VerifyReport:
     tie_tolerance: float = 0.0
     skipped: list[str] = field(default_factory=list)
     lookup: int = 0  # n-gram length of SSp's context lookup (0: off)
+    ngram: int = 0  # n-gram length of the engine's n-gram drafter, drafting alone (0: the draft model)
     looked_up: int = 0  # drafts the lookup proposed
     engine: str = "ours"  # whose SSp was audited
     exact_law_counts: bool = True  # False: the engine's arithmetic is its own; the two-sample test decides
@@ -94,7 +95,7 @@ class VerifyReport:
     def rows(self, info: RunInfo, target: LoadedModel, draft: LoadedModel, params: SamplingParams) -> list[dict[str, Any]]:
         """One CSV row per check (a position in sampled mode, a prompt in greedy mode)."""
         base = {**info.head(), "engine": self.engine, "target": target.name, "draft": draft.name, "k": self.k,
-                "lookup": self.lookup, "looked_up": self.looked_up, **params.as_dict(), "verdict": self.verdict,
+                "lookup": self.lookup, "ngram": self.ngram, "looked_up": self.looked_up, **params.as_dict(), "verdict": self.verdict,
                 "effect": self.effect if self.mode == "sampled" else None,
                 "acceptance_rate": self.acceptance_rate, "interrupted": self.interrupted, "target_precision": target.precision,
                 "draft_precision": draft.precision, **info.env}
@@ -109,7 +110,7 @@ class VerifyReport:
                 "prompts_done": self.prompts_done, "interrupted": self.interrupted,
                 "significance": self.significance,
                 "correction": self.correction, "exact_law_counts": self.exact_law_counts,
-                "acceptance_rate": self.acceptance_rate, "lookup": self.lookup,
+                "acceptance_rate": self.acceptance_rate, "lookup": self.lookup, "ngram": self.ngram,
                 "looked_up": self.looked_up, "checks": [asdict(c) for c in self.positions] + [asdict(g) for g in self.greedy],
                 "run_id": info.run_id, "device": info.env.get("device")}
 
@@ -270,8 +271,9 @@ def verify_sampled(
     time where the engine batches them (``_samples``): the same samples, seed for seed."""
     engine = engine or OursEngine(target, [draft], [vocab])
     two_sample = two_sample or not engine.runs_our_weights
-    ssp, rsp = Mode("ssp", k, lookup=lookup, engine=engine.name), Mode("rsp", engine=engine.name)
-    report = VerifyReport("sampled", significance, "Bonferroni", lookup=lookup, engine=engine.name, k=k, effect=effect)
+    ssp, rsp = engine.ssp_mode(engine.name, k, lookup), Mode("rsp", engine=engine.name)
+    report = VerifyReport("sampled", significance, "Bonferroni", lookup=ssp.lookup, engine=engine.name, k=k,
+                          effect=effect, ngram=ssp.ngram)
     null_gen = torch.Generator().manual_seed(seed)
     drafted = accepted = 0
     unreached: list[int] = []  # per later position skipped: how many runs reached it
@@ -325,15 +327,16 @@ def verify_greedy(
     ours = OursEngine(target, [draft], [vocab])
     engine = engine or ours
     params = SamplingParams(temperature=0)
-    report = VerifyReport("greedy", 0.0, "none (deterministic)", tie_tolerance=tie_tolerance, lookup=lookup,
-                          engine=engine.name, k=k)
+    mode = engine.ssp_mode(engine.name, k, lookup)
+    report = VerifyReport("greedy", 0.0, "none (deterministic)", tie_tolerance=tie_tolerance, lookup=mode.lookup,
+                          engine=engine.name, k=k, ngram=mode.ngram)
     drafted = accepted = 0
     for index, text in enumerate(prompts):
         ids = target.encode(text)
         request = Request(ids, max_new_tokens, params, seed=0)
         try:
             rsp = engine.complete(Mode("rsp", engine=engine.name), request).tokens.tolist()
-            out = engine.complete(Mode("ssp", k, lookup=lookup, engine=engine.name), request)
+            out = engine.complete(mode, request)
         except KeyboardInterrupt:  # the prompts done keep their checks
             report.interrupted = True
             break
