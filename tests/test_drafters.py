@@ -2,7 +2,8 @@
 follow the target's exact law (chi-square), for the draft model, the feature head, the n-gram drafter and the
 policies over them; a drafter that misreports its q must fail the same test. Every drafter's law is drawn in one
 batched loop (2,000 seeded rows, whose tokens equal single completions': tests/test_batched.py); the single-request
-loop draws the draft model's and the feature head's law beside each planted bug, one completion at a time."""
+loop draws the draft model's and the feature head's law under transformers' forward, and every planted bug under the
+compact forward (the same logits, less overhead), one completion at a time."""
 from __future__ import annotations
 
 import pytest
@@ -102,7 +103,7 @@ class UniformQ(DrafterWrapper):
 def test_the_law_test_catches_a_drafter_that_misreports_q(models, name):
     target, draft, head = models
     prompt, params = torch.tensor([[1, 2, 3]]), SamplingParams(1.0)
-    counts = _two_token_counts(target, lambda: UniformQ(DRAFTERS[name](draft, head)), params, prompt)
+    counts = _two_token_counts(CompactLlama(target), lambda: UniformQ(DRAFTERS[name](draft, head)), params, prompt)
     assert chi_square_gof(counts, _exact_law(target, prompt, params).tolist()).p_value < SIGNIFICANCE
 
 
@@ -152,7 +153,7 @@ def test_the_law_test_at_k1_catches_planted_bonus_and_residual_bugs(models, name
     target, draft, head = models
     monkeypatch.setattr(verification, "sampled_verification", _planted(PLANTED[bug]))
     prompt, params = torch.tensor([[1, 2, 3]]), SamplingParams(1.0)
-    counts = _two_token_counts(target, lambda: DRAFTERS[name](draft, head), params, prompt, k=1)
+    counts = _two_token_counts(CompactLlama(target), lambda: DRAFTERS[name](draft, head), params, prompt, k=1)
     assert chi_square_gof(counts, _exact_law(target, prompt, params).tolist()).p_value < SIGNIFICANCE
 
 
@@ -177,5 +178,6 @@ def test_the_law_test_catches_a_draft_sampler_that_ignores_temperature(models, n
     prompt, params = torch.tensor([[1, 2, 3]]), SamplingParams(0.5)
     right = _two_token_counts(target, lambda: DRAFTERS[name](draft, head), params, prompt)
     assert chi_square_gof(right, _exact_law(target, prompt, params).tolist()).p_value > SIGNIFICANCE
-    counts = _two_token_counts(target, lambda: DraftsAtTemperatureOne(DRAFTERS[name](draft, head)), params, prompt)
+    counts = _two_token_counts(CompactLlama(target), lambda: DraftsAtTemperatureOne(DRAFTERS[name](draft, head)), params,
+                               prompt)
     assert chi_square_gof(counts, _exact_law(target, prompt, params).tolist()).p_value < SIGNIFICANCE
