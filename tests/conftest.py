@@ -145,6 +145,15 @@ models:
     path: ./tiny-target
     dtype: float32
     forward: compact
+  tiny-target-int4:
+    path: ./tiny-target
+    dtype: float32
+    quantization: int4
+    forward: compact
+  tiny-target-int8:
+    path: ./tiny-target
+    dtype: float32
+    quantization: int8
   tiny-other-vocab:
     path: ./tiny-other
     dtype: float32

@@ -280,9 +280,9 @@ def test_random_init_pair_warns_that_acceptance_means_nothing(tiny_dir, tmp_path
 def test_four_engines_agree_on_dynamically_quantized_models(pair):
     from dataclasses import replace
 
-    from lssp.models.loading import dynamic_quantize
+    from lssp.models.loading import cpu_quantize
 
-    quantized = [LoadedModel(replace(m.spec, quantization=q), dynamic_quantize(copy.deepcopy(m.model), replace(m.spec, quantization=q)),
+    quantized = [LoadedModel(replace(m.spec, quantization=q), cpu_quantize(copy.deepcopy(m.model), replace(m.spec, quantization=q)),
                              m.tokenizer) for m, q in zip(pair, ("dynamic-fp16", "dynamic-int8"))]
     run = run_bench(*quantized, ["hello there", "abc"], "warm", 3, SamplingParams(0), 16, seed=0)
     assert run.greedy_agreement == {e: 1.0 for e in ENGINES}

@@ -21,7 +21,7 @@ from lssp.models.draft_head import (
     most_frequent,
     subset_head,
 )
-from lssp.models.loading import dynamic_quantize, load_model
+from lssp.models.loading import cpu_quantize, load_model
 from lssp.models.registry import ModelSpec, load_registry
 from lssp.report.stats import chi_square_gof
 
@@ -97,7 +97,7 @@ def test_greedy_ssp_with_a_compact_draft_equals_greedy_rsp(model, k):
 
 def test_compact_fused_layers_take_the_dynamic_quantization(model):
     spec = ModelSpec(name="m", quantization="dynamic-fp16")
-    quantized = dynamic_quantize(CompactLlama(copy.deepcopy(model)), spec)
+    quantized = cpu_quantize(CompactLlama(copy.deepcopy(model)), spec)
     assert all(type(layer).__name__ == "Linear" and type(layer).__module__.startswith("torch.ao") for layer in quantized.qkv)
     ids = torch.tensor([[0, 5, 9, 3, 8]])
     torch.testing.assert_close(forward_logits(quantized, ids, quantized.new_cache(), 5),
@@ -207,7 +207,7 @@ def test_compile_refuses_what_it_cannot_compile_in_one_line_or_falls_back_when_a
     from lssp.models.loading import compile_decode
 
     spec = ModelSpec("q", compile=True)
-    quantized = dynamic_quantize(CompactLlama(copy.deepcopy(model)), ModelSpec("q", quantization="dynamic-fp16"))
+    quantized = cpu_quantize(CompactLlama(copy.deepcopy(model)), ModelSpec("q", quantization="dynamic-fp16"))
     with pytest.raises(UserError, match="dynamically quantized layers .* opaque to torch.compile.*--compile-fallback"):
         compile_decode(quantized, spec)
     with pytest.raises(UserError, match="runs the compact forward only"):

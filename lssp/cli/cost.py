@@ -17,8 +17,9 @@ from lssp.errors import UserError
 def cost(
     ctx: typer.Context,
     models: Annotated[Optional[list[str]], typer.Argument(help="Models to time (default: the default target and draft).")] = None,
-    precisions: Annotated[str, typer.Option(help="Float dtypes and CPU dynamic quantizations to compare.")] =
-        "bfloat16,float32,dynamic-fp16,dynamic-int8",
+    precisions: Annotated[str, typer.Option(help="Float dtypes and CPU quantizations (dynamic-*, weight-only int4 and "
+                                            "int8) to compare.")] =
+        "bfloat16,float32,dynamic-fp16,dynamic-int8,int4,int8",
     tokens: Annotated[str, typer.Option(help="Tokens fed in one forward (K+1 for a verification).")] = "1,2,3,5",
     forwards: Annotated[Optional[str], typer.Option(help="Time these forwards: transformers,compact (default: each entry's).")] = None,
     context: Annotated[int, typer.Option(help="Tokens already in the KV cache.")] = 64,
@@ -29,7 +30,7 @@ def cost(
     """Forward ms by precision and by tokens per forward: does verifying K drafts cost about one forward here?"""
     from lssp.measure.cost import run_costs
     from lssp.models.loading import load_model
-    from lssp.models.registry import DTYPES, FORWARDS, QUANTIZATIONS
+    from lssp.models.registry import CPU_QUANTIZATIONS, DTYPES, FORWARDS
 
     s = settings(ctx)
     check_engines("cost", [e.strip() for e in engine.split(",") if e.strip()], ("ours",))
@@ -40,7 +41,7 @@ def cost(
     check_positive("--context", context)
     check_positive("--repeats", repeats)
     chosen = [p.strip() for p in precisions.split(",") if p.strip()]
-    allowed = [d for d in DTYPES if d != "auto"] + [q for q in QUANTIZATIONS if q.startswith("dynamic")]
+    allowed = [d for d in DTYPES if d != "auto"] + list(CPU_QUANTIZATIONS)
     if not chosen or any(p not in allowed for p in chosen):
         raise UserError(f"--precisions takes some of {','.join(allowed)}, got {precisions!r}")
     names = models or [s.registry.target_name(None), s.registry.draft_name(None, heads=False)]  # models alone

@@ -18,9 +18,9 @@ from transformers import PreTrainedModel
 
 from lssp.decoding.kv import forward_logits, new_cache
 from lssp.decoding.timing import Clock
-from lssp.models.loading import LoadedModel, dynamic_quantize
+from lssp.models.loading import LoadedModel, cpu_quantize
 from lssp.models.modules import model_device
-from lssp.models.registry import DYNAMIC_QUANTIZATIONS
+from lssp.models.registry import CPU_QUANTIZATIONS
 from lssp.report.results import RunInfo, markdown_table
 
 Progress = Callable[[str], None]  # called with what is being timed next
@@ -37,10 +37,10 @@ class ForwardCost:
 
 
 def with_precision(loaded: LoadedModel, precision: str) -> PreTrainedModel:
-    """A copy of ``loaded``'s model in a float dtype or a dynamic quantization."""
+    """A copy of ``loaded``'s model in a float dtype or a CPU quantization (dynamic or weight-only)."""
     model = copy.deepcopy(loaded.model)
-    if precision in DYNAMIC_QUANTIZATIONS:
-        return dynamic_quantize(model, replace(loaded.spec, quantization=precision))
+    if precision in CPU_QUANTIZATIONS:
+        return cpu_quantize(model, replace(loaded.spec, quantization=precision))
     return model.to(getattr(torch, precision))
 
 
@@ -75,7 +75,7 @@ def forward_costs(models: Sequence[LoadedModel], precisions: Sequence[str], toke
     costs = []
     for loaded in models:
         for precision in precisions:
-            if precision in DYNAMIC_QUANTIZATIONS and loaded.device.type != "cpu":
+            if precision in CPU_QUANTIZATIONS and loaded.device.type != "cpu":
                 continue
             if progress:
                 progress(f"{loaded.name} in {precision}")

@@ -112,7 +112,7 @@ def _linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     packed = getattr(layer, "_packed_params", None)
     if packed is not None and packed.dtype == torch.float16:  # the op torch's dynamic fp16 Linear calls
         return torch.ops.quantized.linear_dynamic_fp16(x, packed._packed_params)
-    return layer(x)
+    return layer.forward(x)  # weight-only (lssp.models.weight_only) or dynamic int8
 
 
 STEP_TOKENS = 16  # compiled: forwards of up to this many tokens after the prefill (decode, verification)

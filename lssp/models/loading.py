@@ -18,9 +18,10 @@ from lssp.errors import IncompatibleModelsError, UserError
 from lssp.models.compact import CompactLlama
 from lssp.models.draft_head import has_subset_head, load_subset_head_model
 from lssp.models.modules import logit_width, model_device
-from lssp.models.registry import DYNAMIC_QUANTIZATIONS, ModelSpec
+from lssp.models.registry import CPU_QUANTIZATIONS, ModelSpec
 from lssp.models.sources import gguf_copy_dir, random_config
 from lssp.models.sources import model_source as _model_source
+from lssp.models.weight_only import WEIGHT_ONLY, weight_only_quantize
 
 log = logging.getLogger(__name__)
 DynamicLinear = torch.ao.nn.quantized.dynamic.Linear
@@ -157,10 +158,10 @@ class LoadedModel(ModelHandle):
     def precision(self) -> str:
         """dtype, or the quantization where there is one; and a compact forward if used."""
         quantization = self.spec.quantization
-        if quantization == "none" or (quantization in DYNAMIC_QUANTIZATIONS and self.device.type != "cpu"):
-            weights = self.dtype  # a dynamic quantization applies on the CPU only (dynamic_quantize)
+        if quantization == "none" or (quantization in CPU_QUANTIZATIONS and self.device.type != "cpu"):
+            weights = self.dtype  # a torch CPU quantization applies on the CPU only (cpu_quantize)
         else:
-            weights = f"{quantization} (torch)" if quantization in DYNAMIC_QUANTIZATIONS else f"{quantization} (bnb)"
+            weights = f"{quantization} (torch)" if quantization in CPU_QUANTIZATIONS else f"{quantization} (bnb)"
         if self.hf_model is self.model:
             return weights
         mode = getattr(self.model, "compile_mode", None)
@@ -237,7 +238,7 @@ def _gpu_for_whole(spec: ModelSpec, n_gpus: int) -> int:
 
 
 def _quantization(spec: ModelSpec, dtype: torch.dtype | str) -> dict[str, Any]:
-    if spec.quantization == "none" or spec.quantization in DYNAMIC_QUANTIZATIONS:
+    if spec.quantization == "none" or spec.quantization in CPU_QUANTIZATIONS:
         return {}
     from transformers import BitsAndBytesConfig
 
@@ -335,9 +336,9 @@ def load_model(spec: ModelSpec, device: str | None = None, draft: bool = False,
         except OSError as exc:
             raise UserError(f"model {spec.name!r}: cannot load {where}: {_first_line(exc)}") from None
     if spec.forward == "compact":
-        model = compact(model, spec)  # first, so that a dynamic quantization also covers its fused layers
-    if spec.quantization in DYNAMIC_QUANTIZATIONS:
-        model = dynamic_quantize(model, spec)
+        model = compact(model, spec)  # first, so that a CPU quantization also covers its fused layers
+    if spec.quantization in CPU_QUANTIZATIONS:
+        model = cpu_quantize(model, spec)
     model.eval()
     if spec.compile:
         compile_decode(model, spec, compile_fallback)
@@ -381,8 +382,8 @@ def load_feature_draft(spec: ModelSpec, folder: Path, dtype: torch.dtype | str, 
     weights = target.model.get_input_embeddings().weight
     torch_dtype = dtype if isinstance(dtype, torch.dtype) else weights.dtype
     model: PreTrainedModel = FeatureDraft(head, target.model, torch_dtype)
-    if spec.quantization in DYNAMIC_QUANTIZATIONS:
-        model = dynamic_quantize(model, spec)
+    if spec.quantization in CPU_QUANTIZATIONS:
+        model = cpu_quantize(model, spec)
     has_tokenizer = any((folder / name).exists() for name in ("tokenizer.json", "tokenizer_config.json"))
     return LoadedModel(spec, model.eval(), load_tokenizer(spec) if has_tokenizer or spec.tokenizer else target.tokenizer)
 
@@ -421,15 +422,30 @@ def compact(model: PreTrainedModel, spec: ModelSpec) -> CompactLlama:
         raise UserError(f"model {spec.name!r}: {exc}") from None
 
 
-def dynamic_quantize(model: PreTrainedModel, spec: ModelSpec) -> PreTrainedModel:
-    """Every Linear layer as a dynamically quantized one (fp16 or int8 weights, fp32 compute).
+def weight_only_dtype(spec: ModelSpec) -> torch.dtype:
+    """The dtype a weight-only entry computes the rest of the model in: bfloat16 (the kernels' own activations,
+    no conversion at each layer) where the entry asks for it and the CPU computes bf16 natively, else float32."""
+    from lssp.report.results import native_bf16
 
-    The rest of the model (embeddings, norms) runs in float32. This is a CPU technique: on a
-    GPU the model is left in the entry's dtype.
+    return torch.bfloat16 if spec.dtype in ("bfloat16", "auto") and native_bf16() else torch.float32
+
+
+def cpu_quantize(model: PreTrainedModel, spec: ModelSpec) -> PreTrainedModel:
+    """Every Linear layer as a dynamically quantized one (dynamic-*: fp16 or int8 weights, fp32 compute) or a
+    weight-only one (int4, int8: ``lssp.models.weight_only``).
+
+    The rest of the model (embeddings, norms) runs in float32 (weight-only: ``weight_only_dtype``). This is a CPU
+    technique: on a GPU the model is left in the entry's dtype.
     """
     if model_device(model).type != "cpu":
         log.info("%s: %s applies on the CPU only; keeping %s on %s", spec.name, spec.quantization, spec.dtype,
                  model_device(model))
+        return model
+    if spec.quantization in WEIGHT_ONLY:
+        model, kept = weight_only_quantize(model, spec.quantization, weight_only_dtype(spec))
+        if kept:
+            log.info("%s: %d Linear layers stay float (shapes the %s kernel does not take)", spec.name, kept,
+                     spec.quantization)
         return model
     import warnings
 

@@ -1,0 +1,69 @@
+"""Weight-only int4 and int8 layers (``lssp.models.weight_only``): they multiply by the weights they hold, int4 keeps
+a GGUF Q4_1 grid exactly, and a target loaded with them decodes as exactly as any other (greedy SSp = RSp)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lssp.decoding.kv import forward_logits, new_cache
+from lssp.decoding.sampling import SamplingParams
+from lssp.engines import Mode, OursEngine, Request
+from lssp.models.loading import check_compatible, load_model
+from lssp.models.registry import load_registry
+from lssp.models.weight_only import INT4_GROUP, Int4Linear, Int8Linear, weight_only_quantize
+
+
+def test_the_layers_multiply_by_the_weights_they_hold_within_a_quantization_step():
+    torch.manual_seed(0)
+    weight = torch.randn(48, 96) * 0.05
+    x = torch.randn(3, 96)
+    grouped = weight.reshape(48, -1, INT4_GROUP)
+    int4_step = ((grouped.amax(-1) - grouped.amin(-1)) / 15).repeat_interleave(INT4_GROUP, 1)
+    int8_step = (weight.abs().amax(1, keepdim=True) / 127).expand_as(weight)
+    for layer, step in ((Int4Linear(weight), int4_step), (Int8Linear(weight), int8_step)):
+        held = layer.dequantized()
+        assert ((held - weight).abs() <= 0.51 * step + 1e-3).all()  # round to nearest (+ the bf16 of the scales)
+        torch.testing.assert_close(layer(x), x.bfloat16().float() @ held.t(), rtol=2e-2, atol=2e-3)
+        assert layer(x[None]).shape == (1, 3, 48)  # any leading dimensions
+
+
+def test_int4_keeps_a_q4_1_grid_exactly():
+    """Q4_1 stores w = q * d + m per 32 weights: where a block uses its whole range (q 0 and 15), int4's groups
+    hold the very same values (scale d, zero m + 8d)."""
+    generator = torch.Generator().manual_seed(1)
+    q = torch.randint(0, 16, (16, 2, INT4_GROUP), generator=generator)
+    q[..., 0], q[..., 1] = 0, 15
+    d = torch.tensor([0.5, 0.25, 0.125, 1.0])[torch.randint(0, 4, (16, 2, 1), generator=generator)]
+    m = torch.tensor([-1.0, -2.0, 0.5])[torch.randint(0, 3, (16, 2, 1), generator=generator)]
+    weight = (q * d + m).reshape(16, 2 * INT4_GROUP)
+    assert torch.equal(Int4Linear(weight).dequantized(), weight)
+
+
+def test_shapes_the_kernel_refuses_stay_float():
+    model = nn.Sequential(nn.Linear(64, 16, bias=False), nn.Linear(16, 10, bias=False), nn.Linear(10, 4))
+    quantized, kept = weight_only_quantize(model, "int4")
+    assert type(quantized[0]) is Int4Linear and type(quantized[1]) is nn.Linear and kept == 2
+
+
+def test_a_target_loaded_in_int4_or_int8_decodes_exactly(tiny_dir):
+    registry = load_registry(tiny_dir / "models.yaml")
+    plain = load_model(registry.get("tiny-target"))
+    draft = load_model(registry.get("tiny-draft"), draft=True)
+    ids = torch.tensor([[1, 5, 9, 3, 8, 2]])
+    want = forward_logits(plain.model, ids, new_cache(plain.model), 6)
+    for name, precision in (("tiny-target-int4", "int4 (torch), compact forward"), ("tiny-target-int8", "int8 (torch)")):
+        target = load_model(registry.get(name))
+        assert target.precision == precision
+        got = forward_logits(target.model, ids, new_cache(target.model), 6)
+        assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.8  # close to the float model's
+        engine = OursEngine(target, [draft], [check_compatible(target, draft)])
+        request = Request(ids, 24, SamplingParams(0.0), 0)
+        assert engine.complete(Mode("ssp", 3), request).tokens.tolist() == \
+            engine.complete(Mode("rsp"), request).tokens.tolist()
+
+
+def test_cost_times_the_weight_only_formats(run):
+    code, out, err = run("cost", "tiny-target", "--precisions", "int4,int8,dynamic-fp16", "--tokens", "1,3",
+                         "--repeats", "2")
+    assert code == 0, err
+    assert "int4" in out and "int8" in out
