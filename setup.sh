@@ -77,6 +77,28 @@ fi
 # bin/llama-server, src/ (the tree: convert_hf_to_gguf.py and its gguf-py), build.json (what lssp reads), build.log.
 # LLAMACPP_VERSION must match lssp/engines/llamacpp.py's LLAMACPP_VERSION.
 LLAMACPP_VERSION=${LLAMACPP_VERSION:-0.3.36}
+# cmake_llamacpp WORK CUDA_FLAG COMMIT JOBS CFLAGS LOG: llama-server from WORK/src into WORK/bin (CFLAGS added to
+# GGML_NATIVE's own; "" for none).
+cmake_llamacpp() {
+    local work=$1 cuda_flag=$2 commit=$3 jobs=$4 cflags=$5 log=$6
+    if ! { cmake -S "$work/src" -B "$work/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+               -DGGML_CUDA="$cuda_flag" -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+               -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF \
+               -DCMAKE_C_FLAGS="$cflags" -DCMAKE_CXX_FLAGS="$cflags" -DLLAMA_BUILD_COMMIT="${commit:-unknown}" \
+           && cmake --build "$work/build" --config Release --target llama-server -j "$jobs"; } >>"$log" 2>&1; then
+        local last
+        last=$(grep -E ': (fatal )?error|CMake Error|No such file' "$log" | tail -1)
+        echo "setup: building llama.cpp failed: ${last:-see the log}" >&2
+        echo "setup: build log: $log" >&2
+        return 1
+    fi
+    mkdir -p "$work/bin" && cp "$work/build/bin/llama-server" "$work/bin/"
+}
+# smoke_llamacpp SERVER: start it once on the embedded GGUF (lssp.engines.llamacpp_build.smoke_test); prints what
+# happened, fails if it did not start.
+smoke_llamacpp() {
+    PYTHONPATH=. $PY -c "import sys; from lssp.engines.llamacpp_build import main; sys.exit(main(['smoke', sys.argv[1]]))" "$1"
+}
 build_llamacpp() {
     local flavor=cpu cuda_flag=OFF
     if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then flavor=cuda; cuda_flag=ON; fi
@@ -103,24 +125,32 @@ build_llamacpp() {
     rm -rf "$work"/llama_cpp_python-* "$work/sdist"
     local jobs
     jobs=$(nproc 2>/dev/null || echo 2)
-    local started=$SECONDS
-    if ! { cmake -S "$work/src" -B "$work/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
-               -DGGML_CUDA="$cuda_flag" -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
-               -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF \
-               -DLLAMA_BUILD_COMMIT="${commit:-unknown}" \
-           && cmake --build "$work/build" --config Release --target llama-server -j "$jobs"; } >>"$log" 2>&1; then
-        local last
-        last=$(grep -E ': (fatal )?error|CMake Error|No such file' "$log" | tail -1)
-        echo "setup: building llama.cpp failed: ${last:-see the log}" >&2
-        echo "setup: build log: $log" >&2
+    local started=$SECONDS cflags=""
+    if ! cmake_llamacpp "$work" "$cuda_flag" "$commit" "$jobs" "$cflags" "$log"; then
         return 1
     fi
-    mkdir -p "$work/bin" && cp "$work/build/bin/llama-server" "$work/bin/"
+    # A build for instructions this CPU faults on dies at start (AMX under GGML_NATIVE on some virtual machines):
+    # try the server once on the embedded GGUF; where it dies and the CPU names AMX, build again without AMX.
+    local smoke
+    if ! smoke=$(smoke_llamacpp "$work/bin/llama-server"); then
+        if grep -qw amx_tile /proc/cpuinfo 2>/dev/null; then
+            echo "setup: the llama-server built with GGML_NATIVE=ON does not start here ($smoke); building it again" \
+                 "without AMX"
+            cflags="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+            cmake_llamacpp "$work" "$cuda_flag" "$commit" "$jobs" "$cflags" "$log" || return 1
+            smoke=$(smoke_llamacpp "$work/bin/llama-server") || {
+                echo "setup: llama-server built without AMX does not start either: $smoke (log: $log)" >&2; return 1; }
+        else
+            echo "setup: the llama-server just built does not start: $smoke (log: $log)" >&2
+            return 1
+        fi
+    fi
     rm -rf "$work/build"
     local version_line
     version_line=$("$work/bin/llama-server" --version 2>&1 | grep -m1 '^version' || true)
-    printf '{"llama_cpp_python": "%s", "llama_cpp_commit": "%s", "server_version": "%s", "flavor": "%s", "build_seconds": %d}\n' \
-        "$LLAMACPP_VERSION" "${commit:-unknown}" "$version_line" "$flavor" "$((SECONDS - started))" >"$work/build.json"
+    printf '{"llama_cpp_python": "%s", "llama_cpp_commit": "%s", "server_version": "%s", "flavor": "%s", "cflags": "%s", "smoke": "%s", "build_seconds": %d}\n' \
+        "$LLAMACPP_VERSION" "${commit:-unknown}" "$version_line" "$flavor" "$cflags" "$smoke" "$((SECONDS - started))" \
+        >"$work/build.json"
     rm -rf "$dir" && mv "$work" "$dir"
     echo "setup: llama.cpp built in $((SECONDS - started)) s: $dir/bin/llama-server ($version_line)"
 }

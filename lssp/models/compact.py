@@ -92,7 +92,9 @@ class CompactCache:
 
 
 def float_weight(linear: nn.Module) -> torch.Tensor:
-    """The weight of a plain or dynamically quantized Linear as a float tensor."""
+    """The weight of a plain, dynamically quantized or weight-only (``dequantized``) Linear as a float tensor."""
+    if hasattr(linear, "dequantized"):
+        return linear.dequantized()
     weight = linear.weight() if callable(linear.weight) else linear.weight
     return weight.dequantize() if weight.is_quantized else weight
 

@@ -35,7 +35,7 @@ class Int4Linear(nn.Module):
         self.register_buffer("scale_zero", torch.stack([scale.t(), zero.t()], -1).contiguous().to(KERNEL_DTYPE))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).to(KERNEL_DTYPE)
+        flat = x.reshape(-1, self.in_features).to(KERNEL_DTYPE).contiguous()
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, self.group, self.scale_zero)
         return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
 
@@ -58,7 +58,7 @@ class Int8Linear(nn.Module):
         self.register_buffer("scale", scale.to(KERNEL_DTYPE))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).to(KERNEL_DTYPE)
+        flat = x.reshape(-1, self.in_features).to(KERNEL_DTYPE).contiguous()
         out = torch.ops.aten._weight_int8pack_mm(flat, self.weight_int8, self.scale)
         return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
 
