@@ -268,6 +268,7 @@ class CompactLlama(FusedDecoder):
         super().__init__(model.config, model.model.layers, model.get_input_embeddings().weight.dtype)
         self.hf = model
         self._compiled_step = None  # set by compile_decode()
+        self._filled_only = False  # compiled on a CPU: attend over the filled slots only (dynamic shapes)
         self.compile_mode: str | None = None
         self._free_buffers: list[list[torch.Tensor]] = []  # compiled: caches reuse their buffers (stable addresses)
         self.to(self.get_input_embeddings().weight.device)
@@ -299,16 +300,18 @@ class CompactLlama(FusedDecoder):
     def compile_decode(self, mode: str = "default") -> None:
         """Run forwards of up to STEP_TOKENS tokens after the prefill (decode, verification) through torch.compile.
 
-        The compiled step attends over the cache's whole buffer with a mask built from the
-        positions, which it takes as a tensor: the shapes stay the same from one step to the
-        next, so nothing recompiles as the text grows. Prefills stay eager.
+        On a GPU the compiled step attends over the cache's whole buffer with a mask built from the positions, which
+        it takes as a tensor: the shapes stay the same from one step to the next (CUDA graphs), so nothing recompiles
+        as the text grows. On a CPU it attends over the positions filled so far, with dynamic shapes: attending over
+        the whole buffer would cost more than compiling saves. Prefills stay eager.
         """
         import torch._dynamo
 
         # Every compiled model shares the code of _step, and each adds its own graphs (per model, per token
         # count until the count turns dynamic, in and out of inference mode): more than dynamo's default of 8.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-        self._compiled_step = torch.compile(self._step, mode=mode, fullgraph=True)
+        self._filled_only = self.get_input_embeddings().weight.device.type == "cpu"
+        self._compiled_step = torch.compile(self._step, mode=mode, fullgraph=True, dynamic=self._filled_only or None)
         self.compile_mode = mode
 
     def _rope_table(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -320,13 +323,14 @@ class CompactLlama(FusedDecoder):
         return self._rms_norm(hidden, self.hf.model.norm.weight)
 
     def _step(self, input_ids: torch.Tensor, positions: torch.Tensor, keys_values: list[torch.Tensor],
-              cos_table: torch.Tensor, sin_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+              cos_table: torch.Tensor, sin_table: torch.Tensor, upto: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits and final hidden states of every position of ``input_ids`` (n,) at ``positions`` (n,), attending
-        over the whole buffer under a causal mask built from the positions: the same shapes at every step (the
-        compiled path)."""
-        mask = torch.arange(keys_values[0].shape[2], device=positions.device)[None, :] <= positions[:, None]
+        over the first ``upto`` slots (None: the whole buffer, the same shapes at every step) under a causal mask
+        built from the positions (the compiled path)."""
+        slots = keys_values[0].shape[2] if upto is None else upto
+        mask = torch.arange(slots, device=positions.device)[None, :] <= positions[:, None]
         hidden = self._layers(self.hf.model.embed_tokens(input_ids[None]), cos_table[:, positions],
-                              sin_table[:, positions], mask, keys_values, positions, None)
+                              sin_table[:, positions], mask, keys_values, positions, upto)
         final = self._final(hidden)
         return self.hf.lm_head(final), final
 
@@ -351,7 +355,7 @@ class CompactLlama(FusedDecoder):
             # A fresh 1-D copy of the ids: a slice of the growing sequence has a stride that changes every step,
             # and ids made outside inference mode are another kind of tensor; each would get a graph of its own.
             logits, final = self._compiled_step(input_ids.reshape(-1).clone(), positions, kv.keys_values,
-                                                *self._rope_table(kv.keys_values[0]))
+                                                *self._rope_table(kv.keys_values[0]), end if self._filled_only else None)
             if graphs:  # a CUDA graph's outputs are overwritten by its next replay
                 logits, final = logits.clone(), final.clone()
             kv.length = end
