@@ -245,7 +245,7 @@ def test_cost_times_each_precision_and_token_count(tiny_dir, tmp_path, capsys):
     assert all(r["ms"] > 0 and (r["tokens"] > 1 or r["relative"] == 1.0) for r in rows)
     assert "no native bf16" in rows[0]["device"] or "bf16:" in rows[0]["device"]
     assert (results / "cost.csv").exists() and "c = tiny-draft ÷ tiny-target" in capsys.readouterr().out
-    code = main(["--config", str(tiny_dir / "models.yaml"), "cost", "--precisions", "int4"])
+    code = main(["--config", str(tiny_dir / "models.yaml"), "cost", "--precisions", "int3"])
     assert code == 2 and "--precisions takes some of" in capsys.readouterr().err
 
 
