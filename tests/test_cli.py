@@ -354,3 +354,24 @@ def test_verify_keeps_the_other_engines_reports_when_one_breaks_down(run, tmp_pa
 def test_a_k_above_the_token_budget_is_one_line(run, args):
     code, _, err = run(*args)
     assert code == 2 and "is more than --max-new-tokens" in err and "Traceback" not in err
+
+
+def test_a_bug_is_not_called_a_users_mistake(capsys, monkeypatch):
+    """An internal error says it is a bug and exits 3 (a user's mistake exits 2), its traceback shown with -v; an
+    error of the machine's (a full disk, a read-only folder) stays one line with exit 2."""
+    import lssp.cli
+    from lssp.cli import BUG_EXIT, _run
+
+    def raising(exc: Exception):
+        def command(*args, **kwargs):
+            raise exc
+        return command
+
+    monkeypatch.setattr(lssp.cli, "app", raising(RuntimeError("planted bug")))
+    assert _run(["models"]) == BUG_EXIT == 3
+    err = capsys.readouterr().err
+    assert "internal error" in err and "bug in llamassp" in err and "RuntimeError: planted bug" in err and "-v" in err
+    with pytest.raises(RuntimeError):
+        _run(["models", "-v"])
+    monkeypatch.setattr(lssp.cli, "app", raising(OSError(28, "No space left on device")))
+    assert _run(["models"]) == 2 and "No space left on device" in capsys.readouterr().err

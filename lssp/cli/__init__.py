@@ -40,9 +40,12 @@ def _terminate(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
+BUG_EXIT = 3  # an internal error: a bug in llamassp (a user's mistake exits 2)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Run the app; user mistakes become one red line and exit code 2 (tracebacks with -v);
-    Ctrl-C (or SIGTERM) exits 130."""
+    """Run the app; user mistakes become one red line and exit code 2, bugs an "internal error" line and exit code 3
+    (tracebacks with -v); Ctrl-C (or SIGTERM) exits 130."""
     from lssp.engines.llamacpp import servers_started, stop_servers
 
     main_thread = threading.current_thread() is threading.main_thread()
@@ -76,7 +79,12 @@ def _run(args: list[str]) -> int:
             return _fail("CUDA out of memory: try an 8bit/4bit entry, more GPUs (gpus: N), or fewer --max-new-tokens", verbose)
         if verbose:
             raise
-        return _fail(f"{type(exc).__name__}: {exc} (run with -v for the traceback)", False)
+        if isinstance(exc, (OSError, MemoryError)):  # the machine's doing (a full disk, a read-only folder, memory)
+            return _fail(f"{type(exc).__name__}: {exc} (run with -v for the traceback)", False)
+        err_console.print(f"[bold red]internal error[/bold red] (a bug in llamassp, not a mistake of yours): "
+                          f"{type(exc).__name__}: {exc}\n  rerun the same command with -v for the traceback, and "
+                          "report both", soft_wrap=True)
+        return BUG_EXIT
     if code == 130 and not interrupt_said():  # Ctrl-C or SIGTERM where the command kept nothing (loading, say)
         err_console.print("\ninterrupted: nothing was saved")
     return code if isinstance(code, int) else 0
