@@ -62,11 +62,20 @@ def test_a_target_loaded_in_int4_or_int8_decodes_exactly(tiny_dir):
             engine.complete(Mode("rsp"), request).tokens.tolist()
 
 
-def test_cost_times_the_weight_only_formats(run):
-    code, out, err = run("cost", "tiny-target", "--precisions", "int4,int8,dynamic-fp16", "--tokens", "1,3",
-                         "--repeats", "2")
+def test_cost_times_the_weight_only_formats_against_the_machines_floor(run, tmp_path):
+    """Each format's forward beside its floor: the Linear weights (as stored: int4 about a quarter of fp16's bytes)
+    read at the copy bandwidth, or their arithmetic at the format's own matmul speed."""
+    import json
+
+    code, out, err = run("cost", "tiny-target", "--precisions", "int4,int8,dynamic-fp16,float32", "--tokens", "1,3",
+                         "--repeats", "2", "--json", str(tmp_path / "c.json"))
     assert code == 0, err
-    assert "int4" in out and "int8" in out
+    assert "int4" in out and "int8" in out and "floor" in out
+    rows = {(r["precision"], r["tokens"]): r for r in json.loads((tmp_path / "c.json").read_text())}
+    assert all(r["floor_ms"] > 0 and r["over_floor"] > 0 and r["bound"] in ("memory", "compute") for r in rows.values())
+    assert rows[("int4", 1)]["weight_bytes"] < 0.6 * rows[("dynamic-fp16", 1)]["weight_bytes"]
+    assert rows[("dynamic-fp16", 1)]["weight_bytes"] == rows[("float32", 1)]["weight_bytes"] // 2
+    assert rows[("float32", 3)]["floor_ms"] >= rows[("float32", 1)]["floor_ms"]
 
 
 def test_the_layers_take_inputs_that_are_not_contiguous():

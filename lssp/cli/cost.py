@@ -61,6 +61,14 @@ def cost(
         out.add_row(f"{model}\n({forward}, {precision})",
                     *(f"{cells[n].ms:.1f}\n×{cells[n].relative:.2f}" for n in counts_timed))
     console.print(out)
+    if run.limits is not None:
+        console.print(f"  floor: the Linear layers' weights read once at {run.limits.bandwidth / 1e9:.1f} GB/s (this "
+                      "machine's copy bandwidth), or their arithmetic at each precision's own large-matmul speed, "
+                      "whichever is slower; ms ÷ floor, 1 token:")
+        for (model, forward, precision), cells in run.cells().items():
+            one = cells[1]
+            console.print(f"    {model} ({forward}, {precision}):\n      {one.ms:.1f} ms ÷ {one.floor_ms:.2f} = "
+                          f"{one.over_floor:.1f}× ({one.weight_bytes / 1e6:.0f} MB, {one.bound}-bound)")
     names_timed = list(dict.fromkeys(x.name for x in loaded))
     if len(names_timed) >= 2:
         target_name, draft_name = names_timed[:2]

@@ -34,6 +34,14 @@ class ForwardCost:
     ms: float  # median over repeats
     relative: float  # ms ÷ the same precision's 1-token forward
     forward: str = "transformers"  # or "compact" (lssp.models.compact)
+    weight_bytes: int = 0  # the Linear layers' weights a forward reads (as stored in this precision)
+    floor_ms: float = float("nan")  # this machine's floor for the forward (``Floor``)
+    bound: str = ""  # memory or compute: which limit sets the floor
+
+    @property
+    def over_floor(self) -> float:
+        """ms ÷ the floor: how far the forward is from what the machine can do."""
+        return self.ms / self.floor_ms if self.floor_ms > 0 else float("nan")
 
 
 def with_precision(loaded: LoadedModel, precision: str) -> PreTrainedModel:
@@ -42,6 +50,79 @@ def with_precision(loaded: LoadedModel, precision: str) -> PreTrainedModel:
     if precision in CPU_QUANTIZATIONS:
         return cpu_quantize(model, replace(loaded.spec, quantization=precision))
     return model.to(getattr(torch, precision))
+
+
+@dataclass(frozen=True)
+class Floor:
+    """The least a forward of n tokens can take here: its Linear layers' weights read once at the machine's copy
+    bandwidth, against their arithmetic (2 FLOPs per weight and token) at the throughput this precision's own
+    kernel reaches on a large matmul; the larger of the two. Attention, norms and the cache are left out, so the
+    floor is below what any forward can reach."""
+
+    weight_bytes: int
+    weights: int  # weights of the Linear layers (FLOPs: 2 per weight and token)
+    bandwidth: float  # bytes/s
+    throughput: float  # FLOP/s of this precision's kernel
+
+    def ms(self, tokens: int) -> tuple[float, str]:
+        memory, compute = self.weight_bytes / self.bandwidth, 2 * self.weights * tokens / self.throughput
+        return 1000 * max(memory, compute), "memory" if memory >= compute else "compute"
+
+
+def linear_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The Linear layers a forward of ``model`` runs (the compact forward: its fused ones and the output layer)."""
+    from lssp.models.compact import CompactLlama
+
+    if isinstance(model, CompactLlama):
+        return [*model.qkv, *model.o, *model.gate_up, *model.down, model.hf.lm_head]
+    return [m for m in model.modules() if hasattr(m, "in_features") and hasattr(m, "out_features")]
+
+
+def stored_bytes(layer: torch.nn.Module) -> tuple[int, int]:
+    """(bytes, weights) of one Linear-like layer as stored: float, weight-only (packed) or dynamic (prepacked)."""
+    weights = layer.in_features * layer.out_features
+    tensors = [t for t in (*layer.parameters(recurse=False), *layer.buffers(recurse=False))]
+    if tensors:
+        return sum(t.numel() * t.element_size() for t in tensors), weights
+    packed = getattr(layer, "_packed_params", None)  # torch's dynamic quantization: fp16 or int8, prepacked
+    return weights * (2 if packed is not None and packed.dtype == torch.float16 else 1), weights
+
+
+def matmul_throughput(precision: str, size: int = 2048, tokens: int = 256, repeats: int = 3) -> float:
+    """FLOP/s of ``precision``'s own Linear kernel on a ``size`` × ``size`` layer fed ``tokens`` tokens (compute
+    bound)."""
+    import warnings
+
+    from torch.ao.quantization import quantize_dynamic
+
+    from lssp.models.weight_only import KERNEL_DTYPE, Int4Linear, Int8Linear
+
+    weight = torch.randn(size, size) * 0.02
+    if precision in ("int4", "int8"):
+        layer: torch.nn.Module = (Int4Linear if precision == "int4" else Int8Linear)(weight)
+        x = torch.randn(tokens, size, dtype=KERNEL_DTYPE)
+    elif precision in ("dynamic-fp16", "dynamic-int8"):
+        layer = torch.nn.Sequential(torch.nn.Linear(size, size, bias=False))
+        with torch.no_grad():
+            layer[0].weight.copy_(weight)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch.ao.quantization announces its move to torchao
+            layer = quantize_dynamic(layer, {torch.nn.Linear}, dtype=torch.float16 if precision == "dynamic-fp16"
+                                     else torch.qint8)
+        x = torch.randn(tokens, size)
+    else:
+        dtype = getattr(torch, precision)
+        layer = torch.nn.Linear(size, size, bias=False, dtype=dtype)
+        x = torch.randn(tokens, size, dtype=dtype)
+    clock = Clock(torch.device("cpu"))
+    with torch.inference_mode():
+        layer(x)
+        best = float("inf")
+        for _ in range(repeats):
+            start = clock.now()
+            layer(x)
+            best = min(best, clock.now() - start)
+    return 2 * size * size * tokens / best
 
 
 @torch.inference_mode()
@@ -69,8 +150,9 @@ def time_forwards(model: PreTrainedModel, token_counts: Sequence[int], context: 
 
 
 def forward_costs(models: Sequence[LoadedModel], precisions: Sequence[str], token_counts: Sequence[int],
-                  context: int = 64, repeats: int = 15, progress: Progress | None = None) -> list[ForwardCost]:
-    """Every model under every precision (dynamic quantizations only on the CPU)."""
+                  context: int = 64, repeats: int = 15, progress: Progress | None = None,
+                  limits: Limits | None = None) -> list[ForwardCost]:
+    """Every model under every precision (CPU quantizations only on the CPU), with its floor where ``limits``."""
     counts = sorted({1, *token_counts})
     costs = []
     for loaded in models:
@@ -82,7 +164,11 @@ def forward_costs(models: Sequence[LoadedModel], precisions: Sequence[str], toke
             model = with_precision(loaded, precision)
             ms = time_forwards(model, counts, context, repeats)
             forward = loaded.spec.forward
-            costs += [ForwardCost(loaded.name, precision, n, ms[n], ms[n] / ms[1], forward) for n in counts]
+            sizes = [stored_bytes(layer) for layer in linear_layers(model)]
+            floor = Floor(sum(b for b, _ in sizes), sum(w for _, w in sizes), limits.bandwidth,
+                          limits.throughput.get(precision, float("nan"))) if limits else None
+            costs += [ForwardCost(loaded.name, precision, n, ms[n], ms[n] / ms[1], forward, floor.weight_bytes if floor
+                                  else 0, *(floor.ms(n) if floor else (float("nan"), ""))) for n in counts]
             del model
     return costs
 
@@ -95,15 +181,21 @@ class CostRun:
     context: int
     repeats: int
     info: RunInfo = field(default_factory=RunInfo)
+    limits: Limits | None = None
 
     def rows(self) -> list[dict[str, Any]]:
-        return [{**self.info.head(), "engine": "ours", **asdict(c), "context": self.context, "repeats": self.repeats, **self.info.env}
+        limits = self.limits
+        return [{**self.info.head(), "engine": "ours", **asdict(c), "over_floor": c.over_floor,
+                 "bandwidth_gbs": limits.bandwidth / 1e9 if limits else float("nan"),
+                 "throughput_gflops": limits.throughput.get(c.precision, float("nan")) / 1e9 if limits else float("nan"),
+                 "context": self.context, "repeats": self.repeats, **self.info.env}
                 for c in self.costs]
 
     def markdown(self) -> str:
         return (f"# cost run {self.info.run_id}\n\n{self.info.describe()}; forwards of N tokens after {self.context} "
                 f"cached, median of {self.repeats}\n\n"
-                + markdown_table(self.rows(), ["model", "forward", "precision", "tokens", "ms", "relative"]))
+                + markdown_table(self.rows(), ["model", "forward", "precision", "tokens", "ms", "relative", "floor_ms",
+                                               "over_floor", "bound"]))
 
     def cells(self) -> dict[tuple[str, str, str], dict[int, ForwardCost]]:
         """(model, forward, precision) → tokens → cost."""
@@ -120,7 +212,27 @@ class CostRun:
                 if model == draft and (target, target_forward, precision) in cells}
 
 
+@dataclass(frozen=True)
+class Limits:
+    """This machine's copy bandwidth and each precision's large-matmul throughput (``Floor``)."""
+
+    bandwidth: float  # bytes/s
+    throughput: dict[str, float]  # precision -> FLOP/s
+
+
+def machine_limits(models: Sequence[LoadedModel], precisions: Sequence[str]) -> Limits | None:
+    """The limits on the CPU (None elsewhere: a GPU's are bench's)."""
+    from lssp.measure.bench import copy_bandwidth
+
+    if models[0].device.type != "cpu":
+        return None
+    return Limits(copy_bandwidth("cpu"), {p: matmul_throughput(p) for p in precisions})
+
+
 def run_costs(models: Sequence[LoadedModel], precisions: Sequence[str], token_counts: Sequence[int],
               context: int = 64, repeats: int = 15, progress: Progress | None = None) -> CostRun:
-    costs = forward_costs(models, precisions, token_counts, context, repeats, progress)
-    return CostRun(costs, context, repeats, RunInfo.here(models[0].device))
+    if progress:
+        progress("the machine's bandwidth and matmul throughput")
+    limits = machine_limits(models, precisions)
+    costs = forward_costs(models, precisions, token_counts, context, repeats, progress, limits)
+    return CostRun(costs, context, repeats, RunInfo.here(models[0].device), limits)
