@@ -126,6 +126,22 @@ def latency(
     exit_with(code)
 
 
+def _floor_line(run, t) -> None:
+    """``--wide``: each mode's ms/token as a multiple of the target's one-token floor on this CPU (``cost``'s: its
+    Linear weights read once at the copy bandwidth, or their arithmetic, whichever is slower)."""
+    from lssp.measure.cost import model_floor
+
+    found = model_floor(t)
+    if found is None:
+        return
+    floor, precision = found
+    ms, bound = floor.ms(1)
+    console.print(f"  floor of a {t.name} token ({precision}, {floor.weight_bytes / 1e6:.3g} MB, {bound}-bound at "
+                  f"{floor.bandwidth / 1e9:.1f} GB/s): {ms:.3g} ms; ms/token ÷ floor: " + ", ".join(
+                      f"{_engine(m)}{'RSp' if m.mode == 'rsp' else 'K=' + _k(m)} {m.ms_per_token / ms:.3g}×"
+                      for m in run.overall))
+
+
 def engine_label(name: str) -> str:
     return engine_class(name).label or name
 
@@ -171,6 +187,7 @@ def render(run, t, d, wide: bool = False, more: list | None = None) -> None:
     console.print(out)
     if wide:
         console.print(details)
+        _floor_line(run, t)
     budget = overall[0].at_budget_share
     console.print(f"  {fmt(budget, 0, pct=True)} of completions ran to the {setup.max_new_tokens}-token budget"
                   + (" (--ignore-eos)" if setup.ignore_eos else "; the others ended at the end token" if budget < 1

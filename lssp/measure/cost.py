@@ -229,6 +229,20 @@ def machine_limits(models: Sequence[LoadedModel], precisions: Sequence[str]) -> 
     return Limits(copy_bandwidth("cpu"), {p: matmul_throughput(p) for p in precisions})
 
 
+def model_floor(loaded: LoadedModel, bandwidth: float | None = None) -> tuple[Floor, str] | None:
+    """The floor of one forward of ``loaded`` as it is (its precision, its forward) on this CPU, and that precision's
+    name; None on a GPU."""
+    from lssp.measure.bench import copy_bandwidth
+
+    if loaded.device.type != "cpu":
+        return None
+    quantization = loaded.spec.quantization
+    precision = quantization if quantization in CPU_QUANTIZATIONS else loaded.dtype
+    sizes = [stored_bytes(layer) for layer in linear_layers(loaded.model)]
+    return Floor(sum(b for b, _ in sizes), sum(w for _, w in sizes), bandwidth or copy_bandwidth("cpu"),
+                 matmul_throughput(precision)), precision
+
+
 def run_costs(models: Sequence[LoadedModel], precisions: Sequence[str], token_counts: Sequence[int],
               context: int = 64, repeats: int = 15, progress: Progress | None = None) -> CostRun:
     if progress:
