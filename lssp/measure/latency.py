@@ -566,11 +566,16 @@ def run_latency(
         stats, at_budget, _ = complete_turns(target, prompt, uses_chat_template(target, prompt, chat), generate)
         return stats, at_budget
 
-    graphs = compiled_graphs()
+    graphs = [compiled_graphs()]
+
+    def warmed() -> None:  # graphs the warm-up built are not in the figures
+        graphs[0] = compiled_graphs()
+
     steps, interrupted = run_interleaved(
         prompts, modes, complete, TaskPrompt("warm-up", (warmup_prompt,), False), repeats,
-        [m for m in modes if engine_class(m.engine).splits_time] if separate else (), progress, describe=lambda p: p.task)
-    setup.recompiles = compiled_graphs() - graphs
+        [m for m in modes if engine_class(m.engine).splits_time] if separate else (), progress, describe=lambda p: p.task,
+        warmed=warmed)
+    setup.recompiles = compiled_graphs() - graphs[0]
     timings = [PromptTiming(s.index, s.mode.mode, s.mode.k, s.result[0], s.mode.confidence, s.mode.lookup, s.repeat,
                             s.split_pass, prompts[s.index].task, len(prompts[s.index].turns), s.result[1], s.mode.engine,
                             s.mode.draft, s.mode.ngram) for s in steps]

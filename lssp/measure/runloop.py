@@ -39,9 +39,11 @@ def rotated(modes: Sequence[Mode], index: int) -> list[Mode]:
 def run_interleaved(prompts: Sequence[P], modes: Sequence[Mode], run: RunOne, warmup: P, repeats: int = 1,
                     split_modes: Sequence[Mode] = (), progress: Progress | None = None,
                     describe: Callable[[P], str] = lambda prompt: "",
-                    label: Callable[[Mode], str] = lambda mode: mode.name) -> tuple[list[Step[R]], bool]:
+                    label: Callable[[Mode], str] = lambda mode: mode.name,
+                    warmed: Callable[[], None] | None = None) -> tuple[list[Step[R]], bool]:
     """Every mode on every prompt, ``repeats`` times, then ``split_modes`` once more each in a split pass (none:
-    the timed passes time every forward themselves). Returns the steps and whether Ctrl-C (or SIGTERM) cut the run:
+    the timed passes time every forward themselves); ``warmed`` is called between the warm-up and the first timed
+    completion. Returns the steps and whether Ctrl-C (or SIGTERM) cut the run:
     then only the prompts completed in every mode of their pass are kept; with none complete it goes on up."""
     separate = bool(split_modes)
     passes = [(repeat, False) for repeat in range(repeats)] + ([(0, True)] if separate else [])
@@ -57,6 +59,8 @@ def run_interleaved(prompts: Sequence[P], modes: Sequence[Mode], run: RunOne, wa
     for mode in modes:
         run(mode, warmup, -1, not separate)
         tick("warm-up " + label(mode))
+    if warmed:
+        warmed()
     steps: list[Step[R]] = []
     try:
         for repeat, split_pass in passes:
