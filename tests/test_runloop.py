@@ -38,6 +38,13 @@ def test_warm_ups_then_every_mode_on_every_prompt_rotating():
     assert all(time_forwards for *_, time_forwards in calls)  # no split pass: the timed passes time forwards
 
 
+def test_warmed_is_called_between_the_warm_ups_and_the_first_timed_completion():
+    calls, run = recorder()
+    at = []
+    run_interleaved(["a", "b"], OURS, run, "w", warmed=lambda: at.append(len(calls)))
+    assert at == [len(OURS)]  # after every warm-up, before anything timed (graphs built before are not counted)
+
+
 def test_the_split_pass_runs_only_its_modes_and_the_timed_passes_do_not_sync():
     calls, run = recorder()
     steps, _ = run_interleaved(["a", "b"], MIXED, run, "w", split_modes=OURS)
