@@ -226,7 +226,7 @@ def machine_limits(models: Sequence[LoadedModel], precisions: Sequence[str]) -> 
 
     if models[0].device.type != "cpu":
         return None
-    return Limits(copy_bandwidth("cpu"), {p: matmul_throughput(p) for p in precisions})
+    return Limits(copy_bandwidth("cpu", megabytes=256), {p: matmul_throughput(p) for p in precisions})
 
 
 def model_floor(loaded: LoadedModel, bandwidth: float | None = None) -> tuple[Floor, str] | None:
@@ -239,7 +239,7 @@ def model_floor(loaded: LoadedModel, bandwidth: float | None = None) -> tuple[Fl
     quantization = loaded.spec.quantization
     precision = quantization if quantization in CPU_QUANTIZATIONS else loaded.dtype
     sizes = [stored_bytes(layer) for layer in linear_layers(loaded.model)]
-    return Floor(sum(b for b, _ in sizes), sum(w for _, w in sizes), bandwidth or copy_bandwidth("cpu"),
+    return Floor(sum(b for b, _ in sizes), sum(w for _, w in sizes), bandwidth or copy_bandwidth("cpu", megabytes=256),
                  matmul_throughput(precision)), precision
 
 
