@@ -103,7 +103,8 @@ class UniformQ(DrafterWrapper):
 def test_the_law_test_catches_a_drafter_that_misreports_q(models, name):
     target, draft, head = models
     prompt, params = torch.tensor([[1, 2, 3]]), SamplingParams(1.0)
-    counts = _two_token_counts(CompactLlama(target), lambda: UniformQ(DRAFTERS[name](draft, head)), params, prompt)
+    counts = _two_token_counts(CompactLlama(target), lambda: UniformQ(DRAFTERS[name](CompactLlama(draft), head)), params,
+                               prompt)
     assert chi_square_gof(counts, _exact_law(target, prompt, params).tolist()).p_value < SIGNIFICANCE
 
 
@@ -153,7 +154,8 @@ def test_the_law_test_at_k1_catches_planted_bonus_and_residual_bugs(models, name
     target, draft, head = models
     monkeypatch.setattr(verification, "sampled_verification", _planted(PLANTED[bug]))
     prompt, params = torch.tensor([[1, 2, 3]]), SamplingParams(1.0)
-    counts = _two_token_counts(CompactLlama(target), lambda: DRAFTERS[name](draft, head), params, prompt, k=1)
+    counts = _two_token_counts(CompactLlama(target), lambda: DRAFTERS[name](CompactLlama(draft), head), params, prompt,
+                               k=1)
     assert chi_square_gof(counts, _exact_law(target, prompt, params).tolist()).p_value < SIGNIFICANCE
 
 
@@ -178,6 +180,6 @@ def test_the_law_test_catches_a_draft_sampler_that_ignores_temperature(models, n
     prompt, params = torch.tensor([[1, 2, 3]]), SamplingParams(0.5)
     right = _two_token_counts(target, lambda: DRAFTERS[name](draft, head), params, prompt)
     assert chi_square_gof(right, _exact_law(target, prompt, params).tolist()).p_value > SIGNIFICANCE
-    counts = _two_token_counts(CompactLlama(target), lambda: DraftsAtTemperatureOne(DRAFTERS[name](draft, head)), params,
-                               prompt)
+    counts = _two_token_counts(CompactLlama(target), lambda: DraftsAtTemperatureOne(DRAFTERS[name](CompactLlama(draft),
+                                                                                                   head)), params, prompt)
     assert chi_square_gof(counts, _exact_law(target, prompt, params).tolist()).p_value < SIGNIFICANCE
