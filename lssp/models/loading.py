@@ -18,10 +18,10 @@ from lssp.errors import IncompatibleModelsError, UserError
 from lssp.models.compact import CompactLlama
 from lssp.models.draft_head import has_subset_head, load_subset_head_model
 from lssp.models.modules import logit_width, model_device
-from lssp.models.registry import CPU_QUANTIZATIONS, ModelSpec
+from lssp.models.registry import CPU_QUANTIZATIONS, WEIGHT_ONLY_QUANTIZATIONS, ModelSpec
 from lssp.models.sources import gguf_copy_dir, random_config
 from lssp.models.sources import model_source as _model_source
-from lssp.models.weight_only import WEIGHT_ONLY, weight_only_quantize
+from lssp.models.weight_only import weight_only_quantize
 
 log = logging.getLogger(__name__)
 DynamicLinear = torch.ao.nn.quantized.dynamic.Linear
@@ -441,7 +441,7 @@ def cpu_quantize(model: PreTrainedModel, spec: ModelSpec) -> PreTrainedModel:
         log.info("%s: %s applies on the CPU only; keeping %s on %s", spec.name, spec.quantization, spec.dtype,
                  model_device(model))
         return model
-    if spec.quantization in WEIGHT_ONLY:
+    if spec.quantization in WEIGHT_ONLY_QUANTIZATIONS:
         model, kept = weight_only_quantize(model, spec.quantization, weight_only_dtype(spec))
         if kept:
             log.info("%s: %d Linear layers stay float (shapes the %s kernel does not take)", spec.name, kept,

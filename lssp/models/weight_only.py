@@ -10,12 +10,10 @@ model's dtype.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 INT4_GROUP = 32
 KERNEL_DTYPE = torch.bfloat16
-WEIGHT_ONLY = ("int4", "int8")
 
 
 class Int4Linear(nn.Module):
@@ -88,10 +86,3 @@ def weight_only_quantize(model: nn.Module, kind: str, dtype: torch.dtype = torch
                 else:
                     kept += 1
     return model, kept
-
-
-def linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``layer(x)`` for a float or weight-only Linear, without nn.Module's call machinery."""
-    if type(layer) is nn.Linear:
-        return F.linear(x, layer.weight)
-    return layer.forward(x)
