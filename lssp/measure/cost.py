@@ -24,6 +24,7 @@ from lssp.models.registry import CPU_QUANTIZATIONS
 from lssp.report.results import RunInfo, markdown_table
 
 Progress = Callable[[str], None]  # called with what is being timed next
+BANDWIDTH_PROBE_MB = 256  # the copy that measures bandwidth: well past the caches
 
 
 @dataclass
@@ -63,6 +64,12 @@ class Floor:
     weights: int  # weights of the Linear layers (FLOPs: 2 per weight and token)
     bandwidth: float  # bytes/s
     throughput: float  # FLOP/s of this precision's kernel
+
+    @classmethod
+    def of(cls, model: torch.nn.Module, bandwidth: float, throughput: float) -> Floor:
+        """The floor of ``model``'s forward: the Linear layers it runs, as stored."""
+        sizes = [stored_bytes(layer) for layer in linear_layers(model)]
+        return cls(sum(b for b, _ in sizes), sum(w for _, w in sizes), bandwidth, throughput)
 
     def ms(self, tokens: int) -> tuple[float, str]:
         memory, compute = self.weight_bytes / self.bandwidth, 2 * self.weights * tokens / self.throughput
@@ -164,9 +171,7 @@ def forward_costs(models: Sequence[LoadedModel], precisions: Sequence[str], toke
             model = with_precision(loaded, precision)
             ms = time_forwards(model, counts, context, repeats)
             forward = loaded.spec.forward
-            sizes = [stored_bytes(layer) for layer in linear_layers(model)]
-            floor = Floor(sum(b for b, _ in sizes), sum(w for _, w in sizes), limits.bandwidth,
-                          limits.throughput.get(precision, float("nan"))) if limits else None
+            floor = Floor.of(model, limits.bandwidth, limits.throughput.get(precision, float("nan"))) if limits else None
             costs += [ForwardCost(loaded.name, precision, n, ms[n], ms[n] / ms[1], forward, floor.weight_bytes if floor
                                   else 0, *(floor.ms(n) if floor else (float("nan"), ""))) for n in counts]
             del model
@@ -226,7 +231,7 @@ def machine_limits(models: Sequence[LoadedModel], precisions: Sequence[str]) -> 
 
     if models[0].device.type != "cpu":
         return None
-    return Limits(copy_bandwidth("cpu", megabytes=256), {p: matmul_throughput(p) for p in precisions})
+    return Limits(copy_bandwidth("cpu", BANDWIDTH_PROBE_MB), {p: matmul_throughput(p) for p in precisions})
 
 
 def model_floor(loaded: LoadedModel, bandwidth: float | None = None) -> tuple[Floor, str] | None:
@@ -238,9 +243,8 @@ def model_floor(loaded: LoadedModel, bandwidth: float | None = None) -> tuple[Fl
         return None
     quantization = loaded.spec.quantization
     precision = quantization if quantization in CPU_QUANTIZATIONS else loaded.dtype
-    sizes = [stored_bytes(layer) for layer in linear_layers(loaded.model)]
-    return Floor(sum(b for b, _ in sizes), sum(w for _, w in sizes), bandwidth or copy_bandwidth("cpu", megabytes=256),
-                 matmul_throughput(precision)), precision
+    return Floor.of(loaded.model, bandwidth or copy_bandwidth("cpu", BANDWIDTH_PROBE_MB),
+                    matmul_throughput(precision)), precision
 
 
 def run_costs(models: Sequence[LoadedModel], precisions: Sequence[str], token_counts: Sequence[int],
