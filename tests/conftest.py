@@ -154,6 +154,17 @@ models:
     path: ./tiny-target
     dtype: float32
     quantization: int8
+  tiny-target-q4:
+    path: ./tiny-target
+    dtype: float32
+    quantization: q4_1
+    forward: compact
+  tiny-target-q4-compiled:
+    path: ./tiny-target
+    dtype: float32
+    quantization: q4_1
+    forward: compact
+    compile: true
   tiny-other-vocab:
     path: ./tiny-other
     dtype: float32

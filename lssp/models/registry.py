@@ -19,10 +19,11 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 # 8bit/4bit: bitsandbytes. dynamic-*: torch's dynamic quantization of every Linear layer (CPU only):
 # fbgemm keeps the weights prepacked, so a (K+1)-token verification forward costs about a 1-token one.
 # int4/int8: weight-only quantization (CPU only, lssp.models.weight_only): int4 groups of 32 (a GGUF's Q4_1 layout)
-# or int8 rows, multiplied by torch's weight-only kernels with bfloat16 activations.
-QUANTIZATIONS = ("none", "8bit", "4bit", "dynamic-fp16", "dynamic-int8", "int4", "int8")
+# or int8 rows, multiplied by torch's weight-only kernels with bfloat16 activations. q4_1: a GGUF's Q4_1 groups with
+# int8 activations (llama.cpp's arithmetic), multiplied by our AVX512-VNNI kernel (lssp.kernels).
+QUANTIZATIONS = ("none", "8bit", "4bit", "dynamic-fp16", "dynamic-int8", "int4", "int8", "q4_1")
 DYNAMIC_QUANTIZATIONS = ("dynamic-fp16", "dynamic-int8")
-WEIGHT_ONLY_QUANTIZATIONS = ("int4", "int8")
+WEIGHT_ONLY_QUANTIZATIONS = ("int4", "int8", "q4_1")
 CPU_QUANTIZATIONS = DYNAMIC_QUANTIZATIONS + WEIGHT_ONLY_QUANTIZATIONS  # applied after loading, on a CPU only
 INITS = ("pretrained", "random")
 # transformers: the model's own forward. compact: lssp.models.compact's fused batch-1 forward for small

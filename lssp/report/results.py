@@ -49,9 +49,14 @@ def cpu_name() -> str:
     return _cpuinfo("model name") or platform.processor() or platform.machine()
 
 
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (none off Linux)."""
+    return set((_cpuinfo("flags") or "").split())
+
+
 def native_bf16() -> list[str]:
     """The CPU's instruction sets that compute bf16 natively (none: bf16 is emulated, and slow)."""
-    return sorted(set((_cpuinfo("flags") or "").split()) & {"avx512_bf16", "amx_bf16"})
+    return sorted(cpu_flags() & {"avx512_bf16", "amx_bf16"})
 
 
 def cpu_features() -> str:

@@ -1,0 +1,70 @@
+"""Our own CPU kernels, compiled on first use for this machine and cached.
+
+``blocks.cpp``: ``torch.ops.lssp.block_mm``, a matmul by weights in groups of 32 (4-bit Q4_1 or 8-bit Q8_0) with int8
+activations on AVX512-VNNI (``lssp.models.weight_only.BlockLinear``). It is built with ``-march=native`` by torch's extension builder (g++ and
+ninja) into ``$LLAMASSP_CACHE/kernels/`` (the caller's choice), one build per source, torch version and CPU model (~10 s, once).
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import sys
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from lssp.errors import UserError
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("blocks.cpp")
+NEEDED_FLAGS = ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni")
+
+
+def missing_flags() -> list[str]:
+    """The CPU features ``block_mm`` needs that this CPU lacks (all of them off Linux/x86)."""
+    from lssp.report.results import cpu_flags
+
+    flags = cpu_flags()
+    return [f for f in NEEDED_FLAGS if f not in flags]
+
+
+def build_dir(root: Path) -> Path:
+    """Where under ``root`` this source is built for this torch and CPU model."""
+    from lssp.report.results import cpu_name
+
+    key = hashlib.sha256(b"|".join(s.encode() for s in (SOURCE.read_text(), torch.__version__, cpu_name(),
+                                                           platform.machine()))).hexdigest()[:12]
+    return root / f"blocks-{key}"
+
+
+@cache
+def block_kernel(root: Path) -> None:
+    """Make ``torch.ops.lssp.block_mm`` available (building it under ``root`` the first time on this machine), or
+    raise a UserError saying why it cannot be."""
+    missing = missing_flags()
+    if missing:
+        raise UserError(f"quantization q4_1 needs a CPU with AVX512-VNNI; this one lacks {', '.join(missing)} "
+                        "(quantization: int4 runs anywhere)")
+    from torch.utils.cpp_extension import load
+
+    if shutil.which("ninja") is None:  # pip's ninja sits beside this interpreter, which need not be on PATH
+        os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    where = build_dir(root)
+    where.mkdir(parents=True, exist_ok=True)
+    if not any(where.glob("*.so")):
+        log.warning("building the q4_1 kernel for this CPU (once, ~10 s) in %s", where)
+    try:
+        load(name=f"lssp_{where.name.replace('-', '_')}", sources=[str(SOURCE)], build_directory=str(where),
+             extra_cflags=["-O3", "-march=native"], is_python_module=False, verbose=False)
+    except (RuntimeError, OSError, ImportError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UserError(f"cannot build the q4_1 kernel (g++ and ninja are needed): {first}") from None
+
+    @torch.library.register_fake("lssp::block_mm")
+    def _(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+        return x.new_empty(x.shape[0], packed.shape[0], dtype=torch.float32)

@@ -1,0 +1,103 @@
+"""Our CPU kernel (``lssp.kernels``, ``BlockLinear``): it holds a GGUF's own Q4_1 and Q8_0 blocks, multiplies by them as
+llama.cpp does (int8 activations in groups of 32), gives each row the numbers it gets alone, and a target loaded in
+``q4_1`` decodes exactly (greedy SSp = RSp, eager and compiled)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from lssp.decoding.kv import forward_logits, new_cache
+from lssp.decoding.sampling import SamplingParams
+from lssp.engines import Mode, OursEngine, Request
+from lssp.kernels import missing_flags
+from lssp.models.loading import check_compatible, load_model
+from lssp.models.registry import load_registry
+from lssp.models.weight_only import INT4_GROUP, BlockLinear, q4_1_blocks, q8_0_blocks, weight_only_quantize
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.skipif(bool(missing_flags()), reason=f"the CPU lacks {' '.join(missing_flags())}")
+
+
+def reference(x: torch.Tensor, layer: BlockLinear) -> torch.Tensor:
+    """The kernel's arithmetic in plain torch: activations in int8 groups of 32, exact integer dot products per group."""
+    q, d, m = layer.blocks()
+    xs = x.reshape(x.shape[0], -1, INT4_GROUP)
+    s = xs.abs().amax(-1) / 127
+    xq = torch.round(xs / torch.where(s > 0, s, torch.ones_like(s))[..., None])
+    dots = torch.einsum("rgk,ngk->rng", xq.double(), q.double().reshape(q.shape[0], -1, INT4_GROUP))
+    sums = (s * xq.sum(-1)).double()
+    return ((dots * (d * s[:, None, :]).double() + m.double()[None] * sums[:, None, :]).sum(-1)).float()
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_the_kernel_multiplies_as_llama_cpp_does_and_each_row_alone(bits):
+    torch.manual_seed(0)
+    layer = BlockLinear(torch.randn(48, 96) * 0.05, bits=bits)
+    x = torch.randn(7, 96)
+    got = layer(x)
+    torch.testing.assert_close(got, reference(x, layer), rtol=1e-4, atol=1e-5)
+    for r in range(7):  # the same numbers alone as beside other rows
+        assert torch.equal(layer(x[r:r + 1])[0], got[r])
+    assert layer(x[None, :3]).shape == (1, 3, 48)
+    held = layer.dequantized()  # within a quantization step of the weight
+    torch.testing.assert_close(x @ held.t(), got, rtol=0.05, atol=0.02)
+
+
+def _gguf_blocks(tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """q, d, m of a Q4_1 or Q8_0 tensor as stored in the file (Q8_0 in BlockLinear's form: q + 128, m = -128 d)."""
+    rows = tensor.data.shape[0]
+    if tensor.tensor_type.name == "Q4_1":  # per 32 weights: d, m (fp16), 16 bytes of nibbles (j low, j + 16 high)
+        blocks = tensor.data.reshape(rows, -1, 20)
+        d, m = blocks[..., 0:2].copy().view(np.float16)[..., 0], blocks[..., 2:4].copy().view(np.float16)[..., 0]
+        q = np.concatenate([blocks[..., 4:] & 15, blocks[..., 4:] >> 4], axis=-1)
+        return q.reshape(rows, -1), d.astype(np.float32), m.astype(np.float32)
+    blocks = tensor.data.reshape(rows, -1, 34)  # Q8_0: d (fp16), 32 int8
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    q = blocks[..., 2:].copy().view(np.int8).astype(np.int16) + 128
+    return q.reshape(rows, -1).astype(np.uint8), d, -128 * d
+
+
+def test_the_default_targets_gguf_blocks_come_back_exactly_from_its_float32_weights():
+    gguf = pytest.importorskip("gguf")
+    reader = gguf.GGUFReader(load_registry(ROOT / "models.yaml").get("smollm2-135m").local_path())
+    tensors = {t.name: t for t in reader.tensors}
+    for name, blocks in (("blk.0.ffn_down.weight", q4_1_blocks), ("token_embd.weight", q8_0_blocks)):
+        tensor = tensors[name]
+        weight = torch.from_numpy(gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32))
+        if name == "token_embd.weight":
+            weight = weight[:4096]  # enough rows, a fraction of the time
+        q, d, m = (t.numpy() for t in blocks(weight))
+        want_q, want_d, want_m = (a[:weight.shape[0]] for a in _gguf_blocks(tensor))
+        assert (q == want_q).all() and (d == want_d).all() and (m == want_m).all(), name
+
+
+def test_q4_1_keeps_the_output_layer_in_8_bits():
+    model = torch.nn.Module()
+    model.proj, model.lm_head = torch.nn.Linear(64, 32, bias=False), torch.nn.Linear(64, 48, bias=False)
+    quantized, kept = weight_only_quantize(model, "q4_1")
+    assert (quantized.proj.bits, quantized.lm_head.bits, kept) == (4, 8, 0)
+
+
+@pytest.mark.parametrize("name", ["tiny-target-q4", "tiny-target-q4-compiled"])
+def test_a_target_loaded_in_q4_1_decodes_exactly(tiny_dir, name):
+    registry = load_registry(tiny_dir / "models.yaml")
+    plain = load_model(registry.get("tiny-target"))
+    draft = load_model(registry.get("tiny-draft"), draft=True)
+    target = load_model(registry.get(name))
+    assert target.precision.startswith("q4_1")
+    ids = torch.tensor([[1, 5, 9, 3, 8, 2]])
+    want = forward_logits(plain.model, ids, new_cache(plain.model), 6)
+    got = forward_logits(target.model, ids, new_cache(target.model), 6)
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.8  # close to the float model's
+    engine = OursEngine(target, [draft], [check_compatible(target, draft)])
+    for temperature in (0.0, 0.8):
+        request = Request(ids, 24, SamplingParams(temperature), 0)
+        rsp = engine.complete(Mode("rsp"), request).tokens.tolist()
+        ssp = engine.complete(Mode("ssp", 3), request).tokens.tolist()
+        if temperature == 0:
+            assert ssp == rsp
+        else:
+            assert len(ssp) == len(rsp) == 24
