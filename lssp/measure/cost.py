@@ -102,12 +102,13 @@ def matmul_throughput(precision: str, size: int = 2048, tokens: int = 256, repea
 
     from torch.ao.quantization import quantize_dynamic
 
-    from lssp.models.weight_only import KERNEL_DTYPE, Int4Linear, Int8Linear
+    from lssp.models.registry import WEIGHT_ONLY_QUANTIZATIONS
+    from lssp.models.weight_only import WEIGHT_ONLY_LAYERS
 
     weight = torch.randn(size, size) * 0.02
-    if precision in ("int4", "int8"):
-        layer: torch.nn.Module = (Int4Linear if precision == "int4" else Int8Linear)(weight)
-        x = torch.randn(tokens, size, dtype=KERNEL_DTYPE)
+    if precision in WEIGHT_ONLY_QUANTIZATIONS:
+        layer: torch.nn.Module = WEIGHT_ONLY_LAYERS[precision](weight)
+        x = torch.randn(tokens, size)  # each layer takes it into its kernel's own dtype
     elif precision in ("dynamic-fp16", "dynamic-int8"):
         layer = torch.nn.Sequential(torch.nn.Linear(size, size, bias=False))
         with torch.no_grad():

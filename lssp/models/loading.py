@@ -423,11 +423,13 @@ def compact(model: PreTrainedModel, spec: ModelSpec) -> CompactLlama:
 
 
 def weight_only_dtype(spec: ModelSpec) -> torch.dtype:
-    """The dtype a weight-only entry computes the rest of the model in: bfloat16 (the kernels' own activations,
-    no conversion at each layer) where the entry asks for it and the CPU computes bf16 natively, else float32."""
+    """The dtype a weight-only entry computes the rest of the model in: for int4/int8 bfloat16 (the kernels' own
+    activations, no conversion at each layer) where the entry asks for it and the CPU computes bf16 natively, else
+    float32 (q4_1's kernel takes float32)."""
     from lssp.report.results import native_bf16
 
-    return torch.bfloat16 if spec.dtype in ("bfloat16", "auto") and native_bf16() else torch.float32
+    bf16 = spec.quantization != "q4_1" and spec.dtype in ("bfloat16", "auto") and native_bf16()
+    return torch.bfloat16 if bf16 else torch.float32
 
 
 def cpu_quantize(model: PreTrainedModel, spec: ModelSpec) -> PreTrainedModel:
