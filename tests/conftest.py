@@ -171,6 +171,15 @@ models:
   tiny-eagle:
     path: ./tiny-eagle
     dtype: float32
+  tiny-target-auto:
+    path: ./tiny-target
+    dtype: float32
+    quantization: auto
+    forward: compact
+  tiny-eagle-auto:
+    path: ./tiny-eagle
+    dtype: float32
+    quantization: auto
   tiny-random:
     init: random
     tokenizer: ./tiny-target

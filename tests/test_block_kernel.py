@@ -101,3 +101,45 @@ def test_a_target_loaded_in_q4_1_decodes_exactly(tiny_dir, name):
             assert ssp == rsp
         else:
             assert len(ssp) == len(rsp) == 24
+
+
+def test_quantization_auto_measures_once_says_its_choice_and_the_head_follows_the_target(tiny_dir, tmp_path,
+                                                                                         monkeypatch, caplog):
+    import json
+
+    from lssp.models import calibration
+
+    monkeypatch.setenv("LLAMASSP_CACHE", str(tmp_path))
+    registry = load_registry(tiny_dir / "models.yaml")
+    with caplog.at_level("WARNING"):
+        target = load_model(registry.get("tiny-target-auto"))
+    chosen = target.spec.quantization
+    assert chosen in {q for q, _ in calibration.CANDIDATES} and target.precision.startswith(chosen)
+    assert "quantization auto -> " + chosen in caplog.text and "measured now" in caplog.text
+    stored = json.loads(calibration.cache_file().read_text())
+    (entry,) = stored.values()
+    assert entry["quantization"] == chosen and set(entry["ms"]) >= {"int4", "dynamic-fp16"}
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        again = load_model(registry.get("tiny-target-auto"))
+    assert again.spec.quantization == chosen and "cached" in caplog.text
+    head = load_model(registry.get("tiny-eagle-auto"), draft=True, target=target)
+    assert head.spec.quantization == chosen
+    ids = torch.tensor([[1, 5, 9, 3, 8, 2]])
+    engine = OursEngine(target, [head], [check_compatible(target, head)])
+    request = Request(ids, 16, SamplingParams(0.0), 0)
+    assert engine.complete(Mode("ssp", 2), request).tokens.tolist() == engine.complete(Mode("rsp"), request).tokens.tolist()
+
+
+@pytest.mark.parametrize("name", ["tiny-target-q4", "tiny-target-q4-compiled"])
+def test_a_verification_forward_gives_each_position_the_one_token_forwards_numbers(tiny_dir, name):
+    """int8 activations turn a batched attention's rounding into other tokens: under q4_1 each query attends by
+    itself (row_attention), so 5 tokens in one forward get the very logits of 5 one-token forwards."""
+    model = load_model(load_registry(tiny_dir / "models.yaml").get(name)).model
+    ids = torch.randint(0, 64, (1, 30), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        kv = model.new_cache()
+        model(ids[:, :25], past_key_values=kv)
+        one = torch.stack([model(ids[:, 25 + i:26 + i], past_key_values=kv).logits[0, -1] for i in range(5)])
+        kv.crop(-5)
+        assert torch.equal(model(ids[:, 25:30], past_key_values=kv).logits[0], one)

@@ -1,7 +1,9 @@
 """Our own CPU kernels, compiled on first use for this machine and cached.
 
 ``blocks.cpp``: ``torch.ops.lssp.block_mm``, a matmul by weights in groups of 32 (4-bit Q4_1 or 8-bit Q8_0) with int8
-activations on AVX512-VNNI (``lssp.models.weight_only.BlockLinear``). It is built with ``-march=native`` by torch's extension builder (g++ and
+activations on AVX512-VNNI (``lssp.models.weight_only.BlockLinear``), and ``torch.ops.lssp.row_attention``, causal
+attention of each query by itself (the compact forward of a q4_1 model: a verification forward then computes each
+position as a one-token forward does, which int8 activations need to keep greedy SSp equal to RSp). It is built with ``-march=native`` by torch's extension builder (g++ and
 ninja) into ``$LLAMASSP_CACHE/kernels/`` (the caller's choice), one build per source, torch version and CPU model (~10 s, once).
 """
 from __future__ import annotations
@@ -12,7 +14,6 @@ import os
 import platform
 import shutil
 import sys
-from functools import cache
 from pathlib import Path
 
 import torch
@@ -42,10 +43,17 @@ def build_dir(root: Path) -> Path:
     return root / f"blocks-{key}"
 
 
-@cache
 def block_kernel(root: Path) -> None:
     """Make ``torch.ops.lssp.block_mm`` available (building it under ``root`` the first time on this machine), or
-    raise a UserError saying why it cannot be."""
+    raise a UserError saying why it cannot be. A process loads it once, from wherever it was first built."""
+    if not _loaded:
+        _load_block_kernel(root)
+
+
+_loaded: list[Path] = []  # where this process loaded it from
+
+
+def _load_block_kernel(root: Path) -> None:
     missing = missing_flags()
     if missing:
         raise UserError(f"quantization q4_1 needs a CPU with AVX512-VNNI; this one lacks {', '.join(missing)} "
@@ -68,3 +76,10 @@ def block_kernel(root: Path) -> None:
     @torch.library.register_fake("lssp::block_mm")
     def _(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
         return x.new_empty(x.shape[0], packed.shape[0], dtype=torch.float32)
+
+    @torch.library.register_fake("lssp::row_attention")
+    def _(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+          scale: float) -> torch.Tensor:
+        return torch.empty_like(q)
+
+    _loaded.append(where)

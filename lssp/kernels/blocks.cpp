@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 namespace {
 
@@ -136,12 +137,77 @@ at::Tensor block_mm(const at::Tensor& x_in, const at::Tensor& packed, const at::
   return y;
 }
 
+inline __mmask16 lanes_from(int64_t left) {  // the first min(left, 16) lanes
+  return left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
+}
+
+// lssp::row_attention: causal attention of each query row by itself, as a one-token forward computes it.
+// q (1, H, R, D): R = G * n rows per key/value head (G query heads sharing it, n positions, row r at positions[r % n]);
+// keys, values (1, H, S, D), S >= every position + 1. Row r attends over slots 0..positions[r % n] in one fixed order
+// whatever R is, so a verification forward of n tokens gives each of them the numbers of a one-token forward.
+at::Tensor row_attention(const at::Tensor& q_in, const at::Tensor& keys_in, const at::Tensor& values_in,
+                         const at::Tensor& positions_in, double scale) {
+  TORCH_CHECK(q_in.dim() == 4 && q_in.size(0) == 1 && keys_in.dim() == 4 && keys_in.size(0) == 1,
+              "row_attention takes q (1, H, R, D) and keys, values (1, H, S, D)");
+  const at::Tensor q = q_in.to(at::kFloat).contiguous();
+  const at::Tensor keys = keys_in.to(at::kFloat).contiguous();
+  const at::Tensor values = values_in.to(at::kFloat).contiguous();
+  const at::Tensor positions = positions_in.to(at::kLong).contiguous();
+  const int64_t H = q.size(1), R = q.size(2), D = q.size(3), S = keys.size(2), n = positions.numel();
+  TORCH_CHECK(R % n == 0 && keys.size(1) == H && keys.size(3) == D && values.sizes() == keys.sizes(),
+              "row_attention: shapes");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(pos[i] >= 0 && pos[i] < S, "row_attention: a position past the keys");
+  at::Tensor out = at::empty_like(q);
+  const float* qp = q.data_ptr<float>();
+  const float* kp = keys.data_ptr<float>();
+  const float* vp = values.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, H * R, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(S);
+    for (int64_t hr = begin; hr < end; ++hr) {
+      const int64_t h = hr / R, r = hr % R, last = pos[r % n];
+      const float* qr = qp + hr * D;
+      const float* kh = kp + h * S * D;
+      const float* vh = vp + h * S * D;
+      float top = -INFINITY;
+      for (int64_t j = 0; j <= last; ++j) {
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t d = 0; d < D; d += 16) {
+          const __mmask16 lanes = lanes_from(D - d);
+          acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(lanes, qr + d), _mm512_maskz_loadu_ps(lanes, kh + j * D + d), acc);
+        }
+        scores[j] = _mm512_reduce_add_ps(acc) * sc;
+        top = std::max(top, scores[j]);
+      }
+      float total = 0.0f;
+      for (int64_t j = 0; j <= last; ++j) {
+        scores[j] = std::exp(scores[j] - top);
+        total += scores[j];
+      }
+      const float inv = 1.0f / total;
+      float* o = op + hr * D;
+      for (int64_t d = 0; d < D; d += 16) {
+        const __mmask16 lanes = lanes_from(D - d);
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t j = 0; j <= last; ++j)
+          acc = _mm512_fmadd_ps(_mm512_set1_ps(scores[j]), _mm512_maskz_loadu_ps(lanes, vh + j * D + d), acc);
+        _mm512_mask_storeu_ps(o + d, lanes, _mm512_mul_ps(acc, _mm512_set1_ps(inv)));
+      }
+    }
+  });
+  return out.to(q_in.scalar_type());
+}
+
 }  // namespace
 
 TORCH_LIBRARY(lssp, m) {
   m.def("block_mm(Tensor x, Tensor packed, Tensor scales, Tensor mins) -> Tensor");
+  m.def("row_attention(Tensor q, Tensor keys, Tensor values, Tensor positions, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(lssp, CPU, m) {
   m.impl("block_mm", &block_mm);
+  m.impl("row_attention", &row_attention);
 }

@@ -199,6 +199,9 @@ class FusedDecoder(nn.Module):
         self.gate_up = nn.ModuleList(fused_linear(layer.mlp.gate_proj, layer.mlp.up_proj, dtype=dtype) for layer in layers)
         self.down = nn.ModuleList(fused_linear(layer.mlp.down_proj, dtype=dtype) for layer in layers)
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
+        # One row's queries attend one by one, as in a one-token forward (set for q4_1: its int8 activations turn
+        # the rounding differences of a batched attention into different tokens).
+        self.row_attention = False
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if x.dtype == weight.dtype == torch.float32:  # one fused call
@@ -219,10 +222,13 @@ class FusedDecoder(nn.Module):
         return table[0][:, start:end], table[1][:, start:end]
 
     def _layers(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
-                keys_values: list[torch.Tensor], at: slice | torch.Tensor, upto: int | None) -> torch.Tensor:
+                keys_values: list[torch.Tensor], at: slice | torch.Tensor, upto: int | None,
+                causal: torch.Tensor | None = None) -> torch.Tensor:
         """The decoder over ``hidden`` (batch, n, width) with rotary ``cos``/``sin`` of its positions (shared, or per
         row): keys and values written at ``at``, queries attending over the first ``upto`` cached positions (None: the whole buffer) under
-        ``mask``. Returns the last hidden states (before any final norm)."""
+        ``mask``. ``causal``: the positions of one row's queries, each attending causally; with ``row_attention`` set
+        they attend one by one (``torch.ops.lssp.row_attention``). Returns the last hidden states (before any final
+        norm)."""
         batch, n = hidden.shape[:2]
         heads, half, rotated = self.heads, self.head_dim // 2, self.heads + self.kv_heads
         # The query heads sharing a key/value head attend as one longer query over it (the mask repeated per head):
@@ -239,8 +245,11 @@ class FusedDecoder(nn.Module):
             qk = torch.addcmul(qk * cos, torch.cat((qk[..., half:], qk[..., :half]), dim=-1), sin)
             keys[:, :, at] = qk[:, heads:]
             values[:, :, at] = qkv[:, rotated:]
-            out = F.scaled_dot_product_attention(qk[:, :heads].reshape(grouped), keys[:, :, :upto], values[:, :, :upto],
-                                                 attn_mask=mask, scale=self.scale)
+            if self.row_attention and causal is not None:
+                out = torch.ops.lssp.row_attention(qk[:, :heads].reshape(grouped), keys, values, causal, self.scale)
+            else:
+                out = F.scaled_dot_product_attention(qk[:, :heads].reshape(grouped), keys[:, :, :upto],
+                                                     values[:, :, :upto], attn_mask=mask, scale=self.scale)
             # reshape, not view: CUDA's attention kernels may return the grouped heads in another memory layout
             hidden = hidden + _linear(self.o[i], out.reshape(batch, heads, n, -1).transpose(1, 2).reshape(batch, n, -1))
             x = self._rms_norm(hidden, layer.post_attention_layernorm.weight)
@@ -263,7 +272,8 @@ class FusedDecoder(nn.Module):
         else:
             cos, sin = self._rotary(0, int(positions.max()) + 1, kv.keys_values[0])
             cos, sin = cos[0][positions].unsqueeze(1), sin[0][positions].unsqueeze(1)  # (batch, 1, n, head_dim)
-        out = self._layers(hidden, cos, sin, mask, kv.keys_values, slice(start, end), end)
+        causal = torch.arange(start, end, device=hidden.device) if positions is None and self.row_attention else None
+        out = self._layers(hidden, cos, sin, mask, kv.keys_values, slice(start, end), end, causal)
         kv.length = end
         return out
 
@@ -347,7 +357,7 @@ class CompactLlama(FusedDecoder):
         slots = keys_values[0].shape[2] if upto is None else upto
         mask = torch.arange(slots, device=positions.device)[None, :] <= positions[:, None]
         hidden = self._layers(self.hf.model.embed_tokens(input_ids[None]), cos_table[:, positions],
-                              sin_table[:, positions], mask, keys_values, positions, upto)
+                              sin_table[:, positions], mask, keys_values, positions, upto, positions)
         final = self._final(hidden)
         return self.hf.lm_head(final), final
 

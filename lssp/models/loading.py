@@ -7,7 +7,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from lssp.errors import IncompatibleModelsError, UserError
-from lssp.models.compact import CompactLlama
+from lssp.models.compact import CompactLlama, FusedDecoder
 from lssp.models.draft_head import has_subset_head, load_subset_head_model
 from lssp.models.modules import logit_width, model_device
 from lssp.models.registry import CPU_QUANTIZATIONS, WEIGHT_ONLY_QUANTIZATIONS, ModelSpec
@@ -26,6 +26,7 @@ from lssp.models.weight_only import weight_only_quantize
 log = logging.getLogger(__name__)
 DynamicLinear = torch.ao.nn.quantized.dynamic.Linear
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+KERNELS = {"q4_1": "our kernel"}  # whose kernels multiply a quantization's weights, where not torch's or bnb's
 
 
 def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str, chat: bool) -> list[int]:
@@ -161,7 +162,7 @@ class LoadedModel(ModelHandle):
         if quantization == "none" or (quantization in CPU_QUANTIZATIONS and self.device.type != "cpu"):
             weights = self.dtype  # a torch CPU quantization applies on the CPU only (cpu_quantize)
         else:
-            weights = f"{quantization} (torch)" if quantization in CPU_QUANTIZATIONS else f"{quantization} (bnb)"
+            weights = f"{quantization} ({KERNELS.get(quantization, 'torch' if quantization in CPU_QUANTIZATIONS else 'bnb')})"
         if self.hf_model is self.model:
             return weights
         mode = getattr(self.model, "compile_mode", None)
@@ -310,8 +311,13 @@ def load_model(spec: ModelSpec, device: str | None = None, draft: bool = False,
     a ``draft`` is kept whole on one GPU unless its entry says otherwise). Where ``compile`` is
     asked and cannot be done, ``compile_fallback`` runs it uncompiled instead of refusing. A feature
     head (EAGLE) is bound to ``target``, whose embeddings and output layer it reads."""
-    dtype: torch.dtype | str = DTYPES.get(spec.dtype, "auto")
     head_folder = feature_head_folder(spec)
+    if spec.quantization == "auto" and head_folder is None:
+        from lssp.models.calibration import resolve_auto
+
+        on_cpu = device == "cpu" if device is not None else torch.cuda.device_count() == 0
+        spec = resolve_auto(spec, on_cpu, lambda candidate: load_model(candidate, device="cpu").model)
+    dtype: torch.dtype | str = DTYPES.get(spec.dtype, "auto")
     if head_folder is not None:
         return load_feature_draft(spec, head_folder, dtype, target)
     placement = _placement(spec, device, draft)
@@ -375,6 +381,10 @@ def load_feature_draft(spec: ModelSpec, folder: Path, dtype: torch.dtype | str, 
 
     if target is None:
         raise UserError(f"model {spec.name!r} is a feature head (EAGLE): it drafts for a target and cannot run alone")
+    if spec.quantization == "auto":  # the target's format, where it has a CPU one
+        quantization = target.spec.quantization if target.spec.quantization in CPU_QUANTIZATIONS else "none"
+        spec = replace(spec, quantization=quantization, dtype=target.spec.dtype)
+        dtype = DTYPES.get(spec.dtype, "auto")
     if spec.quantization in ("8bit", "4bit") or spec.compile:
         raise UserError(f"model {spec.name!r}: a feature head runs without bitsandbytes and uncompiled")
     head = load_feature_head(folder, spec.name)
@@ -445,6 +455,8 @@ def cpu_quantize(model: PreTrainedModel, spec: ModelSpec) -> PreTrainedModel:
         return model
     if spec.quantization in WEIGHT_ONLY_QUANTIZATIONS:
         model, kept = weight_only_quantize(model, spec.quantization, weight_only_dtype(spec))
+        if spec.quantization == "q4_1" and isinstance(model, FusedDecoder):
+            model.row_attention = True  # each position of a verification computed as in a one-token forward
         if kept:
             log.info("%s: %d Linear layers stay float (shapes the %s kernel does not take)", spec.name, kept,
                      spec.quantization)
