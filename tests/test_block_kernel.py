@@ -143,3 +143,20 @@ def test_a_verification_forward_gives_each_position_the_one_token_forwards_numbe
         one = torch.stack([model(ids[:, 25 + i:26 + i], past_key_values=kv).logits[0, -1] for i in range(5)])
         kv.crop(-5)
         assert torch.equal(model(ids[:, 25:30], past_key_values=kv).logits[0], one)
+
+
+def test_batched_rows_give_each_row_the_tokens_it_gets_alone(tiny_dir):
+    """Rows of different lengths in one batch (holes in the cache, rows accepting different numbers of drafts): under
+    q4_1 each row's sampled tokens are those it draws alone with its seed, exactly."""
+    registry = load_registry(tiny_dir / "models.yaml")
+    target = load_model(registry.get("tiny-target-q4"))
+    draft = load_model(registry.get("tiny-draft"), draft=True)
+    engine = OursEngine(target, [draft], [check_compatible(target, draft)])
+    rows = [torch.tensor([1, 5, 9, 3]), torch.tensor([2, 7]), torch.tensor([4, 4, 6, 8, 1, 3])]
+    request = Request(rows[0][None], 20, SamplingParams(0.8), 0)
+    for mode in (Mode("rsp"), Mode("ssp", 3)):
+        assert engine.batch_reason(mode) is None
+        together = engine.complete_many(mode, rows, request, [11, 12, 13])
+        for row, seed, out in zip(rows, (11, 12, 13), together):
+            alone = engine.complete(mode, Request(row[None], 20, SamplingParams(0.8), seed))
+            assert out.tokens.tolist() == alone.tokens.tolist()

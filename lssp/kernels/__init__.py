@@ -2,8 +2,8 @@
 
 ``blocks.cpp``: ``torch.ops.lssp.block_mm``, a matmul by weights in groups of 32 (4-bit Q4_1 or 8-bit Q8_0) with int8
 activations on AVX512-VNNI (``lssp.models.weight_only.BlockLinear``), and ``torch.ops.lssp.row_attention``, causal
-attention of each query by itself (the compact forward of a q4_1 model: a verification forward then computes each
-position as a one-token forward does, which int8 activations need to keep greedy SSp equal to RSp). It is built with ``-march=native`` by torch's extension builder (g++ and
+attention of each query by itself (the compact forward of a q4_1 model: a verification forward, or a batch of rows,
+then computes each position as a one-token forward of its row does, which int8 activations need to keep SSp exact). It is built with ``-march=native`` by torch's extension builder (g++ and
 ninja) into ``$LLAMASSP_CACHE/kernels/`` (the caller's choice), one build per source, torch version and CPU model (~10 s, once).
 """
 from __future__ import annotations
@@ -78,7 +78,7 @@ def _load_block_kernel(root: Path) -> None:
         return x.new_empty(x.shape[0], packed.shape[0], dtype=torch.float32)
 
     @torch.library.register_fake("lssp::row_attention")
-    def _(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+    def _(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor | None,
           scale: float) -> torch.Tensor:
         return torch.empty_like(q)
 

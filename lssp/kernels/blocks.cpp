@@ -141,58 +141,72 @@ inline __mmask16 lanes_from(int64_t left) {  // the first min(left, 16) lanes
   return left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
 }
 
-// lssp::row_attention: causal attention of each query row by itself, as a one-token forward computes it.
-// q (1, H, R, D): R = G * n rows per key/value head (G query heads sharing it, n positions, row r at positions[r % n]);
-// keys, values (1, H, S, D), S >= every position + 1. Row r attends over slots 0..positions[r % n] in one fixed order
-// whatever R is, so a verification forward of n tokens gives each of them the numbers of a one-token forward.
+// lssp::row_attention: attention of each query row by itself, as a one-token forward computes it.
+// q (B, H, R, D); keys, values (B, H, S, D) (any strides, the last dimension contiguous); allowed: none (every slot)
+// or bool (B or 1, R, S), the slots row r sees. Row r goes over its allowed slots in order, one by one, whatever R and
+// whatever the other rows and slots hold: a verification forward of n tokens, or a batch whose rows have holes, gives
+// each query the numbers of a one-token forward of its row alone.
 at::Tensor row_attention(const at::Tensor& q_in, const at::Tensor& keys_in, const at::Tensor& values_in,
-                         const at::Tensor& positions_in, double scale) {
-  TORCH_CHECK(q_in.dim() == 4 && q_in.size(0) == 1 && keys_in.dim() == 4 && keys_in.size(0) == 1,
-              "row_attention takes q (1, H, R, D) and keys, values (1, H, S, D)");
+                         const c10::optional<at::Tensor>& allowed_in, double scale) {
+  TORCH_CHECK(q_in.dim() == 4 && keys_in.dim() == 4 && values_in.sizes() == keys_in.sizes(),
+              "row_attention takes q (B, H, R, D) and keys, values (B, H, S, D)");
   const at::Tensor q = q_in.to(at::kFloat).contiguous();
-  const at::Tensor keys = keys_in.to(at::kFloat).contiguous();
-  const at::Tensor values = values_in.to(at::kFloat).contiguous();
-  const at::Tensor positions = positions_in.to(at::kLong).contiguous();
-  const int64_t H = q.size(1), R = q.size(2), D = q.size(3), S = keys.size(2), n = positions.numel();
-  TORCH_CHECK(R % n == 0 && keys.size(1) == H && keys.size(3) == D && values.sizes() == keys.sizes(),
-              "row_attention: shapes");
-  const int64_t* pos = positions.data_ptr<int64_t>();
-  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(pos[i] >= 0 && pos[i] < S, "row_attention: a position past the keys");
+  at::Tensor keys = keys_in.to(at::kFloat), values = values_in.to(at::kFloat);
+  if (keys.stride(3) != 1) keys = keys.contiguous();
+  if (values.stride(3) != 1) values = values.contiguous();
+  const int64_t B = q.size(0), H = q.size(1), R = q.size(2), D = q.size(3), S = keys.size(2);
+  TORCH_CHECK(keys.size(0) == B && keys.size(1) == H && keys.size(3) == D, "row_attention: shapes");
+  at::Tensor allowed;
+  if (allowed_in.has_value()) {
+    allowed = allowed_in->to(at::kBool).contiguous();
+    TORCH_CHECK(allowed.dim() == 3 && (allowed.size(0) == B || allowed.size(0) == 1) && allowed.size(1) == R &&
+                allowed.size(2) == S, "row_attention: allowed (B or 1, R, S)");
+  }
+  const bool* ap = allowed.defined() ? allowed.data_ptr<bool>() : nullptr;
+  const int64_t a_batch = allowed.defined() && allowed.size(0) == B ? R * S : 0;
   at::Tensor out = at::empty_like(q);
   const float* qp = q.data_ptr<float>();
   const float* kp = keys.data_ptr<float>();
   const float* vp = values.data_ptr<float>();
+  const int64_t kb = keys.stride(0), kh = keys.stride(1), ks = keys.stride(2);
+  const int64_t vb = values.stride(0), vh = values.stride(1), vs = values.stride(2);
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
-  at::parallel_for(0, H * R, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, B * H * R, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(S);
-    for (int64_t hr = begin; hr < end; ++hr) {
-      const int64_t h = hr / R, r = hr % R, last = pos[r % n];
-      const float* qr = qp + hr * D;
-      const float* kh = kp + h * S * D;
-      const float* vh = vp + h * S * D;
+    std::vector<int64_t> slots(S);
+    for (int64_t bhr = begin; bhr < end; ++bhr) {
+      const int64_t b = bhr / (H * R), h = (bhr / R) % H, r = bhr % R;
+      const bool* sees = ap ? ap + b * a_batch + r * S : nullptr;
+      const float* qr = qp + bhr * D;
+      const float* kr = kp + b * kb + h * kh;
+      const float* vr = vp + b * vb + h * vh;
+      int64_t count = 0;
       float top = -INFINITY;
-      for (int64_t j = 0; j <= last; ++j) {
+      for (int64_t j = 0; j < S; ++j) {
+        if (sees && !sees[j]) continue;
         __m512 acc = _mm512_setzero_ps();
         for (int64_t d = 0; d < D; d += 16) {
           const __mmask16 lanes = lanes_from(D - d);
-          acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(lanes, qr + d), _mm512_maskz_loadu_ps(lanes, kh + j * D + d), acc);
+          acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(lanes, qr + d), _mm512_maskz_loadu_ps(lanes, kr + j * ks + d), acc);
         }
-        scores[j] = _mm512_reduce_add_ps(acc) * sc;
-        top = std::max(top, scores[j]);
+        scores[count] = _mm512_reduce_add_ps(acc) * sc;
+        slots[count] = j;
+        top = std::max(top, scores[count]);
+        ++count;
       }
       float total = 0.0f;
-      for (int64_t j = 0; j <= last; ++j) {
-        scores[j] = std::exp(scores[j] - top);
-        total += scores[j];
+      for (int64_t c = 0; c < count; ++c) {
+        scores[c] = std::exp(scores[c] - top);
+        total += scores[c];
       }
-      const float inv = 1.0f / total;
-      float* o = op + hr * D;
+      const float inv = count ? 1.0f / total : 0.0f;
+      float* o = op + bhr * D;
       for (int64_t d = 0; d < D; d += 16) {
         const __mmask16 lanes = lanes_from(D - d);
         __m512 acc = _mm512_setzero_ps();
-        for (int64_t j = 0; j <= last; ++j)
-          acc = _mm512_fmadd_ps(_mm512_set1_ps(scores[j]), _mm512_maskz_loadu_ps(lanes, vh + j * D + d), acc);
+        for (int64_t c = 0; c < count; ++c)
+          acc = _mm512_fmadd_ps(_mm512_set1_ps(scores[c]), _mm512_maskz_loadu_ps(lanes, vr + slots[c] * vs + d), acc);
         _mm512_mask_storeu_ps(o + d, lanes, _mm512_mul_ps(acc, _mm512_set1_ps(inv)));
       }
     }
@@ -204,7 +218,7 @@ at::Tensor row_attention(const at::Tensor& q_in, const at::Tensor& keys_in, cons
 
 TORCH_LIBRARY(lssp, m) {
   m.def("block_mm(Tensor x, Tensor packed, Tensor scales, Tensor mins) -> Tensor");
-  m.def("row_attention(Tensor q, Tensor keys, Tensor values, Tensor positions, float scale) -> Tensor");
+  m.def("row_attention(Tensor q, Tensor keys, Tensor values, Tensor? allowed, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(lssp, CPU, m) {

@@ -199,7 +199,7 @@ class FusedDecoder(nn.Module):
         self.gate_up = nn.ModuleList(fused_linear(layer.mlp.gate_proj, layer.mlp.up_proj, dtype=dtype) for layer in layers)
         self.down = nn.ModuleList(fused_linear(layer.mlp.down_proj, dtype=dtype) for layer in layers)
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
-        # One row's queries attend one by one, as in a one-token forward (set for q4_1: its int8 activations turn
+        # Each query attends by itself, as in a one-token forward of its row (set for q4_1: its int8 activations turn
         # the rounding differences of a batched attention into different tokens).
         self.row_attention = False
 
@@ -222,12 +222,11 @@ class FusedDecoder(nn.Module):
         return table[0][:, start:end], table[1][:, start:end]
 
     def _layers(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
-                keys_values: list[torch.Tensor], at: slice | torch.Tensor, upto: int | None,
-                causal: torch.Tensor | None = None) -> torch.Tensor:
+                keys_values: list[torch.Tensor], at: slice | torch.Tensor, upto: int | None) -> torch.Tensor:
         """The decoder over ``hidden`` (batch, n, width) with rotary ``cos``/``sin`` of its positions (shared, or per
         row): keys and values written at ``at``, queries attending over the first ``upto`` cached positions (None: the whole buffer) under
-        ``mask``. ``causal``: the positions of one row's queries, each attending causally; with ``row_attention`` set
-        they attend one by one (``torch.ops.lssp.row_attention``). Returns the last hidden states (before any final
+        ``mask`` (None: all of them; bool: True where allowed; float: additive). With ``row_attention`` set each query
+        attends by itself (``torch.ops.lssp.row_attention``). Returns the last hidden states (before any final
         norm)."""
         batch, n = hidden.shape[:2]
         heads, half, rotated = self.heads, self.head_dim // 2, self.heads + self.kv_heads
@@ -236,6 +235,9 @@ class FusedDecoder(nn.Module):
         grouped = (batch, self.kv_heads, heads // self.kv_heads * n, self.head_dim)
         if mask is not None and heads != self.kv_heads:
             mask = mask.repeat(*([1] * (mask.dim() - 2)), heads // self.kv_heads, 1)
+        allowed = None
+        if self.row_attention and mask is not None:  # (B or 1, rows, slots): bool, or additive (B, 1, rows, slots)
+            allowed = mask[None] if mask.dtype == torch.bool else (mask == 0)[:, 0]
         for i, layer in enumerate(self.decoder_layers):
             keys, values = keys_values[2 * i], keys_values[2 * i + 1]
             norm = layer.input_layernorm
@@ -245,8 +247,9 @@ class FusedDecoder(nn.Module):
             qk = torch.addcmul(qk * cos, torch.cat((qk[..., half:], qk[..., :half]), dim=-1), sin)
             keys[:, :, at] = qk[:, heads:]
             values[:, :, at] = qkv[:, rotated:]
-            if self.row_attention and causal is not None:
-                out = torch.ops.lssp.row_attention(qk[:, :heads].reshape(grouped), keys, values, causal, self.scale)
+            if self.row_attention:
+                out = torch.ops.lssp.row_attention(qk[:, :heads].reshape(grouped), keys[:, :, :upto], values[:, :, :upto],
+                                                   allowed, self.scale)
             else:
                 out = F.scaled_dot_product_attention(qk[:, :heads].reshape(grouped), keys[:, :, :upto],
                                                      values[:, :, :upto], attn_mask=mask, scale=self.scale)
@@ -272,8 +275,7 @@ class FusedDecoder(nn.Module):
         else:
             cos, sin = self._rotary(0, int(positions.max()) + 1, kv.keys_values[0])
             cos, sin = cos[0][positions].unsqueeze(1), sin[0][positions].unsqueeze(1)  # (batch, 1, n, head_dim)
-        causal = torch.arange(start, end, device=hidden.device) if positions is None and self.row_attention else None
-        out = self._layers(hidden, cos, sin, mask, kv.keys_values, slice(start, end), end, causal)
+        out = self._layers(hidden, cos, sin, mask, kv.keys_values, slice(start, end), end)
         kv.length = end
         return out
 
@@ -357,7 +359,7 @@ class CompactLlama(FusedDecoder):
         slots = keys_values[0].shape[2] if upto is None else upto
         mask = torch.arange(slots, device=positions.device)[None, :] <= positions[:, None]
         hidden = self._layers(self.hf.model.embed_tokens(input_ids[None]), cos_table[:, positions],
-                              sin_table[:, positions], mask, keys_values, positions, upto, positions)
+                              sin_table[:, positions], mask, keys_values, positions, upto)
         final = self._final(hidden)
         return self.hf.lm_head(final), final
 
