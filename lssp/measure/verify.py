@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from lssp.decoding.kv import forward_logits, new_cache
+from lssp.decoding.kv import feed, forward_logits, new_cache
 from lssp.decoding.sampling import SamplingParams, warp
 from lssp.drafters.model import draft_logits
 from lssp.engines import Engine, Mode, OursEngine, Request, request_seed
@@ -144,12 +144,22 @@ class VerifyReport:
 
 @torch.inference_mode()
 def next_token_law(model: LoadedModel, ids: torch.Tensor, params: SamplingParams, vocab: int,
-                   target: LoadedModel | None = None) -> torch.Tensor:
-    """The warped law of the token after ``ids``; a draft's (``target`` given: a feature head reads its features)."""
+                   target: LoadedModel | None = None, prompt_length: int = 0) -> torch.Tensor:
+    """The warped law of the token after ``ids``; a draft's (``target`` given: a feature head reads its features).
+    With ``prompt_length``, computed the way RSp computes it: the prompt but its last token prefilled, then one token
+    per forward (a model with int8 activations, ``q4_1``, gives slightly other logits in a forward of many tokens
+    through other kernels, and the law must be the one the completions were drawn from)."""
     if target is not None:
         logits = draft_logits(target.model, model.model, ids.to(target.device))[0, :vocab]
-    else:
-        logits = forward_logits(model.model, ids.to(model.device), new_cache(model.model), 1)[0, :vocab]
+        return warp(logits.float(), params).cpu()
+    ids = ids.to(model.device)
+    kv = new_cache(model.model)
+    start = max(1, min(prompt_length, ids.shape[1]))
+    if start > 1:
+        feed(model.model, ids[:, :start - 1], kv)
+    for i in range(start - 1, ids.shape[1] - 1):
+        feed(model.model, ids[:, i:i + 1], kv)
+    logits = forward_logits(model.model, ids[:, -1:], kv, 1)[0, :vocab]
     return warp(logits.float(), params).cpu()
 
 
@@ -299,8 +309,9 @@ def verify_sampled(
             rsp_kept = [o[position] for o in rsp_outputs if len(o) > position and o[:position] == prefix] \
                 if rsp_outputs is not None else None
             if len(kept) >= MIN_SAMPLES:
-                report.positions.append(_check(index, position, prefix, kept, next_token_law(target, context, params, vocab),
-                                               next_token_law(draft, context, params, vocab, target), null_gen, rsp_kept))
+                p = next_token_law(target, context, params, vocab, prompt_length=ids.shape[1])
+                q = next_token_law(draft, context, params, vocab, target)
+                report.positions.append(_check(index, position, prefix, kept, p, q, null_gen, rsp_kept))
             else:
                 report.skipped.append(f"prompt {index + 1} position {position}: only {len(kept)} runs share the prefix")
                 if position and kept:
