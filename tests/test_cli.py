@@ -375,3 +375,23 @@ def test_a_bug_is_not_called_a_users_mistake(capsys, monkeypatch):
         _run(["models", "-v"])
     monkeypatch.setattr(lssp.cli, "app", raising(OSError(28, "No space left on device")))
     assert _run(["models"]) == 2 and "No space left on device" in capsys.readouterr().err
+
+
+def test_every_command_takes_its_draft_as_a_second_name_or_as_draft(run):
+    """One way to name a draft is as good as the other: `latency T D` = `latency T --draft D`, `compare T --draft D` =
+    `compare T D`; naming two different drafts is one line and exit 2."""
+    short = ("--max-new-tokens", "4")
+    assert run("latency", "tiny-target", "tiny-draft", "--k", "2", "--nb-prompts", "1", *short)[0] == 0
+    code, out, err = run("compare", "tiny-target", "--draft", "tiny-draft", "--prompt", "ab", *short)
+    assert code == 0, err
+    assert "tiny-draft" in out
+    code, _, err = run("compare", "tiny-target", "tiny-draft", "--draft", "tiny-other-vocab", "--prompt", "ab", *short)
+    assert code == 2 and err.strip().splitlines() == [
+        "error: the draft is named twice ('tiny-draft' and --draft 'tiny-other-vocab'): give it once"]
+
+
+def test_two_drafts_of_one_kind_are_told_apart_by_name(run):
+    code, out, err = run("latency", "tiny-target", "--draft", "tiny-draft,tiny-draft-compact", "--k", "2",
+                         "--nb-prompts", "1", "--max-new-tokens", "4")
+    assert code == 0, err
+    assert "SSP tiny-draft " in out and "SSP tiny-draft-compact" in out

@@ -13,6 +13,7 @@ from lssp.cli.app import app, settings
 from lssp.cli.loaders import check_ready, heads_run, load_pair, start_engine
 from lssp.cli.options import (
     ConfidenceOpt,
+    DraftAlsoOpt,
     DraftArg,
     JsonOpt,
     KOpt,
@@ -25,6 +26,7 @@ from lssp.cli.options import (
     TopPOpt,
     check_k_within_budget,
     check_positive,
+    one_draft,
     parse_engines,
     parse_fractions,
     read_prompt_list,
@@ -42,6 +44,7 @@ def bench(
     ctx: typer.Context,
     target: TargetArg = None,
     draft: DraftArg = None,
+    draft_option: DraftAlsoOpt = None,
     k: KOpt = None,
     max_new_tokens: MaxNewOpt = 64,
     prompts: PromptsOpt = None,
@@ -56,6 +59,7 @@ def bench(
     json_out: JsonOpt = None,
 ) -> None:
     """Ours vs transformers (RSp vs generate(), SSp vs assisted generation), vLLM or llama.cpp: same prompts, one run."""
+    draft = one_draft(draft, draft_option)
     from lssp.engines import Mode
     from lssp.measure.bench import RIVALS, engines_for, run_bench
     from lssp.workloads.prompts import WARMUP_PROMPT

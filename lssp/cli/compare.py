@@ -12,6 +12,7 @@ from lssp.cli.app import app, settings
 from lssp.cli.loaders import heads_run, start_engine
 from lssp.cli.options import (
     ChatOpt,
+    DraftAlsoOpt,
     DraftArg,
     IgnoreEosOpt,
     KOpt,
@@ -25,12 +26,13 @@ from lssp.cli.options import (
     TopPOpt,
     check_k_within_budget,
     check_positive,
+    one_draft,
     parse_engines,
     read_task_prompts,
     sampling_params,
 )
 from lssp.cli.output import console, err_console, exit_interrupted, fmt, k_label, table
-from lssp.engines import engine_class
+from lssp.engines import Request, engine_class, request_seed
 from lssp.errors import UserError
 
 
@@ -39,6 +41,7 @@ def compare(
     ctx: typer.Context,
     target: TargetArg = None,
     draft: DraftArg = None,
+    draft_option: DraftAlsoOpt = None,
     prompt: Annotated[Optional[list[str]], typer.Option(help="Prompt(s); otherwise read from stdin or a > prompt.")] = None,
     k: KOpt = None,
     max_new_tokens: MaxNewOpt = 64,
@@ -55,13 +58,12 @@ def compare(
 ) -> None:
     """Stream RSp then SSp completions of each prompt, with wall times and the speedup."""
     from lssp.decoding.generation import Stopping
-    from lssp.engines import Request, request_seed
     from lssp.measure.latency import complete_turns, uses_chat_template
     from lssp.workloads.prompts import WARMUP_PROMPT
     from lssp.workloads.tasks import TaskPrompt
 
     s = settings(ctx)
-    chosen, k = _engine_and_k(s, engine, draft, k)
+    chosen, k = _engine_and_k(s, engine, draft := one_draft(draft, draft_option), k)
     for option, value, least in (("--k", k, 1), ("--max-new-tokens", max_new_tokens, 1), ("--lookup", lookup, 0)):
         check_positive(option, value, minimum=least)
     check_k_within_budget(k, max_new_tokens)

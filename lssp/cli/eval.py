@@ -8,6 +8,7 @@ import typer
 from lssp.cli.app import app, settings
 from lssp.cli.loaders import heads_run, start_engine
 from lssp.cli.options import (
+    DraftAlsoArg,
     JsonOpt,
     LookupOpt,
     MaxNewOpt,
@@ -19,6 +20,7 @@ from lssp.cli.options import (
     check_k_within_budget,
     check_positive,
     flag,
+    one_draft,
     parse_engines,
     sampling_params,
 )
@@ -32,6 +34,7 @@ from lssp.report.results import plural
 def eval_cmd(
     ctx: typer.Context,
     target: TargetArg = None,
+    draft_name: DraftAlsoArg = None,
     draft: Annotated[Optional[str], typer.Option(help="Draft model: evaluate SSp.")] = None,
     both: Annotated[bool, flag("--both", help="Evaluate RSp and SSp on the same prompts and compare.")] = False,
     nb_prompts: Annotated[int, typer.Option(help="Number of problems.")] = 1000,
@@ -57,6 +60,7 @@ def eval_cmd(
 ) -> None:
     """Arithmetic accuracy ("a * b = " after the reference's few-shot lines, a and b uniform in 1..99) with 95%
     intervals."""
+    draft = one_draft(draft_name, draft)
     from lssp.measure.evals import LOW, OPERATIONS, EvalInterrupted, eval_config, resume_point, run_eval
 
     s = settings(ctx)

@@ -12,6 +12,7 @@ from lssp.cli.loaders import check_ready, heads_run, load_draft_for, load_pair, 
 from lssp.cli.options import (
     ChatOpt,
     ConfidenceOpt,
+    DraftAlsoArg,
     EngineOpt,
     IgnoreEosOpt,
     JsonOpt,
@@ -28,6 +29,7 @@ from lssp.cli.options import (
     check_k_within_budget,
     check_positive,
     flag,
+    one_draft,
     parse_engines,
     parse_fractions,
     parse_ints,
@@ -45,6 +47,7 @@ from lssp.report.results import plural
 def latency(
     ctx: typer.Context,
     target: TargetArg = None,
+    draft_name: DraftAlsoArg = None,
     draft: Annotated[Optional[str], typer.Option(
         help="Draft model (or feature head), or a comma list timed side by side; times SSp (and RSp unless "
              "--no-baseline).")] = None,
@@ -74,6 +77,7 @@ def latency(
     plot: PlotOpt = False,
 ) -> None:
     """ms/token of RSp and SSp on a prompt list or task categories, measured side by side in one run."""
+    draft = one_draft(draft_name, draft)
     from lssp.measure.latency import SPLIT_CHOICES, latency_modes, run_latency
     from lssp.workloads.prompts import WARMUP_PROMPT
 
@@ -172,7 +176,7 @@ def render(run, t, d, wide: bool = False, more: list | None = None) -> None:
     star = fastest(overall) if several else None
     for m in overall:
         mode = (engine_label(m.engine) + " " if both else "") + m.mode.upper() \
-            + (f" {setup.method(m).split('+')[0]}" if len(setup.draft_kinds) > 1 and m.mode == "ssp" else "") \
+            + (f" {setup.draft_label(m)}" if len(setup.draft_kinds) > 1 and m.mode == "ssp" else "") \
             + (" ★" if m is star else "")
         k = _k(m) if m.mode == "ssp" else "–"
         style = "bold" if m is star else None
@@ -270,8 +274,8 @@ def _engine(m) -> str:
 
 
 def _named(run, m) -> str:
-    """"eagle " or "draft " before a K label where a run times several kinds of draft."""
-    return f"{run.setup.method(m).split('+')[0]} " if len(run.setup.draft_kinds) > 1 and engine_class(m.engine).runs_each_draft \
+    """"eagle " or "draft " (or the draft's name) before a K label where a run times several drafts."""
+    return f"{run.setup.draft_label(m)} " if len(run.setup.draft_kinds) > 1 and engine_class(m.engine).runs_each_draft \
         else ""
 
 

@@ -12,6 +12,7 @@ from lssp.cli.app import Settings, app, settings
 from lssp.cli.loaders import STARTERS, check_ready, heads_run
 from lssp.cli.options import (
     ChatOpt,
+    DraftAlsoArg,
     IgnoreEosOpt,
     JsonOpt,
     KOpt,
@@ -25,6 +26,7 @@ from lssp.cli.options import (
     TopPOpt,
     check_k_within_budget,
     check_positive,
+    one_draft,
     parse_ints,
     read_task_prompts,
     sampling_params,
@@ -42,6 +44,7 @@ ENGINES = tuple(name for name, starter in STARTERS.items() if starter.serve is n
 def load(
     ctx: typer.Context,
     target: TargetArg = None,
+    draft_name: DraftAlsoArg = None,
     draft: Annotated[Optional[str], typer.Option(help="Draft model (default: the registry's default_draft).")] = None,
     engine: Annotated[str, typer.Option(
         "--engine", help="vllm: one vLLM server per mode, loaded by vLLM's benchmark client (./setup.sh --vllm); "
@@ -74,6 +77,7 @@ def load(
 ) -> None:
     """Speculative decoding under load: per-user latency and throughput of RSp and SSp at each concurrency,
     SSp's ratio to RSp, and the break-even concurrency for each."""
+    draft = one_draft(draft_name, draft)
     s = settings(ctx)
     if engine not in ENGINES:
         raise UserError(f"load --engine {engine!r}: load takes {', '.join(ENGINES[:-1])} or {ENGINES[-1]}")

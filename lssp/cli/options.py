@@ -32,7 +32,18 @@ TargetArg = Annotated[Optional[str], typer.Argument(help="Target model (default:
 EngineOpt = Annotated[str, typer.Option(
     "--engine", help="ours, hf (transformers' generate and assisted generation), vllm (./setup.sh --vllm installs "
     "it), or a comma list such as ours,hf,vllm: all in one interleaved run.")]
-DraftArg = Annotated[Optional[str], typer.Argument(help="Draft model (default: the registry's default_draft).")]
+DraftArg = Annotated[Optional[str], typer.Argument(help="Draft model (default: the registry's default_draft); "
+                                                         "--draft D says the same.")]
+# The other form of a command's draft: every command takes its draft as a second name or as --draft (one_draft).
+DraftAlsoOpt = Annotated[Optional[str], typer.Option("--draft", help="The draft, as the second name says it.")]
+DraftAlsoArg = Annotated[Optional[str], typer.Argument(help="The draft, as --draft says it.", show_default=False)]
+
+
+def one_draft(positional: str | None, option: str | None) -> str | None:
+    """The draft a command was given, as a second name or as --draft; one line where both name different ones."""
+    if positional and option and positional != option:
+        raise UserError(f"the draft is named twice ({positional!r} and --draft {option!r}): give it once")
+    return option or positional
 PromptsOpt = Annotated[Optional[Path], typer.Option(
     help="File with one prompt per line, or JSONL in Spec-Bench's question.jsonl shape (category, turns).")]
 TaskOpt = Annotated[Optional[str], typer.Option(

@@ -10,7 +10,7 @@ from typing import Annotated, Iterator, Optional
 import typer
 
 from lssp.cli.app import app, settings
-from lssp.cli.options import DraftArg, JsonOpt, TargetArg
+from lssp.cli.options import DraftAlsoOpt, DraftArg, JsonOpt, TargetArg, one_draft
 from lssp.cli.output import console, err_console, table
 from lssp.errors import UserError
 
@@ -74,6 +74,7 @@ def plan(
     ctx: typer.Context,
     target: TargetArg = None,
     draft: DraftArg = None,
+    draft_option: DraftAlsoOpt = None,
     no_draft: Annotated[bool, typer.Option("--no-draft", help="Plan the target alone.", metavar="")] = False,
     gpus: Annotated[Optional[int], typer.Option(help="GPUs in the node (default: this machine's).")] = None,
     gpu_memory: Annotated[Optional[str], typer.Option(
@@ -88,6 +89,7 @@ def plan(
     16-bit, 8-bit or 4-bit: worked out on the meta device, nothing loaded. The target honours its entry's
     max_memory; where the draft finds no room beside it, its room is kept first and the max_memory line that
     makes loading do the same is given; where nothing fits, the nearest option that does."""
+    draft = one_draft(draft, draft_option)
     from lssp.models.placement import PRECISIONS, empty_model, kv_bytes_per_token, model_config, plan_node
 
     s = settings(ctx)

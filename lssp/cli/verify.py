@@ -14,6 +14,7 @@ from rich.text import Text
 from lssp.cli.app import app, settings
 from lssp.cli.loaders import check_ready, heads_run, load_pair
 from lssp.cli.options import (
+    DraftAlsoOpt,
     DraftArg,
     LookupOpt,
     PromptsOpt,
@@ -21,6 +22,7 @@ from lssp.cli.options import (
     TopKOpt,
     TopPOpt,
     check_positive,
+    one_draft,
     parse_ints,
     read_prompt_list,
     sampling_params,
@@ -39,6 +41,7 @@ def verify(
     ctx: typer.Context,
     target: TargetArg = None,
     draft: DraftArg = None,
+    draft_option: DraftAlsoOpt = None,
     prompts: PromptsOpt = None,
     nb_prompts: Annotated[int, typer.Option(help="Use the first N prompts.")] = 3,
     samples: Annotated[int, typer.Option(help="SSp runs per prompt (sampled mode).")] = 1000,
@@ -66,6 +69,7 @@ def verify(
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the report as JSON here.")] = None,
 ) -> None:
     """Check that SSp samples exactly from the target (exit 1 when it does not, 3 when it cannot tell)."""
+    draft = one_draft(draft, draft_option)
     from lssp.measure import verify as vf
 
     s = settings(ctx)

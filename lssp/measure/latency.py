@@ -226,6 +226,13 @@ class LatencySetup:
     def draft_of(self, m: ModeSummary) -> str:
         return m.draft or self.draft or ""
 
+    def draft_label(self, m: ModeSummary) -> str:
+        """What tells ``m``'s drafter apart from the others timed: its method (draft, eagle, ngram), or the draft's
+        name where two drafts timed are of one kind."""
+        method = self.method(m).split("+")[0]
+        kind = self.draft_kinds.get(self.draft_of(m))
+        return self.draft_of(m) if method == kind and list(self.draft_kinds.values()).count(kind) > 1 else method
+
     def own(self, engine: str) -> EngineInfo:
         """What ``engine`` said of itself (nothing, where it was not described)."""
         return self.engines.get(engine) or EngineInfo(engine, engine)
