@@ -5,6 +5,7 @@ import json
 
 import pandas as pd
 import pytest
+from conftest import cli
 
 from lssp.cli import main
 
@@ -160,8 +161,12 @@ def test_json_into_a_missing_folder_and_a_file_as_results_dir_are_one_line_each(
     (("eval", "tiny-target", "--nb-prompts", "0"), "--nb-prompts must be at least 1"),
     (("latency", "tiny-target", "--prompts", "/no/such/file"), "cannot read prompts file /no/such/file"),
     (("latency", "tiny-target", "--draft", "tiny-other-vocab"), "does not share target 'tiny-target''s tokenizer"),
-    (("latency", "tiny-target", "--temperature", "-1"), "--temperature must be >= 0"),
+    (("latency", "tiny-target", "--temperature", "-1"), "--temperature must be a number >= 0"),
+    (("latency", "tiny-target", "--temperature", "nan"), "--temperature must be a number >= 0, got nan"),
     (("latency", "tiny-target", "--chat"), "its tokenizer has no chat template"),
+    (("--device", "tpu", "latency"), "--device takes cpu, cuda, cuda:N or auto, got 'tpu'"),
+    (("verify", "tiny-target", "tiny-draft", "--k", "1000"), "--k 1000 is more than --max-new-tokens 64"),
+    (("plan", "tiny-target", "--gpus", "0"), "--gpus must be at least 1, got 0"),
 ])
 def test_bad_input_gives_one_line_and_nonzero_exit(run, args, message):
     code, out, err = run(*args)
@@ -395,3 +400,23 @@ def test_two_drafts_of_one_kind_are_told_apart_by_name(run):
                          "--nb-prompts", "1", "--max-new-tokens", "4")
     assert code == 0, err
     assert "SSP tiny-draft " in out and "SSP tiny-draft-compact" in out
+
+
+def test_an_unknown_name_far_from_every_model_points_at_models_not_at_all_of_them(tmp_path, capsys):
+    import yaml
+
+    registry = tmp_path / "models.yaml"
+    registry.write_text(yaml.safe_dump({"models": {f"model-{i}": {"path": f"org/m{i}"} for i in range(20)}}))
+    code, _, err = cli(capsys, registry, tmp_path)("latency", "zzzzzz")
+    assert code == 2 and "none of the 20 known is close (`llamassp.py models` lists them)" in err
+    assert "model-7" not in err
+
+
+def test_json_into_the_results_folder_the_run_makes_is_allowed(run, tmp_path):
+    fresh = tmp_path / "fresh"
+    code, _, err = run("--results-dir", str(fresh), "cost", "tiny-draft", "--precisions", "float32", "--tokens", "1",
+                       "--repeats", "1", "--json", str(fresh / "c.json"))
+    assert code == 0, err
+    assert (fresh / "c.json").exists()
+    code, _, err = run("cost", "tiny-draft", "--json", str(tmp_path / "no" / "such" / "c.json"))
+    assert code == 2 and "does not exist" in err

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Annotated, Optional
@@ -45,10 +46,11 @@ class Settings:
 
     def writable_results_dir(self, json_out: Path | None = None) -> Path:
         """The results directory, made if needed and proven writable, before any model loads; ``json_out``'s
-        folder must exist (a mistyped path is not created)."""
+        folder must exist (a mistyped path is not created), unless it is the results directory, which the run makes."""
         if self.results_dir.exists() and not self.results_dir.is_dir():
             raise UserError(f"--results-dir {self.results_dir} is a file, not a folder")
-        if json_out is not None and not json_out.parent.is_dir():
+        made_by_run = json_out is not None and json_out.parent.resolve() == self.results_dir.resolve()
+        if json_out is not None and not json_out.parent.is_dir() and not made_by_run:
             raise UserError(f"--json {json_out}: the folder {json_out.parent} does not exist")
         check_writable_dir(self.results_dir)
         return self.results_dir
@@ -91,6 +93,8 @@ def main_options(
                                           callback=_print_version, metavar="")] = False,
 ) -> None:
     """Global options go before or after the subcommand: llamassp.py latency --seed 1 ..."""
+    if device is not None and not re.fullmatch(r"cpu|auto|cuda(:\d+)?", device):
+        raise UserError(f"--device takes cpu, cuda, cuda:N or auto, got {device!r}")
     ctx.obj = Settings(registry_path(config), results_dir, seed, verbose, device, compile, compile_fallback)
     _configure_logging(verbose)
 

@@ -57,6 +57,8 @@ def _node(gpus: int | None, gpu_memory: str | None, reserve: str) -> tuple[int, 
     """GPUs, bytes of each and bytes kept free on each: as given, else this machine's."""
     import torch
 
+    if gpus is not None and gpus < 1:
+        raise UserError(f"--gpus must be at least 1, got {gpus} (plan lays a model out over GPUs)")
     visible = _visible_gpus()
     if gpus is None:
         if not visible:

@@ -21,6 +21,7 @@ from lssp.cli.options import (
     TargetArg,
     TopKOpt,
     TopPOpt,
+    check_k_within_budget,
     check_positive,
     one_draft,
     parse_ints,
@@ -83,6 +84,7 @@ def verify(
     if not effect > 0:
         raise UserError(f"--effect must be above 0, got {effect}")
     check_positive("--lookup", lookup, minimum=0)
+    check_k_within_budget(ks, max_new_tokens)
     params = sampling_params(temperature, top_k, top_p)
     prompt_list = read_prompt_list(prompts, nb_prompts)
     paired = {name: two_sample if two_sample is not None else not engine_class(name).reference for name in engines}

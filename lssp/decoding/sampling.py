@@ -18,8 +18,8 @@ class SamplingParams:
     top_p: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise UserError(f"--temperature must be >= 0, got {self.temperature}")
+        if not self.temperature >= 0 or self.temperature == float("inf"):  # nan compares false
+            raise UserError(f"--temperature must be a number >= 0, got {self.temperature}")
         if self.top_k < 0:
             raise UserError(f"--top-k must be >= 0 (0 disables it), got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:

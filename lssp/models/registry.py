@@ -237,6 +237,8 @@ def _suggest(name: str, choices: Any) -> str:
     close = difflib.get_close_matches(name, list(choices), n=3, cutoff=0.5)
     if close:
         return "; did you mean " + ", ".join(repr(c) for c in close) + "?"
+    if len(choices) > 8:  # a registry's ~50 models: where to see them, not all of them
+        return f"; none of the {len(choices)} known is close (`llamassp.py models` lists them)"
     return "; known: " + ", ".join(sorted(choices))
 
 
