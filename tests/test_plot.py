@@ -305,3 +305,24 @@ def test_plot_command_warns_in_one_line_and_still_draws(run, tmp_path):
     warning = [line for line in err.splitlines() if "warning" in line]
     assert len(warning) == 1 and "latency.1.csv" in warning[0] and "skipped 1 malformed line" in warning[0]
     assert "plots/tasks.png" in out and (results / "plots" / "tasks.png").stat().st_size > 5000
+
+
+def test_text_in_a_number_cell_skips_that_row_names_file_and_line_and_draws_the_rest(tmp_path):
+    rows = latency_rows()
+    rows["ms_per_token"] = rows["ms_per_token"].astype(object)
+    rows.loc[1, "ms_per_token"] = "fast"
+    rows.to_csv(tmp_path / "latency.csv", index=False)
+    frame, warnings = read_results(tmp_path / "latency.csv")
+    assert len(frame) == len(rows) - 1 and frame["ms_per_token"].dtype.kind == "f"
+    assert warnings == [f"{tmp_path / 'latency.csv'}: skipped 1 row with text where numbers go (line 3, column "
+                        "ms_per_token)"]
+    charts = draw_charts(tmp_path)
+    assert "latency.png" in {p.name for p in charts.paths} and charts.warnings == warnings
+
+
+def test_a_charts_folder_that_cannot_take_files_is_one_line_before_drawing(run, tmp_path):
+    """A read-only folder (or, as here, since tests may run as root, a file where the charts folder goes)."""
+    latency_rows().to_csv(tmp_path / "latency.csv", index=False)
+    (tmp_path / "plots").write_text("not a folder")
+    code, _, err = run("--results-dir", str(tmp_path), "plot")
+    assert code == 2 and "is not writable" in err and len(err.strip().splitlines()) <= 2

@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from lssp.errors import UserError
-from lssp.report.results import ResultWriter
+from lssp.report.results import ResultWriter, check_writable_dir
 
 
 def _width() -> int | None:
@@ -102,6 +102,8 @@ def plot_charts(results_dir: Path, **filters: Any) -> None:
         from lssp.report import plot as plotting
     except ImportError:
         raise UserError("plotting needs matplotlib (run ./setup.sh)") from None
+    if results_dir.is_dir():  # where the charts go must take them, said before drawing (a read-only folder)
+        check_writable_dir(filters.get("out_dir") or results_dir / "plots")
     charts = plotting.draw_charts(results_dir, **filters)
     for warning in charts.warnings:
         err_console.print(f"[yellow]warning:[/yellow] {warning}", soft_wrap=True)

@@ -81,7 +81,7 @@ def _read_part(part: Path) -> tuple[pd.DataFrame, str | None]:
         return pd.DataFrame(), None
     problem = csv_problem(part)
     if problem is None:
-        return pd.read_csv(part), None
+        return _numbers_only_where_numbers_go(part, pd.read_csv(part), None)
     text = part.read_text(errors="replace")
     records = _records(text)
     if not records or not records[0][1]:
@@ -96,15 +96,40 @@ def _read_part(part: Path) -> tuple[pd.DataFrame, str | None]:
         elif len(fields) != len(header):
             bad.append(f"line {number} has {len(fields)} fields where its header has {len(header)}")
         else:
-            good.append(fields)
+            good.append((number, fields))
     if not good:
         return pd.DataFrame(), f"{part}: skipped the whole file, no well-formed row in it ({bad[0] if bad else problem})"
     buffer = io.StringIO()
-    csv.writer(buffer).writerows([header, *good])
+    csv.writer(buffer).writerows([header, *(fields for _, fields in good)])
     buffer.seek(0)
     more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
-    return pd.read_csv(buffer), (f"{part}: skipped {plural(len(bad), 'malformed line')} ({bad[0]}{more}); "
-                                 f"drawing from its {plural(len(good), 'good row')}")
+    frame, text_warning = _numbers_only_where_numbers_go(part, pd.read_csv(buffer), [number for number, _ in good])
+    warning = (f"{part}: skipped {plural(len(bad), 'malformed line')} ({bad[0]}{more}); "
+               f"drawing from its {plural(len(good), 'good row')}")
+    return frame, warning + (f"; {text_warning.split(': ', 1)[1]}" if text_warning else "")
+
+
+def _numbers_only_where_numbers_go(part: Path, frame: pd.DataFrame,
+                                   lines: list[int] | None) -> tuple[pd.DataFrame, str | None]:
+    """``frame`` without the rows that hold text in a column of numbers (one where most filled cells are numbers), those columns made numeric; and a one-line warning naming the first such line (``lines``: each
+    row's line in the file; None: the row after the header)."""
+    bad: dict[int, str] = {}
+    for column in frame.columns:
+        if pd.api.types.is_numeric_dtype(frame[column]) or pd.api.types.is_bool_dtype(frame[column]):
+            continue
+        numbers = pd.to_numeric(frame[column], errors="coerce")
+        filled = int(frame[column].notna().sum())
+        text = frame[column].notna() & numbers.isna()
+        if filled and 0 < int(text.sum()) < filled / 2:
+            for row in frame.index[text]:
+                bad.setdefault(int(row), column)
+            frame[column] = numbers
+    if not bad:
+        return frame, None
+    first = min(bad)
+    more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
+    return frame.drop(index=list(bad)), (f"{part}: skipped {plural(len(bad), 'row')} with text where numbers go "
+                                         f"(line {lines[first] if lines else first + 2}, column {bad[first]}{more})")
 
 
 def read_results(path: Path) -> tuple[pd.DataFrame, list[str]]:
