@@ -420,3 +420,41 @@ def test_json_into_the_results_folder_the_run_makes_is_allowed(run, tmp_path):
     assert (fresh / "c.json").exists()
     code, _, err = run("cost", "tiny-draft", "--json", str(tmp_path / "no" / "such" / "c.json"))
     assert code == 2 and "does not exist" in err
+
+
+def test_a_busy_machine_is_said_with_one_prompt_and_marks_the_rows(run, tmp_path, monkeypatch):
+    """Other work's share of the CPUs while timing (``lssp.report.contention``), here said to be 60%: the verdict says
+    the machine was busy, the rows carry the share and are marked noisy (charts draw them hollow)."""
+    import lssp.measure.latency as latency
+
+    monkeypatch.setattr(latency, "others_share", lambda start, end: 0.6)
+    code, out, err = run("latency", "tiny-target", "--draft", "tiny-draft", "--k", "2", "--nb-prompts", "1",
+                         "--max-new-tokens", "4", "--json", str(tmp_path / "l.json"))
+    assert code == 0, err
+    assert "busy machine: other work took 60% of the CPUs' time while timing" in " ".join(out.split())
+    rows = json.loads((tmp_path / "l.json").read_text())
+    assert rows and all(r["others_cpu_share"] == 0.6 and r["noisy"] for r in rows)
+
+
+def test_other_works_share_of_the_cpus_is_measured_and_ours_is_not_counted():
+    import subprocess
+    import time
+
+    from lssp.report.contention import cpu_snapshot, others_share
+
+    if cpu_snapshot() is None:
+        pytest.skip("no /proc here")
+    child = subprocess.Popen(["python3", "-c", "while True: pass"])  # ours: a child of this process
+    try:
+        time.sleep(0.3)
+        start = cpu_snapshot()
+        time.sleep(1.5)
+        with_child = others_share(start, cpu_snapshot())
+    finally:
+        child.kill()
+    assert 0 <= with_child <= 1
+    # The child's core is ours: it adds nothing to the share (whatever else this machine runs meanwhile).
+    start = cpu_snapshot()
+    time.sleep(1.5)
+    alone = others_share(start, cpu_snapshot())
+    assert with_child < alone + 0.25

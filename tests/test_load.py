@@ -485,3 +485,18 @@ def test_llamacpp_load_pieces():
     cut = streamed.cut(Stopping(token_ids={2}))
     assert cut.tokens == [5, 2] and cut.timing(0).first_to_last_s == pytest.approx(0.1)
     assert cut.timing(0).ttft_s == pytest.approx(0.1) and not Streamed(error="x").timing(0).ok
+
+
+def test_a_level_timed_on_a_busy_machine_is_said_and_marked(run, tmp_path, monkeypatch):
+    import lssp.measure.load as load
+
+    shares = iter([0.1, 0.7])
+    monkeypatch.setattr(load, "others_share", lambda start, end: next(shares))
+    code, out, err = run("load", "tiny-target-compact", "--draft", "tiny-draft-compact", "--engine", "ours",
+                         "--concurrency", "1,2", "--requests", "3", "--task", "stories", "--max-new-tokens", "4",
+                         "--k", "2")
+    assert code == 0, err
+    assert "concurrency 2: busy machine: other work took 70% of the CPUs' time" in " ".join(out.split())
+    rows = pd.read_csv(tmp_path / "results" / "load.csv")
+    assert rows.set_index("concurrency")["others_cpu_share"].to_dict() == {1: 0.1, 2: 0.7}
+    assert rows.set_index("concurrency")["noisy"].to_dict() == {1: False, 2: True}

@@ -240,7 +240,11 @@ def render_verdict(run) -> None:
     """The lines a user acts on: a busy machine said first, then per engine the K to use (or that SSp does not pay),
     its speedup with its spread over passes, α, and on what prompts."""
     setup = run.setup
-    if run.noisy:
+    if run.busy:
+        from lssp.report.contention import busy_line
+
+        console.print(f"[bold yellow]  {busy_line(setup.others_cpu_share)}[/bold yellow]")
+    if any(m.noisy for m in run.overall):
         from lssp.measure.latency import NOISY_SPREAD
 
         worst = max((m for m in run.overall if m.noisy), key=lambda m: max(_finite(m.noise_spread), _finite(m.forward_spread)))

@@ -35,6 +35,7 @@ from lssp.cli.output import console, err_console, exit_interrupted, exit_with, f
 from lssp.cli.progress import progress
 from lssp.engines import engine_class
 from lssp.errors import UserError
+from lssp.report.contention import busy_line
 from lssp.report.results import ResultWriter, plural
 
 ENGINES = tuple(name for name, starter in STARTERS.items() if starter.serve is not None)
@@ -222,6 +223,8 @@ def render(run) -> None:
             console.print(Text(f"break-even ({what}, {label}): {text}", style=style))
     for note in run.notes:
         console.print(f"  {note}")
+    for concurrency, share in run.busy_levels.items():
+        console.print(f"[bold yellow]  concurrency {concurrency}: {busy_line(share)}[/bold yellow]")
     cut = sum(row.prompt_tokens_cut for row in run.summaries if row.mode == "rsp")
     if cut:
         console.print(f"  prompt tokens cut to batch: {cut} over the levels (equal lengths per static batch)")

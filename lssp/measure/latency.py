@@ -16,6 +16,7 @@ from lssp.errors import UserError
 from lssp.measure.runloop import Progress, run_interleaved
 from lssp.models.compact import compiled_graphs
 from lssp.models.loading import LoadedModel
+from lssp.report.contention import BUSY_SHARE, cpu_snapshot, others_share
 from lssp.report.results import RunInfo, markdown_table, plural
 from lssp.report.stats import alpha_estimate
 from lssp.workloads.tasks import TaskPrompt
@@ -205,6 +206,7 @@ class LatencySetup:
     prompt_formats: dict[str, str] = field(default_factory=dict)  # task: chat, raw or mixed
     split_timing: str = SAME_PASS  # where the draft/target/other split was measured
     recompiles: int = 0  # graphs torch.compile built during the timed passes (after the warm-ups)
+    others_cpu_share: float = float("nan")  # share of the CPUs' time other work took during the timed passes
     engines: dict[str, EngineInfo] = field(default_factory=dict)  # what each engine of the run says of itself
     draft_kinds: dict[str, str] = field(default_factory=dict)  # each draft's kind: draft (a model) or eagle (a head)
     draft_precisions: dict[str, str] = field(default_factory=dict)  # in a run of several drafts
@@ -299,8 +301,14 @@ class LatencyRun:
 
     @property
     def noisy(self) -> bool:
-        """The target's forward time varied across prompts beyond what a quiet machine shows."""
-        return any(s.noisy for s in self.overall)
+        """The target's forward time varied across prompts beyond what a quiet machine shows, or other work took
+        more than ``BUSY_SHARE`` of the CPUs while timing."""
+        return any(s.noisy for s in self.overall) or self.busy
+
+    @property
+    def busy(self) -> bool:
+        """Other work took more than ``BUSY_SHARE`` of the CPUs' time during the timed passes."""
+        return self.setup is not None and self.setup.others_cpu_share > BUSY_SHARE
 
     @property
     def timing_fallbacks(self) -> int:
@@ -338,8 +346,8 @@ class LatencyRun:
             "prompt_format": self.prompt_format(m.task), "ignore_eos": setup.ignore_eos,
             **{key: value for key, value in asdict(m).items() if key not in ("mode", "k", "draft")},
             "acceptance_by_position": ";".join(f"{x:.4f}" for x in m.acceptance_by_position),
-            "noisy": m.noisy, "interrupted": self.interrupted, "split_timing": setup.split_timing,
-            "recompiles": setup.recompiles,
+            "noisy": m.noisy or self.busy, "interrupted": self.interrupted, "split_timing": setup.split_timing,
+            "recompiles": setup.recompiles, "others_cpu_share": round(setup.others_cpu_share, 3),
             "target_precision": setup.own(m.engine).target_precision or setup.target_precision,
             "draft_precision": setup.draft_precisions.get(m.draft, setup.draft_precision) or "",
             **version_columns(engine_class(m.engine), setup.own(m.engine).version),
@@ -370,7 +378,8 @@ class LatencyRun:
         keys = ("task", "engine", "method", "mode", "target", "draft", "k", "confidence", "lookup", "lookup_acceptance", "ngram", "ms_per_token",
                 "ttft_ms", "acceptance_rate", "alpha", "mean_accepted", "speedup", "speedup_sd", "specbench_speedup",
                 "at_budget_share", "ms_per_token_median",
-                "forward_spread", "noise_spread", "noisy", "timing_basis", "interrupted", "run_id", "device")
+                "forward_spread", "noise_spread", "noisy", "others_cpu_share", "timing_basis", "interrupted", "run_id",
+                "device")
         return [{**{key: row[key] for key in keys}, "draft": row["draft"] or None,
                  "acceptance_by_position": [round(x, 4) for x in m.acceptance_by_position]}
                 for m, row in zip(self.summaries, self.rows())]
@@ -396,7 +405,10 @@ class LatencyRun:
             notes.append("Interrupted: only the prompts completed in every mode are counted.")
         if self.timing_fallbacks:
             notes.append(self.fallback_note + ".")
-        if self.noisy:
+        if self.busy:
+            notes.append(f"Busy: other work took {self.setup.others_cpu_share:.0%} of the CPUs' time while timing "
+                         f"(others_cpu_share; a quiet machine: under {BUSY_SHARE:.0%}); the speedup is unreliable.")
+        if any(s.noisy for s in self.overall):
             notes.append(f"Noisy: a completion's time per iteration stood more than {NOISY_SPREAD}x above its mode's "
                           "and its prompt's typical one (noise_spread), or the slowest prompt's target forwards took "
                           f"more than {NOISY_SPREAD}x the median "
@@ -573,16 +585,17 @@ def run_latency(
         stats, at_budget, _ = complete_turns(target, prompt, uses_chat_template(target, prompt, chat), generate)
         return stats, at_budget
 
-    graphs = [compiled_graphs()]
+    graphs, started = [compiled_graphs()], [cpu_snapshot()]
 
-    def warmed() -> None:  # graphs the warm-up built are not in the figures
-        graphs[0] = compiled_graphs()
+    def warmed() -> None:  # graphs the warm-up built are not in the figures, nor its time in the CPU shares
+        graphs[0], started[0] = compiled_graphs(), cpu_snapshot()
 
     steps, interrupted = run_interleaved(
         prompts, modes, complete, TaskPrompt("warm-up", (warmup_prompt,), False), repeats,
         [m for m in modes if engine_class(m.engine).splits_time] if separate else (), progress, describe=lambda p: p.task,
         warmed=warmed)
     setup.recompiles = compiled_graphs() - graphs[0]
+    setup.others_cpu_share = others_share(started[0], cpu_snapshot())
     timings = [PromptTiming(s.index, s.mode.mode, s.mode.k, s.result[0], s.mode.confidence, s.mode.lookup, s.repeat,
                             s.split_pass, prompts[s.index].task, len(prompts[s.index].turns), s.result[1], s.mode.engine,
                             s.mode.draft, s.mode.ngram) for s in steps]

@@ -26,6 +26,7 @@ from lssp.errors import UserError
 from lssp.measure.latency import uses_chat_template
 from lssp.measure.runloop import rotated
 from lssp.models.loading import ModelHandle
+from lssp.report.contention import BUSY_SHARE, cpu_snapshot, others_share
 from lssp.report.results import RunInfo, markdown_table, plural
 from lssp.workloads.tasks import TaskPrompt
 
@@ -297,6 +298,12 @@ class LoadRun:
     interrupted: bool = False
     failure: str = ""
     notes: list[str] = field(default_factory=list)
+    others_cpu_share: dict[int, float] = field(default_factory=dict)  # per concurrency: the CPUs' time other work took
+
+    @property
+    def busy_levels(self) -> dict[int, float]:
+        """The levels during which other work took more than ``BUSY_SHARE`` of the CPUs' time."""
+        return {c: share for c, share in self.others_cpu_share.items() if share > BUSY_SHARE}
 
     @property
     def summaries(self) -> list[LevelSummary]:
@@ -329,6 +336,8 @@ class LoadRun:
             "request_rate": setup.request_rate if setup.request_rate else "inf", "seed": setup.seed,
             **{key: value for key, value in asdict(s).items() if key not in ("concurrency", "mode", "k", "lookup", "ngram")},
             "interrupted": self.interrupted, "engine_version": setup.engine_version, "tpot_definition": TPOT,
+            "others_cpu_share": round(self.others_cpu_share.get(s.concurrency, float("nan")), 3),
+            "noisy": s.concurrency in self.busy_levels,
             **info.env,
         } for s in (summaries if summaries is not None else self.summaries)]
 
@@ -358,7 +367,10 @@ class LoadRun:
                 f"and mode, ≤{setup.max_new_tokens} new tokens, {setup.params}, "
                 f"{'Poisson arrivals at ' + format(setup.request_rate, 'g') + '/s' if setup.request_rate else 'closed loop'}"
                 f"\n\n{self.info.describe()}\n\n{markdown_table(self.rows(), columns)}\n" + "\n".join(lines)
-                + "\n\n" + " ".join(self.notes) + ("\n\nInterrupted: the levels shown completed." if self.interrupted
+                + "\n\n" + " ".join(self.notes) + "".join(f"\n\nBusy at concurrency {c}: other work took {share:.0%} of "
+                                                      "the CPUs' time; its figures are unreliable."
+                                                      for c, share in self.busy_levels.items())
+                + ("\n\nInterrupted: the levels shown completed." if self.interrupted
                                                   else "") + (f"\n\nFailed: {self.failure}" if self.failure else "")
                 + f"\n\nTPOT: {TPOT}. Ratios: latency = RSp median TPOT ÷ SSp's; throughput = SSp tokens/s ÷ RSp's; "
                 "> 1: SSp pays. Break-even: the lowest concurrency from which on every ratio measured is ≤ 1.\n")
@@ -397,6 +409,7 @@ def run_load(backend: LoadBackend, setup: LoadSetup, info: RunInfo, requests: Se
     try:
         for index, concurrency in enumerate(setup.levels):
             served: dict[Mode, ModeLevel] = {}
+            before = cpu_snapshot()
             for mode in rotated(setup.modes, index):
                 start = time.perf_counter()
                 served[mode] = backend.serve(mode, requests, concurrency)
@@ -405,6 +418,7 @@ def run_load(backend: LoadBackend, setup: LoadSetup, info: RunInfo, requests: Se
                     progress(f"concurrency {concurrency} {mode_label(mode)} "
                              f"({time.perf_counter() - start:.0f} s)", done, total)
             run.levels.append([served[m] for m in setup.modes])
+            run.others_cpu_share[concurrency] = others_share(before, cpu_snapshot())
             if on_level:
                 on_level(run)
     except KeyboardInterrupt:
