@@ -27,6 +27,7 @@ from lssp.cli.options import (
 from lssp.cli.output import console, err_console, exit_interrupted, exit_with, fmt, k_label, plot_charts, save, table
 from lssp.cli.progress import progress
 from lssp.errors import UserError
+from lssp.report.contention import busy_line
 from lssp.report.results import plural
 
 
@@ -143,3 +144,6 @@ def render(run, t, d) -> None:
                       f"McNemar p = {cmp.mcnemar_p:.3f} ({cmp.only_rsp} only-RSp vs {cmp.only_ssp} only-SSp correct)")
     if run.resumed:
         console.print(f"  resumed: {run.resumed} records reused from {run.records_path}")
+    busy = busy_line(run.others_cpu_share)
+    if busy:
+        console.print(f"[bold yellow]  {busy} (s/problem)[/bold yellow]")

@@ -21,6 +21,7 @@ from lssp.decoding.timing import Clock
 from lssp.models.loading import LoadedModel, cpu_quantize
 from lssp.models.modules import model_device
 from lssp.models.registry import CPU_QUANTIZATIONS
+from lssp.report.contention import BUSY_SHARE, cpu_snapshot, others_share
 from lssp.report.results import RunInfo, markdown_table
 
 Progress = Callable[[str], None]  # called with what is being timed next
@@ -188,10 +189,12 @@ class CostRun:
     repeats: int
     info: RunInfo = field(default_factory=RunInfo)
     limits: Limits | None = None
+    others_cpu_share: float = float("nan")  # share of the CPUs' time other work took while timing
 
     def rows(self) -> list[dict[str, Any]]:
         limits = self.limits
         return [{**self.info.head(), "engine": "ours", **asdict(c), "over_floor": c.over_floor,
+                 "others_cpu_share": round(self.others_cpu_share, 3), "noisy": self.others_cpu_share > BUSY_SHARE,
                  "bandwidth_gbs": limits.bandwidth / 1e9 if limits else float("nan"),
                  "throughput_gflops": limits.throughput.get(c.precision, float("nan")) / 1e9 if limits else float("nan"),
                  "context": self.context, "repeats": self.repeats, **self.info.env}
@@ -252,6 +255,8 @@ def run_costs(models: Sequence[LoadedModel], precisions: Sequence[str], token_co
               context: int = 64, repeats: int = 15, progress: Progress | None = None) -> CostRun:
     if progress:
         progress("the machine's bandwidth and matmul throughput")
+    start = cpu_snapshot()
     limits = machine_limits(models, precisions)
     costs = forward_costs(models, precisions, token_counts, context, repeats, progress, limits)
-    return CostRun(costs, context, repeats, RunInfo.here(models[0].device), limits)
+    return CostRun(costs, context, repeats, RunInfo.here(models[0].device), limits,
+                   others_share(start, cpu_snapshot()))

@@ -16,6 +16,7 @@ from lssp.decoding.sampling import SamplingParams
 from lssp.engines import Engine, Mode, Request, engine_class, request_seed
 from lssp.errors import UserError
 from lssp.models.loading import LoadedModel
+from lssp.report.contention import BUSY_SHARE, cpu_snapshot, others_share
 from lssp.report.results import RunInfo, markdown_table
 from lssp.report.stats import Interval, mcnemar, paired_difference, wald, wilson
 from lssp.workloads.arithmetic import (
@@ -99,6 +100,7 @@ class EvalRun:
     resumed: int  # records found on disk and not redone
     setup: EvalSetup | None = None
     info: RunInfo = field(default_factory=RunInfo)
+    others_cpu_share: float = float("nan")  # share of the CPUs' time other work took while this run scored
 
     def _drafted(self, mode: str) -> dict[str, int]:
         """The lookup and n-gram columns of ``mode``'s rows (``Engine.ssp_mode``: what the n-gram length meant)."""
@@ -120,6 +122,7 @@ class EvalRun:
             "diff_low": cmp.difference.low if cmp else nan, "diff_high": cmp.difference.high if cmp else nan,
             "mcnemar_p": cmp.mcnemar_p if cmp else nan, "op": setup.op, "max_operand": setup.max_operand,
             "s_per_problem": m.seconds_per_problem, "s_per_problem_basis": self.timing_basis(m.mode),
+            "others_cpu_share": round(self.others_cpu_share, 3), "noisy": self.others_cpu_share > BUSY_SHARE,
             "prefix_cache": setup.prefix_cache, "records": str(self.records_path),
             "target_precision": setup.target_precision, "draft_precision": setup.draft_precision, **self.info.env,
         } for m in self.summaries]
@@ -319,6 +322,7 @@ def run_eval(
     setup = EvalSetup(target.name, draft.name if draft else None, target.precision, draft.precision if draft else "",
                       params, nb_prompts, seed, k, max_new_tokens, lookup, op, max_operand, prefix is not None,
                       rsp_batch if batched["rsp"] else 1, engine.name, ssp_batch if batched["ssp"] else 1)
+    started = cpu_snapshot()
     with path.open("a") as sink:
         try:
             for chunk in range(0, nb_prompts, CHUNK):  # modes interleaved chunk by chunk
@@ -341,4 +345,4 @@ def run_eval(
     by_mode = {m: sorted((r for r in records if r.mode == m), key=lambda r: r.index) for m in modes}
     summaries = [summarize(m, by_mode[m]) for m in modes]
     comparison = compare(by_mode["rsp"], by_mode["ssp"]) if {"rsp", "ssp"} <= set(modes) else None
-    return EvalRun(run_id, path, summaries, comparison, len(done), setup, info)
+    return EvalRun(run_id, path, summaries, comparison, len(done), setup, info, others_share(started, cpu_snapshot()))
