@@ -201,6 +201,16 @@ def test_the_compiled_step_gives_the_eager_logits_and_exact_greedy_ssp(model):
     generate_speculative(compiled, draft, prompt, 24, 3, GREEDY)  # warm: the same shapes again
     assert compiled_graphs() == graphs  # nothing recompiles once warm
     assert len(compiled._free_buffers) >= 1  # dropped caches hand their buffers to the next one
+    # A second compiled model of the same shapes, other weights: the guards skip the models' own attributes, so it
+    # must get graphs of its own, never the first model's.
+    other = tiny_llama(77, scale=4.0)
+    twin, twin_eager = CompactLlama(copy.deepcopy(other)), CompactLlama(other)
+    twin.compile_decode("default")
+    kv, eager_kv, graphs = new_cache(twin), new_cache(twin_eager), compiled_graphs()
+    for start, end, last in ((0, 20, 1), (20, 22, 2), (22, 23, 1)):
+        torch.testing.assert_close(forward_logits(twin, ids[:, start:end], kv, last),
+                                   forward_logits(twin_eager, ids[:, start:end], eager_kv, last), rtol=1e-4, atol=1e-4)
+    assert compiled_graphs() > graphs  # its own graphs
 
 
 def test_compile_refuses_what_it_cannot_compile_in_one_line_or_falls_back_when_asked(model, caplog):
