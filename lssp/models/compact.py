@@ -12,6 +12,7 @@ Set ``forward: compact`` on a registry entry to use it.
 from __future__ import annotations
 
 import itertools
+import types
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -145,10 +146,20 @@ _compiled_models = itertools.count()
 
 
 def _arguments_only(entries: Sequence[Any]) -> list[bool]:
-    """Guards torch.compile keeps on the compiled step: those on its arguments (``model``, a string naming the model,
-    tells models apart), none on the model's attributes (its layers, weights and settings never change once loaded).
-    Checking those took 1.1 ms of every 8 ms one-token step of the default target on a CPU (~3,000 guards)."""
+    """Guards torch.compile keeps on a model's compiled step: those on its arguments, none on the model's attributes
+    (its layers, weights and settings never change once loaded, and each model compiles a code object of its own,
+    ``_own_step``). Checking those took 1.1 ms of every 8 ms one-token step of the default target on a CPU (~3,000
+    guards)."""
     return [not entry.name.startswith("self.") for entry in entries]
+
+
+def _own_step(model: CompactLlama) -> Any:
+    """``model._step`` as a method whose code object is this model's alone: torch.compile keeps its graphs per code
+    object, so no other model, of whatever layers, can run them (and each has its own recompile budget)."""
+    step = CompactLlama._step
+    code = step.__code__.replace(co_name=f"_step_of_model_{next(_compiled_models)}")
+    return types.MethodType(types.FunctionType(code, step.__globals__, code.co_name, step.__defaults__,
+                                               step.__closure__), model)
 
 
 @dataclass
@@ -293,7 +304,6 @@ class CompactLlama(FusedDecoder):
         super().__init__(model.config, model.model.layers, model.get_input_embeddings().weight.dtype)
         self.hf = model
         self._compiled_step = None  # set by compile_decode()
-        self._compiled_name = ""
         self._filled_only = False  # compiled on a CPU: attend over the filled slots only (dynamic shapes)
         self.compile_mode: str | None = None
         self._free_buffers: list[list[torch.Tensor]] = []  # compiled: caches reuse their buffers (stable addresses)
@@ -339,8 +349,7 @@ class CompactLlama(FusedDecoder):
         self._filled_only = self.get_input_embeddings().weight.device.type == "cpu"
         # torch.compile takes a mode or options: the default mode's options, with fewer guards.
         how = {"options": {"guard_filter_fn": _arguments_only}} if mode == "default" else {"mode": mode}
-        self._compiled_step = torch.compile(self._step, fullgraph=True, **how)
-        self._compiled_name = f"compiled model {next(_compiled_models)}"  # a string: never made dynamic
+        self._compiled_step = torch.compile(_own_step(self), fullgraph=True, **how)
         self.compile_mode = mode
 
     def _rope_table(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -352,10 +361,10 @@ class CompactLlama(FusedDecoder):
         return self._rms_norm(hidden, self.hf.model.norm.weight)
 
     def _step(self, input_ids: torch.Tensor, positions: torch.Tensor, keys_values: list[torch.Tensor],
-              cos_table: torch.Tensor, sin_table: torch.Tensor, upto: int | None, model: str) -> tuple[torch.Tensor, torch.Tensor]:
+              cos_table: torch.Tensor, sin_table: torch.Tensor, upto: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits and final hidden states of every position of ``input_ids`` (n,) at ``positions`` (n,), attending
         over the first ``upto`` slots (None: the whole buffer, the same shapes at every step) under a causal mask
-        built from the positions (the compiled path). ``model`` names this model to torch.compile's guards."""
+        built from the positions (the compiled path)."""
         slots = keys_values[0].shape[2] if upto is None else upto
         mask = torch.arange(slots, device=positions.device)[None, :] <= positions[:, None]
         hidden = self._layers(self.hf.model.embed_tokens(input_ids[None]), cos_table[:, positions],
@@ -384,8 +393,7 @@ class CompactLlama(FusedDecoder):
             # A fresh 1-D copy of the ids: a slice of the growing sequence has a stride that changes every step,
             # and ids made outside inference mode are another kind of tensor; each would get a graph of its own.
             logits, final = self._compiled_step(input_ids.reshape(-1).clone(), positions, kv.keys_values,
-                                                *self._rope_table(kv.keys_values[0]), end if self._filled_only else None,
-                                                self._compiled_name)
+                                                *self._rope_table(kv.keys_values[0]), end if self._filled_only else None)
             if graphs:  # a CUDA graph's outputs are overwritten by its next replay
                 logits, final = logits.clone(), final.clone()
             kv.length = end
