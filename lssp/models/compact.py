@@ -343,8 +343,8 @@ class CompactLlama(FusedDecoder):
         """
         import torch._dynamo
 
-        # Every compiled model shares the code of _step, and each adds its own graphs (per model, per token
-        # count until the count turns dynamic, in and out of inference mode): more than dynamo's default of 8.
+        # A model's step gets a graph per token count until the count turns dynamic, per position count until that
+        # does, in and out of inference mode: at times more than dynamo's default of 8.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
         self._filled_only = self.get_input_embeddings().weight.device.type == "cpu"
         # torch.compile takes a mode or options: the default mode's options, with fewer guards.
