@@ -458,3 +458,15 @@ def test_other_works_share_of_the_cpus_is_measured_and_ours_is_not_counted():
     time.sleep(1.5)
     alone = others_share(start, cpu_snapshot())
     assert with_child < alone + 0.25
+
+
+def test_bench_says_a_busy_machine_too(run, tmp_path, monkeypatch):
+    import lssp.measure.bench as bench
+
+    monkeypatch.setattr(bench, "others_share", lambda start, end: 0.5)
+    code, out, err = run("bench", "tiny-target", "tiny-draft", "--k", "2", "--nb-prompts", "1", "--max-new-tokens", "4",
+                         "--json", str(tmp_path / "b.json"))
+    assert code == 0, err
+    assert "busy machine: other work took 50% of the CPUs' time" in " ".join(out.split())
+    rows = json.loads((tmp_path / "b.json").read_text())
+    assert rows and all(r["others_cpu_share"] == 0.5 and r["noisy"] for r in rows)

@@ -36,6 +36,7 @@ from lssp.cli.output import console, exit_interrupted, exit_with, fmt, save, tab
 from lssp.cli.progress import progress
 from lssp.engines import engine_class
 from lssp.errors import UserError
+from lssp.report.contention import BUSY_SHARE, busy_line
 from lssp.report.results import plural
 
 
@@ -136,7 +137,9 @@ def render(run, alphas: list[float], random_weights: bool) -> None:
     if run.timing_fallbacks:
         console.print(f"[yellow]  ms/token of {plural(run.timing_fallbacks, 'completion')} is whole completion ÷ "
                       "tokens (timing_basis)[/yellow]")
-    if run.noisy:
+    if run.others_cpu_share > BUSY_SHARE:
+        console.print(f"[bold yellow]  {busy_line(run.others_cpu_share)}[/bold yellow]")
+    if run.noise_spread > NOISY_SPREAD:
         console.print(f"[bold yellow]  busy machine: a completion took {run.noise_spread:.1f}× its engine's and its "
                       f"prompt's typical time per iteration (a quiet machine stays under {NOISY_SPREAD}×): these ratios are "
                       "unreliable[/bold yellow]")

@@ -31,6 +31,7 @@ from lssp.measure.latency import (
 )
 from lssp.measure.runloop import Progress, run_interleaved
 from lssp.models.loading import LoadedModel
+from lssp.report.contention import BUSY_SHARE, cpu_snapshot, others_share
 from lssp.report.results import RunInfo, markdown_table, plural
 from lssp.report.stats import alpha_estimate, predicted_speedup
 
@@ -157,12 +158,14 @@ class BenchRun:
     verify_ratio: float = float("nan")  # v = target ms per SSp (K+1-token) forward ÷ per RSp forward
     greedy_agreement: dict[str, float] = field(default_factory=dict)  # share of prompts equal to ours-rsp
     rivals: dict[str, RivalFigures] = field(default_factory=dict)  # each rival engine that ran (RIVALS order)
+    others_cpu_share: float = float("nan")  # share of the CPUs' time other work took during the timed passes
 
     @property
     def noisy(self) -> bool:
         """A headline completion stood out from its engine's and its prompt's typical time per iteration, as latency
-        measures it (``noise_spread``); the split pass's ``forward_spread`` is only for reference."""
-        return self.noise_spread > NOISY_SPREAD
+        measures it (``noise_spread``; the split pass's ``forward_spread`` is only for reference), or other work took
+        more than ``BUSY_SHARE`` of the CPUs while timing."""
+        return self.noise_spread > NOISY_SPREAD or self.others_cpu_share > BUSY_SHARE
 
     @property
     def timing_fallbacks(self) -> int:
@@ -215,6 +218,7 @@ class BenchRun:
             "ssp_speedup_predicted_v": self.predicted_speedup_v, "target_weight_bytes": setup.target_weight_bytes,
             "copy_bandwidth_gbs": self.bandwidth / 1e9, "bandwidth_floor_ms": self.floor_ms,
             "forward_spread": self.forward_spread, "noise_spread": self.noise_spread, "noisy": self.noisy,
+            "others_cpu_share": round(self.others_cpu_share, 3),
             "interrupted": self.interrupted, "split_timing": setup.split_timing, "decode_timing": ENGINE_KINDS[LABELS[x.engine][0]].decode_timing,
             "timing_basis": x.timing_basis, "timing_fallbacks": x.timing_fallbacks,
             "target_precision": setup.target_precision, "draft_precision": setup.draft_precision, **self.info.env,
@@ -253,7 +257,9 @@ class BenchRun:
                    "after it: their ms/token is the whole completion ÷ tokens (timing_basis).\n"
                    if self.timing_fallbacks else "")
                 + (f"\nNoisy: a completion's time per iteration stood {self.noise_spread:.1f}x above its engine's and its "
-                   "prompt's typical one.\n" if self.noisy else ""))
+                   "prompt's typical one.\n" if self.noise_spread > NOISY_SPREAD else "")
+                + (f"\nBusy: other work took {self.others_cpu_share:.0%} of the CPUs' time while timing.\n"
+                   if self.others_cpu_share > BUSY_SHARE else ""))
 
 
 def bench_modes(labels: Sequence[str], k: int, confidence: float = 0.0) -> dict[str, Mode]:
@@ -294,14 +300,17 @@ def run_bench(target: LoadedModel, draft: LoadedModel, prompts: Sequence[str], w
                          1000 * st.target_time_s / st.target_forwards if timed else nan, stats=st)
 
     split = [m for m in modes.values() if engine_class(m.engine).splits_time]
+    started = [cpu_snapshot()]  # from the end of the warm-ups
     steps, interrupted = run_interleaved(prompts, list(modes.values()), once, warmup_prompt,
-                                         split_modes=split if separate else (), progress=progress, label=label_of.get)
+                                         split_modes=split if separate else (), progress=progress, label=label_of.get,
+                                         warmed=lambda: started.__setitem__(0, cpu_snapshot()))
+    others = others_share(started[0], cpu_snapshot())
     runs = []
     for step in steps:
         step.result.split_pass = step.split_pass
         runs.append(step.result)
     bench = summarize(k, runs, engines, confidence)
-    bench.interrupted = interrupted
+    bench.interrupted, bench.others_cpu_share = interrupted, others
     bench.setup = BenchSetup(target.name, draft.name, target.precision, draft.precision, target.weight_bytes, params,
                              max_new_tokens, len([r for r in runs if not r.split_pass]) // len(engines), confidence,
                              SEPARATE_PASS if separate else SAME_PASS)
