@@ -32,11 +32,10 @@ from lssp.cli.options import (
     read_prompt_list,
     sampling_params,
 )
-from lssp.cli.output import console, exit_interrupted, exit_with, fmt, save, table
+from lssp.cli.output import console, exit_interrupted, exit_with, fmt, save, say_busy, table
 from lssp.cli.progress import progress
 from lssp.engines import engine_class
 from lssp.errors import UserError
-from lssp.report.contention import BUSY_SHARE, busy_line
 from lssp.report.results import plural
 
 
@@ -137,8 +136,7 @@ def render(run, alphas: list[float], random_weights: bool) -> None:
     if run.timing_fallbacks:
         console.print(f"[yellow]  ms/token of {plural(run.timing_fallbacks, 'completion')} is whole completion ÷ "
                       "tokens (timing_basis)[/yellow]")
-    if run.others_cpu_share > BUSY_SHARE:
-        console.print(f"[bold yellow]  {busy_line(run.others_cpu_share)}[/bold yellow]")
+    say_busy(run.others_cpu_share)
     if run.noise_spread > NOISY_SPREAD:
         console.print(f"[bold yellow]  busy machine: a completion took {run.noise_spread:.1f}× its engine's and its "
                       f"prompt's typical time per iteration (a quiet machine stays under {NOISY_SPREAD}×): these ratios are "

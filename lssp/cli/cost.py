@@ -8,10 +8,9 @@ import typer
 
 from lssp.cli.app import app, settings
 from lssp.cli.options import JsonOpt, check_positive, parse_ints
-from lssp.cli.output import console, err_console, exit_with, save, table
+from lssp.cli.output import console, err_console, exit_with, save, say_busy, table
 from lssp.engines import check_engines
 from lssp.errors import UserError
-from lssp.report.contention import busy_line
 
 
 @app.command()
@@ -77,8 +76,6 @@ def cost(
         ratios = run.cost_ratios(target_name, target_forward, draft_name)
         console.print(f"  c = {draft_name} ÷ {target_name} ({target_forward} forward) per 1-token forward — "
                       + ", ".join(f"{p} ({f}): {c:.3f}" for (p, f), c in ratios.items()))
-    busy = busy_line(run.others_cpu_share)
-    if busy:
-        console.print(f"[bold yellow]  {busy}[/bold yellow]")
+    say_busy(run.others_cpu_share)
     rows = run.rows()
     exit_with(save(results, run.info.run_id, "cost", rows, run.markdown(), json_out, rows, f"run {run.info.run_id}"))

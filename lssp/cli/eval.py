@@ -24,10 +24,20 @@ from lssp.cli.options import (
     parse_engines,
     sampling_params,
 )
-from lssp.cli.output import console, err_console, exit_interrupted, exit_with, fmt, k_label, plot_charts, save, table
+from lssp.cli.output import (
+    console,
+    err_console,
+    exit_interrupted,
+    exit_with,
+    fmt,
+    k_label,
+    plot_charts,
+    save,
+    say_busy,
+    table,
+)
 from lssp.cli.progress import progress
 from lssp.errors import UserError
-from lssp.report.contention import busy_line
 from lssp.report.results import plural
 
 
@@ -144,6 +154,4 @@ def render(run, t, d) -> None:
                       f"McNemar p = {cmp.mcnemar_p:.3f} ({cmp.only_rsp} only-RSp vs {cmp.only_ssp} only-SSp correct)")
     if run.resumed:
         console.print(f"  resumed: {run.resumed} records reused from {run.records_path}")
-    busy = busy_line(run.others_cpu_share)
-    if busy:
-        console.print(f"[bold yellow]  {busy} (s/problem)[/bold yellow]")
+    say_busy(run.others_cpu_share)

@@ -36,7 +36,7 @@ from lssp.cli.options import (
     read_task_prompts,
     sampling_params,
 )
-from lssp.cli.output import console, exit_interrupted, exit_with, fmt, k_label, plot_charts, save, table
+from lssp.cli.output import console, exit_interrupted, exit_with, fmt, k_label, plot_charts, save, say_busy, table
 from lssp.cli.progress import progress
 from lssp.engines import engine_class
 from lssp.errors import UserError
@@ -240,10 +240,7 @@ def render_verdict(run) -> None:
     """The lines a user acts on: a busy machine said first, then per engine the K to use (or that SSp does not pay),
     its speedup with its spread over passes, α, and on what prompts."""
     setup = run.setup
-    if run.busy:
-        from lssp.report.contention import busy_line
-
-        console.print(f"[bold yellow]  {busy_line(setup.others_cpu_share)}[/bold yellow]")
+    say_busy(setup.others_cpu_share)
     if any(m.noisy for m in run.overall):
         from lssp.measure.latency import NOISY_SPREAD
 

@@ -31,11 +31,10 @@ from lssp.cli.options import (
     read_task_prompts,
     sampling_params,
 )
-from lssp.cli.output import console, err_console, exit_interrupted, exit_with, finish, fmt, table
+from lssp.cli.output import console, err_console, exit_interrupted, exit_with, finish, fmt, say_busy, table
 from lssp.cli.progress import progress
 from lssp.engines import engine_class
 from lssp.errors import UserError
-from lssp.report.contention import busy_line
 from lssp.report.results import ResultWriter, plural
 
 ENGINES = tuple(name for name, starter in STARTERS.items() if starter.serve is not None)
@@ -224,7 +223,7 @@ def render(run) -> None:
     for note in run.notes:
         console.print(f"  {note}")
     for concurrency, share in run.busy_levels.items():
-        console.print(f"[bold yellow]  concurrency {concurrency}: {busy_line(share)}[/bold yellow]")
+        say_busy(share, f"concurrency {concurrency}: ")
     cut = sum(row.prompt_tokens_cut for row in run.summaries if row.mode == "rsp")
     if cut:
         console.print(f"  prompt tokens cut to batch: {cut} over the levels (equal lengths per static batch)")

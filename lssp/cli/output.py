@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from lssp.errors import UserError
+from lssp.report.contention import busy_line
 from lssp.report.results import ResultWriter, check_writable_dir
 
 
@@ -94,6 +95,13 @@ def interrupt_said(reset: bool = False) -> bool:
     if reset:
         _interrupt_said.clear()
     return said
+
+
+def say_busy(share: float, where: str = "") -> None:
+    """One line where other work took too much of the CPUs while timing (``where``: e.g. a load level)."""
+    line = busy_line(share)
+    if line:
+        console.print(f"[bold yellow]  {where}{line}[/bold yellow]")
 
 
 def plot_charts(results_dir: Path, **filters: Any) -> None:
