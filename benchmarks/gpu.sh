@@ -12,7 +12,8 @@
 # Usage: benchmarks/gpu.sh [quick]   (quick: 2 prompts, the 7B target only, no compiled bench: 6–7 minutes on
 #   one H200, so that it fits a short lease with its start-up; STEP_TIMEOUT (s) caps each step, 900 by default)
 # On a machine without the project's venv, python3 is used (it needs torch, transformers, accelerate,
-# typer, rich, pandas, pyyaml); wheels in .whl/ (bitsandbytes, say) are installed first if present.
+# typer, rich, pandas, pyyaml); .gpusite/site.tar.xz (benchmarks/gpu-carry.sh: bitsandbytes, gguf) is unpacked
+# first if present, else wheels in .whl/ are installed.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 if [ -z "${PY:-}" ]; then
@@ -33,7 +34,10 @@ if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1
     echo "no CUDA GPU visible to $PY: nothing to run" >&2
     exit 1
 fi
-if compgen -G ".whl/*.whl" >/dev/null; then
+if [ -f .gpusite/site.tar.xz ]; then  # packed by benchmarks/gpu-carry.sh (bitsandbytes, gguf)
+    mkdir -p /tmp/lssp-site && tar xJf .gpusite/site.tar.xz -C /tmp/lssp-site \
+        && export PYTHONPATH=/tmp/lssp-site${PYTHONPATH:+:$PYTHONPATH}
+elif compgen -G ".whl/*.whl" >/dev/null; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/lssp-site .whl/*.whl \
         && export PYTHONPATH=/tmp/lssp-site${PYTHONPATH:+:$PYTHONPATH}
 fi
