@@ -394,11 +394,13 @@ def test_latency_ends_with_a_verdict_that_matches_its_table(run, tmp_path, monke
                          str(tmp_path / "l.json"))
     assert code == 0, err
     rows = [r for r in json.loads((tmp_path / "l.json").read_text()) if r["mode"] == "ssp"]
-    best = min(rows, key=lambda r: r["ms_per_token"])
+    chosen = next(r for r in rows if r["verdict"])
     verdict = " ".join(out.split("verdict: ")[1].split("Results")[0].split("results")[0].split())
-    expected = "use" if best["speedup"] > 1 else "SSp does not pay here: the best,"
-    assert verdict.startswith(f"{expected} K={best['k']}"), out
-    assert f"{best['speedup']:.2f}×" in verdict and "2 prompts" in verdict and "--repeats 3" in verdict
+    expected = {"gain": "use", "loss": "SSp does not pay here: the best,", "no clear gain": "no clear gain: the best,"}
+    assert verdict.startswith(f"{expected[chosen['verdict']]} K={chosen['k']}"), out
+    assert f"{chosen['verdict_speedup']:.2f}× [{chosen['verdict_low']:.2f}–{chosen['verdict_high']:.2f}]" in verdict
+    assert "2 prompts" in verdict and "chosen and estimated on the same 2 prompts" in verdict
+    best = min(rows, key=lambda r: r["ms_per_token"])
     stars = [line for line in out.splitlines() if "★" in line]
     assert len(stars) == (1 if best["speedup"] > 1 else 0)
     monkeypatch.setattr(lssp.measure.latency, "NOISY_SPREAD", 1.0)  # a busy machine: the verdict says what to do

@@ -169,9 +169,10 @@ def render(run, t, d, wide: bool = False, more: list | None = None) -> None:
                         ("tok/fwd", "right"), ("speedup", "right"), *([("±sd", "right")] if repeated else [])],
                 keep_whole=("mode",))  # an engine's name and the mode on one line; K wraps instead
     details = table("Details: median ms/token, time to first token, accepted/drafted, shares of decode time in the "
-                    "draft's and the target's forwards, and the spread of the target's forward time (slowest ÷ median "
-                    "prompt)", [("mode", "left"), ("median", "right"), ("TTFT ms", "right"), ("accepted", "right"),
-                             ("draft", "right"), ("target", "right"), ("spread", "right")])
+                    "draft's and the target's forwards, the spread of the target's forward time (slowest ÷ median "
+                    "prompt), and the speedup's 95% interval (CI) over the prompts",
+                    [("mode", "left"), ("median", "right"), ("TTFT ms", "right"), ("accepted", "right"),
+                     ("draft", "right"), ("target", "right"), ("spread", "right"), ("95% CI", "right")])
     both = len(run.engines) > 1
     star = fastest(overall) if several else None
     for m in overall:
@@ -185,7 +186,9 @@ def render(run, t, d, wide: bool = False, more: list | None = None) -> None:
                     *([fmt(m.speedup_sd, 2)] if repeated else []), style=style)
         details.add_row(mode + ("" if m.mode == "rsp" else f" K={k}"), f"{m.ms_per_token_median:.1f}", f"{m.ttft_ms:.0f}",
                         fmt(m.acceptance_rate, 0, pct=True), fmt(m.draft_share, 0, pct=True),
-                        fmt(m.target_share, 0, pct=True), fmt(m.forward_spread, 2, suffix="×"), style=style)
+                        fmt(m.target_share, 0, pct=True), fmt(m.forward_spread, 2, suffix="×"),
+                        f"{m.speedup_low:.2f}–{m.speedup_high:.2f}" if m.speedup_low == m.speedup_low else "–",
+                        style=style)
     if run.by_task:
         render_tasks(run)
     console.print(out)
@@ -237,32 +240,40 @@ def fastest(modes: list) -> object | None:
 
 
 def render_verdict(run) -> None:
-    """The lines a user acts on: a busy machine said first, then per engine the K to use (or that SSp does not pay),
-    its speedup with its spread over passes, α, and on what prompts."""
+    """The lines a user acts on: a busy machine said first, then per engine the K to use (or that SSp does not pay, or
+    no clear gain), its speedup with a 95% interval from prompts its choice did not see, α, and on what prompts."""
+    from lssp.measure.latency import GAIN, LOSS, NO_CLEAR_GAIN, NOISY_SPREAD
+
     setup = run.setup
     say_busy(setup.others_cpu_share)
     if any(m.noisy for m in run.overall):
-        from lssp.measure.latency import NOISY_SPREAD
-
         worst = max((m for m in run.overall if m.noisy), key=lambda m: max(_finite(m.noise_spread), _finite(m.forward_spread)))
         console.print(f"[bold yellow]  busy machine: a {_engine(worst)}{worst.mode.upper()} completion took "
                       f"{max(_finite(worst.noise_spread), _finite(worst.forward_spread)):.1f}× its typical time per "
                       f"iteration (a quiet machine stays under {NOISY_SPREAD}×): the speedup is unreliable[/bold yellow]")
     workload = (f"{len(setup.tasks)} tasks" if run.by_task else setup.tasks[0]) if setup.tasks else "the prompts given"
     prompts = f"{plural(run.prompts_done // setup.repeats, 'prompt')} ({workload})"
-    advice = ("; the machine was busy: rerun with --repeats 3 on a quiet machine" if run.noisy
-              else "; --repeats 3 gives the speedup a spread" if setup.repeats == 1 else "")
-    several = len({m.engine for m in run.recommended}) > 1
-    for m in run.recommended:
-        if m.speedup != m.speedup:  # no RSp to compare with (--no-baseline)
-            continue
+    several = len(run.verdicts) > 1
+    for v in run.verdicts:
+        m, s = v.mode, v.speedup
         what = f"{'' if several else _engine(m)}{_named(run, m)}K={_k(m)}"
-        speedup = f"{m.speedup:.2f}×" + (f" ± {m.speedup_sd:.2f}" if m.speedup_sd == m.speedup_sd else "")
         alpha = f", α {m.alpha:.2f}" if m.alpha == m.alpha else ""
-        text = (f"use {what}: {speedup}{alpha}, on {prompts}" if m.speedup > 1 else
-                f"SSp does not pay here: the best, {what}, runs at {speedup} RSp's speed{alpha}, on {prompts}")
+        ranged = s.low == s.low
+        speedup = f"{s.estimate:.2f}× [{s.low:.2f}–{s.high:.2f}]" if ranged else f"{s.estimate:.2f}×"
+        if v.outcome == GAIN:
+            text, style = f"use {what}: {speedup}{alpha}, on {prompts}", "bold green"
+        elif v.outcome == LOSS:
+            text, style = f"SSp does not pay here: the best, {what}, runs at {speedup} RSp's speed{alpha}, on {prompts}", "bold red"
+        else:
+            text, style = f"no clear gain: the best, {what}, runs at {speedup} RSp's speed{alpha}, on {prompts}", "bold yellow"
+        advice = ("; the machine was busy: rerun with --repeats 3 on a quiet machine" if run.noisy
+                  else "; more prompts (--nb-prompts) or passes (--repeats) narrow it" if v.outcome == NO_CLEAR_GAIN
+                  else "")
         head = f"verdict ({engine_label(m.engine)}): " if several else "verdict: "
-        console.print(Text(head + text + advice, style="bold green" if m.speedup > 1 else "bold red"))
+        console.print(Text(head + text + advice, style=style))
+        how = (f"95% interval of the geometric mean of {plural(v.pairs, 'per-prompt speedup')} (paired with RSp)"
+               if ranged else f"no interval from {plural(v.pairs, 'prompt')}: two or more give one")
+        console.print(f"  {how}; {v.basis}", style="dim")
 
 
 def _finite(x: float) -> float:

@@ -18,7 +18,7 @@ from lssp.models.compact import compiled_graphs
 from lssp.models.loading import LoadedModel
 from lssp.report.contention import BUSY_SHARE, cpu_snapshot, others_share
 from lssp.report.results import RunInfo, markdown_table, plural
-from lssp.report.stats import alpha_estimate
+from lssp.report.stats import Interval, alpha_estimate, ratio_interval
 from lssp.workloads.tasks import TaskPrompt
 
 
@@ -93,6 +93,8 @@ class ModeSummary:
     forward_spread: float = float("nan")  # the slowest prompt's mean ms per target forward ÷ the median prompt's
     noise_spread: float = float("nan")  # the worst completion's time per iteration, relative (see noise_spreads)
     speedup_sd: float = float("nan")  # sd of the speedup over --repeats passes (nan for one pass)
+    speedup_low: float = float("nan")  # 95% interval of the geometric-mean per-prompt speedup (paired_speedup)
+    speedup_high: float = float("nan")
     repeats: int = 1
     task: str = ALL_TASKS  # the task category these prompts are from
     at_budget_share: float = float("nan")  # of the completions (turns), those that ran to max_new_tokens
@@ -103,6 +105,10 @@ class ModeSummary:
     timing_fallbacks: int = 0  # completions whose ms/token is the whole completion's (no timed first emission)
     timing_basis: str = FIRST_TO_LAST  # how ms/token was measured (lssp.decoding.generation.timing_basis)
     ngram: int = 0  # SSp: n-gram length of the engine's n-gram drafter, drafting alone (0: a draft model)
+
+    @property
+    def how(self) -> Mode:
+        return Mode(self.mode, self.k, self.confidence, self.lookup, self.engine, self.draft, self.ngram)
 
     @property
     def noisy(self) -> bool:
@@ -274,6 +280,18 @@ class LatencyRun:
         return [s for s in self.overall if s.best]
 
     @property
+    def verdicts(self) -> list[Verdict]:
+        """Per engine with both RSp and SSp over every prompt: the mode to use and its speedup's interval."""
+        headline = [t for t in self.timings if not t.split_pass]
+        verdicts = []
+        for engine in self.engines:
+            rsp = next((s for s in self.overall if s.mode == "rsp" and s.engine == engine), None)
+            ssp = [s for s in self.overall if s.mode == "ssp" and s.engine == engine]
+            if rsp is not None and ssp:
+                verdicts.append(choose_and_estimate(headline, rsp.how, ssp))
+        return verdicts
+
+    @property
     def baseline(self) -> ModeSummary | None:
         return next((s for s in self.overall if s.mode == "rsp" and engine_class(s.engine).reference), None)
 
@@ -339,6 +357,7 @@ class LatencyRun:
     def rows(self) -> list[dict[str, Any]]:
         """One CSV row per mode."""
         setup, info = self.setup, self.info
+        verdicts = {id(v.mode): v for v in self.verdicts}
         return [{
             **info.head(), "engine": m.engine, "method": setup.method(m), "mode": m.mode, "target": setup.target,
             "draft": setup.draft_of(m) if setup.method(m) not in ("none", "ngram") else "",
@@ -351,7 +370,7 @@ class LatencyRun:
             "target_precision": setup.own(m.engine).target_precision or setup.target_precision,
             "draft_precision": setup.draft_precisions.get(m.draft, setup.draft_precision) or "",
             **version_columns(engine_class(m.engine), setup.own(m.engine).version),
-            "decode_timing": engine_class(m.engine).decode_timing, **info.env,
+            "decode_timing": engine_class(m.engine).decode_timing, **verdict_columns(verdicts.get(id(m))), **info.env,
         } for m in self.summaries]
 
     def prompt_format(self, task: str) -> str:
@@ -376,8 +395,8 @@ class LatencyRun:
     def summary_json(self) -> list[dict[str, Any]]:
         """The run for scripts (``--json``)."""
         keys = ("task", "engine", "method", "mode", "target", "draft", "k", "confidence", "lookup", "lookup_acceptance", "ngram", "ms_per_token",
-                "ttft_ms", "acceptance_rate", "alpha", "mean_accepted", "speedup", "speedup_sd", "specbench_speedup",
-                "at_budget_share", "ms_per_token_median",
+                "ttft_ms", "acceptance_rate", "alpha", "mean_accepted", "speedup", "speedup_sd", "speedup_low",
+                "speedup_high", "specbench_speedup", *verdict_columns(None), "at_budget_share", "ms_per_token_median",
                 "forward_spread", "noise_spread", "noisy", "others_cpu_share", "timing_basis", "interrupted", "run_id",
                 "device")
         return [{**{key: row[key] for key in keys}, "draft": row["draft"] or None,
@@ -390,11 +409,12 @@ class LatencyRun:
                    *(["lookup"] if any(m.lookup for m in self.summaries) else []),
                    *(["ngram"] if any(m.ngram for m in self.summaries) else []), "ms_per_token", "ms_per_token_median",
                    "ms_per_token_min", "ms_per_token_max", "ttft_ms", "acceptance_rate", "alpha", "mean_accepted",
-                   "speedup", *(["speedup_sd"] if setup.repeats > 1 else []), "specbench_speedup", "at_budget_share",
-                   "forward_spread", "noise_spread"]
+                   "speedup", *(["speedup_sd"] if setup.repeats > 1 else []), "speedup_low", "speedup_high",
+                   "specbench_speedup", "at_budget_share", "forward_spread", "noise_spread"]
         notes = [f"The draft/target shares, ms per forward and the spread come from {self.split_note}.",
                  "ms/token: time from a completion's first emission to its last token ÷ the tokens emitted after the "
-                 "first emission, for every engine; speedup: RSp's ms/token ÷ this one's; specbench_speedup: "
+                 "first emission, for every engine; speedup: RSp's ms/token ÷ this one's; speedup_low–high: the "
+                 "95% interval of the geometric mean of the per-prompt speedups (paired, t); specbench_speedup: "
                  "mean per-prompt tokens/s (whole completion) ÷ RSp's, as Spec-Bench computes it; at_budget_share: "
                  "completions that ran to the token budget" + (" (--ignore-eos: all of them)." if setup.ignore_eos
                                                               else " instead of ending at the end token.")]
@@ -413,6 +433,9 @@ class LatencyRun:
                           "and its prompt's typical one (noise_spread), or the slowest prompt's target forwards took "
                           f"more than {NOISY_SPREAD}x the median "
                          "prompt's; the speedup is unreliable.")
+        notes += [f"Verdict{f' ({v.engine})' if len(self.verdicts) > 1 else ''}: {v.outcome}, {v.mode.how.name} at "
+                  f"{v.speedup.estimate:.2f}x [{v.speedup.low:.2f}, {v.speedup.high:.2f}] over {plural(v.pairs, 'prompt')} "
+                  f"({v.basis})." for v in self.verdicts]
         n = len(self.overall)
         tables = markdown_table(rows[:n], ["task", "prompt_format", *columns] if not self.by_task else columns)
         if self.by_task:
@@ -425,6 +448,15 @@ class LatencyRun:
                 f"{' (end token ignored)' if setup.ignore_eos else ' (or the end token)'}"
                 f"{f' x {setup.repeats} passes' if setup.repeats > 1 else ''}, {setup.params}\n\n{self.info.describe()}"
                 f"\n\n{tables}\n{' '.join(notes)}\n")
+
+
+def verdict_columns(verdict: Verdict | None) -> dict[str, Any]:
+    """The verdict's columns, filled on the row of the mode it chose (blank on the others)."""
+    if verdict is None:
+        return dict.fromkeys(("verdict", "verdict_speedup", "verdict_low", "verdict_high", "verdict_pairs",
+                              "verdict_basis"), "")
+    return {"verdict": verdict.outcome, "verdict_speedup": verdict.speedup.estimate, "verdict_low": verdict.speedup.low,
+            "verdict_high": verdict.speedup.high, "verdict_pairs": verdict.pairs, "verdict_basis": verdict.basis}
 
 
 def iteration_ms(timing: PromptTiming) -> float:
@@ -475,14 +507,86 @@ def _summaries(timings: Sequence[PromptTiming], modes: Sequence[Mode], task: str
                 continue
             s.speedup = rsp.ms_per_token / s.ms_per_token
             s.specbench_speedup = s.tokens_per_s / rsp.tokens_per_s
+            interval, _ = paired_speedup(headline, rsp.how, s.how)
+            s.speedup_low, s.speedup_high = interval.low, interval.high
             if len(repeats) > 1:
-                how = Mode(s.mode, s.k, s.confidence, s.lookup, engine, s.draft, s.ngram)
-                per_pass = [_ms_per_token([t for t in headline if t.repeat == r and t.how == rsp_mode(engine)])
-                            / _ms_per_token([t for t in headline if t.repeat == r and t.how == how]) for r in repeats]
+                per_pass = [_ms_per_token([t for t in headline if t.repeat == r and t.how == rsp.how])
+                            / _ms_per_token([t for t in headline if t.repeat == r and t.how == s.how]) for r in repeats]
                 s.speedup_sd = stdev(per_pass)
         if ssp:
             min(ssp, key=lambda s: s.ms_per_token).best = True
     return summaries
+
+
+PromptKey = tuple[int, int, str]  # (pass, prompt index, task): one prompt's completion in each mode of a pass
+
+
+def per_prompt_ms(timings: Sequence[PromptTiming], how: Mode) -> dict[PromptKey, float]:
+    return {(t.repeat, t.prompt_index, t.task): t.stats.ms_per_token for t in timings if t.how == how}
+
+
+def paired_speedup(timings: Sequence[PromptTiming], rsp: Mode, ssp: Mode,
+                   keep: Callable[[PromptKey], bool] = lambda key: True) -> tuple[Interval, int]:
+    """SSp's speedup over RSp from the per-prompt ratios of the completions both made of the same prompt in the same
+    pass (the interleaved design pairs them): their geometric mean with a 95% t interval, and how many pairs."""
+    base, fast = per_prompt_ms(timings, rsp), per_prompt_ms(timings, ssp)
+    pairs = [(base[key], fast[key]) for key in base if key in fast and keep(key)]
+    return ratio_interval(pairs), len(pairs)
+
+
+GAIN, NO_CLEAR_GAIN, LOSS = "gain", "no clear gain", "loss"
+
+
+@dataclass
+class Verdict:
+    """Per engine: the SSp mode to use and its speedup over RSp with a 95% interval, estimated where possible on
+    prompts (or passes) that its choice did not see, so that picking the best of several modes does not inflate it."""
+
+    engine: str
+    mode: ModeSummary
+    speedup: Interval
+    pairs: int  # prompt completions (pairs of RSp and SSp) the estimate comes from
+    basis: str  # how the mode was chosen and where its speedup was estimated
+
+    @property
+    def outcome(self) -> str:
+        """gain (the interval above 1), loss (below 1), or no clear gain (it holds 1, or there is no interval)."""
+        low, high = self.speedup.low, self.speedup.high
+        return GAIN if low > 1 else LOSS if high < 1 else NO_CLEAR_GAIN
+
+
+def choose_and_estimate(timings: Sequence[PromptTiming], rsp: Mode, candidates: Sequence[ModeSummary]) -> Verdict:
+    """The verdict of one engine: with several SSp modes, the fastest on the first half of the passes (or on every
+    other prompt, with one pass) is chosen, and its speedup estimated on the rest."""
+    keys = sorted(per_prompt_ms(timings, rsp))
+    passes = sorted({key[0] for key in keys})
+    if len(candidates) == 1:
+        choose = estimate = None
+        basis = "one SSp mode, nothing chosen"
+    elif len(passes) > 1:
+        first = set(passes[:len(passes) // 2])
+        choose, estimate = (lambda key: key[0] in first), (lambda key: key[0] not in first)
+        basis = f"chosen on {_passes(1, len(first))}, estimated on {_passes(len(first) + 1, len(passes))}"
+    elif len(keys) >= 4:
+        odd = set(keys[::2])
+        choose, estimate = (lambda key: key in odd), (lambda key: key not in odd)
+        basis = "chosen on the 1st, 3rd, 5th… prompts, estimated on the others"
+    else:
+        choose = estimate = None
+        basis = f"chosen and estimated on the same {plural(len(keys), 'prompt')} (too few to split: it favours the choice)"
+
+    def score(m: ModeSummary) -> float:
+        value = paired_speedup(timings, rsp, m.how, choose or (lambda key: True))[0].estimate
+        return value if value == value else float("-inf")
+
+    chosen = max(candidates, key=score)
+    interval, pairs = paired_speedup(timings, rsp, chosen.how, estimate or (lambda key: True))
+    return Verdict(rsp.engine, chosen, interval, pairs, basis)
+
+
+def _passes(first: int, last: int) -> str:
+    """"pass 2" or "passes 2–3"."""
+    return f"pass {first}" if first == last else f"passes {first}–{last}"
 
 
 def rsp_mode(engine: str = "ours") -> Mode:

@@ -54,6 +54,20 @@ def paired_difference(only_first: int, only_second: int, pairs: int, z: float = 
     return Interval(estimate, estimate - half, estimate + half)
 
 
+def ratio_interval(pairs: Sequence[tuple[float, float]], level: float = 0.95) -> Interval:
+    """The geometric mean of paired ratios a/b with a t interval on the mean of log(a/b): a speedup from per-prompt
+    timings of two modes on the same prompts. Bounds are nan under two pairs (no spread to measure)."""
+    logs = [math.log(a / b) for a, b in pairs if a > 0 and b > 0 and math.isfinite(a / b)]
+    if not logs:
+        return Interval(float("nan"), float("nan"), float("nan"))
+    n, mean = len(logs), sum(logs) / len(logs)
+    if n < 2:
+        return Interval(math.exp(mean), float("nan"), float("nan"))
+    sd = math.sqrt(sum((x - mean) ** 2 for x in logs) / (n - 1))
+    half = _scipy.t.ppf(0.5 + level / 2, n - 1) * sd / math.sqrt(n)
+    return Interval(math.exp(mean), math.exp(mean - half), math.exp(mean + half))
+
+
 def mcnemar(only_first: int, only_second: int) -> float:
     """Exact two-sided McNemar p-value from the discordant pairs of a paired comparison."""
     n = only_first + only_second
