@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+import torch
 from conftest import char_tokenizer, tiny_llama
 
 import lssp.decoding.verification as verification
@@ -139,3 +140,34 @@ def test_the_two_sample_test():
     assert same.p_value > 0.9 and same.cells == 3  # tokens 3 and 4 pooled into the tail
     apart = chi_square_homogeneity([1] * 80 + [2] * 20, [1] * 20 + [2] * 80)
     assert apart.p_value < 1e-10 and apart.dof == 1
+
+
+class DrawsOnceOutsideTopK(OursEngine):
+    """A planted engine bug: of all SSp completions, the first emits ``token`` first, a token top-k excludes."""
+
+    def __init__(self, *args, token: int):
+        super().__init__(*args)
+        self.token, self.planted = token, False
+
+    def complete_many(self, mode, rows, request, seeds, concurrency=0, arrivals=()):
+        outs = super().complete_many(mode, rows, request, seeds, concurrency, arrivals)
+        if mode.mode == "ssp" and not self.planted:
+            outs[0] = replace(outs[0], tokens=torch.cat([torch.tensor([self.token]), outs[0].tokens[1:]]))
+            self.planted = True
+        return outs
+
+
+def test_one_draw_outside_top_k_in_2000_fails_verify_whatever_the_chi_square_says(pair):
+    from lssp.measure.verify import next_token_law
+
+    target, draft = pair
+    params = SamplingParams(1.0, top_k=4)
+    law = next_token_law(target, target.encode(PROMPTS[0]), params, 64, prompt_length=len(PROMPTS[0]))
+    outside = int(torch.nonzero(law == 0)[0])
+    engine = DrawsOnceOutsideTopK(target, [draft], [64], token=outside)
+    rep = verify_sampled(target, draft, PROMPTS[:1], params, k=2, samples=2000, depth=1, seed=0, vocab=64,
+                         engine=engine)
+    assert engine.planted and rep.verdict == "not lossless"
+    [bad] = rep.impossible
+    assert (bad.position, bad.impossible_tokens, bad.impossible_draws) == (0, [outside], 1)
+    assert bad.chi2_p_value > rep.threshold  # the χ² alone would have let it pass

@@ -189,6 +189,7 @@ def render(rep, t, d, params) -> None:
         _render_greedy(rep, title)
     else:
         _render_sampled(rep, title)
+        _render_impossible(rep, t)
     if rep.lookup:
         console.print(f"  the context lookup proposed {rep.looked_up} drafts")
     style = {"lossless": "bold green", "not lossless": "bold red", "inconclusive": "bold yellow"}[rep.verdict]
@@ -197,6 +198,15 @@ def render(rep, t, d, params) -> None:
         line += Text(f": every test passed, but {'; '.join(rep.underpowered)}"
                      + (f"; --samples {rep.runs_needed} or more would do" if rep.runs_needed else "; raise --samples"))
     console.print(line)
+
+
+def _render_impossible(rep, t) -> None:
+    """Each draw the target cannot make, apart from the χ² (one such draw is a bug whatever the test says)."""
+    for c in rep.impossible:
+        tokens = ", ".join(f"{token} ({t.decode([token])!r})" for token in c.impossible_tokens)
+        console.print(f"  [bold red]impossible draw:[/bold red] prompt {c.prompt_index + 1} position {c.position}: "
+                      f"token {tokens}, {c.impossible_draws} of {c.samples} draws, has probability 0 in the target's "
+                      "law after the same temperature, top-k and top-p")
 
 
 def _render_greedy(rep, title: str) -> None:
@@ -238,7 +248,9 @@ def _render_sampled(rep, title: str) -> None:
                       "shown for reference; the verdict rests on the test against its own RSp")
     console.print(f"  measured acceptance {fmt(rep.acceptance_rate, 1, pct=True)}; each test rejects at p < "
                   f"{rep.threshold:.2g} ({rep.significance} family-wise, {rep.correction})")
-    worst = sorted((c for c in rep.positions if not c.passed), key=lambda c: c.tv - c.tv_null_mean, reverse=True)
+    tested = [c for c in rep.positions if not c.passed and (c.two_sample_p <= rep.threshold or (
+        rep.exact_law_counts and c.chi2_p_value <= rep.threshold))]  # failed a test (impossible draws: below)
+    worst = sorted(tested, key=lambda c: c.tv - c.tv_null_mean, reverse=True)
     for c in worst[:3]:
         console.print(f"  [red]deviates:[/red] prompt {c.prompt_index + 1} position {c.position}: total-variation "
                       f"distance {c.tv:.2f} where noise gives {c.tv_null_mean:.2f}±{c.tv_null_sd:.2f}")

@@ -58,6 +58,8 @@ class PositionCheck:
     two_sample_cells: int = 0
     power: float = float("nan")  # of the deciding tests (the weaker), against a deviation of the report's effect
     runs_needed: int = 0  # SSp runs per prompt that would give this position POWER (0: it has it)
+    impossible_draws: int = 0  # SSp's tokens here that the target's law (warped alike) gives probability 0
+    impossible_tokens: list[int] = field(default_factory=list)  # which tokens those were
 
 
 @dataclass
@@ -101,7 +103,8 @@ class VerifyReport:
                 "draft_precision": draft.precision, **info.env}
         # The same columns in both modes, so that every verify run appends to one file.
         blank = {f.name: None for kind in (PositionCheck, GreedyCheck) for f in fields(kind)}
-        return ([{**base, **blank, **asdict(c), "prefix": " ".join(map(str, c.prefix))} for c in self.positions]
+        return ([{**base, **blank, **asdict(c), "prefix": " ".join(map(str, c.prefix)),
+                  "impossible_tokens": " ".join(map(str, c.impossible_tokens))} for c in self.positions]
                 + [{**base, **blank, **asdict(g)} for g in self.greedy])
 
     def summary_json(self, info: RunInfo) -> dict[str, Any]:
@@ -136,6 +139,11 @@ class VerifyReport:
     @property
     def lossless(self) -> bool:
         return self.verdict == LOSSLESS
+
+    @property
+    def impossible(self) -> list[PositionCheck]:
+        """The positions where SSp drew a token the target cannot make: each fails the verdict by itself."""
+        return [c for c in self.positions if c.impossible_draws]
 
     @property
     def identical_share(self) -> float:
@@ -200,7 +208,9 @@ def _samples(engine: Engine, mode: Mode, ids: torch.Tensor, runs: int, tokens: i
 def _check(index: int, position: int, prefix: list[int], kept: list[int], p: torch.Tensor, q: torch.Tensor,
            null_gen: torch.Generator, rsp_kept: list[int] | None) -> PositionCheck:
     """One position's tests: SSp's tokens against the exact law ``p``, and against the engine's own RSp tokens."""
-    counts = Counter(kept)
+    drawn = Counter(kept)
+    impossible = sorted(t for t in drawn if t >= p.numel() or not p[t] > 0)  # outside top-k/top-p or the vocabulary
+    counts = Counter({t: c for t, c in drawn.items() if t < p.numel()})
     support = sorted(set(torch.nonzero(p > 0).flatten().tolist()) | set(counts))
     chi = chi_square_gof([counts.get(t, 0) for t in support], p[support].tolist())
     freq = torch.zeros_like(p, dtype=torch.float64)
@@ -208,7 +218,8 @@ def _check(index: int, position: int, prefix: list[int], kept: list[int], p: tor
         freq[token] = c / len(kept)
     null_mean, null_sd = _tv_null(p, len(kept), null_gen)
     check = PositionCheck(index, position, list(prefix), len(kept), chi.p_value, chi.cells,
-                          float(0.5 * (freq - p.double()).abs().sum()), null_mean, null_sd, float(torch.minimum(p, q).sum()))
+                          float(0.5 * (freq - p.double()).abs().sum()), null_mean, null_sd, float(torch.minimum(p, q).sum()),
+                          impossible_draws=sum(drawn[t] for t in impossible), impossible_tokens=impossible)
     if rsp_kept is not None and len(rsp_kept) >= MIN_SAMPLES:
         two = chi_square_homogeneity(kept, rsp_kept)
         check.rsp_samples, check.two_sample_p, check.two_sample_cells = len(rsp_kept), two.p_value, two.cells
@@ -323,7 +334,7 @@ def verify_sampled(
     report.correction = f"Bonferroni over {report.tests} tests"
     for check in report.positions:
         law_ok = check.chi2_p_value > report.threshold or not report.exact_law_counts
-        check.passed = law_ok and not check.two_sample_p <= report.threshold
+        check.passed = law_ok and not check.two_sample_p <= report.threshold and not check.impossible_draws
     _assess_power(report, report.prompts_done, samples, depth, unreached)
     report.acceptance_rate = accepted / drafted if drafted else float("nan")
     return report
