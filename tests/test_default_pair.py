@@ -109,6 +109,8 @@ def test_eval_on_the_default_pair_gives_rsp_and_ssp_the_same_greedy_answers(run,
         assert a.expected == a.a * a.b and a.correct == (parse_answer(a.completion) == a.expected)
     assert rsp["successes"] == ssp["successes"] == sum(r.correct for r in by_mode["rsp"])
     assert (rsp["diff_rsp_minus_ssp"], rsp["mcnemar_p"]) == (0.0, 1.0)
+    assert rsp["diff_score_low"] < 0 < rsp["diff_score_high"]  # no discordant pair, yet an interval with a width
+    assert "Tango's score" in out and "Wald" in out and "Wilson" in out and "no discordant pair" in out
     for m in (rsp, ssp):
         assert m["success_rate"] == m["successes"] / 5
         assert m["wilson_low"] <= m["success_rate"] <= m["wilson_high"] and m["wald_low"] <= m["success_rate"] <= m["wald_high"]

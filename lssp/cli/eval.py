@@ -147,11 +147,18 @@ def render(run, t, d) -> None:
         console.print(f"  * {bases}: not comparable with a one-at-a-time s/problem")
     cmp = run.comparison
     if cmp:
-        verdict = ("[green]contains 0: no evidence that SSp changes quality[/green]" if cmp.difference.contains(0)
+        score, wald = cmp.score_difference, cmp.difference
+        verdict = ("[green]contains 0: no evidence that SSp changes quality[/green]" if score.contains(0)
                    else "[red]excludes 0: SSp and RSp differ[/red]")
-        console.print(f"  RSp − SSp = {100 * cmp.difference.estimate:+.1f} points, 95% CI "
-                      f"[{100 * cmp.difference.low:+.1f}, {100 * cmp.difference.high:+.1f}] {verdict}; "
-                      f"McNemar p = {cmp.mcnemar_p:.3f} ({cmp.only_rsp} only-RSp vs {cmp.only_ssp} only-SSp correct)")
+        console.print(f"  RSp − SSp = {100 * score.estimate:+.1f} points, 95% CI [{100 * score.low:+.1f}, "
+                      f"{100 * score.high:+.1f}] (Tango's score; Wald [{100 * wald.low:+.1f}, {100 * wald.high:+.1f}]) "
+                      f"{verdict}; McNemar p = {cmp.mcnemar_p:.3f} ({cmp.only_rsp} only-RSp vs {cmp.only_ssp} only-SSp "
+                      "correct)")
+        console.print("  " + (f"McNemar's test at 5% would find a difference of ±{100 * cmp.detectable:.1f} points with "
+                              f"80% power at this share of discordant problems"
+                              if cmp.detectable == cmp.detectable else
+                              f"RSp and SSp were right or wrong alike on all {plural(cmp.pairs, 'problem')}: no discordant pair"),
+                      style="dim")
     if run.resumed:
         console.print(f"  resumed: {run.resumed} records reused from {run.records_path}")
     say_busy(run.others_cpu_share)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -18,7 +19,7 @@ from lssp.errors import UserError
 from lssp.models.loading import LoadedModel
 from lssp.report.contention import BUSY_SHARE, cpu_snapshot, others_share
 from lssp.report.results import RunInfo, markdown_table
-from lssp.report.stats import Interval, mcnemar, paired_difference, wald, wilson
+from lssp.report.stats import Z80, Z95, Interval, mcnemar, paired_difference, paired_score_difference, wald, wilson
 from lssp.workloads.arithmetic import (
     HIGH,
     LOW,
@@ -63,10 +64,19 @@ class EvalSummary:
 class EvalComparison:
     """RSp − SSp on the same prompts."""
 
-    difference: Interval
+    difference: Interval  # Wald's paired interval (zero width with no discordant pair)
     mcnemar_p: float
     only_rsp: int
     only_ssp: int
+    score_difference: Interval  # Tango's score interval: what the verdict reads (it keeps a width)
+    pairs: int
+
+    @property
+    def detectable(self) -> float:
+        """The difference McNemar's test at 5% would find with 80% power at the observed share of discordant pairs
+        (nan with none): (z₀.₉₇₅ + z₀.₈)·sqrt(share / n)."""
+        share = (self.only_rsp + self.only_ssp) / self.pairs if self.pairs else 0.0
+        return (Z95 + Z80) * math.sqrt(share / self.pairs) if share else float("nan")
 
 
 @dataclass
@@ -120,6 +130,9 @@ class EvalRun:
             "wilson_low": m.wilson.low, "wilson_high": m.wilson.high,
             "diff_rsp_minus_ssp": cmp.difference.estimate if cmp else nan,
             "diff_low": cmp.difference.low if cmp else nan, "diff_high": cmp.difference.high if cmp else nan,
+            "diff_score_low": cmp.score_difference.low if cmp else nan,
+            "diff_score_high": cmp.score_difference.high if cmp else nan,
+            "detectable_diff": cmp.detectable if cmp else nan,
             "mcnemar_p": cmp.mcnemar_p if cmp else nan, "op": setup.op, "max_operand": setup.max_operand,
             "s_per_problem": m.seconds_per_problem, "s_per_problem_basis": self.timing_basis(m.mode),
             "others_cpu_share": round(self.others_cpu_share, 3), "noisy": self.others_cpu_share > BUSY_SHARE,
@@ -136,8 +149,8 @@ class EvalRun:
 
     def summary_json(self) -> list[dict[str, Any]]:
         keys = ("engine", "mode", "target", "draft", "op", "max_operand", "trials", "successes", "success_rate", "wald_low",
-                "wald_high", "wilson_low", "wilson_high", "diff_rsp_minus_ssp", "diff_low", "diff_high", "mcnemar_p",
-                "s_per_problem", "s_per_problem_basis", "run_id")
+                "wald_high", "wilson_low", "wilson_high", "diff_rsp_minus_ssp", "diff_low", "diff_high", "diff_score_low",
+                "diff_score_high", "detectable_diff", "mcnemar_p", "s_per_problem", "s_per_problem_basis", "run_id")
         return [{key: row[key] for key in keys} for row in self.rows()]
 
     def markdown(self) -> str:
@@ -147,8 +160,8 @@ class EvalRun:
                 f"{setup.nb_prompts} problems `a {symbol} b = ` with a, b in {LOW}..{setup.max_operand}, {setup.params}, "
                 f"{self.info.describe()}\n\n" +
                 markdown_table(self.rows(), ["mode", "trials", "successes", "success_rate", "wald_low", "wald_high",
-                                             "wilson_low", "wilson_high", "diff_low", "diff_high", "mcnemar_p",
-                                             "s_per_problem"]))
+                                             "wilson_low", "wilson_high", "diff_low", "diff_high", "diff_score_low",
+                                             "diff_score_high", "mcnemar_p", "s_per_problem"]))
 
 
 class EvalInterrupted(KeyboardInterrupt):
@@ -172,7 +185,7 @@ def compare(rsp: Sequence[EvalRecord], ssp: Sequence[EvalRecord]) -> EvalCompari
     only_rsp = sum(a.correct and not b.correct for a, b in pairs)
     only_ssp = sum(b.correct and not a.correct for a, b in pairs)
     return EvalComparison(paired_difference(only_rsp, only_ssp, len(pairs)), mcnemar(only_rsp, only_ssp), only_rsp,
-                          only_ssp)
+                          only_ssp, paired_score_difference(only_rsp, only_ssp, len(pairs)), len(pairs))
 
 
 def config_key(config: dict) -> str:
