@@ -300,6 +300,26 @@ def test_rows_join_not_before_their_arrival_and_an_idle_run_waits(compact_pair):
         assert row.tokens == alone.tokens.tolist()
 
 
+def test_a_row_arriving_during_a_slow_iteration_is_timed_from_its_arrival(compact_pair, monkeypatch):
+    """A planted slow iteration (0.3 s): rows arriving while it runs join only after it, and their time to first
+    token counts that wait (from their scheduled arrival, as a user would see it), not from their admission."""
+    target, draft = compact_pair
+    slow = batched.SpeculativeRows.step
+
+    def step(self):
+        time.sleep(0.3)
+        slow(self)
+    monkeypatch.setattr(batched.SpeculativeRows, "step", step)
+    arrivals = [0.0, 0.05, 0.1, 0.15]
+    outs = speculative_decode_batch(target, drafter_for(draft), [torch.tensor(p) for p in JOINING[:4]], 4, 2, GREEDY,
+                                    [None] * 4, concurrency=4, arrivals=arrivals)
+    first_token_at = [at + o.stats.ttft_s for at, o in zip(arrivals, outs)]
+    assert outs[0].stats.ttft_s >= 0.3  # its own first iteration
+    for at, o in zip(arrivals[1:], outs[1:]):  # each waited for the first row's iteration, then ran its own
+        assert o.stats.ttft_s >= 0.6 - at, (at, o.stats.ttft_s)
+    assert max(first_token_at[1:]) - min(first_token_at[1:]) < 0.1  # the three joined together
+
+
 def test_a_running_batch_takes_rows_only_under_the_compact_forward(pair):
     target, draft = pair
     with pytest.raises(ValueError, match="compact forward"):

@@ -500,3 +500,22 @@ def test_a_level_timed_on_a_busy_machine_is_said_and_marked(run, tmp_path, monke
     rows = pd.read_csv(tmp_path / "results" / "load.csv")
     assert rows.set_index("concurrency")["others_cpu_share"].to_dict() == {1: 0.1, 2: 0.7}
     assert rows.set_index("concurrency")["noisy"].to_dict() == {1: False, 2: True}
+
+
+def test_llamacpp_load_times_poisson_requests_from_their_arrival_not_their_send(monkeypatch):
+    """One client, two requests scheduled 10 ms apart, each taking 0.2 s: the second is sent at ~0.2 s, and its TTFT
+    counts the ~0.19 s it waited for the client; in a closed loop (no arrival times) a request is timed from its
+    send."""
+    import time as clock
+
+    from lssp.measure import load_llamacpp
+
+    def completion(server, body):
+        clock.sleep(0.2)
+        return load_llamacpp.Streamed(tokens=[1, 2], arrivals=[0.05, 0.1])
+    monkeypatch.setattr(load_llamacpp, "stream_completion", completion)
+    outs, _ = load_llamacpp.stream_requests(None, [{}, {}], 1, [0.0, 0.01])
+    first, second = (o.timing(i) for i, o in enumerate(outs))
+    assert first.ttft_s == pytest.approx(0.05, abs=0.02) and second.ttft_s == pytest.approx(0.24, abs=0.03)
+    outs, _ = load_llamacpp.stream_requests(None, [{}, {}], 1)
+    assert all(o.waited_s == 0 and o.timing(0).ttft_s == 0.05 for o in outs)

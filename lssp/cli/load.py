@@ -206,9 +206,10 @@ def render(run) -> None:
                     f"{fmt(row.mean_acceptance_length, 2)}",
                     _ratio(row.latency_ratio), _ratio(row.throughput_ratio))
     console.print(out)
+    start = "its send by vLLM's client" if "vLLM's serving client" in run.ttft_definition else "its arrival"
     console.print("  TPOT: per-user decode ms/token (last token − first) ÷ (tokens − 1), median/p90; TTFT ms "
-                  "median/p90; acc/len: accepted ÷ drafted / mean acceptance length; lat× and thr×: SSp's "
-                  "per-user speed and throughput ÷ RSp's (> 1: SSp pays)")
+                  f"median/p90, each request's from {start} (p99s in the rows); acc/len: accepted ÷ drafted / mean "
+                  "acceptance length; lat× and thr×: SSp's per-user speed and throughput ÷ RSp's (> 1: SSp pays)")
     if any(not row.batched for row in run.summaries):
         console.print("[yellow]  † not batched: served one request at a time (see below)[/yellow]")
     unbatched = {row.label for row in run.summaries if not row.batched}

@@ -84,7 +84,7 @@ class Row:
     stopped: bool = False
     done: bool = False
     finished_s: float = 0.0  # when its last token came out, from the run's start
-    arrived_s: float = 0.0  # when it joined the run, from the run's start
+    arrived_s: float = 0.0  # when its request arrived (its scheduled time, else when it joined), from the run's start
 
 
 def forward_rows(cache: RowCache, pieces: Sequence[Sequence[int]], keep: int, left: bool) -> torch.Tensor:
@@ -287,11 +287,13 @@ class RowsRun:
         for cache in self.caches():
             keep_rows(cache, kept)
 
-    def admit(self, rows: Sequence[Row]) -> None:
-        """Add ``rows``, each arriving now; they run from the next ``step``."""
+    def admit(self, rows: Sequence[Row], arrived: Sequence[float] = ()) -> None:
+        """Add ``rows``; they run from the next ``step``. Each row's times count from ``arrived`` (its request's
+        scheduled arrival, seconds from the run's start: the wait for a slot and for the step in flight included),
+        else from now."""
         t0 = self.clock.now()
-        for row in rows:
-            row.arrived_s = t0 - self.start
+        for i, row in enumerate(rows):
+            row.arrived_s = arrived[i] if arrived else t0 - self.start
         begun = self._begin(rows)
         if self.live:
             self._merge(begun)
@@ -461,8 +463,9 @@ def run_rows(run: RowsRun, rows: Sequence[Row], concurrency: int = 0, arrivals: 
     """Run ``rows`` through ``run`` until they are done: all at once by default; with ``concurrency``, continuous
     batching, at most that many live at once and the next joining (in order) as rows leave; with ``arrivals``
     (seconds from the run's start, one per row, increasing), a row joins once its time has come, and a run with no
-    live row ``wait``s for the next. Joining a running batch takes compact forwards. A row's times count from when it
-    joined."""
+    live row ``wait``s for the next. Joining a running batch takes compact forwards. A row's times count from its
+    arrival time where ``arrivals`` are given (what a user waits: for a free slot and for the iteration in flight
+    too), else from when it joined (a closed loop: a client sends when its last request ends, and it joins then)."""
     concurrency = concurrency or len(rows)
     times = list(arrivals) or [0.0] * len(rows)
     refused = joinable(*run.models()) if concurrency < len(rows) or any(times) else None
@@ -472,9 +475,9 @@ def run_rows(run: RowsRun, rows: Sequence[Row], concurrency: int = 0, arrivals: 
     while run.live or queue:
         joining = []
         while queue and len(run.live) + len(joining) < concurrency and queue[0][1] <= run.now():
-            joining.append(queue.pop(0)[0])
+            joining.append(queue.pop(0))
         if joining:
-            run.admit(joining)
+            run.admit([row for row, _ in joining], [at for _, at in joining] if arrivals else ())
         if run.live:
             run.step()
             run.retire()

@@ -4,9 +4,10 @@ concurrency from which SSp no longer pays (per-user latency and throughput, sepa
 At each concurrency level every mode serves the same request set, at most ``concurrency`` requests in flight,
 through one engine behind ``LoadBackend`` (``lssp.measure.load_backends``: vLLM servers loaded by vLLM's own
 client; our engine, continuous batching; ``lssp.measure.load_llamacpp``: llama-servers with parallel slots, loaded by
-a streaming client of ours). Per request: TTFT (request start to first token) and TPOT, the per-user
-decode time per token, (last token time − first token time) ÷ (tokens − 1); per level and mode their median and
-90th percentile, the output throughput (tokens ÷ the level's wall time), and for SSp the acceptance rate (accepted
+a streaming client of ours). Per request: TTFT (from the request's arrival: its scheduled time under
+Poisson arrivals, so the wait for a free slot and for the iteration in flight counts; its send in a closed loop) and
+TPOT, the per-user decode time per token, (last token time − first token time) ÷ (tokens − 1); per level and mode
+their median, 90th and 99th percentiles, the output throughput (tokens ÷ the level's wall time), and for SSp the acceptance rate (accepted
 ÷ drafted) and mean acceptance length (1 + accepted ÷ verification steps), from counter deltas over the level.
 """
 from __future__ import annotations
@@ -30,7 +31,10 @@ from lssp.report.contention import BUSY_SHARE, cpu_snapshot, others_share
 from lssp.report.results import RunInfo, markdown_table, plural
 from lssp.workloads.tasks import TaskPrompt
 
-TPOT = "per request: (last token time - first token time) / (tokens - 1); median and p90 over the level's requests"
+TPOT = ("per request: (last token time - first token time) / (tokens - 1); median, p90 and p99 over the level's "
+        "requests")
+TTFT = "per request: from its arrival (Poisson: its scheduled time; closed loop: its send) to its first token"
+TTFT_VLLM_CLIENT = "per request: from its send by vLLM's serving client (after its max-concurrency wait) to its first token"
 NAN = float("nan")
 
 
@@ -242,6 +246,8 @@ class LevelSummary:
     scheduling: str = "continuous"
     prompt_tokens_cut: int = 0
     ngram: int = 0  # SSp: n-gram length of the engine's n-gram drafter, drafting alone (0: a draft model)
+    tpot_p99_ms: float = NAN
+    ttft_p99_ms: float = NAN
 
 
 def mode_label(mode: Mode) -> str:
@@ -266,7 +272,8 @@ def summarize_level(level: ModeLevel) -> LevelSummary:
         len(level.requests), len(done), len(level.requests) - len(done), tokens, level.wall_s,
         percentile(tpots, 50), percentile(tpots, 90), percentile(ttfts, 50), percentile(ttfts, 90),
         tokens / level.wall_s if level.wall_s > 0 else NAN, batched=level.batched, scheduling=level.scheduling,
-        prompt_tokens_cut=level.prompt_tokens_cut, ngram=level.mode.ngram)
+        prompt_tokens_cut=level.prompt_tokens_cut, ngram=level.mode.ngram, tpot_p99_ms=percentile(tpots, 99),
+        ttft_p99_ms=percentile(ttfts, 99))
     if c is not None and level.mode.mode == "ssp":
         summary.drafts, summary.draft_tokens, summary.accepted_tokens = c.drafts, c.draft_tokens, c.accepted
         summary.acceptance_rate = ratio(c.accepted, c.draft_tokens)
@@ -336,10 +343,16 @@ class LoadRun:
             "request_rate": setup.request_rate if setup.request_rate else "inf", "seed": setup.seed,
             **{key: value for key, value in asdict(s).items() if key not in ("concurrency", "mode", "k", "lookup", "ngram")},
             "interrupted": self.interrupted, "engine_version": setup.engine_version, "tpot_definition": TPOT,
+            "ttft_definition": self.ttft_definition,
             "others_cpu_share": round(self.others_cpu_share.get(s.concurrency, float("nan")), 3),
             "noisy": s.concurrency in self.busy_levels,
             **info.env,
         } for s in (summaries if summaries is not None else self.summaries)]
+
+    @property
+    def ttft_definition(self) -> str:
+        """Where TTFT starts: the request's arrival, except through vLLM's own client under Poisson arrivals."""
+        return TTFT_VLLM_CLIENT if self.setup.engine == "vllm" and self.setup.request_rate else TTFT
 
     def level_rows(self, index: int) -> list[dict[str, Any]]:
         """The rows of the ``index``-th level done (what is appended after each level)."""
@@ -357,8 +370,8 @@ class LoadRun:
 
     def markdown(self) -> str:
         setup = self.setup
-        columns = ["concurrency", "label", "completed", "tpot_median_ms", "tpot_p90_ms", "ttft_median_ms",
-                   "ttft_p90_ms", "throughput_tok_s", "acceptance_rate", "mean_acceptance_length", "latency_ratio",
+        columns = ["concurrency", "label", "completed", "tpot_median_ms", "tpot_p90_ms", "tpot_p99_ms", "ttft_median_ms",
+                   "ttft_p90_ms", "ttft_p99_ms", "throughput_tok_s", "acceptance_rate", "mean_acceptance_length", "latency_ratio",
                    "throughput_ratio", "batched"]
         lines = [f"- {label}: per-user latency break-even: {lat.describe()}; throughput break-even: {thr.describe()}"
                  for label, lat, thr in self.break_evens()]
@@ -372,7 +385,7 @@ class LoadRun:
                                                       for c, share in self.busy_levels.items())
                 + ("\n\nInterrupted: the levels shown completed." if self.interrupted
                                                   else "") + (f"\n\nFailed: {self.failure}" if self.failure else "")
-                + f"\n\nTPOT: {TPOT}. Ratios: latency = RSp median TPOT ÷ SSp's; throughput = SSp tokens/s ÷ RSp's; "
+                + f"\n\nTPOT: {TPOT}. TTFT: {self.ttft_definition}. Ratios: latency = RSp median TPOT ÷ SSp's; throughput = SSp tokens/s ÷ RSp's; "
                 "> 1: SSp pays. Break-even: the lowest concurrency from which on every ratio measured is ≤ 1.\n")
 
 

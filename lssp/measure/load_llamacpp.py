@@ -65,19 +65,20 @@ class Streamed:
     arrivals: list[float] = field(default_factory=list)
     timings: dict[str, Any] = field(default_factory=dict)
     error: str = ""
+    waited_s: float = 0.0  # from its scheduled arrival to its send (Poisson arrivals: a free client awaited)
 
     def cut(self, stopping: Stopping) -> Streamed:
         """The completion ended where ``stopping`` says (at and including a stop token the server ran past)."""
         end = stopping.cut(self.tokens, 0)
         if end is None:
             return self
-        return Streamed(self.tokens[:end], self.arrivals[:end], self.timings, self.error)
+        return Streamed(self.tokens[:end], self.arrivals[:end], self.timings, self.error, self.waited_s)
 
     def timing(self, index: int) -> RequestTiming:
         if self.error or not self.tokens:
             return RequestTiming(index, len(self.tokens), float("nan"), float("nan"),
                                  self.error or "no token streamed")
-        return RequestTiming(index, len(self.tokens), self.arrivals[0], self.arrivals[-1] - self.arrivals[0])
+        return RequestTiming(index, len(self.tokens), self.waited_s + self.arrivals[0], self.arrivals[-1] - self.arrivals[0])
 
 
 def stream_completion(server: LlamaServer, body: dict[str, Any], timeout_s: float = REQUEST_TIMEOUT_S) -> Streamed:
@@ -123,7 +124,9 @@ def stream_requests(server: LlamaServer, bodies: Sequence[dict[str, Any]], concu
                     arrivals: Sequence[float] | None = None) -> tuple[list[Streamed], float]:
     """Every body once, at most ``concurrency`` in flight (a pool of that many threads takes them in order: the next
     starts when one ends, not before its arrival time): (the completions in order, the wall seconds from the first
-    send to the last completion)."""
+    send to the last completion). With ``arrivals``, each completion's ``waited_s`` is from its arrival time to its
+    send (a closed loop has none: a client sends when its last request ends)."""
+    scheduled = arrivals is not None
     arrivals = list(arrivals) if arrivals is not None else [0.0] * len(bodies)
     results: list[Streamed | None] = [None] * len(bodies)
     lock, start = threading.Lock(), time.perf_counter()
@@ -133,7 +136,10 @@ def stream_requests(server: LlamaServer, bodies: Sequence[dict[str, Any]], concu
         wait = start + arrivals[i] - time.perf_counter()
         if wait > 0:
             time.sleep(wait)
+        late = time.perf_counter() - (start + arrivals[i])
         results[i] = stream_completion(server, bodies[i])
+        if scheduled:
+            results[i].waited_s = max(0.0, late)
         with lock:
             ends.append(time.perf_counter())
 
@@ -209,7 +215,7 @@ class LlamacppLoadBackend(LoadBackend):
             before = metric_counters(server.metrics()) if mode.mode == "ssp" else None
             arrivals = poisson_arrivals(len(requests), self.setup.request_rate, self.setup.seed)
             outs, wall = stream_requests(server, self._bodies(requests, self.setup.max_new_tokens), concurrency,
-                                         arrivals)
+                                         arrivals if self.setup.request_rate else None)
             failed = [o.error for o in outs if o.error]
             if failed:
                 raise self.servers.failed(server, f"at concurrency {concurrency}: {len(failed)} of {len(requests)} "
