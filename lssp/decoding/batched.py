@@ -523,7 +523,7 @@ def speculative_decode_batch(target: PreTrainedModel, drafter: Drafter, prompts:
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
     models = [m for m in (target, drafter.model) if m is not None]
-    vocab = vocab or min(map(logit_width, models))
+    vocab = vocab or logit_width(target)
     clock = Clock.for_models(*models)
     rows = _rows(prompts, generators, lambda: GenerationStats(mode="ssp", k=k, drafted_at=[0] * k, accepted_at=[0] * k,
                                                                forwards_timed=clock.per_forward))

@@ -55,7 +55,7 @@ class Picker:
                  device: torch.device) -> None:
         self.k, self.vocab, self.params, self.generator, self.device = k, vocab, params, generator, device
         self.tokens = torch.empty(k, dtype=torch.long, device=device)
-        self.q = None if params.greedy else torch.empty(k, vocab, device=device)
+        self.q = None if params.greedy else torch.zeros(k, vocab, device=device)  # full width: 0 beyond the draft's
         self.looked_up: list[bool] = []
         self.drafted: list[int] = []  # the drafts on the host, kept for hints
         self.hint: Hint | None = None
@@ -66,14 +66,16 @@ class Picker:
         return len(self.looked_up) >= self.k
 
     def add(self, logits: torch.Tensor) -> torch.Tensor:
-        """The next draft from the drafter's ``logits`` (vocab,) at its position; returns it (to feed next)."""
+        """The next draft from the drafter's ``logits`` at its position (its own width: where narrower than the
+        target's ``vocab``, the tokens beyond it get q = 0, never drafted, and the residual keeps their mass);
+        returns it (to feed next)."""
         i = len(self.looked_up)
         logits = logits[:self.vocab]
         hint = self.hint(self.drafted, logits) if self.hint else None
         if self.q is None:
             self.tokens[i] = argmax(logits).to(self.device) if hint is None else hint
         else:
-            self.q[i] = warp(logits.unsqueeze(0).to(self.device), self.params)[0]
+            self.q[i, :logits.shape[-1]] = warp(logits.unsqueeze(0).to(self.device), self.params)[0]
             if hint is not None:
                 self.q[i] *= 1 - LOOKUP_WEIGHT
                 self.q[i, hint] += LOOKUP_WEIGHT

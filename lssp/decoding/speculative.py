@@ -25,13 +25,14 @@ def speculative_decode(target: PreTrainedModel, drafter: Drafter, input_ids: tor
                        stopping: Stopping = NO_STOP, on_tokens: TokenCallback | None = None, vocab: int | None = None,
                        time_forwards: bool = True, prefix: PrefixCache | None = None) -> GenerationOutput:
     """Sample up to ``max_new_tokens`` tokens from ``target``'s law with ``drafter`` proposing up to ``k`` at a time.
-    ``vocab`` limits both sides' logits to a common prefix (by default the smaller output width); ``time_forwards``
+    ``vocab``: the width of the target's law verified against (by default its whole output, as RSp samples it; a
+    draft with fewer logits never proposes the tokens beyond its own, and the residual draws them); ``time_forwards``
     and ``prefix`` as in ``generate_regular``."""
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
     device = model_device(target)
     models = [m for m in (target, drafter.model) if m is not None]  # an n-gram drafter has no model
-    vocab = vocab or min(map(logit_width, models))
+    vocab = vocab or logit_width(target)
     clock = Clock.for_models(*models, per_forward=time_forwards)
     stats = GenerationStats(mode="ssp", k=k, drafted_at=[0] * k, accepted_at=[0] * k, forwards_timed=clock.per_forward)
     seq, tokens, stopped = input_ids.to(device), [], False

@@ -157,9 +157,11 @@ def next_token_law(model: LoadedModel, ids: torch.Tensor, params: SamplingParams
     With ``prompt_length``, computed the way RSp computes it: the prompt but its last token prefilled, then one token
     per forward (a model with int8 activations, ``q4_1``, gives slightly other logits in a forward of many tokens
     through other kernels, and the law must be the one the completions were drawn from)."""
-    if target is not None:
-        logits = draft_logits(target.model, model.model, ids.to(target.device))[0, :vocab]
-        return warp(logits.float(), params).cpu()
+    if target is not None:  # a draft's law over the target's width: 0 beyond its own logits
+        logits = draft_logits(target.model, model.model, ids.to(target.device))[0, :vocab].float()
+        full = torch.full((vocab,), float("-inf"), device=logits.device)
+        full[:logits.shape[-1]] = logits
+        return warp(full, params).cpu()
     ids = ids.to(model.device)
     kv = new_cache(model.model)
     start = max(1, min(prompt_length, ids.shape[1]))

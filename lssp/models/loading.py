@@ -526,11 +526,12 @@ PROBE_TEXT = "Speculative sampling: 12 * 34 = 408, naïve café, 日本語, def 
 
 
 def check_compatible(target: ModelHandle, draft: ModelHandle) -> int:
-    """Refuse a draft whose tokenizer differs from the target's; return the common logit width.
+    """Refuse a draft whose tokenizer differs from the target's; return the target's logit width.
 
-    Tokenizers must agree on every string -> id mapping and on special tokens. The
-    embedding matrices may be padded to different sizes; both samplers then use the common
-    prefix of the logits.
+    Tokenizers must agree on every string -> id mapping and on special tokens. The embedding matrices may be padded
+    to different sizes (Qwen2.5's 0.5B and 7B, say): SSp verifies against the target's whole law, as RSp samples it,
+    the draft proposing within its own width (the residual draws the rest); a loaded draft with fewer input rows
+    than the target has logits reads every id the target may emit (``read_any_token``).
     """
     t_tok, d_tok = target.tokenizer, draft.tokenizer
     if t_tok is not None and d_tok is not None:
@@ -559,7 +560,22 @@ def check_compatible(target: ModelHandle, draft: ModelHandle) -> int:
             f"draft {draft.name!r} ({widths[1]} logits) and target {target.name!r} ({widths[0]}) have no tokenizer to compare "
             "and different vocabulary sizes"
         )
-    return min(widths)
+    if isinstance(draft, LoadedModel):
+        read_any_token(draft.model, widths[0])
+    return widths[0]
+
+
+def read_any_token(model: torch.nn.Module, width: int) -> bool:
+    """Let ``model`` read any id below ``width`` where its input embeddings have fewer rows (ids the target may emit
+    in its padded rows): such an id reads the last row. Only what the draft proposes changes, and SSp stays exact
+    (each draft is checked against the law it was drawn from). True where it was needed."""
+    embeddings = model.get_input_embeddings()
+    rows = getattr(embeddings, "num_embeddings", width)
+    if rows >= width or getattr(embeddings, "_reads_any_token", False):
+        return False
+    embeddings.register_forward_pre_hook(lambda module, args: (args[0].clamp(max=rows - 1), *args[1:]))
+    embeddings._reads_any_token = True
+    return True
 
 
 def _first_differences(a: dict[str, int], b: dict[str, int], limit: int = 3) -> str:
