@@ -206,7 +206,9 @@ def render(run) -> None:
                     f"{fmt(row.mean_acceptance_length, 2)}",
                     _ratio(row.latency_ratio), _ratio(row.throughput_ratio))
     console.print(out)
-    start = "its send by vLLM's client" if "vLLM's serving client" in run.ttft_definition else "its arrival"
+    from lssp.measure.load import TTFT_VLLM_CLIENT
+
+    start = "its send by vLLM's client" if run.ttft_definition == TTFT_VLLM_CLIENT else "its arrival"
     console.print("  TPOT: per-user decode ms/token (last token − first) ÷ (tokens − 1), median/p90; TTFT ms "
                   f"median/p90, each request's from {start} (p99s in the rows); acc/len: accepted ÷ drafted / mean "
                   "acceptance length; lat× and thr×: SSp's per-user speed and throughput ÷ RSp's (> 1: SSp pays)")

@@ -165,10 +165,15 @@ class LoadBackend(ABC):
     timed (servers up, models loaded), closed after."""
 
     name: ClassVar[str]
+    times_from_send: ClassVar[bool] = False  # its client times a Poisson request from its send, not its arrival
 
     @property
     def version(self) -> str:
         return ""
+
+    def ttft_definition(self, request_rate: float | None) -> str:
+        """Where this engine's TTFT starts."""
+        return TTFT_VLLM_CLIENT if self.times_from_send and request_rate else TTFT
 
     def notes(self) -> list[str]:
         """Lines the output prints about how this engine was loaded."""
@@ -306,6 +311,7 @@ class LoadRun:
     failure: str = ""
     notes: list[str] = field(default_factory=list)
     others_cpu_share: dict[int, float] = field(default_factory=dict)  # per concurrency: the CPUs' time other work took
+    ttft_definition: str = TTFT  # where each request's TTFT starts (``LoadBackend.ttft_definition``)
 
     @property
     def busy_levels(self) -> dict[int, float]:
@@ -348,11 +354,6 @@ class LoadRun:
             "noisy": s.concurrency in self.busy_levels,
             **info.env,
         } for s in (summaries if summaries is not None else self.summaries)]
-
-    @property
-    def ttft_definition(self) -> str:
-        """Where TTFT starts: the request's arrival, except through vLLM's own client under Poisson arrivals."""
-        return TTFT_VLLM_CLIENT if self.setup.engine == "vllm" and self.setup.request_rate else TTFT
 
     def level_rows(self, index: int) -> list[dict[str, Any]]:
         """The rows of the ``index``-th level done (what is appended after each level)."""
@@ -413,7 +414,7 @@ def run_load(backend: LoadBackend, setup: LoadSetup, info: RunInfo, requests: Se
     backend failure ends the run with the levels done and ``failure`` set."""
     for mode in setup.modes:
         backend.check(mode, setup)
-    run = LoadRun(setup, info, notes=backend.notes())
+    run = LoadRun(setup, info, notes=backend.notes(), ttft_definition=backend.ttft_definition(setup.request_rate))
     total, done = len(setup.levels) * len(setup.modes) + 1, 0
     if progress:
         progress("warm-up", done, total)

@@ -34,6 +34,8 @@ class VllmLoadBackend(LoadBackend):
     """One vLLM server per mode (``VllmServers``), loaded by vLLM's benchmark client (``run_client``); acceptance
     from each server's /metrics counters, read before and after every level."""
 
+    times_from_send = True  # vLLM's client starts a request's clock when its max-concurrency semaphore lets it go
+
     name = "vllm"
 
     def __init__(self, servers: VllmServers, setup: LoadSetup, stop_ids: Sequence[int], tokenizer=None) -> None:
