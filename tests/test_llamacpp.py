@@ -238,6 +238,22 @@ def test_counters_add_up_over_two_requests(pair, servers):
             assert sum(s.accepted_at) == s.accepted and sum(s.drafted_at) == s.drafted
 
 
+def test_llamacpps_counters_map_onto_our_metrics_as_its_tokens_say(pair, servers, lc_dir):
+    """llama-server's per-step log (accepted/drafted), mapped onto our counts, equals the replay of its emitted tokens
+    with the draft's greedy proposals computed by us (its prefill emits the first token)."""
+    from test_metrics import assert_same_counts, greedy_proposer
+
+    from lssp.report.metrics import counts_of, replay_greedy
+
+    target, _ = pair
+    draft = LlamaForCausalLM.from_pretrained(lc_dir / "l-draft", dtype=torch.float32).eval()
+    for text in PROMPTS[:2]:
+        ids = target.tokenizer(text).input_ids
+        out = servers.generate(3, 0, ids, 24, GREEDY, 0)
+        replayed = replay_greedy(ids, out.tokens.tolist(), 3, greedy_proposer(draft), first_from_prefill=True)
+        assert_same_counts(counts_of(out.stats), replayed)
+
+
 def test_sampled_completions_repeat_with_the_seed(pair, servers):
     target, _ = pair
     ids = target.tokenizer(PROMPTS[0]).input_ids

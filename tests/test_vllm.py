@@ -119,6 +119,22 @@ def test_counter_deltas_add_up_over_two_requests(engines):
         assert stats.new_tokens == 10 and stats.target_forwards >= 1 + done.counters.drafts
 
 
+def test_vllms_counters_map_onto_our_metrics_as_its_tokens_say(engines, vllm_dir):
+    """vLLM's per-request record (accepted and drafted per step), mapped onto our counts, equals the replay of its
+    emitted tokens with the draft's greedy proposals (its prefill emits the first token, and every step drafts K
+    however few tokens are left; same weights, float32)."""
+    from test_metrics import assert_same_counts, greedy_proposer
+
+    from lssp.report.metrics import counts_of, replay_greedy
+
+    draft = load_model(load_registry(vllm_dir / "models.yaml").get("v-draft")).model
+    for ids in PROMPTS:
+        out = engines.generate(2, 0, ids, 12, GREEDY, 0, ignore_eos=True).output
+        replayed = replay_greedy(ids, out.tokens.tolist(), 2, greedy_proposer(draft), first_from_prefill=True,
+                                 drafts_past_budget=True)
+        assert_same_counts(counts_of(out.stats), replayed)
+
+
 def test_end_token_stops_vllm_and_flags_mark_drafts(engines):
     rsp = engines.generate(0, 0, PROMPTS[0], 12, GREEDY, 0, ignore_eos=True).output.tokens.tolist()
     stop = rsp[4]

@@ -15,7 +15,7 @@ from lssp.decoding.kv import PrefixCache, forward_logits, prefill
 from lssp.decoding.sampling import SamplingParams, sample_logits
 from lssp.decoding.timing import Clock
 from lssp.models.modules import model_device
-from lssp.report.stats import alpha_estimate
+from lssp.report.metrics import SpecMetrics
 
 # Called with each block of newly emitted token ids and, per token, whether the draft proposed it.
 TokenCallback = Callable[[list[int], list[bool]], None]
@@ -37,7 +37,7 @@ def timing_basis(fallbacks: int, completions: int) -> str:
 
 
 @dataclass
-class GenerationStats:
+class GenerationStats(SpecMetrics):
     """What one generation did and where its time went (seconds)."""
 
     mode: str
@@ -60,23 +60,6 @@ class GenerationStats:
     first_emission_tokens: int = 0  # tokens the first emission carried (SSp: its accepted drafts too); 0: not timed
     after_first_s: float = float("nan")  # from the first emission to the last token
     forwards_timed: bool = True  # False: no sync around forwards, so draft/target times are not measured (0)
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted / self.drafted if self.drafted else float("nan")
-
-    @property
-    def alpha(self) -> float:
-        """Per-token acceptance α of the i.i.d. model (its maximum-likelihood estimate)."""
-        return alpha_estimate(self.accepted, self.rejections)
-
-    @property
-    def tokens_per_target_forward(self) -> float:
-        return self.new_tokens / self.target_forwards if self.target_forwards else float("nan")
-
-    @property
-    def acceptance_by_position(self) -> list[float]:
-        return [a / d if d else float("nan") for a, d in zip(self.accepted_at, self.drafted_at)]
 
     @property
     def decode_time_s(self) -> float:

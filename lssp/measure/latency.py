@@ -17,6 +17,7 @@ from lssp.measure.runloop import Progress, run_interleaved
 from lssp.models.compact import compiled_graphs
 from lssp.models.loading import LoadedModel
 from lssp.report.contention import BUSY_SHARE, cpu_snapshot, others_share
+from lssp.report.metrics import SpecCounts
 from lssp.report.results import RunInfo, markdown_table, plural
 from lssp.report.stats import Interval, alpha_estimate, ratio_interval
 from lssp.workloads.tasks import TaskPrompt
@@ -77,7 +78,8 @@ class ModeSummary:
     acceptance_rate: float = float("nan")  # accepted / drafted
     alpha: float = float("nan")  # per-token acceptance of the i.i.d. model (accepted / (accepted + rejections))
     mean_accepted: float = float("nan")  # tokens per target forward (the bonus counted)
-    acceptance_by_position: list[float] = field(default_factory=list)
+    acceptance_by_position: list[float] = field(default_factory=list)  # of the steps drafting position i, kept
+    acceptance_given_previous: list[float] = field(default_factory=list)  # of the steps keeping draft i−1, kept i
     draft_share: float = float("nan")  # of decode time (from the pass that timed forwards)
     target_share: float = float("nan")
     other_share: float = float("nan")
@@ -144,11 +146,10 @@ def summarize(timings: Sequence[PromptTiming], how: Mode = RSP,
     split_decode = sum(s.decode_time_s for s in timed)
     split_target_fw, split_draft_fw = sum(s.target_forwards for s in timed), sum(s.draft_forwards for s in timed)
     target_t, draft_t = sum(s.target_time_s for s in timed), sum(s.draft_time_s for s in timed)
-    by_position = []
+    pooled = SpecCounts(k if mode == "ssp" else 0)
     if mode == "ssp":
-        for i in range(k):
-            d = sum(s.drafted_at[i] for s in stats)
-            by_position.append(sum(s.accepted_at[i] for s in stats) / d if d else float("nan"))
+        pooled.drafted_at = [sum(s.drafted_at[i] for s in stats) for i in range(k)]
+        pooled.accepted_at = [sum(s.accepted_at[i] for s in stats) for i in range(k)]
     nan = float("nan")
     return ModeSummary(
         mode=mode, k=k, prompts=len(stats), new_tokens=tokens,
@@ -158,7 +159,8 @@ def summarize(timings: Sequence[PromptTiming], how: Mode = RSP,
         acceptance_rate=accepted / drafted if drafted else nan,
         alpha=alpha_estimate(accepted, sum(s.rejections for s in stats)),
         mean_accepted=tokens / target_fw if mode == "ssp" and target_fw else nan,
-        acceptance_by_position=by_position,
+        acceptance_by_position=pooled.acceptance_by_position,
+        acceptance_given_previous=pooled.acceptance_given_previous,
         draft_share=draft_t / split_decode if split_decode else nan,
         target_share=target_t / split_decode if split_decode else nan,
         other_share=(split_decode - draft_t - target_t) / split_decode if split_decode else nan,
@@ -365,6 +367,7 @@ class LatencyRun:
             "prompt_format": self.prompt_format(m.task), "ignore_eos": setup.ignore_eos,
             **{key: value for key, value in asdict(m).items() if key not in ("mode", "k", "draft")},
             "acceptance_by_position": ";".join(f"{x:.4f}" for x in m.acceptance_by_position),
+            "acceptance_given_previous": ";".join(f"{x:.4f}" for x in m.acceptance_given_previous),
             "noisy": m.noisy or self.busy, "interrupted": self.interrupted, "split_timing": setup.split_timing,
             "recompiles": setup.recompiles, "others_cpu_share": round(setup.others_cpu_share, 3),
             "target_precision": setup.own(m.engine).target_precision or setup.target_precision,
@@ -400,7 +403,8 @@ class LatencyRun:
                 "forward_spread", "noise_spread", "noisy", "others_cpu_share", "timing_basis", "interrupted", "run_id",
                 "device")
         return [{**{key: row[key] for key in keys}, "draft": row["draft"] or None,
-                 "acceptance_by_position": [round(x, 4) for x in m.acceptance_by_position]}
+                 "acceptance_by_position": [round(x, 4) for x in m.acceptance_by_position],
+                 "acceptance_given_previous": [round(x, 4) for x in m.acceptance_given_previous]}
                 for m, row in zip(self.summaries, self.rows())]
 
     def markdown(self) -> str:
