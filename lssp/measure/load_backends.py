@@ -13,7 +13,7 @@ import torch
 
 from lssp.decoding.generation import GenerationOutput, Stopping
 from lssp.engines.base import Engine, Mode, Request
-from lssp.engines.vllm import Counters
+from lssp.engines.vllm import Counters, sampled_ssp_caveat
 from lssp.engines.vllm_server import ClientRequest, VllmServers, run_client, sampling_body
 from lssp.errors import UserError
 from lssp.measure.load import (
@@ -49,7 +49,8 @@ class VllmLoadBackend(LoadBackend):
     def notes(self) -> list[str]:
         return [f"vLLM {self.version}: one server per mode (the server `vllm serve` runs, on 127.0.0.1), loaded by "
                 "vLLM's own benchmark client (vllm.benchmarks.serve); TTFT and TPOT timed by the client from the "
-                "streamed tokens; acceptance from each server's /metrics counters, as deltas per level."]
+                "streamed tokens; acceptance from each server's /metrics counters, as deltas per level.",
+                *filter(None, [sampled_ssp_caveat(self.setup.params)])]
 
     def check(self, mode: Mode, setup: LoadSetup) -> None:
         if mode.lookup:
