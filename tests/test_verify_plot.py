@@ -171,3 +171,34 @@ def test_one_draw_outside_top_k_in_2000_fails_verify_whatever_the_chi_square_say
     [bad] = rep.impossible
     assert (bad.position, bad.impossible_tokens, bad.impossible_draws) == (0, [outside], 1)
     assert bad.chi2_p_value > rep.threshold  # the χ² alone would have let it pass
+
+
+@pytest.mark.slow
+def test_verify_stops_at_the_first_prompt_whose_tests_already_decide(pair):
+    """A sequential look after each prompt: a planted bug fails the first prompt at the level of every test the run
+    could make, so the other prompts are not run, and the verdict is what it would have been."""
+    target, draft = pair
+    params = SamplingParams(0.5)
+    broken = verify_sampled(target, draft, PROMPTS, params, k=2, samples=300, depth=1, seed=0, vocab=64,
+                            engine=IgnoresTemperature(target, [draft], [64]), two_sample=True)
+    assert broken.verdict == "not lossless" and broken.prompts_done == 1
+    assert broken.stopped_early.startswith("prompt 1 of 3") and "2 prompt(s) were not run" in broken.stopped_early
+    fine = verify_sampled(target, draft, PROMPTS, params, k=2, samples=300, depth=1, seed=0, vocab=64)
+    assert not fine.stopped_early and fine.prompts_done == 3
+
+
+def test_verify_sizes_its_runs_to_the_time_budget_and_says_so(run, monkeypatch):
+    import lssp.measure.verify
+
+    args = ("verify", "tiny-target", "tiny-draft", "--temperature", "1", "--nb-prompts", "1", "--depth", "1", "--k", "2")
+    code, out, err = run(*args, "--time-budget", "60")  # a tiny pair: the default 1000 runs fit an hour
+    assert code in (0, 3) and "1000 runs per prompt × 1 prompt, the default, within --time-budget 60 min" in \
+        " ".join(err.split()), err
+    monkeypatch.setattr(lssp.measure.verify, "seconds_per_run", lambda *args, **kwargs: 0.01)  # a slow machine
+    code, out, err = run(*args, "--time-budget", "0.1")  # 6 s: 600 runs of 10 ms
+    assert "600 runs per prompt × 1 prompt, the most that fit --time-budget 0.1 min" in " ".join(err.split()), err
+    code, out, err = run(*args, "--time-budget", "0.001")  # too short for the power: the fewest that give it
+    said = " ".join(err.split())
+    assert "runs per prompt × 1 prompt, the fewest that give the tests their power, beyond --time-budget" in said
+    code, _, err = run("verify", "--time-budget", "0")
+    assert code == 2 and "--time-budget must be above 0 minutes" in err

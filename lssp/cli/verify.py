@@ -32,7 +32,7 @@ from lssp.cli.output import console, err_console, exit_interrupted, exit_with, f
 from lssp.cli.progress import progress
 from lssp.engines import check_engines, engine_class
 from lssp.errors import UserError
-from lssp.report.results import RunInfo
+from lssp.report.results import RunInfo, plural
 from lssp.report.stats import POWER
 
 VERIFY_ENGINES = ("ours", "hf", "vllm", "llamacpp")
@@ -46,7 +46,12 @@ def verify(
     draft_option: DraftAlsoOpt = None,
     prompts: PromptsOpt = None,
     nb_prompts: Annotated[int, typer.Option(help="Use the first N prompts.")] = 3,
-    samples: Annotated[int, typer.Option(help="SSp runs per prompt (sampled mode).")] = 1000,
+    samples: Annotated[Optional[int], typer.Option(
+        help="SSp runs per prompt (sampled mode; default: as many as --time-budget allows, at most 1000, at least "
+        "what the power needs).", show_default=False)] = None,
+    time_budget: Annotated[float, typer.Option(
+        "--time-budget", help="Sampled mode: minutes the default --samples is sized to (a pilot times this machine "
+        "first; the estimate is said before the runs start).")] = 15.0,
     depth: Annotated[int, typer.Option(help="Emitted positions checked per prompt (2+ exercises cache rollback).")] = 3,
     k: Annotated[str, typer.Option("--k", help="Draft tokens per iteration; a comma list audits each (K=1 puts the "
                                    "bonus token at position 1).")] = "1,4",
@@ -77,9 +82,11 @@ def verify(
     s = settings(ctx)
     engines = check_ready(check_engines("verify", [e.strip() for e in engine.split(",") if e.strip()], VERIFY_ENGINES))
     ks = parse_ints("--k", k)
-    for name, value in [("--nb-prompts", nb_prompts), ("--samples", samples), ("--depth", depth),
+    for name, value in [("--nb-prompts", nb_prompts), ("--samples", samples or 1), ("--depth", depth),
                         ("--max-new-tokens", max_new_tokens), ("--batch", batch)]:
         check_positive(name, value)
+    if not time_budget > 0:
+        raise UserError(f"--time-budget must be above 0 minutes, got {time_budget:g}")
     if not 0 < significance < 1:
         raise UserError(f"--significance must be in (0, 1), got {significance}")
     if not effect > 0:
@@ -89,13 +96,19 @@ def verify(
     params = sampling_params(temperature, top_k, top_p)
     prompt_list = read_prompt_list(prompts, nb_prompts)
     paired = {name: two_sample if two_sample is not None else not engine_class(name).reference for name in engines}
-    if not params.greedy:
-        _check_power(engines, paired, len(prompt_list), samples, depth, effect, significance)
+    needed = _samples_needed(engines, paired, len(prompt_list), depth, effect, significance)
+    if not params.greedy and samples is not None and samples < needed:
+        raise UserError(f"--samples {samples} is too few: even the first token's test would have less than an 80% "
+                        f"chance to see a deviation of --effect {effect}; use --samples {needed} or more (or a "
+                        "larger --effect)")
     results = s.writable_results_dir(json_out)
     draft = s.registry.draft_name(draft, heads_run(engines))  # every engine audited drafts with the same one
     t, d, vocab = load_pair(s, target, draft)  # our models give the exact laws, whichever engine is audited
     runners = _engines(s, engines, t, d, vocab, target, draft, ks, lookup)
     info = RunInfo.for_models(t, d)
+    if not params.greedy:
+        samples = _size_to_budget(s, runners, ks, t.encode(prompt_list[0]), params, depth, lookup, paired, batch,
+                                  len(prompt_list), samples, needed, 60 * time_budget)
     reports, failed = _run_audits(s, runners, ks, t, d, prompt_list, params, vocab, samples, depth, significance,
                                   max_new_tokens, tie_tolerance, lookup, paired, effect, batch)
     interrupted = any(rep.interrupted for rep in reports)
@@ -154,18 +167,50 @@ def _run_audits(s, runners, ks: list[int], t, d, prompt_list: list[str], params,
     return reports, failed
 
 
-def _check_power(engines: list[str], paired: dict[str, bool], prompts: int, samples: int, depth: int, effect: float,
-                 significance: float) -> None:
-    """Refuse, before loading anything, a --samples too small for any LOSSLESS verdict."""
+def _samples_needed(engines: list[str], paired: dict[str, bool], prompts: int, depth: int, effect: float,
+                    significance: float) -> int:
+    """The fewest --samples with which any LOSSLESS verdict is possible (checked before loading anything)."""
     from lssp.engines import ENGINES
     from lssp.measure.verify import samples_needed_upfront
 
-    needed = max(samples_needed_upfront(prompts, depth, paired[name], ENGINES[name].runs_our_weights, effect,
-                                        significance) for name in engines)
-    if samples < needed:
-        raise UserError(f"--samples {samples} is too few: even the first token's test would have less than an 80% "
-                        f"chance to see a deviation of --effect {effect}; use --samples {needed} or more (or a "
-                        "larger --effect)")
+    return max(samples_needed_upfront(prompts, depth, paired[name], ENGINES[name].runs_our_weights, effect,
+                                      significance) for name in engines)
+
+
+MAX_SAMPLES = 1000  # the default --samples where the time budget allows it
+
+
+def _size_to_budget(s, runners, ks: list[int], ids, params, depth: int, lookup: int, paired: dict[str, bool],
+                    batch: int, prompts: int, samples: int | None, needed: int, budget_s: float) -> int:
+    """Time a pilot of each engine's SSp (and RSp where paired), then say what the audit will take; without
+    --samples, as many runs as fit ``budget_s`` (at most MAX_SAMPLES, at least ``needed``)."""
+    from lssp.engines import Mode
+    from lssp.measure.verify import seconds_per_run
+
+    per_sample = 0.0  # seconds per run per prompt, over every engine and K (and the paired RSp runs)
+    for runner in runners:
+        for k in ks:
+            per_sample += seconds_per_run(runner, runner.ssp_mode(runner.name, k, lookup), ids, depth + k, params,
+                                          s.seed, batch)
+        if paired[runner.name]:
+            per_sample += len(ks) * seconds_per_run(runner, Mode("rsp", engine=runner.name), ids, depth, params,
+                                                    s.seed, batch)
+    per_sample *= prompts
+    chosen = samples if samples is not None else max(needed, min(MAX_SAMPLES, int(budget_s / max(per_sample, 1e-9) + 1e-6)))
+    estimate = chosen * per_sample
+    budget = f"--time-budget {budget_s / 60:g} min"
+    why = ("as asked (--samples)" if samples is not None else
+           f"the default, within {budget}" if chosen == MAX_SAMPLES and estimate <= budget_s else
+           f"the fewest that give the tests their power, beyond {budget}" if estimate > budget_s else
+           f"the most that fit {budget}")
+    err_console.print(f"[dim]verify: {chosen} runs per prompt × {plural(prompts, 'prompt')}, {why}: about "
+                      f"{_duration(estimate)} here (a pilot: {1000 * per_sample / prompts:.0f} ms per run over every "
+                      f"engine and K)[/dim]", soft_wrap=True)
+    return chosen
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
 
 
 def _engines(s, names: list[str], t, d, vocab: int, target: str | None, draft: str | None, ks: list[int],
@@ -193,6 +238,8 @@ def render(rep, t, d, params) -> None:
         _render_impossible(rep, t)
     if rep.lookup:
         console.print(f"  the context lookup proposed {rep.looked_up} drafts")
+    if rep.stopped_early:
+        console.print(f"  stopped early: {rep.stopped_early}")
     style = {"lossless": "bold green", "not lossless": "bold red", "inconclusive": "bold yellow"}[rep.verdict]
     line = Text(f"  verdict ({rep.engine}, K={rep.k}): ") + Text(rep.verdict.upper(), style=style)
     if rep.verdict == "lossless" and rep.mode == "sampled":

@@ -18,6 +18,7 @@ target's top-2 logit gap at the first difference tells a numerical near-tie from
 from __future__ import annotations
 
 import math
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, fields
@@ -91,7 +92,8 @@ class VerifyReport:
     effect: float = EFFECT
     underpowered: list[str] = field(default_factory=list)  # why a passing report cannot say LOSSLESS
     runs_needed: int = 0  # SSp runs per prompt that would make it conclusive (0: unknown or not needed)
-    prompts_done: int = 0  # prompts whose runs all completed (fewer than asked: interrupted)
+    prompts_done: int = 0  # prompts whose runs all completed (fewer than asked: interrupted, or stopped early)
+    stopped_early: str = ""  # why the remaining prompts were not run: the evidence already decided
     interrupted: bool = False  # Ctrl-C or SIGTERM: the checks cover the prompts done
 
     def rows(self, info: RunInfo, target: LoadedModel, draft: LoadedModel, params: SamplingParams) -> list[dict[str, Any]]:
@@ -111,6 +113,7 @@ class VerifyReport:
         return {"engine": self.engine, "k": self.k, "mode": self.mode, "verdict": self.verdict, "lossless": self.lossless,
                 "effect": self.effect, "power": POWER, "underpowered": self.underpowered, "runs_needed": self.runs_needed,
                 "prompts_done": self.prompts_done, "interrupted": self.interrupted,
+                "stopped_early": self.stopped_early or None,
                 "significance": self.significance,
                 "correction": self.correction, "exact_law_counts": self.exact_law_counts,
                 "acceptance_rate": self.acceptance_rate, "lookup": self.lookup, "ngram": self.ngram,
@@ -281,6 +284,17 @@ def samples_needed_upfront(prompts: int, depth: int, two_sample: bool, exact_law
     return max(MIN_SAMPLES, 2 * n if two_sample and not exact_law_counts else n)
 
 
+def seconds_per_run(engine: Engine, mode: Mode, ids: torch.Tensor, tokens: int, params: SamplingParams, seed: int,
+                    batch: int = BATCH) -> float:
+    """Wall seconds per completion of ``mode`` as an audit runs them (``batch`` at a time where the engine batches
+    ``mode``): a pilot of up to 16 runs (2 where one runs at a time), after one untimed run."""
+    runs = min(max(1, batch), 16) if batches_runs(engine, mode) else 2
+    _samples(engine, mode, ids, 1, tokens, params, seed, None, "pilot", batch)
+    start = time.perf_counter()
+    _samples(engine, mode, ids, runs, tokens, params, seed + 1, None, "pilot", batch)
+    return (time.perf_counter() - start) / runs
+
+
 def verify_sampled(
     target: LoadedModel, draft: LoadedModel, prompts: Sequence[str], params: SamplingParams, k: int, samples: int,
     depth: int, seed: int, vocab: int, significance: float = 0.01, progress: Progress | None = None, lookup: int = 0,
@@ -294,6 +308,9 @@ def verify_sampled(
     time where the engine batches them (``_samples``): the same samples, seed for seed."""
     engine = engine or OursEngine(target, [draft], [vocab])
     two_sample = two_sample or not engine.runs_our_weights
+    # A sequential look after each prompt: a test that already fails at the level of every test the run could make
+    # (Bonferroni over all prompts, positions and tests: the error rate holds however often it looks) decides.
+    planned = significance / max(1, len(prompts) * depth * (engine.runs_our_weights + two_sample))
     ssp, rsp = engine.ssp_mode(engine.name, k, lookup), Mode("rsp", engine=engine.name)
     report = VerifyReport("sampled", significance, "Bonferroni", lookup=ssp.lookup, engine=engine.name, k=k,
                           effect=effect, ngram=ssp.ngram)
@@ -302,7 +319,7 @@ def verify_sampled(
     unreached: list[int] = []  # per later position skipped: how many runs reached it
     for index, text in enumerate(prompts):
         ids = target.encode(text)
-        what = f"prompt {index + 1}/{len(prompts)}"
+        what = f"{engine.name} K={k}, prompt {index + 1}/{len(prompts)}"
         try:
             outputs, stats = _samples(engine, ssp, ids, samples, depth + k, params,
                                       request_seed(seed, index * 100_003), progress, what, batch)
@@ -332,6 +349,14 @@ def verify_sampled(
             if not kept:
                 break
             prefix.append(Counter(kept).most_common(1)[0][0])  # condition deeper on the commonest emitted token
+        decided = [c for c in report.positions if c.prompt_index == index and (
+            c.impossible_draws or c.two_sample_p <= planned or (engine.runs_our_weights and c.chi2_p_value <= planned))]
+        if decided and index + 1 < len(prompts):
+            c = decided[0]
+            report.stopped_early = (f"prompt {index + 1} of {len(prompts)}, position {c.position}, already fails at "
+                                    f"p < {planned:.2g} (the level of every test the run could make): the other "
+                                    f"{len(prompts) - index - 1} prompt(s) were not run")
+            break
     report.exact_law_counts = engine.runs_our_weights
     report.correction = f"Bonferroni over {report.tests} tests"
     for check in report.positions:
@@ -383,6 +408,6 @@ def verify_greedy(
             rounding = 2 * torch.finfo(raw.dtype).eps * float(top2[0].abs())
             report.greedy.append(GreedyCheck(index, False, at, gap, gap <= max(tie_tolerance, rounding), same_as_ours))
         if progress:
-            progress(f"prompt {index + 1}/{len(prompts)}")
+            progress(f"{engine.name} K={k}, prompt {index + 1}/{len(prompts)}")
     report.acceptance_rate = accepted / drafted if drafted else float("nan")
     return report
