@@ -125,6 +125,17 @@ def test_compare_streams_both_completions(run):
     assert "speedup" in out and "ms/token" in out
 
 
+def test_compare_says_a_busy_machine_under_the_prompt_it_timed(run, monkeypatch):
+    import lssp.cli.compare as compare
+
+    monkeypatch.setattr(compare, "others_share", lambda start, end: 0.6)
+    code, out, err = run("compare", "tiny-target", "tiny-draft", "--prompt", "ab", "--max-new-tokens", "4")
+    assert code == 0, err
+    said = " ".join(out.split())
+    assert "this prompt: busy machine: other work took 60% of the CPUs' time" in said
+    assert said.index("speedup") < said.index("this prompt: busy machine")
+
+
 def test_compare_reads_prompts_from_stdin_until_eof(run, monkeypatch):
     import io
 

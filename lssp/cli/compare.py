@@ -31,9 +31,10 @@ from lssp.cli.options import (
     read_task_prompts,
     sampling_params,
 )
-from lssp.cli.output import console, err_console, exit_interrupted, fmt, k_label, table
+from lssp.cli.output import console, err_console, exit_interrupted, fmt, k_label, say_busy, table
 from lssp.engines import Request, engine_class, request_seed
 from lssp.errors import UserError
+from lssp.report.contention import cpu_snapshot, others_share
 
 
 @app.command()
@@ -99,6 +100,7 @@ def compare(
     def run_one(prompt, index: int) -> None:
         console.print(Text(f"\n=> Regular sampling with {t.name}{via}" + (f" ({prompt.task})" if task else ""),
                            style="bold"))
+        before = cpu_snapshot()
         rsp = stream(prompt, index, "rsp")
         console.print(Text(f"\n   {rsp.total_time_s:.2f}s, {_ms_per_token(rsp):.1f} ms/token", style="bold red"))
         console.print(Text(f"=> Speculative sampling with {t.name}{via} helped by {helper} (K={k_label(k, 0, lookup)}); ",
@@ -112,6 +114,7 @@ def compare(
                            "tokens per target forward", style="bold green"))
         speedup = _ms_per_token(rsp) / _ms_per_token(ssp)
         console.print(Text(f"   speedup {speedup:.2f}×", style="bold green" if speedup > 1 else "bold red"))
+        say_busy(others_share(before, cpu_snapshot()), "this prompt: ")
         done.append((prompt.turns[0], rsp, ssp))
 
     try:
