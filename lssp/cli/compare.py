@@ -65,12 +65,7 @@ def compare(
 
     s = settings(ctx)
     chosen, k = _engine_and_k(s, engine, draft := one_draft(draft, draft_option), k)
-    for option, value, least in (("--k", k, 1), ("--max-new-tokens", max_new_tokens, 1), ("--lookup", lookup, 0)):
-        check_positive(option, value, minimum=least)
-    check_k_within_budget(k, max_new_tokens)
-    params = sampling_params(temperature, top_k, top_p)
-    if (task or nb_prompts) and prompt:
-        raise UserError(f"{'--task' if task else '--nb-prompts'} and --prompt: give one of them")
+    params = _checked(k, max_new_tokens, lookup, temperature, top_k, top_p, task, nb_prompts, prompt)
     # --nb-prompts alone: the first N of the default workload (the reference's story openings), not stdin.
     task_list = read_task_prompts(task, None, nb_prompts, chat) if task or nb_prompts else None
     kind = engine_class(chosen)
@@ -130,6 +125,17 @@ def compare(
         _summary(done)
         exit_interrupted("\ninterrupted: the completions shown above are all there is (compare writes no files)")
     _summary(done)
+
+
+def _checked(k: int, max_new_tokens: int, lookup: int, temperature: float, top_k: int, top_p: float,
+             task: str | None, nb_prompts: int | None, prompt: list[str] | None):
+    """The sampling parameters, once every input a user can get wrong is checked (one line each)."""
+    for option, value, least in (("--k", k, 1), ("--max-new-tokens", max_new_tokens, 1), ("--lookup", lookup, 0)):
+        check_positive(option, value, minimum=least)
+    check_k_within_budget(k, max_new_tokens)
+    if (task or nb_prompts) and prompt:
+        raise UserError(f"{'--task' if task else '--nb-prompts'} and --prompt: give one of them")
+    return sampling_params(temperature, top_k, top_p)
 
 
 def _engine_and_k(s, engine: str, draft: str | None, k: int | None) -> tuple[str, int]:

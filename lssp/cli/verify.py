@@ -82,17 +82,7 @@ def verify(
     s = settings(ctx)
     engines = check_ready(check_engines("verify", [e.strip() for e in engine.split(",") if e.strip()], VERIFY_ENGINES))
     ks = parse_ints("--k", k)
-    for name, value in [("--nb-prompts", nb_prompts), ("--samples", samples or 1), ("--depth", depth),
-                        ("--max-new-tokens", max_new_tokens), ("--batch", batch)]:
-        check_positive(name, value)
-    if not time_budget > 0:
-        raise UserError(f"--time-budget must be above 0 minutes, got {time_budget:g}")
-    if not 0 < significance < 1:
-        raise UserError(f"--significance must be in (0, 1), got {significance}")
-    if not effect > 0:
-        raise UserError(f"--effect must be above 0, got {effect}")
-    check_positive("--lookup", lookup, minimum=0)
-    check_k_within_budget(ks, max_new_tokens)
+    _check_numbers(nb_prompts, samples, depth, max_new_tokens, batch, time_budget, significance, effect, lookup, ks)
     params = sampling_params(temperature, top_k, top_p)
     prompt_list = read_prompt_list(prompts, nb_prompts)
     paired = {name: two_sample if two_sample is not None else not engine_class(name).reference for name in engines}
@@ -167,6 +157,22 @@ def _run_audits(s, runners, ks: list[int], t, d, prompt_list: list[str], params,
     return reports, failed
 
 
+def _check_numbers(nb_prompts: int, samples: int | None, depth: int, max_new_tokens: int, batch: int, time_budget: float,
+                   significance: float, effect: float, lookup: int, ks: list[int]) -> None:
+    """One line for each number a user can get wrong."""
+    for name, value in [("--nb-prompts", nb_prompts), ("--samples", samples or 1), ("--depth", depth),
+                        ("--max-new-tokens", max_new_tokens), ("--batch", batch)]:
+        check_positive(name, value)
+    if not time_budget > 0:
+        raise UserError(f"--time-budget must be above 0 minutes, got {time_budget:g}")
+    if not 0 < significance < 1:
+        raise UserError(f"--significance must be in (0, 1), got {significance}")
+    if not effect > 0:
+        raise UserError(f"--effect must be above 0, got {effect}")
+    check_positive("--lookup", lookup, minimum=0)
+    check_k_within_budget(ks, max_new_tokens)
+
+
 def _samples_needed(engines: list[str], paired: dict[str, bool], prompts: int, depth: int, effect: float,
                     significance: float) -> int:
     """The fewest --samples with which any LOSSLESS verdict is possible (checked before loading anything)."""
@@ -189,12 +195,16 @@ def _size_to_budget(s, runners, ks: list[int], ids, params, depth: int, lookup: 
 
     per_sample = 0.0  # seconds per run per prompt, over every engine and K (and the paired RSp runs)
     for runner in runners:
-        for k in ks:
-            per_sample += seconds_per_run(runner, runner.ssp_mode(runner.name, k, lookup), ids, depth + k, params,
-                                          s.seed, batch)
-        if paired[runner.name]:
-            per_sample += len(ks) * seconds_per_run(runner, Mode("rsp", engine=runner.name), ids, depth, params,
-                                                    s.seed, batch)
+        try:
+            for k in ks:
+                per_sample += seconds_per_run(runner, runner.ssp_mode(runner.name, k, lookup), ids, depth + k, params,
+                                              s.seed, batch)
+            if paired[runner.name]:
+                per_sample += len(ks) * seconds_per_run(runner, Mode("rsp", engine=runner.name), ids, depth, params,
+                                                        s.seed, batch)
+        except Exception:  # noqa: BLE001 - an engine that breaks down: its audit says so, in one line
+            if s.verbose:
+                raise
     per_sample *= prompts
     chosen = samples if samples is not None else max(needed, min(MAX_SAMPLES, int(budget_s / max(per_sample, 1e-9) + 1e-6)))
     estimate = chosen * per_sample
