@@ -127,7 +127,8 @@ def main() -> None:
     busy_text = f" · **busy: other work took {busy:.0%} of the CPUs' time**" if busy > BUSY_SHARE else ""
     table = (f"# formats run {info.run_id}\n\n{info.describe()} · T={args.temperature:g} · {len(prompts)} story "
              f"openings × ≤{args.max_new_tokens} tokens · one interleaved run; speedups: geometric mean of per-prompt "
-             f"ratios with their 95% t interval{busy_text}\n\n"
+             f"ratios with their 95% t interval{busy_text}\n\nFormats (target / draft): "
+             + "; ".join(f"{name}: {precisions[name]}" for name in names) + "\n\n"
              + markdown_table(shown, list(shown[0])) + f"\nFastest: {fastest['format']} {fastest['mode'].upper()}"
              + (f" K={fastest['k']}" if fastest["k"] else "") + f", {fastest['ms_per_token']:.1f} ms/token.\n")
     stem.with_suffix(".md").write_text(table)

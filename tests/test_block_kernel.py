@@ -160,3 +160,18 @@ def test_batched_rows_give_each_row_the_tokens_it_gets_alone(tiny_dir):
         for row, seed, out in zip(rows, (11, 12, 13), together):
             alone = engine.complete(mode, Request(row[None], 20, SamplingParams(0.8), seed))
             assert out.tokens.tolist() == alone.tokens.tolist()
+
+
+def test_the_kernels_fake_tensors_match_what_they_return_for_any_layout():
+    """torch.compile builds graphs from the ops' fake kernels: their shapes, dtypes and strides must be the real ones,
+    also for a query laid out as attention hands it over (heads and positions transposed), or a compiled step fails
+    at run time (`assert_size_stride`)."""
+    layer = BlockLinear(torch.randn(16, 64) * 0.05, bits=4)  # loads the ops
+    torch.library.opcheck(torch.ops.lssp.block_mm.default, (torch.randn(3, 64), layer.packed, layer.scales, layer.mins),
+                          test_utils=("test_schema", "test_faketensor"))
+    q = torch.randn(1, 5, 4, 64).transpose(1, 2)  # (B, H, R, D) with R and H strides swapped
+    keys, values = torch.randn(1, 4, 9, 64), torch.randn(1, 4, 9, 64)
+    allowed = torch.ones(1, 5, 9, dtype=torch.bool)
+    for mask in (allowed, None):
+        torch.library.opcheck(torch.ops.lssp.row_attention.default, (q, keys, values, mask, 0.125),
+                              test_utils=("test_schema", "test_faketensor"))

@@ -80,6 +80,6 @@ def _load_block_kernel(root: Path) -> None:
     @torch.library.register_fake("lssp::row_attention")
     def _(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor | None,
           scale: float) -> torch.Tensor:
-        return torch.empty_like(q)
+        return q.new_empty(q.shape, dtype=torch.float32)  # the kernel: contiguous float32, whatever q's layout
 
     _loaded.append(where)
