@@ -82,4 +82,9 @@ def _load_block_kernel(root: Path) -> None:
           scale: float) -> torch.Tensor:
         return q.new_empty(q.shape, dtype=torch.float32)  # the kernel: contiguous float32, whatever q's layout
 
+    # Inductor's on-disk graph cache keys a graph by its code, not by these ops' fake kernels: a tag of their source
+    # and this module's keeps a graph compiled against other fakes (other output strides) from being reused.
+    tag = "lssp-" + hashlib.sha256(SOURCE.read_bytes() + Path(__file__).read_bytes()).hexdigest()[:12]
+    current = torch.compiler.config.cache_key_tag
+    torch.compiler.config.cache_key_tag = f"{current}+{tag}" if current and tag not in current else current or tag
     _loaded.append(where)
