@@ -51,7 +51,7 @@ def verify(
         "what the power needs).", show_default=False)] = None,
     time_budget: Annotated[float, typer.Option(
         "--time-budget", help="Sampled mode: minutes the default --samples is sized to (a pilot times this machine "
-        "first; the estimate is said before the runs start).")] = 15.0,
+        "first; the estimate is said before the runs start).")] = 8.0,
     depth: Annotated[int, typer.Option(help="Emitted positions checked per prompt (2+ exercises cache rollback).")] = 3,
     k: Annotated[str, typer.Option("--k", help="Draft tokens per iteration; a comma list audits each (K=1 puts the "
                                    "bonus token at position 1).")] = "1,4",
