@@ -55,7 +55,7 @@ class Picker:
                  device: torch.device) -> None:
         self.k, self.vocab, self.params, self.generator, self.device = k, vocab, params, generator, device
         self.tokens = torch.empty(k, dtype=torch.long, device=device)
-        self.q = None if params.greedy else torch.zeros(k, vocab, device=device)  # full width: 0 beyond the draft's
+        self.q = None if params.greedy else torch.empty(k, vocab, device=device)
         self.looked_up: list[bool] = []
         self.drafted: list[int] = []  # the drafts on the host, kept for hints
         self.hint: Hint | None = None
@@ -75,7 +75,9 @@ class Picker:
         if self.q is None:
             self.tokens[i] = argmax(logits).to(self.device) if hint is None else hint
         else:
-            self.q[i, :logits.shape[-1]] = warp(logits.unsqueeze(0).to(self.device), self.params)[0]
+            width = logits.shape[-1]
+            self.q[i, :width] = warp(logits.unsqueeze(0).to(self.device), self.params)[0]
+            self.q[i, width:] = 0.0  # the target's tokens beyond the draft's logits: never drafted
             if hint is not None:
                 self.q[i] *= 1 - LOOKUP_WEIGHT
                 self.q[i, hint] += LOOKUP_WEIGHT
