@@ -24,6 +24,10 @@ fi
 # 0. What a forward costs here, by precision and tokens per forward (why the default pair is dynamic-fp16 on a CPU),
 #    under transformers' forward and the compact one (why the default draft uses it).
 $PY llamassp.py "${L[@]}" cost --forwards transformers,compact --json "$OUT/cost-default.json"
+# 0b. Every weight format of the default pair (target and draft model), RSp and SSp at K 2-4, one interleaved run
+#     each, greedy and at T=0.7 (benchmarks/formats.py; q4_1 is left out, and said, without AVX512-VNNI).
+$PY benchmarks/formats.py --out "$OUT" "${N[@]}"
+$PY benchmarks/formats.py --out "$OUT" --temperature 0.7 "${N[@]}"
 
 # 1a. The headline, greedy: completions ending at the end token (the default), then fixed-length ones.
 $PY llamassp.py "${L[@]}" latency --k 2,3,4 --lookup 0,4 "${REPEATS[@]}" "${N[@]}" --json "$OUT/latency-headline-eos.json"
