@@ -2,7 +2,8 @@
 
 `latency` times one target; a format is a registry entry of its own (the target and its draft model in that
 format), so this script loads every pair of FORMATS, then takes the prompts in turn and, for each prompt, every
-format and mode in a rotated order, so that all of them see the machine alike. Each completion's ms/token is
+format and mode in a rotated order, so that all of them see the machine alike (`latency`'s run loop, Ctrl-C keeping
+the prompts done in every cell). Each completion's ms/token is
 `latency`'s (first emission to last token); per format and mode: pooled ms/token, α, tokens per target forward, the
 speedup over the reference format's RSp with its paired 95% interval (per-prompt ratios, as `latency`'s verdict),
 and the same over the format's own RSp. The rows name the CPU, the formats' precisions and the share of the CPUs'
@@ -25,7 +26,7 @@ sys.path.insert(0, str(REPO))
 from lssp.decoding.sampling import SamplingParams  # noqa: E402
 from lssp.engines import Mode, OursEngine, Request, request_seed  # noqa: E402
 from lssp.errors import UserError  # noqa: E402
-from lssp.measure.runloop import rotated  # noqa: E402
+from lssp.measure.runloop import run_interleaved  # noqa: E402
 from lssp.models.loading import check_compatible, load_model  # noqa: E402
 from lssp.models.registry import load_registry  # noqa: E402
 from lssp.report.contention import BUSY_SHARE, cpu_snapshot, others_share  # noqa: E402
@@ -85,22 +86,28 @@ def main() -> None:
     modes = [Mode("rsp"), *(OursEngine.ssp_mode("ours", k) for k in ks)]
     cells = [(name, mode) for name in names for mode in modes]
     prompts = LATENCY_PROMPTS[:args.nb_prompts]
-
-    def complete(name: str, mode: Mode, text: str, index: int):
+    def complete(cell: tuple[str, Mode], text: str, index: int, time_forwards: bool):
+        name, mode = cell
         engine = engines[name]
-        ids = engine.target.encode(text)
-        request = Request(ids, args.max_new_tokens, params, request_seed(args.seed, index), time_forwards=False)
+        request = Request(engine.target.encode(text), args.max_new_tokens, params, request_seed(args.seed, index),
+                          time_forwards=time_forwards)
         return engine.complete(mode, request).stats
 
-    for name, mode in cells:  # warm-up: compiled graphs built, first-call costs out of the figures
-        complete(name, mode, WARMUP_PROMPT, -1)
-    stats: dict[tuple[str, Mode], dict[int, object]] = {cell: {} for cell in cells}
-    start = cpu_snapshot()
-    for index, text in enumerate(prompts):
-        for name, mode in rotated(cells, index):
-            stats[(name, mode)][index] = complete(name, mode, text, index)
-        print(f"prompt {index + 1}/{len(prompts)} done", file=sys.stderr)
+    start = None
+
+    def warmed() -> None:  # compiled graphs built and first-call costs paid: the CPU share counts from here
+        nonlocal start
+        start = cpu_snapshot()
+
+    def progress(message: str, done: int, total: int) -> None:
+        print(f"[{done}/{total}] {message}", file=sys.stderr)
+
+    steps, interrupted = run_interleaved(prompts, cells, complete, WARMUP_PROMPT, progress=progress,
+                                         label=lambda cell: f"{cell[0]} {cell[1].name}", warmed=warmed)
     busy = others_share(start, cpu_snapshot())
+    stats: dict[tuple[str, Mode], dict[int, object]] = {cell: {} for cell in cells}
+    for step in steps:
+        stats[step.mode][step.index] = step.result
 
     reference = stats[(names[0], modes[0])]
     rows = []
@@ -121,7 +128,7 @@ def main() -> None:
             "speedup_over_reference": over_reference.estimate, "reference_low": over_reference.low,
             "reference_high": over_reference.high, "speedup_over_own_rsp": over_own.estimate,
             "own_low": over_own.low, "own_high": over_own.high, "reference": f"{names[0]} RSp",
-            "others_cpu_share": round(busy, 3), "noisy": busy > BUSY_SHARE, **info.env,
+            "others_cpu_share": round(busy, 3), "noisy": busy > BUSY_SHARE, "interrupted": interrupted, **info.env,
         })
     fastest = min(rows, key=lambda r: r["ms_per_token"])
     args.out.mkdir(parents=True, exist_ok=True)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from statistics import median, stdev
 from typing import Any
 
@@ -281,7 +282,7 @@ class LatencyRun:
         """Per engine, its fastest SSp mode over every prompt (the one to use, if it beats RSp at all)."""
         return [s for s in self.overall if s.best]
 
-    @property
+    @cached_property
     def verdicts(self) -> list[Verdict]:
         """Per engine with both RSp and SSp over every prompt: the mode to use and its speedup's interval."""
         headline = [t for t in self.timings if not t.split_pass]

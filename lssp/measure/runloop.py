@@ -3,44 +3,43 @@ prompt by prompt (their order rotating), a split pass where one is needed, and C
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from lssp.engines.base import Mode
-
+M = TypeVar("M", bound=Hashable)  # a way of generating: a Mode, or what a run interleaves (a format and a Mode, say)
 P = TypeVar("P")  # a prompt, in whatever form the command keeps it
 R = TypeVar("R")  # what one completion gives the command
 
 # Called after each completion with what ran, how many completions are done and how many the run will make.
 Progress = Callable[[str, int, int], None]
 # Runs ``mode`` on prompt ``index`` (-1: the warm-up); the flag says whether to time every forward.
-RunOne = Callable[[Mode, P, int, bool], R]
+RunOne = Callable[[M, P, int, bool], R]
 
 
 @dataclass
-class Step(Generic[R]):
+class Step(Generic[M, R]):
     """One timed completion."""
 
     index: int
-    mode: Mode
+    mode: M
     repeat: int  # which pass over the prompts
     split_pass: bool  # a pass synchronized around every forward, for the draft/target split only
     result: R
 
 
-def rotated(modes: Sequence[Mode], index: int) -> list[Mode]:
+def rotated(modes: Sequence[M], index: int) -> list[M]:
     """The modes in the order prompt ``index`` runs them: each prompt starts one mode later than the one before,
     so no mode always runs first (after a cold cache) or last."""
     shift = index % len(modes) if modes else 0
     return [*modes[shift:], *modes[:shift]]
 
 
-def run_interleaved(prompts: Sequence[P], modes: Sequence[Mode], run: RunOne, warmup: P, repeats: int = 1,
-                    split_modes: Sequence[Mode] = (), progress: Progress | None = None,
+def run_interleaved(prompts: Sequence[P], modes: Sequence[M], run: RunOne, warmup: P, repeats: int = 1,
+                    split_modes: Sequence[M] = (), progress: Progress | None = None,
                     describe: Callable[[P], str] = lambda prompt: "",
-                    label: Callable[[Mode], str] = lambda mode: mode.name,
-                    warmed: Callable[[], None] | None = None) -> tuple[list[Step[R]], bool]:
+                    label: Callable[[M], str] = lambda mode: mode.name,
+                    warmed: Callable[[], None] | None = None) -> tuple[list[Step[M, R]], bool]:
     """Every mode on every prompt, ``repeats`` times, then ``split_modes`` once more each in a split pass (none:
     the timed passes time every forward themselves); ``warmed`` is called between the warm-up and the first timed
     completion. Returns the steps and whether Ctrl-C (or SIGTERM) cut the run:
@@ -61,7 +60,7 @@ def run_interleaved(prompts: Sequence[P], modes: Sequence[Mode], run: RunOne, wa
         tick("warm-up " + label(mode))
     if warmed:
         warmed()
-    steps: list[Step[R]] = []
+    steps: list[Step[M, R]] = []
     try:
         for repeat, split_pass in passes:
             for index, prompt in enumerate(prompts):
@@ -78,7 +77,7 @@ def run_interleaved(prompts: Sequence[P], modes: Sequence[Mode], run: RunOne, wa
     return steps, False
 
 
-def whole_prompts(steps: Sequence[Step[R]], modes: int, split_modes: int) -> list[Step[R]]:
+def whole_prompts(steps: Sequence[Step[M, R]], modes: int, split_modes: int) -> list[Step[M, R]]:
     """The steps of the prompts that ran in every mode of their pass."""
     count = Counter((s.repeat, s.split_pass, s.index) for s in steps)
     return [s for s in steps if count[(s.repeat, s.split_pass, s.index)] == (split_modes if s.split_pass else modes)]
