@@ -9,7 +9,7 @@ speedup over the reference format's RSp with its paired 95% interval (per-prompt
 and the same over the format's own RSp. The rows name the CPU, the formats' precisions and the share of the CPUs'
 time other work took (over 25%: flagged busy). Greedy by default; `--temperature 0.7` for the sampled table.
 
-Usage: python benchmarks/formats.py [--formats dynamic-fp16,q4_1-compiled,...] [--nb-prompts 8] [--ks 2,3,4]
+Usage: python benchmarks/formats.py [--formats dynamic-fp16,q4_1,...] [--nb-prompts 8] [--ks 2,3,4]
        [--max-new-tokens 64] [--temperature 0] [--out benchmarks/results]
 Writes OUT/formats-RUNID.json (rows) and OUT/formats-RUNID.md (the table).
 """
@@ -37,7 +37,7 @@ from lssp.workloads.prompts import LATENCY_PROMPTS, WARMUP_PROMPT  # noqa: E402
 # name: (target entry, draft entry), the first the reference whose RSp every speedup is over.
 FORMATS = {
     "dynamic-fp16": ("smollm2-135m-compact", "smollm2-135m-draft"),
-    "q4_1-compiled": ("smollm2-135m-q4-compiled", "smollm2-135m-draft-q4-compiled"),
+    "q4_1": ("smollm2-135m-q4", "smollm2-135m-draft-q4"),
     "int4-compiled": ("smollm2-135m-int4-compiled", "smollm2-135m-draft-int4-compiled"),
     "bf16": ("smollm2-135m-bf16", "smollm2-135m-draft-bf16"),
 }

@@ -176,6 +176,10 @@ models:
     dtype: float32
     quantization: auto
     forward: compact
+  tiny-eagle-q4:
+    path: ./tiny-eagle
+    dtype: float32
+    quantization: q4_1
   tiny-eagle-auto:
     path: ./tiny-eagle
     dtype: float32

@@ -175,3 +175,29 @@ def test_the_kernels_fake_tensors_match_what_they_return_for_any_layout():
     for mask in (allowed, None):
         torch.library.opcheck(torch.ops.lssp.row_attention.default, (q, keys, values, mask, 0.125),
                               test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.parametrize("name", ["tiny-target-q4", "tiny-eagle-q4"])
+def test_the_one_call_decoder_computes_what_the_layer_by_layer_forward_does(tiny_dir, name):
+    """A q4_1 model's decoder layers run in one call of ``torch.ops.lssp.decoder``; the layer-by-layer forward (block_mm
+    and row_attention from Python) is the reference: the same arithmetic, up to where float32 sums round an int8
+    activation the other way."""
+    registry = load_registry(tiny_dir / "models.yaml")
+    target = load_model(registry.get("tiny-target-q4"))
+    model = target.model if name == "tiny-target-q4" else load_model(registry.get(name), draft=True, target=target).model
+    assert model._block_stack() is not None
+    ids = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(5))
+
+    def logits() -> torch.Tensor:
+        with torch.inference_mode():
+            kv = model.new_cache()
+            if name != "tiny-target-q4":
+                model.start(ids[:, :9], torch.randn(1, 8, model.config.hidden_size, generator=torch.Generator().manual_seed(1)), kv)
+            first = model(ids[:, :9], past_key_values=kv) if name == "tiny-target-q4" else None
+            steps = [model(ids[:, 9 + i:10 + i], past_key_values=kv).logits[0, -1] for i in range(3)]
+            return torch.stack(([first.logits[0, -1]] if first is not None else []) + steps)
+
+    fused = logits()
+    model.__dict__["_stack"] = None  # the layer-by-layer forward
+    layered = logits()
+    torch.testing.assert_close(fused, layered, rtol=1e-3, atol=1e-3)

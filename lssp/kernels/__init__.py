@@ -3,7 +3,8 @@
 ``blocks.cpp``: ``torch.ops.lssp.block_mm``, a matmul by weights in groups of 32 (4-bit Q4_1 or 8-bit Q8_0) with int8
 activations on AVX512-VNNI (``lssp.models.weight_only.BlockLinear``), and ``torch.ops.lssp.row_attention``, causal
 attention of each query by itself (the compact forward of a q4_1 model: a verification forward, or a batch of rows,
-then computes each position as a one-token forward of its row does, which int8 activations need to keep SSp exact). It is built with ``-march=native`` by torch's extension builder (g++ and
+then computes each position as a one-token forward of its row does, which int8 activations need to keep SSp exact), and
+``torch.ops.lssp.decoder``, a q4_1 model's whole stack of decoder layers in one call (no Python, no compilation). It is built with ``-march=native`` by torch's extension builder (g++ and
 ninja) into ``$LLAMASSP_CACHE/kernels/`` (the caller's choice), one build per source, torch version and CPU model (~10 s, once).
 """
 from __future__ import annotations
@@ -81,6 +82,12 @@ def _load_block_kernel(root: Path) -> None:
     def _(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor | None,
           scale: float) -> torch.Tensor:
         return q.new_empty(q.shape, dtype=torch.float32)  # the kernel: contiguous float32, whatever q's layout
+
+    @torch.library.register_fake("lssp::decoder")
+    def _(hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, allowed: torch.Tensor | None,
+          weights: list[torch.Tensor], cache: list[torch.Tensor], start: int, heads: int, kv_heads: int, eps: float,
+          scale: float) -> torch.Tensor:
+        return torch.empty_like(hidden, memory_format=torch.contiguous_format)
 
     # Inductor's on-disk graph cache keys a graph by its code, not by these ops' fake kernels: a tag of their source
     # and this module's keeps a graph compiled against other fakes (other output strides) from being reused.

@@ -104,41 +104,109 @@ void rows(const uint8_t* wp, const at::Half* sp, const at::Half* mp, const int8_
   for (; r < R; ++r) tile<1, Bits>(wp, sp, mp, xp, rs, gs, yp, r, nb0, nb1, K, N);
 }
 
-at::Tensor block_mm(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& mins) {
-  TORCH_CHECK(x_in.dim() == 2 && packed.dim() == 2, "block_mm takes x (R, K) and packed (N, K * bits / 8)");
-  const at::Tensor x = x_in.to(at::kFloat).contiguous();
-  const int64_t R = x.size(0), K = x.size(1), N = packed.size(0);
-  const int bits = packed.size(1) == K ? 8 : 4;
-  TORCH_CHECK(K % kGroup == 0 && N % 16 == 0 && (packed.size(1) == K || packed.size(1) == K / 2),
+// A weight in the kernel's layout, read from its three tensors.
+struct Blocks {
+  const uint8_t* packed;
+  const at::Half* scales;
+  const at::Half* mins;
+  int64_t N, K;
+  int bits;
+};
+
+Blocks blocks_of(const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& mins, int64_t K) {
+  const int64_t N = packed.size(0);
+  TORCH_CHECK(packed.dim() == 2 && K % kGroup == 0 && N % 16 == 0 && (packed.size(1) == K || packed.size(1) == K / 2),
               "block_mm: K a multiple of 32, N of 16, packed (N, K/2) or (N, K)");
   TORCH_CHECK(packed.scalar_type() == at::kByte && scales.scalar_type() == at::kHalf && mins.scalar_type() == at::kHalf,
               "block_mm: packed uint8, scales and mins float16");
   TORCH_CHECK(packed.is_contiguous() && scales.is_contiguous() && mins.is_contiguous(), "block_mm: contiguous weights");
-  at::Tensor y = at::empty({R, N}, x.options());
-  if (R == 0 || N == 0) return y;
-  at::Tensor xq = at::empty({R, K}, x.options().dtype(at::kChar));
-  at::Tensor row_scales = at::empty({R, K / kGroup}, x.options());
-  at::Tensor group_sums = at::empty({R, K / kGroup}, x.options());
-  quantize_rows(x.data_ptr<float>(), R, K, xq.data_ptr<int8_t>(), row_scales.data_ptr<float>(),
-                group_sums.data_ptr<float>());
-  const uint8_t* wp = packed.data_ptr<uint8_t>();
-  const at::Half* sp = scales.data_ptr<at::Half>();
-  const at::Half* mp = mins.data_ptr<at::Half>();
-  const int8_t* xp = xq.data_ptr<int8_t>();
-  const float* rs = row_scales.data_ptr<float>();
-  const float* gs = group_sums.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  const int64_t blocks = N / 16;
+  return {packed.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(), mins.data_ptr<at::Half>(), N, K,
+          packed.size(1) == K ? 8 : 4};
+}
+
+// Room for the int8 activations of up to R rows of width K.
+struct Scratch {
+  std::vector<int8_t> xq;
+  std::vector<float> row_scales, group_sums;
+  void fit(int64_t R, int64_t K) {
+    if (static_cast<int64_t>(xq.size()) < R * K) xq.resize(R * K);
+    if (static_cast<int64_t>(row_scales.size()) < R * K / kGroup) {
+      row_scales.resize(R * K / kGroup);
+      group_sums.resize(R * K / kGroup);
+    }
+  }
+};
+
+// y (R, N) = x (R, K) W^T, the outputs split between threads by blocks of 16 weight rows.
+void matmul(const Blocks& w, const float* x, int64_t R, float* y, Scratch& s) {
+  if (R == 0 || w.N == 0) return;
+  s.fit(R, w.K);
+  quantize_rows(x, R, w.K, s.xq.data(), s.row_scales.data(), s.group_sums.data());
+  const int8_t* xp = s.xq.data();
+  const float* rs = s.row_scales.data();
+  const float* gs = s.group_sums.data();
+  const int64_t blocks = w.N / 16;
   const int64_t grain = std::max<int64_t>(1, blocks / (4 * at::get_num_threads()));
   at::parallel_for(0, blocks, grain, [&](int64_t nb0, int64_t nb1) {
-    if (bits == 4) rows<4>(wp, sp, mp, xp, rs, gs, yp, R, nb0, nb1, K, N);
-    else rows<8>(wp, sp, mp, xp, rs, gs, yp, R, nb0, nb1, K, N);
+    if (w.bits == 4) rows<4>(w.packed, w.scales, w.mins, xp, rs, gs, y, R, nb0, nb1, w.K, w.N);
+    else rows<8>(w.packed, w.scales, w.mins, xp, rs, gs, y, R, nb0, nb1, w.K, w.N);
   });
+}
+
+at::Tensor block_mm(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& mins) {
+  TORCH_CHECK(x_in.dim() == 2 && packed.dim() == 2, "block_mm takes x (R, K) and packed (N, K * bits / 8)");
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  const Blocks w = blocks_of(packed, scales, mins, x.size(1));
+  at::Tensor y = at::empty({x.size(0), w.N}, x.options());
+  Scratch s;
+  matmul(w, x.data_ptr<float>(), x.size(0), y.data_ptr<float>(), s);
   return y;
 }
 
 inline __mmask16 lanes_from(int64_t left) {  // the first min(left, 16) lanes
   return left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
+}
+
+// One query row q (D) over the slots 0..S-1 of keys and values (slot j at k + j * ks, v + j * vs) that ``sees`` allows
+// (null: all), in order, one by one: the same numbers whatever the other rows and slots hold. out (D); scores and
+// slots: room for S.
+void attend_row(const float* q, const float* k, int64_t ks, const float* v, int64_t vs, int64_t S, int64_t D,
+                const bool* sees, float scale, float* out, float* scores, int64_t* slots) {
+  int64_t count = 0;
+  float top = -INFINITY;
+  for (int64_t j = 0; j < S; ++j) {
+    if (sees && !sees[j]) continue;
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 16) {
+      const __mmask16 lanes = lanes_from(D - d);
+      acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(lanes, q + d), _mm512_maskz_loadu_ps(lanes, k + j * ks + d), acc);
+    }
+    scores[count] = _mm512_reduce_add_ps(acc) * scale;
+    slots[count] = j;
+    top = std::max(top, scores[count]);
+    ++count;
+  }
+  float total = 0.0f;
+  for (int64_t c = 0; c < count; ++c) {
+    scores[c] = std::exp(scores[c] - top);
+    total += scores[c];
+  }
+  const float inv = count ? 1.0f / total : 0.0f;
+  for (int64_t d = 0; d < D; d += 16) {
+    const __mmask16 lanes = lanes_from(D - d);
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t c = 0; c < count; ++c)
+      acc = _mm512_fmadd_ps(_mm512_set1_ps(scores[c]), _mm512_maskz_loadu_ps(lanes, v + slots[c] * vs + d), acc);
+    _mm512_mask_storeu_ps(out + d, lanes, _mm512_mul_ps(acc, _mm512_set1_ps(inv)));
+  }
+}
+
+at::Tensor bool_mask(const c10::optional<at::Tensor>& allowed_in, int64_t B, int64_t R, int64_t S) {
+  if (!allowed_in.has_value()) return at::Tensor();
+  at::Tensor allowed = allowed_in->to(at::kBool).contiguous();
+  TORCH_CHECK(allowed.dim() == 3 && (allowed.size(0) == B || allowed.size(0) == 1) && allowed.size(1) == R &&
+              allowed.size(2) == S, "attention: allowed (B or 1, rows, slots)");
+  return allowed;
 }
 
 // lssp::row_attention: attention of each query row by itself, as a one-token forward computes it.
@@ -156,62 +224,133 @@ at::Tensor row_attention(const at::Tensor& q_in, const at::Tensor& keys_in, cons
   if (values.stride(3) != 1) values = values.contiguous();
   const int64_t B = q.size(0), H = q.size(1), R = q.size(2), D = q.size(3), S = keys.size(2);
   TORCH_CHECK(keys.size(0) == B && keys.size(1) == H && keys.size(3) == D, "row_attention: shapes");
-  at::Tensor allowed;
-  if (allowed_in.has_value()) {
-    allowed = allowed_in->to(at::kBool).contiguous();
-    TORCH_CHECK(allowed.dim() == 3 && (allowed.size(0) == B || allowed.size(0) == 1) && allowed.size(1) == R &&
-                allowed.size(2) == S, "row_attention: allowed (B or 1, R, S)");
-  }
+  const at::Tensor allowed = bool_mask(allowed_in, B, R, S);
   const bool* ap = allowed.defined() ? allowed.data_ptr<bool>() : nullptr;
   const int64_t a_batch = allowed.defined() && allowed.size(0) == B ? R * S : 0;
   at::Tensor out = at::empty_like(q);
   const float* qp = q.data_ptr<float>();
   const float* kp = keys.data_ptr<float>();
   const float* vp = values.data_ptr<float>();
-  const int64_t kb = keys.stride(0), kh = keys.stride(1), ks = keys.stride(2);
-  const int64_t vb = values.stride(0), vh = values.stride(1), vs = values.stride(2);
   float* op = out.data_ptr<float>();
-  const float sc = static_cast<float>(scale);
   at::parallel_for(0, B * H * R, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(S);
     std::vector<int64_t> slots(S);
     for (int64_t bhr = begin; bhr < end; ++bhr) {
       const int64_t b = bhr / (H * R), h = (bhr / R) % H, r = bhr % R;
-      const bool* sees = ap ? ap + b * a_batch + r * S : nullptr;
-      const float* qr = qp + bhr * D;
-      const float* kr = kp + b * kb + h * kh;
-      const float* vr = vp + b * vb + h * vh;
-      int64_t count = 0;
-      float top = -INFINITY;
-      for (int64_t j = 0; j < S; ++j) {
-        if (sees && !sees[j]) continue;
-        __m512 acc = _mm512_setzero_ps();
-        for (int64_t d = 0; d < D; d += 16) {
-          const __mmask16 lanes = lanes_from(D - d);
-          acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(lanes, qr + d), _mm512_maskz_loadu_ps(lanes, kr + j * ks + d), acc);
-        }
-        scores[count] = _mm512_reduce_add_ps(acc) * sc;
-        slots[count] = j;
-        top = std::max(top, scores[count]);
-        ++count;
-      }
-      float total = 0.0f;
-      for (int64_t c = 0; c < count; ++c) {
-        scores[c] = std::exp(scores[c] - top);
-        total += scores[c];
-      }
-      const float inv = count ? 1.0f / total : 0.0f;
-      float* o = op + bhr * D;
-      for (int64_t d = 0; d < D; d += 16) {
-        const __mmask16 lanes = lanes_from(D - d);
-        __m512 acc = _mm512_setzero_ps();
-        for (int64_t c = 0; c < count; ++c)
-          acc = _mm512_fmadd_ps(_mm512_set1_ps(scores[c]), _mm512_maskz_loadu_ps(lanes, vr + slots[c] * vs + d), acc);
-        _mm512_mask_storeu_ps(o + d, lanes, _mm512_mul_ps(acc, _mm512_set1_ps(inv)));
-      }
+      attend_row(qp + bhr * D, kp + b * keys.stride(0) + h * keys.stride(1), keys.stride(2),
+                 vp + b * values.stride(0) + h * values.stride(1), values.stride(2), S, D,
+                 ap ? ap + b * a_batch + r * S : nullptr, static_cast<float>(scale), op + bhr * D, scores.data(),
+                 slots.data());
     }
   });
   return out.to(q_in.scalar_type());
+}
+
+// x (R, D) -> out (R, D): RMS norm with ``weight`` (null: none, a copy).
+void rms_norm(const float* x, int64_t R, int64_t D, const float* weight, float eps, float* out) {
+  for (int64_t r = 0; r < R; ++r) {
+    const float* v = x + r * D;
+    float* o = out + r * D;
+    if (!weight) {
+      std::copy(v, v + D, o);
+      continue;
+    }
+    float total = 0.0f;
+    for (int64_t d = 0; d < D; ++d) total += v[d] * v[d];
+    const float inv = 1.0f / std::sqrt(total / static_cast<float>(D) + eps);
+    for (int64_t d = 0; d < D; ++d) o[d] = v[d] * inv * weight[d];
+  }
+}
+
+// v (hd) rotated in place: v * cos + swap_halves(v) * sin (sin negated on its first half).
+void rotate(float* v, const float* cos, const float* sin, int64_t hd, float* tmp) {
+  const int64_t half = hd / 2;
+  for (int64_t d = 0; d < hd; ++d) tmp[d] = v[d] * cos[d] + v[d < half ? d + half : d - half] * sin[d];
+  std::copy(tmp, tmp + hd, v);
+}
+
+constexpr int64_t kPerLayer = 14;  // input norm, qkv (3), o (3), post-attention norm, gate|up (3), down (3)
+
+// lssp::decoder: Llama decoder layers over hidden (B, n, D) float32, one call for the whole stack, every layer's
+// Linears in the kernel's blocks. weights: kPerLayer tensors per layer (an input norm with no element: none);
+// cache: keys and values of each layer (B, kv_heads, capacity, hd) float32, written at slots start..start+n-1;
+// cos, sin (B or 1, n, hd); allowed: bool (B or 1, n, start + n) or none (causal). Each row is computed by itself,
+// as row_attention and block_mm do: a forward of n tokens gives each position the numbers of a one-token forward.
+at::Tensor decoder(const at::Tensor& hidden_in, const at::Tensor& cos_in, const at::Tensor& sin_in,
+                   const c10::optional<at::Tensor>& allowed_in, at::TensorList weights, at::TensorList cache,
+                   int64_t start, int64_t heads, int64_t kv_heads, double eps, double scale) {
+  TORCH_CHECK(hidden_in.dim() == 3 && hidden_in.scalar_type() == at::kFloat, "decoder: hidden (B, n, D) float32");
+  const int64_t L = static_cast<int64_t>(weights.size()) / kPerLayer;
+  TORCH_CHECK(L * kPerLayer == static_cast<int64_t>(weights.size()) && static_cast<int64_t>(cache.size()) == 2 * L,
+              "decoder: 14 weights and 2 cache tensors per layer");
+  const int64_t B = hidden_in.size(0), n = hidden_in.size(1), D = hidden_in.size(2), R = B * n, S = start + n;
+  const int64_t hd = cache[0].size(3), group = heads / kv_heads;
+  const at::Tensor cos = cos_in.to(at::kFloat).contiguous(), sin = sin_in.to(at::kFloat).contiguous();
+  TORCH_CHECK(cos.dim() == 3 && (cos.size(0) == B || cos.size(0) == 1) && cos.size(1) == n && cos.size(2) == hd &&
+              sin.sizes() == cos.sizes(), "decoder: cos, sin (B or 1, n, head_dim)");
+  const at::Tensor allowed = bool_mask(allowed_in, B, n, S);
+  const bool* ap = allowed.defined() ? allowed.data_ptr<bool>() : nullptr;
+  const int64_t a_batch = allowed.defined() && allowed.size(0) == B ? n * S : 0;
+  const int64_t c_batch = cos.size(0) == B ? n * hd : 0;
+  for (const at::Tensor& t : cache)
+    TORCH_CHECK(t.scalar_type() == at::kFloat && t.dim() == 4 && t.size(0) == B && t.size(1) == kv_heads &&
+                t.size(2) >= S && t.size(3) == hd && t.stride(3) == 1, "decoder: cache (B, kv_heads, >= slots, hd) float32");
+  at::Tensor hidden = hidden_in.contiguous().clone();
+  float* h = hidden.data_ptr<float>();
+  const int64_t width = (heads + 2 * kv_heads) * hd;
+  const int64_t inner = weights[8].size(0) / 2;
+  std::vector<float> x(R * std::max(D, heads * hd)), qkv(R * width), attn(R * heads * hd), proj(R * D),
+      gate_up(R * 2 * inner), act(R * inner);
+  Scratch s;
+  for (int64_t l = 0; l < L; ++l) {
+    const at::Tensor* w = weights.data() + l * kPerLayer;
+    const at::Tensor& keys = cache[2 * l];
+    const at::Tensor& values = cache[2 * l + 1];
+    float* kp = keys.data_ptr<float>();
+    float* vp = values.data_ptr<float>();
+    rms_norm(h, R, D, w[0].numel() ? w[0].data_ptr<float>() : nullptr, eps, x.data());
+    matmul(blocks_of(w[1], w[2], w[3], D), x.data(), R, qkv.data(), s);
+    float tmp[1024];
+    TORCH_CHECK(hd <= 1024, "decoder: head_dim at most 1024");
+    for (int64_t r = 0; r < R; ++r) {  // rotary on queries and keys; keys and values into the cache
+      const int64_t b = r / n, i = r % n;
+      float* row = qkv.data() + r * width;
+      const float* c = cos.data_ptr<float>() + b * c_batch + i * hd;
+      const float* sn = sin.data_ptr<float>() + b * c_batch + i * hd;
+      for (int64_t g = 0; g < heads + kv_heads; ++g) rotate(row + g * hd, c, sn, hd, tmp);
+      for (int64_t g = 0; g < kv_heads; ++g) {
+        std::copy(row + (heads + g) * hd, row + (heads + g + 1) * hd,
+                  kp + b * keys.stride(0) + g * keys.stride(1) + (start + i) * keys.stride(2));
+        std::copy(row + (heads + kv_heads + g) * hd, row + (heads + kv_heads + g + 1) * hd,
+                  vp + b * values.stride(0) + g * values.stride(1) + (start + i) * values.stride(2));
+      }
+    }
+    at::parallel_for(0, B * heads * n, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores(S);
+      std::vector<int64_t> slots(S);
+      for (int64_t bhi = begin; bhi < end; ++bhi) {
+        const int64_t b = bhi / (heads * n), head = (bhi / n) % heads, i = bhi % n, r = b * n + i;
+        const int64_t kv = head / group;
+        const bool* sees = ap ? ap + b * a_batch + i * S : nullptr;
+        attend_row(qkv.data() + r * width + head * hd, kp + b * keys.stride(0) + kv * keys.stride(1), keys.stride(2),
+                   vp + b * values.stride(0) + kv * values.stride(1), values.stride(2), sees ? S : start + i + 1, hd,
+                   sees, static_cast<float>(scale), attn.data() + r * heads * hd + head * hd, scores.data(),
+                   slots.data());
+      }
+    });
+    matmul(blocks_of(w[4], w[5], w[6], heads * hd), attn.data(), R, proj.data(), s);
+    for (int64_t j = 0; j < R * D; ++j) h[j] += proj[j];
+    rms_norm(h, R, D, w[7].data_ptr<float>(), eps, x.data());
+    matmul(blocks_of(w[8], w[9], w[10], D), x.data(), R, gate_up.data(), s);
+    for (int64_t r = 0; r < R; ++r) {
+      const float* gu = gate_up.data() + r * 2 * inner;
+      float* a = act.data() + r * inner;
+      for (int64_t j = 0; j < inner; ++j) a[j] = gu[j] / (1.0f + std::exp(-gu[j])) * gu[inner + j];
+    }
+    matmul(blocks_of(w[11], w[12], w[13], inner), act.data(), R, proj.data(), s);
+    for (int64_t j = 0; j < R * D; ++j) h[j] += proj[j];
+  }
+  return hidden;
 }
 
 }  // namespace
@@ -219,9 +358,12 @@ at::Tensor row_attention(const at::Tensor& q_in, const at::Tensor& keys_in, cons
 TORCH_LIBRARY(lssp, m) {
   m.def("block_mm(Tensor x, Tensor packed, Tensor scales, Tensor mins) -> Tensor");
   m.def("row_attention(Tensor q, Tensor keys, Tensor values, Tensor? allowed, float scale) -> Tensor");
+  m.def("decoder(Tensor hidden, Tensor cos, Tensor sin, Tensor? allowed, Tensor[] weights, Tensor(a!)[] cache, "
+        "int start, int heads, int kv_heads, float eps, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(lssp, CPU, m) {
   m.impl("block_mm", &block_mm);
   m.impl("row_attention", &row_attention);
+  m.impl("decoder", &decoder);
 }

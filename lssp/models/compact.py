@@ -240,6 +240,9 @@ class FusedDecoder(nn.Module):
         attends by itself (``torch.ops.lssp.row_attention``). Returns the last hidden states (before any final
         norm)."""
         batch, n = hidden.shape[:2]
+        stack = self._block_stack()
+        if stack is not None and isinstance(at, slice) and hidden.dtype == keys_values[0].dtype == torch.float32:
+            return self._block_layers(stack, hidden, cos, sin, mask, keys_values, at.start)
         heads, half, rotated = self.heads, self.head_dim // 2, self.heads + self.kv_heads
         # The query heads sharing a key/value head attend as one longer query over it (the mask repeated per head):
         # the same scores as SDPA's enable_gqa, up to 6x faster on a CPU in batched decoding.
@@ -270,6 +273,35 @@ class FusedDecoder(nn.Module):
             gate, up = _linear(self.gate_up[i], x).chunk(2, dim=-1)
             hidden = hidden + _linear(self.down[i], F.silu(gate) * up)
         return hidden
+
+    def _block_stack(self) -> list[torch.Tensor] | None:
+        """Every layer's norms and block weights for ``torch.ops.lssp.decoder``, when each Linear is a q4_1 layer
+        (``BlockLinear``) and queries attend by themselves; else None. Built once."""
+        if "_stack" not in self.__dict__:
+            from lssp.models.weight_only import BlockLinear
+
+            linears = [*self.qkv, *self.o, *self.gate_up, *self.down]
+            ok = self.row_attention and all(type(lin) is BlockLinear for lin in linears)
+            stack: list[torch.Tensor] | None = [] if ok else None
+            for i, layer in enumerate(self.decoder_layers if ok else []):
+                norm = layer.input_layernorm
+                first = torch.empty(0) if isinstance(norm, nn.Identity) else norm.weight.detach().float().contiguous()
+                stack += [first, *self.qkv[i].weights(), *self.o[i].weights(),
+                          layer.post_attention_layernorm.weight.detach().float().contiguous(),
+                          *self.gate_up[i].weights(), *self.down[i].weights()]
+            self.__dict__["_stack"] = stack
+        return self.__dict__["_stack"]
+
+    def _block_layers(self, stack: list[torch.Tensor], hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      mask: torch.Tensor | None, keys_values: list[torch.Tensor], start: int) -> torch.Tensor:
+        """``_layers`` in one call of our kernel (q4_1): causal where ``mask`` is None, else its allowed slots."""
+        batch, n = hidden.shape[:2]
+        allowed = None
+        if mask is not None:  # bool (rows, slots), or additive (batch, 1, rows, slots)
+            allowed = mask[None] if mask.dtype == torch.bool else (mask == 0)[:, 0]
+        cos, sin = cos.reshape(-1, n, self.head_dim), sin.reshape(-1, n, self.head_dim)
+        return torch.ops.lssp.decoder(hidden.contiguous(), cos, sin, allowed, stack, keys_values, start, self.heads,
+                                      self.kv_heads, self.eps, self.scale)
 
     def _run(self, hidden: torch.Tensor, kv: CompactCache, mask: torch.Tensor | None = None,
              positions: torch.Tensor | None = None) -> torch.Tensor:
@@ -384,7 +416,7 @@ class CompactLlama(FusedDecoder):
         start, n = kv.length, input_ids.shape[1]
         end = start + n
         kv.reserve(end)
-        if (self._compiled_step is not None and 0 < start and n <= STEP_TOKENS and input_ids.shape[0] == 1
+        if (self._compiled_step is not None and self._block_stack() is None and 0 < start and n <= STEP_TOKENS and input_ids.shape[0] == 1
                 and position_ids is None):  # prefills (start 0) stay eager
             positions = torch.arange(start, end, device=input_ids.device)
             graphs = self.compile_mode in ("reduce-overhead", "max-autotune")

@@ -127,6 +127,10 @@ class BlockLinear(nn.Module):
         out = torch.ops.lssp.block_mm(x.reshape(-1, self.in_features), self.packed, self.scales, self.mins)
         return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
 
+    def weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """packed, scales, mins: what ``torch.ops.lssp`` kernels take."""
+        return self.packed, self.scales, self.mins
+
     def blocks(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q (N, K) uint8, d and m (N, K/32) float32: what the layer holds, in the weight's own layout."""
         n, k = self.out_features, self.in_features
