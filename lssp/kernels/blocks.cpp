@@ -22,7 +22,7 @@
 namespace {
 
 constexpr int64_t kGroup = 32;
-constexpr int64_t kRowTile = 4;
+constexpr int64_t kRowTile = 8;
 constexpr int64_t kAhead = 2048;  // bytes of weights prefetched ahead of those multiplied (measured on an AMD EPYC)
 
 // Activations in int8 groups: xq (R, K), each group's scale s, and s * sum(xq) for the minimum's term.
@@ -64,21 +64,28 @@ void tile(const uint8_t* packed, const at::Half* scales, const at::Half* mins, c
     __m512 acc[T];
     for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
     for (int64_t g = 0; g < G; ++g) {
-      __m512i dot[T][2];
-      for (int t = 0; t < T; ++t) dot[t][0] = dot[t][1] = _mm512_setzero_si512();
+      // Integer sums: exact in any order, so the split into accumulators (two chains where there are few rows, to
+      // hide vpdpbusd's latency; one per row beyond, to keep every accumulator in a register) changes no result.
+      constexpr int kSplit = T <= 2 ? 2 : 1;
+      __m512i dot[T][kSplit];
+      for (int t = 0; t < T; ++t)
+        for (int j = 0; j < kSplit; ++j) dot[t][j] = _mm512_setzero_si512();
       for (int c = 0; c < kChunks; ++c) {
         const uint8_t* at = w + (g * kChunks + c) * 64;
         _mm_prefetch(reinterpret_cast<const char*>(at + kAhead), _MM_HINT_T0);
         const __m512i raw = _mm512_loadu_si512(at);
-        for (int t = 0; t < T; ++t) {
-          const int32_t* x4 = reinterpret_cast<const int32_t*>(xq + (r0 + t) * K + g * kGroup + c * (32 / kChunks));
-          if constexpr (Bits == 4) {
-            const __m512i lo = _mm512_and_si512(raw, low);
-            const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+        if constexpr (Bits == 4) {
+          const __m512i lo = _mm512_and_si512(raw, low);
+          const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+          for (int t = 0; t < T; ++t) {
+            const int32_t* x4 = reinterpret_cast<const int32_t*>(xq + (r0 + t) * K + g * kGroup + c * 8);
             dot[t][0] = _mm512_dpbusd_epi32(dot[t][0], lo, _mm512_set1_epi32(x4[0]));
-            dot[t][1] = _mm512_dpbusd_epi32(dot[t][1], hi, _mm512_set1_epi32(x4[1]));
-          } else {
-            dot[t][c % 2] = _mm512_dpbusd_epi32(dot[t][c % 2], raw, _mm512_set1_epi32(x4[0]));
+            dot[t][kSplit - 1] = _mm512_dpbusd_epi32(dot[t][kSplit - 1], hi, _mm512_set1_epi32(x4[1]));
+          }
+        } else {
+          for (int t = 0; t < T; ++t) {
+            const int32_t* x4 = reinterpret_cast<const int32_t*>(xq + (r0 + t) * K + g * kGroup + c * 4);
+            dot[t][c % kSplit] = _mm512_dpbusd_epi32(dot[t][c % kSplit], raw, _mm512_set1_epi32(x4[0]));
           }
         }
       }
@@ -86,7 +93,8 @@ void tile(const uint8_t* packed, const at::Half* scales, const at::Half* mins, c
       const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(m + g * 16)));
       for (int t = 0; t < T; ++t) {
         const int64_t r = r0 + t;
-        const __m512 sum = _mm512_cvtepi32_ps(_mm512_add_epi32(dot[t][0], dot[t][1]));
+        const __m512i total = kSplit == 2 ? _mm512_add_epi32(dot[t][0], dot[t][kSplit - 1]) : dot[t][0];
+        const __m512 sum = _mm512_cvtepi32_ps(total);
         acc[t] = _mm512_fmadd_ps(sum, _mm512_mul_ps(dv, _mm512_set1_ps(row_scales[r * G + g])), acc[t]);
         acc[t] = _mm512_fmadd_ps(mv, _mm512_set1_ps(group_sums[r * G + g]), acc[t]);
       }
@@ -98,10 +106,19 @@ void tile(const uint8_t* packed, const at::Half* scales, const at::Half* mins, c
 template <int Bits>
 void rows(const uint8_t* wp, const at::Half* sp, const at::Half* mp, const int8_t* xp, const float* rs,
           const float* gs, float* yp, int64_t R, int64_t nb0, int64_t nb1, int64_t K, int64_t N) {
-  int64_t r = 0;
-  for (; r + kRowTile <= R; r += kRowTile) tile<kRowTile, Bits>(wp, sp, mp, xp, rs, gs, yp, r, nb0, nb1, K, N);
-  for (; r + 2 <= R; r += 2) tile<2, Bits>(wp, sp, mp, xp, rs, gs, yp, r, nb0, nb1, K, N);
-  for (; r < R; ++r) tile<1, Bits>(wp, sp, mp, xp, rs, gs, yp, r, nb0, nb1, K, N);
+  // Up to kRowTile rows per pass over the weights: a verification of K + 1 <= kRowTile tokens reads them once.
+  for (int64_t r = 0; r < R; r += kRowTile) {
+    switch (std::min<int64_t>(R - r, kRowTile)) {
+      case 1: tile<1, Bits>(wp, sp, mp, xp, rs, gs, yp, r, nb0, nb1, K, N); break;
+      case 2: tile<2, Bits>(wp, sp, mp, xp, rs, gs, yp, r, nb0, nb1, K, N); break;
+      case 3: tile<3, Bits>(wp, sp, mp, xp, rs, gs, yp, r, nb0, nb1, K, N); break;
+      case 4: tile<4, Bits>(wp, sp, mp, xp, rs, gs, yp, r, nb0, nb1, K, N); break;
+      case 5: tile<5, Bits>(wp, sp, mp, xp, rs, gs, yp, r, nb0, nb1, K, N); break;
+      case 6: tile<6, Bits>(wp, sp, mp, xp, rs, gs, yp, r, nb0, nb1, K, N); break;
+      case 7: tile<7, Bits>(wp, sp, mp, xp, rs, gs, yp, r, nb0, nb1, K, N); break;
+      default: tile<8, Bits>(wp, sp, mp, xp, rs, gs, yp, r, nb0, nb1, K, N); break;
+    }
+  }
 }
 
 // A weight in the kernel's layout, read from its three tensors.
@@ -167,6 +184,22 @@ inline __mmask16 lanes_from(int64_t left) {  // the first min(left, 16) lanes
   return left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
 }
 
+// e^x in each lane (relative error ~2e-7): x = n ln2 + r, |r| <= ln2/2, e^r by its degree-6 Taylor polynomial.
+inline __m512 exp512(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-88.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
 // One query row q (D) over the slots 0..S-1 of keys and values (slot j at k + j * ks, v + j * vs) that ``sees`` allows
 // (null: all), in order, one by one: the same numbers whatever the other rows and slots hold. out (D); scores and
 // slots: room for S.
@@ -186,11 +219,14 @@ void attend_row(const float* q, const float* k, int64_t ks, const float* v, int6
     top = std::max(top, scores[count]);
     ++count;
   }
-  float total = 0.0f;
-  for (int64_t c = 0; c < count; ++c) {
-    scores[c] = std::exp(scores[c] - top);
-    total += scores[c];
+  __m512 sums = _mm512_setzero_ps();
+  for (int64_t c = 0; c < count; c += 16) {
+    const __mmask16 lanes = lanes_from(count - c);
+    const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, scores + c), _mm512_set1_ps(top)));
+    _mm512_mask_storeu_ps(scores + c, lanes, e);
+    sums = _mm512_mask_add_ps(sums, lanes, sums, e);
   }
+  const float total = _mm512_reduce_add_ps(sums);
   const float inv = count ? 1.0f / total : 0.0f;
   for (int64_t d = 0; d < D; d += 16) {
     const __mmask16 lanes = lanes_from(D - d);
@@ -255,10 +291,17 @@ void rms_norm(const float* x, int64_t R, int64_t D, const float* weight, float e
       std::copy(v, v + D, o);
       continue;
     }
-    float total = 0.0f;
-    for (int64_t d = 0; d < D; ++d) total += v[d] * v[d];
-    const float inv = 1.0f / std::sqrt(total / static_cast<float>(D) + eps);
-    for (int64_t d = 0; d < D; ++d) o[d] = v[d] * inv * weight[d];
+    __m512 squares = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 16) {
+      const __m512 a = _mm512_maskz_loadu_ps(lanes_from(D - d), v + d);
+      squares = _mm512_fmadd_ps(a, a, squares);
+    }
+    const __m512 inv = _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(squares) / static_cast<float>(D) + eps));
+    for (int64_t d = 0; d < D; d += 16) {
+      const __mmask16 lanes = lanes_from(D - d);
+      _mm512_mask_storeu_ps(o + d, lanes, _mm512_mul_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(lanes, v + d), inv),
+                                                        _mm512_maskz_loadu_ps(lanes, weight + d)));
+    }
   }
 }
 
@@ -345,7 +388,13 @@ at::Tensor decoder(const at::Tensor& hidden_in, const at::Tensor& cos_in, const 
     for (int64_t r = 0; r < R; ++r) {
       const float* gu = gate_up.data() + r * 2 * inner;
       float* a = act.data() + r * inner;
-      for (int64_t j = 0; j < inner; ++j) a[j] = gu[j] / (1.0f + std::exp(-gu[j])) * gu[inner + j];
+      for (int64_t j = 0; j < inner; j += 16) {  // silu(gate) * up
+        const __mmask16 lanes = lanes_from(inner - j);
+        const __m512 g = _mm512_maskz_loadu_ps(lanes, gu + j);
+        const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), g));
+        const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+        _mm512_mask_storeu_ps(a + j, lanes, _mm512_mul_ps(silu, _mm512_maskz_loadu_ps(lanes, gu + inner + j)));
+      }
     }
     matmul(blocks_of(w[11], w[12], w[13], inner), act.data(), R, proj.data(), s);
     for (int64_t j = 0; j < R * D; ++j) h[j] += proj[j];
