@@ -13,11 +13,15 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+#include <torch/torch.h>
 #include <immintrin.h>
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
+#include <cstdlib>
+#include <cstring>
+#include <sys/mman.h>
 
 namespace {
 
@@ -402,11 +406,24 @@ at::Tensor decoder(const at::Tensor& hidden_in, const at::Tensor& cos_in, const 
   return hidden;
 }
 
+// lssp::arena: nbytes of uint8 in memory aligned to 2 MiB and advised as huge pages (the weights a forward streams:
+// one TLB entry per 2 MiB instead of per 4 KiB), touched now so that the pages are made huge as they fault in.
+at::Tensor arena(int64_t nbytes) {
+  constexpr size_t kHuge = 2u << 20;
+  const size_t size = (static_cast<size_t>(std::max<int64_t>(nbytes, 1)) + kHuge - 1) / kHuge * kHuge;
+  void* memory = nullptr;
+  TORCH_CHECK(posix_memalign(&memory, kHuge, size) == 0, "arena: cannot allocate ", size, " bytes");
+  madvise(memory, size, MADV_HUGEPAGE);  // a hint: where the kernel refuses it, plain pages serve
+  std::memset(memory, 0, size);
+  return torch::from_blob(memory, {nbytes}, [](void* p) { std::free(p); }, at::TensorOptions().dtype(at::kByte));
+}
+
 }  // namespace
 
 TORCH_LIBRARY(lssp, m) {
   m.def("block_mm(Tensor x, Tensor packed, Tensor scales, Tensor mins) -> Tensor");
   m.def("row_attention(Tensor q, Tensor keys, Tensor values, Tensor? allowed, float scale) -> Tensor");
+  m.def("arena(int nbytes) -> Tensor");
   m.def("decoder(Tensor hidden, Tensor cos, Tensor sin, Tensor? allowed, Tensor[] weights, Tensor(a!)[] cache, "
         "int start, int heads, int kv_heads, float eps, float scale) -> Tensor");
 }
@@ -415,4 +432,8 @@ TORCH_LIBRARY_IMPL(lssp, CPU, m) {
   m.impl("block_mm", &block_mm);
   m.impl("row_attention", &row_attention);
   m.impl("decoder", &decoder);
+}
+
+TORCH_LIBRARY_IMPL(lssp, CompositeExplicitAutograd, m) {
+  m.impl("arena", &arena);
 }

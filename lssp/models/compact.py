@@ -278,11 +278,15 @@ class FusedDecoder(nn.Module):
         """Every layer's norms and block weights for ``torch.ops.lssp.decoder``, when each Linear is a q4_1 layer
         (``BlockLinear``) and queries attend by themselves; else None. Built once."""
         if "_stack" not in self.__dict__:
-            from lssp.models.weight_only import BlockLinear
+            from lssp.models.weight_only import BlockLinear, into_arena
 
             linears = [*self.qkv, *self.o, *self.gate_up, *self.down]
             ok = self.row_attention and all(type(lin) is BlockLinear for lin in linears)
             stack: list[torch.Tensor] | None = [] if ok else None
+            if ok:
+                output = [m for m in self.get_output_embeddings().modules() if type(m) is BlockLinear]
+                into_arena([lin for i in range(len(self.qkv)) for lin in (self.qkv[i], self.o[i], self.gate_up[i],
+                                                                          self.down[i])] + output)
             for i, layer in enumerate(self.decoder_layers if ok else []):
                 norm = layer.input_layernorm
                 first = torch.empty(0) if isinstance(norm, nn.Identity) else norm.weight.detach().float().contiguous()

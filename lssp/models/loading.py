@@ -464,6 +464,7 @@ def cpu_quantize(model: PreTrainedModel, spec: ModelSpec) -> PreTrainedModel:
         model, kept = weight_only_quantize(model, spec.quantization, weight_only_dtype(spec))
         if spec.quantization == "q4_1" and isinstance(model, FusedDecoder):
             model.row_attention = True  # each position of a verification computed as in a one-token forward
+            model._block_stack()  # its weights laid out for the one-call decoder now, not at the first forward
         if kept:
             log.info("%s: %d Linear layers stay float (shapes the %s kernel does not take)", spec.name, kept,
                      spec.quantization)

@@ -145,6 +145,24 @@ class BlockLinear(nn.Module):
         return (grouped * d[..., None] + m[..., None]).reshape(self.out_features, self.in_features)
 
 
+def into_arena(layers: list[BlockLinear]) -> None:
+    """Move the weights of ``layers`` into one buffer of huge pages (``torch.ops.lssp.arena``), in the order given
+    (the order a forward reads them): streaming them then misses the TLB once per 2 MiB, not per 4 KiB (~10% of a
+    forward of the default target on an AMD EPYC). Layers already moved stay where they are."""
+    layers = [layer for layer in layers if not getattr(layer, "in_arena", False)]
+    padded = lambda t: (t.numel() * t.element_size() + 63) // 64 * 64  # noqa: E731 - 64-byte aligned slots
+    arena = torch.ops.lssp.arena(sum(padded(t) for layer in layers for t in layer.weights()))
+    offset = 0
+    for layer in layers:
+        views = []
+        for t in layer.weights():
+            view = arena[offset:offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+            views.append(view.copy_(t))
+            offset += padded(t)
+        layer.packed, layer.scales, layer.mins = views
+        layer.in_arena = True
+
+
 def packable(linear: nn.Module, kind: str) -> bool:
     """Whether ``linear`` is a plain bias-free Linear the ``kind`` kernel takes (int4, q4_1: input width a multiple
     of the group, output width of 16)."""
