@@ -42,9 +42,9 @@ def test_default_pair_is_on_disk():
 def test_latency_on_the_default_pair(run, tmp_path):
     _, out = run("latency", "--nb-prompts", "2", "--max-new-tokens", "8", "--json", str(tmp_path / "l.json"))
     rsp, ssp = json.loads((tmp_path / "l.json").read_text())
-    k = load_registry(ROOT / "models.yaml").models["smollm2-135m-eagle"].k  # the head's own K: no --k given
+    k = load_registry(ROOT / "models.yaml").models["smollm2-135m-eagle-auto"].k  # the head's own K: no --k given
     assert (rsp["mode"], ssp["mode"]) == ("rsp", "ssp") and k == 2
-    assert ssp["target"] == "smollm2-135m-compact" and ssp["draft"] == "smollm2-135m-eagle" and ssp["k"] == k
+    assert ssp["target"] == "smollm2-135m-auto" and ssp["draft"] == "smollm2-135m-eagle-auto" and ssp["k"] == k
     assert ssp["method"] == "eagle"
     assert ssp["speedup"] == pytest.approx(rsp["ms_per_token"] / ssp["ms_per_token"])
     # Greedy on two fixed prompts: deterministic. The shipped draft predicts the target (about 0.6 here; a
@@ -69,10 +69,10 @@ def test_an_engine_that_cannot_run_the_head_drafts_with_the_default_draft_model(
     code, _, err = call("latency", "--engine", "ours,hf", "--nb-prompts", "1", "--max-new-tokens", "4",
                         "--json", str(tmp_path / "l.json"))
     assert code == 0, err
-    assert "drafting with smollm2-135m-draft, the default_draft_model" in " ".join(err.split())
+    assert "drafting with smollm2-135m-draft-auto, the default_draft_model" in " ".join(err.split())
     ssp = [row for row in json.loads((tmp_path / "l.json").read_text()) if row["mode"] == "ssp"]
-    assert {(row["engine"], row["draft"]) for row in ssp} == {("ours", "smollm2-135m-draft"),
-                                                                ("hf", "smollm2-135m-draft")}
+    assert {(row["engine"], row["draft"]) for row in ssp} == {("ours", "smollm2-135m-draft-auto"),
+                                                                ("hf", "smollm2-135m-draft-auto")}
 
 
 def test_latency_on_chat_prompts(run, tmp_path):
@@ -86,7 +86,7 @@ def test_compare_on_the_default_pair_streams_the_same_greedy_text_twice(run):
     prompt = "The capital of France is"
     _, out = run("compare", "--prompt", prompt, "--max-new-tokens", "8")
     # Each completion is streamed after its header and followed by "   <seconds>s, ..." (headers may wrap).
-    rsp = re.search(r"=> Regular sampling with smollm2-135m-compact\n(.*?)\n   [\d.]+s, ", out, re.S)
+    rsp = re.search(r"=> Regular sampling with smollm2-135m-auto\n(.*?)\n   [\d.]+s, ", out, re.S)
     ssp = re.search(r"made\s+by\s+the\s+target\n(.*?)\n   [\d.]+s, ", out, re.S)
     assert rsp and ssp, out
     assert rsp.group(1).startswith(prompt) and len(rsp.group(1)) > len(prompt) + 3

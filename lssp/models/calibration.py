@@ -3,7 +3,7 @@
 The formats differ per machine (an AMD EPYC and an Intel Xeon with AMX do not rank them alike), so ``auto`` times
 each format this CPU can run on the entry's own model: one forward of 1 token (RSp's step) and one of 4 (a
 verification at K=3) after 64 cached tokens, eager, and keeps the one whose two forwards take least. The choice is
-cached per model file, forward, CPU model and torch version in ``$LLAMASSP_CACHE/calibration.json``, said in one line
+cached per model file, forward, CPU model, torch version and kernel source in ``$LLAMASSP_CACHE/calibration.json``, said in one line
 at every load, and recorded in every row (the model's precision). On a GPU ``auto`` means no quantization.
 """
 from __future__ import annotations
@@ -48,9 +48,15 @@ def cache_file() -> Path:
 
 
 def calibration_key(spec: ModelSpec) -> str:
+    """The model file, its forward, the CPU model, torch's version and our kernel's source: a change to any of them
+    measures again."""
+    import hashlib
+
+    from lssp.kernels import SOURCE
     from lssp.report.results import cpu_name
 
-    return "|".join((spec.path, spec.forward, cpu_name(), torch.__version__))
+    kernel = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+    return "|".join((spec.path, spec.forward, cpu_name(), torch.__version__, kernel))
 
 
 def runnable(quantization: str) -> bool:
