@@ -35,13 +35,13 @@ root = yaml.safe_load(Path("models.yaml").read_text())
 for spec in root["models"].values():  # the copy lives elsewhere: paths from the repository root
     if str(spec.get("path", "")).startswith("./"):
         spec["path"] = str(Path(spec["path"]).resolve())
-names = ["smollm2-135m-draft"] if sys.argv[3] == "1" else []
+names = [root["default_draft_model"]] if sys.argv[3] == "1" else []
 for given in sys.argv[1].split(","):
     folder = Path(given)
     if given in root["models"] or not folder.is_dir():
         names.append(given)
         continue
-    like = dict(root["models"]["smollm2-135m-eagle" if is_feature_head(folder) else "smollm2-135m-draft"])
+    like = dict(root["models"][root["default_draft"] if is_feature_head(folder) else root["default_draft_model"]])
     like.update(path=str(folder.resolve()), description=f"candidate draft from {given} (benchmarks/drafts.sh)")
     root["models"][folder.name] = like
     names.append(folder.name)
@@ -49,6 +49,7 @@ Path(sys.argv[2]).write_text(yaml.safe_dump(root, sort_keys=False))
 print(",".join(names))
 PY
 )
+TARGET=$($PY -c "import yaml; print(yaml.safe_load(open('models.yaml'))['default_target'])")
 CANDIDATE_NAMES=$DRAFTS; [ "${SHIPPED:-1}" = 0 ] || CANDIDATE_NAMES=${DRAFTS#*,}
 L=(--results-dir "$OUT" --config "$REGISTRY")
 if [ "${2:-}" = "quick" ]; then
@@ -90,7 +91,7 @@ for CANDIDATE in "${EACH[@]}"; do
         json="$OUT/drafts-verify-$([ $t = 0 ] && echo greedy || echo t$t)-$CANDIDATE.json"
         if [ "${FORCE:-0}" != 1 ] && [ -e "$json" ]; then continue; fi
         more=(); [ "$t" = 0 ] || more=("${SAMPLES[@]}")
-        $PY llamassp.py "${L[@]}" verify smollm2-135m-compact "$CANDIDATE" --temperature "$t" "${more[@]}" \
+        $PY llamassp.py "${L[@]}" verify "$TARGET" "$CANDIDATE" --temperature "$t" "${more[@]}" \
             --json "$json" || true
     done
 done

@@ -17,7 +17,7 @@ OUT=${RESULTS_DIR:-benchmarks/results}
 mkdir -p "$OUT"
 K=${K:-3}
 DRAFT=${DRAFT:-$($PY -c "from lssp.models.registry import load_registry; print(load_registry('models.yaml').draft_name(None, heads=False))")}  # the draft model
-HEAD=${HEAD:-smollm2-135m-eagle}
+HEAD=${HEAD:-$($PY -c "from lssp.models.registry import load_registry; print(load_registry('models.yaml').default_draft)")}  # the feature head
 if [ "${1:-}" = "quick" ]; then
     SIZE=(--requests 4 --concurrency "1,2" --max-new-tokens 16); shift
 else
