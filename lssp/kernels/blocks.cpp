@@ -328,8 +328,8 @@ at::Tensor decoder(const at::Tensor& hidden_in, const at::Tensor& cos_in, const 
                    int64_t start, int64_t heads, int64_t kv_heads, double eps, double scale) {
   TORCH_CHECK(hidden_in.dim() == 3 && hidden_in.scalar_type() == at::kFloat, "decoder: hidden (B, n, D) float32");
   const int64_t L = static_cast<int64_t>(weights.size()) / kPerLayer;
-  TORCH_CHECK(L * kPerLayer == static_cast<int64_t>(weights.size()) && static_cast<int64_t>(cache.size()) == 2 * L,
-              "decoder: 14 weights and 2 cache tensors per layer");
+  TORCH_CHECK(L >= 1 && L * kPerLayer == static_cast<int64_t>(weights.size()) &&
+              static_cast<int64_t>(cache.size()) == 2 * L, "decoder: 14 weights and 2 cache tensors per layer");
   const int64_t B = hidden_in.size(0), n = hidden_in.size(1), D = hidden_in.size(2), R = B * n, S = start + n;
   const int64_t hd = cache[0].size(3), group = heads / kv_heads;
   const at::Tensor cos = cos_in.to(at::kFloat).contiguous(), sin = sin_in.to(at::kFloat).contiguous();
