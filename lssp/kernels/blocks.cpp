@@ -27,7 +27,8 @@ namespace {
 
 constexpr int64_t kGroup = 32;
 constexpr int64_t kRowTile = 8;
-constexpr int64_t kAhead = 2048;  // bytes of weights prefetched ahead of those multiplied (measured on an AMD EPYC)
+constexpr int64_t kAhead = 4096;  // bytes of weights prefetched ahead of those multiplied: on an AMD EPYC (2 cores),
+                                  // a q4_1 forward 4-6% faster than at 2048 and 15-18% than with none (interleaved A/B in one process)
 
 // Activations in int8 groups: xq (R, K), each group's scale s, and s * sum(xq) for the minimum's term.
 void quantize_rows(const float* x, int64_t R, int64_t K, int8_t* xq, float* row_scales, float* group_sums) {
