@@ -347,7 +347,7 @@ at::Tensor decoder(const at::Tensor& hidden_in, const at::Tensor& cos_in, const 
   float* h = hidden.data_ptr<float>();
   const int64_t width = (heads + 2 * kv_heads) * hd;
   const int64_t inner = weights[8].size(0) / 2;
-  std::vector<float> x(R * std::max(D, heads * hd)), qkv(R * width), attn(R * heads * hd), proj(R * D),
+  std::vector<float> x(R * D), qkv(R * width), attn(R * heads * hd), proj(R * D),
       gate_up(R * 2 * inner), act(R * inner);
   Scratch s;
   for (int64_t l = 0; l < L; ++l) {

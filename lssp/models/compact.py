@@ -296,6 +296,11 @@ class FusedDecoder(nn.Module):
             self.__dict__["_stack"] = stack
         return self.__dict__["_stack"]
 
+    @property
+    def one_call(self) -> bool:
+        """Whether the decoder layers run in one call of our kernel (every Linear a q4_1 layer)."""
+        return self._block_stack() is not None
+
     def _block_layers(self, stack: list[torch.Tensor], hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       mask: torch.Tensor | None, keys_values: list[torch.Tensor], start: int) -> torch.Tensor:
         """``_layers`` in one call of our kernel (q4_1): causal where ``mask`` is None, else its allowed slots."""
@@ -379,6 +384,8 @@ class CompactLlama(FusedDecoder):
         """
         import torch._dynamo
 
+        if self.one_call:  # no Python between layers: nothing for torch.compile to take away
+            return
         # A model's step gets a graph per token count until the count turns dynamic, per position count until that
         # does, in and out of inference mode: at times more than dynamo's default of 8.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
@@ -420,7 +427,7 @@ class CompactLlama(FusedDecoder):
         start, n = kv.length, input_ids.shape[1]
         end = start + n
         kv.reserve(end)
-        if (self._compiled_step is not None and self._block_stack() is None and 0 < start and n <= STEP_TOKENS and input_ids.shape[0] == 1
+        if (self._compiled_step is not None and 0 < start and n <= STEP_TOKENS and input_ids.shape[0] == 1
                 and position_ids is None):  # prefills (start 0) stay eager
             positions = torch.arange(start, end, device=input_ids.device)
             graphs = self.compile_mode in ("reduce-overhead", "max-autotune")

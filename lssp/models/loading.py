@@ -166,8 +166,7 @@ class LoadedModel(ModelHandle):
         if self.hf_model is self.model:
             return weights
         mode = getattr(self.model, "compile_mode", None)
-        stack = getattr(self.model, "_block_stack", None)
-        if stack is not None and stack() is not None:
+        if getattr(self.model, "one_call", False):
             return f"{weights}, compact forward, one-call decoder"
         return f"{weights}, compact forward" + (f", compiled ({mode})" if mode else "")
 
@@ -404,8 +403,7 @@ def load_feature_draft(spec: ModelSpec, folder: Path, dtype: torch.dtype | str, 
 def compile_decode(model: PreTrainedModel, spec: ModelSpec, fallback: bool = False) -> None:
     """Put the compact forward's decode steps under torch.compile (CUDA graphs on a GPU unless the entry
     names another mode), or say in one line why not (with ``fallback``, a warning, and it runs uncompiled)."""
-    stack = getattr(model, "_block_stack", None)
-    if stack is not None and stack() is not None:
+    if getattr(model, "one_call", False):
         log.info("%s: its decoder layers run in one call of our kernel (q4_1): nothing to compile", spec.name)
         return
     reason = _why_not_compilable(model)

@@ -112,6 +112,7 @@ class BlockLinear(nn.Module):
         block_kernel(cache_root() / "kernels")
         self.out_features, self.in_features = weight.shape
         self.bits = bits
+        self.in_arena = False  # its weights moved into a buffer of huge pages (into_arena)
         q, d, m = q4_1_blocks(weight) if bits == 4 else q8_0_blocks(weight)
         # The kernel's layout: blocks of 16 rows, each 64 bytes holding 4 (8-bit) or 8 (4-bit) inputs of every row.
         if bits == 4:
@@ -149,7 +150,7 @@ def into_arena(layers: list[BlockLinear]) -> None:
     """Move the weights of ``layers`` into one buffer of huge pages (``torch.ops.lssp.arena``), in the order given
     (the order a forward reads them): streaming them then misses the TLB once per 2 MiB, not per 4 KiB (~10% of a
     forward of the default target on an AMD EPYC). Layers already moved stay where they are."""
-    layers = [layer for layer in layers if not getattr(layer, "in_arena", False)]
+    layers = [layer for layer in layers if not layer.in_arena]
     padded = lambda t: (t.numel() * t.element_size() + 63) // 64 * 64  # noqa: E731 - 64-byte aligned slots
     arena = torch.ops.lssp.arena(sum(padded(t) for layer in layers for t in layer.weights()))
     offset = 0
