@@ -108,8 +108,10 @@ def test_quantization_auto_measures_once_says_its_choice_and_the_head_follows_th
     import json
 
     from lssp.models import calibration
+    from lssp.report import contention
 
     monkeypatch.setenv("LLAMASSP_CACHE", str(tmp_path))
+    monkeypatch.setattr(contention, "others_share", lambda start, end: 0.0)  # quiet, whatever runs beside the test
     registry = load_registry(tiny_dir / "models.yaml")
     with caplog.at_level("WARNING"):
         target = load_model(registry.get("tiny-target-auto"))
@@ -129,6 +131,20 @@ def test_quantization_auto_measures_once_says_its_choice_and_the_head_follows_th
     engine = OursEngine(target, [head], [check_compatible(target, head)])
     request = Request(ids, 16, SamplingParams(0.0), 0)
     assert engine.complete(Mode("ssp", 2), request).tokens.tolist() == engine.complete(Mode("rsp"), request).tokens.tolist()
+
+
+def test_a_calibration_timed_on_a_busy_machine_is_used_but_not_cached(tiny_dir, tmp_path, monkeypatch, caplog):
+    from lssp.models import calibration
+    from lssp.report import contention
+
+    monkeypatch.setenv("LLAMASSP_CACHE", str(tmp_path))
+    monkeypatch.setattr(contention, "others_share", lambda start, end: 0.6)
+    registry = load_registry(tiny_dir / "models.yaml")
+    with caplog.at_level("WARNING"):
+        target = load_model(registry.get("tiny-target-auto"))
+    assert target.spec.quantization in {q for q, _ in calibration.CANDIDATES}
+    assert "busy machine (other work 60% of the CPUs): not cached" in caplog.text
+    assert not calibration.cache_file().exists()
 
 
 @pytest.mark.parametrize("name", ["tiny-target-q4", "tiny-target-q4-compiled"])

@@ -4,7 +4,7 @@
 activations on AVX512-VNNI (``lssp.models.weight_only.BlockLinear``), and ``torch.ops.lssp.row_attention``, causal
 attention of each query by itself (the compact forward of a q4_1 model: a verification forward, or a batch of rows,
 then computes each position as a one-token forward of its row does, which int8 activations need to keep SSp exact), and
-``torch.ops.lssp.decoder``, a q4_1 model's whole stack of decoder layers in one call (no Python, no compilation). It is built with ``-march=native`` by torch's extension builder (g++ and
+``torch.ops.lssp.decoder``, a q4_1 model's whole stack of decoder layers in one call (no Python, no compilation). It is built with ``-march=native -fopenmp`` (its matmuls and attention split between torch's threads) by torch's extension builder (g++ and
 ninja) into ``$LLAMASSP_CACHE/kernels/`` (the caller's choice), one build per source, torch version and CPU model (~10 s, once).
 """
 from __future__ import annotations
@@ -25,6 +25,11 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("blocks.cpp")
 NEEDED_FLAGS = ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni")
+# -fopenmp: at::parallel_for is inlined into this source and splits work between threads only where compiled with
+# OpenMP (else every matmul runs on one thread). The library it links by name, libgomp.so.1, resolves at load time
+# to the copy torch has already loaded, so torch.set_num_threads governs both.
+CFLAGS = ("-O3", "-march=native", "-fopenmp")
+LDFLAGS = ("-fopenmp",)
 
 
 def missing_flags() -> list[str]:
@@ -40,7 +45,7 @@ def build_dir(root: Path) -> Path:
     from lssp.report.results import cpu_name
 
     key = hashlib.sha256(b"|".join(s.encode() for s in (SOURCE.read_text(), torch.__version__, cpu_name(),
-                                                           platform.machine()))).hexdigest()[:12]
+                                                           platform.machine(), *CFLAGS, *LDFLAGS))).hexdigest()[:12]
     return root / f"blocks-{key}"
 
 
@@ -69,7 +74,7 @@ def _load_block_kernel(root: Path) -> None:
         log.warning("building the q4_1 kernel for this CPU (once, ~10 s) in %s", where)
     try:
         load(name=f"lssp_{where.name.replace('-', '_')}", sources=[str(SOURCE)], build_directory=str(where),
-             extra_cflags=["-O3", "-march=native"], is_python_module=False, verbose=False)
+             extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS), is_python_module=False, verbose=False)
     except (RuntimeError, OSError, ImportError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise UserError(f"cannot build the q4_1 kernel (g++ and ninja are needed): {first}") from None

@@ -3,8 +3,9 @@
 The formats differ per machine (an AMD EPYC and an Intel Xeon with AMX do not rank them alike), so ``auto`` times
 each format this CPU can run on the entry's own model: one forward of 1 token (RSp's step) and one of 4 (a
 verification at K=3) after 64 cached tokens, eager, and keeps the one whose two forwards take least. The choice is
-cached per model file, forward, CPU model, torch version and kernel source in ``$LLAMASSP_CACHE/calibration.json``, said in one line
-at every load, and recorded in every row (the model's precision). On a GPU ``auto`` means no quantization.
+cached per model file, forward, CPU model, torch version and kernel build in ``$LLAMASSP_CACHE/calibration.json``,
+said in one line at every load, and recorded in every row (the model's precision). A calibration timed while other
+work took more than a quarter of the CPUs is used but not cached. On a GPU ``auto`` means no quantization.
 """
 from __future__ import annotations
 
@@ -33,10 +34,15 @@ class Calibration:
     dtype: str
     ms: dict[str, list[float]]  # per candidate: median ms of the 1-token and the 4-token forward
     cached: bool = False
+    busy: float = 0.0  # the share of the CPUs other work took while it was measured (more than BUSY_SHARE: not cached)
 
     def line(self, name: str) -> str:
+        from lssp.report.contention import BUSY_SHARE
+
         timed = ", ".join(f"{q} {one:.1f}+{four:.1f} ms" for q, (one, four) in self.ms.items())
         origin = "cached" if self.cached else "measured now"
+        if self.busy > BUSY_SHARE:
+            origin += f" on a busy machine (other work {self.busy:.0%} of the CPUs): not cached"
         return (f"{name}: quantization auto -> {self.quantization} on this CPU ({origin}; 1-token + 4-token forward: "
                 f"{timed})")
 
@@ -48,15 +54,12 @@ def cache_file() -> Path:
 
 
 def calibration_key(spec: ModelSpec) -> str:
-    """The model file, its forward, the CPU model, torch's version and our kernel's source: a change to any of them
-    measures again."""
-    import hashlib
-
-    from lssp.kernels import SOURCE
+    """The model file, its forward, the CPU model, torch's version and our kernel's build (source and flags): a
+    change to any of them measures again."""
+    from lssp.kernels import build_dir
     from lssp.report.results import cpu_name
 
-    kernel = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
-    return "|".join((spec.path, spec.forward, cpu_name(), torch.__version__, kernel))
+    return "|".join((spec.path, spec.forward, cpu_name(), torch.__version__, build_dir(Path()).name))
 
 
 def runnable(quantization: str) -> bool:
@@ -105,15 +108,21 @@ def calibrate(spec: ModelSpec, load: Callable[[ModelSpec], torch.nn.Module]) -> 
         stored = {}
     if key in stored:
         return Calibration(**stored[key], cached=True)
+    from lssp.report import contention
+
     ms: dict[str, list[float]] = {}
     dtypes = {}
+    before = contention.cpu_snapshot()
     for quantization, dtype in CANDIDATES:
         if runnable(quantization):
             candidate = replace(spec, quantization=quantization, dtype=dtype, compile=False)
             ms[quantization] = list(_forward_ms(load(candidate)))
             dtypes[quantization] = dtype
     best = min(ms, key=lambda q: sum(ms[q]))
-    found = Calibration(best, dtypes[best], ms)
+    busy = contention.others_share(before, contention.cpu_snapshot())
+    found = Calibration(best, dtypes[best], ms, busy=busy if busy == busy else 0.0)
+    if found.busy > contention.BUSY_SHARE:  # a loaded machine's timings may rank the formats wrongly
+        return found
     stored[key] = {"quantization": found.quantization, "dtype": found.dtype, "ms": found.ms}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
