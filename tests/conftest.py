@@ -127,6 +127,10 @@ models:
   tiny-draft:
     path: ./tiny-draft
     dtype: float32
+  tiny-draft-copy:
+    path: ./tiny-draft
+    dtype: float32
+    prompt_lookup: 2
   tiny-target-8bit:
     path: ./tiny-target
     quantization: 8bit

@@ -350,6 +350,16 @@ def test_latency_and_eval_run_transformers_as_an_engine(run, tmp_path):
     assert {r["engine"] for r in json.loads((tmp_path / "e.json").read_text())} == {"hf"}
 
 
+def test_a_draft_that_copies_first_runs_on_ours_and_another_engine_refuses_it(run, tmp_path):
+    code, out, err = run("latency", "tiny-target", "tiny-draft-copy", "--k", "2", "--nb-prompts", "2",
+                         "--max-new-tokens", "8", "--json", str(tmp_path / "l.json"))
+    assert code == 0, err
+    assert {r["draft"] for r in json.loads((tmp_path / "l.json").read_text()) if r["mode"] == "ssp"} == {"tiny-draft-copy"}
+    code, _, err = run("latency", "tiny-target", "tiny-draft-copy", "--engine", "ours,hf", "--nb-prompts", "1")
+    assert code == 2 and "prompt_lookup (copy first, then the draft) runs on our engine alone" in err
+    assert "Traceback" not in err
+
+
 def test_verify_keeps_the_other_engines_reports_when_one_breaks_down(run, tmp_path, monkeypatch):
     from lssp.engines import TransformersEngine
 

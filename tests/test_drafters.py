@@ -15,8 +15,9 @@ from lssp.decoding.batched import speculative_decode_batch
 from lssp.decoding.generation import generate_regular
 from lssp.decoding.sampling import SamplingParams, inverse_cdf, warp
 from lssp.decoding.speculative import speculative_decode
-from lssp.drafters import ConfidenceStop, DraftModel, FeatureHead, LookupHint, NgramDrafter, Picker, Proposal
+from lssp.drafters import ConfidenceStop, CopyFirst, DraftModel, FeatureHead, LookupHint, NgramDrafter, Picker, Proposal
 from lssp.drafters.base import DrafterWrapper
+from lssp.drafters.model import draft_logits
 from lssp.models.compact import CompactLlama
 from lssp.models.eagle import FeatureDraft
 from lssp.report.stats import chi_square_gof
@@ -40,6 +41,8 @@ DRAFTERS = {  # name: how to build it from (draft model, feature head)
     "confidence(draft-model)": lambda draft, head: DraftModel(draft, [ConfidenceStop(0.3)]),
     "confidence(lookup(feature-head))": lambda draft, head: FeatureHead(head, [LookupHint(1), ConfidenceStop(0.3)]),
     "n-gram": lambda draft, head: NgramDrafter(1),
+    "copy-first(draft-model)": lambda draft, head: CopyFirst(DraftModel(draft), 1),
+    "copy-first(confidence(feature-head))": lambda draft, head: CopyFirst(FeatureHead(head, [ConfidenceStop(0.3)]), 1),
 }
 
 
@@ -126,6 +129,36 @@ def test_the_ngram_drafter_proposes_the_texts_own_continuations_and_nothing_wher
     assert stats.drafted > 0 and stats.draft_forwards == stats.drafted  # no model: drafts are lookups alone
     new = speculative_decode(target, NgramDrafter(2), torch.tensor([[1, 2]]), 1, 3, GREEDY).stats
     assert new.drafted == 0
+
+
+class Recorded(CopyFirst):
+    """CopyFirst that records, per iteration, whether it copied, the text and the proposal."""
+
+    def propose(self, seq: torch.Tensor, picker: Picker) -> Proposal:
+        proposal = super().propose(seq, picker)
+        self.choices = [*getattr(self, "choices", []), (self.copied, seq.clone(), proposal)]
+        return proposal
+
+
+@pytest.mark.parametrize("inner", ["draft-model", "feature-head"])
+def test_copy_first_copies_where_the_ngram_recurs_and_its_draft_catches_up_elsewhere(models, inner):
+    """After iterations it did not draft, the draft's first q is the one it computes from scratch for the text."""
+    target, draft, head = models
+    params = SamplingParams(1.0)
+    switches = 0
+    for seed in range(4):
+        drafter = Recorded(DRAFTERS[inner](draft, head), 1)
+        speculative_decode(target, drafter, torch.tensor([[1, 2, 3, 1, 2]]), 30, 2, params,
+                           torch.Generator().manual_seed(seed))
+        copied = [c for c, _, p in drafter.choices if len(p)]
+        assert any(copied) and not all(copied)
+        for (before, _, _), (now, seq, proposal) in zip(drafter.choices, drafter.choices[1:]):
+            if before and not now and len(proposal):  # the draft's turn after a copy: it caught up
+                switches += 1
+                with torch.inference_mode():
+                    want = warp(draft_logits(target, draft if inner == "draft-model" else head, seq)[0], params)
+                assert torch.allclose(proposal.q[0], want, atol=1e-5)
+    assert switches >= 3
 
 
 def _planted(law):

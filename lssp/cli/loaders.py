@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from lssp.cli.app import Settings
 from lssp.cli.output import err_console
+from lssp.errors import UserError
 from lssp.report.results import plural
 
 if TYPE_CHECKING:
@@ -219,4 +220,8 @@ def start_engine(s: Settings, name: str, keys: list[tuple[int, int]], target_nam
     else:
         t, d, vocab = starter.models(s, target_name, draft_name, need_draft)
         drafts, vocabs = ([d], [vocab]) if d else ([], [])
+    copying = [d.name for d in drafts if d.spec.prompt_lookup]
+    if copying and not engine_class(name).takes_lookup:
+        raise UserError(f"{copying[0]}: prompt_lookup (copy first, then the draft) runs on our engine alone, not "
+                        f"{engine_class(name).label or name}; use the entry without it there")
     return t, drafts[0] if drafts else None, starter.engine(t, drafts, vocabs, keys)

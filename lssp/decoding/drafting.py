@@ -218,6 +218,12 @@ class Drafter(ABC):
         self.policy_states.commit(0, emitted)
         self.advance(proposal, accepted, features)
 
+    def skip(self, emitted: list[int], features: torch.Tensor | None) -> None:
+        """An iteration another drafter proposed (a mix, per iteration): the target emitted ``emitted``, and
+        ``features`` as in ``commit``. Keeps the policies' states in step; the next ``draft`` feeds what it has not
+        seen of the text."""
+        self.policy_states.commit(0, emitted)
+
     @abstractmethod
     def start(self, seq: torch.Tensor, features: torch.Tensor | None, prefix: PrefixCache | None,
               clock: Clock) -> None: ...

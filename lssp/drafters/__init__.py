@@ -13,18 +13,20 @@ from lssp.decoding.kv import PrefixCache
 from lssp.decoding.sampling import SamplingParams
 from lssp.decoding.speculative import speculative_decode
 from lssp.drafters.confidence import ConfidenceStop
-from lssp.drafters.lookup import ContextLookup, LookupHint, NgramDrafter
+from lssp.drafters.lookup import ContextLookup, CopyFirst, LookupHint, NgramDrafter
 from lssp.drafters.model import DraftModel, FeatureHead
 from lssp.models.eagle import FeatureDraft
 
-__all__ = ["ConfidenceStop", "ContextLookup", "DraftModel", "DraftRows", "Drafter", "FeatureHead", "LookupHint",
+__all__ = ["ConfidenceStop", "ContextLookup", "CopyFirst", "DraftModel", "DraftRows", "Drafter", "FeatureHead", "LookupHint",
            "NgramDrafter", "PickPolicy", "Picker", "Proposal", "drafter_for", "generate_speculative"]
 
 
-def drafter_for(draft: PreTrainedModel | None, lookup: int = 0, confidence: float = 0.0) -> Drafter:
+def drafter_for(draft: PreTrainedModel | None, lookup: int = 0, confidence: float = 0.0,
+                copy_first: int = 0) -> Drafter:
     """The drafter for ``draft`` (a feature head reads the target's features; None: the n-gram drafter over
     ``lookup``-grams, no model), with the context lookup over ``lookup``-grams (0: off) and the confidence stop below
-    ``confidence`` (0: off) as its policies."""
+    ``confidence`` (0: off) as its policies; ``copy_first`` > 0: the chain of the prompt lookup over
+    ``copy_first``-grams wherever it has one, the draft elsewhere (``CopyFirst``)."""
     policies: list[PickPolicy] = [LookupHint(lookup)] if lookup and draft is not None else []
     if confidence:
         policies.append(ConfidenceStop(confidence))
@@ -32,7 +34,8 @@ def drafter_for(draft: PreTrainedModel | None, lookup: int = 0, confidence: floa
         if not lookup:
             raise ValueError("the n-gram drafter needs an n-gram length (lookup >= 1)")
         return NgramDrafter(lookup, policies)
-    return FeatureHead(draft, policies) if isinstance(draft, FeatureDraft) else DraftModel(draft, policies)
+    drafter = FeatureHead(draft, policies) if isinstance(draft, FeatureDraft) else DraftModel(draft, policies)
+    return CopyFirst(drafter, copy_first) if copy_first else drafter
 
 
 def generate_speculative(target: PreTrainedModel, draft: PreTrainedModel | Drafter, input_ids: torch.Tensor,

@@ -35,6 +35,9 @@ class DrafterWrapper(Drafter):
     def commit(self, proposal: Proposal, accepted: int, emitted: list[int], features: torch.Tensor | None) -> None:
         self.inner.commit(proposal, accepted, emitted, features)
 
+    def skip(self, emitted: list[int], features: torch.Tensor | None) -> None:
+        self.inner.skip(emitted, features)
+
     def start(self, seq: torch.Tensor, features: torch.Tensor | None, prefix: PrefixCache | None,
               clock: Clock) -> None:
         self.inner.start(seq, features, prefix, clock)

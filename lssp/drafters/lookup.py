@@ -1,10 +1,13 @@
-"""The context lookup (prompt lookup): a policy over another drafter's picks, or a drafter of its own.
+"""The context lookup (prompt lookup): a policy over another drafter's picks, a drafter of its own, or the first
+choice of a mix.
 
 Where the text's last n tokens occurred before, the token that followed their latest occurrence is a guess. As a
 policy (``LookupHint``) it speaks where the drafter is unsure of its own top token: proposed instead (greedy), or
 given half of q's mass (sampling). As a drafter (``NgramDrafter``, no model) it proposes the chain of such guesses
-with q one-hot on each, as vLLM's and llama.cpp's n-gram drafters do. q is whatever the draft side proposes from, so
-the acceptance rule keeps SSp exact either way.
+with q one-hot on each, as vLLM's and llama.cpp's n-gram drafters do. Copy first (``CopyFirst``, a draft entry's
+``prompt_lookup``) chooses per iteration: the chain where the text's last n tokens occurred before, the draft model
+or feature head elsewhere. q is whatever the draft side proposes from, so the acceptance rule keeps SSp exact in
+every case.
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from lssp.decoding.drafting import Drafter, DraftRows, Picker, PickPolicy, Polic
 from lssp.decoding.kv import PrefixCache
 from lssp.decoding.sampling import argmax
 from lssp.decoding.timing import Clock
+from lssp.drafters.base import DrafterWrapper
 
 LOOKUP_BELOW = 0.5  # the lookup speaks only where the draft's own top probability is below this
 
@@ -137,3 +141,29 @@ class NgramRows(DraftRows):
 
     def merge_rows(self, other: DraftRows) -> None:
         self.contexts += other.contexts
+
+
+class CopyFirst(DrafterWrapper):
+    """Copy where the answer copies, chosen per iteration: where the text's last ``n`` tokens occurred before, the
+    chain that followed them (up to K, q one-hot, as ``NgramDrafter``); elsewhere ``inner`` (a draft model or feature
+    head), which then feeds the tokens it did not draft (with a head, their features) at its next turn."""
+
+    def __init__(self, inner: Drafter, n: int) -> None:
+        super().__init__(inner)
+        self.context = ContextLookup(n, ())
+        self.copied = False  # whether the last proposal was the lookup's
+
+    def begin(self, seq: torch.Tensor, features: torch.Tensor | None, prefix: PrefixCache | None, clock: Clock) -> None:
+        self.context, self.copied = ContextLookup(self.context.n, ()), False
+        self.inner.begin(seq, features, prefix, clock)
+
+    def propose(self, seq: torch.Tensor, picker: Picker) -> Proposal:
+        self.context.extend(seq[0, len(self.context.tokens):].tolist())
+        self.copied = picker.k > 0 and self.context.propose() is not None
+        return ngram_drafts(self.context, self.context.tokens, picker) if self.copied else self.inner.propose(seq, picker)
+
+    def commit(self, proposal: Proposal, accepted: int, emitted: list[int], features: torch.Tensor | None) -> None:
+        if self.copied:
+            self.inner.skip(emitted, features)
+        else:
+            self.inner.commit(proposal, accepted, emitted, features)

@@ -83,6 +83,10 @@ class FeatureHead(DraftModel):
         drop(self.kv, len(proposal) - 1)
         self.kv.queue(features)
 
+    def skip(self, emitted: list[int], features: torch.Tensor | None) -> None:
+        super().skip(emitted, features)
+        self.kv.queue(features)  # paired with the tokens it has not read at its next draft
+
     def rows_reason(self, target: torch.nn.Module) -> str | None:
         if not isinstance(target, CompactLlama):
             return "a feature head drafts batched only for a target under the compact forward"

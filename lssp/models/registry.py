@@ -39,6 +39,7 @@ SPEC_KEYS = {
     "tensor_parallel_size", "pipeline_parallel_size", "distributed_executor_backend", "gpu_memory_utilization",
     "max_model_len", "enforce_eager", "speculative_method", "draft_sample_method",
     "k",  # on a draft: its default draft length
+    "prompt_lookup",  # on a draft, ours: copy first (the prompt lookup's chain where it has one, the draft elsewhere)
 }
 DEFAULT_K = 4  # draft tokens per iteration when neither --k nor the draft's registry entry says
 EXECUTOR_BACKENDS = ("mp", "ray")
@@ -80,6 +81,8 @@ class ModelSpec:
     speculative_method: str | None = None  # vLLM, on a draft: draft_model (default), eagle, eagle3, mtp, ...
     draft_sample_method: str | None = None  # vLLM, on a draft: greedy (vLLM's default) or probabilistic (as ours)
     k: int | None = None  # on a draft: draft tokens per iteration when --k is not given (chosen by measurement)
+    prompt_lookup: int | None = None  # on a draft (ours): copy first, the chain that followed the text's last N
+    #   tokens where they occurred before, the draft elsewhere (per iteration)
     base_dir: Path = field(default=Path("."), compare=False)
 
     @property
@@ -345,7 +348,8 @@ def _check_value(name: str, key: str, value: Any, at: str) -> None:
     if choices is not None:
         if value not in choices:
             raise UserError(f"{at}: model {name!r}: bad {key} {value!r}; expected one of {', '.join(choices)}")
-    elif key in ("gpus", "tensor_parallel_size", "pipeline_parallel_size", "max_model_len", "k"):
+    elif key in ("gpus", "tensor_parallel_size", "pipeline_parallel_size", "max_model_len", "k",
+                 "prompt_lookup"):
         if not isinstance(value, int) or isinstance(value, bool) or value < (0 if key == "gpus" else 1):
             raise bad("a whole number >= " + ("0" if key == "gpus" else "1"))
     elif key == "gpu_memory_utilization":
