@@ -205,27 +205,82 @@ inline __m512 exp512(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// The sums of the 16 lanes of each of a0..a3: (sum a0, sum a1, sum a2, sum a3).
+inline __m128 sum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+  // In each 128-bit lane: [a0 e0+e2, a1 e0+e2, a0 e1+e3, a1 e1+e3], and the same for a2, a3.
+  const __m512d s01 = _mm512_castps_pd(_mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1)));
+  const __m512d s23 = _mm512_castps_pd(_mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3)));
+  // In each 128-bit lane: that lane's sums of a0, a1, a2, a3; then the four lanes added.
+  const __m512 t = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(s01, s23)),
+                                 _mm512_castpd_ps(_mm512_unpackhi_pd(s01, s23)));
+  const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(t), _mm512_extractf32x8_ps(t, 1));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+// out (16 V) = inv * sum over c of scores[c] * the value row of slots[c]: each row read once, two rows at a time into
+// two sets of V accumulators (independent chains), added at the end.
+template <int V>
+void accumulate_values(const float* v, int64_t vs, const float* scores, const int64_t* slots, int64_t count, float inv,
+                       float* out) {
+  __m512 a[V], b[V];
+  for (int i = 0; i < V; ++i) a[i] = b[i] = _mm512_setzero_ps();
+  int64_t c = 0;
+  for (; c + 2 <= count; c += 2) {
+    const float* v0 = v + slots[c] * vs;
+    const float* v1 = v + slots[c + 1] * vs;
+    const __m512 s0 = _mm512_set1_ps(scores[c]), s1 = _mm512_set1_ps(scores[c + 1]);
+    for (int i = 0; i < V; ++i) {
+      a[i] = _mm512_fmadd_ps(s0, _mm512_loadu_ps(v0 + 16 * i), a[i]);
+      b[i] = _mm512_fmadd_ps(s1, _mm512_loadu_ps(v1 + 16 * i), b[i]);
+    }
+  }
+  if (c < count) {
+    const float* v0 = v + slots[c] * vs;
+    const __m512 s0 = _mm512_set1_ps(scores[c]);
+    for (int i = 0; i < V; ++i) a[i] = _mm512_fmadd_ps(s0, _mm512_loadu_ps(v0 + 16 * i), a[i]);
+  }
+  for (int i = 0; i < V; ++i) _mm512_storeu_ps(out + 16 * i, _mm512_mul_ps(_mm512_add_ps(a[i], b[i]), _mm512_set1_ps(inv)));
+}
+
 // One query row q (D) over the slots 0..S-1 of keys and values (slot j at k + j * ks, v + j * vs) that ``sees`` allows
-// (null: all), in order, one by one: the same numbers whatever the other rows and slots hold. out (D); scores and
-// slots: room for S.
+// (null: all), in order: the same numbers whatever the other rows and slots hold (the grouping of slots by four
+// depends on the row's own allowed slots alone). out (D); scores and slots: room for S.
 void attend_row(const float* q, const float* k, int64_t ks, const float* v, int64_t vs, int64_t S, int64_t D,
                 const bool* sees, float scale, float* out, float* scores, int64_t* slots) {
   int64_t count = 0;
-  float top = -INFINITY;
-  for (int64_t j = 0; j < S; ++j) {
-    if (sees && !sees[j]) continue;
+  for (int64_t j = 0; j < S; ++j)
+    if (!sees || sees[j]) slots[count++] = j;
+  int64_t c = 0;
+  for (; c + 4 <= count; c += 4) {  // four slots at a time: four independent chains of FMAs
+    const float* k0 = k + slots[c] * ks;
+    const float* k1 = k + slots[c + 1] * ks;
+    const float* k2 = k + slots[c + 2] * ks;
+    const float* k3 = k + slots[c + 3] * ks;
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t d = 0; d < D; d += 16) {
+      const __mmask16 lanes = lanes_from(D - d);
+      const __m512 qv = _mm512_maskz_loadu_ps(lanes, q + d);
+      a0 = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(lanes, k0 + d), a0);
+      a1 = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(lanes, k1 + d), a1);
+      a2 = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(lanes, k2 + d), a2);
+      a3 = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(lanes, k3 + d), a3);
+    }
+    _mm_storeu_ps(scores + c, _mm_mul_ps(sum4(a0, a1, a2, a3), _mm_set1_ps(scale)));
+  }
+  for (; c < count; ++c) {
     __m512 acc = _mm512_setzero_ps();
     for (int64_t d = 0; d < D; d += 16) {
       const __mmask16 lanes = lanes_from(D - d);
-      acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(lanes, q + d), _mm512_maskz_loadu_ps(lanes, k + j * ks + d), acc);
+      acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(lanes, q + d), _mm512_maskz_loadu_ps(lanes, k + slots[c] * ks + d),
+                            acc);
     }
-    scores[count] = _mm512_reduce_add_ps(acc) * scale;
-    slots[count] = j;
-    top = std::max(top, scores[count]);
-    ++count;
+    scores[c] = _mm512_reduce_add_ps(acc) * scale;
   }
+  __m512 tops = _mm512_set1_ps(-INFINITY);
+  for (c = 0; c < count; c += 16) tops = _mm512_max_ps(tops, _mm512_mask_loadu_ps(tops, lanes_from(count - c), scores + c));
+  const float top = _mm512_reduce_max_ps(tops);
   __m512 sums = _mm512_setzero_ps();
-  for (int64_t c = 0; c < count; c += 16) {
+  for (c = 0; c < count; c += 16) {
     const __mmask16 lanes = lanes_from(count - c);
     const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, scores + c), _mm512_set1_ps(top)));
     _mm512_mask_storeu_ps(scores + c, lanes, e);
@@ -233,11 +288,23 @@ void attend_row(const float* q, const float* k, int64_t ks, const float* v, int6
   }
   const float total = _mm512_reduce_add_ps(sums);
   const float inv = count ? 1.0f / total : 0.0f;
-  for (int64_t d = 0; d < D; d += 16) {
+  switch (D) {  // the common head sizes: each value row read once, whole, into registers
+    case 64: accumulate_values<4>(v, vs, scores, slots, count, inv, out); return;
+    case 128: accumulate_values<8>(v, vs, scores, slots, count, inv, out); return;
+    default: break;
+  }
+  for (int64_t d = 0; d < D; d += 16) {  // four accumulators over the slots in turn, added at the end
     const __mmask16 lanes = lanes_from(D - d);
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t c = 0; c < count; ++c)
-      acc = _mm512_fmadd_ps(_mm512_set1_ps(scores[c]), _mm512_maskz_loadu_ps(lanes, v + slots[c] * vs + d), acc);
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (c = 0; c + 4 <= count; c += 4) {
+      a0 = _mm512_fmadd_ps(_mm512_set1_ps(scores[c]), _mm512_maskz_loadu_ps(lanes, v + slots[c] * vs + d), a0);
+      a1 = _mm512_fmadd_ps(_mm512_set1_ps(scores[c + 1]), _mm512_maskz_loadu_ps(lanes, v + slots[c + 1] * vs + d), a1);
+      a2 = _mm512_fmadd_ps(_mm512_set1_ps(scores[c + 2]), _mm512_maskz_loadu_ps(lanes, v + slots[c + 2] * vs + d), a2);
+      a3 = _mm512_fmadd_ps(_mm512_set1_ps(scores[c + 3]), _mm512_maskz_loadu_ps(lanes, v + slots[c + 3] * vs + d), a3);
+    }
+    for (; c < count; ++c)
+      a0 = _mm512_fmadd_ps(_mm512_set1_ps(scores[c]), _mm512_maskz_loadu_ps(lanes, v + slots[c] * vs + d), a0);
+    const __m512 acc = _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3));
     _mm512_mask_storeu_ps(out + d, lanes, _mm512_mul_ps(acc, _mm512_set1_ps(inv)));
   }
 }
