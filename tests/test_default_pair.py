@@ -42,9 +42,9 @@ def test_default_pair_is_on_disk():
 def test_latency_on_the_default_pair(run, tmp_path):
     _, out = run("latency", "--nb-prompts", "2", "--max-new-tokens", "8", "--json", str(tmp_path / "l.json"))
     rsp, ssp = json.loads((tmp_path / "l.json").read_text())
-    k = load_registry(ROOT / "models.yaml").models["smollm2-135m-eagle-auto"].k  # the head's own K: no --k given
+    k = load_registry(ROOT / "models.yaml").models["smollm2-135m-eagle-copy"].k  # the head's own K: no --k given
     assert (rsp["mode"], ssp["mode"]) == ("rsp", "ssp") and k == 2
-    assert ssp["target"] == "smollm2-135m-auto" and ssp["draft"] == "smollm2-135m-eagle-auto" and ssp["k"] == k
+    assert ssp["target"] == "smollm2-135m-auto" and ssp["draft"] == "smollm2-135m-eagle-copy" and ssp["k"] == k
     assert ssp["method"] == "eagle"
     assert ssp["speedup"] == pytest.approx(rsp["ms_per_token"] / ssp["ms_per_token"])
     # Greedy on two fixed prompts: deterministic. The shipped draft predicts the target (about 0.6 here; a
