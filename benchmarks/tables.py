@@ -23,14 +23,15 @@ from lssp.report.results import markdown_table, read_csv_parts  # noqa: E402
 from lssp.report.stats import ratio_interval  # noqa: E402
 
 # The runs README.md's headline shows, in this order, greedy, on one machine (2-core AMD EPYC, AVX-512, bf16), so
-# the two tables compare: the default pair as shipped since 2026-11-26 evening (quantization: auto, q4_1 there):
-# - 20261126-180916-8be332: drafts-stories-greedy.json, the reference's 16 story openings, completions ending at
-#   the end token, 3 passes, K = 2, 3, 4, the shipped draft model and feature head side by side (`SHIPPED=0
-#   STEPS=stories bash benchmarks/drafts.sh smollm2-135m-draft-auto,smollm2-135m-eagle-auto`).
-# - 20261126-181337-740ad5: tasks-greedy-default-q4.json, the default pair (the feature head as default_draft) on every task
-#   category (`latency --task all --k 2,3,4 --repeats 3`, 100 prompts), 3 passes.
+# the two tables compare: the default pair as shipped since 2026-11-26 late evening (quantization: auto, q4_1 there,
+# our kernel on both cores; the default draft the feature head copying first, smollm2-135m-eagle-copy):
+# - 20261126-205039-5cd25f: the reference's 16 story openings, completions ending at the end token, 3 passes,
+#   K = 2, 3, 4, the shipped draft model, the feature head and the head copying first side by side (`latency --draft
+#   smollm2-135m-draft-auto,smollm2-135m-eagle-auto,smollm2-135m-eagle-copy --k 2,3,4 --repeats 3`).
+# - 20261126-205243-314e36: every task category, the head alone and copying first (the default) side by side (`latency --task
+#   all --draft smollm2-135m-eagle-auto,smollm2-135m-eagle-copy --k 2,3,4 --repeats 3`, 100 prompts), 3 passes.
 # When newer runs are written, put their ids here and rerun with --write-readme.
-HEADLINE_RUNS = ["20261126-180916-8be332", "20261126-181337-740ad5"]
+HEADLINE_RUNS = ["20261126-205039-5cd25f", "20261126-205243-314e36"]
 # The engine audit README.md's headline shows (benchmarks/audit.sh, run by run.sh step 3b): `verify` runs on the
 # default pair in float32, every engine and proposer. When audit.sh writes newer runs, put their ids here.
 HEADLINE_AUDIT_RUNS = [
@@ -43,7 +44,7 @@ HEADLINE_AUDIT_RUNS = [
 ]
 # Ours beside vLLM and llama.cpp (benchmarks/engines.sh, run.sh step 2c): one latency run per sampling setting,
 # 2026-11-26 on a 2-core AMD EPYC (AVX-512, bf16), the default pair in q4_1 with the draft model: greedy, then T=0.7.
-HEADLINE_ENGINE_RUNS: list[str] = ["20261126-175559-369e1f", "20261126-180020-9501e1"]
+HEADLINE_ENGINE_RUNS: list[str] = ["20261126-194755-0051d0", "20261126-195209-e6a720"]
 # The quality check the headline quotes (eval.csv): `eval --both --max-operand 9 --nb-prompts 1500` (run.sh step 4).
 HEADLINE_EVAL_RUN = "20261124-144234-09fa35"
 HEADLINE_BEGIN, HEADLINE_END = "<!-- headline:begin -->\n", "<!-- headline:end -->"
