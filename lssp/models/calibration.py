@@ -34,7 +34,7 @@ class Calibration:
     dtype: str
     ms: dict[str, list[float]]  # per candidate: median ms of the 1-token and the 4-token forward
     cached: bool = False
-    busy: float = 0.0  # the share of the CPUs other work took while it was measured (more than BUSY_SHARE: not cached)
+    busy: float = 0.0  # the share of the CPUs other work took while it was measured (above BUSY_SHARE: not cached)
 
     def line(self, name: str) -> str:
         from lssp.report.contention import BUSY_SHARE
@@ -120,7 +120,7 @@ def calibrate(spec: ModelSpec, load: Callable[[ModelSpec], torch.nn.Module]) -> 
             dtypes[quantization] = dtype
     best = min(ms, key=lambda q: sum(ms[q]))
     busy = contention.others_share(before, contention.cpu_snapshot())
-    found = Calibration(best, dtypes[best], ms, busy=busy if busy == busy else 0.0)
+    found = Calibration(best, dtypes[best], ms, busy=busy)  # nan (not known) counts as quiet: nan > x is false
     if found.busy > contention.BUSY_SHARE:  # a loaded machine's timings may rank the formats wrongly
         return found
     stored[key] = {"quantization": found.quantization, "dtype": found.dtype, "ms": found.ms}
