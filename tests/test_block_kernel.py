@@ -195,13 +195,14 @@ def test_the_kernels_fake_tensors_match_what_they_return_for_any_layout():
 
 @pytest.mark.parametrize("name", ["tiny-target-q4", "tiny-eagle-q4"])
 def test_the_one_call_decoder_computes_what_the_layer_by_layer_forward_does(tiny_dir, name):
-    """A q4_1 model's decoder layers run in one call of ``torch.ops.lssp.decoder``; the layer-by-layer forward (block_mm
-    and row_attention from Python) is the reference: the same arithmetic, up to where float32 sums round an int8
+    """A q4_1 model's decoder layers, final norm and output layer run in one call of ``torch.ops.lssp.decoder``; the
+    layer-by-layer forward (block_mm and row_attention from Python) is the reference: the same arithmetic, up to where float32 sums round an int8
     activation the other way."""
     registry = load_registry(tiny_dir / "models.yaml")
     target = load_model(registry.get("tiny-target-q4"))
     model = target.model if name == "tiny-target-q4" else load_model(registry.get(name), draft=True, target=target).model
     assert model._block_stack() is not None
+    assert model._fused_output(1) is not None  # the final norm and output layer in the same call
     ids = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(5))
 
     def logits() -> torch.Tensor:

@@ -43,6 +43,7 @@ DRAFTERS = {  # name: how to build it from (draft model, feature head)
     "n-gram": lambda draft, head: NgramDrafter(1),
     "copy-first(draft-model)": lambda draft, head: CopyFirst(DraftModel(draft), 1),
     "copy-first(confidence(feature-head))": lambda draft, head: CopyFirst(FeatureHead(head, [ConfidenceStop(0.3)]), 1),
+    "copy-first(feature-head), chains past K": lambda draft, head: CopyFirst(FeatureHead(head), 1, chain=5),
 }
 
 
@@ -159,6 +160,15 @@ def test_copy_first_copies_where_the_ngram_recurs_and_its_draft_catches_up_elsew
                     want = warp(draft_logits(target, draft if inner == "draft-model" else head, seq)[0], params)
                 assert torch.allclose(proposal.q[0], want, atol=1e-5)
     assert switches >= 3
+
+
+def test_copied_chains_run_up_to_their_own_length_and_the_draft_to_k(models):
+    target, draft, head = models
+    drafter = Recorded(FeatureHead(head), 1, chain=6)
+    out = speculative_decode(target, drafter, torch.tensor([[1, 2, 3, 1, 2, 3, 1, 2, 3, 1]]), 40, 2, GREEDY)
+    lengths = {copied: max(len(p) for c, _, p in drafter.choices if c == copied) for copied in (True, False)}
+    assert lengths[False] <= 2 < lengths[True] <= 6
+    assert len(out.stats.drafted_at) == 6 and sum(out.stats.drafted_at[2:]) > 0  # counted at every position
 
 
 def _planted(law):

@@ -52,8 +52,9 @@ class Picker:
     the rule reads the draft alone, so sampling stays exact)."""
 
     def __init__(self, k: int, vocab: int, params: SamplingParams, generator: torch.Generator | None,
-                 device: torch.device) -> None:
+                 device: torch.device, room: int = 0) -> None:
         self.k, self.vocab, self.params, self.generator, self.device = k, vocab, params, generator, device
+        self.room = max(k, room)  # the most this iteration may draft (a copied chain may run past k)
         self.tokens = torch.empty(k, dtype=torch.long, device=device)
         self.q = None if params.greedy else torch.empty(k, vocab, device=device)
         self.looked_up: list[bool] = []
@@ -64,6 +65,10 @@ class Picker:
     @property
     def done(self) -> bool:
         return len(self.looked_up) >= self.k
+
+    def widened(self) -> Picker:
+        """A fresh picker for the same iteration drafting up to ``room``."""
+        return Picker(self.room, self.vocab, self.params, self.generator, self.device)
 
     def add(self, logits: torch.Tensor) -> torch.Tensor:
         """The next draft from the drafter's ``logits`` at its position (its own width: where narrower than the
@@ -201,6 +206,10 @@ class Drafter(ABC):
     def ready(self) -> bool:
         """Whether it can propose now (a feature head waits for the target's first feature)."""
         return True
+
+    def longest(self, k: int) -> int:
+        """The most drafts it proposes in one iteration at draft length ``k``."""
+        return k
 
     def begin(self, seq: torch.Tensor, features: torch.Tensor | None, prefix: PrefixCache | None, clock: Clock) -> None:
         """Start a completion of ``seq`` (1, T); ``features``: the target's of all but its last token (or None)."""

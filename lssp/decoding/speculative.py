@@ -34,7 +34,9 @@ def speculative_decode(target: PreTrainedModel, drafter: Drafter, input_ids: tor
     models = [m for m in (target, drafter.model) if m is not None]  # an n-gram drafter has no model
     vocab = vocab or logit_width(target)
     clock = Clock.for_models(*models, per_forward=time_forwards)
-    stats = GenerationStats(mode="ssp", k=k, drafted_at=[0] * k, accepted_at=[0] * k, forwards_timed=clock.per_forward)
+    longest = drafter.longest(k)
+    stats = GenerationStats(mode="ssp", k=k, drafted_at=[0] * longest, accepted_at=[0] * longest,
+                            forwards_timed=clock.per_forward)
     seq, tokens, stopped = input_ids.to(device), [], False
     start = clock.now()
     if drafter.needs_features:
@@ -45,8 +47,8 @@ def speculative_decode(target: PreTrainedModel, drafter: Drafter, input_ids: tor
     stats.prefill_time_s = clock.now() - start
     while len(tokens) < max_new_tokens and not stopped:
         # 1. The drafter proposes, never past the budget: the iteration then emits at most what is left.
-        budget = min(k, max_new_tokens - len(tokens) - 1) if drafter.ready else 0
-        proposal = drafter.propose(seq, Picker(budget, vocab, params, generator, device))
+        left = max_new_tokens - len(tokens) - 1 if drafter.ready else 0
+        proposal = drafter.propose(seq, Picker(min(k, left), vocab, params, generator, device, min(longest, left)))
         drafted = len(proposal)
 
         # 2. One target forward scores every draft position and the one after.

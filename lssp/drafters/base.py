@@ -26,6 +26,9 @@ class DrafterWrapper(Drafter):
     def ready(self) -> bool:
         return self.inner.ready
 
+    def longest(self, k: int) -> int:
+        return self.inner.longest(k)
+
     def begin(self, seq: torch.Tensor, features: torch.Tensor | None, prefix: PrefixCache | None, clock: Clock) -> None:
         self.inner.begin(seq, features, prefix, clock)
 

@@ -145,13 +145,18 @@ class NgramRows(DraftRows):
 
 class CopyFirst(DrafterWrapper):
     """Copy where the answer copies, chosen per iteration: where the text's last ``n`` tokens occurred before, the
-    chain that followed them (up to K, q one-hot, as ``NgramDrafter``); elsewhere ``inner`` (a draft model or feature
-    head), which then feeds the tokens it did not draft (with a head, their features) at its next turn."""
+    chain that followed them (up to ``chain`` tokens, at least K; q one-hot, as ``NgramDrafter``); elsewhere ``inner``
+    (a draft model or feature head, up to K), which then feeds the tokens it did not draft (with a head, their
+    features) at its next turn."""
 
-    def __init__(self, inner: Drafter, n: int) -> None:
+    def __init__(self, inner: Drafter, n: int, chain: int = 0) -> None:
         super().__init__(inner)
         self.context = ContextLookup(n, ())
+        self.chain = chain
         self.copied = False  # whether the last proposal was the lookup's
+
+    def longest(self, k: int) -> int:
+        return max(self.inner.longest(k), self.chain)
 
     def begin(self, seq: torch.Tensor, features: torch.Tensor | None, prefix: PrefixCache | None, clock: Clock) -> None:
         self.context, self.copied = ContextLookup(self.context.n, ()), False
@@ -160,7 +165,9 @@ class CopyFirst(DrafterWrapper):
     def propose(self, seq: torch.Tensor, picker: Picker) -> Proposal:
         self.context.extend(seq[0, len(self.context.tokens):].tolist())
         self.copied = picker.k > 0 and self.context.propose() is not None
-        return ngram_drafts(self.context, self.context.tokens, picker) if self.copied else self.inner.propose(seq, picker)
+        if self.copied:
+            return ngram_drafts(self.context, self.context.tokens, picker.widened())
+        return self.inner.propose(seq, picker)
 
     def commit(self, proposal: Proposal, accepted: int, emitted: list[int], features: torch.Tensor | None) -> None:
         if self.copied:

@@ -53,7 +53,9 @@ class OursEngine(Engine):
         if mode.ngram:
             return drafter_for(None, mode.ngram, mode.confidence), None
         draft, vocab = self.drafts[mode.draft or self.default]
-        return drafter_for(draft.model, mode.lookup, mode.confidence, draft.spec.prompt_lookup or 0), vocab
+        spec = draft.spec
+        return drafter_for(draft.model, mode.lookup, mode.confidence, spec.prompt_lookup or 0,
+                           spec.prompt_lookup_chain or 0), vocab
 
     def batch_reason(self, mode: Mode) -> str | None:
         """None where ``complete_many`` runs ``mode`` in one batched loop: RSp always, SSp unless the drafter drafts

@@ -4,7 +4,8 @@
 activations on AVX512-VNNI (``lssp.models.weight_only.BlockLinear``), and ``torch.ops.lssp.row_attention``, causal
 attention of each query by itself (the compact forward of a q4_1 model: a verification forward, or a batch of rows,
 then computes each position as a one-token forward of its row does, which int8 activations need to keep SSp exact), and
-``torch.ops.lssp.decoder``, a q4_1 model's whole stack of decoder layers in one call (no Python, no compilation). It is built with ``-march=native -fopenmp`` (its matmuls and attention split between torch's threads) by torch's extension builder (g++ and
+``torch.ops.lssp.decoder``, a q4_1 model's whole stack of decoder layers in one call (no Python, no compilation), with
+its final norm and output layer where asked. It is built with ``-march=native -fopenmp`` (its matmuls and attention split between torch's threads) by torch's extension builder (g++ and
 ninja) into ``$LLAMASSP_CACHE/kernels/`` (the caller's choice), one build per source, torch version and CPU model (~10 s, once).
 """
 from __future__ import annotations
@@ -91,8 +92,12 @@ def _load_block_kernel(root: Path) -> None:
     @torch.library.register_fake("lssp::decoder")
     def _(hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, allowed: torch.Tensor | None,
           weights: list[torch.Tensor], cache: list[torch.Tensor], start: int, heads: int, kv_heads: int, eps: float,
-          scale: float) -> torch.Tensor:
-        return torch.empty_like(hidden, memory_format=torch.contiguous_format)
+          scale: float, final_norm: torch.Tensor | None, output: list[torch.Tensor],
+          keep: int) -> tuple[torch.Tensor, torch.Tensor]:
+        batch, n = hidden.shape[:2]
+        kept = min(keep, n) if keep > 0 else n
+        logits = hidden.new_empty(batch, kept, output[0].shape[0]) if output else hidden.new_empty(0)
+        return torch.empty_like(hidden, memory_format=torch.contiguous_format), logits
 
     # Inductor's on-disk graph cache keys a graph by its code, not by these ops' fake kernels: a tag of their source
     # and this module's keeps a graph compiled against other fakes (other output strides) from being reused.

@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <tuple>
 #include <vector>
 #include <cstdlib>
 #include <cstring>
@@ -391,9 +392,12 @@ constexpr int64_t kPerLayer = 14;  // input norm, qkv (3), o (3), post-attention
 // cache: keys and values of each layer (B, kv_heads, capacity, hd) float32, written at slots start..start+n-1;
 // cos, sin (B or 1, n, hd); allowed: bool (B or 1, n, start + n) or none (causal). Each row is computed by itself,
 // as row_attention and block_mm do: a forward of n tokens gives each position the numbers of a one-token forward.
-at::Tensor decoder(const at::Tensor& hidden_in, const at::Tensor& cos_in, const at::Tensor& sin_in,
+// Returns the last hidden states (B, n, D), after ``final_norm`` where given, and with ``output`` (an output layer's
+// packed, scales, mins) the logits of each row's last ``keep`` positions (all where 0), (B, keep, N); else no logits.
+std::tuple<at::Tensor, at::Tensor> decoder(const at::Tensor& hidden_in, const at::Tensor& cos_in, const at::Tensor& sin_in,
                    const c10::optional<at::Tensor>& allowed_in, at::TensorList weights, at::TensorList cache,
-                   int64_t start, int64_t heads, int64_t kv_heads, double eps, double scale) {
+                   int64_t start, int64_t heads, int64_t kv_heads, double eps, double scale,
+                   const c10::optional<at::Tensor>& final_norm, at::TensorList output, int64_t keep) {
   TORCH_CHECK(hidden_in.dim() == 3 && hidden_in.scalar_type() == at::kFloat, "decoder: hidden (B, n, D) float32");
   const int64_t L = static_cast<int64_t>(weights.size()) / kPerLayer;
   TORCH_CHECK(L >= 1 && L * kPerLayer == static_cast<int64_t>(weights.size()) &&
@@ -471,7 +475,21 @@ at::Tensor decoder(const at::Tensor& hidden_in, const at::Tensor& cos_in, const 
     matmul(blocks_of(w[11], w[12], w[13], inner), act.data(), R, proj.data(), s);
     for (int64_t j = 0; j < R * D; ++j) h[j] += proj[j];
   }
-  return hidden;
+  if (final_norm.has_value() && final_norm->defined()) {  // in place: each row's squares are summed before it is written
+    TORCH_CHECK(final_norm->scalar_type() == at::kFloat && final_norm->numel() == D && final_norm->is_contiguous(),
+                "decoder: final_norm (D,) float32");
+    rms_norm(h, R, D, final_norm->data_ptr<float>(), eps, h);
+  }
+  if (output.empty()) return std::make_tuple(hidden, at::empty({0}, hidden.options()));
+  TORCH_CHECK(output.size() == 3, "decoder: output is packed, scales, mins");
+  const Blocks o = blocks_of(output[0], output[1], output[2], D);
+  const int64_t kept = keep > 0 ? std::min(keep, n) : n;
+  std::vector<float> last(B * kept * D);  // the last ``kept`` positions of each row
+  for (int64_t b = 0; b < B; ++b)
+    std::copy(h + (b * n + n - kept) * D, h + (b * n + n) * D, last.data() + b * kept * D);
+  at::Tensor logits = at::empty({B, kept, o.N}, hidden.options());
+  matmul(o, last.data(), B * kept, logits.data_ptr<float>(), s);
+  return std::make_tuple(hidden, logits);
 }
 
 // lssp::arena: nbytes of uint8 in memory aligned to 2 MiB and advised as huge pages (the weights a forward streams:
@@ -493,7 +511,8 @@ TORCH_LIBRARY(lssp, m) {
   m.def("row_attention(Tensor q, Tensor keys, Tensor values, Tensor? allowed, float scale) -> Tensor");
   m.def("arena(int nbytes) -> Tensor");
   m.def("decoder(Tensor hidden, Tensor cos, Tensor sin, Tensor? allowed, Tensor[] weights, Tensor(a!)[] cache, "
-        "int start, int heads, int kv_heads, float eps, float scale) -> Tensor");
+        "int start, int heads, int kv_heads, float eps, float scale, Tensor? final_norm, Tensor[] output, int keep) "
+        "-> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(lssp, CPU, m) {

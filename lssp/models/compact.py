@@ -15,7 +15,7 @@ import itertools
 import types
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -162,6 +162,16 @@ def _own_step(model: CompactLlama) -> Any:
                                                step.__closure__), model)
 
 
+@dataclass(frozen=True)
+class FusedOutput:
+    """What the one-call decoder also computes after its layers: the final ``norm`` (None: none), the output layer
+    (its kernel weights: packed, scales, mins) over each row's last ``keep`` positions (0: all)."""
+
+    norm: torch.Tensor | None
+    weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    keep: int = 0
+
+
 @dataclass
 class CompactOutput:
     logits: torch.Tensor
@@ -233,16 +243,18 @@ class FusedDecoder(nn.Module):
         return table[0][:, start:end], table[1][:, start:end]
 
     def _layers(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
-                keys_values: list[torch.Tensor], at: slice | torch.Tensor, upto: int | None) -> torch.Tensor:
+                keys_values: list[torch.Tensor], at: slice | torch.Tensor, upto: int | None,
+                output: FusedOutput | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The decoder over ``hidden`` (batch, n, width) with rotary ``cos``/``sin`` of its positions (shared, or per
         row): keys and values written at ``at``, queries attending over the first ``upto`` cached positions (None: the whole buffer) under
         ``mask`` (None: all of them; bool: True where allowed; float: additive). With ``row_attention`` set each query
         attends by itself (``torch.ops.lssp.row_attention``). Returns the last hidden states (before any final
-        norm)."""
+        norm) and None, or where the layers run in one call and ``output`` is given, the final hidden states after
+        its norm and its logits."""
         batch, n = hidden.shape[:2]
         stack = self._block_stack()
         if stack is not None and isinstance(at, slice) and hidden.dtype == keys_values[0].dtype == torch.float32:
-            return self._block_layers(stack, hidden, cos, sin, mask, keys_values, at.start)
+            return self._block_layers(stack, hidden, cos, sin, mask, keys_values, at.start, output)
         heads, half, rotated = self.heads, self.head_dim // 2, self.heads + self.kv_heads
         # The query heads sharing a key/value head attend as one longer query over it (the mask repeated per head):
         # the same scores as SDPA's enable_gqa, up to 6x faster on a CPU in batched decoding.
@@ -272,7 +284,7 @@ class FusedDecoder(nn.Module):
             x = self._rms_norm(hidden, layer.post_attention_layernorm.weight)
             gate, up = _linear(self.gate_up[i], x).chunk(2, dim=-1)
             hidden = hidden + _linear(self.down[i], F.silu(gate) * up)
-        return hidden
+        return hidden, None
 
     def _block_stack(self) -> list[torch.Tensor] | None:
         """Every layer's norms and block weights for ``torch.ops.lssp.decoder``, when each Linear is a q4_1 layer
@@ -296,27 +308,48 @@ class FusedDecoder(nn.Module):
             self.__dict__["_stack"] = stack
         return self.__dict__["_stack"]
 
+    def _output_parts(self) -> tuple[torch.Tensor | None, nn.Module]:
+        """The final norm's weight (None: none) and the output layer (its Linear) after the decoder layers."""
+        raise NotImplementedError
+
+    def _fused_output(self, keep: int) -> FusedOutput | None:
+        """The final norm and output layer for the one-call decoder over the last ``keep`` positions, when the layers
+        run in one call and the output layer is in our kernel's blocks."""
+        if "_output" not in self.__dict__:
+            from lssp.models.weight_only import BlockLinear
+
+            norm, linear = self._output_parts()
+            fused = self.one_call and type(linear) is BlockLinear
+            self.__dict__["_output"] = FusedOutput(norm, linear.weights()) if fused else None
+        fused = self.__dict__["_output"]
+        return None if fused is None else replace(fused, keep=keep)
+
     @property
     def one_call(self) -> bool:
         """Whether the decoder layers run in one call of our kernel (every Linear a q4_1 layer)."""
         return self._block_stack() is not None
 
     def _block_layers(self, stack: list[torch.Tensor], hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                      mask: torch.Tensor | None, keys_values: list[torch.Tensor], start: int) -> torch.Tensor:
+                      mask: torch.Tensor | None, keys_values: list[torch.Tensor], start: int,
+                      output: FusedOutput | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``_layers`` in one call of our kernel (q4_1): causal where ``mask`` is None, else its allowed slots."""
         batch, n = hidden.shape[:2]
         allowed = None
         if mask is not None:  # bool (rows, slots), or additive (batch, 1, rows, slots)
             allowed = mask[None] if mask.dtype == torch.bool else (mask == 0)[:, 0]
         cos, sin = cos.reshape(-1, n, self.head_dim), sin.reshape(-1, n, self.head_dim)
-        return torch.ops.lssp.decoder(hidden.contiguous(), cos, sin, allowed, stack, keys_values, start, self.heads,
-                                      self.kv_heads, self.eps, self.scale)
+        norm, weights, keep = (None, (), 0) if output is None else (output.norm, output.weights, output.keep)
+        final, logits = torch.ops.lssp.decoder(hidden.contiguous(), cos, sin, allowed, stack, keys_values, start,
+                                               self.heads, self.kv_heads, self.eps, self.scale, norm, weights, keep)
+        return final, (logits if weights else None)
 
     def _run(self, hidden: torch.Tensor, kv: CompactCache, mask: torch.Tensor | None = None,
-             positions: torch.Tensor | None = None) -> torch.Tensor:
+             positions: torch.Tensor | None = None,
+             output: FusedOutput | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The eager decoder over ``hidden`` (batch, n, width) after what ``kv`` holds, extending it. By default
         every row is at the cache's slots and attends causally; rows of their own (batched SSp) pass ``positions``
-        (batch, n) for the rotary embedding and an additive ``mask`` (batch, 1, n, slots) over the cache's slots."""
+        (batch, n) for the rotary embedding and an additive ``mask`` (batch, 1, n, slots) over the cache's slots.
+        Returns what ``_layers`` does."""
         start, n = kv.length, hidden.shape[1]
         end = start + n
         kv.reserve(end)
@@ -327,7 +360,7 @@ class FusedDecoder(nn.Module):
         else:
             cos, sin = self._rotary(0, int(positions.max()) + 1, kv.keys_values[0])
             cos, sin = cos[0][positions].unsqueeze(1), sin[0][positions].unsqueeze(1)  # (batch, 1, n, head_dim)
-        out = self._layers(hidden, cos, sin, mask, kv.keys_values, slice(start, end), end)
+        out = self._layers(hidden, cos, sin, mask, kv.keys_values, slice(start, end), end, output)
         kv.length = end
         return out
 
@@ -410,8 +443,8 @@ class CompactLlama(FusedDecoder):
         built from the positions (the compiled path)."""
         slots = keys_values[0].shape[2] if upto is None else upto
         mask = torch.arange(slots, device=positions.device)[None, :] <= positions[:, None]
-        hidden = self._layers(self.hf.model.embed_tokens(input_ids[None]), cos_table[:, positions],
-                              sin_table[:, positions], mask, keys_values, positions, upto)
+        hidden, _ = self._layers(self.hf.model.embed_tokens(input_ids[None]), cos_table[:, positions],
+                                 sin_table[:, positions], mask, keys_values, positions, upto)
         final = self._final(hidden)
         return self.hf.lm_head(final), final
 
@@ -441,6 +474,12 @@ class CompactLlama(FusedDecoder):
                 logits, final = logits.clone(), final.clone()
             kv.length = end
             return CompactOutput(logits[:, -logits_to_keep:] if logits_to_keep else logits, final if features else None)
-        final = self._final(self._run(self.hf.model.embed_tokens(input_ids), kv, attention_mask, position_ids))
-        logits = self.hf.lm_head(final[:, -logits_to_keep:] if logits_to_keep else final)
+        final, logits = self._run(self.hf.model.embed_tokens(input_ids), kv, attention_mask, position_ids,
+                                  self._fused_output(logits_to_keep))
+        if logits is None:
+            final = self._final(final)
+            logits = self.hf.lm_head(final[:, -logits_to_keep:] if logits_to_keep else final)
         return CompactOutput(logits, final if features else None)
+
+    def _output_parts(self) -> tuple[torch.Tensor | None, nn.Module]:
+        return self.hf.model.norm.weight.detach().float().contiguous(), self.hf.lm_head

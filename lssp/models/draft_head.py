@@ -34,7 +34,10 @@ class SubsetHead(nn.Module):
         self.in_features, self.out_features = hidden_size, vocab_size
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        subset = self.linear(hidden)
+        return self.widen(self.linear(hidden))
+
+    def widen(self, subset: torch.Tensor) -> torch.Tensor:
+        """Full-width logits from the ``token_ids``' own (-inf elsewhere)."""
         out = subset.new_full((*subset.shape[:-1], self.out_features), float("-inf"))
         out[..., self.token_ids] = subset
         return out

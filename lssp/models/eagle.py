@@ -288,9 +288,17 @@ class FeatureDraft(FusedDecoder):
         dtype = self.compute_dtype
         embeds = self.get_input_embeddings()(input_ids).to(dtype)
         mask = attention_mask.to(dtype) if attention_mask is not None else None
-        hidden = self._run(self.head.fc(torch.cat([embeds, features.to(dtype)], dim=-1)), kv, mask, position_ids)
+        hidden, logits = self._run(self.head.fc(torch.cat([embeds, features.to(dtype)], dim=-1)), kv, mask, position_ids,
+                                   self._fused_output(logits_to_keep))
         kv.guess = hidden[:, -1:]
-        return CompactOutput(self.get_output_embeddings()(hidden[:, -logits_to_keep:] if logits_to_keep else hidden))
+        output = self.get_output_embeddings()
+        if logits is None:
+            return CompactOutput(output(hidden[:, -logits_to_keep:] if logits_to_keep else hidden))
+        return CompactOutput(output.widen(logits) if isinstance(output, SubsetHead) else logits)
+
+    def _output_parts(self) -> tuple[torch.Tensor | None, nn.Module]:
+        output = self.get_output_embeddings()  # no norm: the head guesses a feature after its target's norm
+        return None, output.linear if isinstance(output, SubsetHead) else output
 
 
 def forward_with_features(model: PreTrainedModel, ids: torch.Tensor, kv: object, last: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -40,6 +40,7 @@ SPEC_KEYS = {
     "max_model_len", "enforce_eager", "speculative_method", "draft_sample_method",
     "k",  # on a draft: its default draft length
     "prompt_lookup",  # on a draft, ours: copy first (the prompt lookup's chain where it has one, the draft elsewhere)
+    "prompt_lookup_chain",  # with prompt_lookup: the longest chain copied in one iteration (default: K)
 }
 DEFAULT_K = 4  # draft tokens per iteration when neither --k nor the draft's registry entry says
 EXECUTOR_BACKENDS = ("mp", "ray")
@@ -83,6 +84,7 @@ class ModelSpec:
     k: int | None = None  # on a draft: draft tokens per iteration when --k is not given (chosen by measurement)
     prompt_lookup: int | None = None  # on a draft (ours): copy first, the chain that followed the text's last N
     #   tokens where they occurred before, the draft elsewhere (per iteration)
+    prompt_lookup_chain: int | None = None  # with prompt_lookup: the longest chain copied at once (default: K)
     base_dir: Path = field(default=Path("."), compare=False)
 
     @property
@@ -349,7 +351,7 @@ def _check_value(name: str, key: str, value: Any, at: str) -> None:
         if value not in choices:
             raise UserError(f"{at}: model {name!r}: bad {key} {value!r}; expected one of {', '.join(choices)}")
     elif key in ("gpus", "tensor_parallel_size", "pipeline_parallel_size", "max_model_len", "k",
-                 "prompt_lookup"):
+                 "prompt_lookup", "prompt_lookup_chain"):
         if not isinstance(value, int) or isinstance(value, bool) or value < (0 if key == "gpus" else 1):
             raise bad("a whole number >= " + ("0" if key == "gpus" else "1"))
     elif key == "gpu_memory_utilization":
