@@ -167,7 +167,9 @@ def render(run, t, d, wide: bool = False, more: list | None = None) -> None:
     repeated = setup.repeats > 1
     out = table(title, [("mode", "left"), ("K", "left"), ("ms/token", "right"), ("min–max", "right"), ("α", "right"),
                         ("tok/fwd", "right"), ("speedup", "right"), *([("±sd", "right")] if repeated else [])],
-                keep_whole=("mode",))  # an engine's name and the mode on one line; K wraps instead
+                # an engine's name and the mode on one line, K wrapping instead; a draft's name beside the mode
+                # wraps (kept whole, it would squeeze the other columns out of 80)
+                keep_whole=() if len(setup.draft_kinds) > 1 else ("mode",))
     details = table("Details: median ms/token, time to first token, accepted/drafted, shares of decode time in the "
                     "draft's and the target's forwards, the spread of the target's forward time (slowest ÷ median "
                     "prompt), and the speedup's 95% interval (CI) over the prompts",

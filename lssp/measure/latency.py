@@ -148,9 +148,11 @@ def summarize(timings: Sequence[PromptTiming], how: Mode = RSP,
     split_target_fw, split_draft_fw = sum(s.target_forwards for s in timed), sum(s.draft_forwards for s in timed)
     target_t, draft_t = sum(s.target_time_s for s in timed), sum(s.draft_time_s for s in timed)
     pooled = SpecCounts(k if mode == "ssp" else 0)
-    if mode == "ssp":
-        pooled.drafted_at = [sum(s.drafted_at[i] for s in stats) for i in range(k)]
-        pooled.accepted_at = [sum(s.accepted_at[i] for s in stats) for i in range(k)]
+    if mode == "ssp":  # K positions, and those beyond that a copied chain reached
+        reached = [i + 1 for s in stats for i, n in enumerate(s.drafted_at) if n]
+        width = max([k, *reached])
+        pooled.drafted_at = [sum(s.drafted_at[i] for s in stats if i < len(s.drafted_at)) for i in range(width)]
+        pooled.accepted_at = [sum(s.accepted_at[i] for s in stats if i < len(s.accepted_at)) for i in range(width)]
     nan = float("nan")
     return ModeSummary(
         mode=mode, k=k, prompts=len(stats), new_tokens=tokens,
