@@ -47,7 +47,7 @@ HEADLINE_AUDIT_RUNS = [
 ]
 # Ours beside vLLM and llama.cpp (benchmarks/engines.sh, run.sh step 2c): one latency run per sampling setting,
 # 2026-11-26 on a 2-core AMD EPYC (AVX-512, bf16), the default pair in q4_1 with the draft model: greedy, then T=0.7.
-HEADLINE_ENGINE_RUNS: list[str] = ["20261126-194755-0051d0", "20261126-195209-e6a720"]
+HEADLINE_ENGINE_RUNS: list[str] = ["20261126-232559-1e3c36", "20261126-233007-5f1e56"]
 # The quality check the headline quotes (eval.csv): `eval --both --max-operand 9 --nb-prompts 1500` (run.sh step 4).
 HEADLINE_EVAL_RUN = "20261124-144234-09fa35"
 HEADLINE_BEGIN, HEADLINE_END = "<!-- headline:begin -->\n", "<!-- headline:end -->"

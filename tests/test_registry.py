@@ -53,6 +53,13 @@ def test_bad_quantization_and_gpus(tmp_path):
         load_registry(write(tmp_path, "models:\n  a: {path: x, gpus: -1}\n"))
 
 
+def test_a_copied_chain_length_needs_the_lookup_it_lengthens(tmp_path):
+    with pytest.raises(UserError, match="'prompt_lookup_chain' needs 'prompt_lookup'"):
+        load_registry(write(tmp_path, "models:\n  a: {path: x, prompt_lookup_chain: 6}\n"))
+    spec = load_registry(write(tmp_path, "models:\n  a: {path: x, prompt_lookup: 4, prompt_lookup_chain: 6}\n")).get("a")
+    assert (spec.prompt_lookup, spec.prompt_lookup_chain) == (4, 6)
+
+
 def test_unknown_model_name_suggests_close_names():
     reg = load_registry(ROOT / "models.yaml")
     with pytest.raises(UserError, match=r"unknown model '7b'.*did you mean '7B'"):

@@ -207,9 +207,10 @@ def render(run, t, d, wide: bool = False, more: list | None = None) -> None:
                       + ", ".join(f"{_engine(m)}{_named(run, m)}K={_k(m)} {m.specbench_speedup:.2f}×" for m in specbench))
     for m in overall:
         if m.mode == "ssp" and m.acceptance_rate == m.acceptance_rate:  # engines that count acceptance
-            console.print(f"  share of iterations accepting draft i ({_engine(m)}"
-                          f"{_named(run, m)}K={_k(m)}): " +
-                          " ".join(f"{i + 1}:{fmt(x, 0, pct=True)}" for i, x in enumerate(m.acceptance_by_position)))
+            shares = [f"{i + 1}:{fmt(x, 0, pct=True)}" for i, x in enumerate(m.acceptance_by_position)]
+            console.print(f"  share of iterations accepting draft i ({_engine(m)}{_named(run, m)}K={_k(m)}): "
+                          + " ".join(shares[:m.k])
+                          + (f"; of copied chains past K, accepting i: {' '.join(shares[m.k:])}" if shares[m.k:] else ""))
             if m.lookup:
                 console.print(f"    the lookup proposed {fmt(m.lookup_share, 0, pct=True)} of drafts, "
                               f"{fmt(m.lookup_acceptance, 0, pct=True)} of them accepted")

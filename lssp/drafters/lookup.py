@@ -6,8 +6,8 @@ policy (``LookupHint``) it speaks where the drafter is unsure of its own top tok
 given half of q's mass (sampling). As a drafter (``NgramDrafter``, no model) it proposes the chain of such guesses
 with q one-hot on each, as vLLM's and llama.cpp's n-gram drafters do. Copy first (``CopyFirst``, a draft entry's
 ``prompt_lookup``) chooses per iteration: the chain where the text's last n tokens occurred before (up to K, or
-``prompt_lookup_chain`` tokens), the draft model or feature head elsewhere. q is whatever the draft side proposes from, so the acceptance rule keeps SSp exact in
-every case.
+``prompt_lookup_chain`` tokens), the draft model or feature head elsewhere. q is whatever the draft side proposes
+from, so the acceptance rule keeps SSp exact in every case.
 """
 from __future__ import annotations
 

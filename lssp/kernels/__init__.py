@@ -5,8 +5,9 @@ activations on AVX512-VNNI (``lssp.models.weight_only.BlockLinear``), and ``torc
 attention of each query by itself (the compact forward of a q4_1 model: a verification forward, or a batch of rows,
 then computes each position as a one-token forward of its row does, which int8 activations need to keep SSp exact), and
 ``torch.ops.lssp.decoder``, a q4_1 model's whole stack of decoder layers in one call (no Python, no compilation), with
-its final norm and output layer where asked. It is built with ``-march=native -fopenmp`` (its matmuls and attention split between torch's threads) by torch's extension builder (g++ and
-ninja) into ``$LLAMASSP_CACHE/kernels/`` (the caller's choice), one build per source, torch version and CPU model (~10 s, once).
+its final norm and output layer where asked. It is built with ``-march=native -fopenmp`` (its matmuls and attention
+split between torch's threads) by torch's extension builder (g++ and ninja) into ``$LLAMASSP_CACHE/kernels/`` (the
+caller's choice), one build per source, torch version and CPU model (~10 s, once).
 """
 from __future__ import annotations
 

@@ -337,6 +337,8 @@ def _spec(loc: _Located, name: str, node: yaml.Node, base_dir: Path) -> ModelSpe
         raise loc.error(node, f"model {name!r}: 'path' is required (or 'init: random' with a 'config')")
     if init == "random" and not values.get("config"):
         raise loc.error(node, f"model {name!r}: 'init: random' needs a 'config' (a mapping or an architecture name)")
+    if "prompt_lookup_chain" in values and not values.get("prompt_lookup"):
+        raise loc.error(node, f"model {name!r}: 'prompt_lookup_chain' needs 'prompt_lookup' (the n-gram length)")
     if "max_memory" in values:
         values["max_memory"] = {str(k): str(v) for k, v in values["max_memory"].items()}
     return ModelSpec(name=name, base_dir=base_dir, **values)
