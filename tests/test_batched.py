@@ -16,7 +16,7 @@ from lssp.decoding.batched import speculative_decode_batch
 from lssp.decoding.generation import NO_STOP, Stopping, generate_regular
 from lssp.decoding.sampling import SamplingParams
 from lssp.decoding.speculative import speculative_decode
-from lssp.drafters import ConfidenceStop, DraftModel, LookupHint, NgramDrafter, drafter_for
+from lssp.drafters import ConfidenceStop, CopyFirst, DraftModel, LookupHint, NgramDrafter, drafter_for
 from lssp.drafters.model import FeatureHead
 from lssp.engines import Engine, Mode, OursEngine, Request
 from lssp.measure.evals import run_eval
@@ -163,6 +163,25 @@ def test_seeded_sampled_rows_with_a_feature_head_equal_the_head_alone(head_pair,
             assert (out.stats.drafted, out.stats.accepted) == (alone.stats.drafted, alone.stats.accepted)
 
 
+@pytest.mark.parametrize("params", [GREEDY, SamplingParams(1.0)], ids=["greedy", "T=1"])
+def test_rows_copying_first_with_a_feature_head_equal_their_runs_alone(head_pair, params):
+    """Copy first over the head, in a batch: each row copies or lets the head draft as it would alone, and the head
+    catches up with the rows' copied iterations (their features queued)."""
+    target, draft = head_pair
+    prompts = [p * 3 for p in PROMPTS]  # repeats for the lookup to find
+    seeds = list(range(len(prompts)))
+    make = lambda: CopyFirst(FeatureHead(draft), 1, chain=5)  # noqa: E731
+    generators = [None if params.greedy else torch.Generator().manual_seed(s) for s in seeds]
+    outs = speculative_decode_batch(target, make(), [torch.tensor(p) for p in prompts], 20, 2, params, generators)
+    for prompt, seed, out in zip(prompts, seeds, outs):
+        generator = None if params.greedy else torch.Generator().manual_seed(seed)
+        alone = speculative_decode(target, make(), torch.tensor([prompt]), 20, 2, params, generator)
+        assert out.tokens.tolist() == alone.tokens.tolist(), prompt
+        assert (out.stats.drafted, out.stats.accepted, out.stats.drafted_at) == \
+            (alone.stats.drafted, alone.stats.accepted, alone.stats.drafted_at), prompt
+    assert any(sum(o.stats.drafted_at[2:]) for o in outs)  # some rows copied past K
+
+
 def test_a_feature_head_is_batched_only_over_a_compact_target(head_pair):
     target, draft = head_pair
     assert FeatureHead(draft).rows_reason(target) is None
@@ -176,6 +195,7 @@ POLICIES = {  # name: how to build the drafter from a draft model
     "confidence": lambda draft: DraftModel(draft, [ConfidenceStop(0.5)]),
     "lookup and confidence": lambda draft: DraftModel(draft, [LookupHint(2), ConfidenceStop(0.3)]),
     "n-gram drafter": lambda draft: NgramDrafter(1),
+    "copy first, chains past K": lambda draft: CopyFirst(DraftModel(draft), 1, chain=5),
 }
 
 

@@ -436,8 +436,10 @@ class SpeculativeRows(RowsRun):
     def step(self) -> None:
         live, k, max_new_tokens = self.live, self.k, self.max_new_tokens
         # 1. Each row drafts up to k tokens, never past its budget (the iteration then emits at most what is left).
-        pickers = [Picker(min(k, max_new_tokens - len(row.tokens) - 1) if self.drafting.ready(r) else 0, self.vocab,
-                          self.params, row.generator, self.device) for r, row in enumerate(live)]
+        longest = self.drafter.longest(k)
+        lefts = [max_new_tokens - len(row.tokens) - 1 if self.drafting.ready(r) else 0 for r, row in enumerate(live)]
+        pickers = [Picker(min(k, left), self.vocab, self.params, row.generator, self.device, min(longest, left))
+                   for row, left in zip(live, lefts)]
         t0 = self.clock.now()
         proposals = self.drafting.propose([row.seq for row in live], pickers)
         t1 = self.clock.now()
@@ -525,8 +527,9 @@ def speculative_decode_batch(target: PreTrainedModel, drafter: Drafter, prompts:
     models = [m for m in (target, drafter.model) if m is not None]
     vocab = vocab or logit_width(target)
     clock = Clock.for_models(*models)
-    rows = _rows(prompts, generators, lambda: GenerationStats(mode="ssp", k=k, drafted_at=[0] * k, accepted_at=[0] * k,
-                                                               forwards_timed=clock.per_forward))
+    longest = drafter.longest(k)
+    rows = _rows(prompts, generators, lambda: GenerationStats(mode="ssp", k=k, drafted_at=[0] * longest,
+                                                               accepted_at=[0] * longest, forwards_timed=clock.per_forward))
     run = SpeculativeRows(target, drafter, k, params, stopping, max_new_tokens, vocab, prefix, clock, clock.now())
     run_rows(run, rows, concurrency, arrivals)
     return _outputs(rows, run.now(), run.prefill_s, run.target_s, run.draft_s)

@@ -163,6 +163,10 @@ class DraftRows(ABC):
         self.policies.commit(row, emitted)
         self.advance(row, proposal, accepted, features)
 
+    def skip(self, row: int, emitted: Sequence[int], features: torch.Tensor | None) -> None:
+        """An iteration of ``row`` another drafter proposed (a mix, per iteration), as ``Drafter.skip``."""
+        self.policies.commit(row, emitted)
+
     def keep(self, rows: list[int]) -> None:
         """Keep only ``rows`` (increasing) of the batch."""
         self.policies.keep(rows)

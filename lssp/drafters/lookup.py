@@ -174,3 +174,57 @@ class CopyFirst(DrafterWrapper):
             self.inner.skip(emitted, features)
         else:
             self.inner.commit(proposal, accepted, emitted, features)
+
+    def rows_reason(self, target: torch.nn.Module) -> str | None:
+        return self.inner.rows_reason(target)
+
+    def begin_rows(self, prompts: Sequence[list[int]], prefix: PrefixCache | None,
+                   features: Sequence[torch.Tensor] | None) -> CopyRows:
+        return CopyRows(self.inner.begin_rows(prompts, prefix, features), self.context.n, len(prompts))
+
+
+class CopyRows(DraftRows):
+    """``CopyFirst`` for the rows of a batch: each row copies or lets ``inner`` draft, chosen per row and iteration
+    as it would alone; ``inner`` drafts for the rows that do not copy (the others get a picker of k 0) and skips the
+    iterations it did not draft."""
+
+    def __init__(self, inner: DraftRows, n: int, rows: int) -> None:
+        super().__init__(PolicyRows([], [[] for _ in range(rows)]))  # the policies are the inner drafter's
+        self.inner = inner
+        self.contexts = [ContextLookup(n, ()) for _ in range(rows)]
+        self.copied = [False] * rows
+
+    def ready(self, row: int) -> bool:
+        return self.inner.ready(row)
+
+    def caches(self) -> list:
+        return self.inner.caches()
+
+    def draft(self, seqs: Sequence[Sequence[int]], pickers: Sequence[Picker]) -> list[Proposal]:
+        for r, (context, seq, picker) in enumerate(zip(self.contexts, seqs, pickers)):
+            context.catch_up(seq)
+            self.copied[r] = picker.k > 0 and context.propose() is not None
+        idle = [Picker(0, p.vocab, p.params, p.generator, p.device) if c else p for p, c in zip(pickers, self.copied)]
+        drafted = self.inner.propose(seqs, idle)
+        return [ngram_drafts(context, context.tokens, picker.widened()) if copied else proposal
+                for context, picker, copied, proposal in zip(self.contexts, pickers, self.copied, drafted)]
+
+    def commit(self, row: int, proposal: Proposal, accepted: int, emitted: Sequence[int],
+               features: torch.Tensor | None) -> None:
+        if self.copied[row]:
+            self.inner.skip(row, emitted, features)
+        else:
+            self.inner.commit(row, proposal, accepted, emitted, features)
+
+    def advance(self, row: int, proposal: Proposal, accepted: int, features: torch.Tensor | None) -> None:
+        raise AssertionError("CopyRows.commit hands each iteration to its inner drafter")
+
+    def keep_rows(self, rows: list[int]) -> None:
+        self.inner.keep(rows)
+        self.contexts = [self.contexts[r] for r in rows]
+        self.copied = [self.copied[r] for r in rows]
+
+    def merge_rows(self, other: DraftRows) -> None:
+        self.inner.merge(other.inner)
+        self.contexts += other.contexts
+        self.copied += other.copied

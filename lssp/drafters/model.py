@@ -191,6 +191,13 @@ class HeadRows(DraftRows):
 
     def advance(self, row: int, proposal: Proposal, accepted: int, features: torch.Tensor | None) -> None:
         drop_row(self.cache, row, len(proposal) - 1)  # the positions that read a guess
+        self._queue(row, features)
+
+    def skip(self, row: int, emitted: Sequence[int], features: torch.Tensor | None) -> None:
+        super().skip(row, emitted, features)
+        self._queue(row, features)  # paired with the tokens it has not read at its next draft
+
+    def _queue(self, row: int, features: torch.Tensor) -> None:
         queued = self.queued[row]
         self.queued[row] = features if queued is None else torch.cat([queued, features])
 
