@@ -66,9 +66,9 @@ class Picker:
     def done(self) -> bool:
         return len(self.looked_up) >= self.k
 
-    def widened(self) -> Picker:
-        """A fresh picker for the same iteration drafting up to ``room``."""
-        return Picker(self.room, self.vocab, self.params, self.generator, self.device)
+    def fresh(self, k: int) -> Picker:
+        """A fresh picker for the same iteration drafting up to ``k`` (``room``: a copied chain's; 0: none)."""
+        return Picker(k, self.vocab, self.params, self.generator, self.device)
 
     def add(self, logits: torch.Tensor) -> torch.Tensor:
         """The next draft from the drafter's ``logits`` at its position (its own width: where narrower than the

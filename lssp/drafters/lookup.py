@@ -166,7 +166,7 @@ class CopyFirst(DrafterWrapper):
         self.context.extend(seq[0, len(self.context.tokens):].tolist())
         self.copied = picker.k > 0 and self.context.propose() is not None
         if self.copied:
-            return ngram_drafts(self.context, self.context.tokens, picker.widened())
+            return ngram_drafts(self.context, self.context.tokens, picker.fresh(picker.room))
         return self.inner.propose(seq, picker)
 
     def commit(self, proposal: Proposal, accepted: int, emitted: list[int], features: torch.Tensor | None) -> None:
@@ -208,9 +208,8 @@ class CopyRows(DraftRows):
         for r, (context, seq, picker) in enumerate(zip(self.contexts, seqs, pickers)):
             context.catch_up(seq)
             self.copied[r] = picker.k > 0 and context.propose() is not None
-        idle = [Picker(0, p.vocab, p.params, p.generator, p.device) if c else p for p, c in zip(pickers, self.copied)]
-        drafted = self.inner.propose(seqs, idle)
-        return [ngram_drafts(context, context.tokens, picker.widened()) if copied else proposal
+        drafted = self.inner.propose(seqs, [p.fresh(0) if c else p for p, c in zip(pickers, self.copied)])
+        return [ngram_drafts(context, context.tokens, picker.fresh(picker.room)) if copied else proposal
                 for context, picker, copied, proposal in zip(self.contexts, pickers, self.copied, drafted)]
 
     def commit(self, row: int, proposal: Proposal, accepted: int, emitted: Sequence[int],
