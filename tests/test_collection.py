@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import json
 
+import numpy as np
 import pytest
 import torch
 from conftest import char_tokenizer, tiny_llama
@@ -13,7 +14,7 @@ from lssp.decoding.generation import Stopping, generate_regular
 from lssp.decoding.sampling import SamplingParams
 from lssp.distill import DistillConfig, collect, conversations, generate_rows
 from lssp.distill import collection as collection_module
-from lssp.distill.collection import _score_batch, bucketed
+from lssp.distill.collection import bucketed, score_batch
 from lssp.errors import UserError
 from lssp.models.compact import CompactLlama
 from lssp.models.loading import encode_conversation
@@ -46,7 +47,7 @@ def test_scoring_given_tokens_matches_what_generation_recorded():
     """Teacher-forced scoring of the target's own greedy continuation gives the top-k it saw while generating."""
     target = tiny_llama(3).eval()
     generated = generate_rows(target, PROMPTS, 6, SamplingParams(temperature=0.0), [None] * len(PROMPTS), 4, set())
-    scored = _score_batch(target, PROMPTS, generated["tokens"], 4, rows=2)
+    scored = score_batch(target, PROMPTS, generated["tokens"], 4, rows=2)
     assert torch.equal(scored["top_ids"], generated["top_ids"])
     assert torch.allclose(scored["top_lp"].float(), generated["top_lp"].float(), atol=1e-2)
 
@@ -155,6 +156,36 @@ def test_a_truncated_shard_is_collected_again_and_the_same_data_results(monkeypa
         again = torch.load(data / name)
         assert torch.equal(again["tokens"], record["tokens"]) and again["split"] == record["split"]
     assert torch.load(data / "shard_00000.pt")["split"] == "held_out"
+
+
+def test_a_collection_is_written_again_from_its_token_ids(monkeypatch, tmp_path):
+    """save_tokens keeps a head's collection in a small file; rebuild_shards writes the same shards from it by teacher
+    forcing (tokens, lengths, split, the target's top-k and features), and collection then goes on after them."""
+    from lssp.distill.tokens import rebuild_shards, save_tokens
+
+    _tiny_collection(monkeypatch, tmp_path / "first", 40, kind="eagle")
+    data = tmp_path / "first" / "data"
+    path = save_tokens(data)
+    with np.load(path) as stored:
+        assert not any(key.endswith(("features", "top_ids", "top_lp")) for key in stored.files)  # token ids only
+    again = tmp_path / "again" / "data"
+    target = CompactLlama(tiny_llama(5)).eval()
+    assert rebuild_shards(target, path, again) == len(list(data.glob("shard_*.pt")))
+    assert rebuild_shards(target, path, again) == 0  # nothing left to write
+    for shard in sorted(data.glob("shard_*.pt")):
+        want, got = torch.load(shard), torch.load(again / shard.name)
+        assert torch.equal(got["tokens"], want["tokens"]) and torch.equal(got["lengths"], want["lengths"])
+        assert got["split"] == want["split"] and [p.tolist() for p in got["prompts"]] == [p.tolist() for p in want["prompts"]]
+        for r, n in enumerate(want["lengths"].tolist()):
+            assert torch.equal(got["top_ids"][r, :n], want["top_ids"][r, :n])
+            assert got["features"][r].shape == want["features"][r].shape
+            assert torch.allclose(got["features"][r].float(), want["features"][r].float(), atol=2e-2)
+    meta = json.loads((again / "meta.json").read_text())
+    assert meta["tokens"] == json.loads((data / "meta.json").read_text())["tokens"]
+    got, _ = _tiny_collection(monkeypatch, tmp_path / "again", 60, kind="eagle")  # goes on generating after them
+    assert got.tokens >= 60
+    with pytest.raises(UserError, match="compact forward"):
+        rebuild_shards(tiny_llama(5), path, tmp_path / "other" / "data")
 
 
 def test_a_collection_begun_for_a_head_keeps_features_when_a_draft_goes_on_with_it(monkeypatch, tmp_path):

@@ -142,6 +142,26 @@ def test_the_runtime_head_gives_the_training_forward_logits(target, head):
         torch.testing.assert_close(draft(ids[:, 5:8], kv).logits[0], want[4:], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("layers", [1, 2])
+def test_the_training_time_test_is_drafting_from_every_position(target, layers):
+    """Step s of FeatureHead.unrolled at position j is what drafting gives at its (s+1)-th draft begun at j-s: the
+    causal forward over the real features up to j-s followed by the head's own guesses (step 0: the forward)."""
+    head = random_head(target, layers).eval()
+    ids = torch.tensor([[0, 5, 9, 3, 7, 8, 11, 2, 4]])
+    with torch.no_grad():
+        features = target.model(input_ids=ids).last_hidden_state[:, :-1]
+        embeds = target.model.embed_tokens(ids[:, 1:])
+        steps = head.unrolled(embeds, features, 4)
+        torch.testing.assert_close(steps[0], head(embeds, features), atol=1e-5, rtol=1e-5)
+        for step in range(1, 4):
+            for j in range(step, features.shape[1]):
+                fed = features[:, : j - step + 1]
+                for _ in range(step + 1):  # the draft feeds its last guess back
+                    guess = head(embeds[:, : fed.shape[1]], fed)[:, -1:]
+                    fed = torch.cat([fed, guess], dim=1)
+                torch.testing.assert_close(steps[step][:, j], guess[:, 0], atol=1e-5, rtol=1e-5)
+
+
 def test_a_head_over_frequent_tokens_proposes_only_those(target):
     ids = list(range(0, 64, 2))
     draft = FeatureDraft(random_head(target, 3, token_ids=ids), target)
@@ -340,14 +360,32 @@ def test_distill_kind_eagle_makes_a_loadable_head_and_resumes(tiny_dir, tmp_path
     assert {p.name for p in (out / "work").glob("checkpoint-*.pt")} == {"checkpoint-eagle.pt", "checkpoint-draft.pt"}
     assert main(base[:-1] + ["80", "--max-steps", "6"]) == 0, capsys.readouterr().err
     assert [step for step, _, _ in json.loads((out / "distill_report.json").read_text())["loss_curve"]] == [3, 5, 6]
+    # Going on from the head on a new collection (another seed), unrolled over 3 steps: its tokens and weights are
+    # the start, and the card continues the learning curve.
+    more = tmp_path / "more"
+    again = ["--config", str(tiny_dir / "models.yaml"), "--seed", "1", *base[4:6], "--kind", "eagle", "--out", str(more),
+             "--init-draft", str(out), "--batch-prompts", "16", "--new-tokens", "8", "--data-tokens", "420",
+             "--max-steps", "2", "--unroll", "3"]
+    assert main(again) == 0, capsys.readouterr().err
+    report = json.loads((more / "distill_report.json").read_text())
+    assert report["config"]["unroll"] == 3 and report["started_from"]["path"] == str(out)
+    assert report["started_from"]["steps"] == 6 and report["started_from"]["distinct_tokens"] >= 80
+    ids = [json.loads((folder / "config.json").read_text())["head_token_ids"] for folder in (out, more)]
+    assert ids[0] == ids[1]
+    card = (more / "README.md").read_text()
+    assert "## Learning curve across trainings" in card and f"started from the weights of `{out}`" in card
+    assert "draft token 3 (on its own guesses)" in json.dumps(report["acceptance"])
 
 
 def test_distill_kind_eagle_refuses_what_only_drafts_take(tiny_dir, tmp_path, capsys):
     from lssp.cli import main
 
     code = main(["--config", str(tiny_dir / "models.yaml"), "distill", "tiny-target", "--kind", "eagle",
-                 "--init-draft", str(tmp_path), "--out", str(tmp_path / "h")])
-    assert code == 2 and "--init-draft and --on-policy are for --kind draft" in capsys.readouterr().err
+                 "--init-draft", str(tmp_path), "--on-policy", "0.5", "--out", str(tmp_path / "h")])
+    assert code == 2 and "--on-policy is for --kind draft" in capsys.readouterr().err
+    code = main(["--config", str(tiny_dir / "models.yaml"), "distill", "tiny-target", "--kind", "eagle",
+                 "--unroll", "0", "--out", str(tmp_path / "h")])
+    assert code == 2 and "--unroll" in capsys.readouterr().err
     code = main(["--config", str(tiny_dir / "models.yaml"), "distill", "tiny-target", "--kind", "medusa"])
     assert code == 2 and "expected draft or eagle" in capsys.readouterr().err
 

@@ -43,7 +43,8 @@ def distill(
     lr: Annotated[float, typer.Option(help="Peak learning rate.")] = 3e-3,
     hard_weight: Annotated[float, typer.Option(help="Weight of cross-entropy on the target's argmax (rest: soft top-k).")] = 0.3,
     data_dir: Annotated[Optional[Path], typer.Option(help="Where collected data and checkpoints go (default: OUT/work).")] = None,
-    init_draft: Annotated[Optional[Path], typer.Option(help="Go on training this draft (its shape wins over the size options).")] = None,
+    init_draft: Annotated[Optional[Path], typer.Option(help="Go on training this draft (or, with --kind eagle, this head) on the "
+                                                               "collection: its shape wins over the size options.")] = None,
     head_tokens: Annotated[int, typer.Option(help="Output layer over the target's N most frequent tokens only (0: all).")] = 0,
     on_policy: Annotated[float, typer.Option(help="Share of newly collected shards written by --init-draft and scored by "
                                              "the target in one teacher-forced forward (on-policy data).")] = 0.0,
@@ -60,6 +61,12 @@ def distill(
     also_data: Annotated[Optional[list[Path]], typer.Option(help="Also train on the collection in this folder (an "
                                                             "earlier --data-dir for the same target, only read; "
                                                             "repeatable).")] = None,
+    unroll: Annotated[int, typer.Option(help="--kind eagle: drafting steps the head is trained on, each fed its own "
+                                        "guesses and attending as a draft does (EAGLE-3's training-time test; the "
+                                        "loss of step s weighs 0.8^s).")] = 2,
+    tokens_from: Annotated[Optional[Path], typer.Option(help="Write the collection's first shards again from the "
+                                                       "token ids in this file (a collection's data/tokens.npz: "
+                                                       "teacher forcing, no generation), then go on collecting.")] = None,
     collect_only: Annotated[bool, typer.Option("--collect-only", help="Collect --data-tokens into --data-dir and "
                                                "stop (a long collection, resumed by the same command; train later "
                                                "with the same --data-dir).")] = False,
@@ -75,7 +82,7 @@ def distill(
                             hard_weight=hard_weight, seed=s.seed, init_from=str(init_draft) if init_draft else None,
                             head_tokens=head_tokens, on_policy=on_policy, repeat_share=repeat_share, source=source,
                             max_prompt_tokens=max_prompt_tokens, max_seq_len=max_seq_len, precision=precision,
-                            also_data=tuple(str(folder) for folder in also_data or ()))
+                            also_data=tuple(str(folder) for folder in also_data or ()), unroll=unroll)
     _check(cfg)
     work = data_dir or out / "work"
     if any(Path(folder).resolve() == work.resolve() for folder in cfg.also_data):
@@ -89,7 +96,7 @@ def distill(
     if init_draft:
         rep.started_from = dst.earlier_training(init_draft)
     try:
-        model = _collect_and_train(s, t, work, cfg, rep, collect_only)
+        model = _collect_and_train(s, t, work, cfg, rep, collect_only, tokens_from)
     except KeyboardInterrupt:
         exit_interrupted(f"interrupted: what was collected and trained so far is kept in {work}; "
                          "the same command goes on from there")
@@ -122,17 +129,23 @@ def _collector(s: Settings, t: LoadedModel) -> torch.nn.Module:
 
 
 def _collect_and_train(s: Settings, t: LoadedModel, work: Path, cfg: DistillConfig, rep: DistillReport,
-                       collect_only: bool) -> torch.nn.Module | None:
-    """Collect into ``work``, then train there (None after --collect-only)."""
+                       collect_only: bool, tokens_from: Path | None = None) -> torch.nn.Module | None:
+    """Collect into ``work`` (first its shards from ``tokens_from``'s token ids), keep the collection's token ids
+    in ``work/data/tokens.npz``, then train there (None after --collect-only)."""
     from lssp import distill as dst
+    from lssp.distill.tokens import rebuild_shards, save_tokens
     from lssp.models.modules import model_device
 
     with phase_progress() as progress:
         # Collection runs the target under the compact forward where it can (faster, and it gives the features a
         # head learns from); training reads the transformers model's weights.
         writer = dst.load_initial_draft(t.hf_model, cfg).to(model_device(t.hf_model)).eval() if cfg.on_policy else None
-        got = dst.collect(_collector(s, t), t.tokenizer, work, cfg, progress, draft=writer,
+        collector = _collector(s, t)
+        if tokens_from:
+            rebuild_shards(collector, tokens_from, work / "data", progress)
+        got = dst.collect(collector, t.tokenizer, work, cfg, progress, draft=writer,
                           notice=lambda line: err_console.print(f"[yellow]{line}[/yellow]"))
+        save_tokens(work / "data")
         rep.data_tokens, rep.collect_seconds = got.tokens, got.seconds
         rep.draft_written_tokens, rep.repeat_tokens = got.draft_tokens, got.repeat_tokens
         if collect_only:
@@ -149,16 +162,16 @@ def _check(cfg: DistillConfig) -> None:
     """One line for each setting a user can get wrong."""
     if cfg.kind not in ("draft", "eagle"):
         raise UserError(f"--kind {cfg.kind!r}: expected draft or eagle")
-    if cfg.kind == "eagle" and (cfg.init_from or cfg.on_policy):
-        raise UserError("--kind eagle resumes from its own checkpoint in --data-dir; --init-draft and --on-policy "
-                        "are for --kind draft")
+    if cfg.kind == "eagle" and cfg.on_policy:
+        raise UserError("--on-policy is for --kind draft (a head drafts from the target's features)")
     if cfg.precision not in ("auto", "bf16", "fp32"):
         raise UserError(f"--precision {cfg.precision!r}: expected auto, bf16 or fp32")
     if cfg.source not in ("built-in", "sharegpt"):
         raise UserError(f"--source {cfg.source!r}: expected built-in or sharegpt")
     for name, value in [("--hidden-size", cfg.hidden_size), ("--layers", cfg.layers), ("--data-tokens", cfg.data_tokens),
                         ("--batch-prompts", cfg.batch_prompts), ("--new-tokens", cfg.new_tokens),
-                        ("--max-prompt-tokens", cfg.max_prompt_tokens), ("--max-seq-len", cfg.max_seq_len)]:
+                        ("--max-prompt-tokens", cfg.max_prompt_tokens), ("--max-seq-len", cfg.max_seq_len),
+                        ("--unroll", cfg.unroll)]:
         check_positive(name, value)
     if cfg.hidden_size % cfg.heads:
         raise UserError(f"--hidden-size {cfg.hidden_size} must be a multiple of --heads {cfg.heads}")

@@ -26,14 +26,7 @@ def write_draft(draft: LlamaForCausalLM, tokenizer: PreTrainedTokenizerBase, out
                     f"{report.head_coverage:.1%} of the target tokens it was trained on (the others are never proposed), "
                     f"and a {draft.config.vocab_size}-token input embedding" if head else
                     f"tied {draft.config.vocab_size}-token embedding")
-    lineage, earlier = "", report.started_from
-    while earlier:
-        at_commit = f" as of commit {earlier['commit']}" if earlier.get("commit") else ""
-        lineage += (f"- started from the weights of `{earlier['path']}`{at_commit}, which had been trained {earlier.get('steps')} steps "
-                    f"({(earlier.get('train_seconds') or 0) / 60:.1f} min) on {earlier.get('data_tokens')} target tokens"
-                    f" ({(earlier.get('collect_seconds') or 0) / 60:.1f} min of collection)"
-                    + (f" by `{earlier['command']}`" if earlier.get("command") else "") + "\n")
-        earlier = earlier.get("started_from") or {}
+    lineage = _lineage(report)
     written_by = (f"{report.data_tokens - report.draft_written_tokens} written by the target and {report.draft_written_tokens} "
                  f"by the starting draft (on-policy, scored by the target in one forward per batch)," if report.draft_written_tokens
                  else "all written by the target,")
@@ -54,6 +47,45 @@ Made with: `{command}`
 - {_prompts_line(report)}
 {lineage}
 {_curves(report)}""")
+
+
+def _lineage(report: DistillReport) -> str:
+    """One line per earlier training the weights went on from, latest first."""
+    lineage, earlier = "", report.started_from
+    while earlier:
+        at_commit = f" as of commit {earlier['commit']}" if earlier.get("commit") else ""
+        lineage += (f"- started from the weights of `{earlier['path']}`{at_commit}, which had been trained {earlier.get('steps')} steps "
+                    f"({(earlier.get('train_seconds') or 0) / 60:.1f} min) on {earlier.get('data_tokens')} target tokens"
+                    f" ({(earlier.get('collect_seconds') or 0) / 60:.1f} min of collection)"
+                    + (f" by `{earlier['command']}`" if earlier.get("command") else "") + "\n")
+        earlier = earlier.get("started_from") or {}
+    return lineage
+
+
+def distinct_tokens(report: dict | DistillReport) -> int:
+    """Target-written tokens a training read, its own collection's and its --also-data's (not its predecessors')."""
+    get = report.get if isinstance(report, dict) else lambda key, default=None: getattr(report, key, default)
+    return int(get("data_tokens") or 0) + sum(int(c.get("tokens", 0)) for c in get("also_data") or [])
+
+
+def learning_curve(report: DistillReport) -> str:
+    """Held-out agreement against the target-written tokens trained on so far, over this training and the ones it went
+    on from (each measured on its own collection's held-out answers; a row per training's start and end)."""
+    chain, earlier = [], report.started_from
+    while earlier:
+        chain.append(earlier)
+        earlier = earlier.get("started_from") or {}
+    rows, total = [], 0
+    for done in reversed(chain):
+        total += int(done.get("distinct_tokens") or done.get("data_tokens") or 0)
+        final = f"{done['agreement_curve'][-1][2]:.3f} (its own held-out answers)" if done.get("agreement_curve") else "-"
+        rows.append(f"| `{done['path']}` | {total} | {final} |")
+    curve = report.agreement_curve
+    if curve:
+        rows.append(f"| this training, before its first step | {total} | {curve[0][2]:.3f} |")
+        rows.append(f"| this training, at its end | {total + distinct_tokens(report)} | {curve[-1][2]:.3f} |")
+    return ("| training | distinct target-written tokens trained on so far | held-out top-1 agreement |\n|---|---|---|\n"
+            + "\n".join(rows) + "\n") if chain and curve else ""
 
 
 PROMPTS = {
@@ -104,12 +136,15 @@ def write_head(head: FeatureHead, tokenizer: PreTrainedTokenizerBase, out: Path,
                command: str) -> None:
     """A feature head in EAGLE's layout (bf16 safetensors and config.json, readable by vLLM's ``eagle``), its
     report and a model card. No tokenizer, embeddings or output layer: the target's are used."""
-    from lssp.distill.head_training import FEATURE_NOISE, REGRESSION_WEIGHT
+    from lssp.distill.head_training import FEATURE_NOISE, REGRESSION_WEIGHT, STEP_DECAY
 
     save_feature_head(head, out)
     (out / "distill_report.json").write_text(json.dumps(asdict(report), indent=1))
     c = head.config
     ids = head.token_ids
+    unroll = report.config.get("unroll", 2)
+    curve = learning_curve(report)
+    learning = f"## Learning curve across trainings\n{curve}\n" if curve else ""
     output = (f"the target's output rows for its {len(ids)} most frequent tokens, {report.head_coverage:.1%} of the "
               "tokens it was trained on (the others are never proposed)" if ids else "the target's whole output layer")
     (out / "README.md").write_text(f"""# Feature head (EAGLE) for {report.target}, made by `llamassp distill --kind eagle`
@@ -126,11 +161,11 @@ Made with: `{command}`
   with its final hidden states at every position (prompt and continuation)
 - training: {report.steps} steps in {report.train_seconds / 60:.1f} min{_in(report)}; loss = cross-entropy to the target's distribution over
   the head's tokens + {REGRESSION_WEIGHT} x smooth-L1 to the target's next feature, on the features (with uniform noise of
-  {FEATURE_NOISE} x their RMS) and again, at half weight, on the head's own first guesses (an unrolled second step);
-  final loss {report.final_loss:.3f}
+  {FEATURE_NOISE} x their RMS) and on the head's own guesses over {unroll} drafting steps (the training-time test: each
+  step attends as a draft does; step s weighs {STEP_DECAY}^s); final loss {report.final_loss:.3f}
 - {_prompts_line(report)}
-
-{_curves(report)}""")
+{_lineage(report)}
+{learning}{_curves(report)}""")
 
 
 def earlier_training(folder: str | Path) -> dict:
@@ -146,7 +181,9 @@ def earlier_training(folder: str | Path) -> dict:
     report = folder / "distill_report.json"
     if report.exists():
         earlier = json.loads(report.read_text())
-        found.update({key: earlier.get(key) for key in ("data_tokens", "collect_seconds", "steps", "train_seconds")})
+        found.update({key: earlier.get(key) for key in ("data_tokens", "collect_seconds", "steps", "train_seconds",
+                                                        "agreement_curve")})
+        found["distinct_tokens"] = distinct_tokens(earlier)
         found["started_from"] = earlier.get("started_from") or {}
     card = folder / "README.md"
     if card.exists():

@@ -122,23 +122,35 @@ def generate_rows(
 
 
 @torch.inference_mode()
-def _score_batch(
+def score_batch(
     target: PreTrainedModel, prompts: list[list[int]], tokens: torch.Tensor, top_k: int, rows: int = 16,
-) -> dict[str, torch.Tensor]:
+    lengths: list[int] | None = None,
+) -> dict[str, Any]:
     """The target's top-k log-probs at every position of given continuations: one teacher-forced
-    forward per ``rows`` sequences (~2x the tokens/s of generating them on a 2-core CPU)."""
+    forward per ``rows`` sequences (~2x the tokens/s of generating them on a 2-core CPU). With ``lengths`` (each
+    row's kept tokens; a compact forward), also the final hidden states of each prompt and its kept tokens, as
+    ``generate_rows`` records them."""
     new_tokens = tokens.shape[1]
-    top_ids, top_lp = [], []
+    top_ids, top_lp, features = [], [], []
+    kwargs = _logits_kwargs(target, new_tokens + 1)
+    if lengths is not None:
+        kwargs["features"] = True
     for at in range(0, len(prompts), rows):
         # Left-padded, so every continuation ends at the last column.
         chunk = [p + row.tolist() for p, row in zip(prompts[at: at + rows], tokens[at: at + rows])]
-        logits = feed_rows(empty_rows(target, len(chunk)), chunk, True, **_logits_kwargs(target, new_tokens + 1)
-                           ).logits[:, -new_tokens - 1:-1]  # the position before each continuation token
+        out = feed_rows(empty_rows(target, len(chunk)), chunk, True, **kwargs)
+        logits = out.logits[:, -new_tokens - 1:-1]  # the position before each continuation token
         lp, ix = logits.float().log_softmax(-1).topk(top_k, dim=-1)
         top_ids.append(ix.int().cpu())
         top_lp.append(lp.half().cpu())
-    return {"prompts": [torch.tensor(p, dtype=torch.int32) for p in prompts], "tokens": tokens.int(),
-            "top_ids": torch.cat(top_ids), "top_lp": torch.cat(top_lp)}
+        for r, seq in enumerate(chunk) if lengths is not None else ():
+            kept = len(seq) - new_tokens + lengths[at + r]
+            features.append(out.features[r, out.features.shape[1] - len(seq):][:kept].half().cpu())
+    record: dict[str, Any] = {"prompts": [torch.tensor(p, dtype=torch.int32) for p in prompts], "tokens": tokens.int(),
+                              "top_ids": torch.cat(top_ids), "top_lp": torch.cat(top_lp)}
+    if lengths is not None:
+        record["features"] = features
+    return record
 
 
 def chosen_shard(shard: int, share: float) -> bool:
@@ -274,6 +286,41 @@ def _write_atomically(path: Path, write: Callable[[Path], None]) -> None:
                         "and the same command goes on from there") from None
 
 
+def read_meta(data: Path, notice: Callable[[str], None] | None = None) -> dict:
+    """The collection's meta.json in ``data`` (created empty), cut back to its intact shards (said through
+    ``notice``)."""
+    data.mkdir(parents=True, exist_ok=True)
+    meta_path = data / "meta.json"
+    meta = json.loads(meta_path.read_text()) if meta_path.exists() else {"shards": 0, "seconds": 0.0}
+    for key in SHARD_COUNTS:
+        meta.setdefault(key, 0)
+    meta.setdefault("repeat_shards", [])
+    meta.setdefault("files", [])
+    meta, cut = _intact(data, meta)
+    if cut and notice:
+        notice(cut)
+    meta["repeat_shards"] = [s for s in meta["repeat_shards"] if s < meta["shards"]]
+    return meta
+
+
+def add_shard(data: Path, meta: dict, record: dict[str, Any], seconds: float) -> None:
+    """Write ``record`` as the collection's next shard and count it in ``meta`` (both written atomically)."""
+    shard = meta["shards"]
+    name = f"shard_{shard:05d}.pt"
+    _write_atomically(data / name, functools.partial(torch.save, record))
+    held, source = record["split"] == "held_out", record.get("source")
+    tokens = int(record["lengths"].sum())
+    entry = {"name": name, "bytes": (data / name).stat().st_size, "seconds": seconds,
+             "tokens": 0 if held else tokens, "held_out_tokens": tokens if held else 0,
+             "draft_tokens": tokens if source == "draft" else 0, "repeat_tokens": tokens if source == "repeat" else 0}
+    meta["files"].append(entry)
+    meta["shards"] += 1
+    for key in (*SHARD_COUNTS, "seconds"):
+        meta[key] += entry[key]
+    meta["repeat_shards"] += [shard] if source == "repeat" else []
+    _write_atomically(data / "meta.json", lambda path: path.write_text(json.dumps(meta)))
+
+
 def collect(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out: Path, cfg: DistillConfig,
             progress: Progress | None = None, draft: PreTrainedModel | None = None,
             notice: Callable[[str], None] | None = None) -> Collected:
@@ -287,18 +334,8 @@ def collect(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out: Pa
     through ``notice``).
     """
     data = out / "data"
-    data.mkdir(parents=True, exist_ok=True)
     eos = set(tokenizer.all_special_ids)
-    meta_path = data / "meta.json"
-    meta = json.loads(meta_path.read_text()) if meta_path.exists() else {"shards": 0, "seconds": 0.0}
-    for key in SHARD_COUNTS:
-        meta.setdefault(key, 0)
-    meta.setdefault("repeat_shards", [])
-    meta.setdefault("files", [])
-    meta, cut = _intact(data, meta)
-    if cut and notice:
-        notice(cut)
-    meta["repeat_shards"] = [s for s in meta["repeat_shards"] if s < meta["shards"]]
+    meta = read_meta(data, notice)
     if meta["files"] and meta.setdefault("source", cfg.source) != cfg.source:
         raise UserError(f"{data} holds a collection of --source {meta['source']} prompts: use --source "
                         f"{meta['source']}, or collect into another --data-dir")
@@ -327,7 +364,7 @@ def collect(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out: Pa
                       for r in range(len(batch))]
         if by_draft:
             written = generate_rows(draft, batch, cfg.new_tokens, params_of[temperature], generators, 1, eos)["tokens"]
-            record = _score_batch(target, batch, written, cfg.top_k_saved)
+            record = score_batch(target, batch, written, cfg.top_k_saved)
             record["source"] = "draft"
         else:
             record = generate_rows(target, batch, cfg.new_tokens, params_of[temperature], generators, cfg.top_k_saved,
@@ -341,18 +378,7 @@ def collect(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out: Pa
         record["split"] = "held_out" if held else "train"
         if repeat:
             record["source"] = "repeat"
-        name = f"shard_{shard:05d}.pt"
-        _write_atomically(data / name, functools.partial(torch.save, record))
-        tokens = int(sum(lengths))
-        entry = {"name": name, "bytes": (data / name).stat().st_size, "seconds": time.perf_counter() - start,
-                 "tokens": 0 if held else tokens, "held_out_tokens": tokens if held else 0,
-                 "draft_tokens": tokens if by_draft else 0, "repeat_tokens": tokens if repeat else 0}
-        meta["files"].append(entry)
-        meta["shards"] += 1
-        for key in (*SHARD_COUNTS, "seconds"):
-            meta[key] += entry[key]
-        meta["repeat_shards"] += [shard] if repeat else []
-        _write_atomically(meta_path, lambda path: path.write_text(json.dumps(meta)))
+        add_shard(data, meta, record, time.perf_counter() - start)
         if progress:
             progress("collect", min(1.0, meta["tokens"] / cfg.data_tokens),
                      f"{meta['tokens']} tokens ({meta['draft_tokens']} draft-written, {meta['repeat_tokens']} after a repeat), "

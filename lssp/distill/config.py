@@ -35,6 +35,7 @@ class DistillConfig:
     max_prompt_tokens: int = 384  # sharegpt: longer contexts are left out (prefill and memory grow with them)
     precision: str = "auto"  # of training's forward: "bf16" (autocast, fp32 weights), "fp32", "auto" (bf16 where native)
     also_data: tuple[str, ...] = ()  # other collections' folders (their data/ is read, never written) trained on too
+    unroll: int = 2  # a head's training-time test: drafting steps unrolled over its own guesses (EAGLE-3)
 
 
 @dataclass

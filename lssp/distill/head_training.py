@@ -3,8 +3,9 @@
 Each example is a collected sequence x_0..x_{T-1} with the target's features f_0..f_{T-1}. The head
 reads pairs (f_j, x_{j+1}) and is trained to give f_{j+1} (smooth-L1 regression, as in EAGLE) and,
 through the target's output rows, the target's distribution at j+1 (cross-entropy to softmax of the
-target's logits over the head's tokens). A second, unrolled pass feeds the head its own guesses in
-place of the real features, as drafting does after its first token (training-time test, EAGLE-3).
+target's logits over the head's tokens). The training-time test (EAGLE-3) unrolls the head over its own
+guesses for ``cfg.unroll`` steps, each attending as a draft would (``FeatureHead.unrolled``), the loss of step s
+weighted 0.8^s.
 """
 from __future__ import annotations
 
@@ -19,10 +20,11 @@ from lssp.distill.training import checkpoint_path, optimize, training_examples
 from lssp.errors import UserError
 from lssp.models.compact import float_weight
 from lssp.models.draft_head import most_frequent
-from lssp.models.eagle import FeatureHead, head_config
+from lssp.models.eagle import FeatureHead, check_head_fits, head_config, is_feature_head, load_feature_head
 
 FEATURE_NOISE = 0.05  # uniform noise, relative to the features' RMS, added to the features the head reads
 REGRESSION_WEIGHT = 0.2  # of the smooth-L1 feature loss, beside the cross-entropy
+STEP_DECAY = 0.8  # the loss of unrolled step s weighs STEP_DECAY**s (EAGLE-3's training script)
 
 
 def feature_examples(out: Path, cfg: DistillConfig) -> list[dict[str, torch.Tensor]]:
@@ -41,10 +43,12 @@ def feature_examples(out: Path, cfg: DistillConfig) -> list[dict[str, torch.Tens
 
 
 class HeadTrainer:
-    """The loss and held-out agreement of ``head`` against ``target``'s features, over the head's tokens."""
+    """The loss and held-out agreement of ``head`` against ``target``'s features, over the head's tokens, the head
+    unrolled over ``steps`` drafting steps."""
 
-    def __init__(self, head: FeatureHead, target: PreTrainedModel) -> None:
+    def __init__(self, head: FeatureHead, target: PreTrainedModel, steps: int = 2) -> None:
         self.head = head
+        self.steps = steps
         self.embed = target.get_input_embeddings()
         weight = float_weight(target.get_output_embeddings()).detach().float()
         ids = head.token_ids
@@ -63,64 +67,76 @@ class HeadTrainer:
             embeds = self.embed(ids[:, 1:]).float()
         return embeds, features, mask
 
-    def _passes(self, embeds: torch.Tensor, features: torch.Tensor, noise: bool) -> list[torch.Tensor]:
-        """The head's guesses of f_1..f_{T-1}: from the real features, then from its own first guesses."""
+    def _steps(self, embeds: torch.Tensor, features: torch.Tensor, noise: bool) -> list[torch.Tensor]:
+        """The head's guesses of f_1..f_{T-1} at each drafting step (step s: from its own guesses of s steps)."""
         given = features[:, :-1]
         if noise:
             scale = FEATURE_NOISE * given.pow(2).mean().sqrt()
             given = given + (torch.rand_like(given) * 2 - 1) * scale
-        first = self.head(embeds, given)
-        # Unrolled: position j reads the guess made at j-1 for f_j (position 0 keeps the real f_0).
-        own = torch.cat([given[:, :1], first[:, :-1].detach()], dim=1)
-        return [first, self.head(embeds, own)]
+        return self.head.unrolled(embeds, given, self.steps)
 
     def loss(self, batch: list[dict[str, torch.Tensor]]) -> torch.Tensor:
         embeds, features, mask = self._batch(batch)
-        wanted = features[:, 1:][mask]
-        with torch.no_grad():
-            p = (wanted @ self.rows.T).softmax(-1)
         total = embeds.new_zeros(())
-        for weight, guess in zip((1.0, 0.5), self._passes(embeds, features, noise=True)):
-            guessed = guess[mask]
+        for step, guess in enumerate(self._steps(embeds, features, noise=True)):
+            valid = mask.clone()
+            valid[:, :step] = False  # no draft of step+1 tokens begins before position 0
+            wanted = features[:, 1:][valid]
+            with torch.no_grad():
+                p = (wanted @ self.rows.T).softmax(-1)
+            guessed = guess[valid]
             log_q = (guessed @ self.rows.T).log_softmax(-1)
-            total = total + weight * (-(p * log_q).sum(-1).mean() + REGRESSION_WEIGHT * F.smooth_l1_loss(guessed, wanted))
+            step_loss = -(p * log_q).sum(-1).mean() + REGRESSION_WEIGHT * F.smooth_l1_loss(guessed, wanted)
+            total = total + STEP_DECAY ** step * step_loss
         return total
 
     @torch.no_grad()
-    def agreement(self, held_out: list[dict[str, torch.Tensor]], unrolled: bool = False) -> float:
-        """Share of positions where the head's top token is the target's (teacher-forced; ``unrolled``: reading
-        its own guess of the feature before): a proxy for greedy acceptance at the first (second) draft."""
+    def agreement(self, held_out: list[dict[str, torch.Tensor]], step: int = 0) -> float:
+        """Share of positions where the head's top token is the target's (teacher-forced up to the draft's start,
+        then ``step`` steps on its own guesses): a proxy for greedy acceptance at the draft's (step+1)-th token."""
         was = self.head.training
         self.head.eval()
         hits = total = 0
         for at in range(0, len(held_out), 16):
             embeds, features, mask = self._batch(held_out[at: at + 16])
-            guess = self._passes(embeds, features, noise=False)[int(unrolled)][mask]
+            mask[:, :step] = False
+            guess = self.head.unrolled(embeds, features[:, :-1], step + 1)[step][mask]
             hits += int(((guess @ self.rows.T).argmax(-1) == (features[:, 1:][mask] @ self.rows.T).argmax(-1)).sum())
             total += int(mask.sum())
         self.head.train(was)
         return hits / total if total else float("nan")
 
 
+def _initial_head(target: PreTrainedModel, folder: str) -> FeatureHead:
+    """An earlier head to go on training (its shape and tokens win over the size options), in float32."""
+    if not is_feature_head(folder):
+        raise UserError(f"--init-draft {folder} holds no feature head (config.json and fc weights)")
+    head = load_feature_head(folder).float()
+    check_head_fits(head, target, folder)
+    return head
+
+
 def train_head(target: PreTrainedModel, out: Path, cfg: DistillConfig, report: DistillReport,
                progress: Progress | None = None) -> FeatureHead:
     """Train (or resume training) a feature head for ``target`` on the collected shards (``out``'s and
-    ``cfg.also_data``'s)."""
+    ``cfg.also_data``'s), from ``cfg.init_from``'s weights where given."""
     examples, held_out, others = training_examples(feature_examples, out, cfg)
     width = target.get_output_embeddings().out_features
-    token_ids = None
-    if cfg.head_tokens:
+    start = _initial_head(target, cfg.init_from) if cfg.init_from else None
+    token_ids = start.token_ids if start is not None else None
+    if cfg.head_tokens or token_ids:
         counts = torch.zeros(width, dtype=torch.long)
         for e in examples:
             counts += torch.bincount(e["ids"][1:], minlength=width)
-        token_ids = most_frequent(counts, cfg.head_tokens)
+        token_ids = token_ids or most_frequent(counts, cfg.head_tokens)
         report.head_coverage = float(counts[token_ids].sum() / counts.sum())
     torch.manual_seed(cfg.seed)
-    head = FeatureHead(head_config(target.config, cfg.layers, token_ids))
-    trainer = HeadTrainer(head, target)
+    head = start if start is not None else FeatureHead(head_config(target.config, cfg.layers, token_ids))
+    trainer = HeadTrainer(head, target, cfg.unroll)
     optimize(head, examples, held_out, trainer.loss, trainer.agreement, checkpoint_path(out, cfg), cfg, report, progress,
              others)
-    if held_out:
-        report.acceptance["held-out top-1 agreement, second draft (unrolled)"] = trainer.agreement(held_out, unrolled=True)
+    for step in range(1, max(cfg.unroll, 2)) if held_out else ():
+        report.acceptance[f"held-out top-1 agreement, draft token {step + 1} (on its own guesses)"] = \
+            trainer.agreement(held_out, step)
     head.eval()
     return head

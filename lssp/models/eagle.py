@@ -22,9 +22,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import LlamaConfig, PreTrainedModel
-from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from lssp.errors import UserError
 from lssp.models.compact import CompactCache, CompactOutput, FusedDecoder, float_weight
@@ -62,6 +63,51 @@ class FeatureHead(nn.Module):
         for layer in self.layers:
             hidden = layer(hidden, attention_mask=None, position_ids=positions, position_embeddings=rope)
         return hidden
+
+    def unrolled(self, embeds: torch.Tensor, features: torch.Tensor, steps: int) -> list[torch.Tensor]:
+        """The training-time test (EAGLE-3): the head's guesses at each of ``steps`` drafting steps, (batch, T, d)
+        each. Step 0 is ``forward``; at step s, position j reads the guess step s-1 made at j-1 and attends as a
+        draft of s+1 tokens begun at j-s would: to the keys of the real features up to j-s and to that draft's own
+        keys at steps 1..s (positions j < s have no such draft; their outputs are not meant to be trained on)."""
+        length = embeds.shape[1]
+        positions = torch.arange(length, device=embeds.device)[None]
+        rope = self.rotary(embeds, positions)
+        kept: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = [([], []) for _ in self.layers]
+        guesses, given = [], features
+        for step in range(steps):
+            mask = unrolled_mask(length, step, embeds.device)
+            hidden = self.fc(torch.cat([embeds, given], dim=-1))
+            for layer, (keys, values) in zip(self.layers, kept):
+                hidden = _layer_step(layer, hidden, rope, keys, values, mask)
+            guesses.append(hidden)
+            given = torch.cat([features[:, :1], hidden[:, :-1]], dim=1)
+        return guesses
+
+
+def unrolled_mask(length: int, step: int, device: torch.device) -> torch.Tensor:
+    """Which keys (steps 0..``step``, ``length`` positions each) a query at ``step`` attends to: (length,
+    (step+1) x length), True where it does (see ``FeatureHead.unrolled``)."""
+    j = torch.arange(length, device=device)[:, None]
+    i = torch.arange(length, device=device)[None]
+    blocks = [i <= j - step] + [i == j - step + s for s in range(1, step + 1)]
+    return torch.cat(blocks, dim=1)
+
+
+def _layer_step(layer: LlamaDecoderLayer, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                keys: list[torch.Tensor], values: list[torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
+    """``layer`` over ``hidden`` whose keys and values join those of the earlier steps (``keys``, ``values``,
+    extended here) under ``mask``."""
+    attn = layer.self_attn
+    x = layer.input_layernorm(hidden)
+    shape = (*x.shape[:2], -1, attn.head_dim)
+    q, k = (proj(x).view(shape).transpose(1, 2) for proj in (attn.q_proj, attn.k_proj))
+    q, k = apply_rotary_pos_emb(q, k, *rope)
+    keys.append(k)
+    values.append(attn.v_proj(x).view(shape).transpose(1, 2))
+    out = F.scaled_dot_product_attention(q, torch.cat(keys, dim=2), torch.cat(values, dim=2), attn_mask=mask,
+                                         scale=attn.scaling, enable_gqa=True)
+    hidden = hidden + attn.o_proj(out.transpose(1, 2).reshape(*x.shape[:2], -1))
+    return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
 
 
 def head_config(target_config: LlamaConfig, layers: int = 1, token_ids: list[int] | None = None) -> LlamaConfig:
