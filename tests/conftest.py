@@ -131,6 +131,10 @@ models:
     path: ./tiny-draft
     dtype: float32
     prompt_lookup: 2
+  tiny-draft-sure:
+    path: ./tiny-draft
+    dtype: float32
+    confidence: 0.5
   tiny-target-8bit:
     path: ./tiny-target
     quantization: 8bit

@@ -360,6 +360,23 @@ def test_a_draft_that_copies_first_runs_on_ours_and_another_engine_refuses_it(ru
     assert "Traceback" not in err
 
 
+def test_a_draft_entrys_confidence_stop_is_the_options(run, tmp_path):
+    """An entry with ``confidence: 0.5`` drafts as its draft does under --draft-confidence 0.5 (the same tokens and
+    drafts, greedy); other engines refuse it in one line."""
+    stats = {}
+    for name, more in [("tiny-draft-sure", []), ("tiny-draft", ["--draft-confidence", "0.5"]), ("tiny-draft", [])]:
+        json_path = tmp_path / f"{name}{len(more)}.json"
+        code, _, err = run("latency", "tiny-target", name, "--k", "3", "--nb-prompts", "2", "--max-new-tokens", "12",
+                           "--repeats", "1", *more, "--json", str(json_path))
+        assert code == 0, err
+        stats[name + str(len(more))] = [(r["confidence"], r["alpha"], r["mean_accepted"], r["acceptance_by_position"])
+                                        for r in json.loads(json_path.read_text()) if r["mode"] == "ssp"]
+    assert stats["tiny-draft-sure0"] == stats["tiny-draft2"] != stats["tiny-draft0"]
+    assert stats["tiny-draft-sure0"][0][0] == 0.5  # the row says the stop it drafted with
+    code, _, err = run("latency", "tiny-target", "tiny-draft-sure", "--engine", "ours,hf", "--nb-prompts", "1")
+    assert code == 2 and "confidence (the confidence stop) runs on our engine alone" in err
+
+
 def test_verify_keeps_the_other_engines_reports_when_one_breaks_down(run, tmp_path, monkeypatch):
     from lssp.engines import TransformersEngine
 

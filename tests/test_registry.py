@@ -60,6 +60,13 @@ def test_a_copied_chain_length_needs_the_lookup_it_lengthens(tmp_path):
     assert (spec.prompt_lookup, spec.prompt_lookup_chain) == (4, 6)
 
 
+def test_a_draft_entry_carries_its_confidence_stop(tmp_path):
+    assert load_registry(write(tmp_path, "models:\n  a: {path: x, confidence: 0.5}\n")).get("a").confidence == 0.5
+    for bad in ("0", "1", "1.5", "yes"):
+        with pytest.raises(UserError, match=f"bad confidence .*expected a probability in \\(0, 1\\)"):
+            load_registry(write(tmp_path, f"models:\n  a: {{path: x, confidence: {bad}}}\n"))
+
+
 def test_unknown_model_name_suggests_close_names():
     reg = load_registry(ROOT / "models.yaml")
     with pytest.raises(UserError, match=r"unknown model '7b'.*did you mean '7B'"):

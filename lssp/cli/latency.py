@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Annotated, Optional
 
 import typer
@@ -39,7 +40,9 @@ from lssp.cli.options import (
 from lssp.cli.output import console, exit_interrupted, exit_with, fmt, k_label, plot_charts, save, say_busy, table
 from lssp.cli.progress import progress
 from lssp.engines import engine_class
+from lssp.engines.base import Mode
 from lssp.errors import UserError
+from lssp.models.registry import Registry
 from lssp.report.results import plural
 
 
@@ -105,7 +108,8 @@ def latency(
     draft = draft_names[0]
     s.registry.target_name(target)  # the target resolved (a folder not in the registry said) before its drafts
     names = [s.registry.draft_name(name) for name in draft_names] if use_draft else []
-    modes = latency_modes(engines_wanted, names, ks, confidences, lookups, not no_baseline)
+    modes = [entry_confidence(m, s.registry, names) for m in latency_modes(engines_wanted, names, ks, confidences,
+                                                                           lookups, not no_baseline)]
     loaded = None
     if any(engine_class(e).runs_our_weights for e in engines_wanted):  # ours, hf: the models loaded here, once
         t, d, vocab = load_pair(s, target, draft, need_draft=use_draft)
@@ -341,3 +345,10 @@ def render_engines(run) -> None:
                 for v, o in pairs))
 
 
+def entry_confidence(mode: Mode, registry: Registry, drafts: list[str]) -> Mode:
+    """``mode`` with its draft entry's confidence stop where no --draft-confidence was given, so that its rows and
+    label say the stop it drafts with."""
+    if mode.mode != "ssp" or mode.confidence or mode.ngram or not drafts:
+        return mode
+    confidence = registry.get(mode.draft or drafts[0]).confidence
+    return replace(mode, confidence=confidence) if confidence else mode

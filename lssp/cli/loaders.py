@@ -220,8 +220,10 @@ def start_engine(s: Settings, name: str, keys: list[tuple[int, int]], target_nam
     else:
         t, d, vocab = starter.models(s, target_name, draft_name, need_draft)
         drafts, vocabs = ([d], [vocab]) if d else ([], [])
-    copying = [d.name for d in drafts if d.spec.prompt_lookup]
-    if copying and not engine_class(name).takes_lookup:
-        raise UserError(f"{copying[0]}: prompt_lookup (copy first, then the draft) runs on our engine alone, not "
+    ours_only = [(d.name, key) for d in drafts for key in ("prompt_lookup", "confidence") if getattr(d.spec, key)]
+    if ours_only and not engine_class(name).takes_lookup:
+        draft, key = ours_only[0]
+        what = "copy first, then the draft" if key == "prompt_lookup" else "the confidence stop"
+        raise UserError(f"{draft}: {key} ({what}) runs on our engine alone, not "
                         f"{engine_class(name).label or name}; use the entry without it there")
     return t, drafts[0] if drafts else None, starter.engine(t, drafts, vocabs, keys)

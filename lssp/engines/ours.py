@@ -54,7 +54,7 @@ class OursEngine(Engine):
             return drafter_for(None, mode.ngram, mode.confidence), None
         draft, vocab = self.drafts[mode.draft or self.default]
         spec = draft.spec
-        return drafter_for(draft.model, mode.lookup, mode.confidence, spec.prompt_lookup or 0,
+        return drafter_for(draft.model, mode.lookup, mode.confidence or spec.confidence or 0.0, spec.prompt_lookup or 0,
                            spec.prompt_lookup_chain or 0), vocab
 
     def batch_reason(self, mode: Mode) -> str | None:

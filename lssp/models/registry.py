@@ -41,6 +41,7 @@ SPEC_KEYS = {
     "k",  # on a draft: its default draft length
     "prompt_lookup",  # on a draft, ours: copy first (the prompt lookup's chain where it has one, the draft elsewhere)
     "prompt_lookup_chain",  # with prompt_lookup: the longest chain copied in one iteration (default: K)
+    "confidence",  # on a draft, ours: the confidence stop it drafts with (--draft-confidence overrides)
 }
 DEFAULT_K = 4  # draft tokens per iteration when neither --k nor the draft's registry entry says
 EXECUTOR_BACKENDS = ("mp", "ray")
@@ -85,6 +86,7 @@ class ModelSpec:
     prompt_lookup: int | None = None  # on a draft (ours): copy first, the chain that followed the text's last N
     #   tokens where they occurred before, the draft elsewhere (per iteration)
     prompt_lookup_chain: int | None = None  # with prompt_lookup: the longest chain copied at once (default: K)
+    confidence: float | None = None  # on a draft (ours): stop drafting below this probability of its own token
     base_dir: Path = field(default=Path("."), compare=False)
 
     @property
@@ -359,6 +361,9 @@ def _check_value(name: str, key: str, value: Any, at: str) -> None:
     elif key == "gpu_memory_utilization":
         if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value <= 1:
             raise bad("a fraction in (0, 1]")
+    elif key == "confidence":
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < 1:
+            raise bad("a probability in (0, 1)")
     elif key == "enforce_eager":
         if not isinstance(value, bool):
             raise bad("true or false")
