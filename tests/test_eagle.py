@@ -375,6 +375,14 @@ def test_distill_kind_eagle_makes_a_loadable_head_and_resumes(tiny_dir, tmp_path
     card = (more / "README.md").read_text()
     assert "## Learning curve across trainings" in card and f"started from the weights of `{out}`" in card
     assert "draft token 3 (on its own guesses)" in json.dumps(report["acceptance"])
+    # The first collection, written again from the token ids it kept (--tokens-from), has its shards and tokens.
+    kept = out / "work" / "data"
+    tokens = json.loads((kept / "meta.json").read_text())["tokens"]
+    again_dir = tmp_path / "again"
+    assert main(base[:-1] + [str(tokens), "--data-dir", str(again_dir), "--tokens-from", str(kept / "tokens.npz"),
+                             "--collect-only"]) == 0, capsys.readouterr().err
+    rebuilt = json.loads((again_dir / "data" / "meta.json").read_text())
+    assert rebuilt["tokens"] == tokens and rebuilt["shards"] == json.loads((kept / "meta.json").read_text())["shards"]
 
 
 def test_distill_kind_eagle_refuses_what_only_drafts_take(tiny_dir, tmp_path, capsys):

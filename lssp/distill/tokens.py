@@ -2,8 +2,9 @@
 
 A collection with the target's features is gigabytes of cache outside the repository. Its token ids (each
 shard's prompts and kept continuations) fit in a few MB that can be committed: ``rebuild_shards`` writes the
-shards again from them by teacher forcing (the target's features and top-k at every position, no generation),
-so a lost machine loses minutes, not hours, and the target's text stays the one it wrote.
+shards again from them by teacher forcing (the target's features and top-k at every position, no generation: about
+half the time of collecting them, benchmarks/results/more/rebuild-speed.json), and the target's text stays the one it
+wrote whatever the machine's arithmetic.
 """
 from __future__ import annotations
 
