@@ -63,7 +63,7 @@ def test_a_copied_chain_length_needs_the_lookup_it_lengthens(tmp_path):
 def test_a_draft_entry_carries_its_confidence_stop(tmp_path):
     assert load_registry(write(tmp_path, "models:\n  a: {path: x, confidence: 0.5}\n")).get("a").confidence == 0.5
     for bad in ("0", "1", "1.5", "yes"):
-        with pytest.raises(UserError, match=f"bad confidence .*expected a probability in \\(0, 1\\)"):
+        with pytest.raises(UserError, match="bad confidence .*expected a probability in \\(0, 1\\)"):
             load_registry(write(tmp_path, f"models:\n  a: {{path: x, confidence: {bad}}}\n"))
 
 
