@@ -151,6 +151,22 @@ def test_greedy_rows_with_a_feature_head_equal_the_head_alone_and_rsp(head_pair,
     assert 0 < sum(out.stopped for out in outs) < len(outs)
 
 
+@pytest.mark.parametrize("params", [GREEDY, SamplingParams(0.8)], ids=["greedy", "T=0.8"])
+def test_rows_with_a_fused_head_equal_the_head_alone(params):
+    """A head reading the target's hidden states of a layer too (EAGLE-3's fused features): each row as alone."""
+    from test_eagle import _fused_pair
+
+    target, head = _fused_pair(True, (1,))
+    draft = FeatureDraft(head, target)
+    seeds = list(range(len(PROMPTS)))
+    outs = _batch(target, draft, PROMPTS, 16, 3, params, seeds, Stopping(token_ids={1}))
+    for prompt, seed, out in zip(PROMPTS, seeds, outs):
+        alone = _head_alone(target, draft, prompt, 16, 3, params, seed, Stopping(token_ids={1}))
+        assert out.tokens.tolist() == alone.tokens.tolist(), prompt
+        assert (out.stats.drafted, out.stats.accepted) == (alone.stats.drafted, alone.stats.accepted), prompt
+    assert sum(out.stats.drafted for out in outs) > 0
+
+
 @pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.7, top_k=5)], ids=["T=1", "T=0.7 top-k 5"])
 def test_seeded_sampled_rows_with_a_feature_head_equal_the_head_alone(head_pair, params):
     target, draft = head_pair

@@ -218,3 +218,28 @@ def test_the_one_call_decoder_computes_what_the_layer_by_layer_forward_does(tiny
     model.__dict__["_stack"] = None  # the layer-by-layer forward
     layered = logits()
     torch.testing.assert_close(fused, layered, rtol=1e-3, atol=1e-3)
+
+
+def test_the_one_call_decoder_gives_the_hidden_states_of_tapped_layers(tiny_dir):
+    """A fused feature head reads the target's hidden states after some layers: the one-call decoder then runs in a
+    call per run of layers, with the same logits and final features, and the tapped states those of the
+    layer-by-layer forward."""
+    target = load_model(load_registry(tiny_dir / "models.yaml").get("tiny-target-q4")).model
+    ids = torch.randint(0, 64, (1, 10), generator=torch.Generator().manual_seed(6))
+
+    def features(taps: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        target.feature_layers = taps
+        with torch.inference_mode():
+            kv = target.new_cache()
+            out = [target(ids[:, :7], past_key_values=kv, features=True)]
+            out += [target(ids[:, 7 + i:8 + i], past_key_values=kv, features=True) for i in range(3)]
+        return torch.cat([o.logits[0, -1:] for o in out]), torch.cat([o.features[0] for o in out])
+
+    plain_logits, plain = features(())
+    tapped_logits, tapped = features((0,))
+    assert tapped.shape[-1] == 2 * plain.shape[-1]
+    torch.testing.assert_close(tapped_logits, plain_logits, rtol=0, atol=0)
+    torch.testing.assert_close(tapped[:, -plain.shape[-1]:], plain, rtol=0, atol=0)
+    target.__dict__["_stack"] = None  # the layer-by-layer forward
+    layered_logits, layered = features((0,))
+    torch.testing.assert_close(tapped, layered, rtol=1e-3, atol=1e-3)

@@ -10,6 +10,7 @@ from conftest import random_head, tiny_llama
 import lssp.decoding.verification as verification
 import lssp.models.eagle as eagle
 from lssp.decoding.generation import generate_regular
+from lssp.decoding.kv import new_cache
 from lssp.decoding.sampling import SamplingParams, warp
 from lssp.drafters import generate_speculative
 from lssp.errors import UserError
@@ -424,3 +425,117 @@ def test_a_shared_prompt_prefix_gives_a_head_the_same_tokens(target, head, param
         assert cached.stats.drafted == plain.stats.drafted
     rsp = generate_regular(target, torch.tensor([shared + [3]]), 8, GREEDY, prefix=prefix)  # RSp shares the prefix
     assert torch.equal(rsp.tokens, generate_regular(target, torch.tensor([shared + [3]]), 8, GREEDY).tokens)
+
+
+# Fused features (EAGLE-3): a head that also reads the target's hidden states after some of its layers.
+
+def _fused_pair(compact: bool, layers: tuple[int, ...] = (0, 1), seed: int = 4):
+    """A 3-layer target (its own: binding a head sets its feature layers) and a random head reading ``layers``."""
+    model = tiny_llama(21, layers=3, scale=4.0).eval()
+    target = CompactLlama(model).eval() if compact else model
+    head = eagle.with_feature_layers(random_head(model, seed), layers)
+    with torch.no_grad():
+        head.fuse.weight.normal_(0, 0.2, generator=torch.Generator().manual_seed(seed))
+    return target, head
+
+
+@pytest.mark.parametrize("compact", [False, True], ids=["transformers", "compact"])
+def test_features_lead_with_the_hidden_states_of_the_layers_heads_read(compact):
+    target, head = _fused_pair(compact)
+    FeatureDraft(head, target)
+    assert target.feature_layers == (0, 1)
+    ids = torch.tensor([[0, 5, 9, 3, 7, 8]])
+    with torch.no_grad():
+        out = (target.hf if compact else target).model(input_ids=ids, output_hidden_states=True)
+        _, features = eagle.forward_with_features(target, ids, new_cache(target), 0)
+    want = torch.cat([out.hidden_states[1], out.hidden_states[2], out.last_hidden_state], dim=-1)
+    torch.testing.assert_close(features, want, atol=1e-4, rtol=1e-4)
+    assert eagle.feature_width(target) == 3 * target.config.hidden_size
+
+
+@pytest.mark.parametrize("compact", [False, True], ids=["transformers", "compact"])
+@pytest.mark.parametrize("k", [1, 3])
+def test_greedy_ssp_with_a_fused_head_equals_greedy_rsp(compact, k):
+    target, head = _fused_pair(compact)
+    draft = FeatureDraft(head, target)
+    for prompt in PROMPTS:
+        ids = torch.tensor([prompt])
+        got = generate_speculative(target, draft, ids, 20, k, GREEDY)
+        assert torch.equal(got.tokens, generate_regular(target, ids, 20, GREEDY).tokens), (prompt, k)
+
+
+def test_a_head_given_more_layers_drafts_as_it_did_until_trained():
+    """``with_feature_layers`` starts ``fuse`` as the identity on the final feature: the same drafts, token by token,
+    also beside a plain head bound to the same target (each reads its own share of the features)."""
+    model = tiny_llama(21, layers=3, scale=4.0).eval()
+    plain = random_head(model, 5)
+    target = CompactLlama(model).eval()
+    before = FeatureDraft(plain, target)
+    wider = FeatureDraft(eagle.with_feature_layers(plain, [1]), target)
+    assert target.feature_layers == (1,) and wider.head.feature_layers == (1,)
+    ids = torch.tensor([[0, 5, 9, 3, 7]])
+    outs = [generate_speculative(target, d, ids, 16, 3, GREEDY) for d in (before, wider)]
+    assert outs[0].tokens.tolist() == outs[1].tokens.tolist()
+    assert (outs[0].stats.drafted, outs[0].stats.accepted) == (outs[1].stats.drafted, outs[1].stats.accepted)
+
+
+def test_a_fused_head_saves_and_loads_with_its_layers(tmp_path):
+    target, head = _fused_pair(False)
+    save_feature_head(head, tmp_path / "h", dtype=torch.float32)
+    assert json.loads((tmp_path / "h" / "config.json").read_text())["feature_layers"] == [0, 1]
+    assert eagle.head_feature_layers(tmp_path / "h") == (0, 1)
+    loaded = load_feature_head(tmp_path / "h")
+    assert loaded.feature_layers == (0, 1)
+    torch.testing.assert_close(loaded.fuse.weight, head.fuse.weight)
+    with pytest.raises(UserError, match="choose from 0..1"):
+        eagle.check_feature_layers(target, [0, 2])
+
+
+@pytest.mark.slow
+def test_ssp_with_a_fused_head_recovers_the_target_distribution():
+    model = tiny_llama(30, vocab_size=VOCAB, hidden=16, layers=2, scale=3.0)
+    head = eagle.with_feature_layers(random_head(model, 31, scale=2.0), [0])
+    with torch.no_grad():
+        head.fuse.weight.normal_(0, 0.3, generator=torch.Generator().manual_seed(2))
+    draft = FeatureDraft(head, model)
+    prompt, params = torch.tensor([[1, 2, 3]]), SamplingParams(1.0)
+    result = chi_square_gof(_counts(model, draft, prompt, params), _exact_law(model, prompt, params).tolist())
+    assert result.p_value > SIGNIFICANCE, result
+
+
+def test_distill_a_head_reading_more_layers_from_a_plain_one(tiny_dir, tmp_path, capsys):
+    """``--feature-layers``: the collection keeps those layers' hidden states, the head goes on from a plain one
+    (drafting as it did at first) and loads and drafts exactly; what does not fit is one line."""
+    from lssp.cli import main
+    from lssp.models.loading import load_model
+    from lssp.models.registry import ModelSpec, load_registry
+
+    out, work = tmp_path / "fused", tmp_path / "work"
+    base = ["--config", str(tiny_dir / "models.yaml"), "--results-dir", str(tmp_path / "results"), "distill",
+            "tiny-target", "--kind", "eagle", "--batch-prompts", "4", "--new-tokens", "8", "--data-tokens", "40",
+            "--max-steps", "2", "--data-dir", str(work)]
+    assert main(base + ["--out", str(out), "--init-draft", str(tiny_dir / "tiny-eagle"), "--feature-layers", "0"]) == 0, \
+        capsys.readouterr().err
+    assert json.loads((work / "data" / "meta.json").read_text())["feature_layers"] == [0]
+    assert torch.load(work / "data" / "shard_00000.pt")["features"][0].shape[-1] == 64  # layer 0's and the final
+    assert json.loads((out / "config.json").read_text())["feature_layers"] == [0]
+    target = load_model(load_registry(tiny_dir / "models.yaml").get("tiny-target"))
+    head = load_model(ModelSpec(name="h", path=str(out), dtype="float32"), draft=True, target=target)
+    ids = torch.tensor([[0, 5, 9, 3]])
+    want = generate_regular(target.model, ids, 12, GREEDY).tokens
+    assert torch.equal(generate_speculative(target.model, head.model, ids, 12, 3, GREEDY).tokens, want)
+    # Going on from the fused head reads its layers without being told.
+    assert main(base + ["--out", str(tmp_path / "again"), "--init-draft", str(out)]) == 0, capsys.readouterr().err
+    assert json.loads((tmp_path / "again" / "config.json").read_text())["feature_layers"] == [0]
+    capsys.readouterr()
+    for extra, message in [(["--feature-layers", "1"], "choose from 0..0"),
+                           (["--feature-layers", "a"], "expected layer numbers"),
+                           (["--data-dir", str(tmp_path / "plain")], None)]:
+        args = base + ["--out", str(tmp_path / "no")] + extra
+        if message is None:  # a collection of the final features only, then one with layer 0's
+            assert main(base[:-1] + [str(tmp_path / "plain"), "--out", str(tmp_path / "p"), "--collect-only"]) == 0
+            args, message = args + ["--feature-layers", "0"], "features of layers none"
+        assert main(args) == 2
+        assert message in capsys.readouterr().err
+    code = main(base[:6] + ["--kind", "draft", "--feature-layers", "0", "--out", str(tmp_path / "d")])
+    assert code == 2 and "--feature-layers is for --kind eagle" in capsys.readouterr().err

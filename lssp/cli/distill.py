@@ -64,6 +64,10 @@ def distill(
     unroll: Annotated[int, typer.Option(help="--kind eagle: drafting steps the head is trained on, each fed its own "
                                         "guesses and attending as a draft does (EAGLE-3's training-time test; the "
                                         "loss of step s weighs 0.8^s).")] = 2,
+    feature_layers: Annotated[str, typer.Option(help="--kind eagle: the head also reads the target's hidden states "
+                                                "after these layers (comma-separated, e.g. 2,15: EAGLE-3's fused "
+                                                "features); by default those --init-draft's head reads, else "
+                                                "none.")] = "",
     tokens_from: Annotated[Optional[Path], typer.Option(help="Write the collection's first shards again from the "
                                                        "token ids in this file (a collection's data/tokens.npz: "
                                                        "teacher forcing, no generation), then go on collecting.")] = None,
@@ -82,7 +86,8 @@ def distill(
                             hard_weight=hard_weight, seed=s.seed, init_from=str(init_draft) if init_draft else None,
                             head_tokens=head_tokens, on_policy=on_policy, repeat_share=repeat_share, source=source,
                             max_prompt_tokens=max_prompt_tokens, max_seq_len=max_seq_len, precision=precision,
-                            also_data=tuple(str(folder) for folder in also_data or ()), unroll=unroll)
+                            also_data=tuple(str(folder) for folder in also_data or ()), unroll=unroll,
+                            feature_layers=_feature_layers(feature_layers, kind, init_draft))
     _check(cfg)
     work = data_dir or out / "work"
     if any(Path(folder).resolve() == work.resolve() for folder in cfg.also_data):
@@ -134,6 +139,7 @@ def _collect_and_train(s: Settings, t: LoadedModel, work: Path, cfg: DistillConf
     in ``work/data/tokens.npz``, then train there (None after --collect-only)."""
     from lssp import distill as dst
     from lssp.distill.tokens import rebuild_shards, save_tokens
+    from lssp.models.eagle import check_feature_layers
     from lssp.models.modules import model_device
 
     with phase_progress() as progress:
@@ -141,6 +147,9 @@ def _collect_and_train(s: Settings, t: LoadedModel, work: Path, cfg: DistillConf
         # head learns from); training reads the transformers model's weights.
         writer = dst.load_initial_draft(t.hf_model, cfg).to(model_device(t.hf_model)).eval() if cfg.on_policy else None
         collector = _collector(s, t)
+        if cfg.kind == "eagle":
+            check_feature_layers(collector, cfg.feature_layers)
+            collector.feature_layers = cfg.feature_layers
         if tokens_from:
             rebuild_shards(collector, tokens_from, work / "data", progress)
         got = dst.collect(collector, t.tokenizer, work, cfg, progress, draft=writer,
@@ -156,6 +165,20 @@ def _collect_and_train(s: Settings, t: LoadedModel, work: Path, cfg: DistillConf
         train = dst.train_head if cfg.kind == "eagle" else dst.train
         model = train(t.hf_model, work, cfg, rep, progress)
     return model
+
+
+def _feature_layers(given: str, kind: str, init_draft: Path | None) -> tuple[int, ...]:
+    """``--feature-layers`` as sorted layer numbers; when not given, those the --init-draft head reads."""
+    from lssp.models.eagle import head_feature_layers, is_feature_head
+
+    if not given.strip():
+        return head_feature_layers(init_draft) if kind == "eagle" and init_draft and is_feature_head(init_draft) else ()
+    if kind != "eagle":
+        raise UserError("--feature-layers is for --kind eagle (a head reads the target's hidden states)")
+    try:
+        return tuple(sorted({int(part) for part in given.split(",") if part.strip()}))
+    except ValueError:
+        raise UserError(f"--feature-layers {given!r}: expected layer numbers separated by commas, e.g. 2,15") from None
 
 
 def _check(cfg: DistillConfig) -> None:

@@ -47,6 +47,7 @@ from lssp.decoding.sampling import SamplingParams, sample_logits
 from lssp.decoding.speculative import count_iteration, verify_proposal
 from lssp.decoding.timing import Clock
 from lssp.models.compact import CompactCache
+from lssp.models.eagle import feature_width
 from lssp.models.modules import logit_width, model_device
 
 
@@ -157,7 +158,7 @@ def prefill_rows(model: PreTrainedModel, pieces: Sequence[Sequence[int]],
     cache = empty_rows(model, len(pieces))
     width = max(map(len, pieces), default=0)
     if width == 0:
-        return cache, [torch.zeros(0, model.config.hidden_size, device=model_device(model)) for _ in pieces] \
+        return cache, [torch.zeros(0, feature_width(model), device=model_device(model)) for _ in pieces] \
             if features else None
     kwargs = {"features": True} if features else {}
     if not isinstance(cache.kv, CompactCache) or sum(map(len, pieces)) > ALONE_BELOW * len(pieces) * width:
@@ -179,13 +180,13 @@ def _prefill_alone(cache: RowCache, row: int, piece: Sequence[int], width: int, 
     ``width``; its features (empty without ``features`` in ``kwargs``)."""
     model, kv = cache.model, cache.kv
     if not piece:
-        return torch.zeros(0, model.config.hidden_size, device=model_device(model))
+        return torch.zeros(0, feature_width(model), device=model_device(model))
     alone = new_cache(model)
     out = model(input_ids=torch.tensor([piece], device=model_device(model)), past_key_values=alone, use_cache=True,
                 logits_to_keep=1, **kwargs)
     for mine, theirs in zip(kv.keys_values, alone.keys_values, strict=True):
         mine[row, :, width - len(piece):width] = theirs[0, :, :len(piece)]
-    return out.features[0] if kwargs.get("features") else torch.zeros(0, model.config.hidden_size)
+    return out.features[0] if kwargs.get("features") else torch.zeros(0, feature_width(model))
 
 
 def drop_row(cache: RowCache, row: int, tokens: int) -> None:

@@ -24,6 +24,7 @@ from lssp.distill.conversations import split_contexts
 from lssp.distill.data import training_prompts
 from lssp.errors import UserError
 from lssp.models.compact import CompactLlama, supports_compact
+from lssp.models.eagle import feature_layers
 from lssp.models.loading import encode_conversation, encode_prompt
 from lssp.models.modules import model_device
 from lssp.models.registry import DYNAMIC_QUANTIZATIONS, ModelSpec
@@ -118,6 +119,7 @@ def generate_rows(
                               "top_ids": top_ids, "top_lp": top_lp}
     if features:
         record["features"] = [torch.cat(f) for f in feats]
+        record["feature_layers"] = list(feature_layers(model))
     return record
 
 
@@ -150,6 +152,7 @@ def score_batch(
                               "top_ids": torch.cat(top_ids), "top_lp": torch.cat(top_lp)}
     if lengths is not None:
         record["features"] = features
+        record["feature_layers"] = list(feature_layers(target))
     return record
 
 
@@ -274,6 +277,15 @@ def _keeps_features(data: Path, meta: dict, cfg: DistillConfig) -> bool:
     return cfg.kind == "eagle" or bool(began_with)
 
 
+def same_feature_layers(data: Path, meta: dict, target: PreTrainedModel) -> None:
+    """Refuse to add shards of the features of other layers than those ``data``'s shards hold."""
+    held, wanted = meta.get("feature_layers", []), list(feature_layers(target))
+    if meta["files"] and held != wanted:
+        names = {tuple(held): ", ".join(map(str, held)) or "none", tuple(wanted): ", ".join(map(str, wanted)) or "none"}
+        raise UserError(f"{data} holds the target's features of layers {names[tuple(held)]} (and the final), not of "
+                        f"{names[tuple(wanted)]}: give the same --feature-layers, or collect into another --data-dir")
+
+
 def _write_atomically(path: Path, write: Callable[[Path], None]) -> None:
     """Write through a temporary file renamed into place: a stopped or failed write leaves the old file (or none)."""
     tmp = path.with_name(path.name + ".tmp")
@@ -313,6 +325,8 @@ def add_shard(data: Path, meta: dict, record: dict[str, Any], seconds: float) ->
     entry = {"name": name, "bytes": (data / name).stat().st_size, "seconds": seconds,
              "tokens": 0 if held else tokens, "held_out_tokens": tokens if held else 0,
              "draft_tokens": tokens if source == "draft" else 0, "repeat_tokens": tokens if source == "repeat" else 0}
+    if "feature_layers" in record:
+        meta["feature_layers"] = record["feature_layers"]
     meta["files"].append(entry)
     meta["shards"] += 1
     for key in (*SHARD_COUNTS, "seconds"):
@@ -342,6 +356,8 @@ def collect(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out: Pa
     meta["source"] = cfg.source
     prompts, held_out = source_prompts(tokenizer, cfg)
     meta["features"] = features = _keeps_features(data, meta, cfg)
+    if features:
+        same_feature_layers(data, meta, target)
     params_of = {t: SamplingParams(temperature=t) for t in (0.0, *cfg.temperatures)}  # held-out answers: greedy
     batches = _batches(prompts, cfg)
     for shard in itertools.count():

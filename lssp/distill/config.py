@@ -36,6 +36,7 @@ class DistillConfig:
     precision: str = "auto"  # of training's forward: "bf16" (autocast, fp32 weights), "fp32", "auto" (bf16 where native)
     also_data: tuple[str, ...] = ()  # other collections' folders (their data/ is read, never written) trained on too
     unroll: int = 2  # a head's training-time test: drafting steps unrolled over its own guesses (EAGLE-3)
+    feature_layers: tuple[int, ...] = ()  # a head also reads the target's hidden states after these layers (EAGLE-3)
 
 
 @dataclass

@@ -20,7 +20,15 @@ from lssp.distill.training import checkpoint_path, optimize, training_examples
 from lssp.errors import UserError
 from lssp.models.compact import float_weight
 from lssp.models.draft_head import most_frequent
-from lssp.models.eagle import FeatureHead, check_head_fits, head_config, is_feature_head, load_feature_head
+from lssp.models.eagle import (
+    FeatureHead,
+    check_feature_layers,
+    check_head_fits,
+    head_config,
+    is_feature_head,
+    load_feature_head,
+    with_feature_layers,
+)
 
 FEATURE_NOISE = 0.05  # uniform noise, relative to the features' RMS, added to the features the head reads
 REGRESSION_WEIGHT = 0.2  # of the smooth-L1 feature loss, beside the cross-entropy
@@ -28,18 +36,33 @@ STEP_DECAY = 0.8  # the loss of unrolled step s weighs STEP_DECAY**s (EAGLE-3's 
 
 
 def feature_examples(out: Path, cfg: DistillConfig) -> list[dict[str, torch.Tensor]]:
-    """Collected sequences with the target's features at every position (shards written with kind eagle)."""
+    """Collected sequences with the target's features at every position (shards written with kind eagle): those of
+    ``cfg.feature_layers`` and the final feature, in that order."""
     examples = []
     for path in sorted((out / "data").glob("shard_*.pt")):
         rec = torch.load(path)
         if "features" not in rec:
             raise UserError(f"{path} has no target features: collect into another --data-dir for --kind eagle")
+        columns = _feature_columns(path, list(rec.get("feature_layers", ())), cfg.feature_layers, rec["features"][0])
         for i, prompt in enumerate(rec["prompts"]):
             n = int(rec["lengths"][i])
             ids = torch.cat([prompt, rec["tokens"][i, :n]]).long()[-cfg.max_seq_len:]
-            features = rec["features"][i][: len(prompt) + n][-cfg.max_seq_len:].clone()  # frees the rest
+            features = rec["features"][i][: len(prompt) + n][-cfg.max_seq_len:, columns].clone()  # frees the rest
             examples.append({"ids": ids, "features": features, "n": len(ids) - 1, "held_out": rec.get("split") == "held_out"})
     return examples
+
+
+def _feature_columns(path: Path, stored: list[int], wanted: tuple[int, ...], sample: torch.Tensor) -> torch.Tensor:
+    """The columns of a shard's features (of layers ``stored``, then the final) that hold ``wanted``'s, then the
+    final feature's."""
+    missing = sorted(set(wanted) - set(stored))
+    if missing:
+        have = ", ".join(map(str, stored)) or "none"
+        raise UserError(f"{path} holds the target's features of layers {have} (and the final), not of "
+                        f"{', '.join(map(str, missing))}: collect with --feature-layers into another --data-dir")
+    width = sample.shape[-1] // (len(stored) + 1)
+    chunks = [stored.index(t) for t in wanted] + [len(stored)]
+    return torch.cat([torch.arange(c * width, (c + 1) * width) for c in chunks])
 
 
 class HeadTrainer:
@@ -57,7 +80,7 @@ class HeadTrainer:
     def _batch(self, batch: list[dict[str, torch.Tensor]]) -> tuple[torch.Tensor, ...]:
         width = max(len(e["ids"]) for e in batch)
         ids = torch.zeros(len(batch), width, dtype=torch.long)
-        features = torch.zeros(len(batch), width, self.rows.shape[1])
+        features = torch.zeros(len(batch), width, batch[0]["features"].shape[-1])
         mask = torch.zeros(len(batch), width - 1, dtype=torch.bool)
         for r, e in enumerate(batch):
             ids[r, : len(e["ids"])] = e["ids"]
@@ -69,7 +92,7 @@ class HeadTrainer:
 
     def _steps(self, embeds: torch.Tensor, features: torch.Tensor, noise: bool) -> list[torch.Tensor]:
         """The head's guesses of f_1..f_{T-1} at each drafting step (step s: from its own guesses of s steps)."""
-        given = features[:, :-1]
+        given = self.head.fused(features[:, :-1], self.head.feature_layers)
         if noise:
             scale = FEATURE_NOISE * given.pow(2).mean().sqrt()
             given = given + (torch.rand_like(given) * 2 - 1) * scale
@@ -81,7 +104,7 @@ class HeadTrainer:
         for step, guess in enumerate(self._steps(embeds, features, noise=True)):
             valid = mask.clone()
             valid[:, :step] = False  # no draft of step+1 tokens begins before position 0
-            wanted = features[:, 1:][valid]
+            wanted = features[:, 1:, -self.rows.shape[1]:][valid]  # the final feature
             with torch.no_grad():
                 p = (wanted @ self.rows.T).softmax(-1)
             guessed = guess[valid]
@@ -100,20 +123,26 @@ class HeadTrainer:
         for at in range(0, len(held_out), 16):
             embeds, features, mask = self._batch(held_out[at: at + 16])
             mask[:, :step] = False
-            guess = self.head.unrolled(embeds, features[:, :-1], step + 1)[step][mask]
-            hits += int(((guess @ self.rows.T).argmax(-1) == (features[:, 1:][mask] @ self.rows.T).argmax(-1)).sum())
+            given = self.head.fused(features[:, :-1], self.head.feature_layers)
+            guess = self.head.unrolled(embeds, given, step + 1)[step][mask]
+            wanted = features[:, 1:, -self.rows.shape[1]:][mask]
+            hits += int(((guess @ self.rows.T).argmax(-1) == (wanted @ self.rows.T).argmax(-1)).sum())
             total += int(mask.sum())
         self.head.train(was)
         return hits / total if total else float("nan")
 
 
-def _initial_head(target: PreTrainedModel, folder: str) -> FeatureHead:
-    """An earlier head to go on training (its shape and tokens win over the size options), in float32."""
+def _initial_head(target: PreTrainedModel, folder: str, layers: tuple[int, ...]) -> FeatureHead:
+    """An earlier head to go on training (its shape and tokens win over the size options), in float32, reading the
+    target's ``layers`` too (a head that reads none starts reading them as it drafted: ``with_feature_layers``)."""
     if not is_feature_head(folder):
         raise UserError(f"--init-draft {folder} holds no feature head (config.json and fc weights)")
     head = load_feature_head(folder).float()
     check_head_fits(head, target, folder)
-    return head
+    if head.feature_layers and head.feature_layers != layers:
+        raise UserError(f"--init-draft {folder} reads the target's layers {','.join(map(str, head.feature_layers))}: "
+                        f"--feature-layers must name them")
+    return with_feature_layers(head, layers) if layers and not head.feature_layers else head
 
 
 def train_head(target: PreTrainedModel, out: Path, cfg: DistillConfig, report: DistillReport,
@@ -122,7 +151,8 @@ def train_head(target: PreTrainedModel, out: Path, cfg: DistillConfig, report: D
     ``cfg.also_data``'s), from ``cfg.init_from``'s weights where given."""
     examples, held_out, others = training_examples(feature_examples, out, cfg)
     width = target.get_output_embeddings().out_features
-    start = _initial_head(target, cfg.init_from) if cfg.init_from else None
+    check_feature_layers(target, cfg.feature_layers)
+    start = _initial_head(target, cfg.init_from, cfg.feature_layers) if cfg.init_from else None
     token_ids = start.token_ids if start is not None else None
     if cfg.head_tokens or token_ids:
         counts = torch.zeros(width, dtype=torch.long)
@@ -131,7 +161,8 @@ def train_head(target: PreTrainedModel, out: Path, cfg: DistillConfig, report: D
         token_ids = token_ids or most_frequent(counts, cfg.head_tokens)
         report.head_coverage = float(counts[token_ids].sum() / counts.sum())
     torch.manual_seed(cfg.seed)
-    head = start if start is not None else FeatureHead(head_config(target.config, cfg.layers, token_ids))
+    head = start if start is not None else FeatureHead(head_config(target.config, cfg.layers, token_ids,
+                                                                   cfg.feature_layers))
     trainer = HeadTrainer(head, target, cfg.unroll)
     optimize(head, examples, held_out, trainer.loss, trainer.agreement, checkpoint_path(out, cfg), cfg, report, progress,
              others)

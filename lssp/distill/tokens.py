@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
-from lssp.distill.collection import add_shard, read_meta, score_batch
+from lssp.distill.collection import add_shard, read_meta, same_feature_layers, score_batch
 from lssp.distill.config import Progress
 from lssp.errors import UserError
 from lssp.models.compact import CompactLlama
@@ -60,6 +60,7 @@ def rebuild_shards(target: PreTrainedModel, tokens_path: Path, data: Path, progr
     if not isinstance(target, CompactLlama):
         raise UserError("writing a collection again from its token ids needs a Llama target the compact forward runs")
     meta = read_meta(data)
+    same_feature_layers(data, meta, target)
     try:
         stored = np.load(tokens_path)
     except (OSError, ValueError) as exc:

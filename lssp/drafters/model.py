@@ -155,6 +155,8 @@ class HeadRows(DraftRows):
         super().__init__(policies)
         self.cache = empty_rows(head, len(prompts))
         self.width = head.config.hidden_size
+        self.fused = head.fused
+        features = [self.fused(f) for f in features]
         if any(len(p) > 2 for p in prompts):  # the pairs of each prompt but the last
             self._forward([p[1:-1] for p in prompts], [f[:-1] for f in features])
         self.queued: list[torch.Tensor | None] = [f[-1:] if len(f) else None for f in features]
@@ -198,6 +200,7 @@ class HeadRows(DraftRows):
         self._queue(row, features)  # paired with the tokens it has not read at its next draft
 
     def _queue(self, row: int, features: torch.Tensor) -> None:
+        features = self.fused(features)
         queued = self.queued[row]
         self.queued[row] = features if queued is None else torch.cat([queued, features])
 

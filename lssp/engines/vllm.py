@@ -29,7 +29,7 @@ from lssp.decoding.sampling import SamplingParams
 from lssp.engines.base import Engine, EngineInfo, Mode, Request
 from lssp.errors import UserError
 from lssp.models.draft_head import has_subset_head
-from lssp.models.eagle import is_feature_head
+from lssp.models.eagle import head_feature_layers, is_feature_head
 from lssp.models.export import export_draft, exported_dir
 from lssp.models.loading import ModelHandle, feature_head_folder, load_model, load_tokenizer
 from lssp.models.registry import ModelSpec
@@ -165,6 +165,9 @@ def model_path(spec: ModelSpec) -> str:
             raise UserError(f"model {spec.name!r}: could not keep a converted copy of {local} for vLLM in {copy}")
         return str(copy)
     if is_feature_head(local):
+        if head_feature_layers(local):
+            raise UserError(f"model {spec.name!r} reads the target's hidden states of several layers (feature_layers), "
+                            "which vLLM's eagle method does not give its heads; it runs on our engine")
         return str(local)  # our heads are written in EAGLE's layout, which vLLM's eagle method reads as it is
     if has_subset_head(local):
         out = exported_dir(local)

@@ -16,7 +16,7 @@ import types
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -175,7 +175,18 @@ class FusedOutput:
 @dataclass
 class CompactOutput:
     logits: torch.Tensor
-    features: torch.Tensor | None = None  # final hidden states (after the last norm), when asked for
+    # final hidden states (after the last norm), when asked for, after the hidden states of the model's
+    # ``feature_layers`` where it has some: (batch, n, (len(feature_layers) + 1) x width)
+    features: torch.Tensor | None = None
+
+
+class Layered(NamedTuple):
+    """What the decoder layers give: the last hidden states, logits where the output layer ran with them (else None),
+    and the hidden states after each tapped layer, in layer order."""
+
+    hidden: torch.Tensor
+    logits: torch.Tensor | None
+    tapped: list[torch.Tensor]
 
 
 def supports_compact(model: PreTrainedModel) -> str | None:
@@ -244,17 +255,18 @@ class FusedDecoder(nn.Module):
 
     def _layers(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
                 keys_values: list[torch.Tensor], at: slice | torch.Tensor, upto: int | None,
-                output: FusedOutput | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                output: FusedOutput | None = None, taps: Sequence[int] = ()) -> Layered:
         """The decoder over ``hidden`` (batch, n, width) with rotary ``cos``/``sin`` of its positions (shared, or per
         row): keys and values written at ``at``, queries attending over the first ``upto`` cached positions (None: the whole buffer) under
         ``mask`` (None: all of them; bool: True where allowed; float: additive). With ``row_attention`` set each query
         attends by itself (``torch.ops.lssp.row_attention``). Returns the last hidden states (before any final
         norm) and None, or where the layers run in one call and ``output`` is given, the final hidden states after
-        its norm and its logits."""
+        its norm and its logits; and the hidden states after each layer of ``taps``."""
         batch, n = hidden.shape[:2]
         stack = self._block_stack()
         if stack is not None and isinstance(at, slice) and hidden.dtype == keys_values[0].dtype == torch.float32:
-            return self._block_layers(stack, hidden, cos, sin, mask, keys_values, at.start, output)
+            return self._block_layers(stack, hidden, cos, sin, mask, keys_values, at.start, output, taps)
+        tapped = []
         heads, half, rotated = self.heads, self.head_dim // 2, self.heads + self.kv_heads
         # The query heads sharing a key/value head attend as one longer query over it (the mask repeated per head):
         # the same scores as SDPA's enable_gqa, up to 6x faster on a CPU in batched decoding.
@@ -284,7 +296,9 @@ class FusedDecoder(nn.Module):
             x = self._rms_norm(hidden, layer.post_attention_layernorm.weight)
             gate, up = _linear(self.gate_up[i], x).chunk(2, dim=-1)
             hidden = hidden + _linear(self.down[i], F.silu(gate) * up)
-        return hidden, None
+            if i in taps:
+                tapped.append(hidden)
+        return Layered(hidden, None, tapped)
 
     def _block_stack(self) -> list[torch.Tensor] | None:
         """Every layer's norms and block weights for ``torch.ops.lssp.decoder``, when each Linear is a q4_1 layer
@@ -331,21 +345,30 @@ class FusedDecoder(nn.Module):
 
     def _block_layers(self, stack: list[torch.Tensor], hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       mask: torch.Tensor | None, keys_values: list[torch.Tensor], start: int,
-                      output: FusedOutput | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``_layers`` in one call of our kernel (q4_1): causal where ``mask`` is None, else its allowed slots."""
+                      output: FusedOutput | None, taps: Sequence[int] = ()) -> Layered:
+        """``_layers`` in calls of our kernel (q4_1): causal where ``mask`` is None, else its allowed slots; one call
+        for the whole stack, or one per run of layers ending at a tap."""
         batch, n = hidden.shape[:2]
         allowed = None
         if mask is not None:  # bool (rows, slots), or additive (batch, 1, rows, slots)
             allowed = mask[None] if mask.dtype == torch.bool else (mask == 0)[:, 0]
         cos, sin = cos.reshape(-1, n, self.head_dim), sin.reshape(-1, n, self.head_dim)
         norm, weights, keep = (None, (), 0) if output is None else (output.norm, output.weights, output.keep)
-        final, logits = torch.ops.lssp.decoder(hidden.contiguous(), cos, sin, allowed, stack, keys_values, start,
-                                               self.heads, self.kv_heads, self.eps, self.scale, norm, weights, keep)
-        return final, (logits if weights else None)
+        layers, tapped, logits = len(self.qkv), [], None
+        ends = sorted({t + 1 for t in taps if t + 1 < layers} | {layers})
+        for first, end in zip([0, *ends[:-1]], ends):
+            last = end == layers
+            hidden, logits = torch.ops.lssp.decoder(
+                hidden.contiguous(), cos, sin, allowed, stack[first * 14: end * 14], keys_values[2 * first: 2 * end],
+                start, self.heads, self.kv_heads, self.eps, self.scale, norm if last else None,
+                weights if last else (), keep)
+            if end - 1 in taps:
+                tapped.append(hidden)
+        return Layered(hidden, logits if weights else None, tapped)
 
     def _run(self, hidden: torch.Tensor, kv: CompactCache, mask: torch.Tensor | None = None,
-             positions: torch.Tensor | None = None,
-             output: FusedOutput | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+             positions: torch.Tensor | None = None, output: FusedOutput | None = None,
+             taps: Sequence[int] = ()) -> Layered:
         """The eager decoder over ``hidden`` (batch, n, width) after what ``kv`` holds, extending it. By default
         every row is at the cache's slots and attends causally; rows of their own (batched SSp) pass ``positions``
         (batch, n) for the rotary embedding and an additive ``mask`` (batch, 1, n, slots) over the cache's slots.
@@ -360,7 +383,7 @@ class FusedDecoder(nn.Module):
         else:
             cos, sin = self._rotary(0, int(positions.max()) + 1, kv.keys_values[0])
             cos, sin = cos[0][positions].unsqueeze(1), sin[0][positions].unsqueeze(1)  # (batch, 1, n, head_dim)
-        out = self._layers(hidden, cos, sin, mask, kv.keys_values, slice(start, end), end, output)
+        out = self._layers(hidden, cos, sin, mask, kv.keys_values, slice(start, end), end, output, taps)
         kv.length = end
         return out
 
@@ -369,7 +392,7 @@ class CompactLlama(FusedDecoder):
     """Forward of a LlamaForCausalLM over a CompactCache, batch 1 (or rows of equal length at equal positions, or
     rows at positions of their own under a mask);
     ``hf`` is the model it wraps. With ``features=True`` it also returns the final hidden states (after the last
-    norm) of every position it ran: what a feature-level draft reads."""
+    norm) of every position it ran, after the hidden states of its ``feature_layers``: what feature heads read."""
 
     def __init__(self, model: PreTrainedModel) -> None:
         reason = supports_compact(model)
@@ -381,6 +404,8 @@ class CompactLlama(FusedDecoder):
         self._filled_only = False  # compiled on a CPU: attend over the filled slots only (dynamic shapes)
         self.compile_mode: str | None = None
         self._free_buffers: list[list[torch.Tensor]] = []  # compiled: caches reuse their buffers (stable addresses)
+        # Layers whose hidden states lead the features (the feature heads bound to this target read them), in order.
+        self.feature_layers: tuple[int, ...] = ()
         self.to(self.get_input_embeddings().weight.device)
 
     @property
@@ -443,8 +468,8 @@ class CompactLlama(FusedDecoder):
         built from the positions (the compiled path)."""
         slots = keys_values[0].shape[2] if upto is None else upto
         mask = torch.arange(slots, device=positions.device)[None, :] <= positions[:, None]
-        hidden, _ = self._layers(self.hf.model.embed_tokens(input_ids[None]), cos_table[:, positions],
-                                 sin_table[:, positions], mask, keys_values, positions, upto)
+        hidden = self._layers(self.hf.model.embed_tokens(input_ids[None]), cos_table[:, positions],
+                              sin_table[:, positions], mask, keys_values, positions, upto).hidden
         final = self._final(hidden)
         return self.hf.lm_head(final), final
 
@@ -460,8 +485,9 @@ class CompactLlama(FusedDecoder):
         start, n = kv.length, input_ids.shape[1]
         end = start + n
         kv.reserve(end)
+        taps = self.feature_layers if features else ()
         if (self._compiled_step is not None and 0 < start and n <= STEP_TOKENS and input_ids.shape[0] == 1
-                and position_ids is None):  # prefills (start 0) stay eager
+                and position_ids is None and not taps):  # prefills (start 0) stay eager
             positions = torch.arange(start, end, device=input_ids.device)
             graphs = self.compile_mode in ("reduce-overhead", "max-autotune")
             if graphs:
@@ -474,12 +500,12 @@ class CompactLlama(FusedDecoder):
                 logits, final = logits.clone(), final.clone()
             kv.length = end
             return CompactOutput(logits[:, -logits_to_keep:] if logits_to_keep else logits, final if features else None)
-        final, logits = self._run(self.hf.model.embed_tokens(input_ids), kv, attention_mask, position_ids,
-                                  self._fused_output(logits_to_keep))
+        final, logits, tapped = self._run(self.hf.model.embed_tokens(input_ids), kv, attention_mask, position_ids,
+                                          self._fused_output(logits_to_keep), taps)
         if logits is None:
             final = self._final(final)
             logits = self.hf.lm_head(final[:, -logits_to_keep:] if logits_to_keep else final)
-        return CompactOutput(logits, final if features else None)
+        return CompactOutput(logits, (torch.cat([*tapped, final], dim=-1) if tapped else final) if features else None)
 
     def _output_parts(self) -> tuple[torch.Tensor | None, nn.Module]:
         return self.hf.model.norm.weight.detach().float().contiguous(), self.hf.lm_head

@@ -17,7 +17,9 @@ as the target's, so the acceptance rule keeps speculative sampling exact.
 """
 from __future__ import annotations
 
+import copy
 import json
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,11 +36,16 @@ from lssp.models.draft_head import HEAD_KEY, SubsetHead
 HEAD_MARK = "feature_head"  # config.json key of heads written by llamassp (the format is EAGLE's either way)
 IGNORED_KEYS = ("embed_tokens.weight", "lm_head.weight")  # copies of the target's that published heads may carry
 EAGLE3_SIGNS = ("d2t", "t2d", "midlayer.")
+LAYERS_KEY = "feature_layers"  # config.json key: the target layers a head reads besides the final feature
 
 
 class FeatureHead(nn.Module):
     """EAGLE-1/2 head weights: ``fc`` over cat(embedding of token t+1, feature at t), then Llama decoder
-    layers, the first without input norm; no final norm. ``forward`` is the (causal, batched) training path."""
+    layers, the first without input norm; no final norm. ``forward`` is the (causal, batched) training path.
+
+    A head with ``feature_layers`` (EAGLE-3's fused features) reads, as its feature at t, ``fuse`` over the target's
+    hidden states after those layers (each RMS-normalized, no weight) and its final feature, concatenated; its own
+    guesses stand in for that fused feature while drafting, as a plain head's stand in for the final feature."""
 
     def __init__(self, config: LlamaConfig, bias: bool = False) -> None:
         super().__init__()
@@ -46,6 +53,8 @@ class FeatureHead(nn.Module):
         self.config = config
         width = config.hidden_size
         self.fc = nn.Linear(2 * width, width, bias=bias)
+        taps = self.feature_layers
+        self.fuse = nn.Linear((len(taps) + 1) * width, width, bias=False) if taps else None
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.layers[0].input_layernorm = nn.Identity()
         self.rotary = LlamaRotaryEmbedding(config)
@@ -54,6 +63,27 @@ class FeatureHead(nn.Module):
     def token_ids(self) -> list[int] | None:
         """The tokens the head proposes (its output rows of the target's layer), None for all."""
         return getattr(self.config, HEAD_KEY, None)
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """The target's layers whose hidden states the head reads besides its final feature (none: EAGLE-1/2)."""
+        return tuple(getattr(self.config, LAYERS_KEY, None) or ())
+
+    def fused(self, features: torch.Tensor, given: Sequence[int] = (), dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The feature the head reads (..., d) from the target's (..., (len(given) + 1) x d): the hidden states after
+        the layers ``given``, then the final feature (``CompactOutput.features``); ``fuse`` runs in ``dtype`` (by
+        default its weight's)."""
+        width = self.config.hidden_size
+        chunks = features.split(width, dim=-1)
+        if len(chunks) != len(given) + 1 or chunks[-1].shape[-1] != width:
+            raise ValueError(f"features {features.shape[-1]} wide for layers {tuple(given)} and the final, {width} each")
+        if not self.feature_layers:
+            return chunks[-1]
+        if not set(self.feature_layers) <= set(given):
+            raise ValueError(f"the head reads layers {self.feature_layers}, the target gives {tuple(given)}")
+        taps = [F.rms_norm(chunks[list(given).index(t)].float(), (width,), eps=self.config.rms_norm_eps)
+                for t in self.feature_layers]
+        return self.fuse(torch.cat([*taps, chunks[-1].float()], dim=-1).to(dtype or self.fuse.weight.dtype))
 
     def forward(self, embeds: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         """Predicted features (batch, T, d) from embeddings of tokens 1..T and features 0..T-1, causally."""
@@ -110,8 +140,38 @@ def _layer_step(layer: LlamaDecoderLayer, hidden: torch.Tensor, rope: tuple[torc
     return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
 
 
-def head_config(target_config: LlamaConfig, layers: int = 1, token_ids: list[int] | None = None) -> LlamaConfig:
-    """A head's config: the target's width, heads and MLP, ``layers`` decoder layers."""
+def with_feature_layers(head: FeatureHead, layers: Sequence[int]) -> FeatureHead:
+    """``head`` reading the target's hidden states after ``layers`` too, drafting as it did: its ``fuse`` starts
+    as the identity on the final feature (zero on the others), which training then learns to use."""
+    config = copy.deepcopy(head.config)
+    setattr(config, LAYERS_KEY, sorted(set(layers)))
+    wider = FeatureHead(config, bias=head.fc.bias is not None).to(head.fc.weight.dtype)
+    wider.load_state_dict(head.state_dict(), strict=False)
+    width = config.hidden_size
+    with torch.no_grad():
+        wider.fuse.weight.zero_()
+        wider.fuse.weight[:, -width:] = torch.eye(width)
+    return wider
+
+
+def check_feature_layers(target: nn.Module, layers: Sequence[int]) -> None:
+    """Refuse feature layers ``target`` does not have below its last (whose state the final feature is)."""
+    count = target.config.num_hidden_layers
+    wrong = [t for t in layers if not 0 <= t < count - 1]
+    if wrong:
+        raise UserError(f"feature layers {', '.join(map(str, wrong))}: the target's layers are 0..{count - 1}, and "
+                        f"the last gives the final feature already (choose from 0..{count - 2})")
+
+
+def head_feature_layers(folder: str | Path) -> tuple[int, ...]:
+    """The target layers the head in ``folder`` reads besides the final feature (from its config.json)."""
+    return tuple(json.loads((Path(folder) / "config.json").read_text()).get(LAYERS_KEY) or ())
+
+
+def head_config(target_config: LlamaConfig, layers: int = 1, token_ids: list[int] | None = None,
+                feature_layers: Sequence[int] = ()) -> LlamaConfig:
+    """A head's config: the target's width, heads and MLP, ``layers`` decoder layers, reading the target's
+    ``feature_layers`` besides its final feature."""
     tc = target_config
     rope = getattr(tc, "rope_parameters", None) or {"rope_type": "default", "rope_theta": getattr(tc, "rope_theta", 10000.0)}
     config = LlamaConfig(
@@ -125,6 +185,8 @@ def head_config(target_config: LlamaConfig, layers: int = 1, token_ids: list[int
     config.architectures = ["LlamaForCausalLM"]
     if token_ids is not None:
         setattr(config, HEAD_KEY, list(token_ids))
+    if feature_layers:
+        setattr(config, LAYERS_KEY, sorted(set(feature_layers)))
     return config
 
 
@@ -237,15 +299,19 @@ class FeatureCache(CompactCache):
     guess from its previous forward (one token: drafting).
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:  # CompactCache's
+    def __init__(self, *args: Any, fuse: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 **kwargs: Any) -> None:  # CompactCache's
         super().__init__(*args, **kwargs)
         self.queued: torch.Tensor | None = None  # (1, m, d) real features not yet paired with their tokens
         self.guess: torch.Tensor | None = None  # (1, 1, d) the head's last predicted feature
+        self.fuse = fuse  # the target's features as the head reads them (``FeatureDraft.fused``)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.length + 1
 
     def queue(self, features: torch.Tensor) -> None:
+        """Add the target's features (1, m, its feature width) of the next m tokens."""
+        features = self.fuse(features) if self.fuse is not None else features
         self.guess = None
         self.queued = features if self.queued is None else torch.cat([self.queued, features], dim=1)
 
@@ -278,6 +344,7 @@ class FeatureDraft(FusedDecoder):
         super().__init__(head.config, head.layers, dtype)
         self.head = head
         self._target = (target,)  # not a submodule: moving or quantizing the draft leaves the target alone
+        target.feature_layers = tuple(sorted(set(feature_layers(target)) | set(head.feature_layers)))
         output = target.get_output_embeddings()
         ids = head.token_ids
         if ids:
@@ -306,7 +373,12 @@ class FeatureDraft(FusedDecoder):
     def new_cache(self, batch: int = 1) -> FeatureCache:
         """An empty cache; with ``batch`` > 1 for rows that pass their features to ``forward`` themselves."""
         weight = self.get_input_embeddings().weight
-        return FeatureCache(len(self.qkv), self.kv_heads, self.head_dim, self.compute_dtype, weight.device, batch=batch)
+        return FeatureCache(len(self.qkv), self.kv_heads, self.head_dim, self.compute_dtype, weight.device, batch=batch,
+                            fuse=self.fused)
+
+    def fused(self, features: torch.Tensor) -> torch.Tensor:
+        """The target's features (..., its feature width) as the head reads them (..., d)."""
+        return self.head.fused(features, feature_layers(self._target[0]), self.compute_dtype)
 
     def start(self, seq: torch.Tensor, features: torch.Tensor, kv: FeatureCache | None = None) -> FeatureCache:
         """The head's cache after the target's prefill of ``seq`` (1, T) but its last token, whose features
@@ -334,12 +406,17 @@ class FeatureDraft(FusedDecoder):
         dtype = self.compute_dtype
         embeds = self.get_input_embeddings()(input_ids).to(dtype)
         mask = attention_mask.to(dtype) if attention_mask is not None else None
-        hidden, logits = self._run(self.head.fc(torch.cat([embeds, features.to(dtype)], dim=-1)), kv, mask, position_ids,
-                                   self._fused_output(logits_to_keep))
+        hidden, logits, _ = self._run(self.head.fc(torch.cat([embeds, features.to(dtype)], dim=-1)), kv, mask,
+                                      position_ids, self._fused_output(logits_to_keep))
         kv.guess = hidden[:, -1:]
         output = self.get_output_embeddings()
         if logits is None:
-            return CompactOutput(output(hidden[:, -logits_to_keep:] if logits_to_keep else hidden))
+            last = hidden[:, -logits_to_keep:] if logits_to_keep else hidden
+            if not isinstance(output, SubsetHead):  # the target's own layer, in the target's dtype (read once)
+                if "_output_dtype" not in self.__dict__:
+                    self.__dict__["_output_dtype"] = float_weight(output).dtype
+                last = last.to(self.__dict__["_output_dtype"])
+            return CompactOutput(output(last))
         return CompactOutput(output.widen(logits) if isinstance(output, SubsetHead) else logits)
 
     def _output_parts(self) -> tuple[torch.Tensor | None, nn.Module]:
@@ -347,13 +424,26 @@ class FeatureDraft(FusedDecoder):
         return None, output.linear if isinstance(output, SubsetHead) else output
 
 
+def feature_layers(model: nn.Module) -> tuple[int, ...]:
+    """The layers whose hidden states lead ``model``'s features (those of the heads bound to it)."""
+    return getattr(model, "feature_layers", ())
+
+
+def feature_width(model: nn.Module) -> int:
+    """How wide ``model``'s features are: its width for the final feature and each of its ``feature_layers``."""
+    return (len(feature_layers(model)) + 1) * model.config.hidden_size
+
+
 def forward_with_features(model: PreTrainedModel, ids: torch.Tensor, kv: object, last: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logits of the ``last`` final positions (last, vocab) and the final hidden states (1, n, d) of all ``ids``,
-    extending ``kv``: a compact forward returns them directly, a transformers model through its base model."""
+    """Logits of the ``last`` final positions (last, vocab) and the features (1, n, ``feature_width``) of all
+    ``ids``, extending ``kv``: a compact forward returns them directly, a transformers model through its base model."""
     device = model.get_input_embeddings().weight.device
     if hasattr(model, "hf"):
         out = model(input_ids=ids, past_key_values=kv, use_cache=True, logits_to_keep=max(last, 1), features=True)
         return out.logits[0, -last:].to(device) if last else out.logits[0, :0], out.features.to(device)
-    hidden = model.model(input_ids=ids, past_key_values=kv, use_cache=True).last_hidden_state
+    taps = feature_layers(model)
+    out = model.model(input_ids=ids, past_key_values=kv, use_cache=True, output_hidden_states=bool(taps))
+    hidden = out.last_hidden_state
     logits = model.get_output_embeddings()(hidden[:, -last:])[0] if last else hidden.new_empty(0)
-    return logits.to(device), hidden.to(device)
+    features = torch.cat([*(out.hidden_states[t + 1] for t in taps), hidden], dim=-1) if taps else hidden
+    return logits.to(device), features.to(device)
