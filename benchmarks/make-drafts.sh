@@ -11,6 +11,9 @@
 #   head trained on from where it stopped, under the training-time test over 3 drafting steps (--unroll 3);
 #   MORE_SHAREGPT_TOKENS (1500000), MORE_BUILTIN_TOKENS (150000), MORE_MINUTES (40). Each collection's token ids
 #   land in its data/tokens.npz (commit them: `--tokens-from` writes the collection again from them).
+# fused (issue 48, item 1): the "more" collections written again from their token ids with the target's hidden states
+#   after layers FEATURE_LAYERS (2,15) too, and the "more" head trained on from them reading those layers
+#   (--feature-layers: its fuse starts as the identity on the final feature); FUSED_MINUTES (40).
 # Then: benchmarks/drafts.sh "$OUT/smollm2-135m-chat-draft" (and the head) measures them against the shipped draft.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -53,4 +56,19 @@ if [ "$STEP" = more ]; then
         --also-data "$MORE_BUILTIN" --data-tokens "${MORE_SHAREGPT_TOKENS:-1500000}" --init-draft drafts/smollm2-135m-eagle \
         --out "$OUT/smollm2-135m-eagle-more" --max-seq-len 384 --unroll 3 --train-minutes "${MORE_MINUTES:-40}" \
         --epochs 2 --lr 1e-3
+fi
+if [ "$STEP" = fused ]; then
+    LAYERS=${FEATURE_LAYERS:-2,15}
+    FUSED_SHAREGPT="$DATA/sharegpt-smollm2-135m-s1-l${LAYERS//,/-}"
+    FUSED_BUILTIN="$DATA/builtin-smollm2-135m-s1-l${LAYERS//,/-}"
+    $PY llamassp.py --seed 1 distill smollm2-135m-compact --source sharegpt --kind eagle --collect-only \
+        --data-dir "$FUSED_SHAREGPT" --tokens-from drafts/collections/sharegpt-smollm2-135m-s1.tokens.npz \
+        --data-tokens 733315 --feature-layers "$LAYERS" --max-prompt-tokens 384
+    $PY llamassp.py --seed 1 distill smollm2-135m-compact --source built-in --kind eagle --collect-only \
+        --data-dir "$FUSED_BUILTIN" --tokens-from drafts/collections/builtin-smollm2-135m-s1.tokens.npz \
+        --data-tokens 101728 --feature-layers "$LAYERS"
+    $PY llamassp.py --seed 1 distill smollm2-135m-compact --kind eagle --source sharegpt --data-dir "$FUSED_SHAREGPT" \
+        --also-data "$FUSED_BUILTIN" --data-tokens 733315 --feature-layers "$LAYERS" \
+        --init-draft drafts/smollm2-135m-eagle-more --out "$OUT/smollm2-135m-eagle-fused" --max-seq-len 384 \
+        --unroll 3 --train-minutes "${FUSED_MINUTES:-40}" --epochs 2 --lr 1e-3
 fi

@@ -23,6 +23,10 @@ if TYPE_CHECKING:
     from lssp.models.loading import LoadedModel
 
 
+FEATURE_LAYERS_HELP = ("--kind eagle: the head also reads the target's hidden states after these layers (comma-separated, "
+                       "e.g. 2,15: EAGLE-3's fused features); by default those --init-draft's head reads, else none.")
+
+
 @app.command()
 def distill(
     ctx: typer.Context,
@@ -64,10 +68,7 @@ def distill(
     unroll: Annotated[int, typer.Option(help="--kind eagle: drafting steps the head is trained on, each fed its own "
                                         "guesses and attending as a draft does (EAGLE-3's training-time test; the "
                                         "loss of step s weighs 0.8^s).")] = 2,
-    feature_layers: Annotated[str, typer.Option(help="--kind eagle: the head also reads the target's hidden states "
-                                                "after these layers (comma-separated, e.g. 2,15: EAGLE-3's fused "
-                                                "features); by default those --init-draft's head reads, else "
-                                                "none.")] = "",
+    feature_layers: Annotated[str, typer.Option(help=FEATURE_LAYERS_HELP)] = "",
     tokens_from: Annotated[Optional[Path], typer.Option(help="Write the collection's first shards again from the "
                                                        "token ids in this file (a collection's data/tokens.npz: "
                                                        "teacher forcing, no generation), then go on collecting.")] = None,
@@ -90,9 +91,7 @@ def distill(
                             feature_layers=_feature_layers(feature_layers, kind, init_draft))
     _check(cfg)
     work = data_dir or out / "work"
-    if any(Path(folder).resolve() == work.resolve() for folder in cfg.also_data):
-        raise UserError(f"--also-data {work}: that is the --data-dir itself")
-    others = [dst.collection_summary(Path(folder)) for folder in cfg.also_data]
+    others = _other_collections(cfg, work)
     t = load(s, s.registry.target_name(target))
     if t.tokenizer is None:
         raise UserError(f"model {t.name!r} has no tokenizer to share with a draft")
@@ -165,6 +164,15 @@ def _collect_and_train(s: Settings, t: LoadedModel, work: Path, cfg: DistillConf
         train = dst.train_head if cfg.kind == "eagle" else dst.train
         model = train(t.hf_model, work, cfg, rep, progress)
     return model
+
+
+def _other_collections(cfg: DistillConfig, work: Path) -> list[dict]:
+    """What each --also-data collection holds (``collection_summary``); the --data-dir itself is refused."""
+    from lssp import distill as dst
+
+    if any(Path(folder).resolve() == work.resolve() for folder in cfg.also_data):
+        raise UserError(f"--also-data {work}: that is the --data-dir itself")
+    return [dst.collection_summary(Path(folder)) for folder in cfg.also_data]
 
 
 def _feature_layers(given: str, kind: str, init_draft: Path | None) -> tuple[int, ...]:

@@ -147,13 +147,20 @@ def write_head(head: FeatureHead, tokenizer: PreTrainedTokenizerBase, out: Path,
     learning = f"## Learning curve across trainings\n{curve}\n" if curve else ""
     output = (f"the target's output rows for its {len(ids)} most frequent tokens, {report.head_coverage:.1%} of the "
               "tokens it was trained on (the others are never proposed)" if ids else "the target's whole output layer")
+    taps = head.feature_layers
+    feature = (f"`fuse` ({(len(taps) + 1) * c.hidden_size} -> {c.hidden_size}) over the target's hidden states after its layers "
+               f"{', '.join(map(str, taps))} (each RMS-normalized) and its final hidden state at t (EAGLE-3's fused "
+               "features; the head's guesses stand in for that while drafting)"
+               if taps else "the target's final hidden state at t")
+    layout = ("EAGLE's layout plus `fuse` and `feature_layers` in config.json (ours: vLLM's and llama.cpp's EAGLE "
+              "methods do not load it)" if taps else "EAGLE's published layout")
     (out / "README.md").write_text(f"""# Feature head (EAGLE) for {report.target}, made by `llamassp distill --kind eagle`
 
 {c.num_hidden_layers} Llama decoder layer(s) at the target's width ({c.hidden_size}; {c.num_attention_heads} heads,
 {c.num_key_value_heads} key/value heads, MLP {c.intermediate_size}) behind `fc` ({2 * c.hidden_size} -> {c.hidden_size}) over
-the embedding of token t+1 and the target's final hidden state at t, {report.parameters / 1e6:.1f}M parameters in bfloat16.
+the embedding of token t+1 and {feature}, {report.parameters / 1e6:.1f}M parameters in bfloat16.
 It reads {report.target}'s input embeddings and, through {output}, turns its guess of the next feature into
-logits. The files follow EAGLE's published layout (`fc`, `layers.0` without input norm, no final norm).
+logits. The files follow {layout} (`fc`, `layers.0` without input norm, no final norm).
 
 Made with: `{command}`
 
