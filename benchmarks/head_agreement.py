@@ -38,10 +38,12 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     target = load_model(load_registry(REPO / "models.yaml").get(TARGET)).hf_model
-    _, held = held_out_split(feature_examples(args.data_dir, DistillConfig(max_seq_len=args.max_seq_len)), args.data_dir)
-    rows = []
+    rows, held = [], []
     for folder in args.heads:
         head = load_feature_head(folder).float()
+        # The held-out answers with the features this head reads (a head with feature_layers: those layers' too).
+        cfg = DistillConfig(max_seq_len=args.max_seq_len, feature_layers=head.feature_layers)
+        _, held = held_out_split(feature_examples(args.data_dir, cfg), args.data_dir)
         trainer = HeadTrainer(head, target)
         precision = training_precision(head, "auto")
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):

@@ -539,3 +539,13 @@ def test_distill_a_head_reading_more_layers_from_a_plain_one(tiny_dir, tmp_path,
         assert message in capsys.readouterr().err
     code = main(base[:6] + ["--kind", "draft", "--feature-layers", "0", "--out", str(tmp_path / "d")])
     assert code == 2 and "--feature-layers is for --kind eagle" in capsys.readouterr().err
+
+
+def test_vllm_is_not_given_a_head_reading_more_layers(tmp_path):
+    from lssp.engines.vllm import model_path
+    from lssp.models.registry import ModelSpec
+
+    _, head = _fused_pair(False)
+    save_feature_head(head, tmp_path / "fused")
+    with pytest.raises(UserError, match="several layers"):
+        model_path(ModelSpec(name="fused", path=str(tmp_path / "fused")))
