@@ -384,6 +384,14 @@ def test_distill_kind_eagle_makes_a_loadable_head_and_resumes(tiny_dir, tmp_path
                              "--collect-only"]) == 0, capsys.readouterr().err
     rebuilt = json.loads((again_dir / "data" / "meta.json").read_text())
     assert rebuilt["tokens"] == tokens and rebuilt["shards"] == json.loads((kept / "meta.json").read_text())["shards"]
+    assert all(f["rebuilt"] for f in rebuilt["files"]) and rebuilt["source"] == "built-in"
+    # Training on it again counts none of its text as new in the learning curve.
+    from lssp.distill.card import distinct_tokens
+    from lssp.distill.collection import collection_summary
+
+    assert collection_summary(again_dir)["rebuilt_tokens"] == tokens
+    assert distinct_tokens({"data_tokens": tokens, "rebuilt_tokens": tokens,
+                            "also_data": [collection_summary(again_dir), {"tokens": 7}]}) == 7
 
 
 def test_distill_kind_eagle_refuses_what_only_drafts_take(tiny_dir, tmp_path, capsys):

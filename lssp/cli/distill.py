@@ -154,7 +154,7 @@ def _collect_and_train(s: Settings, t: LoadedModel, work: Path, cfg: DistillConf
         got = dst.collect(collector, t.tokenizer, work, cfg, progress, draft=writer,
                           notice=lambda line: err_console.print(f"[yellow]{line}[/yellow]"))
         save_tokens(work / "data")
-        rep.data_tokens, rep.collect_seconds = got.tokens, got.seconds
+        rep.data_tokens, rep.collect_seconds, rep.rebuilt_tokens = got.tokens, got.seconds, got.rebuilt_tokens
         rep.draft_written_tokens, rep.repeat_tokens = got.draft_tokens, got.repeat_tokens
         if collect_only:
             console.print(f"Collected {got.tokens} target-written tokens (and {got.held_out_tokens} held out) in "

@@ -63,9 +63,13 @@ def _lineage(report: DistillReport) -> str:
 
 
 def distinct_tokens(report: dict | DistillReport) -> int:
-    """Target-written tokens a training read, its own collection's and its --also-data's (not its predecessors')."""
+    """Target-written tokens a training read, its own collection's and its --also-data's (not its predecessors'), but
+    those written again from token ids (``--tokens-from``: text a collection held before, counted where it was
+    first collected)."""
     get = report.get if isinstance(report, dict) else lambda key, default=None: getattr(report, key, default)
-    return int(get("data_tokens") or 0) + sum(int(c.get("tokens", 0)) for c in get("also_data") or [])
+    others = get("also_data") or []
+    return (int(get("data_tokens") or 0) - int(get("rebuilt_tokens") or 0)
+            + sum(int(c.get("tokens", 0)) - int(c.get("rebuilt_tokens", 0)) for c in others))
 
 
 def learning_curve(report: DistillReport) -> str:
@@ -104,6 +108,15 @@ def _prompts_line(report: DistillReport) -> str:
         line += (f"\n- also trained on the {c['tokens']} tokens of the collection in `{c['path']}` ({c['source']} prompts, "
                  f"{c['seconds'] / 60:.1f} min of collection)")
     return line
+
+
+def _collected(report: DistillReport) -> str:
+    """How the collection came to be: collected, or (some of it) written again from token ids."""
+    minutes = f"{report.collect_seconds / 60:.1f} min"
+    if not report.rebuilt_tokens:
+        return f"collected in {minutes}"
+    return (f"{report.rebuilt_tokens} of them written again from a collection's token ids by teacher forcing "
+            f"(`--tokens-from`, text the target wrote before); {minutes} in all")
 
 
 def _in(report: DistillReport) -> str:
@@ -164,8 +177,8 @@ logits. The files follow {layout} (`fc`, `layers.0` without input norm, no final
 
 Made with: `{command}`
 
-- data: {report.data_tokens} tokens of continuations written by the target (collected in {report.collect_seconds / 60:.1f} min),
-  with its final hidden states at every position (prompt and continuation)
+- data: {report.data_tokens} tokens of continuations written by the target ({_collected(report)}),
+  with its {"hidden states after layers " + ", ".join(map(str, taps)) + " and its final ones" if taps else "final hidden states"} at every position (prompt and continuation)
 - training: {report.steps} steps in {report.train_seconds / 60:.1f} min{_in(report)}; loss = cross-entropy to the target's distribution over
   the head's tokens + {REGRESSION_WEIGHT} x smooth-L1 to the target's next feature, on the features (with uniform noise of
   {FEATURE_NOISE} x their RMS) and on the head's own guesses over {unroll} drafting steps (the training-time test: each

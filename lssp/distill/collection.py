@@ -315,8 +315,9 @@ def read_meta(data: Path, notice: Callable[[str], None] | None = None) -> dict:
     return meta
 
 
-def add_shard(data: Path, meta: dict, record: dict[str, Any], seconds: float) -> None:
-    """Write ``record`` as the collection's next shard and count it in ``meta`` (both written atomically)."""
+def add_shard(data: Path, meta: dict, record: dict[str, Any], seconds: float, rebuilt: bool = False) -> None:
+    """Write ``record`` as the collection's next shard and count it in ``meta`` (both written atomically); ``rebuilt``:
+    its text was written before (teacher-forced again from token ids)."""
     shard = meta["shards"]
     name = f"shard_{shard:05d}.pt"
     _write_atomically(data / name, functools.partial(torch.save, record))
@@ -325,6 +326,8 @@ def add_shard(data: Path, meta: dict, record: dict[str, Any], seconds: float) ->
     entry = {"name": name, "bytes": (data / name).stat().st_size, "seconds": seconds,
              "tokens": 0 if held else tokens, "held_out_tokens": tokens if held else 0,
              "draft_tokens": tokens if source == "draft" else 0, "repeat_tokens": tokens if source == "repeat" else 0}
+    if rebuilt:
+        entry["rebuilt"] = True
     if "feature_layers" in record:
         meta["feature_layers"] = record["feature_layers"]
     meta["files"].append(entry)
@@ -358,6 +361,8 @@ def collect(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out: Pa
     meta["features"] = features = _keeps_features(data, meta, cfg)
     if features:
         same_feature_layers(data, meta, target)
+    if meta["files"]:  # what the shards are, said even when none is added (shards written again from token ids)
+        _write_atomically(data / "meta.json", lambda path: path.write_text(json.dumps(meta)))
     params_of = {t: SamplingParams(temperature=t) for t in (0.0, *cfg.temperatures)}  # held-out answers: greedy
     batches = _batches(prompts, cfg)
     for shard in itertools.count():
@@ -399,7 +404,13 @@ def collect(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out: Pa
             progress("collect", min(1.0, meta["tokens"] / cfg.data_tokens),
                      f"{meta['tokens']} tokens ({meta['draft_tokens']} draft-written, {meta['repeat_tokens']} after a repeat), "
                      f"{(meta['tokens'] + meta['held_out_tokens']) / max(meta['seconds'], 1e-9):.0f} tokens/s")
-    return Collected(meta["tokens"], meta["seconds"], meta["draft_tokens"], meta["repeat_tokens"], meta["held_out_tokens"])
+    return Collected(meta["tokens"], meta["seconds"], meta["draft_tokens"], meta["repeat_tokens"], meta["held_out_tokens"],
+                     rebuilt_tokens(meta))
+
+
+def rebuilt_tokens(meta: dict) -> int:
+    """Target-written tokens (not held out) of shards written again from token ids: text trained on before."""
+    return sum(f["tokens"] for f in meta.get("files", []) if f.get("rebuilt"))
 
 
 def collection_summary(folder: Path) -> dict:
@@ -411,4 +422,5 @@ def collection_summary(folder: Path) -> dict:
     except (OSError, ValueError):
         raise UserError(f"no collection in {folder} ({meta_path} is missing or unreadable)") from None
     return {"path": str(folder), "source": meta.get("source", "unknown"), "tokens": meta.get("tokens", 0),
-            "held_out_tokens": meta.get("held_out_tokens", 0), "seconds": meta.get("seconds", 0.0)}
+            "held_out_tokens": meta.get("held_out_tokens", 0), "seconds": meta.get("seconds", 0.0),
+            "rebuilt_tokens": rebuilt_tokens(meta)}

@@ -58,6 +58,7 @@ class DistillReport:
     repeat_tokens: int = 0  # of data_tokens, the target's continuations of a repeated cue (see repeat_prompts)
     precision: str = ""  # what training ran in: bf16 (autocast) or fp32
     also_data: list[dict] = field(default_factory=list)  # the other collections trained on: path, source, tokens, seconds
+    rebuilt_tokens: int = 0  # of data_tokens, those written again from token ids (--tokens-from): text seen before
 
 
 @dataclass
@@ -67,3 +68,4 @@ class Collected:
     draft_tokens: int
     repeat_tokens: int
     held_out_tokens: int = 0  # answers to the held-out prompts (not counted in tokens)
+    rebuilt_tokens: int = 0  # of tokens, those written again from token ids (``--tokens-from``): text seen before

@@ -75,7 +75,7 @@ def rebuild_shards(target: PreTrainedModel, tokens_path: Path, data: Path, progr
             start = time.perf_counter()
             record = _scored(target, {key: stored[f"{name}/{key}"] for key in (
                 "prompt_lengths", "prompts", "lengths", "tokens", "split", "source", "top_k", "new_tokens")})
-            add_shard(data, meta, record, time.perf_counter() - start)
+            add_shard(data, meta, record, time.perf_counter() - start, rebuilt=True)
             if progress:
                 progress("rebuild", (done + 1) / len(todo), f"{name} ({meta['tokens']} tokens) from {tokens_path.name}")
     return len(todo)
