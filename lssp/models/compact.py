@@ -119,6 +119,7 @@ def _linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return layer.forward(x)  # weight-only (lssp.models.weight_only) or dynamic int8
 
 
+WEIGHTS_PER_LAYER = 14  # tensors per layer in the one-call decoder's stack (kPerLayer in lssp/kernels/blocks.cpp)
 STEP_TOKENS = 16  # compiled: forwards of up to this many tokens after the prefill (decode, verification)
 RECOMPILE_LIMIT = 64
 COMPILED_CAPACITY = 1024  # compiled: positions each cache buffer holds (it doubles, and recompiles, if outgrown)
@@ -358,10 +359,10 @@ class FusedDecoder(nn.Module):
         ends = sorted({t + 1 for t in taps if t + 1 < layers} | {layers})
         for first, end in zip([0, *ends[:-1]], ends):
             last = end == layers
+            weights_of = stack[first * WEIGHTS_PER_LAYER: end * WEIGHTS_PER_LAYER]
             hidden, logits = torch.ops.lssp.decoder(
-                hidden.contiguous(), cos, sin, allowed, stack[first * 14: end * 14], keys_values[2 * first: 2 * end],
-                start, self.heads, self.kv_heads, self.eps, self.scale, norm if last else None,
-                weights if last else (), keep)
+                hidden.contiguous(), cos, sin, allowed, weights_of, keys_values[2 * first: 2 * end], start, self.heads,
+                self.kv_heads, self.eps, self.scale, norm if last else None, weights if last else (), keep)
             if end - 1 in taps:
                 tapped.append(hidden)
         return Layered(hidden, logits if weights else None, tapped)
