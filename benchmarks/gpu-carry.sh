@@ -22,3 +22,7 @@ tar cJf .gpusite/site.tar.xz -C "$work/site" .
 tree=$(git ls-files -z | xargs -0 du -cb | tail -1 | cut -f1)
 extra=$(du -b .gpusite/site.tar.xz | cut -f1)
 echo "wrote .gpusite/site.tar.xz ($((extra / 1024)) KiB); tracked tree + it: $(((tree + extra) / 1048576)) MiB of 64"
+if [ $(((tree + extra) / 1048576)) -ge 64 ]; then
+    echo "over 64 MiB: the suite needs no shipped draft; for the trip, take drafts/ out of git's index:" \
+        "git rm -r -q --cached drafts && echo /drafts/ >> .git/info/exclude (undo: git reset -q drafts)" >&2
+fi
