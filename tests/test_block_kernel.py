@@ -243,3 +243,16 @@ def test_the_one_call_decoder_gives_the_hidden_states_of_tapped_layers(tiny_dir)
     target.__dict__["_stack"] = None  # the layer-by-layer forward
     layered_logits, layered = features((0,))
     torch.testing.assert_close(tapped, layered, rtol=1e-3, atol=1e-3)
+
+
+def test_the_kernel_runs_on_avx512_vnni_or_avx2_and_says_which(monkeypatch):
+    """Either vector set builds the kernel (AVX-512 first); a CPU with neither is told what it lacks."""
+    import lssp.kernels as kernels
+    from lssp.report import results
+
+    cases = [({"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni", "avx2", "fma", "f16c"}, "avx512-vnni"),
+             ({"avx512f", "avx2", "fma", "f16c"}, "avx2"), ({"avx2", "fma", "f16c"}, "avx2"), ({"avx", "f16c"}, "")]
+    for flags, isa in cases:
+        monkeypatch.setattr(results, "cpu_flags", lambda flags=flags: flags)
+        assert kernels.kernel_isa() == isa
+        assert kernels.missing_flags() == ([] if isa else ["avx2", "fma"])

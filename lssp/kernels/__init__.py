@@ -1,7 +1,7 @@
 """Our own CPU kernels, compiled on first use for this machine and cached.
 
 ``blocks.cpp``: ``torch.ops.lssp.block_mm``, a matmul by weights in groups of 32 (4-bit Q4_1 or 8-bit Q8_0) with int8
-activations on AVX512-VNNI (``lssp.models.weight_only.BlockLinear``), and ``torch.ops.lssp.row_attention``, causal
+activations on AVX512-VNNI, or AVX2 (with FMA and F16C) where the CPU has no AVX-512 (``lssp.models.weight_only.BlockLinear``), and ``torch.ops.lssp.row_attention``, causal
 attention of each query by itself (the compact forward of a q4_1 model: a verification forward, or a batch of rows,
 then computes each position as a one-token forward of its row does, which int8 activations need to keep SSp exact), and
 ``torch.ops.lssp.decoder``, a q4_1 model's whole stack of decoder layers in one call (no Python, no compilation), with
@@ -26,7 +26,8 @@ from lssp.errors import UserError
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("blocks.cpp")
-NEEDED_FLAGS = ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni")
+AVX512_FLAGS = ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni")  # the kernel's first choice
+NEEDED_FLAGS = ("avx2", "fma", "f16c")  # what it needs at least
 # -fopenmp: at::parallel_for is inlined into this source and splits work between threads only where compiled with
 # OpenMP (else every matmul runs on one thread). The library it links by name, libgomp.so.1, resolves at load time
 # to the copy torch has already loaded, so torch.set_num_threads governs both.
@@ -40,6 +41,16 @@ def missing_flags() -> list[str]:
 
     flags = cpu_flags()
     return [f for f in NEEDED_FLAGS if f not in flags]
+
+
+def kernel_isa() -> str:
+    """Which vectors the kernel is built with on this CPU: "avx512-vnni", "avx2", or "" (none: it cannot run)."""
+    from lssp.report.results import cpu_flags
+
+    flags = cpu_flags()
+    if all(f in flags for f in AVX512_FLAGS):
+        return "avx512-vnni"
+    return "" if missing_flags() else "avx2"
 
 
 def build_dir(root: Path) -> Path:
@@ -64,8 +75,8 @@ _loaded: list[Path] = []  # where this process loaded it from
 def _load_block_kernel(root: Path) -> None:
     missing = missing_flags()
     if missing:
-        raise UserError(f"quantization q4_1 needs a CPU with AVX512-VNNI; this one lacks {', '.join(missing)} "
-                        "(quantization: int4 runs anywhere)")
+        raise UserError(f"quantization q4_1 needs a CPU with AVX2, FMA and F16C (or AVX512-VNNI); this one lacks "
+                        f"{', '.join(missing)} (quantization: int4 runs anywhere)")
     from torch.utils.cpp_extension import load
 
     if shutil.which("ninja") is None:  # pip's ninja sits beside this interpreter, which need not be on PATH

@@ -2,7 +2,8 @@
 // GGUF's Q4_1 blocks) or 8-bit (0..255: a Q8_0 block's q + 128, with m = -128 d), and activations quantized to int8
 // in groups of 32 (s = max|x| / 127) as llama.cpp quantizes them (Q8_1):
 //   y[r, n] = sum_g d[n, g] s[r, g] sum_k q[n, k] xq[r, k]  +  m[n, g] s[r, g] sum_k xq[r, k]
-// The integer dot products run on AVX512-VNNI (vpdpbusd: unsigned weights by signed int8 activations, 4 per lane).
+// The integer dot products run on AVX512-VNNI (vpdpbusd: unsigned weights by signed int8 activations, 4 per lane),
+// or on AVX2 where the CPU has no AVX-512 (vpmaddubsw and vpmaddwd: the same sums, exact).
 // Each output is computed by one thread in the same order whatever the number of rows: a row's result does not
 // depend on the rows beside it (a verification forward of K+1 tokens gives the one-token forward's numbers).
 //
@@ -26,6 +27,173 @@
 
 namespace {
 
+// The 16-lane vectors the kernel is written in: AVX-512 registers where the CPU has AVX512-VNNI, else pairs of AVX2
+// registers (FMA and F16C too), the same operations lane for lane. Integer dot products are exact either way; float
+// sums group alike, so a row's numbers still do not depend on the rows beside it (they differ between the two ISAs).
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__) && \
+    defined(__AVX512VNNI__)
+#define LSSP_AVX512 1
+using v16f = __m512;
+using v16i = __m512i;
+using mask16 = __mmask16;
+#define v16_abs_ps _mm512_abs_ps
+#define v16_add_epi32 _mm512_add_epi32
+#define v16_add_ps _mm512_add_ps
+#define v16_and_si512 _mm512_and_si512
+#define v16_cvtepi32_ps _mm512_cvtepi32_ps
+#define v16_cvtph_ps _mm512_cvtph_ps
+#define v16_div_ps _mm512_div_ps
+#define v16_dpbusd_epi32 _mm512_dpbusd_epi32
+#define v16_fmadd_ps _mm512_fmadd_ps
+#define v16_fnmadd_ps _mm512_fnmadd_ps
+#define v16_loadu_ps _mm512_loadu_ps
+#define v16_loadu_si512 _mm512_loadu_si512
+#define v16_mask_add_ps _mm512_mask_add_ps
+#define v16_mask_loadu_ps _mm512_mask_loadu_ps
+#define v16_mask_storeu_ps _mm512_mask_storeu_ps
+#define v16_maskz_loadu_ps _mm512_maskz_loadu_ps
+#define v16_max_ps _mm512_max_ps
+#define v16_min_ps _mm512_min_ps
+#define v16_mul_ps _mm512_mul_ps
+#define v16_reduce_add_ps _mm512_reduce_add_ps
+#define v16_reduce_max_ps _mm512_reduce_max_ps
+#define v16_scalef_ps _mm512_scalef_ps
+#define v16_set1_epi32 _mm512_set1_epi32
+#define v16_set1_epi8 _mm512_set1_epi8
+#define v16_set1_ps _mm512_set1_ps
+#define v16_setzero_ps _mm512_setzero_ps
+#define v16_setzero_si512 _mm512_setzero_si512
+#define v16_srli_epi16 _mm512_srli_epi16
+#define v16_storeu_ps _mm512_storeu_ps
+#define v16_sub_ps _mm512_sub_ps
+#define v16_dpbusd_small_epi32 _mm512_dpbusd_epi32  // unsigned operands below 128: the same as dpbusd
+#define v16_roundscale_ps _mm512_roundscale_ps
+
+// The sums of the 16 lanes of each of a0..a3: (sum a0, sum a1, sum a2, sum a3).
+inline __m128 sum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+  // In each 128-bit lane: [a0 e0+e2, a1 e0+e2, a0 e1+e3, a1 e1+e3], and the same for a2, a3.
+  const __m512d s01 = _mm512_castps_pd(_mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1)));
+  const __m512d s23 = _mm512_castps_pd(_mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3)));
+  // In each 128-bit lane: that lane's sums of a0, a1, a2, a3; then the four lanes added.
+  const __m512 t = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(s01, s23)),
+                                 _mm512_castpd_ps(_mm512_unpackhi_pd(s01, s23)));
+  const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(t), _mm512_extractf32x8_ps(t, 1));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define LSSP_AVX512 0
+struct v16f { __m256 lo, hi; };
+struct v16i { __m256i lo, hi; };
+struct mask16 { __m256i lo, hi; };  // all ones in a lane that is on
+
+inline v16f pair(__m256 lo, __m256 hi) { return {lo, hi}; }
+inline v16i ipair(__m256i lo, __m256i hi) { return {lo, hi}; }
+inline v16f v16_setzero_ps() { return pair(_mm256_setzero_ps(), _mm256_setzero_ps()); }
+inline v16f v16_set1_ps(float x) { return pair(_mm256_set1_ps(x), _mm256_set1_ps(x)); }
+inline v16f v16_loadu_ps(const float* p) { return pair(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)); }
+inline void v16_storeu_ps(float* p, v16f a) { _mm256_storeu_ps(p, a.lo); _mm256_storeu_ps(p + 8, a.hi); }
+inline v16f v16_maskz_loadu_ps(mask16 m, const float* p) {
+  return pair(_mm256_maskload_ps(p, m.lo), _mm256_maskload_ps(p + 8, m.hi));
+}
+inline v16f v16_mask_loadu_ps(v16f src, mask16 m, const float* p) {
+  const v16f x = v16_maskz_loadu_ps(m, p);
+  return pair(_mm256_blendv_ps(src.lo, x.lo, _mm256_castsi256_ps(m.lo)),
+              _mm256_blendv_ps(src.hi, x.hi, _mm256_castsi256_ps(m.hi)));
+}
+inline void v16_mask_storeu_ps(float* p, mask16 m, v16f a) {
+  _mm256_maskstore_ps(p, m.lo, a.lo);
+  _mm256_maskstore_ps(p + 8, m.hi, a.hi);
+}
+#define LSSP_V16_BINARY(name, op) \
+  inline v16f v16_##name(v16f a, v16f b) { return pair(op(a.lo, b.lo), op(a.hi, b.hi)); }
+LSSP_V16_BINARY(add_ps, _mm256_add_ps)
+LSSP_V16_BINARY(sub_ps, _mm256_sub_ps)
+LSSP_V16_BINARY(mul_ps, _mm256_mul_ps)
+LSSP_V16_BINARY(div_ps, _mm256_div_ps)
+LSSP_V16_BINARY(max_ps, _mm256_max_ps)
+LSSP_V16_BINARY(min_ps, _mm256_min_ps)
+#undef LSSP_V16_BINARY
+inline v16f v16_mask_add_ps(v16f src, mask16 m, v16f a, v16f b) {
+  const v16f x = v16_add_ps(a, b);
+  return pair(_mm256_blendv_ps(src.lo, x.lo, _mm256_castsi256_ps(m.lo)),
+              _mm256_blendv_ps(src.hi, x.hi, _mm256_castsi256_ps(m.hi)));
+}
+inline v16f v16_fmadd_ps(v16f a, v16f b, v16f c) {
+  return pair(_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi));
+}
+inline v16f v16_fnmadd_ps(v16f a, v16f b, v16f c) {
+  return pair(_mm256_fnmadd_ps(a.lo, b.lo, c.lo), _mm256_fnmadd_ps(a.hi, b.hi, c.hi));
+}
+inline v16f v16_abs_ps(v16f a) {
+  const __m256 m = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  return pair(_mm256_and_ps(a.lo, m), _mm256_and_ps(a.hi, m));
+}
+inline float hsum8(__m256 a) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+inline float v16_reduce_add_ps(v16f a) { return hsum8(_mm256_add_ps(a.lo, a.hi)); }
+inline float v16_reduce_max_ps(v16f a) {
+  const __m256 m = _mm256_max_ps(a.lo, a.hi);
+  const __m128 s = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  const __m128 t = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(t, _mm_movehdup_ps(t)));
+}
+inline v16f v16_roundscale_ps(v16f a, int) {  // to the nearest integer, as the kernel asks
+  constexpr int kMode = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  return pair(_mm256_round_ps(a.lo, kMode), _mm256_round_ps(a.hi, kMode));
+}
+inline __m256 scale8(__m256 p, __m256 n) {  // p * 2^n for integral n in [-126, 127]
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+inline v16f v16_scalef_ps(v16f p, v16f n) {
+  const __m256 lowest = _mm256_set1_ps(-126.0f);  // e^-88 needs 2^-127: one step short of it, as good as zero here
+  return pair(scale8(p.lo, _mm256_max_ps(n.lo, lowest)), scale8(p.hi, _mm256_max_ps(n.hi, lowest)));
+}
+inline v16f v16_cvtph_ps(__m256i h) {
+  return pair(_mm256_cvtph_ps(_mm256_castsi256_si128(h)), _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)));
+}
+inline v16f v16_cvtepi32_ps(v16i a) { return pair(_mm256_cvtepi32_ps(a.lo), _mm256_cvtepi32_ps(a.hi)); }
+inline v16i v16_setzero_si512() { return ipair(_mm256_setzero_si256(), _mm256_setzero_si256()); }
+inline v16i v16_set1_epi8(char x) { return ipair(_mm256_set1_epi8(x), _mm256_set1_epi8(x)); }
+inline v16i v16_set1_epi32(int32_t x) { return ipair(_mm256_set1_epi32(x), _mm256_set1_epi32(x)); }
+inline v16i v16_loadu_si512(const void* p) {
+  const __m256i* q = reinterpret_cast<const __m256i*>(p);
+  return ipair(_mm256_loadu_si256(q), _mm256_loadu_si256(q + 1));
+}
+inline v16i v16_and_si512(v16i a, v16i b) { return ipair(_mm256_and_si256(a.lo, b.lo), _mm256_and_si256(a.hi, b.hi)); }
+inline v16i v16_add_epi32(v16i a, v16i b) { return ipair(_mm256_add_epi32(a.lo, b.lo), _mm256_add_epi32(a.hi, b.hi)); }
+inline v16i v16_srli_epi16(v16i a, int n) { return ipair(_mm256_srli_epi16(a.lo, n), _mm256_srli_epi16(a.hi, n)); }
+// acc + the sums of 4 adjacent products of unsigned u and signed s bytes in each 32-bit lane (vpdpbusd). "small":
+// every u below 128, so the pairs vpmaddubsw adds cannot saturate int16 (2 * 127 * 128 < 2^15).
+inline __m256i dot4_small(__m256i acc, __m256i u, __m256i s) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+}
+inline __m256i dot4(__m256i acc, __m256i u, __m256i s) {  // any u: widened to int16 first, exact
+  const __m256i zero = _mm256_setzero_si256();
+  const __m256i lo = _mm256_madd_epi16(_mm256_unpacklo_epi8(u, zero), _mm256_srai_epi16(_mm256_unpacklo_epi8(zero, s), 8));
+  const __m256i hi = _mm256_madd_epi16(_mm256_unpackhi_epi8(u, zero), _mm256_srai_epi16(_mm256_unpackhi_epi8(zero, s), 8));
+  return _mm256_add_epi32(acc, _mm256_hadd_epi32(lo, hi));  // lanes (0,1) of lo, then of hi: bytes 0-7, 8-15
+}
+inline v16i v16_dpbusd_small_epi32(v16i acc, v16i u, v16i s) {
+  return ipair(dot4_small(acc.lo, u.lo, s.lo), dot4_small(acc.hi, u.hi, s.hi));
+}
+inline v16i v16_dpbusd_epi32(v16i acc, v16i u, v16i s) { return ipair(dot4(acc.lo, u.lo, s.lo), dot4(acc.hi, u.hi, s.hi)); }
+
+// The sums of the 16 lanes of each of a0..a3: (sum a0, sum a1, sum a2, sum a3).
+inline __m128 sum4(v16f a0, v16f a1, v16f a2, v16f a3) {
+  const __m256 s0 = _mm256_add_ps(a0.lo, a0.hi), s1 = _mm256_add_ps(a1.lo, a1.hi);
+  const __m256 s2 = _mm256_add_ps(a2.lo, a2.hi), s3 = _mm256_add_ps(a3.lo, a3.hi);
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(s0, s1), _mm256_hadd_ps(s2, s3));  // per 128-bit lane: a0 a1 a2 a3
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+#else
+#error "lssp's block kernel needs AVX512-VNNI, or AVX2 with FMA and F16C"
+#endif
+
 constexpr int64_t kGroup = 32;
 constexpr int64_t kRowTile = 8;
 constexpr int64_t kAhead = 4096;  // bytes of weights prefetched ahead of those multiplied: on an AMD EPYC (2 cores),
@@ -37,9 +205,9 @@ void quantize_rows(const float* x, int64_t R, int64_t K, int8_t* xq, float* row_
   for (int64_t r = 0; r < R; ++r) {
     for (int64_t g = 0; g < G; ++g) {
       const float* v = x + r * K + g * kGroup;
-      const __m512 a = _mm512_abs_ps(_mm512_loadu_ps(v));
-      const __m512 b = _mm512_abs_ps(_mm512_loadu_ps(v + 16));
-      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(a, b));
+      const v16f a = v16_abs_ps(v16_loadu_ps(v));
+      const v16f b = v16_abs_ps(v16_loadu_ps(v + 16));
+      const float amax = v16_reduce_max_ps(v16_max_ps(a, b));
       const float s = amax / 127.0f;
       const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
       int32_t total = 0;
@@ -62,51 +230,109 @@ void tile(const uint8_t* packed, const at::Half* scales, const at::Half* mins, c
           const float* group_sums, float* y, int64_t r0, int64_t nb0, int64_t nb1, int64_t K, int64_t N) {
   const int64_t G = K / kGroup;
   constexpr int kChunks = Bits;  // 64-byte loads per group of 32 inputs of 16 rows (16 * 32 * Bits / 8 bytes)
-  const __m512i low = _mm512_set1_epi8(0x0F);
+  const v16i low = v16_set1_epi8(0x0F);
   for (int64_t nb = nb0; nb < nb1; ++nb) {
     const uint8_t* w = packed + nb * 16 * (K * Bits / 8);
     const at::Half* d = scales + nb * 16 * G;
     const at::Half* m = mins + nb * 16 * G;
-    __m512 acc[T];
-    for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
+    v16f acc[T];
+    for (int t = 0; t < T; ++t) acc[t] = v16_setzero_ps();
     for (int64_t g = 0; g < G; ++g) {
       // Integer sums: exact in any order, so the split into accumulators (two chains where there are few rows, to
       // hide vpdpbusd's latency; one per row beyond, to keep every accumulator in a register) changes no result.
       constexpr int kSplit = T <= 2 ? 2 : 1;
-      __m512i dot[T][kSplit];
+      v16i dot[T][kSplit];
       for (int t = 0; t < T; ++t)
-        for (int j = 0; j < kSplit; ++j) dot[t][j] = _mm512_setzero_si512();
+        for (int j = 0; j < kSplit; ++j) dot[t][j] = v16_setzero_si512();
       for (int c = 0; c < kChunks; ++c) {
         const uint8_t* at = w + (g * kChunks + c) * 64;
         _mm_prefetch(reinterpret_cast<const char*>(at + kAhead), _MM_HINT_T0);
-        const __m512i raw = _mm512_loadu_si512(at);
+        const v16i raw = v16_loadu_si512(at);
         if constexpr (Bits == 4) {
-          const __m512i lo = _mm512_and_si512(raw, low);
-          const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+          const v16i lo = v16_and_si512(raw, low);
+          const v16i hi = v16_and_si512(v16_srli_epi16(raw, 4), low);
           for (int t = 0; t < T; ++t) {
             const int32_t* x4 = reinterpret_cast<const int32_t*>(xq + (r0 + t) * K + g * kGroup + c * 8);
-            dot[t][0] = _mm512_dpbusd_epi32(dot[t][0], lo, _mm512_set1_epi32(x4[0]));
-            dot[t][kSplit - 1] = _mm512_dpbusd_epi32(dot[t][kSplit - 1], hi, _mm512_set1_epi32(x4[1]));
+            dot[t][0] = v16_dpbusd_small_epi32(dot[t][0], lo, v16_set1_epi32(x4[0]));
+            dot[t][kSplit - 1] = v16_dpbusd_small_epi32(dot[t][kSplit - 1], hi, v16_set1_epi32(x4[1]));
           }
         } else {
           for (int t = 0; t < T; ++t) {
             const int32_t* x4 = reinterpret_cast<const int32_t*>(xq + (r0 + t) * K + g * kGroup + c * 4);
-            dot[t][c % kSplit] = _mm512_dpbusd_epi32(dot[t][c % kSplit], raw, _mm512_set1_epi32(x4[0]));
+            dot[t][c % kSplit] = v16_dpbusd_epi32(dot[t][c % kSplit], raw, v16_set1_epi32(x4[0]));
           }
         }
       }
-      const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + g * 16)));
-      const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(m + g * 16)));
+      const v16f dv = v16_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + g * 16)));
+      const v16f mv = v16_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(m + g * 16)));
       for (int t = 0; t < T; ++t) {
         const int64_t r = r0 + t;
-        const __m512i total = kSplit == 2 ? _mm512_add_epi32(dot[t][0], dot[t][kSplit - 1]) : dot[t][0];
-        const __m512 sum = _mm512_cvtepi32_ps(total);
-        acc[t] = _mm512_fmadd_ps(sum, _mm512_mul_ps(dv, _mm512_set1_ps(row_scales[r * G + g])), acc[t]);
-        acc[t] = _mm512_fmadd_ps(mv, _mm512_set1_ps(group_sums[r * G + g]), acc[t]);
+        const v16i total = kSplit == 2 ? v16_add_epi32(dot[t][0], dot[t][kSplit - 1]) : dot[t][0];
+        const v16f sum = v16_cvtepi32_ps(total);
+        acc[t] = v16_fmadd_ps(sum, v16_mul_ps(dv, v16_set1_ps(row_scales[r * G + g])), acc[t]);
+        acc[t] = v16_fmadd_ps(mv, v16_set1_ps(group_sums[r * G + g]), acc[t]);
       }
     }
-    for (int t = 0; t < T; ++t) _mm512_storeu_ps(y + (r0 + t) * N + nb * 16, acc[t]);
+    for (int t = 0; t < T; ++t) v16_storeu_ps(y + (r0 + t) * N + nb * 16, acc[t]);
   }
+}
+
+#if !LSSP_AVX512
+// AVX2, 4-bit: the 16 rows of a block as two halves of 8 (one register each, so that up to 8 activation rows keep
+// their sums in registers), and a group's 32 products per row summed in int16 before widening: each int16 lane adds
+// 16 products of at most 15 * 127, below 2^15, so the sums are the exact ones ``tile`` computes.
+template <int T>
+void tile_q4_avx2(const uint8_t* packed, const at::Half* scales, const at::Half* mins, const int8_t* xq,
+                  const float* row_scales, const float* group_sums, float* y, int64_t r0, int64_t nb0, int64_t nb1,
+                  int64_t K, int64_t N) {
+  const int64_t G = K / kGroup;
+  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  for (int64_t nb = nb0; nb < nb1; ++nb) {
+    const uint8_t* w = packed + nb * 16 * (K / 2);
+    const at::Half* d = scales + nb * 16 * G;
+    const at::Half* m = mins + nb * 16 * G;
+    for (int h = 0; h < 2; ++h) {
+      __m256 acc[T];
+      for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
+      for (int64_t g = 0; g < G; ++g) {
+        __m256i lo[4], hi[4];  // the group's 32 inputs of these 8 rows, unpacked once for every activation row
+        for (int c = 0; c < 4; ++c) {
+          const uint8_t* at = w + (g * 4 + c) * 64;
+          if (h == 0) _mm_prefetch(reinterpret_cast<const char*>(at + kAhead), _MM_HINT_T0);
+          const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + 32 * h));
+          lo[c] = _mm256_and_si256(raw, low);
+          hi[c] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+        }
+        const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + g * 16 + 8 * h)));
+        const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + g * 16 + 8 * h)));
+        for (int t = 0; t < T; ++t) {
+          const int64_t r = r0 + t;
+          const int32_t* x4 = reinterpret_cast<const int32_t*>(xq + r * K + g * kGroup);
+          __m256i a = _mm256_maddubs_epi16(lo[0], _mm256_set1_epi32(x4[0]));
+          __m256i b = _mm256_maddubs_epi16(hi[0], _mm256_set1_epi32(x4[1]));
+          for (int c = 1; c < 4; ++c) {
+            a = _mm256_add_epi16(a, _mm256_maddubs_epi16(lo[c], _mm256_set1_epi32(x4[2 * c])));
+            b = _mm256_add_epi16(b, _mm256_maddubs_epi16(hi[c], _mm256_set1_epi32(x4[2 * c + 1])));
+          }
+          const __m256 sum = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_add_epi16(a, b), ones));
+          acc[t] = _mm256_fmadd_ps(sum, _mm256_mul_ps(dv, _mm256_set1_ps(row_scales[r * G + g])), acc[t]);
+          acc[t] = _mm256_fmadd_ps(mv, _mm256_set1_ps(group_sums[r * G + g]), acc[t]);
+        }
+      }
+      for (int t = 0; t < T; ++t) _mm256_storeu_ps(y + (r0 + t) * N + nb * 16 + 8 * h, acc[t]);
+    }
+  }
+}
+
+#endif
+
+template <int T, int Bits>
+void tile_for(const uint8_t* wp, const at::Half* sp, const at::Half* mp, const int8_t* xp, const float* rs,
+              const float* gs, float* yp, int64_t r0, int64_t nb0, int64_t nb1, int64_t K, int64_t N) {
+#if !LSSP_AVX512
+  if constexpr (Bits == 4) return tile_q4_avx2<T>(wp, sp, mp, xp, rs, gs, yp, r0, nb0, nb1, K, N);
+#endif
+  tile<T, Bits>(wp, sp, mp, xp, rs, gs, yp, r0, nb0, nb1, K, N);
 }
 
 template <int Bits>
@@ -115,14 +341,14 @@ void rows(const uint8_t* wp, const at::Half* sp, const at::Half* mp, const int8_
   // Up to kRowTile rows per pass over the weights: a verification of K + 1 <= kRowTile tokens reads them once.
   for (int64_t r = 0; r < R; r += kRowTile) {
     switch (std::min<int64_t>(R - r, kRowTile)) {
-      case 1: tile<1, Bits>(wp, sp, mp, xp, rs, gs, yp, r, nb0, nb1, K, N); break;
-      case 2: tile<2, Bits>(wp, sp, mp, xp, rs, gs, yp, r, nb0, nb1, K, N); break;
-      case 3: tile<3, Bits>(wp, sp, mp, xp, rs, gs, yp, r, nb0, nb1, K, N); break;
-      case 4: tile<4, Bits>(wp, sp, mp, xp, rs, gs, yp, r, nb0, nb1, K, N); break;
-      case 5: tile<5, Bits>(wp, sp, mp, xp, rs, gs, yp, r, nb0, nb1, K, N); break;
-      case 6: tile<6, Bits>(wp, sp, mp, xp, rs, gs, yp, r, nb0, nb1, K, N); break;
-      case 7: tile<7, Bits>(wp, sp, mp, xp, rs, gs, yp, r, nb0, nb1, K, N); break;
-      default: tile<8, Bits>(wp, sp, mp, xp, rs, gs, yp, r, nb0, nb1, K, N); break;
+      case 1: tile_for<1, Bits>(wp, sp, mp, xp, rs, gs, yp, r, nb0, nb1, K, N); break;
+      case 2: tile_for<2, Bits>(wp, sp, mp, xp, rs, gs, yp, r, nb0, nb1, K, N); break;
+      case 3: tile_for<3, Bits>(wp, sp, mp, xp, rs, gs, yp, r, nb0, nb1, K, N); break;
+      case 4: tile_for<4, Bits>(wp, sp, mp, xp, rs, gs, yp, r, nb0, nb1, K, N); break;
+      case 5: tile_for<5, Bits>(wp, sp, mp, xp, rs, gs, yp, r, nb0, nb1, K, N); break;
+      case 6: tile_for<6, Bits>(wp, sp, mp, xp, rs, gs, yp, r, nb0, nb1, K, N); break;
+      case 7: tile_for<7, Bits>(wp, sp, mp, xp, rs, gs, yp, r, nb0, nb1, K, N); break;
+      default: tile_for<8, Bits>(wp, sp, mp, xp, rs, gs, yp, r, nb0, nb1, K, N); break;
     }
   }
 }
@@ -186,61 +412,56 @@ at::Tensor block_mm(const at::Tensor& x_in, const at::Tensor& packed, const at::
   return y;
 }
 
-inline __mmask16 lanes_from(int64_t left) {  // the first min(left, 16) lanes
-  return left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
+inline mask16 lanes_from(int64_t left) {  // the first min(left, 16) lanes
+#if LSSP_AVX512
+  return left >= 16 ? static_cast<mask16>(0xFFFF) : static_cast<mask16>((1u << left) - 1);
+#else
+  const __m256i n = _mm256_set1_epi32(static_cast<int32_t>(std::min<int64_t>(left, 16)));
+  return {_mm256_cmpgt_epi32(n, _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)),
+          _mm256_cmpgt_epi32(n, _mm256_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15))};
+#endif
 }
 
 // e^x in each lane (relative error ~2e-7): x = n ln2 + r, |r| <= ln2/2, e^r by its degree-6 Taylor polynomial.
-inline __m512 exp512(__m512 x) {
-  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-88.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
+inline v16f exp512(v16f x) {
+  x = v16_max_ps(v16_min_ps(x, v16_set1_ps(88.0f)), v16_set1_ps(-88.0f));
+  const v16f n = v16_roundscale_ps(v16_mul_ps(x, v16_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
+  v16f r = v16_fnmadd_ps(n, v16_set1_ps(0.693145751953125f), x);
+  r = v16_fnmadd_ps(n, v16_set1_ps(1.428606765330187e-06f), r);
+  v16f p = v16_set1_ps(1.0f / 720);
+  p = v16_fmadd_ps(p, r, v16_set1_ps(1.0f / 120));
+  p = v16_fmadd_ps(p, r, v16_set1_ps(1.0f / 24));
+  p = v16_fmadd_ps(p, r, v16_set1_ps(1.0f / 6));
+  p = v16_fmadd_ps(p, r, v16_set1_ps(0.5f));
+  p = v16_fmadd_ps(p, r, v16_set1_ps(1.0f));
+  p = v16_fmadd_ps(p, r, v16_set1_ps(1.0f));
+  return v16_scalef_ps(p, n);
 }
 
-// The sums of the 16 lanes of each of a0..a3: (sum a0, sum a1, sum a2, sum a3).
-inline __m128 sum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
-  // In each 128-bit lane: [a0 e0+e2, a1 e0+e2, a0 e1+e3, a1 e1+e3], and the same for a2, a3.
-  const __m512d s01 = _mm512_castps_pd(_mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1)));
-  const __m512d s23 = _mm512_castps_pd(_mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3)));
-  // In each 128-bit lane: that lane's sums of a0, a1, a2, a3; then the four lanes added.
-  const __m512 t = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(s01, s23)),
-                                 _mm512_castpd_ps(_mm512_unpackhi_pd(s01, s23)));
-  const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(t), _mm512_extractf32x8_ps(t, 1));
-  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-}
 
 // out (16 V) = inv * sum over c of scores[c] * the value row of slots[c]: each row read once, two rows at a time into
 // two sets of V accumulators (independent chains), added at the end.
 template <int V>
 void accumulate_values(const float* v, int64_t vs, const float* scores, const int64_t* slots, int64_t count, float inv,
                        float* out) {
-  __m512 a[V], b[V];
-  for (int i = 0; i < V; ++i) a[i] = b[i] = _mm512_setzero_ps();
+  v16f a[V], b[V];
+  for (int i = 0; i < V; ++i) a[i] = b[i] = v16_setzero_ps();
   int64_t c = 0;
   for (; c + 2 <= count; c += 2) {
     const float* v0 = v + slots[c] * vs;
     const float* v1 = v + slots[c + 1] * vs;
-    const __m512 s0 = _mm512_set1_ps(scores[c]), s1 = _mm512_set1_ps(scores[c + 1]);
+    const v16f s0 = v16_set1_ps(scores[c]), s1 = v16_set1_ps(scores[c + 1]);
     for (int i = 0; i < V; ++i) {
-      a[i] = _mm512_fmadd_ps(s0, _mm512_loadu_ps(v0 + 16 * i), a[i]);
-      b[i] = _mm512_fmadd_ps(s1, _mm512_loadu_ps(v1 + 16 * i), b[i]);
+      a[i] = v16_fmadd_ps(s0, v16_loadu_ps(v0 + 16 * i), a[i]);
+      b[i] = v16_fmadd_ps(s1, v16_loadu_ps(v1 + 16 * i), b[i]);
     }
   }
   if (c < count) {
     const float* v0 = v + slots[c] * vs;
-    const __m512 s0 = _mm512_set1_ps(scores[c]);
-    for (int i = 0; i < V; ++i) a[i] = _mm512_fmadd_ps(s0, _mm512_loadu_ps(v0 + 16 * i), a[i]);
+    const v16f s0 = v16_set1_ps(scores[c]);
+    for (int i = 0; i < V; ++i) a[i] = v16_fmadd_ps(s0, v16_loadu_ps(v0 + 16 * i), a[i]);
   }
-  for (int i = 0; i < V; ++i) _mm512_storeu_ps(out + 16 * i, _mm512_mul_ps(_mm512_add_ps(a[i], b[i]), _mm512_set1_ps(inv)));
+  for (int i = 0; i < V; ++i) v16_storeu_ps(out + 16 * i, v16_mul_ps(v16_add_ps(a[i], b[i]), v16_set1_ps(inv)));
 }
 
 // One query row q (D) over the slots 0..S-1 of keys and values (slot j at k + j * ks, v + j * vs) that ``sees`` allows
@@ -257,37 +478,37 @@ void attend_row(const float* q, const float* k, int64_t ks, const float* v, int6
     const float* k1 = k + slots[c + 1] * ks;
     const float* k2 = k + slots[c + 2] * ks;
     const float* k3 = k + slots[c + 3] * ks;
-    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    v16f a0 = v16_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     for (int64_t d = 0; d < D; d += 16) {
-      const __mmask16 lanes = lanes_from(D - d);
-      const __m512 qv = _mm512_maskz_loadu_ps(lanes, q + d);
-      a0 = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(lanes, k0 + d), a0);
-      a1 = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(lanes, k1 + d), a1);
-      a2 = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(lanes, k2 + d), a2);
-      a3 = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(lanes, k3 + d), a3);
+      const mask16 lanes = lanes_from(D - d);
+      const v16f qv = v16_maskz_loadu_ps(lanes, q + d);
+      a0 = v16_fmadd_ps(qv, v16_maskz_loadu_ps(lanes, k0 + d), a0);
+      a1 = v16_fmadd_ps(qv, v16_maskz_loadu_ps(lanes, k1 + d), a1);
+      a2 = v16_fmadd_ps(qv, v16_maskz_loadu_ps(lanes, k2 + d), a2);
+      a3 = v16_fmadd_ps(qv, v16_maskz_loadu_ps(lanes, k3 + d), a3);
     }
     _mm_storeu_ps(scores + c, _mm_mul_ps(sum4(a0, a1, a2, a3), _mm_set1_ps(scale)));
   }
   for (; c < count; ++c) {
-    __m512 acc = _mm512_setzero_ps();
+    v16f acc = v16_setzero_ps();
     for (int64_t d = 0; d < D; d += 16) {
-      const __mmask16 lanes = lanes_from(D - d);
-      acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(lanes, q + d), _mm512_maskz_loadu_ps(lanes, k + slots[c] * ks + d),
+      const mask16 lanes = lanes_from(D - d);
+      acc = v16_fmadd_ps(v16_maskz_loadu_ps(lanes, q + d), v16_maskz_loadu_ps(lanes, k + slots[c] * ks + d),
                             acc);
     }
-    scores[c] = _mm512_reduce_add_ps(acc) * scale;
+    scores[c] = v16_reduce_add_ps(acc) * scale;
   }
-  __m512 tops = _mm512_set1_ps(-INFINITY);
-  for (c = 0; c < count; c += 16) tops = _mm512_max_ps(tops, _mm512_mask_loadu_ps(tops, lanes_from(count - c), scores + c));
-  const float top = _mm512_reduce_max_ps(tops);
-  __m512 sums = _mm512_setzero_ps();
+  v16f tops = v16_set1_ps(-INFINITY);
+  for (c = 0; c < count; c += 16) tops = v16_max_ps(tops, v16_mask_loadu_ps(tops, lanes_from(count - c), scores + c));
+  const float top = v16_reduce_max_ps(tops);
+  v16f sums = v16_setzero_ps();
   for (c = 0; c < count; c += 16) {
-    const __mmask16 lanes = lanes_from(count - c);
-    const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, scores + c), _mm512_set1_ps(top)));
-    _mm512_mask_storeu_ps(scores + c, lanes, e);
-    sums = _mm512_mask_add_ps(sums, lanes, sums, e);
+    const mask16 lanes = lanes_from(count - c);
+    const v16f e = exp512(v16_sub_ps(v16_maskz_loadu_ps(lanes, scores + c), v16_set1_ps(top)));
+    v16_mask_storeu_ps(scores + c, lanes, e);
+    sums = v16_mask_add_ps(sums, lanes, sums, e);
   }
-  const float total = _mm512_reduce_add_ps(sums);
+  const float total = v16_reduce_add_ps(sums);
   const float inv = count ? 1.0f / total : 0.0f;
   switch (D) {  // the common head sizes: each value row read once, whole, into registers
     case 64: accumulate_values<4>(v, vs, scores, slots, count, inv, out); return;
@@ -295,18 +516,18 @@ void attend_row(const float* q, const float* k, int64_t ks, const float* v, int6
     default: break;
   }
   for (int64_t d = 0; d < D; d += 16) {  // four accumulators over the slots in turn, added at the end
-    const __mmask16 lanes = lanes_from(D - d);
-    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    const mask16 lanes = lanes_from(D - d);
+    v16f a0 = v16_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     for (c = 0; c + 4 <= count; c += 4) {
-      a0 = _mm512_fmadd_ps(_mm512_set1_ps(scores[c]), _mm512_maskz_loadu_ps(lanes, v + slots[c] * vs + d), a0);
-      a1 = _mm512_fmadd_ps(_mm512_set1_ps(scores[c + 1]), _mm512_maskz_loadu_ps(lanes, v + slots[c + 1] * vs + d), a1);
-      a2 = _mm512_fmadd_ps(_mm512_set1_ps(scores[c + 2]), _mm512_maskz_loadu_ps(lanes, v + slots[c + 2] * vs + d), a2);
-      a3 = _mm512_fmadd_ps(_mm512_set1_ps(scores[c + 3]), _mm512_maskz_loadu_ps(lanes, v + slots[c + 3] * vs + d), a3);
+      a0 = v16_fmadd_ps(v16_set1_ps(scores[c]), v16_maskz_loadu_ps(lanes, v + slots[c] * vs + d), a0);
+      a1 = v16_fmadd_ps(v16_set1_ps(scores[c + 1]), v16_maskz_loadu_ps(lanes, v + slots[c + 1] * vs + d), a1);
+      a2 = v16_fmadd_ps(v16_set1_ps(scores[c + 2]), v16_maskz_loadu_ps(lanes, v + slots[c + 2] * vs + d), a2);
+      a3 = v16_fmadd_ps(v16_set1_ps(scores[c + 3]), v16_maskz_loadu_ps(lanes, v + slots[c + 3] * vs + d), a3);
     }
     for (; c < count; ++c)
-      a0 = _mm512_fmadd_ps(_mm512_set1_ps(scores[c]), _mm512_maskz_loadu_ps(lanes, v + slots[c] * vs + d), a0);
-    const __m512 acc = _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3));
-    _mm512_mask_storeu_ps(out + d, lanes, _mm512_mul_ps(acc, _mm512_set1_ps(inv)));
+      a0 = v16_fmadd_ps(v16_set1_ps(scores[c]), v16_maskz_loadu_ps(lanes, v + slots[c] * vs + d), a0);
+    const v16f acc = v16_add_ps(v16_add_ps(a0, a1), v16_add_ps(a2, a3));
+    v16_mask_storeu_ps(out + d, lanes, v16_mul_ps(acc, v16_set1_ps(inv)));
   }
 }
 
@@ -364,16 +585,16 @@ void rms_norm(const float* x, int64_t R, int64_t D, const float* weight, float e
       std::copy(v, v + D, o);
       continue;
     }
-    __m512 squares = _mm512_setzero_ps();
+    v16f squares = v16_setzero_ps();
     for (int64_t d = 0; d < D; d += 16) {
-      const __m512 a = _mm512_maskz_loadu_ps(lanes_from(D - d), v + d);
-      squares = _mm512_fmadd_ps(a, a, squares);
+      const v16f a = v16_maskz_loadu_ps(lanes_from(D - d), v + d);
+      squares = v16_fmadd_ps(a, a, squares);
     }
-    const __m512 inv = _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(squares) / static_cast<float>(D) + eps));
+    const v16f inv = v16_set1_ps(1.0f / std::sqrt(v16_reduce_add_ps(squares) / static_cast<float>(D) + eps));
     for (int64_t d = 0; d < D; d += 16) {
-      const __mmask16 lanes = lanes_from(D - d);
-      _mm512_mask_storeu_ps(o + d, lanes, _mm512_mul_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(lanes, v + d), inv),
-                                                        _mm512_maskz_loadu_ps(lanes, weight + d)));
+      const mask16 lanes = lanes_from(D - d);
+      v16_mask_storeu_ps(o + d, lanes, v16_mul_ps(v16_mul_ps(v16_maskz_loadu_ps(lanes, v + d), inv),
+                                                        v16_maskz_loadu_ps(lanes, weight + d)));
     }
   }
 }
@@ -465,11 +686,11 @@ std::tuple<at::Tensor, at::Tensor> decoder(const at::Tensor& hidden_in, const at
       const float* gu = gate_up.data() + r * 2 * inner;
       float* a = act.data() + r * inner;
       for (int64_t j = 0; j < inner; j += 16) {  // silu(gate) * up
-        const __mmask16 lanes = lanes_from(inner - j);
-        const __m512 g = _mm512_maskz_loadu_ps(lanes, gu + j);
-        const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), g));
-        const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
-        _mm512_mask_storeu_ps(a + j, lanes, _mm512_mul_ps(silu, _mm512_maskz_loadu_ps(lanes, gu + inner + j)));
+        const mask16 lanes = lanes_from(inner - j);
+        const v16f g = v16_maskz_loadu_ps(lanes, gu + j);
+        const v16f e = exp512(v16_sub_ps(v16_setzero_ps(), g));
+        const v16f silu = v16_div_ps(g, v16_add_ps(v16_set1_ps(1.0f), e));
+        v16_mask_storeu_ps(a + j, lanes, v16_mul_ps(silu, v16_maskz_loadu_ps(lanes, gu + inner + j)));
       }
     }
     matmul(blocks_of(w[11], w[12], w[13], inner), act.data(), R, proj.data(), s);
