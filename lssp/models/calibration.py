@@ -63,7 +63,7 @@ def calibration_key(spec: ModelSpec) -> str:
 
 
 def runnable(quantization: str) -> bool:
-    """Whether this CPU runs ``quantization`` (q4_1 needs our kernel: AVX512-VNNI, and it must build)."""
+    """Whether this CPU runs ``quantization`` (q4_1 needs our kernel: AVX512-VNNI or AVX2, and it must build)."""
     if quantization != "q4_1":
         return True
     from lssp.kernels import block_kernel

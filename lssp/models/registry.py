@@ -20,7 +20,7 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 # fbgemm keeps the weights prepacked, so a (K+1)-token verification forward costs about a 1-token one.
 # int4/int8: weight-only quantization (CPU only, lssp.models.weight_only): int4 groups of 32 (a GGUF's Q4_1 layout)
 # or int8 rows, multiplied by torch's weight-only kernels with bfloat16 activations. q4_1: a GGUF's Q4_1 groups with
-# int8 activations (llama.cpp's arithmetic), multiplied by our AVX512-VNNI kernel (lssp.kernels). auto: the fastest
+# int8 activations (llama.cpp's arithmetic), multiplied by our kernel (lssp.kernels: AVX512-VNNI or AVX2). auto: the fastest
 # of q4_1, int4 and dynamic-fp16 on this CPU, measured once and cached (lssp.models.calibration); none on a GPU.
 QUANTIZATIONS = ("none", "8bit", "4bit", "dynamic-fp16", "dynamic-int8", "int4", "int8", "q4_1", "auto")
 DYNAMIC_QUANTIZATIONS = ("dynamic-fp16", "dynamic-int8")

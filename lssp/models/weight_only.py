@@ -102,7 +102,7 @@ def _rows16(t: torch.Tensor) -> torch.Tensor:
 
 class BlockLinear(nn.Module):
     """A bias-free Linear in groups of 32 weights, 4-bit (Q4_1) or 8-bit (Q8_0), multiplied by our kernel
-    ``torch.ops.lssp.block_mm`` with int8 activations (AVX512-VNNI, ``lssp.kernels``)."""
+    ``torch.ops.lssp.block_mm`` with int8 activations (AVX512-VNNI or AVX2, ``lssp.kernels``)."""
 
     def __init__(self, weight: torch.Tensor, bits: int = 4) -> None:
         super().__init__()
