@@ -10,7 +10,7 @@ from torch import nn
 
 import lssp.decoding.verification as verification
 from lssp.decoding.generation import Stopping, generate_regular
-from lssp.decoding.sampling import SamplingParams, argmax, inverse_cdf, sample, warp
+from lssp.decoding.sampling import SamplingParams, argmax, sample, warp
 from lssp.drafters import generate_speculative
 from lssp.drafters.lookup import ContextLookup
 from lssp.report.stats import chi_square_gof
@@ -392,23 +392,6 @@ def test_sample_draws_the_given_law_and_never_a_zero_probability_token():
     assert counts[law == 0].sum() == 0
     assert chi_square_gof(counts.tolist(), law.tolist()).p_value > 0.001
     assert sample(law, SamplingParams(1.0), None).shape == ()  # one row in, one token out
-
-
-@pytest.mark.parametrize("width", [7, 512, 1000, 49152])
-def test_the_cpus_block_inverse_cdf_picks_what_one_cumulative_sum_picks(width):
-    """The CPU's inverse CDF (block masses, then one block's running sum) against the plain rule (one float64
-    running sum, the first token past u × total), on dense and sparse laws and on uniforms at the edges."""
-    generator = torch.Generator().manual_seed(width)
-    for params in (SamplingParams(0.7), SamplingParams(1.0, top_k=5), SamplingParams(0.7, top_p=0.9)):
-        probs = warp(torch.randn(64, width, generator=generator) * 4, params)
-        u = torch.rand(64, 1, dtype=torch.float64, generator=generator)
-        u[0], u[1] = 0.0, 1.0 - 2 ** -53
-        cdf = probs.double().cumsum(-1)
-        plain = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=width - 1).view(-1)
-        picked = inverse_cdf(probs, u)
-        assert (probs.gather(1, picked.view(-1, 1)) > 0).all()
-        assert torch.equal(picked[2:], plain[2:])
-        assert picked[0] == int(torch.nonzero(probs[0])[0])  # u = 0: the first token of positive probability
 
 
 def test_acceptance_counts_stop_at_the_stop_token(soft_target):

@@ -80,49 +80,15 @@ def sample(probs: torch.Tensor, params: SamplingParams, generator: torch.Generat
     return inverse_cdf(probs, u)
 
 
-CDF_BLOCK = 512  # tokens per block of the CPU inverse CDF
-
-
 def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """The token of each row of ``probs`` that uniforms ``u`` (float64 in [0, 1), one per row) pick: the first
     whose cumulative probability exceeds u × the row's total. A zero-probability token never is (its CDF equals
-    its predecessor's). The sums run in float64 so rounding cannot shift the tail's mass. On a CPU it runs by
-    blocks (``block_inverse_cdf``); elsewhere one cumulative sum, the clamp covering u × total rounding up to it."""
+    its predecessor's). ~0.1 ms over 49k tokens on a CPU, where torch.multinomial takes ~1.2 ms. The sum runs in
+    float64 so rounding cannot shift the tail's mass; the clamp covers u * total rounding up to total (~1e-16)."""
     flat = probs.reshape(-1, probs.shape[-1])
-    if flat.device.type == "cpu":
-        host = flat.detach() if flat.dtype in (torch.float32, torch.float64) else flat.detach().float()
-        picked = block_inverse_cdf(host.numpy(), u.reshape(-1).cpu().numpy())
-        return torch.from_numpy(picked).reshape(probs.shape[:-1])
     cdf = flat.double().cumsum(-1)
     point = u.reshape(-1, 1).to(cdf.device) * cdf[:, -1:]
     return torch.searchsorted(cdf, point, right=True).clamp_(max=flat.shape[-1] - 1).reshape(probs.shape[:-1])
-
-
-def block_inverse_cdf(probs: np.ndarray, u: np.ndarray) -> np.ndarray:
-    """``inverse_cdf`` on the host, in two steps: each block's mass (vectorized sums), then the cumulative sum
-    inside the one block where u falls. A sequential cumulative sum over a 49k vocabulary takes ~0.3 ms on a CPU
-    core; this ~30 us. Where rounding leaves u × total past the block's own running sum, the block's last token of
-    positive probability is taken (never a zero-probability one)."""
-    rows, width = probs.shape
-    blocks = -(-width // CDF_BLOCK)
-    padded = probs
-    if width % CDF_BLOCK:
-        padded = np.zeros((rows, blocks * CDF_BLOCK), dtype=probs.dtype)
-        padded[:, :width] = probs
-    ends = np.cumsum(padded.reshape(rows, blocks, CDF_BLOCK).sum(-1, dtype=np.float64), axis=-1)
-    picked = np.empty(rows, dtype=np.int64)
-    for row in range(rows):
-        point = u[row] * ends[row, -1]
-        block = min(int(np.searchsorted(ends[row], point, side="right")), blocks - 1)
-        first = block * CDF_BLOCK
-        before = ends[row, block - 1] if block else 0.0
-        inside = before + np.cumsum(padded[row, first:first + CDF_BLOCK], dtype=np.float64)
-        at = int(np.searchsorted(inside, point, side="right"))
-        if at >= CDF_BLOCK:
-            positive = np.flatnonzero(padded[row, :first + CDF_BLOCK])
-            at = (int(positive[-1]) if positive.size else width - 1) - first
-        picked[row] = min(first + at, width - 1)
-    return picked
 
 
 def sample_logits(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
