@@ -167,21 +167,29 @@ inline v16i v16_loadu_si512(const void* p) {
 inline v16i v16_and_si512(v16i a, v16i b) { return ipair(_mm256_and_si256(a.lo, b.lo), _mm256_and_si256(a.hi, b.hi)); }
 inline v16i v16_add_epi32(v16i a, v16i b) { return ipair(_mm256_add_epi32(a.lo, b.lo), _mm256_add_epi32(a.hi, b.hi)); }
 inline v16i v16_srli_epi16(v16i a, int n) { return ipair(_mm256_srli_epi16(a.lo, n), _mm256_srli_epi16(a.hi, n)); }
-// acc + the sums of 4 adjacent products of unsigned u and signed s bytes in each 32-bit lane (vpdpbusd). "small":
-// every u below 128, so the pairs vpmaddubsw adds cannot saturate int16 (2 * 127 * 128 < 2^15).
+// acc + the sums of 4 adjacent products of unsigned u and signed s bytes in each 32-bit lane (vpdpbusd), for u below
+// 128, so that the pairs vpmaddubsw adds cannot saturate int16 (2 * 127 * 128 < 2^15).
 inline __m256i dot4_small(__m256i acc, __m256i u, __m256i s) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
-}
-inline __m256i dot4(__m256i acc, __m256i u, __m256i s) {  // any u: widened to int16 first, exact
-  const __m256i zero = _mm256_setzero_si256();
-  const __m256i lo = _mm256_madd_epi16(_mm256_unpacklo_epi8(u, zero), _mm256_srai_epi16(_mm256_unpacklo_epi8(zero, s), 8));
-  const __m256i hi = _mm256_madd_epi16(_mm256_unpackhi_epi8(u, zero), _mm256_srai_epi16(_mm256_unpackhi_epi8(zero, s), 8));
-  return _mm256_add_epi32(acc, _mm256_hadd_epi32(lo, hi));  // lanes (0,1) of lo, then of hi: bytes 0-7, 8-15
 }
 inline v16i v16_dpbusd_small_epi32(v16i acc, v16i u, v16i s) {
   return ipair(dot4_small(acc.lo, u.lo, s.lo), dot4_small(acc.hi, u.hi, s.hi));
 }
-inline v16i v16_dpbusd_epi32(v16i acc, v16i u, v16i s) { return ipair(dot4(acc.lo, u.lo, s.lo), dot4(acc.hi, u.hi, s.hi)); }
+// The 8-bit tile's road: q - 128 as signed bytes: q - 128 as signed bytes (q XOR 0x80), then acc + the sums of 4 adjacent products of
+// those signed bytes q8 (|q8| given) and s, by vpmaddubsw on |q8| and s with q8's sign: pairs of at most
+// 2 * 128 * 127, below 2^15, so exact.
+inline v16i v16_flip_sign_bits(v16i u) {
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  return ipair(_mm256_xor_si256(u.lo, flip), _mm256_xor_si256(u.hi, flip));
+}
+inline v16i v16_abs_epi8(v16i a) { return ipair(_mm256_abs_epi8(a.lo), _mm256_abs_epi8(a.hi)); }
+inline __m256i dot4_signed(__m256i acc, __m256i magnitude, __m256i q8, __m256i s) {
+  const __m256i pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(s, q8));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+inline v16i v16_dot_signed(v16i acc, v16i magnitude, v16i q8, v16i s) {
+  return ipair(dot4_signed(acc.lo, magnitude.lo, q8.lo, s.lo), dot4_signed(acc.hi, magnitude.hi, q8.hi, s.hi));
+}
 
 // The sums of the 16 lanes of each of a0..a3: (sum a0, sum a1, sum a2, sum a3).
 inline __m128 sum4(v16f a0, v16f a1, v16f a2, v16f a3) {
@@ -199,8 +207,16 @@ constexpr int64_t kRowTile = 8;
 constexpr int64_t kAhead = 4096;  // bytes of weights prefetched ahead of those multiplied: on an AMD EPYC (2 cores),
                                   // a q4_1 forward 4-6% faster than at 2048 and 15-18% than with none (interleaved A/B in one process)
 
-// Activations in int8 groups: xq (R, K), each group's scale s, and s * sum(xq) for the minimum's term.
-void quantize_rows(const float* x, int64_t R, int64_t K, int8_t* xq, float* row_scales, float* group_sums) {
+// Activations in int8 groups: xq (R, K), each group's scale s, s * sum(xq) for the minimum's term, and sum(xq).
+struct Quantized {
+  const int8_t* xq;
+  const float* row_scales;
+  const float* group_sums;
+  const int32_t* group_totals;
+};
+
+void quantize_rows(const float* x, int64_t R, int64_t K, int8_t* xq, float* row_scales, float* group_sums,
+                   int32_t* group_totals) {
   const int64_t G = K / kGroup;
   for (int64_t r = 0; r < R; ++r) {
     for (int64_t g = 0; g < G; ++g) {
@@ -219,6 +235,7 @@ void quantize_rows(const float* x, int64_t R, int64_t K, int8_t* xq, float* row_
       }
       row_scales[r * G + g] = s;
       group_sums[r * G + g] = s * static_cast<float>(total);
+      group_totals[r * G + g] = total;
     }
   }
 }
@@ -226,8 +243,8 @@ void quantize_rows(const float* x, int64_t R, int64_t K, int8_t* xq, float* row_
 // Rows r0..r0+T-1 of the output for the blocks of 16 weight rows nb0..nb1-1. Each 32-bit lane of a vector is one
 // weight row: vpdpbusd adds 4 of its products to it, so no horizontal sums are needed.
 template <int T, int Bits>
-void tile(const uint8_t* packed, const at::Half* scales, const at::Half* mins, const int8_t* xq, const float* row_scales,
-          const float* group_sums, float* y, int64_t r0, int64_t nb0, int64_t nb1, int64_t K, int64_t N) {
+void tile(const uint8_t* packed, const at::Half* scales, const at::Half* mins, const Quantized& a, float* y, int64_t r0,
+          int64_t nb0, int64_t nb1, int64_t K, int64_t N) {
   const int64_t G = K / kGroup;
   constexpr int kChunks = Bits;  // 64-byte loads per group of 32 inputs of 16 rows (16 * 32 * Bits / 8 bytes)
   const v16i low = v16_set1_epi8(0x0F);
@@ -252,25 +269,37 @@ void tile(const uint8_t* packed, const at::Half* scales, const at::Half* mins, c
           const v16i lo = v16_and_si512(raw, low);
           const v16i hi = v16_and_si512(v16_srli_epi16(raw, 4), low);
           for (int t = 0; t < T; ++t) {
-            const int32_t* x4 = reinterpret_cast<const int32_t*>(xq + (r0 + t) * K + g * kGroup + c * 8);
+            const int32_t* x4 = reinterpret_cast<const int32_t*>(a.xq + (r0 + t) * K + g * kGroup + c * 8);
             dot[t][0] = v16_dpbusd_small_epi32(dot[t][0], lo, v16_set1_epi32(x4[0]));
             dot[t][kSplit - 1] = v16_dpbusd_small_epi32(dot[t][kSplit - 1], hi, v16_set1_epi32(x4[1]));
           }
         } else {
+#if LSSP_AVX512
           for (int t = 0; t < T; ++t) {
-            const int32_t* x4 = reinterpret_cast<const int32_t*>(xq + (r0 + t) * K + g * kGroup + c * 4);
+            const int32_t* x4 = reinterpret_cast<const int32_t*>(a.xq + (r0 + t) * K + g * kGroup + c * 4);
             dot[t][c % kSplit] = v16_dpbusd_epi32(dot[t][c % kSplit], raw, v16_set1_epi32(x4[0]));
           }
+#else  // q * x as (q - 128) * x here, the 128 * sum(x) added once per group below
+          const v16i q8 = v16_flip_sign_bits(raw);
+          const v16i magnitude = v16_abs_epi8(q8);
+          for (int t = 0; t < T; ++t) {
+            const int32_t* x4 = reinterpret_cast<const int32_t*>(a.xq + (r0 + t) * K + g * kGroup + c * 4);
+            dot[t][c % kSplit] = v16_dot_signed(dot[t][c % kSplit], magnitude, q8, v16_set1_epi32(x4[0]));
+          }
+#endif
         }
       }
       const v16f dv = v16_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + g * 16)));
       const v16f mv = v16_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(m + g * 16)));
       for (int t = 0; t < T; ++t) {
         const int64_t r = r0 + t;
-        const v16i total = kSplit == 2 ? v16_add_epi32(dot[t][0], dot[t][kSplit - 1]) : dot[t][0];
+        v16i total = kSplit == 2 ? v16_add_epi32(dot[t][0], dot[t][kSplit - 1]) : dot[t][0];
+#if !LSSP_AVX512
+        if constexpr (Bits == 8) total = v16_add_epi32(total, v16_set1_epi32(128 * a.group_totals[r * G + g]));
+#endif
         const v16f sum = v16_cvtepi32_ps(total);
-        acc[t] = v16_fmadd_ps(sum, v16_mul_ps(dv, v16_set1_ps(row_scales[r * G + g])), acc[t]);
-        acc[t] = v16_fmadd_ps(mv, v16_set1_ps(group_sums[r * G + g]), acc[t]);
+        acc[t] = v16_fmadd_ps(sum, v16_mul_ps(dv, v16_set1_ps(a.row_scales[r * G + g])), acc[t]);
+        acc[t] = v16_fmadd_ps(mv, v16_set1_ps(a.group_sums[r * G + g]), acc[t]);
       }
     }
     for (int t = 0; t < T; ++t) v16_storeu_ps(y + (r0 + t) * N + nb * 16, acc[t]);
@@ -282,9 +311,8 @@ void tile(const uint8_t* packed, const at::Half* scales, const at::Half* mins, c
 // their sums in registers), and a group's 32 products per row summed in int16 before widening: each int16 lane adds
 // 16 products of at most 15 * 127, below 2^15, so the sums are the exact ones ``tile`` computes.
 template <int T>
-void tile_q4_avx2(const uint8_t* packed, const at::Half* scales, const at::Half* mins, const int8_t* xq,
-                  const float* row_scales, const float* group_sums, float* y, int64_t r0, int64_t nb0, int64_t nb1,
-                  int64_t K, int64_t N) {
+void tile_q4_avx2(const uint8_t* packed, const at::Half* scales, const at::Half* mins, const Quantized& a, float* y,
+                  int64_t r0, int64_t nb0, int64_t nb1, int64_t K, int64_t N) {
   const int64_t G = K / kGroup;
   const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   for (int64_t nb = nb0; nb < nb1; ++nb) {
@@ -307,16 +335,16 @@ void tile_q4_avx2(const uint8_t* packed, const at::Half* scales, const at::Half*
         const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + g * 16 + 8 * h)));
         for (int t = 0; t < T; ++t) {
           const int64_t r = r0 + t;
-          const int32_t* x4 = reinterpret_cast<const int32_t*>(xq + r * K + g * kGroup);
-          __m256i a = _mm256_maddubs_epi16(lo[0], _mm256_set1_epi32(x4[0]));
-          __m256i b = _mm256_maddubs_epi16(hi[0], _mm256_set1_epi32(x4[1]));
+          const int32_t* x4 = reinterpret_cast<const int32_t*>(a.xq + r * K + g * kGroup);
+          __m256i low_dot = _mm256_maddubs_epi16(lo[0], _mm256_set1_epi32(x4[0]));
+          __m256i high_dot = _mm256_maddubs_epi16(hi[0], _mm256_set1_epi32(x4[1]));
           for (int c = 1; c < 4; ++c) {
-            a = _mm256_add_epi16(a, _mm256_maddubs_epi16(lo[c], _mm256_set1_epi32(x4[2 * c])));
-            b = _mm256_add_epi16(b, _mm256_maddubs_epi16(hi[c], _mm256_set1_epi32(x4[2 * c + 1])));
+            low_dot = _mm256_add_epi16(low_dot, _mm256_maddubs_epi16(lo[c], _mm256_set1_epi32(x4[2 * c])));
+            high_dot = _mm256_add_epi16(high_dot, _mm256_maddubs_epi16(hi[c], _mm256_set1_epi32(x4[2 * c + 1])));
           }
-          const __m256 sum = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_add_epi16(a, b), ones));
-          acc[t] = _mm256_fmadd_ps(sum, _mm256_mul_ps(dv, _mm256_set1_ps(row_scales[r * G + g])), acc[t]);
-          acc[t] = _mm256_fmadd_ps(mv, _mm256_set1_ps(group_sums[r * G + g]), acc[t]);
+          const __m256 sum = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_add_epi16(low_dot, high_dot), ones));
+          acc[t] = _mm256_fmadd_ps(sum, _mm256_mul_ps(dv, _mm256_set1_ps(a.row_scales[r * G + g])), acc[t]);
+          acc[t] = _mm256_fmadd_ps(mv, _mm256_set1_ps(a.group_sums[r * G + g]), acc[t]);
         }
       }
       for (int t = 0; t < T; ++t) _mm256_storeu_ps(y + (r0 + t) * N + nb * 16 + 8 * h, acc[t]);
@@ -327,28 +355,28 @@ void tile_q4_avx2(const uint8_t* packed, const at::Half* scales, const at::Half*
 #endif
 
 template <int T, int Bits>
-void tile_for(const uint8_t* wp, const at::Half* sp, const at::Half* mp, const int8_t* xp, const float* rs,
-              const float* gs, float* yp, int64_t r0, int64_t nb0, int64_t nb1, int64_t K, int64_t N) {
+void tile_for(const uint8_t* wp, const at::Half* sp, const at::Half* mp, const Quantized& a, float* yp, int64_t r0,
+              int64_t nb0, int64_t nb1, int64_t K, int64_t N) {
 #if !LSSP_AVX512
-  if constexpr (Bits == 4) return tile_q4_avx2<T>(wp, sp, mp, xp, rs, gs, yp, r0, nb0, nb1, K, N);
+  if constexpr (Bits == 4) return tile_q4_avx2<T>(wp, sp, mp, a, yp, r0, nb0, nb1, K, N);
 #endif
-  tile<T, Bits>(wp, sp, mp, xp, rs, gs, yp, r0, nb0, nb1, K, N);
+  tile<T, Bits>(wp, sp, mp, a, yp, r0, nb0, nb1, K, N);
 }
 
 template <int Bits>
-void rows(const uint8_t* wp, const at::Half* sp, const at::Half* mp, const int8_t* xp, const float* rs,
-          const float* gs, float* yp, int64_t R, int64_t nb0, int64_t nb1, int64_t K, int64_t N) {
+void rows(const uint8_t* wp, const at::Half* sp, const at::Half* mp, const Quantized& a, float* yp, int64_t R,
+          int64_t nb0, int64_t nb1, int64_t K, int64_t N) {
   // Up to kRowTile rows per pass over the weights: a verification of K + 1 <= kRowTile tokens reads them once.
   for (int64_t r = 0; r < R; r += kRowTile) {
     switch (std::min<int64_t>(R - r, kRowTile)) {
-      case 1: tile_for<1, Bits>(wp, sp, mp, xp, rs, gs, yp, r, nb0, nb1, K, N); break;
-      case 2: tile_for<2, Bits>(wp, sp, mp, xp, rs, gs, yp, r, nb0, nb1, K, N); break;
-      case 3: tile_for<3, Bits>(wp, sp, mp, xp, rs, gs, yp, r, nb0, nb1, K, N); break;
-      case 4: tile_for<4, Bits>(wp, sp, mp, xp, rs, gs, yp, r, nb0, nb1, K, N); break;
-      case 5: tile_for<5, Bits>(wp, sp, mp, xp, rs, gs, yp, r, nb0, nb1, K, N); break;
-      case 6: tile_for<6, Bits>(wp, sp, mp, xp, rs, gs, yp, r, nb0, nb1, K, N); break;
-      case 7: tile_for<7, Bits>(wp, sp, mp, xp, rs, gs, yp, r, nb0, nb1, K, N); break;
-      default: tile_for<8, Bits>(wp, sp, mp, xp, rs, gs, yp, r, nb0, nb1, K, N); break;
+      case 1: tile_for<1, Bits>(wp, sp, mp, a, yp, r, nb0, nb1, K, N); break;
+      case 2: tile_for<2, Bits>(wp, sp, mp, a, yp, r, nb0, nb1, K, N); break;
+      case 3: tile_for<3, Bits>(wp, sp, mp, a, yp, r, nb0, nb1, K, N); break;
+      case 4: tile_for<4, Bits>(wp, sp, mp, a, yp, r, nb0, nb1, K, N); break;
+      case 5: tile_for<5, Bits>(wp, sp, mp, a, yp, r, nb0, nb1, K, N); break;
+      case 6: tile_for<6, Bits>(wp, sp, mp, a, yp, r, nb0, nb1, K, N); break;
+      case 7: tile_for<7, Bits>(wp, sp, mp, a, yp, r, nb0, nb1, K, N); break;
+      default: tile_for<8, Bits>(wp, sp, mp, a, yp, r, nb0, nb1, K, N); break;
     }
   }
 }
@@ -377,11 +405,13 @@ Blocks blocks_of(const at::Tensor& packed, const at::Tensor& scales, const at::T
 struct Scratch {
   std::vector<int8_t> xq;
   std::vector<float> row_scales, group_sums;
+  std::vector<int32_t> group_totals;
   void fit(int64_t R, int64_t K) {
     if (static_cast<int64_t>(xq.size()) < R * K) xq.resize(R * K);
     if (static_cast<int64_t>(row_scales.size()) < R * K / kGroup) {
       row_scales.resize(R * K / kGroup);
       group_sums.resize(R * K / kGroup);
+      group_totals.resize(R * K / kGroup);
     }
   }
 };
@@ -390,15 +420,13 @@ struct Scratch {
 void matmul(const Blocks& w, const float* x, int64_t R, float* y, Scratch& s) {
   if (R == 0 || w.N == 0) return;
   s.fit(R, w.K);
-  quantize_rows(x, R, w.K, s.xq.data(), s.row_scales.data(), s.group_sums.data());
-  const int8_t* xp = s.xq.data();
-  const float* rs = s.row_scales.data();
-  const float* gs = s.group_sums.data();
+  quantize_rows(x, R, w.K, s.xq.data(), s.row_scales.data(), s.group_sums.data(), s.group_totals.data());
+  const Quantized a{s.xq.data(), s.row_scales.data(), s.group_sums.data(), s.group_totals.data()};
   const int64_t blocks = w.N / 16;
   const int64_t grain = std::max<int64_t>(1, blocks / (4 * at::get_num_threads()));
   at::parallel_for(0, blocks, grain, [&](int64_t nb0, int64_t nb1) {
-    if (w.bits == 4) rows<4>(w.packed, w.scales, w.mins, xp, rs, gs, y, R, nb0, nb1, w.K, w.N);
-    else rows<8>(w.packed, w.scales, w.mins, xp, rs, gs, y, R, nb0, nb1, w.K, w.N);
+    if (w.bits == 4) rows<4>(w.packed, w.scales, w.mins, a, y, R, nb0, nb1, w.K, w.N);
+    else rows<8>(w.packed, w.scales, w.mins, a, y, R, nb0, nb1, w.K, w.N);
   });
 }
 
