@@ -7,7 +7,7 @@ then computes each position as a one-token forward of its row does, which int8 a
 ``torch.ops.lssp.decoder``, a q4_1 model's whole stack of decoder layers in one call (no Python, no compilation), with
 its final norm and output layer where asked. It is built with ``-march=native -fopenmp`` (its matmuls and attention
 split between torch's threads) by torch's extension builder (g++ and ninja) into ``$LLAMASSP_CACHE/kernels/`` (the
-caller's choice), one build per source, torch version and CPU model (~10 s, once).
+caller's choice), one build per source, torch version and CPU model (~10-20 s, once).
 """
 from __future__ import annotations
 
@@ -84,7 +84,7 @@ def _load_block_kernel(root: Path) -> None:
     where = build_dir(root)
     where.mkdir(parents=True, exist_ok=True)
     if not any(where.glob("*.so")):
-        log.warning("building the q4_1 kernel for this CPU (once, ~10 s) in %s", where)
+        log.warning("building the q4_1 kernel for this CPU (once, ~10-20 s) in %s", where)
     try:
         load(name=f"lssp_{where.name.replace('-', '_')}", sources=[str(SOURCE)], build_directory=str(where),
              extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS), is_python_module=False, verbose=False)

@@ -14,7 +14,6 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
-#include <torch/torch.h>
 #include <immintrin.h>
 #include <algorithm>
 #include <cmath>
@@ -357,10 +356,12 @@ void tile_q4_avx2(const uint8_t* packed, const at::Half* scales, const at::Half*
 template <int T, int Bits>
 void tile_for(const uint8_t* wp, const at::Half* sp, const at::Half* mp, const Quantized& a, float* yp, int64_t r0,
               int64_t nb0, int64_t nb1, int64_t K, int64_t N) {
-#if !LSSP_AVX512
-  if constexpr (Bits == 4) return tile_q4_avx2<T>(wp, sp, mp, a, yp, r0, nb0, nb1, K, N);
-#endif
+#if LSSP_AVX512
   tile<T, Bits>(wp, sp, mp, a, yp, r0, nb0, nb1, K, N);
+#else
+  if constexpr (Bits == 4) tile_q4_avx2<T>(wp, sp, mp, a, yp, r0, nb0, nb1, K, N);
+  else tile<T, Bits>(wp, sp, mp, a, yp, r0, nb0, nb1, K, N);
+#endif
 }
 
 template <int Bits>
@@ -750,7 +751,7 @@ at::Tensor arena(int64_t nbytes) {
   TORCH_CHECK(posix_memalign(&memory, kHuge, size) == 0, "arena: cannot allocate ", size, " bytes");
   madvise(memory, size, MADV_HUGEPAGE);  // a hint: where the kernel refuses it, plain pages serve
   std::memset(memory, 0, size);
-  return torch::from_blob(memory, {nbytes}, [](void* p) { std::free(p); }, at::TensorOptions().dtype(at::kByte));
+  return at::from_blob(memory, {nbytes}, [](void* p) { std::free(p); }, at::TensorOptions().dtype(at::kByte));
 }
 
 }  // namespace
