@@ -1,7 +1,8 @@
 """Our own CPU kernels, compiled on first use for this machine and cached.
 
 ``blocks.cpp``: ``torch.ops.lssp.block_mm``, a matmul by weights in groups of 32 (4-bit Q4_1 or 8-bit Q8_0) with int8
-activations on AVX512-VNNI, or AVX2 (with FMA and F16C) where the CPU has no AVX-512 (``lssp.models.weight_only.BlockLinear``), and ``torch.ops.lssp.row_attention``, causal
+activations on AVX512-VNNI, or on AVX2 (with FMA and F16C) where the CPU has no AVX-512 (``kernel_isa`` says which;
+``lssp.models.weight_only.BlockLinear``), and ``torch.ops.lssp.row_attention``, causal
 attention of each query by itself (the compact forward of a q4_1 model: a verification forward, or a batch of rows,
 then computes each position as a one-token forward of its row does, which int8 activations need to keep SSp exact), and
 ``torch.ops.lssp.decoder``, a q4_1 model's whole stack of decoder layers in one call (no Python, no compilation), with

@@ -162,7 +162,12 @@ class LoadedModel(ModelHandle):
         if quantization == "none" or (quantization in CPU_QUANTIZATIONS and self.device.type != "cpu"):
             weights = self.dtype  # a torch CPU quantization applies on the CPU only (cpu_quantize)
         else:
-            weights = f"{quantization} ({KERNELS.get(quantization, 'torch' if quantization in CPU_QUANTIZATIONS else 'bnb')})"
+            kernel = KERNELS.get(quantization, "torch" if quantization in CPU_QUANTIZATIONS else "bnb")
+            if quantization in KERNELS:  # which vectors ours was built with on this CPU
+                from lssp.kernels import kernel_isa
+
+                kernel = f"{kernel}, {kernel_isa()}"
+            weights = f"{quantization} ({kernel})"
         if self.hf_model is self.model:
             return weights
         mode = getattr(self.model, "compile_mode", None)
