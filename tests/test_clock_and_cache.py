@@ -44,6 +44,24 @@ def test_cuda_devices_lists_every_device_a_split_model_spans():
     assert cuda_devices(torch.nn.Linear(2, 2)) == []
 
 
+def test_a_models_devices_are_walked_once_and_again_after_it_moves(monkeypatch):
+    """A clock is made per request: walking every weight each time cost eval ~10 ms per problem."""
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    walks = []
+    real = torch.nn.Module.buffers
+    monkeypatch.setattr(torch.nn.Module, "buffers", lambda self, *a, **k: walks.append(1) or real(self, *a, **k))
+    for _ in range(3):
+        assert cuda_devices(model) == []
+    assert len(walks) == 1
+    model.to(torch.float64)  # same device: still known
+    cuda_devices(model)
+    assert len(walks) == 1
+    moved = SimpleNamespace(device=torch.device("cuda:1"))  # as if moved to a GPU: the first weight's device changed
+    monkeypatch.setattr(torch.nn.Module, "parameters", lambda self, *a, **k: iter([moved]))
+    assert cuda_devices(model) == [torch.device("cuda:1")]
+    assert len(walks) == 2
+
+
 def test_generation_times_with_every_device_of_both_models(target, draft, synced, monkeypatch):
     """SSp's clock covers the target's and the draft's devices; RSp's the target's."""
     seen: list[tuple] = []
