@@ -32,14 +32,16 @@ def reference(x: torch.Tensor, layer: BlockLinear) -> torch.Tensor:
     return ((dots * (d * s[:, None, :]).double() + m.double()[None] * sums[:, None, :]).sum(-1)).float()
 
 
-@pytest.mark.parametrize("bits", [4, 8])
-def test_the_kernel_multiplies_as_llama_cpp_does_and_each_row_alone(bits):
+@pytest.mark.parametrize("bits,rows", [(4, 7), (8, 7), (4, 20), (8, 20)])
+def test_the_kernel_multiplies_as_llama_cpp_does_and_each_row_alone(bits, rows):
+    """Rows go 8 at a time over the weights (20: tiles of 8, 8 and 4), their int8 quantization split between threads
+    from 16 rows."""
     torch.manual_seed(0)
     layer = BlockLinear(torch.randn(48, 96) * 0.05, bits=bits)
-    x = torch.randn(7, 96)
+    x = torch.randn(rows, 96)
     got = layer(x)
     torch.testing.assert_close(got, reference(x, layer), rtol=1e-4, atol=1e-5)
-    for r in range(7):  # the same numbers alone as beside other rows
+    for r in range(rows):  # the same numbers alone as beside other rows
         assert torch.equal(layer(x[r:r + 1])[0], got[r])
     assert layer(x[None, :3]).shape == (1, 3, 48)
     held = layer.dequantized()  # within a quantization step of the weight

@@ -67,6 +67,11 @@ using mask16 = __mmask16;
 #define v16_sub_ps _mm512_sub_ps
 #define v16_dpbusd_small_epi32 _mm512_dpbusd_epi32  // unsigned operands below 128: the same as dpbusd
 #define v16_roundscale_ps _mm512_roundscale_ps
+#define v16_cvtps_epi32 _mm512_cvtps_epi32  // to the nearest integer (ties to even), as std::nearbyint
+#define v16_reduce_add_epi32 _mm512_reduce_add_epi32
+inline void v16_store_epi8(int8_t* p, v16i a) {  // each lane's int32 (within -128..127) as a byte
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtsepi32_epi8(a));
+}
 
 // The sums of the 16 lanes of each of a0..a3: (sum a0, sum a1, sum a2, sum a3).
 inline __m128 sum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
@@ -156,6 +161,18 @@ inline v16f v16_cvtph_ps(__m256i h) {
   return pair(_mm256_cvtph_ps(_mm256_castsi256_si128(h)), _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)));
 }
 inline v16f v16_cvtepi32_ps(v16i a) { return pair(_mm256_cvtepi32_ps(a.lo), _mm256_cvtepi32_ps(a.hi)); }
+inline v16i v16_cvtps_epi32(v16f a) { return ipair(_mm256_cvtps_epi32(a.lo), _mm256_cvtps_epi32(a.hi)); }
+inline int32_t v16_reduce_add_epi32(v16i a) {
+  const __m256i s = _mm256_add_epi32(a.lo, a.hi);
+  __m128i t = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+  return _mm_cvtsi128_si32(_mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1)));
+}
+inline void v16_store_epi8(int8_t* p, v16i a) {  // each lane's int32 (within -128..127) as a byte, in order
+  const __m256i words = _mm256_permute4x64_epi64(_mm256_packs_epi32(a.lo, a.hi), 0xD8);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                   _mm_packs_epi16(_mm256_castsi256_si128(words), _mm256_extracti128_si256(words, 1)));
+}
 inline v16i v16_setzero_si512() { return ipair(_mm256_setzero_si256(), _mm256_setzero_si256()); }
 inline v16i v16_set1_epi8(char x) { return ipair(_mm256_set1_epi8(x), _mm256_set1_epi8(x)); }
 inline v16i v16_set1_epi32(int32_t x) { return ipair(_mm256_set1_epi32(x), _mm256_set1_epi32(x)); }
@@ -217,26 +234,24 @@ struct Quantized {
 void quantize_rows(const float* x, int64_t R, int64_t K, int8_t* xq, float* row_scales, float* group_sums,
                    int32_t* group_totals) {
   const int64_t G = K / kGroup;
-  for (int64_t r = 0; r < R; ++r) {
-    for (int64_t g = 0; g < G; ++g) {
-      const float* v = x + r * K + g * kGroup;
-      const v16f a = v16_abs_ps(v16_loadu_ps(v));
-      const v16f b = v16_abs_ps(v16_loadu_ps(v + 16));
-      const float amax = v16_reduce_max_ps(v16_max_ps(a, b));
-      const float s = amax / 127.0f;
-      const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-      int32_t total = 0;
-      int8_t* q = xq + r * K + g * kGroup;
-      for (int64_t i = 0; i < kGroup; ++i) {
-        const int32_t qi = static_cast<int32_t>(std::nearbyint(v[i] * inv));
-        q[i] = static_cast<int8_t>(qi);
-        total += qi;
+  at::parallel_for(0, R, 16, [&](int64_t r0, int64_t r1) {  // rows split between threads where there are many
+    for (int64_t r = r0; r < r1; ++r) {
+      for (int64_t g = 0; g < G; ++g) {
+        const float* v = x + r * K + g * kGroup;
+        const v16f a = v16_loadu_ps(v), b = v16_loadu_ps(v + 16);
+        const float amax = v16_reduce_max_ps(v16_max_ps(v16_abs_ps(a), v16_abs_ps(b)));
+        const float s = amax / 127.0f;
+        const v16f inv = v16_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+        const v16i qa = v16_cvtps_epi32(v16_mul_ps(a, inv)), qb = v16_cvtps_epi32(v16_mul_ps(b, inv));
+        v16_store_epi8(xq + r * K + g * kGroup, qa);
+        v16_store_epi8(xq + r * K + g * kGroup + 16, qb);
+        const int32_t total = v16_reduce_add_epi32(v16_add_epi32(qa, qb));
+        row_scales[r * G + g] = s;
+        group_sums[r * G + g] = s * static_cast<float>(total);
+        group_totals[r * G + g] = total;
       }
-      row_scales[r * G + g] = s;
-      group_sums[r * G + g] = s * static_cast<float>(total);
-      group_totals[r * G + g] = total;
     }
-  }
+  });
 }
 
 // Rows r0..r0+T-1 of the output for the blocks of 16 weight rows nb0..nb1-1. Each 32-bit lane of a vector is one
@@ -605,34 +620,44 @@ at::Tensor row_attention(const at::Tensor& q_in, const at::Tensor& keys_in, cons
   return out.to(q_in.scalar_type());
 }
 
-// x (R, D) -> out (R, D): RMS norm with ``weight`` (null: none, a copy).
+// x (R, D) -> out (R, D): RMS norm with ``weight`` (null: none, a copy); rows split between threads where many.
 void rms_norm(const float* x, int64_t R, int64_t D, const float* weight, float eps, float* out) {
-  for (int64_t r = 0; r < R; ++r) {
-    const float* v = x + r * D;
-    float* o = out + r * D;
-    if (!weight) {
-      std::copy(v, v + D, o);
-      continue;
+  at::parallel_for(0, R, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* v = x + r * D;
+      float* o = out + r * D;
+      if (!weight) {
+        std::copy(v, v + D, o);
+        continue;
+      }
+      v16f squares = v16_setzero_ps();
+      for (int64_t d = 0; d < D; d += 16) {
+        const v16f a = v16_maskz_loadu_ps(lanes_from(D - d), v + d);
+        squares = v16_fmadd_ps(a, a, squares);
+      }
+      const v16f inv = v16_set1_ps(1.0f / std::sqrt(v16_reduce_add_ps(squares) / static_cast<float>(D) + eps));
+      for (int64_t d = 0; d < D; d += 16) {
+        const mask16 lanes = lanes_from(D - d);
+        v16_mask_storeu_ps(o + d, lanes, v16_mul_ps(v16_mul_ps(v16_maskz_loadu_ps(lanes, v + d), inv),
+                                                    v16_maskz_loadu_ps(lanes, weight + d)));
+      }
     }
-    v16f squares = v16_setzero_ps();
-    for (int64_t d = 0; d < D; d += 16) {
-      const v16f a = v16_maskz_loadu_ps(lanes_from(D - d), v + d);
-      squares = v16_fmadd_ps(a, a, squares);
-    }
-    const v16f inv = v16_set1_ps(1.0f / std::sqrt(v16_reduce_add_ps(squares) / static_cast<float>(D) + eps));
-    for (int64_t d = 0; d < D; d += 16) {
-      const mask16 lanes = lanes_from(D - d);
-      v16_mask_storeu_ps(o + d, lanes, v16_mul_ps(v16_mul_ps(v16_maskz_loadu_ps(lanes, v + d), inv),
-                                                        v16_maskz_loadu_ps(lanes, weight + d)));
-    }
-  }
+  });
 }
 
 // v (hd) rotated in place: v * cos + swap_halves(v) * sin (sin negated on its first half).
-void rotate(float* v, const float* cos, const float* sin, int64_t hd, float* tmp) {
+void rotate(float* v, const float* cos, const float* sin, int64_t hd) {
   const int64_t half = hd / 2;
-  for (int64_t d = 0; d < hd; ++d) tmp[d] = v[d] * cos[d] + v[d < half ? d + half : d - half] * sin[d];
-  std::copy(tmp, tmp + hd, v);
+  for (int64_t d = 0; d < half; d += 16) {
+    const mask16 lanes = lanes_from(half - d);
+    const v16f a = v16_maskz_loadu_ps(lanes, v + d), b = v16_maskz_loadu_ps(lanes, v + half + d);
+    const v16f first = v16_fmadd_ps(b, v16_maskz_loadu_ps(lanes, sin + d),
+                                    v16_mul_ps(a, v16_maskz_loadu_ps(lanes, cos + d)));
+    const v16f second = v16_fmadd_ps(a, v16_maskz_loadu_ps(lanes, sin + half + d),
+                                     v16_mul_ps(b, v16_maskz_loadu_ps(lanes, cos + half + d)));
+    v16_mask_storeu_ps(v + d, lanes, first);
+    v16_mask_storeu_ps(v + half + d, lanes, second);
+  }
 }
 
 constexpr int64_t kPerLayer = 14;  // input norm, qkv (3), o (3), post-attention norm, gate|up (3), down (3)
@@ -679,21 +704,21 @@ std::tuple<at::Tensor, at::Tensor> decoder(const at::Tensor& hidden_in, const at
     float* vp = values.data_ptr<float>();
     rms_norm(h, R, D, w[0].numel() ? w[0].data_ptr<float>() : nullptr, eps, x.data());
     matmul(blocks_of(w[1], w[2], w[3], D), x.data(), R, qkv.data(), s);
-    float tmp[1024];
-    TORCH_CHECK(hd <= 1024, "decoder: head_dim at most 1024");
-    for (int64_t r = 0; r < R; ++r) {  // rotary on queries and keys; keys and values into the cache
-      const int64_t b = r / n, i = r % n;
-      float* row = qkv.data() + r * width;
-      const float* c = cos.data_ptr<float>() + b * c_batch + i * hd;
-      const float* sn = sin.data_ptr<float>() + b * c_batch + i * hd;
-      for (int64_t g = 0; g < heads + kv_heads; ++g) rotate(row + g * hd, c, sn, hd, tmp);
-      for (int64_t g = 0; g < kv_heads; ++g) {
-        std::copy(row + (heads + g) * hd, row + (heads + g + 1) * hd,
-                  kp + b * keys.stride(0) + g * keys.stride(1) + (start + i) * keys.stride(2));
-        std::copy(row + (heads + kv_heads + g) * hd, row + (heads + kv_heads + g + 1) * hd,
-                  vp + b * values.stride(0) + g * values.stride(1) + (start + i) * values.stride(2));
+    at::parallel_for(0, R, 16, [&](int64_t r0, int64_t r1) {  // rotary on queries and keys; keys and values into the cache
+      for (int64_t r = r0; r < r1; ++r) {
+        const int64_t b = r / n, i = r % n;
+        float* row = qkv.data() + r * width;
+        const float* c = cos.data_ptr<float>() + b * c_batch + i * hd;
+        const float* sn = sin.data_ptr<float>() + b * c_batch + i * hd;
+        for (int64_t g = 0; g < heads + kv_heads; ++g) rotate(row + g * hd, c, sn, hd);
+        for (int64_t g = 0; g < kv_heads; ++g) {
+          std::copy(row + (heads + g) * hd, row + (heads + g + 1) * hd,
+                    kp + b * keys.stride(0) + g * keys.stride(1) + (start + i) * keys.stride(2));
+          std::copy(row + (heads + kv_heads + g) * hd, row + (heads + kv_heads + g + 1) * hd,
+                    vp + b * values.stride(0) + g * values.stride(1) + (start + i) * values.stride(2));
+        }
       }
-    }
+    });
     at::parallel_for(0, B * heads * n, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> scores(S);
       std::vector<int64_t> slots(S);
@@ -711,17 +736,19 @@ std::tuple<at::Tensor, at::Tensor> decoder(const at::Tensor& hidden_in, const at
     for (int64_t j = 0; j < R * D; ++j) h[j] += proj[j];
     rms_norm(h, R, D, w[7].data_ptr<float>(), eps, x.data());
     matmul(blocks_of(w[8], w[9], w[10], D), x.data(), R, gate_up.data(), s);
-    for (int64_t r = 0; r < R; ++r) {
-      const float* gu = gate_up.data() + r * 2 * inner;
-      float* a = act.data() + r * inner;
-      for (int64_t j = 0; j < inner; j += 16) {  // silu(gate) * up
-        const mask16 lanes = lanes_from(inner - j);
-        const v16f g = v16_maskz_loadu_ps(lanes, gu + j);
-        const v16f e = exp512(v16_sub_ps(v16_setzero_ps(), g));
-        const v16f silu = v16_div_ps(g, v16_add_ps(v16_set1_ps(1.0f), e));
-        v16_mask_storeu_ps(a + j, lanes, v16_mul_ps(silu, v16_maskz_loadu_ps(lanes, gu + inner + j)));
+    at::parallel_for(0, R, 16, [&](int64_t r0, int64_t r1) {  // silu(gate) * up
+      for (int64_t r = r0; r < r1; ++r) {
+        const float* gu = gate_up.data() + r * 2 * inner;
+        float* a = act.data() + r * inner;
+        for (int64_t j = 0; j < inner; j += 16) {
+          const mask16 lanes = lanes_from(inner - j);
+          const v16f g = v16_maskz_loadu_ps(lanes, gu + j);
+          const v16f e = exp512(v16_sub_ps(v16_setzero_ps(), g));
+          const v16f silu = v16_div_ps(g, v16_add_ps(v16_set1_ps(1.0f), e));
+          v16_mask_storeu_ps(a + j, lanes, v16_mul_ps(silu, v16_maskz_loadu_ps(lanes, gu + inner + j)));
+        }
       }
-    }
+    });
     matmul(blocks_of(w[11], w[12], w[13], inner), act.data(), R, proj.data(), s);
     for (int64_t j = 0; j < R * D; ++j) h[j] += proj[j];
   }
