@@ -322,48 +322,60 @@ void tile(const uint8_t* packed, const at::Half* scales, const at::Half* mins, c
 }
 
 #if !LSSP_AVX512
-// AVX2, 4-bit: the 16 rows of a block as two halves of 8 (one register each, so that up to 8 activation rows keep
-// their sums in registers), and a group's 32 products per row summed in int16 before widening: each int16 lane adds
-// 16 products of at most 15 * 127, below 2^15, so the sums are the exact ones ``tile`` computes.
+// AVX2, 4-bit: one block's 16 rows as two halves of 8 (one register each) against up to 4 activation rows (their
+// sums in registers, no spills); each 64-byte chunk unpacked once and multiplied into every row's sums. A group's 32
+// products per row are summed in int16 before widening: each int16 lane adds 16 products of at most 15 * 127, below
+// 2^15, so the sums are the exact ones ``tile`` computes.
+template <int T>
+inline void block_q4_avx2(const uint8_t* w, const at::Half* d, const at::Half* m, const Quantized& a, float* y,
+                          int64_t r0, int64_t K, int64_t N, int64_t col, bool prefetch) {
+  static_assert(T >= 1 && T <= 4, "up to 4 rows keep their sums in registers");
+  const int64_t G = K / kGroup;
+  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  for (int h = 0; h < 2; ++h) {
+    __m256 acc[T];
+    for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {
+      __m256i dot[T];
+      for (int c = 0; c < 4; ++c) {
+        const uint8_t* at = w + (g * 4 + c) * 64;
+        if (prefetch && h == 0) _mm_prefetch(reinterpret_cast<const char*>(at + kAhead), _MM_HINT_T0);
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + 32 * h));
+        const __m256i lo = _mm256_and_si256(raw, low);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+        for (int t = 0; t < T; ++t) {
+          const int32_t* x4 = reinterpret_cast<const int32_t*>(a.xq + (r0 + t) * K + g * kGroup);
+          const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(x4[2 * c])),
+                                                 _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x4[2 * c + 1])));
+          dot[t] = c == 0 ? pairs : _mm256_add_epi16(dot[t], pairs);
+        }
+      }
+      const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + g * 16 + 8 * h)));
+      const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + g * 16 + 8 * h)));
+      for (int t = 0; t < T; ++t) {
+        const int64_t r = r0 + t;
+        const __m256 sum = _mm256_cvtepi32_ps(_mm256_madd_epi16(dot[t], ones));
+        acc[t] = _mm256_fmadd_ps(sum, _mm256_mul_ps(dv, _mm256_set1_ps(a.row_scales[r * G + g])), acc[t]);
+        acc[t] = _mm256_fmadd_ps(mv, _mm256_set1_ps(a.group_sums[r * G + g]), acc[t]);
+      }
+    }
+    for (int t = 0; t < T; ++t) _mm256_storeu_ps(y + (r0 + t) * N + col + 8 * h, acc[t]);
+  }
+}
+
+// Rows r0..r0+T-1 (T <= 8) for the blocks nb0..nb1-1: beyond 4 rows, two passes over each block, the second reading
+// its weights from L1 (a block is 16 * K / 2 bytes).
 template <int T>
 void tile_q4_avx2(const uint8_t* packed, const at::Half* scales, const at::Half* mins, const Quantized& a, float* y,
                   int64_t r0, int64_t nb0, int64_t nb1, int64_t K, int64_t N) {
   const int64_t G = K / kGroup;
-  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  constexpr int first = T <= 4 ? T : (T + 1) / 2;
   for (int64_t nb = nb0; nb < nb1; ++nb) {
     const uint8_t* w = packed + nb * 16 * (K / 2);
     const at::Half* d = scales + nb * 16 * G;
     const at::Half* m = mins + nb * 16 * G;
-    for (int h = 0; h < 2; ++h) {
-      __m256 acc[T];
-      for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
-      for (int64_t g = 0; g < G; ++g) {
-        __m256i lo[4], hi[4];  // the group's 32 inputs of these 8 rows, unpacked once for every activation row
-        for (int c = 0; c < 4; ++c) {
-          const uint8_t* at = w + (g * 4 + c) * 64;
-          if (h == 0) _mm_prefetch(reinterpret_cast<const char*>(at + kAhead), _MM_HINT_T0);
-          const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + 32 * h));
-          lo[c] = _mm256_and_si256(raw, low);
-          hi[c] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
-        }
-        const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + g * 16 + 8 * h)));
-        const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + g * 16 + 8 * h)));
-        for (int t = 0; t < T; ++t) {
-          const int64_t r = r0 + t;
-          const int32_t* x4 = reinterpret_cast<const int32_t*>(a.xq + r * K + g * kGroup);
-          __m256i low_dot = _mm256_maddubs_epi16(lo[0], _mm256_set1_epi32(x4[0]));
-          __m256i high_dot = _mm256_maddubs_epi16(hi[0], _mm256_set1_epi32(x4[1]));
-          for (int c = 1; c < 4; ++c) {
-            low_dot = _mm256_add_epi16(low_dot, _mm256_maddubs_epi16(lo[c], _mm256_set1_epi32(x4[2 * c])));
-            high_dot = _mm256_add_epi16(high_dot, _mm256_maddubs_epi16(hi[c], _mm256_set1_epi32(x4[2 * c + 1])));
-          }
-          const __m256 sum = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_add_epi16(low_dot, high_dot), ones));
-          acc[t] = _mm256_fmadd_ps(sum, _mm256_mul_ps(dv, _mm256_set1_ps(a.row_scales[r * G + g])), acc[t]);
-          acc[t] = _mm256_fmadd_ps(mv, _mm256_set1_ps(a.group_sums[r * G + g]), acc[t]);
-        }
-      }
-      for (int t = 0; t < T; ++t) _mm256_storeu_ps(y + (r0 + t) * N + nb * 16 + 8 * h, acc[t]);
-    }
+    block_q4_avx2<first>(w, d, m, a, y, r0, K, N, nb * 16, true);
+    if constexpr (T > first) block_q4_avx2<T - first>(w, d, m, a, y, r0 + first, K, N, nb * 16, false);
   }
 }
 
@@ -509,6 +521,40 @@ void accumulate_values(const float* v, int64_t vs, const float* scores, const in
   for (int i = 0; i < V; ++i) v16_storeu_ps(out + 16 * i, v16_mul_ps(v16_add_ps(a[i], b[i]), v16_set1_ps(inv)));
 }
 
+// scores[c] = scale * (q . the key of slots[c]) for c < count, four slots at a time (four independent chains of
+// FMAs). DC: D / 16 where D is a whole number of vectors known here (no masks), else 0; the same sums either way.
+template <int DC>
+void dot_scores(const float* q, const float* k, int64_t ks, int64_t D, const int64_t* slots, int64_t count,
+                float scale, float* scores) {
+  const int64_t chunks = DC ? DC : (D + 15) / 16;
+  const auto load = [D](const float* p, int64_t d) {
+    if constexpr (DC > 0) return v16_loadu_ps(p + d);
+    else return v16_maskz_loadu_ps(lanes_from(D - d), p + d);
+  };
+  int64_t c = 0;
+  for (; c + 4 <= count; c += 4) {
+    const float* k0 = k + slots[c] * ks;
+    const float* k1 = k + slots[c + 1] * ks;
+    const float* k2 = k + slots[c + 2] * ks;
+    const float* k3 = k + slots[c + 3] * ks;
+    v16f a0 = v16_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t i = 0; i < chunks; ++i) {
+      const int64_t d = 16 * i;
+      const v16f qv = load(q, d);
+      a0 = v16_fmadd_ps(qv, load(k0, d), a0);
+      a1 = v16_fmadd_ps(qv, load(k1, d), a1);
+      a2 = v16_fmadd_ps(qv, load(k2, d), a2);
+      a3 = v16_fmadd_ps(qv, load(k3, d), a3);
+    }
+    _mm_storeu_ps(scores + c, _mm_mul_ps(sum4(a0, a1, a2, a3), _mm_set1_ps(scale)));
+  }
+  for (; c < count; ++c) {
+    v16f acc = v16_setzero_ps();
+    for (int64_t i = 0; i < chunks; ++i) acc = v16_fmadd_ps(load(q, 16 * i), load(k + slots[c] * ks, 16 * i), acc);
+    scores[c] = v16_reduce_add_ps(acc) * scale;
+  }
+}
+
 // One query row q (D) over the slots 0..S-1 of keys and values (slot j at k + j * ks, v + j * vs) that ``sees`` allows
 // (null: all), in order: the same numbers whatever the other rows and slots hold (the grouping of slots by four
 // depends on the row's own allowed slots alone). out (D); scores and slots: room for S.
@@ -517,32 +563,12 @@ void attend_row(const float* q, const float* k, int64_t ks, const float* v, int6
   int64_t count = 0;
   for (int64_t j = 0; j < S; ++j)
     if (!sees || sees[j]) slots[count++] = j;
+  switch (D) {  // the common head sizes in whole vectors, unmasked
+    case 64: dot_scores<4>(q, k, ks, D, slots, count, scale, scores); break;
+    case 128: dot_scores<8>(q, k, ks, D, slots, count, scale, scores); break;
+    default: dot_scores<0>(q, k, ks, D, slots, count, scale, scores); break;
+  }
   int64_t c = 0;
-  for (; c + 4 <= count; c += 4) {  // four slots at a time: four independent chains of FMAs
-    const float* k0 = k + slots[c] * ks;
-    const float* k1 = k + slots[c + 1] * ks;
-    const float* k2 = k + slots[c + 2] * ks;
-    const float* k3 = k + slots[c + 3] * ks;
-    v16f a0 = v16_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    for (int64_t d = 0; d < D; d += 16) {
-      const mask16 lanes = lanes_from(D - d);
-      const v16f qv = v16_maskz_loadu_ps(lanes, q + d);
-      a0 = v16_fmadd_ps(qv, v16_maskz_loadu_ps(lanes, k0 + d), a0);
-      a1 = v16_fmadd_ps(qv, v16_maskz_loadu_ps(lanes, k1 + d), a1);
-      a2 = v16_fmadd_ps(qv, v16_maskz_loadu_ps(lanes, k2 + d), a2);
-      a3 = v16_fmadd_ps(qv, v16_maskz_loadu_ps(lanes, k3 + d), a3);
-    }
-    _mm_storeu_ps(scores + c, _mm_mul_ps(sum4(a0, a1, a2, a3), _mm_set1_ps(scale)));
-  }
-  for (; c < count; ++c) {
-    v16f acc = v16_setzero_ps();
-    for (int64_t d = 0; d < D; d += 16) {
-      const mask16 lanes = lanes_from(D - d);
-      acc = v16_fmadd_ps(v16_maskz_loadu_ps(lanes, q + d), v16_maskz_loadu_ps(lanes, k + slots[c] * ks + d),
-                            acc);
-    }
-    scores[c] = v16_reduce_add_ps(acc) * scale;
-  }
   v16f tops = v16_set1_ps(-INFINITY);
   for (c = 0; c < count; c += 16) tops = v16_max_ps(tops, v16_mask_loadu_ps(tops, lanes_from(count - c), scores + c));
   const float top = v16_reduce_max_ps(tops);
