@@ -9,8 +9,12 @@ import numpy as np
 import pytest
 import torch
 
+from lssp.decoding.batched import speculative_decode_batch
 from lssp.decoding.kv import forward_logits, new_cache
 from lssp.decoding.sampling import SamplingParams
+from lssp.decoding.speculative import speculative_decode
+from lssp.drafters.lookup import CopyFirst
+from lssp.drafters.model import FeatureHead
 from lssp.engines import Mode, OursEngine, Request
 from lssp.kernels import missing_flags
 from lssp.models.loading import check_compatible, load_model
@@ -178,6 +182,59 @@ def test_batched_rows_give_each_row_the_tokens_it_gets_alone(tiny_dir):
         for row, seed, out in zip(rows, (11, 12, 13), together):
             alone = engine.complete(mode, Request(row[None], 20, SamplingParams(0.8), seed))
             assert out.tokens.tolist() == alone.tokens.tolist()
+
+
+def test_the_one_call_decoder_skips_a_batchs_holes_and_computes_the_rest_as_before(tiny_dir):
+    """Padding (``used`` False) is not computed: the other positions get the numbers of the padded forward, a hole's
+    logits and hidden states are zeros and its cache slot keeps what it held."""
+    model = load_model(load_registry(tiny_dir / "models.yaml").get("tiny-target-q4")).model
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(5))
+    used = torch.ones(2, 4, dtype=torch.bool)
+    used[0, :2] = used[1, 3] = False  # row 0 left-padded, row 1 right-padded
+    valid = torch.cat([torch.ones(2, 5, dtype=torch.bool), used], dim=1)  # as lssp.decoding.batched masks rows
+    slot, query = torch.arange(9)[None, None], 5 + torch.arange(4)[None, :, None]
+    allowed = (valid[:, None] & (slot <= query)) | (slot == query)  # a hole sees only itself, no one sees a hole
+    mask = torch.zeros(2, 1, 4, 9).masked_fill_(~allowed[:, None], float("-inf"))
+    positions = torch.tensor([[5, 5, 5, 6], [5, 6, 7, 7]])
+    outs, caches = [], []
+    with torch.inference_mode():
+        for holes in (None, used):
+            kv = model.new_cache(2)
+            model(ids[:, :5], past_key_values=kv)
+            kv.reserve(9)
+            for buffer in kv.keys_values:
+                buffer[1, :, 8] = 7.0  # row 1's hole
+            caches.append(kv)
+            outs.append(model(ids[:, 5:], past_key_values=kv, attention_mask=mask, position_ids=positions,
+                              features=True, used=holes))
+    (full, skipped), (kv_full, kv_skipped) = outs, caches
+    assert torch.equal(skipped.logits[used], full.logits[used])
+    assert torch.equal(skipped.features[used], full.features[used])
+    assert not skipped.logits[~used].any() and not skipped.features[~used].any()
+    for a, b in zip(kv_full.keys_values, kv_skipped.keys_values):
+        assert torch.equal(a[0, :, 7:9], b[0, :, 7:9]) and torch.equal(a[1, :, 5:8], b[1, :, 5:8])
+        assert (b[1, :, 8] == 7.0).all() and not (a[1, :, 8] == 7.0).all()  # the hole's slot: written only unskipped
+
+
+@pytest.mark.parametrize("params", [SamplingParams(0.0), SamplingParams(1.0)], ids=["greedy", "T=1"])
+def test_rows_copying_chains_over_a_q4_target_are_batched_and_each_gets_its_tokens_alone(tiny_dir, params):
+    """Over a target whose forward skips the padding, copied chains past K no longer keep a batch from forming: rows
+    verifying chains of up to 5 beside rows verifying K=2 drafts each get the tokens and counts they get alone."""
+    registry = load_registry(tiny_dir / "models.yaml")
+    loaded = load_model(registry.get("tiny-target-q4"))
+    target, head = loaded.model, load_model(registry.get("tiny-eagle-q4"), draft=True, target=loaded).model
+    make = lambda: CopyFirst(FeatureHead(head), 1, chain=5)  # noqa: E731
+    assert target.skips_holes and make().rows_reason(target) is None
+    prompts = [[3, 9, 4, 3, 9, 4, 3, 9], [7, 7, 7, 7, 7], [5, 1, 2, 6, 5, 1], [8, 2]]
+    generators = lambda s: None if params.greedy else torch.Generator().manual_seed(s)  # noqa: E731
+    outs = speculative_decode_batch(target, make(), [torch.tensor(p) for p in prompts], 16, 2, params,
+                                    [generators(s) for s in range(len(prompts))])
+    for seed, (prompt, out) in enumerate(zip(prompts, outs)):
+        alone = speculative_decode(target, make(), torch.tensor([prompt]), 16, 2, params, generators(seed))
+        assert out.tokens.tolist() == alone.tokens.tolist(), prompt
+        assert (out.stats.drafted, out.stats.accepted, out.stats.drafted_at) == \
+            (alone.stats.drafted, alone.stats.accepted, alone.stats.drafted_at), prompt
+    assert any(out.stats.drafted_at[2:] != [0, 0, 0] for out in outs)  # chains past K were verified
 
 
 def test_the_kernels_fake_tensors_match_what_they_return_for_any_layout():

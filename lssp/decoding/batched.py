@@ -42,7 +42,7 @@ from transformers import PreTrainedModel
 
 from lssp.decoding.drafting import Drafter, DraftRows, Picker, Proposal
 from lssp.decoding.generation import NO_STOP, GenerationOutput, GenerationStats, Stopping
-from lssp.decoding.kv import PrefixCache, accepts_logits_to_keep, drop, new_cache
+from lssp.decoding.kv import PrefixCache, accepts_logits_to_keep, drop, new_cache, repeated
 from lssp.decoding.sampling import SamplingParams, sample_logits
 from lssp.decoding.speculative import count_iteration, verify_proposal
 from lssp.decoding.timing import Clock
@@ -114,6 +114,8 @@ def feed_rows(cache: RowCache, pieces: Sequence[Sequence[int]], left: bool, **mo
     allowed = (valid[:, None, :] & (slot <= query)) | (slot == query)  # a hole sees only itself
     dtype = cache.model.get_input_embeddings().weight.dtype
     bias = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))
+    if hasattr(cache.model, "skips_holes"):  # a compact forward: where it can, it does not compute the padding
+        model_kwargs["used"] = used
     out = cache.model(input_ids=ids, past_key_values=cache.kv, use_cache=True, attention_mask=bias[:, None],
                       position_ids=positions, **model_kwargs)
     cache.valid, cache.positions = valid, cache.positions + used.sum(1)
@@ -213,10 +215,27 @@ def keep_rows(cache: RowCache, rows: list[int]) -> None:
         cache.valid = cache.valid[:, :end]
 
 
-def begin_rows_with_features(target: PreTrainedModel, prompts: Sequence[list[int]]) -> tuple[RowCache, list[torch.Tensor]]:
-    """The target's cache holding every prompt but its last token, and its features of those tokens, per row."""
-    cache, features = prefill_rows(target, [p[:-1] for p in prompts], features=True)
-    return cache, features if features is not None else []
+def begin_rows_with_features(target: PreTrainedModel, prompts: Sequence[list[int]],
+                             prefix: PrefixCache | None = None) -> tuple[RowCache, list[torch.Tensor]]:
+    """The target's cache holding every prompt but its last token, and its features of those tokens, per row: the
+    shared ``prefix``'s keys, values and features computed once where every prompt extends it (as ``begin_rows``)."""
+    n = len(prefix.ids) if prefix is not None else 0
+    started = None
+    if n and all(len(p) > n and p[:n] == prefix.ids for p in prompts):
+        started = prefix.start_with_features(target, torch.tensor([prompts[0][:n + 1]], device=model_device(target)))
+    if started is None:
+        cache, features = prefill_rows(target, [p[:-1] for p in prompts], features=True)
+        return cache, features if features is not None else []
+    kv, shared = started
+    device = model_device(target)
+    cache = RowCache(target, repeated(target, kv, len(prompts)), torch.ones(len(prompts), n, dtype=torch.bool,
+                     device=device), torch.full((len(prompts),), n, dtype=torch.long, device=device))
+    rest = [p[n:-1] for p in prompts]
+    if not any(rest):
+        return cache, [shared[0] for _ in prompts]
+    out = feed_rows(cache, rest, True, logits_to_keep=1, features=True)
+    width = max(map(len, rest))
+    return cache, [torch.cat([shared[0], out.features[r, width - len(p):]]) for r, p in enumerate(rest)]
 
 
 def score_rows(cache: RowCache, pieces: Sequence[Sequence[int]], features: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -418,7 +437,7 @@ class SpeculativeRows(RowsRun):
     def _begin(self, rows: Sequence[Row]) -> tuple[RowCache, DraftRows]:
         texts = [row.seq for row in rows]
         if self.drafter.needs_features:  # a feature head reads the target's features of each prompt
-            cache, features = begin_rows_with_features(self.target, texts)
+            cache, features = begin_rows_with_features(self.target, texts, self.prefix)
             return cache, self.drafter.begin_rows(texts, None, features)
         return begin_rows(self.target, texts, self.prefix, "target"), self.drafter.begin_rows(texts, self.prefix, None)
 

@@ -696,15 +696,18 @@ constexpr int64_t kPerLayer = 14;  // input norm, qkv (3), o (3), post-attention
 // as row_attention and block_mm do: a forward of n tokens gives each position the numbers of a one-token forward.
 // Returns the last hidden states (B, n, D), after ``final_norm`` where given, and with ``output`` (an output layer's
 // packed, scales, mins) the logits of each row's last ``keep`` positions (all where 0), (B, keep, N); else no logits.
+// used: none (every position holds a token) or bool (B, n), false at a hole (a batch's padding): a hole is not
+// computed (its hidden states and logits are zeros, its cache slot is left as it was), so padding costs nothing.
 std::tuple<at::Tensor, at::Tensor> decoder(const at::Tensor& hidden_in, const at::Tensor& cos_in, const at::Tensor& sin_in,
                    const c10::optional<at::Tensor>& allowed_in, at::TensorList weights, at::TensorList cache,
                    int64_t start, int64_t heads, int64_t kv_heads, double eps, double scale,
-                   const c10::optional<at::Tensor>& final_norm, at::TensorList output, int64_t keep) {
+                   const c10::optional<at::Tensor>& final_norm, at::TensorList output, int64_t keep,
+                   const c10::optional<at::Tensor>& used_in) {
   TORCH_CHECK(hidden_in.dim() == 3 && hidden_in.scalar_type() == at::kFloat, "decoder: hidden (B, n, D) float32");
   const int64_t L = static_cast<int64_t>(weights.size()) / kPerLayer;
   TORCH_CHECK(L >= 1 && L * kPerLayer == static_cast<int64_t>(weights.size()) &&
               static_cast<int64_t>(cache.size()) == 2 * L, "decoder: 14 weights and 2 cache tensors per layer");
-  const int64_t B = hidden_in.size(0), n = hidden_in.size(1), D = hidden_in.size(2), R = B * n, S = start + n;
+  const int64_t B = hidden_in.size(0), n = hidden_in.size(1), D = hidden_in.size(2), S = start + n;
   const int64_t hd = cache[0].size(3), group = heads / kv_heads;
   const at::Tensor cos = cos_in.to(at::kFloat).contiguous(), sin = sin_in.to(at::kFloat).contiguous();
   TORCH_CHECK(cos.dim() == 3 && (cos.size(0) == B || cos.size(0) == 1) && cos.size(1) == n && cos.size(2) == hd &&
@@ -716,7 +719,21 @@ std::tuple<at::Tensor, at::Tensor> decoder(const at::Tensor& hidden_in, const at
   for (const at::Tensor& t : cache)
     TORCH_CHECK(t.scalar_type() == at::kFloat && t.dim() == 4 && t.size(0) == B && t.size(1) == kv_heads &&
                 t.size(2) >= S && t.size(3) == hd && t.stride(3) == 1, "decoder: cache (B, kv_heads, >= slots, hd) float32");
-  at::Tensor hidden = hidden_in.contiguous().clone();
+  // The positions computed (b * n + i), each a row of the buffers below: all of them, or those ``used`` marks.
+  std::vector<int64_t> live;
+  if (used_in.has_value() && used_in->defined()) {
+    const at::Tensor used = used_in->to(at::kBool).contiguous();
+    TORCH_CHECK(used.dim() == 2 && used.size(0) == B && used.size(1) == n, "decoder: used (B, n) bool");
+    for (int64_t r = 0; r < B * n; ++r)
+      if (used.data_ptr<bool>()[r]) live.push_back(r);
+  } else {
+    for (int64_t r = 0; r < B * n; ++r) live.push_back(r);
+  }
+  const int64_t R = static_cast<int64_t>(live.size());
+  const bool holes = R < B * n;
+  at::Tensor hidden = holes ? hidden_in.contiguous().reshape({B * n, D}).index_select(
+                                   0, at::tensor(live, at::TensorOptions().dtype(at::kLong)))
+                             : hidden_in.contiguous().clone();
   float* h = hidden.data_ptr<float>();
   const int64_t width = (heads + 2 * kv_heads) * hd;
   const int64_t inner = weights[8].size(0) / 2;
@@ -734,7 +751,7 @@ std::tuple<at::Tensor, at::Tensor> decoder(const at::Tensor& hidden_in, const at
     // rotary on queries and keys; keys and values into the cache
     at::parallel_for(0, R, kRowsPerThread, [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r) {
-        const int64_t b = r / n, i = r % n;
+        const int64_t b = live[r] / n, i = live[r] % n;
         float* row = qkv.data() + r * width;
         const float* c = cos.data_ptr<float>() + b * c_batch + i * hd;
         const float* sn = sin.data_ptr<float>() + b * c_batch + i * hd;
@@ -747,11 +764,11 @@ std::tuple<at::Tensor, at::Tensor> decoder(const at::Tensor& hidden_in, const at
         }
       }
     });
-    at::parallel_for(0, B * heads * n, 1, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, heads * R, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> scores(S);
       std::vector<int64_t> slots(S);
-      for (int64_t bhi = begin; bhi < end; ++bhi) {
-        const int64_t b = bhi / (heads * n), head = (bhi / n) % heads, i = bhi % n, r = b * n + i;
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t head = item / R, r = item % R, b = live[r] / n, i = live[r] % n;
         const int64_t kv = head / group;
         const bool* sees = ap ? ap + b * a_batch + i * S : nullptr;
         attend_row(qkv.data() + r * width + head * hd, kp + b * keys.stride(0) + kv * keys.stride(1), keys.stride(2),
@@ -785,16 +802,39 @@ std::tuple<at::Tensor, at::Tensor> decoder(const at::Tensor& hidden_in, const at
                 "decoder: final_norm (D,) float32");
     rms_norm(h, R, D, final_norm->data_ptr<float>(), eps, h);
   }
-  if (output.empty()) return std::make_tuple(hidden, at::empty({0}, hidden.options()));
+  // The computed rows back in their places (B, n, D), holes zero; ``row_of``: each position's row (-1: a hole).
+  std::vector<int64_t> row_of(B * n, -1);
+  for (int64_t r = 0; r < R; ++r) row_of[live[r]] = r;
+  at::Tensor full = hidden;
+  if (holes) {
+    full = at::zeros({B * n, D}, hidden.options());
+    full.index_copy_(0, at::tensor(live, at::TensorOptions().dtype(at::kLong)), hidden);
+    full = full.view({B, n, D});
+  }
+  if (output.empty()) return std::make_tuple(full, at::empty({0}, hidden.options()));
   TORCH_CHECK(output.size() == 3, "decoder: output is packed, scales, mins");
   const Blocks o = blocks_of(output[0], output[1], output[2], D);
   const int64_t kept = keep > 0 ? std::min(keep, n) : n;
-  std::vector<float> last(B * kept * D);  // the last ``kept`` positions of each row
+  std::vector<int64_t> picked;  // the last ``kept`` positions of each row (b * kept + j) that were computed
   for (int64_t b = 0; b < B; ++b)
-    std::copy(h + (b * n + n - kept) * D, h + (b * n + n) * D, last.data() + b * kept * D);
-  at::Tensor logits = at::empty({B, kept, o.N}, hidden.options());
-  matmul(o, last.data(), B * kept, logits.data_ptr<float>(), s);
-  return std::make_tuple(hidden, logits);
+    for (int64_t j = 0; j < kept; ++j)
+      if (row_of[b * n + n - kept + j] >= 0) picked.push_back(b * kept + j);
+  std::vector<float> last(picked.size() * D);
+  for (size_t p = 0; p < picked.size(); ++p) {
+    const int64_t b = picked[p] / kept, j = picked[p] % kept;
+    const float* row = h + row_of[b * n + n - kept + j] * D;
+    std::copy(row, row + D, last.data() + p * D);
+  }
+  at::Tensor logits = holes ? at::zeros({B, kept, o.N}, hidden.options()) : at::empty({B, kept, o.N}, hidden.options());
+  if (!holes) {
+    matmul(o, last.data(), B * kept, logits.data_ptr<float>(), s);
+  } else {
+    std::vector<float> computed(picked.size() * o.N);
+    matmul(o, last.data(), static_cast<int64_t>(picked.size()), computed.data(), s);
+    for (size_t p = 0; p < picked.size(); ++p)
+      std::copy(computed.data() + p * o.N, computed.data() + (p + 1) * o.N, logits.data_ptr<float>() + picked[p] * o.N);
+  }
+  return std::make_tuple(full, logits);
 }
 
 // lssp::arena: nbytes of uint8 in memory aligned to 2 MiB and advised as huge pages (the weights a forward streams:
@@ -816,8 +856,8 @@ TORCH_LIBRARY(lssp, m) {
   m.def("row_attention(Tensor q, Tensor keys, Tensor values, Tensor? allowed, float scale) -> Tensor");
   m.def("arena(int nbytes) -> Tensor");
   m.def("decoder(Tensor hidden, Tensor cos, Tensor sin, Tensor? allowed, Tensor[] weights, Tensor(a!)[] cache, "
-        "int start, int heads, int kv_heads, float eps, float scale, Tensor? final_norm, Tensor[] output, int keep) "
-        "-> (Tensor, Tensor)");
+        "int start, int heads, int kv_heads, float eps, float scale, Tensor? final_norm, Tensor[] output, int keep, "
+        "Tensor? used=None) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(lssp, CPU, m) {

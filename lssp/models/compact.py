@@ -256,17 +256,18 @@ class FusedDecoder(nn.Module):
 
     def _layers(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
                 keys_values: list[torch.Tensor], at: slice | torch.Tensor, upto: int | None,
-                output: FusedOutput | None = None, taps: Sequence[int] = ()) -> Layered:
+                output: FusedOutput | None = None, taps: Sequence[int] = (), used: torch.Tensor | None = None) -> Layered:
         """The decoder over ``hidden`` (batch, n, width) with rotary ``cos``/``sin`` of its positions (shared, or per
         row): keys and values written at ``at``, queries attending over the first ``upto`` cached positions (None: the whole buffer) under
         ``mask`` (None: all of them; bool: True where allowed; float: additive). With ``row_attention`` set each query
         attends by itself (``torch.ops.lssp.row_attention``). Returns the last hidden states (before any final
         norm) and None, or where the layers run in one call and ``output`` is given, the final hidden states after
-        its norm and its logits; and the hidden states after each layer of ``taps``."""
+        its norm and its logits; and the hidden states after each layer of ``taps``. ``used`` (batch, n) bool: False
+        at a batch's holes, which the one-call decoder skips (their outputs are zeros there, garbage elsewhere)."""
         batch, n = hidden.shape[:2]
         stack = self._block_stack()
         if stack is not None and isinstance(at, slice) and hidden.dtype == keys_values[0].dtype == torch.float32:
-            return self._block_layers(stack, hidden, cos, sin, mask, keys_values, at.start, output, taps)
+            return self._block_layers(stack, hidden, cos, sin, mask, keys_values, at.start, output, taps, used)
         tapped = []
         heads, half, rotated = self.heads, self.head_dim // 2, self.heads + self.kv_heads
         # The query heads sharing a key/value head attend as one longer query over it (the mask repeated per head):
@@ -344,9 +345,15 @@ class FusedDecoder(nn.Module):
         """Whether the decoder layers run in one call of our kernel (every Linear a q4_1 layer)."""
         return self._block_stack() is not None
 
+    @property
+    def skips_holes(self) -> bool:
+        """Whether a batch's padding costs nothing: ``forward`` takes ``used`` (where rows hold tokens) and, in one
+        call of our kernel, computes only those positions."""
+        return self.one_call
+
     def _block_layers(self, stack: list[torch.Tensor], hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       mask: torch.Tensor | None, keys_values: list[torch.Tensor], start: int,
-                      output: FusedOutput | None, taps: Sequence[int] = ()) -> Layered:
+                      output: FusedOutput | None, taps: Sequence[int] = (), used: torch.Tensor | None = None) -> Layered:
         """``_layers`` in calls of our kernel (q4_1): causal where ``mask`` is None, else its allowed slots; one call
         for the whole stack, or one per run of layers ending at a tap."""
         batch, n = hidden.shape[:2]
@@ -362,14 +369,14 @@ class FusedDecoder(nn.Module):
             weights_of = stack[first * WEIGHTS_PER_LAYER: end * WEIGHTS_PER_LAYER]
             hidden, logits = torch.ops.lssp.decoder(
                 hidden.contiguous(), cos, sin, allowed, weights_of, keys_values[2 * first: 2 * end], start, self.heads,
-                self.kv_heads, self.eps, self.scale, norm if last else None, weights if last else (), keep)
+                self.kv_heads, self.eps, self.scale, norm if last else None, weights if last else (), keep, used)
             if end - 1 in taps:
                 tapped.append(hidden)
         return Layered(hidden, logits if weights else None, tapped)
 
     def _run(self, hidden: torch.Tensor, kv: CompactCache, mask: torch.Tensor | None = None,
              positions: torch.Tensor | None = None, output: FusedOutput | None = None,
-             taps: Sequence[int] = ()) -> Layered:
+             taps: Sequence[int] = (), used: torch.Tensor | None = None) -> Layered:
         """The eager decoder over ``hidden`` (batch, n, width) after what ``kv`` holds, extending it. By default
         every row is at the cache's slots and attends causally; rows of their own (batched SSp) pass ``positions``
         (batch, n) for the rotary embedding and an additive ``mask`` (batch, 1, n, slots) over the cache's slots.
@@ -384,7 +391,7 @@ class FusedDecoder(nn.Module):
         else:
             cos, sin = self._rotary(0, int(positions.max()) + 1, kv.keys_values[0])
             cos, sin = cos[0][positions].unsqueeze(1), sin[0][positions].unsqueeze(1)  # (batch, 1, n, head_dim)
-        out = self._layers(hidden, cos, sin, mask, kv.keys_values, slice(start, end), end, output, taps)
+        out = self._layers(hidden, cos, sin, mask, kv.keys_values, slice(start, end), end, output, taps, used)
         kv.length = end
         return out
 
@@ -476,10 +483,11 @@ class CompactLlama(FusedDecoder):
 
     def forward(self, input_ids: torch.Tensor, past_key_values: CompactCache, use_cache: bool = True,
                 logits_to_keep: int = 0, features: bool = False, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None) -> CompactOutput:
+                position_ids: torch.Tensor | None = None, used: torch.Tensor | None = None) -> CompactOutput:
         """Logits (and with ``features`` the final hidden states) of ``input_ids`` (batch, n) after what
         ``past_key_values`` holds. ``attention_mask`` (batch, 1, n, slots, additive) and ``position_ids`` (batch, n)
-        let each row attend to slots and sit at positions of its own (``lssp.decoding.batched``); they run eager."""
+        let each row attend to slots and sit at positions of its own (``lssp.decoding.batched``); they run eager.
+        ``used`` (batch, n) bool marks the positions that hold tokens: the one-call decoder skips the others."""
         kv = past_key_values
         if input_ids.shape[0] != kv.keys_values[0].shape[0]:
             raise ValueError(f"a batch of {input_ids.shape[0]} over a cache of {kv.keys_values[0].shape[0]} rows")
@@ -502,7 +510,7 @@ class CompactLlama(FusedDecoder):
             kv.length = end
             return CompactOutput(logits[:, -logits_to_keep:] if logits_to_keep else logits, final if features else None)
         final, logits, tapped = self._run(self.hf.model.embed_tokens(input_ids), kv, attention_mask, position_ids,
-                                          self._fused_output(logits_to_keep), taps)
+                                          self._fused_output(logits_to_keep), taps, used)
         if logits is None:
             final = self._final(final)
             logits = self.hf.lm_head(final[:, -logits_to_keep:] if logits_to_keep else final)

@@ -396,10 +396,11 @@ class FeatureDraft(FusedDecoder):
 
     def forward(self, input_ids: torch.Tensor, past_key_values: FeatureCache, use_cache: bool = True,
                 logits_to_keep: int = 0, input_features: torch.Tensor | None = None,
-                attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> CompactOutput:
+                attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                used: torch.Tensor | None = None) -> CompactOutput:
         """Logits after ``input_ids`` (batch, n), each token paired with the feature of the token before it: the
         cache's queued features or its last guess, or ``input_features`` (batch, n, d) where the caller keeps them
-        (batched rows, with ``attention_mask`` and ``position_ids`` as in ``CompactLlama.forward``). The last
+        (batched rows, with ``attention_mask``, ``position_ids`` and ``used`` as in ``CompactLlama.forward``). The last
         position's hidden state becomes the cache's ``guess``."""
         kv = past_key_values
         features = kv.take(input_ids.shape[1]) if input_features is None else input_features
@@ -407,7 +408,7 @@ class FeatureDraft(FusedDecoder):
         embeds = self.get_input_embeddings()(input_ids).to(dtype)
         mask = attention_mask.to(dtype) if attention_mask is not None else None
         hidden, logits, _ = self._run(self.head.fc(torch.cat([embeds, features.to(dtype)], dim=-1)), kv, mask,
-                                      position_ids, self._fused_output(logits_to_keep))
+                                      position_ids, self._fused_output(logits_to_keep), (), used)
         kv.guess = hidden[:, -1:]
         output = self.get_output_embeddings()
         if logits is None:
