@@ -483,6 +483,22 @@ def test_a_one_row_batch_leaves_the_shared_prefix_whole(pair, compact, drafting)
         assert [o.tokens.tolist() for o in with_prefix] == [o.tokens.tolist() for o in without]
 
 
+def test_rows_with_a_feature_head_start_from_the_shared_prefix_and_equal_them_without(head_pair):
+    """Batched SSp with a feature head starts from the shared prefix's keys, values and features (eval's few-shot
+    lines, computed once): every batch, of one row or more, gives what it gives without the prefix."""
+    from lssp.decoding.kv import PrefixCache
+
+    target, draft = head_pair
+    shared = [3, 1, 4, 1, 5]
+    prompts = [torch.tensor(shared + p) for p in PROMPTS]
+    prefix = PrefixCache(shared)
+    for rows in ([prompts[0]], prompts[1:4], [prompts[4]]):
+        with_prefix, without = (speculative_decode_batch(target, FeatureHead(draft), rows, 8, 3, GREEDY,
+                                                         [None] * len(rows), prefix=p) for p in (prefix, None))
+        assert [o.tokens.tolist() for o in with_prefix] == [o.tokens.tolist() for o in without]
+    assert ("features", target) in prefix._caches  # the prefix's features were computed and kept
+
+
 def test_eval_with_a_last_batch_of_one_row_runs_on_and_records_as_one_at_a_time(loaded, tmp_path):
     """``eval --both --ssp-batch 3`` over 7 problems: the third SSp batch has one row, and RSp's problems after it
     use the same cached prefix (the CLI case of the crash above)."""

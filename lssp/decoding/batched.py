@@ -129,18 +129,28 @@ def empty_rows(model: PreTrainedModel, rows: int) -> RowCache:
                     torch.zeros(rows, dtype=torch.long, device=device))
 
 
+def shared_prefix(prefix: PrefixCache | None, prompts: Sequence[list[int]]) -> int:
+    """How many tokens of ``prefix`` every prompt starts with and goes beyond: all of them, or 0."""
+    n = len(prefix.ids) if prefix is not None else 0
+    return n if n and all(len(p) > n and p[:n] == prefix.ids for p in prompts) else 0
+
+
+def rows_after_prefix(model: PreTrainedModel, kv: Any, rows: int, n: int) -> RowCache:
+    """``rows`` rows over ``kv``, which holds the first ``n`` tokens of each."""
+    device = model_device(model)
+    return RowCache(model, kv, torch.ones(rows, n, dtype=torch.bool, device=device),
+                    torch.full((rows,), n, dtype=torch.long, device=device))
+
+
 def begin_rows(model: PreTrainedModel, prompts: Sequence[list[int]], prefix: PrefixCache | None, role: str) -> RowCache:
     """``model``'s cache holding every prompt but its last token: the shared ``prefix``'s keys and values once for all
     rows where every prompt extends it, then each row's rest of its prompt, left-padded."""
-    device = model_device(model)
-    n = len(prefix.ids) if prefix is not None else 0
-    kv = None
-    if n and all(len(p) > n and p[:n] == prefix.ids for p in prompts):
-        kv = prefix.start(model, torch.tensor([p[:n + 1] for p in prompts], device=device), role, own=True)
+    n = shared_prefix(prefix, prompts)
+    kv = prefix.start(model, torch.tensor([p[:n + 1] for p in prompts], device=model_device(model)), role,
+                      own=True) if n else None
     if kv is None:
         return prefill_rows(model, [p[:-1] for p in prompts])[0]
-    cache = RowCache(model, kv, torch.ones(len(prompts), n, dtype=torch.bool, device=device),
-                     torch.full((len(prompts),), n, dtype=torch.long, device=device))
+    cache = rows_after_prefix(model, kv, len(prompts), n)
     rest = [p[n:-1] for p in prompts]
     if any(rest):
         forward_rows(cache, rest, 1, left=True)
@@ -219,17 +229,14 @@ def begin_rows_with_features(target: PreTrainedModel, prompts: Sequence[list[int
                              prefix: PrefixCache | None = None) -> tuple[RowCache, list[torch.Tensor]]:
     """The target's cache holding every prompt but its last token, and its features of those tokens, per row: the
     shared ``prefix``'s keys, values and features computed once where every prompt extends it (as ``begin_rows``)."""
-    n = len(prefix.ids) if prefix is not None else 0
-    started = None
-    if n and all(len(p) > n and p[:n] == prefix.ids for p in prompts):
-        started = prefix.start_with_features(target, torch.tensor([prompts[0][:n + 1]], device=model_device(target)))
+    n = shared_prefix(prefix, prompts)
+    started = prefix.start_with_features(target, torch.tensor([prompts[0][:n + 1]], device=model_device(target))) \
+        if n else None
     if started is None:
         cache, features = prefill_rows(target, [p[:-1] for p in prompts], features=True)
         return cache, features if features is not None else []
     kv, shared = started
-    device = model_device(target)
-    cache = RowCache(target, repeated(target, kv, len(prompts)), torch.ones(len(prompts), n, dtype=torch.bool,
-                     device=device), torch.full((len(prompts),), n, dtype=torch.long, device=device))
+    cache = rows_after_prefix(target, repeated(target, kv, len(prompts)), len(prompts), n)
     rest = [p[n:-1] for p in prompts]
     if not any(rest):
         return cache, [shared[0] for _ in prompts]
