@@ -731,9 +731,9 @@ std::tuple<at::Tensor, at::Tensor> decoder(const at::Tensor& hidden_in, const at
   }
   const int64_t R = static_cast<int64_t>(live.size());
   const bool holes = R < B * n;
-  at::Tensor hidden = holes ? hidden_in.contiguous().reshape({B * n, D}).index_select(
-                                   0, at::tensor(live, at::TensorOptions().dtype(at::kLong)))
-                             : hidden_in.contiguous().clone();
+  const at::Tensor live_index = holes ? at::tensor(live, at::TensorOptions().dtype(at::kLong)) : at::Tensor();
+  at::Tensor hidden = holes ? hidden_in.contiguous().reshape({B * n, D}).index_select(0, live_index)
+                            : hidden_in.contiguous().clone();
   float* h = hidden.data_ptr<float>();
   const int64_t width = (heads + 2 * kv_heads) * hd;
   const int64_t inner = weights[8].size(0) / 2;
@@ -808,7 +808,7 @@ std::tuple<at::Tensor, at::Tensor> decoder(const at::Tensor& hidden_in, const at
   at::Tensor full = hidden;
   if (holes) {
     full = at::zeros({B * n, D}, hidden.options());
-    full.index_copy_(0, at::tensor(live, at::TensorOptions().dtype(at::kLong)), hidden);
+    full.index_copy_(0, live_index, hidden);
     full = full.view({B, n, D});
   }
   if (output.empty()) return std::make_tuple(full, at::empty({0}, hidden.options()));

@@ -263,7 +263,8 @@ class FusedDecoder(nn.Module):
         attends by itself (``torch.ops.lssp.row_attention``). Returns the last hidden states (before any final
         norm) and None, or where the layers run in one call and ``output`` is given, the final hidden states after
         its norm and its logits; and the hidden states after each layer of ``taps``. ``used`` (batch, n) bool: False
-        at a batch's holes, which the one-call decoder skips (their outputs are zeros there, garbage elsewhere)."""
+        at a batch's holes, which the one-call decoder does not compute (zeros there; the eager layers compute them
+        anyway, and no caller reads them)."""
         batch, n = hidden.shape[:2]
         stack = self._block_stack()
         if stack is not None and isinstance(at, slice) and hidden.dtype == keys_values[0].dtype == torch.float32:
