@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from lssp.decoding.batched import speculative_decode_batch
+from lssp.decoding.generation import generate_regular
 from lssp.decoding.kv import forward_logits, new_cache
 from lssp.decoding.sampling import SamplingParams
 from lssp.decoding.speculative import speculative_decode
@@ -235,6 +236,40 @@ def test_rows_copying_chains_over_a_q4_target_are_batched_and_each_gets_its_toke
         assert (out.stats.drafted, out.stats.accepted, out.stats.drafted_at) == \
             (alone.stats.drafted, alone.stats.accepted, alone.stats.drafted_at), prompt
     assert any(out.stats.drafted_at[2:] != [0, 0, 0] for out in outs)  # chains past K were verified
+
+
+@pytest.mark.parametrize("params", [SamplingParams(0.0), SamplingParams(1.0)], ids=["greedy", "T=1"])
+def test_a_subset_head_drafts_from_its_own_tokens_logits_as_its_forward_gives_them(tiny_dir, params):
+    """Over a q4_1 target a head over frequent tokens drafts from its tokens' logits unwidened (``draft_logits``):
+    its forward's numbers at those tokens; and SSp drafting so proposes the tokens, with the laws, that drafting
+    from the widened logits does (greedy: RSp's tokens)."""
+    from lssp.models.eagle import FeatureDraft
+    from lssp.models.loading import cpu_quantize
+    from lssp.models.registry import ModelSpec
+    from tests.conftest import random_head
+
+    target = load_model(load_registry(tiny_dir / "models.yaml").get("tiny-target-q4")).model
+    ids = list(range(1, 64, 2))
+    head = cpu_quantize(FeatureDraft(random_head(target, 3, token_ids=ids), target), ModelSpec("h", quantization="q4_1"))
+    assert head._fused_output(1) is not None  # the head's output rows run in the one call
+    prompt = torch.tensor([[3, 9, 4, 7, 1, 8]])
+    with torch.inference_mode():
+        kv_target = new_cache(target)
+        features = target(prompt[:, :-1], past_key_values=kv_target, features=True).features
+        kv_a, kv_b = head.start(prompt, features), head.start(prompt, features)
+        for token in (8, 5):  # the first draft after the prompt, then one fed the head's own guess
+            full = head(torch.tensor([[token]]), kv_a, logits_to_keep=1).logits[0, -1]
+            narrow, columns = head.draft_logits(torch.tensor([[token]]), kv_b)
+            assert columns.tolist() == ids and torch.equal(narrow, full[columns])
+            assert torch.isinf(full[::2]).all() and torch.equal(kv_a.guess, kv_b.guess)
+    generator = lambda: None if params.greedy else torch.Generator().manual_seed(4)  # noqa: E731
+    out = speculative_decode(target, FeatureHead(head), prompt, 20, 3, params, generator())
+    widened = FeatureHead(head)
+    widened._logits = lambda pending: (head(pending, widened.kv, logits_to_keep=1).logits[0, -1], None)
+    again = speculative_decode(target, widened, prompt, 20, 3, params, generator())
+    assert out.tokens.tolist() == again.tokens.tolist() and out.stats.accepted == again.stats.accepted
+    if params.greedy:
+        assert out.tokens.tolist() == generate_regular(target, prompt, 20, params).tokens.tolist()
 
 
 def test_the_kernels_fake_tensors_match_what_they_return_for_any_layout():

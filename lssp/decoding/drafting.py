@@ -70,27 +70,30 @@ class Picker:
         """A fresh picker for the same iteration drafting up to ``k`` (``room``: a copied chain's; 0: none)."""
         return Picker(k, self.vocab, self.params, self.generator, self.device)
 
-    def add(self, logits: torch.Tensor) -> torch.Tensor:
+    def add(self, logits: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
         """The next draft from the drafter's ``logits`` at its position (its own width: where narrower than the
-        target's ``vocab``, the tokens beyond it get q = 0, never drafted, and the residual keeps their mass);
-        returns it (to feed next)."""
+        target's ``vocab``, the tokens beyond it get q = 0, never drafted, and the residual keeps their mass; with
+        ``ids``, the vocabulary ids of its columns, every other token gets q = 0); returns it (to feed next)."""
         i = len(self.looked_up)
-        logits = logits[:self.vocab]
-        hint = self.hint(self.drafted, logits) if self.hint else None
+        logits = logits[:self.vocab] if ids is None else logits
+        hint = self.hint(self.drafted, logits) if self.hint else None  # a hint reads the top probability alone
         if self.q is None:
-            self.tokens[i] = argmax(logits).to(self.device) if hint is None else hint
+            column = argmax(logits) if hint is None else None
+            self.tokens[i] = hint if column is None else (column if ids is None else ids[column]).to(self.device)
         else:
+            if ids is not None:
+                logits = logits.new_full((self.vocab,), float("-inf")).index_copy_(0, ids, logits)
             width = logits.shape[-1]
             self.q[i, :width] = warp(logits.unsqueeze(0).to(self.device), self.params)[0]
             self.q[i, width:] = 0.0  # the target's tokens beyond the draft's logits: never drafted
             if hint is not None:
                 self.q[i] *= 1 - LOOKUP_WEIGHT
                 self.q[i, hint] += LOOKUP_WEIGHT
-            self.tokens[i] = sample(self.q[i], self.params, self.generator)
+            self.tokens[i] = column = sample(self.q[i], self.params, self.generator)
         self.looked_up.append(hint is not None)
         if self.hint:
             self.drafted.append(int(self.tokens[i]))
-        if self.stop_below and hint is None and i + 1 < self.k and probability(logits, self.tokens[i]) < self.stop_below:
+        if self.stop_below and hint is None and i + 1 < self.k and probability(logits, column) < self.stop_below:
             self.k = i + 1
         return self.tokens[i]
 

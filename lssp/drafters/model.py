@@ -48,10 +48,14 @@ class DraftModel(Drafter):
         spent = 0.0
         while not picker.done:
             start = self.clock.forward_now()
-            logits = forward_logits(self._model, pending.to(self.device), self.kv, 1)
+            logits, ids = self._logits(pending.to(self.device))
             spent += self.clock.forward_now() - start
-            pending = picker.add(logits[0]).view(1, 1)
+            pending = picker.add(logits, ids).view(1, 1)
         return picker.proposal(spent)
+
+    def _logits(self, pending: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The draft's logits after ``pending`` (vocab,), and the vocabulary ids of their columns (None: all)."""
+        return forward_logits(self._model, pending, self.kv, 1)[0], None
 
     def advance(self, proposal: Proposal, accepted: int, features: torch.Tensor | None) -> None:
         drop(self.kv, len(proposal) - 1 - accepted)  # the last draft was never fed
@@ -78,6 +82,9 @@ class FeatureHead(DraftModel):
               clock: Clock) -> None:
         started = prefix.start_head(self._model, seq, features) if prefix is not None else None
         self.kv, self.clock = started or self._model.start(seq, features), clock
+
+    def _logits(self, pending: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self._model.draft_logits(pending, self.kv)
 
     def advance(self, proposal: Proposal, accepted: int, features: torch.Tensor | None) -> None:
         drop(self.kv, len(proposal) - 1)

@@ -420,6 +420,22 @@ class FeatureDraft(FusedDecoder):
             return CompactOutput(output(last))
         return CompactOutput(output.widen(logits) if isinstance(output, SubsetHead) else logits)
 
+    def draft_logits(self, input_ids: torch.Tensor, kv: FeatureCache) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``forward``'s logits of the last position (vocab,) after ``input_ids`` (1, n), where the head has a
+        SubsetHead and the output layer runs in the call: the head's own tokens' logits only (not widened), with their
+        vocabulary ids; else the full logits and None. The same numbers, cheaper: drafting reads an argmax."""
+        output = self.get_output_embeddings()
+        if "_draft_output" not in self.__dict__:
+            self.__dict__["_draft_output"] = self._fused_output(1) if isinstance(output, SubsetHead) else None
+        fused = self.__dict__["_draft_output"]
+        if fused is None:
+            return self(input_ids, kv, logits_to_keep=1).logits[0, -1], None
+        embeds = self.get_input_embeddings()(input_ids).to(self.compute_dtype)
+        hidden = self.head.fc(torch.cat([embeds, kv.take(input_ids.shape[1]).to(self.compute_dtype)], dim=-1))
+        hidden, logits, _ = self._run(hidden, kv, output=fused)
+        kv.guess = hidden[:, -1:]
+        return logits[0, -1], output.token_ids
+
     def _output_parts(self) -> tuple[torch.Tensor | None, nn.Module]:
         output = self.get_output_embeddings()  # no norm: the head guesses a feature after its target's norm
         return None, output.linear if isinstance(output, SubsetHead) else output
