@@ -326,40 +326,51 @@ void tile(const uint8_t* packed, const at::Half* scales, const at::Half* mins, c
 // sums in registers, no spills); each 64-byte chunk unpacked once and multiplied into every row's sums. A group's 32
 // products per row are summed in int16 before widening: each int16 lane adds 16 products of at most 15 * 127, below
 // 2^15, so the sums are the exact ones ``tile`` computes.
+// Rows r0..r0+T-1 (T <= 4) against one block of 16 weight rows: up to two rows take both halves of the block's
+// columns (8 each) in one pass (more independent chains hide the FMAs' latency: a lone row's single chain made its
+// matmul slower than two rows'), more rows one half per pass, the second reading the block from L1 (their sums stay
+// in registers). Each output is computed the same way whatever T, so a row's numbers do not depend on the others.
 template <int T>
 inline void block_q4_avx2(const uint8_t* w, const at::Half* d, const at::Half* m, const Quantized& a, float* y,
                           int64_t r0, int64_t K, int64_t N, int64_t col, bool prefetch) {
   static_assert(T >= 1 && T <= 4, "up to 4 rows keep their sums in registers");
+  constexpr int H = T <= 2 ? 2 : 1;  // halves per pass
   const int64_t G = K / kGroup;
   const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-  for (int h = 0; h < 2; ++h) {
-    __m256 acc[T];
-    for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
+  for (int h0 = 0; h0 < 2; h0 += H) {
+    __m256 acc[H][T];
+    for (int h = 0; h < H; ++h)
+      for (int t = 0; t < T; ++t) acc[h][t] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; ++g) {
-      __m256i dot[T];
+      __m256i dot[H][T];
       for (int c = 0; c < 4; ++c) {
         const uint8_t* at = w + (g * 4 + c) * 64;
-        if (prefetch && h == 0) _mm_prefetch(reinterpret_cast<const char*>(at + kAhead), _MM_HINT_T0);
-        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + 32 * h));
-        const __m256i lo = _mm256_and_si256(raw, low);
-        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
-        for (int t = 0; t < T; ++t) {
-          const int32_t* x4 = reinterpret_cast<const int32_t*>(a.xq + (r0 + t) * K + g * kGroup);
-          const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(x4[2 * c])),
-                                                 _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x4[2 * c + 1])));
-          dot[t] = c == 0 ? pairs : _mm256_add_epi16(dot[t], pairs);
+        if (prefetch && h0 == 0) _mm_prefetch(reinterpret_cast<const char*>(at + kAhead), _MM_HINT_T0);
+        for (int h = 0; h < H; ++h) {
+          const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + 32 * (h0 + h)));
+          const __m256i lo = _mm256_and_si256(raw, low);
+          const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+          for (int t = 0; t < T; ++t) {
+            const int32_t* x4 = reinterpret_cast<const int32_t*>(a.xq + (r0 + t) * K + g * kGroup);
+            const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(x4[2 * c])),
+                                                   _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x4[2 * c + 1])));
+            dot[h][t] = c == 0 ? pairs : _mm256_add_epi16(dot[h][t], pairs);
+          }
         }
       }
-      const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + g * 16 + 8 * h)));
-      const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + g * 16 + 8 * h)));
-      for (int t = 0; t < T; ++t) {
-        const int64_t r = r0 + t;
-        const __m256 sum = _mm256_cvtepi32_ps(_mm256_madd_epi16(dot[t], ones));
-        acc[t] = _mm256_fmadd_ps(sum, _mm256_mul_ps(dv, _mm256_set1_ps(a.row_scales[r * G + g])), acc[t]);
-        acc[t] = _mm256_fmadd_ps(mv, _mm256_set1_ps(a.group_sums[r * G + g]), acc[t]);
+      for (int h = 0; h < H; ++h) {
+        const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + g * 16 + 8 * (h0 + h))));
+        const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + g * 16 + 8 * (h0 + h))));
+        for (int t = 0; t < T; ++t) {
+          const int64_t r = r0 + t;
+          const __m256 sum = _mm256_cvtepi32_ps(_mm256_madd_epi16(dot[h][t], ones));
+          acc[h][t] = _mm256_fmadd_ps(sum, _mm256_mul_ps(dv, _mm256_set1_ps(a.row_scales[r * G + g])), acc[h][t]);
+          acc[h][t] = _mm256_fmadd_ps(mv, _mm256_set1_ps(a.group_sums[r * G + g]), acc[h][t]);
+        }
       }
     }
-    for (int t = 0; t < T; ++t) _mm256_storeu_ps(y + (r0 + t) * N + col + 8 * h, acc[t]);
+    for (int h = 0; h < H; ++h)
+      for (int t = 0; t < T; ++t) _mm256_storeu_ps(y + (r0 + t) * N + col + 8 * (h0 + h), acc[h][t]);
   }
 }
 
