@@ -322,14 +322,13 @@ void tile(const uint8_t* packed, const at::Half* scales, const at::Half* mins, c
 }
 
 #if !LSSP_AVX512
-// AVX2, 4-bit: one block's 16 rows as two halves of 8 (one register each) against up to 4 activation rows (their
-// sums in registers, no spills); each 64-byte chunk unpacked once and multiplied into every row's sums. A group's 32
-// products per row are summed in int16 before widening: each int16 lane adds 16 products of at most 15 * 127, below
-// 2^15, so the sums are the exact ones ``tile`` computes.
-// Rows r0..r0+T-1 (T <= 4) against one block of 16 weight rows: up to two rows take both halves of the block's
-// columns (8 each) in one pass (more independent chains hide the FMAs' latency: a lone row's single chain made its
-// matmul slower than two rows'), more rows one half per pass, the second reading the block from L1 (their sums stay
-// in registers). Each output is computed the same way whatever T, so a row's numbers do not depend on the others.
+// AVX2, 4-bit: one block's 16 weight rows as two halves of 8 (one register each) against up to 4 activation rows
+// r0..r0+T-1; each 64-byte chunk unpacked once and multiplied into every row's sums. One or two rows take both halves
+// in one pass (more independent chains hide the FMAs' latency: a lone row's single chain made its matmul slower than
+// two rows'), more rows one half per pass, the second reading the block from L1 (their sums stay in registers, no
+// spills). A group's 32 products per row are summed in int16 before widening: each int16 lane adds 16 products of at
+// most 15 * 127, below 2^15, so the sums are the exact ones ``tile`` computes, and each output is computed the same
+// way whatever T: a row's numbers do not depend on the others.
 template <int T>
 inline void block_q4_avx2(const uint8_t* w, const at::Half* d, const at::Half* m, const Quantized& a, float* y,
                           int64_t r0, int64_t K, int64_t N, int64_t col, bool prefetch) {

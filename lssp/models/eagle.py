@@ -30,7 +30,7 @@ from transformers import LlamaConfig, PreTrainedModel
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from lssp.errors import UserError
-from lssp.models.compact import CompactCache, CompactOutput, FusedDecoder, float_weight
+from lssp.models.compact import CompactCache, CompactOutput, FusedDecoder, FusedOutput, float_weight
 from lssp.models.draft_head import HEAD_KEY, SubsetHead
 
 HEAD_MARK = "feature_head"  # config.json key of heads written by llamassp (the format is EAGLE's either way)
@@ -403,13 +403,9 @@ class FeatureDraft(FusedDecoder):
         (batched rows, with ``attention_mask``, ``position_ids`` and ``used`` as in ``CompactLlama.forward``). The last
         position's hidden state becomes the cache's ``guess``."""
         kv = past_key_values
-        features = kv.take(input_ids.shape[1]) if input_features is None else input_features
-        dtype = self.compute_dtype
-        embeds = self.get_input_embeddings()(input_ids).to(dtype)
-        mask = attention_mask.to(dtype) if attention_mask is not None else None
-        hidden, logits, _ = self._run(self.head.fc(torch.cat([embeds, features.to(dtype)], dim=-1)), kv, mask,
-                                      position_ids, self._fused_output(logits_to_keep), (), used)
-        kv.guess = hidden[:, -1:]
+        mask = attention_mask.to(self.compute_dtype) if attention_mask is not None else None
+        hidden, logits = self._step(input_ids, kv, input_features, self._fused_output(logits_to_keep), mask,
+                                    position_ids, used)
         output = self.get_output_embeddings()
         if logits is None:
             last = hidden[:, -logits_to_keep:] if logits_to_keep else hidden
@@ -430,11 +426,21 @@ class FeatureDraft(FusedDecoder):
         fused = self.__dict__["_draft_output"]
         if fused is None:
             return self(input_ids, kv, logits_to_keep=1).logits[0, -1], None
-        embeds = self.get_input_embeddings()(input_ids).to(self.compute_dtype)
-        hidden = self.head.fc(torch.cat([embeds, kv.take(input_ids.shape[1]).to(self.compute_dtype)], dim=-1))
-        hidden, logits, _ = self._run(hidden, kv, output=fused)
+        return self._step(input_ids, kv, None, fused)[1][0, -1], output.token_ids
+
+    def _step(self, input_ids: torch.Tensor, kv: FeatureCache, features: torch.Tensor | None,
+              output: FusedOutput | None, mask: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+              used: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The head's hidden states after ``input_ids``, each paired with its feature (``features``, else the cache's
+        queued ones or its guess), and the logits ``output`` computes in the call (None: none); the last hidden state
+        becomes the cache's guess."""
+        dtype = self.compute_dtype
+        features = kv.take(input_ids.shape[1]) if features is None else features
+        embeds = self.get_input_embeddings()(input_ids).to(dtype)
+        hidden, logits, _ = self._run(self.head.fc(torch.cat([embeds, features.to(dtype)], dim=-1)), kv, mask,
+                                      positions, output, (), used)
         kv.guess = hidden[:, -1:]
-        return logits[0, -1], output.token_ids
+        return hidden, logits
 
     def _output_parts(self) -> tuple[torch.Tensor | None, nn.Module]:
         output = self.get_output_embeddings()  # no norm: the head guesses a feature after its target's norm
