@@ -4,7 +4,7 @@
 # T=0.7, the reference's story openings greedy, the target's cost at 1..32 tokens per forward (what tree
 # drafts would cost), and verify on the candidate (greedy and T=1).
 # Usage: benchmarks/drafts.sh CANDIDATES [quick]   (CANDIDATES: models.yaml entries or draft folders, comma-separated;
-#   each is timed beside the shipped draft in the same runs, and verified)
+#   each is timed beside the shipped drafter, the registry's default_draft, in the same runs, and verified)
 #   LOOKUP=0,3 also times each draft with the context lookup (n-gram length 3) in the same runs;
 #   SHIPPED=0 leaves the shipped draft out (the candidates alone: a shorter run once they are chosen);
 #   STEPS (tasks,tasks-t0.7,stories,cost,verify): the steps to run, e.g. STEPS=tasks for a first choice;
@@ -35,7 +35,7 @@ root = yaml.safe_load(Path("models.yaml").read_text())
 for spec in root["models"].values():  # the copy lives elsewhere: paths from the repository root
     if str(spec.get("path", "")).startswith("./"):
         spec["path"] = str(Path(spec["path"]).resolve())
-names = [root["default_draft_model"]] if sys.argv[3] == "1" else []
+names = [root["default_draft"]] if sys.argv[3] == "1" else []  # the drafter commands use when given none
 for given in sys.argv[1].split(","):
     folder = Path(given)
     if given in root["models"] or not folder.is_dir():
