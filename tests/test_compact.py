@@ -171,7 +171,8 @@ def test_ssp_with_a_subset_head_draft_recovers_the_target_distribution():
     law = exact_two_token_law(target, prompt, params)
     assert law.view(VOCAB, VOCAB)[[1, 4, 6, 7]].sum() > 0.05  # the target often picks tokens the draft never proposes
     # Both under the compact forward, as the shipped draft runs (and ~1.5x faster than transformers' forward).
-    result = chi_square_gof(two_token_counts(CompactLlama(target), CompactLlama(draft), prompt, params), law.tolist())
+    result = chi_square_gof(two_token_counts(CompactLlama(target), CompactLlama(draft), prompt, params,
+                                                 batched=True), law.tolist())
     assert result.p_value > SIGNIFICANCE, result
 
 

@@ -221,7 +221,7 @@ class DraftsAtTemperatureOne(DrafterWrapper):
 def test_the_law_test_catches_a_draft_sampler_that_ignores_temperature(models, name):
     target, draft, head = models
     prompt, params = torch.tensor([[1, 2, 3]]), SamplingParams(0.5)
-    right = _two_token_counts(target, lambda: DRAFTERS[name](draft, head), params, prompt)
+    right = _two_token_counts(CompactLlama(target), lambda: DRAFTERS[name](draft, head), params, prompt, batched=True)
     assert chi_square_gof(right, _exact_law(target, prompt, params).tolist()).p_value > SIGNIFICANCE
     counts = _two_token_counts(CompactLlama(target), lambda: DraftsAtTemperatureOne(DRAFTERS[name](CompactLlama(draft),
                                                                                                    head)), params, prompt)

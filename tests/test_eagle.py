@@ -9,10 +9,11 @@ from conftest import random_head, tiny_llama
 
 import lssp.decoding.verification as verification
 import lssp.models.eagle as eagle
+from lssp.decoding.batched import speculative_decode_batch
 from lssp.decoding.generation import generate_regular
 from lssp.decoding.kv import new_cache
 from lssp.decoding.sampling import SamplingParams, warp
-from lssp.drafters import generate_speculative
+from lssp.drafters import drafter_for, generate_speculative
 from lssp.errors import UserError
 from lssp.models.compact import CompactLlama
 from lssp.models.eagle import FeatureDraft, FeatureHead, load_feature_head, save_feature_head
@@ -194,12 +195,19 @@ def _exact_law(model, prompt, params) -> torch.Tensor:
     return (p1[:, None] * torch.stack(rows)).flatten()
 
 
-def _counts(model, draft, prompt, params) -> list[int]:
+def _counts(model, draft, prompt, params, batched: bool = False) -> list[int]:
+    """The first two tokens of N_RUNS seeded SSp completions at K=2, one at a time, or with ``batched`` in one batched
+    loop under the compact forward (its seeded rows give the same tokens: tests/test_batched.py)."""
     counts = [0] * VOCAB * VOCAB
-    gen = torch.Generator()
-    for seed in range(N_RUNS):
-        gen.manual_seed(seed)
-        first, second = generate_speculative(model, draft, prompt, 3, 2, params, gen).tokens[:2].tolist()
+    generators = [torch.Generator().manual_seed(seed) for seed in range(N_RUNS)]
+    if batched:
+        target = model if isinstance(model, CompactLlama) else CompactLlama(model)
+        outs = speculative_decode_batch(target, drafter_for(draft), [prompt] * N_RUNS, 3, 2, params,
+                                        generators)
+    else:
+        outs = [generate_speculative(model, draft, prompt, 3, 2, params, gen) for gen in generators]
+    for out in outs:
+        first, second = out.tokens[:2].tolist()
         counts[first * VOCAB + second] += 1
     return counts
 
@@ -210,7 +218,7 @@ def test_ssp_with_a_feature_head_recovers_the_target_distribution(small_pair, pa
     model, draft = small_pair
     prompt = torch.tensor([[1, 2, 3]])
     law = _exact_law(model, prompt, params)
-    result = chi_square_gof(_counts(model, draft, prompt, params), law.tolist())
+    result = chi_square_gof(_counts(model, draft, prompt, params, batched=True), law.tolist())
     assert result.p_value > SIGNIFICANCE, result
 
 
@@ -505,9 +513,10 @@ def test_ssp_with_a_fused_head_recovers_the_target_distribution():
     head = eagle.with_feature_layers(random_head(model, 31, scale=2.0), [0])
     with torch.no_grad():
         head.fuse.weight.normal_(0, 0.3, generator=torch.Generator().manual_seed(2))
-    draft = FeatureDraft(head, model)
+    compact = CompactLlama(model)  # bound to the head: it returns the fused layers' features
+    draft = FeatureDraft(head, compact)
     prompt, params = torch.tensor([[1, 2, 3]]), SamplingParams(1.0)
-    result = chi_square_gof(_counts(model, draft, prompt, params), _exact_law(model, prompt, params).tolist())
+    result = chi_square_gof(_counts(compact, draft, prompt, params, batched=True), _exact_law(model, prompt, params).tolist())
     assert result.p_value > SIGNIFICANCE, result
 
 

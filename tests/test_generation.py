@@ -9,9 +9,10 @@ import torch
 from torch import nn
 
 import lssp.decoding.verification as verification
+from lssp.decoding.batched import speculative_decode_batch
 from lssp.decoding.generation import Stopping, generate_regular
 from lssp.decoding.sampling import SamplingParams, argmax, sample, warp
-from lssp.drafters import generate_speculative
+from lssp.drafters import drafter_for, generate_speculative
 from lssp.drafters.lookup import ContextLookup
 from lssp.report.stats import chi_square_gof
 
@@ -192,12 +193,18 @@ def exact_two_token_law(model, prompt: torch.Tensor, params: SamplingParams) -> 
     return (p1[:, None] * torch.stack(rows)).flatten()
 
 
-def two_token_counts(target, draft, prompt, params, k: int = 3, runs: int = N_RUNS, **options) -> list[int]:
+def two_token_counts(target, draft, prompt, params, k: int = 3, runs: int = N_RUNS, batched: bool = False,
+                     **options) -> list[int]:
+    """The first two tokens of ``runs`` seeded SSp completions, one at a time, or with ``batched`` in one batched
+    loop (whose seeded rows give the same tokens: tests/test_batched.py)."""
     counts = [0] * VOCAB * VOCAB
-    gen = torch.Generator()
-    for seed in range(runs):
-        gen.manual_seed(seed)
-        first, second = generate_speculative(target, draft, prompt, 4, k, params, gen, **options).tokens[:2].tolist()
+    generators = [torch.Generator().manual_seed(seed) for seed in range(runs)]
+    if batched:
+        outs = speculative_decode_batch(target, drafter_for(draft, **options), [prompt] * runs, 4, k, params, generators)
+    else:
+        outs = [generate_speculative(target, draft, prompt, 4, k, params, gen, **options) for gen in generators]
+    for out in outs:
+        first, second = out.tokens[:2].tolist()
         counts[first * VOCAB + second] += 1
     return counts
 
