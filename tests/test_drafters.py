@@ -198,7 +198,7 @@ def test_the_law_test_at_k1_catches_planted_bonus_and_residual_bugs(models, name
     monkeypatch.setattr(verification, "sampled_verification", _planted(PLANTED[bug]))
     prompt, params = torch.tensor([[1, 2, 3]]), SamplingParams(1.0)
     counts = _two_token_counts(CompactLlama(target), lambda: DRAFTERS[name](CompactLlama(draft), head), params, prompt,
-                               k=1)
+                               k=1, batched=True)  # the batched loop verifies through the same function
     assert chi_square_gof(counts, _exact_law(target, prompt, params).tolist()).p_value < SIGNIFICANCE
 
 

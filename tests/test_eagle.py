@@ -228,7 +228,8 @@ def test_the_law_test_catches_a_ratio_without_the_heads_q(small_pair, monkeypatc
     accepted_prefix = verification.accepted_prefix
     monkeypatch.setattr(verification, "accepted_prefix",
                         lambda p, q, drafts, g: accepted_prefix(p, torch.full_like(q, 1 / VOCAB), drafts, g))
-    result = chi_square_gof(_counts(model, draft, prompt, params), _exact_law(model, prompt, params).tolist())
+    result = chi_square_gof(_counts(model, draft, prompt, params, batched=True),  # verified through the same function
+                            _exact_law(model, prompt, params).tolist())
     assert result.p_value < SIGNIFICANCE, result
 
 
