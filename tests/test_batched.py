@@ -485,7 +485,8 @@ def test_a_one_row_batch_leaves_the_shared_prefix_whole(pair, compact, drafting)
 
 def test_rows_with_a_feature_head_start_from_the_shared_prefix_and_equal_them_without(head_pair):
     """Batched SSp with a feature head starts from the shared prefix's keys, values and features (eval's few-shot
-    lines, computed once): every batch, of one row or more, gives what it gives without the prefix."""
+    lines, computed once), and the head from its own pairs over the prefix (computed once, copied to each row): every
+    batch, of one row or more, gives what it gives without the prefix."""
     from lssp.decoding.kv import PrefixCache
 
     target, draft = head_pair
@@ -497,6 +498,8 @@ def test_rows_with_a_feature_head_start_from_the_shared_prefix_and_equal_them_wi
                                                          [None] * len(rows), prefix=p) for p in (prefix, None))
         assert [o.tokens.tolist() for o in with_prefix] == [o.tokens.tolist() for o in without]
     assert ("features", target) in prefix._caches  # the prefix's features were computed and kept
+    head_cache = prefix._caches[("head", draft)]  # and the head's pairs over them, whole after every batch
+    assert head_cache.length == len(shared) - 1
 
 
 def test_eval_with_a_last_batch_of_one_row_runs_on_and_records_as_one_at_a_time(loaded, tmp_path):

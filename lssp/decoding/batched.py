@@ -445,7 +445,7 @@ class SpeculativeRows(RowsRun):
         texts = [row.seq for row in rows]
         if self.drafter.needs_features:  # a feature head reads the target's features of each prompt
             cache, features = begin_rows_with_features(self.target, texts, self.prefix)
-            return cache, self.drafter.begin_rows(texts, None, features)
+            return cache, self.drafter.begin_rows(texts, self.prefix, features)
         return begin_rows(self.target, texts, self.prefix, "target"), self.drafter.begin_rows(texts, self.prefix, None)
 
     def _merge(self, begun: tuple[RowCache, DraftRows]) -> None:
@@ -543,7 +543,7 @@ def speculative_decode_batch(target: PreTrainedModel, drafter: Drafter, prompts:
                              vocab: int | None = None, prefix: PrefixCache | None = None,
                              concurrency: int = 0, arrivals: Sequence[float] = ()) -> list[GenerationOutput]:
     """SSp of several prompts (each (T,) or (1, T), of any lengths) with ``drafter`` (one whose ``rows_reason(target)``
-    is None; a feature head then ignores ``prefix``), in one loop: each row gives the tokens ``speculative_decode``
+    is None), in one loop: each row gives the tokens ``speculative_decode``
     gives it alone with its generator (see the module's docstring). A row leaves the batch at its stop or budget;
     ``concurrency`` and ``arrivals``: continuous batching (``run_rows``). Each row's stats count its own drafts,
     acceptances and forwards; its ``ttft_s`` and ``after_first_s`` are its own (what a user waiting on it sees, from

@@ -126,8 +126,10 @@ class PrefixCache:
             features = torch.cat([features, forward_with_features(target, seq[:, n:-1], kv, 0)[1]], dim=1)
         return kv, features
 
-    def start_head(self, head: FeatureDraft, seq: torch.Tensor, features: torch.Tensor) -> FeatureCache | None:
-        """A feature head's cache started on ``seq``'s ``features``, its pairs over the prefix computed once."""
+    def head_prefix(self, head: FeatureDraft, seq: torch.Tensor, features: torch.Tensor) -> FeatureCache | None:
+        """A feature head's cache holding the prefix's pairs but the last (each token after the first with the
+        feature, in ``features`` (1, T-1, d), of the one before), computed once and rolled back to them at each call;
+        None where ``seq`` (1, T) does not extend the prefix. A caller that keeps it past the next call copies it."""
         n = len(self.ids)
         if seq.shape[0] != 1 or not self.extends(seq) or n < 2:
             return None
@@ -135,10 +137,15 @@ class PrefixCache:
         if kv is None:
             kv = self._caches[("head", head)] = head.new_cache()
             kv.queue(features[:, :n - 1])
-            head(seq[:, 1:n], kv)  # the prefix's pairs but the last
+            head(seq[:, 1:n], kv)
         else:
             drop(kv, kv.length - (n - 1))
-        return head.start(seq, features, kv)
+        return kv
+
+    def start_head(self, head: FeatureDraft, seq: torch.Tensor, features: torch.Tensor) -> FeatureCache | None:
+        """A feature head's cache started on ``seq``'s ``features``, its pairs over the prefix computed once."""
+        kv = self.head_prefix(head, seq, features)
+        return head.start(seq, features, kv) if kv is not None else None
 
 
 def prefill(model: PreTrainedModel, seq: torch.Tensor, prefix: PrefixCache | None = None,

@@ -16,9 +16,11 @@ from lssp.decoding.batched import (
     forward_rows,
     keep_rows,
     merge_rows,
+    rows_after_prefix,
+    shared_prefix,
 )
 from lssp.decoding.drafting import Drafter, DraftRows, Picker, PickPolicy, PolicyRows, Proposal
-from lssp.decoding.kv import PrefixCache, drop, forward_logits, new_cache, prefill
+from lssp.decoding.kv import PrefixCache, drop, forward_logits, new_cache, prefill, repeated
 from lssp.decoding.timing import Clock
 from lssp.models.compact import CompactLlama
 from lssp.models.eagle import FeatureCache, FeatureDraft, forward_with_features
@@ -101,7 +103,7 @@ class FeatureHead(DraftModel):
 
     def begin_rows(self, prompts: Sequence[list[int]], prefix: PrefixCache | None,
                    features: Sequence[torch.Tensor] | None) -> HeadRows:
-        return HeadRows(self._model, prompts, features or [], PolicyRows(self.policies, prompts))
+        return HeadRows(self._model, prompts, features or [], PolicyRows(self.policies, prompts), prefix)
 
 
 def draft_logits(target: PreTrainedModel, draft: PreTrainedModel, ids: torch.Tensor) -> torch.Tensor:
@@ -158,14 +160,19 @@ class HeadRows(DraftRows):
     first draft forward reads them), and each later draft reads the head's own guess of the feature before it."""
 
     def __init__(self, head: FeatureDraft, prompts: Sequence[list[int]], features: Sequence[torch.Tensor],
-                 policies: PolicyRows) -> None:
+                 policies: PolicyRows, prefix: PrefixCache | None = None) -> None:
         super().__init__(policies)
-        self.cache = empty_rows(head, len(prompts))
         self.width = head.config.hidden_size
         self.fused = head.fused
+        # The pairs of each prompt but the last: those over a shared prefix computed once, copied to every row.
+        n = shared_prefix(prefix, prompts) if features else 0
+        shared = prefix.head_prefix(head, torch.tensor([prompts[0]]), features[0][None]) if n else None
+        n = n - 1 if shared is not None else 0
+        self.cache = rows_after_prefix(head, repeated(head, shared, len(prompts)), len(prompts), n) \
+            if shared is not None else empty_rows(head, len(prompts))
         features = [self.fused(f) for f in features]
-        if any(len(p) > 2 for p in prompts):  # the pairs of each prompt but the last
-            self._forward([p[1:-1] for p in prompts], [f[:-1] for f in features])
+        if any(len(p) > n + 2 for p in prompts):
+            self._forward([p[n + 1:-1] for p in prompts], [f[n:-1] for f in features])
         self.queued: list[torch.Tensor | None] = [f[-1:] if len(f) else None for f in features]
 
     def ready(self, row: int) -> bool:
