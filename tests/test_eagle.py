@@ -496,6 +496,49 @@ def test_a_head_given_more_layers_drafts_as_it_did_until_trained():
     assert (outs[0].stats.drafted, outs[0].stats.accepted) == (outs[1].stats.drafted, outs[1].stats.accepted)
 
 
+def test_a_head_grown_by_a_layer_drafts_as_it_did_until_trained():
+    """``with_more_layers``: the new layer starts as the identity (zero output projections), so the deeper head
+    proposes the same drafts, token by token; it keeps the first layer's weights and differs only once trained."""
+    model = tiny_llama(21, layers=3, scale=4.0).eval()
+    plain = random_head(model, 5)
+    target = CompactLlama(model).eval()
+    deeper = eagle.with_more_layers(plain, 2)
+    assert len(deeper.layers) == 2 and deeper.config.num_hidden_layers == 2 and len(plain.layers) == 1
+    assert torch.equal(deeper.layers[0].mlp.up_proj.weight, plain.layers[0].mlp.up_proj.weight)
+    assert deeper.layers[1].self_attn.q_proj.weight.abs().sum() > 0  # the new layer's other weights are live
+    ids = torch.tensor([[0, 5, 9, 3, 7]])
+    outs = [generate_speculative(target, FeatureDraft(h, target), ids, 16, 3, GREEDY) for h in (plain, deeper)]
+    assert outs[0].tokens.tolist() == outs[1].tokens.tolist()
+    assert (outs[0].stats.drafted, outs[0].stats.accepted) == (outs[1].stats.drafted, outs[1].stats.accepted)
+
+
+def test_distill_deepens_a_head_it_goes_on_from(tiny_dir, tmp_path, capsys):
+    """``--init-draft HEAD --layers 2``: the head goes on with a second layer (from the identity), saves it, and
+    loads and drafts exactly; resuming its checkpoint as another shape is one line; a --layers below the head's
+    keeps its shape."""
+    from lssp.cli import main
+    from lssp.models.loading import load_model
+    from lssp.models.registry import ModelSpec, load_registry
+
+    base = ["--config", str(tiny_dir / "models.yaml"), "--results-dir", str(tmp_path / "results"), "distill",
+            "tiny-target", "--kind", "eagle", "--batch-prompts", "4", "--new-tokens", "8", "--data-tokens", "40",
+            "--max-steps", "2", "--data-dir", str(tmp_path / "work"), "--init-draft", str(tiny_dir / "tiny-eagle")]
+    assert main(base + ["--out", str(tmp_path / "deep"), "--layers", "2"]) == 0, capsys.readouterr().err
+    assert json.loads((tmp_path / "deep" / "config.json").read_text())["num_hidden_layers"] == 2
+    target = load_model(load_registry(tiny_dir / "models.yaml").get("tiny-target"))
+    head = load_model(ModelSpec(name="h", path=str(tmp_path / "deep"), dtype="float32"), draft=True, target=target)
+    assert len(head.model.head.layers) == 2
+    ids = torch.tensor([[0, 5, 9, 3]])
+    want = generate_regular(target.model, ids, 12, GREEDY).tokens
+    assert torch.equal(generate_speculative(target.model, head.model, ids, 12, 3, GREEDY).tokens, want)
+    capsys.readouterr()
+    assert main(base + ["--out", str(tmp_path / "same")]) == 2  # its checkpoint holds the deeper head: one line
+    assert "of another shape" in capsys.readouterr().err
+    again = base + ["--out", str(tmp_path / "same"), "--layers", "1", "--data-dir", str(tmp_path / "work2")]
+    assert main(again) == 0, capsys.readouterr().err
+    assert json.loads((tmp_path / "same" / "config.json").read_text())["num_hidden_layers"] == 1
+
+
 def test_a_fused_head_saves_and_loads_with_its_layers(tmp_path):
     target, head = _fused_pair(False)
     save_feature_head(head, tmp_path / "h", dtype=torch.float32)

@@ -35,7 +35,8 @@ def distill(
     kind: Annotated[str, typer.Option(help="draft: a small Llama; eagle: a feature head (EAGLE) over the target's "
                                       "final hidden states, at the target's width.")] = "draft",
     hidden_size: Annotated[int, typer.Option(help="Draft width (--kind draft).")] = 256,
-    layers: Annotated[Optional[int], typer.Option(help="Decoder layers (default: 4 for a draft, 1 for a head).")] = None,
+    layers: Annotated[Optional[int], typer.Option(help="Decoder layers (default: 4 for a draft, 1 for a head); with --init-draft, a head with fewer "
+                                             "grows to this many, the new layers starting as the identity.")] = None,
     heads: Annotated[int, typer.Option(help="Attention heads.")] = 4,
     intermediate_size: Annotated[int, typer.Option(help="MLP width.")] = 768,
     data_tokens: Annotated[int, typer.Option(help="Target tokens to collect.")] = 100_000,
@@ -48,7 +49,7 @@ def distill(
     hard_weight: Annotated[float, typer.Option(help="Weight of cross-entropy on the target's argmax (rest: soft top-k).")] = 0.3,
     data_dir: Annotated[Optional[Path], typer.Option(help="Where collected data and checkpoints go (default: OUT/work).")] = None,
     init_draft: Annotated[Optional[Path], typer.Option(help="Go on training this draft (or, with --kind eagle, this head) on the "
-                                                               "collection: its shape wins over the size options.")] = None,
+                                                               "collection: its shape wins over the size options, but --layers deepens a head.")] = None,
     head_tokens: Annotated[int, typer.Option(help="Output layer over the target's N most frequent tokens only (0: all).")] = 0,
     on_policy: Annotated[float, typer.Option(help="Share of newly collected shards written by --init-draft and scored by "
                                              "the target in one teacher-forced forward (on-policy data).")] = 0.0,

@@ -28,6 +28,7 @@ from lssp.models.eagle import (
     is_feature_head,
     load_feature_head,
     with_feature_layers,
+    with_more_layers,
 )
 
 FEATURE_NOISE = 0.05  # uniform noise, relative to the features' RMS, added to the features the head reads
@@ -132,9 +133,10 @@ class HeadTrainer:
         return hits / total if total else float("nan")
 
 
-def _initial_head(target: PreTrainedModel, folder: str, layers: tuple[int, ...]) -> FeatureHead:
+def _initial_head(target: PreTrainedModel, folder: str, layers: tuple[int, ...], depth: int) -> FeatureHead:
     """An earlier head to go on training (its shape and tokens win over the size options), in float32, reading the
-    target's ``layers`` too (a head that reads none starts reading them as it drafted: ``with_feature_layers``)."""
+    target's ``layers`` too (a head that reads none starts reading them as it drafted: ``with_feature_layers``), with
+    ``depth`` decoder layers where it has fewer (the new ones start as the identity: ``with_more_layers``)."""
     if not is_feature_head(folder):
         raise UserError(f"--init-draft {folder} holds no feature head (config.json and fc weights)")
     head = load_feature_head(folder).float()
@@ -142,7 +144,8 @@ def _initial_head(target: PreTrainedModel, folder: str, layers: tuple[int, ...])
     if head.feature_layers and head.feature_layers != layers:
         raise UserError(f"--init-draft {folder} reads the target's layers {','.join(map(str, head.feature_layers))}: "
                         f"--feature-layers must name them")
-    return with_feature_layers(head, layers) if layers and not head.feature_layers else head
+    head = with_feature_layers(head, layers) if layers and not head.feature_layers else head
+    return with_more_layers(head, depth) if depth > len(head.layers) else head
 
 
 def train_head(target: PreTrainedModel, out: Path, cfg: DistillConfig, report: DistillReport,
@@ -152,7 +155,7 @@ def train_head(target: PreTrainedModel, out: Path, cfg: DistillConfig, report: D
     examples, held_out, others = training_examples(feature_examples, out, cfg)
     width = target.get_output_embeddings().out_features
     check_feature_layers(target, cfg.feature_layers)
-    start = _initial_head(target, cfg.init_from, cfg.feature_layers) if cfg.init_from else None
+    start = _initial_head(target, cfg.init_from, cfg.feature_layers, cfg.layers) if cfg.init_from else None
     token_ids = start.token_ids if start is not None else None
     if cfg.head_tokens or token_ids:
         counts = torch.zeros(width, dtype=torch.long)

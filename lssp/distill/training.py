@@ -216,7 +216,11 @@ def optimize(model: nn.Module, examples: Examples, held_out: Examples, loss_of: 
     step, seconds, seen = 0, 0.0, 0
     if ckpt_path.exists():
         state = torch.load(ckpt_path)
-        model.load_state_dict(state["model"])
+        mine, theirs = model.state_dict(), state["model"]
+        if mine.keys() != theirs.keys() or any(mine[k].shape != theirs[k].shape for k in mine):
+            raise UserError(f"the checkpoint {ckpt_path} is of a draft of another shape (layers, width, feature "
+                            f"layers): go on with its own options, or give another --data-dir")
+        model.load_state_dict(theirs)
         opt.load_state_dict(state["optimizer"])
         step, seconds, seen = state["step"], state["seconds"], state["seen"]
         report.loss_curve = [tuple(x) for x in state["loss_curve"]]

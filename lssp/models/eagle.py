@@ -154,6 +154,20 @@ def with_feature_layers(head: FeatureHead, layers: Sequence[int]) -> FeatureHead
     return wider
 
 
+def with_more_layers(head: FeatureHead, layers: int) -> FeatureHead:
+    """``head`` with ``layers`` decoder layers, drafting as it did: each new layer starts as the identity (its
+    attention's and MLP's output projections zero, so the residual passes through), which training then grows."""
+    config = copy.deepcopy(head.config)
+    config.num_hidden_layers = layers
+    deeper = FeatureHead(config, bias=head.fc.bias is not None).to(head.fc.weight.dtype)
+    deeper.load_state_dict(head.state_dict(), strict=False)
+    with torch.no_grad():
+        for layer in deeper.layers[len(head.layers):]:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    return deeper
+
+
 def check_feature_layers(target: nn.Module, layers: Sequence[int]) -> None:
     """Refuse feature layers ``target`` does not have below its last (whose state the final feature is)."""
     count = target.config.num_hidden_layers
