@@ -165,14 +165,15 @@ class HeadRows(DraftRows):
         self.width = head.config.hidden_size
         self.fused = head.fused
         # The pairs of each prompt but the last: those over a shared prefix computed once, copied to every row.
-        n = shared_prefix(prefix, prompts) if features else 0
-        shared = prefix.head_prefix(head, torch.tensor([prompts[0]]), features[0][None]) if n else None
-        n = n - 1 if shared is not None else 0
-        self.cache = rows_after_prefix(head, repeated(head, shared, len(prompts)), len(prompts), n) \
+        first = torch.tensor([prompts[0]], device=model_device(head)) if prompts else None
+        shared = prefix.head_prefix(head, first, features[0][None]) \
+            if features and shared_prefix(prefix, prompts) else None
+        done = shared.length if shared is not None else 0  # each row's pairs already in the cache
+        self.cache = rows_after_prefix(head, repeated(head, shared, len(prompts)), len(prompts), done) \
             if shared is not None else empty_rows(head, len(prompts))
         features = [self.fused(f) for f in features]
-        if any(len(p) > n + 2 for p in prompts):
-            self._forward([p[n + 1:-1] for p in prompts], [f[n:-1] for f in features])
+        if any(len(p) > done + 2 for p in prompts):
+            self._forward([p[done + 1:-1] for p in prompts], [f[done:-1] for f in features])
         self.queued: list[torch.Tensor | None] = [f[-1:] if len(f) else None for f in features]
 
     def ready(self, row: int) -> bool:
