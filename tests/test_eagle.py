@@ -6,14 +6,14 @@ import json
 import pytest
 import torch
 from conftest import random_head, tiny_llama
+from test_generation import two_token_counts
 
 import lssp.decoding.verification as verification
 import lssp.models.eagle as eagle
-from lssp.decoding.batched import speculative_decode_batch
 from lssp.decoding.generation import generate_regular
 from lssp.decoding.kv import new_cache
 from lssp.decoding.sampling import SamplingParams, warp
-from lssp.drafters import drafter_for, generate_speculative
+from lssp.drafters import generate_speculative
 from lssp.errors import UserError
 from lssp.models.compact import CompactLlama
 from lssp.models.eagle import FeatureDraft, FeatureHead, load_feature_head, save_feature_head
@@ -179,7 +179,7 @@ def test_a_head_over_frequent_tokens_proposes_only_those(target):
 # SSp is exact for any draft distribution q, so a head fed the wrong features only drafts worse (the
 # alignment tests above catch that); what the law test catches is a q in the ratio that is not the one
 # the head sampled from.
-VOCAB, N_RUNS, SIGNIFICANCE = 8, 2000, 0.001
+VOCAB, SIGNIFICANCE = 8, 0.001  # two_token_counts (test_generation) draws its 2,000 runs over these 8 tokens
 
 
 @pytest.fixture(scope="module")
@@ -195,30 +195,14 @@ def _exact_law(model, prompt, params) -> torch.Tensor:
     return (p1[:, None] * torch.stack(rows)).flatten()
 
 
-def _counts(model, draft, prompt, params, batched: bool = False) -> list[int]:
-    """The first two tokens of N_RUNS seeded SSp completions at K=2, one at a time, or with ``batched`` in one batched
-    loop under the compact forward (its seeded rows give the same tokens: tests/test_batched.py)."""
-    counts = [0] * VOCAB * VOCAB
-    generators = [torch.Generator().manual_seed(seed) for seed in range(N_RUNS)]
-    if batched:
-        target = model if isinstance(model, CompactLlama) else CompactLlama(model)
-        outs = speculative_decode_batch(target, drafter_for(draft), [prompt] * N_RUNS, 3, 2, params,
-                                        generators)
-    else:
-        outs = [generate_speculative(model, draft, prompt, 3, 2, params, gen) for gen in generators]
-    for out in outs:
-        first, second = out.tokens[:2].tolist()
-        counts[first * VOCAB + second] += 1
-    return counts
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.7, top_k=4)], ids=["t1.0", "t0.7-topk4"])
 def test_ssp_with_a_feature_head_recovers_the_target_distribution(small_pair, params):
     model, draft = small_pair
     prompt = torch.tensor([[1, 2, 3]])
     law = _exact_law(model, prompt, params)
-    result = chi_square_gof(_counts(model, draft, prompt, params, batched=True), law.tolist())
+    result = chi_square_gof(two_token_counts(CompactLlama(model), draft, prompt, params, k=2, batched=True),
+                            law.tolist())
     assert result.p_value > SIGNIFICANCE, result
 
 
@@ -228,7 +212,8 @@ def test_the_law_test_catches_a_ratio_without_the_heads_q(small_pair, monkeypatc
     accepted_prefix = verification.accepted_prefix
     monkeypatch.setattr(verification, "accepted_prefix",
                         lambda p, q, drafts, g: accepted_prefix(p, torch.full_like(q, 1 / VOCAB), drafts, g))
-    result = chi_square_gof(_counts(model, draft, prompt, params, batched=True),  # verified through the same function
+    # the batched loop verifies through the function patched here
+    result = chi_square_gof(two_token_counts(CompactLlama(model), draft, prompt, params, k=2, batched=True),
                             _exact_law(model, prompt, params).tolist())
     assert result.p_value < SIGNIFICANCE, result
 
@@ -560,7 +545,8 @@ def test_ssp_with_a_fused_head_recovers_the_target_distribution():
     compact = CompactLlama(model)  # bound to the head: it returns the fused layers' features
     draft = FeatureDraft(head, compact)
     prompt, params = torch.tensor([[1, 2, 3]]), SamplingParams(1.0)
-    result = chi_square_gof(_counts(compact, draft, prompt, params, batched=True), _exact_law(model, prompt, params).tolist())
+    result = chi_square_gof(two_token_counts(compact, draft, prompt, params, k=2, batched=True),
+                            _exact_law(model, prompt, params).tolist())
     assert result.p_value > SIGNIFICANCE, result
 
 

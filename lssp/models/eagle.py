@@ -140,13 +140,19 @@ def _layer_step(layer: LlamaDecoderLayer, hidden: torch.Tensor, rope: tuple[torc
     return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
 
 
+def _reshaped(head: FeatureHead, config: LlamaConfig) -> FeatureHead:
+    """A head of ``config``'s shape holding ``head``'s weights where they fit (the rest freshly initialized)."""
+    other = FeatureHead(config, bias=head.fc.bias is not None).to(head.fc.weight.dtype)
+    other.load_state_dict(head.state_dict(), strict=False)
+    return other
+
+
 def with_feature_layers(head: FeatureHead, layers: Sequence[int]) -> FeatureHead:
     """``head`` reading the target's hidden states after ``layers`` too, drafting as it did: its ``fuse`` starts
     as the identity on the final feature (zero on the others), which training then learns to use."""
     config = copy.deepcopy(head.config)
     setattr(config, LAYERS_KEY, sorted(set(layers)))
-    wider = FeatureHead(config, bias=head.fc.bias is not None).to(head.fc.weight.dtype)
-    wider.load_state_dict(head.state_dict(), strict=False)
+    wider = _reshaped(head, config)
     width = config.hidden_size
     with torch.no_grad():
         wider.fuse.weight.zero_()
@@ -159,8 +165,7 @@ def with_more_layers(head: FeatureHead, layers: int) -> FeatureHead:
     attention's and MLP's output projections zero, so the residual passes through), which training then grows."""
     config = copy.deepcopy(head.config)
     config.num_hidden_layers = layers
-    deeper = FeatureHead(config, bias=head.fc.bias is not None).to(head.fc.weight.dtype)
-    deeper.load_state_dict(head.state_dict(), strict=False)
+    deeper = _reshaped(head, config)
     with torch.no_grad():
         for layer in deeper.layers[len(head.layers):]:
             layer.self_attn.o_proj.weight.zero_()
