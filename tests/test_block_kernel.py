@@ -265,11 +265,51 @@ def test_a_subset_head_drafts_from_its_own_tokens_logits_as_its_forward_gives_th
     generator = lambda: None if params.greedy else torch.Generator().manual_seed(4)  # noqa: E731
     out = speculative_decode(target, FeatureHead(head), prompt, 20, 3, params, generator())
     widened = FeatureHead(head)
+    widened.chains = False  # step by step, through _logits
     widened._logits = lambda pending: (head(pending, widened.kv, logits_to_keep=1).logits[0, -1], None)
     again = speculative_decode(target, widened, prompt, 20, 3, params, generator())
     assert out.tokens.tolist() == again.tokens.tolist() and out.stats.accepted == again.stats.accepted
     if params.greedy:
         assert out.tokens.tolist() == generate_regular(target, prompt, 20, params).tokens.tolist()
+
+
+def test_a_heads_greedy_chain_in_one_call_is_its_steps_one_by_one(tiny_dir):
+    """``draft_chain`` (k greedy drafts in one kernel call) gives the argmaxes of k ``draft_logits`` steps, each fed
+    the last draft, and leaves the head's cache, guess and length as they do, after a first step of one token or
+    several; greedy SSp gives the same tokens and counts with it and without it."""
+    from lssp.models.eagle import FeatureDraft
+    from lssp.models.loading import cpu_quantize
+    from lssp.models.registry import ModelSpec
+    from tests.conftest import random_head
+
+    target = load_model(load_registry(tiny_dir / "models.yaml").get("tiny-target-q4")).model
+    ids = list(range(1, 64, 2))
+    head = cpu_quantize(FeatureDraft(random_head(target, 3, token_ids=ids), target), ModelSpec("h", quantization="q4_1"))
+    prompt = torch.tensor([[3, 9, 4, 7, 1, 8, 2, 6]])
+    with torch.inference_mode():
+        features = target(prompt[:, :-1], past_key_values=new_cache(target), features=True).features
+        for fed, k in ((1, 3), (3, 2), (2, 1)):  # the first step feeds the prompt's last `fed` tokens
+            read = prompt.shape[1] - fed  # the tokens the head has read before
+            kv_chain, kv_steps = (head.start(prompt[:, :read + 1], features[:, :read]) for _ in range(2))
+            for kv in (kv_chain, kv_steps):
+                if fed > 1:
+                    kv.queue(features[:, read:])
+            pending = prompt[:, read:]
+            chain = head.draft_chain(pending, kv_chain, k)
+            steps = []
+            for _ in range(k):
+                logits, columns = head.draft_logits(pending, kv_steps)
+                steps.append(int(columns[int(logits.argmax())]))
+                pending = torch.tensor([[steps[-1]]])
+            assert chain == steps and kv_chain.length == kv_steps.length
+            assert torch.equal(kv_chain.guess, kv_steps.guess)
+            for a, b in zip(kv_chain.keys_values, kv_steps.keys_values):
+                assert torch.equal(a[:, :, :kv_chain.length], b[:, :, :kv_chain.length])
+    chained, stepwise = FeatureHead(head), FeatureHead(head)
+    stepwise.chains = False
+    runs = [speculative_decode(target, drafter, prompt, 24, 3, SamplingParams(0.0)) for drafter in (chained, stepwise)]
+    assert runs[0].tokens.tolist() == runs[1].tokens.tolist()
+    assert (runs[0].stats.accepted, runs[0].stats.drafted) == (runs[1].stats.accepted, runs[1].stats.drafted)
 
 
 def test_the_kernels_fake_tensors_match_what_they_return_for_any_layout():

@@ -55,10 +55,9 @@ class Picker:
                  device: torch.device, room: int = 0) -> None:
         self.k, self.vocab, self.params, self.generator, self.device = k, vocab, params, generator, device
         self.room = max(k, room)  # the most this iteration may draft (a copied chain may run past k)
-        self.tokens = torch.empty(k, dtype=torch.long, device=device)
         self.q = None if params.greedy else torch.empty(k, vocab, device=device)
         self.looked_up: list[bool] = []
-        self.drafted: list[int] = []  # the drafts on the host, kept for hints
+        self.drafted: list[int] = []  # the drafts, on the host
         self.hint: Hint | None = None
         self.stop_below = 0.0
 
@@ -66,20 +65,31 @@ class Picker:
     def done(self) -> bool:
         return len(self.looked_up) >= self.k
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Whether each draft is the drafter's own argmax, with no hint or stop reading its logits: a drafter may then
+        pick them all itself (``extend``)."""
+        return self.q is None and self.hint is None and not self.stop_below
+
+    def extend(self, drafts: Sequence[int]) -> None:
+        """Add the argmaxes a drafter picked itself where ``plain_greedy`` (what ``add`` would have picked)."""
+        self.drafted += drafts
+        self.looked_up += [False] * len(drafts)
+
     def fresh(self, k: int) -> Picker:
         """A fresh picker for the same iteration drafting up to ``k`` (``room``: a copied chain's; 0: none)."""
         return Picker(k, self.vocab, self.params, self.generator, self.device)
 
-    def add(self, logits: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
+    def add(self, logits: torch.Tensor, ids: torch.Tensor | None = None) -> int:
         """The next draft from the drafter's ``logits`` at its position (its own width: where narrower than the
         target's ``vocab``, the tokens beyond it get q = 0, never drafted, and the residual keeps their mass; with
         ``ids``, the vocabulary ids of its columns, every other token gets q = 0); returns it (to feed next)."""
         i = len(self.looked_up)
         logits = logits[:self.vocab] if ids is None else logits
         hint = self.hint(self.drafted, logits) if self.hint else None  # a hint reads the top probability alone
-        if self.q is None:
-            column = argmax(logits) if hint is None else None
-            self.tokens[i] = hint if column is None else (column if ids is None else ids[column]).to(self.device)
+        if self.q is None:  # greedy: on the host, a few ints
+            column = int(argmax(logits)) if hint is None else None
+            token = hint if column is None else column if ids is None else int(ids[column])
         else:
             if ids is not None:
                 logits = logits.new_full((self.vocab,), float("-inf")).index_copy_(0, ids, logits)
@@ -89,17 +99,17 @@ class Picker:
             if hint is not None:
                 self.q[i] *= 1 - LOOKUP_WEIGHT
                 self.q[i, hint] += LOOKUP_WEIGHT
-            self.tokens[i] = column = sample(self.q[i], self.params, self.generator)
+            token = column = int(sample(self.q[i], self.params, self.generator))
         self.looked_up.append(hint is not None)
-        if self.hint:
-            self.drafted.append(int(self.tokens[i]))
+        self.drafted.append(token)
         if self.stop_below and hint is None and i + 1 < self.k and probability(logits, column) < self.stop_below:
             self.k = i + 1
-        return self.tokens[i]
+        return token
 
     def proposal(self, forward_s: float = 0.0) -> Proposal:
         n = len(self.looked_up)
-        return Proposal(self.tokens[:n], self.q[:n] if self.q is not None else None, self.looked_up, forward_s)
+        tokens = torch.tensor(self.drafted, dtype=torch.long, device=self.device)
+        return Proposal(tokens, self.q[:n] if self.q is not None else None, self.looked_up, forward_s)
 
 
 class PickPolicy(ABC):

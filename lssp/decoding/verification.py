@@ -53,5 +53,9 @@ def greedy_verification(logits: torch.Tensor, drafts: torch.Tensor) -> tuple[int
     """The rule with one-hot p and q: drafts pass while they are the target's argmax, and the next token is the
     target's argmax where the run stopped (or after it)."""
     best = argmax(logits)
-    n = int((drafts == best[:drafts.shape[0]]).cumprod(0).sum())
+    n = 0
+    for draft, top in zip(drafts.tolist(), best.tolist()):  # on the host: a few ints, no tensor operations
+        if draft != top:
+            break
+        n += 1
     return n, best[n]

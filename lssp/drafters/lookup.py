@@ -89,7 +89,7 @@ def ngram_drafts(context: ContextLookup, text: Sequence[int], picker: Picker) ->
             break
         logits = torch.full((picker.vocab,), float("-inf"), device=picker.device)
         logits[token] = 0.0
-        drafted.append(int(picker.add(logits)))
+        drafted.append(picker.add(logits))
     return picker.proposal()
 
 

@@ -52,7 +52,7 @@ class DraftModel(Drafter):
             start = self.clock.forward_now()
             logits, ids = self._logits(pending.to(self.device))
             spent += self.clock.forward_now() - start
-            pending = picker.add(logits, ids).view(1, 1)
+            pending = torch.tensor([[picker.add(logits, ids)]])
         return picker.proposal(spent)
 
     def _logits(self, pending: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -75,10 +75,21 @@ class FeatureHead(DraftModel):
     head's own guess, so after each verification it keeps only the positions fed real features."""
 
     needs_features = True
+    chains = True  # plain greedy drafts in one kernel call where the head can (FeatureDraft.draft_chain)
 
     @property
     def ready(self) -> bool:
         return self.kv.ready
+
+    def draft(self, seq: torch.Tensor, picker: Picker) -> Proposal:
+        if self.chains and picker.plain_greedy and not picker.done:
+            pending = seq[:, self.kv.get_seq_length():]
+            start = self.clock.forward_now()
+            drafts = self._model.draft_chain(pending.to(self.device), self.kv, picker.k)
+            if drafts is not None:
+                picker.extend(drafts)
+                return picker.proposal(self.clock.forward_now() - start)
+        return super().draft(seq, picker)
 
     def start(self, seq: torch.Tensor, features: torch.Tensor | None, prefix: PrefixCache | None,
               clock: Clock) -> None:
@@ -121,7 +132,7 @@ def draft_logits(target: PreTrainedModel, draft: PreTrainedModel, ids: torch.Ten
 def _next_draft(picker: Picker, logits: torch.Tensor) -> list[int]:
     """The row's next draft, as the token to feed next ([] once it has drafted its budget)."""
     token = picker.add(logits)
-    return [] if picker.done else [int(token)]
+    return [] if picker.done else [token]
 
 
 class ModelRows(DraftRows):

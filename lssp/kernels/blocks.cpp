@@ -847,6 +847,64 @@ std::tuple<at::Tensor, at::Tensor> decoder(const at::Tensor& hidden_in, const at
   return std::make_tuple(full, logits);
 }
 
+// lssp::draft_chain: a feature head's k greedy drafts in one call, without Python between its steps. ids (n,): the
+// tokens the head has not read, features (n, D) float32 the features paired with them (the target's, or the head's
+// last guess). Each step multiplies [the tokens' rows of table (V, D) float32, their features] by fc (packed, scales,
+// mins: D outputs of 2D inputs), runs the head's layers (weights, cache as for decoder) at slots from start and its
+// output rows (output) over the last position; the draft is token_ids[the first maximum of those logits] (NaN counting
+// as the maximum, as NumPy's argmax), and the next step feeds it with the last hidden state as its feature. The steps
+// are those of a forward per draft through decoder: the same drafts, the same cache. cos, sin (1, n + k - 1, hd): the
+// rotary embedding of slots start..start+n+k-2. Returns the drafts (k,) and the last step's hidden state (1, 1, D).
+std::tuple<at::Tensor, at::Tensor> draft_chain(const at::Tensor& ids_in, const at::Tensor& table,
+                                               const at::Tensor& features_in, at::TensorList fc, const at::Tensor& cos,
+                                               const at::Tensor& sin, at::TensorList weights, at::TensorList cache,
+                                               int64_t start, int64_t heads, int64_t kv_heads, double eps, double scale,
+                                               at::TensorList output, const at::Tensor& token_ids_in, int64_t k) {
+  const int64_t D = table.size(1), n = ids_in.numel();
+  TORCH_CHECK(table.dim() == 2 && table.scalar_type() == at::kFloat && table.is_contiguous(), "draft_chain: table (V, D) float32");
+  TORCH_CHECK(k >= 1 && n >= 1 && features_in.numel() == n * D, "draft_chain: k >= 1, ids (n,), features (n, D)");
+  TORCH_CHECK(fc.size() == 3 && output.size() == 3, "draft_chain: fc and output are packed, scales, mins");
+  TORCH_CHECK(cos.dim() == 3 && cos.size(1) >= n + k - 1, "draft_chain: cos, sin (1, n + k - 1, head_dim)");
+  const at::Tensor ids = ids_in.to(at::kLong).contiguous();
+  const at::Tensor features = features_in.to(at::kFloat).contiguous();
+  const at::Tensor token_ids = token_ids_in.to(at::kLong).contiguous();
+  const Blocks f = blocks_of(fc[0], fc[1], fc[2], 2 * D);
+  TORCH_CHECK(f.N == D, "draft_chain: fc maps 2D inputs to D");
+  const int64_t V = table.size(0), N = output[0].size(0);
+  TORCH_CHECK(token_ids.numel() == N, "draft_chain: a vocabulary id per output row");
+  std::vector<float> x(n * 2 * D);  // [embedding, feature] of each position fed
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t id = ids.data_ptr<int64_t>()[i];
+    TORCH_CHECK(id >= 0 && id < V, "draft_chain: token id out of the table");
+    std::copy(table.data_ptr<float>() + id * D, table.data_ptr<float>() + (id + 1) * D, x.data() + i * 2 * D);
+    std::copy(features.data_ptr<float>() + i * D, features.data_ptr<float>() + (i + 1) * D, x.data() + i * 2 * D + D);
+  }
+  at::Tensor drafts = at::empty({k}, at::TensorOptions().dtype(at::kLong));
+  at::Tensor guess;
+  Scratch s;
+  for (int64_t j = 0, slot = start, count = n; j < k; ++j, slot += count, count = 1) {
+    at::Tensor hidden = at::empty({1, count, D}, table.options());
+    matmul(f, x.data(), count, hidden.data_ptr<float>(), s);
+    const at::Tensor step_cos = cos.narrow(1, slot - start, count), step_sin = sin.narrow(1, slot - start, count);
+    auto [h, logits] = decoder(hidden, step_cos, step_sin, c10::nullopt, weights, cache, slot, heads, kv_heads, eps,
+                               scale, c10::nullopt, output, 1, c10::nullopt);
+    const float* l = logits.data_ptr<float>();
+    int64_t best = 0;
+    for (int64_t c = 0; c < N && !std::isnan(l[best]); ++c)
+      if (std::isnan(l[c]) || l[c] > l[best]) best = c;
+    const int64_t token = token_ids.data_ptr<int64_t>()[best];
+    drafts.data_ptr<int64_t>()[j] = token;
+    guess = h.narrow(1, count - 1, 1).contiguous();
+    if (j + 1 < k) {
+      TORCH_CHECK(token >= 0 && token < V, "draft_chain: a drafted id out of the table");
+      x.resize(2 * D);
+      std::copy(table.data_ptr<float>() + token * D, table.data_ptr<float>() + (token + 1) * D, x.data());
+      std::copy(guess.data_ptr<float>(), guess.data_ptr<float>() + D, x.data() + D);
+    }
+  }
+  return std::make_tuple(drafts, guess);
+}
+
 // lssp::arena: nbytes of uint8 in memory aligned to 2 MiB and advised as huge pages (the weights a forward streams:
 // one TLB entry per 2 MiB instead of per 4 KiB), touched now so that the pages are made huge as they fault in.
 at::Tensor arena(int64_t nbytes) {
@@ -868,12 +926,16 @@ TORCH_LIBRARY(lssp, m) {
   m.def("decoder(Tensor hidden, Tensor cos, Tensor sin, Tensor? allowed, Tensor[] weights, Tensor(a!)[] cache, "
         "int start, int heads, int kv_heads, float eps, float scale, Tensor? final_norm, Tensor[] output, int keep, "
         "Tensor? used=None) -> (Tensor, Tensor)");
+  m.def("draft_chain(Tensor ids, Tensor table, Tensor features, Tensor[] fc, Tensor cos, Tensor sin, Tensor[] weights, "
+        "Tensor(a!)[] cache, int start, int heads, int kv_heads, float eps, float scale, Tensor[] output, "
+        "Tensor token_ids, int k) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(lssp, CPU, m) {
   m.impl("block_mm", &block_mm);
   m.impl("row_attention", &row_attention);
   m.impl("decoder", &decoder);
+  m.impl("draft_chain", &draft_chain);
 }
 
 TORCH_LIBRARY_IMPL(lssp, CompositeExplicitAutograd, m) {

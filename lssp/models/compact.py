@@ -266,9 +266,9 @@ class FusedDecoder(nn.Module):
         at a batch's holes, which the one-call decoder does not compute (zeros there; the eager layers compute them
         anyway, and no caller reads them)."""
         batch, n = hidden.shape[:2]
-        stack = self._block_stack()
-        if stack is not None and isinstance(at, slice) and hidden.dtype == keys_values[0].dtype == torch.float32:
-            return self._block_layers(stack, hidden, cos, sin, mask, keys_values, at.start, output, taps, used)
+        if isinstance(at, slice) and self._one_call_over(hidden, keys_values[0]):
+            return self._block_layers(self._block_stack(), hidden, cos, sin, mask, keys_values, at.start, output, taps,
+                                      used)
         tapped = []
         heads, half, rotated = self.heads, self.head_dim // 2, self.heads + self.kv_heads
         # The query heads sharing a key/value head attend as one longer query over it (the mask repeated per head):
@@ -302,6 +302,11 @@ class FusedDecoder(nn.Module):
             if i in taps:
                 tapped.append(hidden)
         return Layered(hidden, None, tapped)
+
+    def _one_call_over(self, hidden: torch.Tensor, keys: torch.Tensor) -> bool:
+        """Whether ``_layers`` runs ``hidden`` over a cache like ``keys`` in one call of our kernel (causal where no
+        mask is given)."""
+        return self._block_stack() is not None and hidden.dtype == keys.dtype == torch.float32
 
     def _block_stack(self) -> list[torch.Tensor] | None:
         """Every layer's norms and block weights for ``torch.ops.lssp.decoder``, when each Linear is a q4_1 layer
@@ -387,8 +392,9 @@ class FusedDecoder(nn.Module):
         kv.reserve(end)
         if positions is None:
             cos, sin = self._rotary(start, end, kv.keys_values[0])
-            # Queries see every cached position and the new ones up to their own.
-            mask = None if n == 1 else torch.ones(n, end, dtype=torch.bool, device=hidden.device).tril(diagonal=start)
+            # Queries see every cached position and the new ones up to their own (the one-call decoder's default).
+            causal = n == 1 or self._one_call_over(hidden, kv.keys_values[0])
+            mask = None if causal else torch.ones(n, end, dtype=torch.bool, device=hidden.device).tril(diagonal=start)
         else:
             cos, sin = self._rotary(0, int(positions.max()) + 1, kv.keys_values[0])
             cos, sin = cos[0][positions].unsqueeze(1), sin[0][positions].unsqueeze(1)  # (batch, 1, n, head_dim)

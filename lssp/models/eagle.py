@@ -32,6 +32,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRot
 from lssp.errors import UserError
 from lssp.models.compact import CompactCache, CompactOutput, FusedDecoder, FusedOutput, float_weight
 from lssp.models.draft_head import HEAD_KEY, SubsetHead
+from lssp.models.weight_only import BlockLinear
 
 HEAD_MARK = "feature_head"  # config.json key of heads written by llamassp (the format is EAGLE's either way)
 IGNORED_KEYS = ("embed_tokens.weight", "lm_head.weight")  # copies of the target's that published heads may carry
@@ -439,13 +440,40 @@ class FeatureDraft(FusedDecoder):
         """``forward``'s logits of the last position (vocab,) after ``input_ids`` (1, n), where the head has a
         SubsetHead and the output layer runs in the call: the head's own tokens' logits only (not widened), with their
         vocabulary ids; else the full logits and None. The same numbers, cheaper: drafting reads an argmax."""
-        output = self.get_output_embeddings()
-        if "_draft_output" not in self.__dict__:
-            self.__dict__["_draft_output"] = self._fused_output(1) if isinstance(output, SubsetHead) else None
-        fused = self.__dict__["_draft_output"]
+        fused = self._draft_output()
         if fused is None:
             return self(input_ids, kv, logits_to_keep=1).logits[0, -1], None
-        return self._step(input_ids, kv, None, fused)[1][0, -1], output.token_ids
+        return self._step(input_ids, kv, None, fused)[1][0, -1], self.get_output_embeddings().token_ids
+
+    def draft_chain(self, input_ids: torch.Tensor, kv: FeatureCache, k: int) -> list[int] | None:
+        """``k`` greedy drafts after ``input_ids`` (1, n) in one call of our kernel (``torch.ops.lssp.draft_chain``):
+        the argmaxes of ``k`` steps of ``draft_logits``, each step fed the last draft, and the cache as those steps
+        leave it (the last draft not fed). None where the head cannot: its layers, ``fc`` or output rows not in our
+        kernel's blocks (the steps then go one by one)."""
+        fused = self._draft_output()
+        table = self.get_input_embeddings().weight
+        if (fused is None or type(self.head.fc) is not BlockLinear or table.dtype != torch.float32
+                or self.compute_dtype != torch.float32 or input_ids.shape[0] != 1):
+            return None
+        n = input_ids.shape[1]
+        features = kv.take(n)
+        start, end = kv.length, kv.length + n + k - 1
+        kv.reserve(end)
+        cos, sin = self._rotary(start, end, kv.keys_values[0])
+        drafts, kv.guess = torch.ops.lssp.draft_chain(
+            input_ids[0], table, features[0], self.head.fc.weights(), cos, sin, self._block_stack(), kv.keys_values,
+            start, self.heads, self.kv_heads, self.eps, self.scale, fused.weights, self.get_output_embeddings().token_ids,
+            k)
+        kv.length = end
+        return drafts.tolist()
+
+    def _draft_output(self) -> FusedOutput | None:
+        """The head's output rows over the last position in the one call, where it has a SubsetHead there (else
+        None: drafting reads the full logits)."""
+        if "_draft_rows" not in self.__dict__:
+            output = self.get_output_embeddings()
+            self.__dict__["_draft_rows"] = self._fused_output(1) if isinstance(output, SubsetHead) else None
+        return self.__dict__["_draft_rows"]
 
     def _step(self, input_ids: torch.Tensor, kv: FeatureCache, features: torch.Tensor | None,
               output: FusedOutput | None, mask: torch.Tensor | None = None, positions: torch.Tensor | None = None,
