@@ -134,6 +134,8 @@ def test_subset_head_keeps_its_rows_and_masks_the_rest(model):
     assert torch.isinf(part[..., [0, 1, 2, 4, 63]]).all()
     assert subset_head(headed).position[5] == 1 and subset_head(headed).position[4] == -1
     assert most_frequent(torch.tensor([5, 0, 9, 1, 7]), 3) == [0, 2, 4]
+    with pytest.raises(ValueError, match="increasing"):  # drafting samples them in the vocabulary's order
+        attach_subset_head(copy.deepcopy(model), [5, 3, 60])
 
 
 def test_subset_head_draft_saves_and_loads_through_the_registry(model, tmp_path, tiny_dir):

@@ -83,13 +83,19 @@ class Picker:
     def add(self, logits: torch.Tensor, ids: torch.Tensor | None = None) -> int:
         """The next draft from the drafter's ``logits`` at its position (its own width: where narrower than the
         target's ``vocab``, the tokens beyond it get q = 0, never drafted, and the residual keeps their mass; with
-        ``ids``, the vocabulary ids of its columns, every other token gets q = 0); returns it (to feed next)."""
+        ``ids``, the increasing vocabulary ids of its columns, every other token gets q = 0: sampled over those
+        columns alone, the same draw as over the widened row); returns it (to feed next)."""
         i = len(self.looked_up)
         logits = logits[:self.vocab] if ids is None else logits
         hint = self.hint(self.drafted, logits) if self.hint else None  # a hint reads the top probability alone
         if self.q is None:  # greedy: on the host, a few ints
             column = int(argmax(logits)) if hint is None else None
             token = hint if column is None else column if ids is None else int(ids[column])
+        elif ids is not None and hint is None:
+            narrow = warp(logits.unsqueeze(0).to(self.device), self.params)[0]
+            self.q[i].zero_().index_copy_(0, ids.to(self.device), narrow)
+            column = int(sample(narrow, self.params, self.generator))
+            token = int(ids[column])
         else:
             if ids is not None:
                 logits = logits.new_full((self.vocab,), float("-inf")).index_copy_(0, ids, logits)

@@ -26,6 +26,8 @@ class SubsetHead(nn.Module):
 
     def __init__(self, hidden_size: int, token_ids: list[int], vocab_size: int) -> None:
         super().__init__()
+        if any(a >= b for a, b in zip(token_ids, token_ids[1:])):  # drafting samples them in the vocabulary's order
+            raise ValueError(f"{HEAD_KEY} must be increasing")
         self.linear = nn.Linear(hidden_size, len(token_ids), bias=False)
         self.register_buffer("token_ids", torch.tensor(token_ids, dtype=torch.long), persistent=False)
         position = torch.full((vocab_size,), -1, dtype=torch.long)
