@@ -129,9 +129,10 @@ def draft_logits(target: PreTrainedModel, draft: PreTrainedModel, ids: torch.Ten
     return forward_logits(draft, ids[:, -1:], kv, 1)
 
 
-def _next_draft(picker: Picker, logits: torch.Tensor) -> list[int]:
-    """The row's next draft, as the token to feed next ([] once it has drafted its budget)."""
-    token = picker.add(logits)
+def _next_draft(picker: Picker, logits: torch.Tensor, ids: torch.Tensor | None = None) -> list[int]:
+    """The row's next draft from its ``logits`` (of the vocabulary ids ``ids``; None: all), as the token to feed
+    next ([] once it has drafted its budget)."""
+    token = picker.add(logits, ids)
     return [] if picker.done else [token]
 
 
@@ -175,6 +176,7 @@ class HeadRows(DraftRows):
         super().__init__(policies)
         self.width = head.config.hidden_size
         self.fused = head.fused
+        self.ids = head.draft_ids  # the logits' vocabulary ids: a subset head's drafts come from its own tokens
         # The pairs of each prompt but the last: those over a shared prefix computed once, copied to every row.
         first = torch.tensor([prompts[0]], device=model_device(head)) if prompts else None
         shared = prefix.head_prefix(head, first, features[0][None]) \
@@ -202,7 +204,7 @@ class HeadRows(DraftRows):
         for r, (piece, feature) in enumerate(zip(pieces, features)):
             if piece:
                 paired[r, width - len(piece):] = feature
-        out = feed_rows(self.cache, pieces, True, input_features=paired, logits_to_keep=1)
+        out = feed_rows(self.cache, pieces, True, input_features=paired, logits_to_keep=1, widen=False)
         return out.logits[:, -1], self.cache.kv.guess[:, -1]
 
     def draft(self, seqs: Sequence[Sequence[int]], pickers: Sequence[Picker]) -> list[Proposal]:
@@ -214,7 +216,7 @@ class HeadRows(DraftRows):
             logits, guesses = self._forward(pending, features)
             for r, picker in enumerate(pickers):
                 if pending[r]:
-                    pending[r], features[r] = _next_draft(picker, logits[r]), guesses[r:r + 1]
+                    pending[r], features[r] = _next_draft(picker, logits[r], self.ids), guesses[r:r + 1]
         return [picker.proposal() for picker in pickers]
 
     def advance(self, row: int, proposal: Proposal, accepted: int, features: torch.Tensor | None) -> None:

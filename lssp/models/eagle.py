@@ -417,24 +417,32 @@ class FeatureDraft(FusedDecoder):
     def forward(self, input_ids: torch.Tensor, past_key_values: FeatureCache, use_cache: bool = True,
                 logits_to_keep: int = 0, input_features: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                used: torch.Tensor | None = None) -> CompactOutput:
+                used: torch.Tensor | None = None, widen: bool = True) -> CompactOutput:
         """Logits after ``input_ids`` (batch, n), each token paired with the feature of the token before it: the
         cache's queued features or its last guess, or ``input_features`` (batch, n, d) where the caller keeps them
         (batched rows, with ``attention_mask``, ``position_ids`` and ``used`` as in ``CompactLlama.forward``). The last
-        position's hidden state becomes the cache's ``guess``."""
+        position's hidden state becomes the cache's ``guess``. ``widen=False``: a SubsetHead's logits stay its own
+        tokens' (``draft_ids`` names them)."""
         kv = past_key_values
         mask = attention_mask.to(self.compute_dtype) if attention_mask is not None else None
         hidden, logits = self._step(input_ids, kv, input_features, self._fused_output(logits_to_keep), mask,
                                     position_ids, used)
         output = self.get_output_embeddings()
+        subset = isinstance(output, SubsetHead)
         if logits is None:
             last = hidden[:, -logits_to_keep:] if logits_to_keep else hidden
-            if not isinstance(output, SubsetHead):  # the target's own layer, in the target's dtype (read once)
+            if not subset:  # the target's own layer, in the target's dtype (read once)
                 if "_output_dtype" not in self.__dict__:
                     self.__dict__["_output_dtype"] = float_weight(output).dtype
                 last = last.to(self.__dict__["_output_dtype"])
-            return CompactOutput(output(last))
-        return CompactOutput(output.widen(logits) if isinstance(output, SubsetHead) else logits)
+            return CompactOutput(output(last) if widen or not subset else output.linear(last))
+        return CompactOutput(output.widen(logits) if subset and widen else logits)
+
+    @property
+    def draft_ids(self) -> torch.Tensor | None:
+        """The vocabulary ids of the logits ``forward(widen=False)`` gives (None: all of them)."""
+        output = self.get_output_embeddings()
+        return output.token_ids if isinstance(output, SubsetHead) else None
 
     def draft_logits(self, input_ids: torch.Tensor, kv: FeatureCache) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``forward``'s logits of the last position (vocab,) after ``input_ids`` (1, n), where the head has a
@@ -443,7 +451,7 @@ class FeatureDraft(FusedDecoder):
         fused = self._draft_output()
         if fused is None:
             return self(input_ids, kv, logits_to_keep=1).logits[0, -1], None
-        return self._step(input_ids, kv, None, fused)[1][0, -1], self.get_output_embeddings().token_ids
+        return self._step(input_ids, kv, None, fused)[1][0, -1], self.draft_ids
 
     def draft_chain(self, input_ids: torch.Tensor, kv: FeatureCache, k: int) -> list[int] | None:
         """``k`` greedy drafts after ``input_ids`` (1, n) in one call of our kernel (``torch.ops.lssp.draft_chain``):
@@ -462,8 +470,7 @@ class FeatureDraft(FusedDecoder):
         cos, sin = self._rotary(start, end, kv.keys_values[0])
         drafts, kv.guess = torch.ops.lssp.draft_chain(
             input_ids[0], table, features[0], self.head.fc.weights(), cos, sin, self._block_stack(), kv.keys_values,
-            start, self.heads, self.kv_heads, self.eps, self.scale, fused.weights, self.get_output_embeddings().token_ids,
-            k)
+            start, self.heads, self.kv_heads, self.eps, self.scale, fused.weights, self.draft_ids, k)
         kv.length = end
         return drafts.tolist()
 
