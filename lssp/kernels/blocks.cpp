@@ -854,8 +854,9 @@ std::tuple<at::Tensor, at::Tensor> decoder(const at::Tensor& hidden_in, const at
 // output rows (output) over the last position; the draft is token_ids[the first maximum of those logits] (NaN counting
 // as the maximum, as NumPy's argmax), and the next step feeds it with the last hidden state as its feature. The steps
 // are those of a forward per draft through decoder: the same drafts, the same cache. cos, sin (1, n + k - 1, hd): the
-// rotary embedding of slots start..start+n+k-2. Returns the drafts (k,) and the last step's hidden state (1, 1, D).
-std::tuple<at::Tensor, at::Tensor> draft_chain(const at::Tensor& ids_in, const at::Tensor& table,
+// rotary embedding of slots start..start+n+k-2. Returns the drafts (k,), the last step's hidden state (1, 1, D) and
+// its logits (N,): with k = 1, one drafting step whose draft the caller may pick otherwise (sampling, a hint).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> draft_chain(const at::Tensor& ids_in, const at::Tensor& table,
                                                const at::Tensor& features_in, at::TensorList fc, const at::Tensor& cos,
                                                const at::Tensor& sin, at::TensorList weights, at::TensorList cache,
                                                int64_t start, int64_t heads, int64_t kv_heads, double eps, double scale,
@@ -880,7 +881,7 @@ std::tuple<at::Tensor, at::Tensor> draft_chain(const at::Tensor& ids_in, const a
     std::copy(features.data_ptr<float>() + i * D, features.data_ptr<float>() + (i + 1) * D, x.data() + i * 2 * D + D);
   }
   at::Tensor drafts = at::empty({k}, at::TensorOptions().dtype(at::kLong));
-  at::Tensor guess;
+  at::Tensor guess, last;
   Scratch s;
   for (int64_t j = 0, slot = start, count = n; j < k; ++j, slot += count, count = 1) {
     at::Tensor hidden = at::empty({1, count, D}, table.options());
@@ -888,6 +889,7 @@ std::tuple<at::Tensor, at::Tensor> draft_chain(const at::Tensor& ids_in, const a
     const at::Tensor step_cos = cos.narrow(1, slot - start, count), step_sin = sin.narrow(1, slot - start, count);
     auto [h, logits] = decoder(hidden, step_cos, step_sin, c10::nullopt, weights, cache, slot, heads, kv_heads, eps,
                                scale, c10::nullopt, output, 1, c10::nullopt);
+    last = logits;
     const float* l = logits.data_ptr<float>();
     int64_t best = 0;
     for (int64_t c = 0; c < N && !std::isnan(l[best]); ++c)
@@ -902,7 +904,7 @@ std::tuple<at::Tensor, at::Tensor> draft_chain(const at::Tensor& ids_in, const a
       std::copy(guess.data_ptr<float>(), guess.data_ptr<float>() + D, x.data() + D);
     }
   }
-  return std::make_tuple(drafts, guess);
+  return std::make_tuple(drafts, guess, last.reshape({N}));
 }
 
 // lssp::arena: nbytes of uint8 in memory aligned to 2 MiB and advised as huge pages (the weights a forward streams:
@@ -928,7 +930,7 @@ TORCH_LIBRARY(lssp, m) {
         "Tensor? used=None) -> (Tensor, Tensor)");
   m.def("draft_chain(Tensor ids, Tensor table, Tensor features, Tensor[] fc, Tensor cos, Tensor sin, Tensor[] weights, "
         "Tensor(a!)[] cache, int start, int heads, int kv_heads, float eps, float scale, Tensor[] output, "
-        "Tensor token_ids, int k) -> (Tensor, Tensor)");
+        "Tensor token_ids, int k) -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(lssp, CPU, m) {

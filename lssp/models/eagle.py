@@ -451,13 +451,20 @@ class FeatureDraft(FusedDecoder):
         fused = self._draft_output()
         if fused is None:
             return self(input_ids, kv, logits_to_keep=1).logits[0, -1], None
-        return self._step(input_ids, kv, None, fused)[1][0, -1], self.draft_ids
+        chained = self._chain(input_ids, kv, 1)
+        logits = chained[1] if chained is not None else self._step(input_ids, kv, None, fused)[1][0, -1]
+        return logits, self.draft_ids
 
     def draft_chain(self, input_ids: torch.Tensor, kv: FeatureCache, k: int) -> list[int] | None:
-        """``k`` greedy drafts after ``input_ids`` (1, n) in one call of our kernel (``torch.ops.lssp.draft_chain``):
-        the argmaxes of ``k`` steps of ``draft_logits``, each step fed the last draft, and the cache as those steps
-        leave it (the last draft not fed). None where the head cannot: its layers, ``fc`` or output rows not in our
-        kernel's blocks (the steps then go one by one)."""
+        """``k`` greedy drafts after ``input_ids`` (1, n) in one call of our kernel: the argmaxes of ``k`` steps of
+        ``draft_logits``, each step fed the last draft, and the cache as those steps leave it (the last draft not
+        fed). None where the head cannot (the steps then go one by one)."""
+        chained = self._chain(input_ids, kv, k)
+        return None if chained is None else chained[0].tolist()
+
+    def _chain(self, input_ids: torch.Tensor, kv: FeatureCache, k: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``torch.ops.lssp.draft_chain``'s drafts and last logits over ``kv``, extending it as k forwards would;
+        None where the head's layers, ``fc`` or output rows are not in our kernel's blocks."""
         fused = self._draft_output()
         table = self.get_input_embeddings().weight
         if (fused is None or type(self.head.fc) is not BlockLinear or table.dtype != torch.float32
@@ -468,11 +475,11 @@ class FeatureDraft(FusedDecoder):
         start, end = kv.length, kv.length + n + k - 1
         kv.reserve(end)
         cos, sin = self._rotary(start, end, kv.keys_values[0])
-        drafts, kv.guess = torch.ops.lssp.draft_chain(
+        drafts, kv.guess, logits = torch.ops.lssp.draft_chain(
             input_ids[0], table, features[0], self.head.fc.weights(), cos, sin, self._block_stack(), kv.keys_values,
             start, self.heads, self.kv_heads, self.eps, self.scale, fused.weights, self.draft_ids, k)
         kv.length = end
-        return drafts.tolist()
+        return drafts, logits
 
     def _draft_output(self) -> FusedOutput | None:
         """The head's output rows over the last position in the one call, where it has a SubsetHead there (else
