@@ -465,21 +465,32 @@ class FeatureDraft(FusedDecoder):
     def _chain(self, input_ids: torch.Tensor, kv: FeatureCache, k: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``torch.ops.lssp.draft_chain``'s drafts and last logits over ``kv``, extending it as k forwards would;
         None where the head's layers, ``fc`` or output rows are not in our kernel's blocks."""
-        fused = self._draft_output()
-        table = self.get_input_embeddings().weight
-        if (fused is None or type(self.head.fc) is not BlockLinear or table.dtype != torch.float32
-                or self.compute_dtype != torch.float32 or input_ids.shape[0] != 1):
+        parts = self._chain_parts()
+        if parts is None or input_ids.shape[0] != 1:
             return None
+        table, fc, output, ids = parts
         n = input_ids.shape[1]
         features = kv.take(n)
         start, end = kv.length, kv.length + n + k - 1
         kv.reserve(end)
         cos, sin = self._rotary(start, end, kv.keys_values[0])
         drafts, kv.guess, logits = torch.ops.lssp.draft_chain(
-            input_ids[0], table, features[0], self.head.fc.weights(), cos, sin, self._block_stack(), kv.keys_values,
-            start, self.heads, self.kv_heads, self.eps, self.scale, fused.weights, self.draft_ids, k)
+            input_ids[0], table, features[0], fc, cos, sin, self._block_stack(), kv.keys_values, start, self.heads,
+            self.kv_heads, self.eps, self.scale, output, ids, k)
         kv.length = end
         return drafts, logits
+
+    def _chain_parts(self) -> tuple[torch.Tensor, tuple, tuple, torch.Tensor] | None:
+        """What ``draft_chain`` reads besides the cache (the embedding table, ``fc``'s and the output rows' blocks,
+        their vocabulary ids), where the head can draft in one call; else None. Read once, off the drafting path."""
+        if "_chain_parts_" not in self.__dict__:
+            fused = self._draft_output()
+            table = self.get_input_embeddings().weight
+            able = (fused is not None and type(self.head.fc) is BlockLinear and table.dtype == torch.float32
+                    and self.compute_dtype == torch.float32)
+            self.__dict__["_chain_parts_"] = (table, self.head.fc.weights(), fused.weights, self.draft_ids) \
+                if able else None
+        return self.__dict__["_chain_parts_"]
 
     def _draft_output(self) -> FusedOutput | None:
         """The head's output rows over the last position in the one call, where it has a SubsetHead there (else
