@@ -69,14 +69,17 @@ def test_a_target_split_between_the_gpu_and_the_cpu_decodes_like_one_on_the_cpu(
     assert torch.equal(generate_speculative(split, draft, PROMPT, 30, 3, GREEDY).tokens, expected)
 
 
-@pytest.mark.parametrize("quantization", ["8bit", "4bit"])
+@pytest.mark.parametrize("quantization", ["8bit", "4bit", "int8", "q4_1"])
 def test_bitsandbytes_on_cuda_decodes_and_ssp_matches_its_rsp(tiny_dir, quantization):
+    """bitsandbytes' entries, and the weight-only ones (CPU kernels) that load through it on a GPU."""
     pytest.importorskip("bitsandbytes", reason="bitsandbytes not installed (carry its wheel to the GPU machine)")
     from lssp.models.loading import load_model
     from lssp.models.registry import load_registry
 
     registry = load_registry(tiny_dir / "models.yaml")
-    spec = dataclasses.replace(registry.get("tiny-target"), quantization=quantization, dtype="float16")
+    weight_only = quantization in ("int8", "q4_1")  # their entries ask for the compact forward, which bnb skips
+    spec = dataclasses.replace(registry.get("tiny-target"), quantization=quantization, dtype="float16",
+                               **({"forward": "compact", "compile": True} if weight_only else {}))
     target = load_model(spec, "cuda")
     draft = load_model(registry.get("tiny-draft"), "cuda")
     assert "(bnb)" in target.precision and target.device.type == "cuda"

@@ -131,6 +131,33 @@ def test_a_draft_too_big_for_any_single_gpu_is_refused_in_one_line(two_gpus_with
         _placement(spec, None, draft=True)
 
 
+def test_a_weight_only_entry_loads_through_bitsandbytes_where_it_lands_on_a_gpu(two_gpus_with_free_memory):
+    """int8/int4/q4_1 run CPU kernels: on a GPU they become bitsandbytes' 8-bit or 4-bit weights under
+    transformers' forward, and `plan` sizes them so."""
+    from lssp.models.loading import _lands_on_gpu, on_gpu_weight_only
+    from lssp.models.placement import precision_of
+    from lssp.models.registry import ModelSpec
+
+    assert _lands_on_gpu({"device_map": "cuda:1"}) and _lands_on_gpu({"device_map": "auto"})
+    assert _lands_on_gpu({"device_map": {"model.layers.0": 0, "lm_head": "cpu"}})
+    assert not _lands_on_gpu({"device_map": "cpu"}) and not _lands_on_gpu({"device_map": {"": "cpu"}})
+    for quantization, expected in (("q4_1", "4bit"), ("int4", "4bit"), ("int8", "8bit")):
+        spec = ModelSpec("t", path="x.gguf", quantization=quantization, forward="compact", compile=True)
+        on_gpu = on_gpu_weight_only(spec)
+        assert (on_gpu.quantization, on_gpu.forward, on_gpu.compile) == (expected, "transformers", False)
+        assert precision_of(spec) == precision_of(on_gpu) == expected.replace("bit", "-bit")
+    assert precision_of(ModelSpec("t", path="x", quantization="dynamic-fp16")) == "16-bit"
+
+
+def test_random_weights_asked_in_bitsandbytes_are_refused_in_one_line():
+    from lssp.errors import UserError
+    from lssp.models.loading import load_model
+    from lssp.models.registry import ModelSpec
+
+    with pytest.raises(UserError, match=r"random weights are built without bitsandbytes \(quantization: 4bit\)"):
+        load_model(ModelSpec("r", init="random", config=TINY, quantization="4bit"), "cpu")
+
+
 def test_random_weights_follow_the_entrys_max_memory_through_the_balanced_placement():
     """The path `gpus`/`max_memory` take for random init: built on the meta device, placed, then filled where
     each block goes. Here the only device allowed is the CPU, so it can run without a GPU."""

@@ -18,7 +18,7 @@ from lssp.errors import IncompatibleModelsError, UserError
 from lssp.models.compact import CompactLlama, FusedDecoder
 from lssp.models.draft_head import has_subset_head, load_subset_head_model
 from lssp.models.modules import logit_width, model_device
-from lssp.models.registry import CPU_QUANTIZATIONS, WEIGHT_ONLY_QUANTIZATIONS, ModelSpec
+from lssp.models.registry import CPU_QUANTIZATIONS, GPU_WEIGHT_ONLY, WEIGHT_ONLY_QUANTIZATIONS, ModelSpec
 from lssp.models.sources import gguf_copy_dir, random_config
 from lssp.models.sources import model_source as _model_source
 from lssp.models.weight_only import weight_only_quantize
@@ -245,6 +245,22 @@ def _gpu_for_whole(spec: ModelSpec, n_gpus: int) -> int:
     return gpu
 
 
+def _lands_on_gpu(placement: dict[str, Any]) -> bool:
+    """Whether the weights ``placement`` describes go (at least partly) onto a GPU."""
+    device_map = placement["device_map"]
+    places = device_map.values() if isinstance(device_map, dict) else [device_map]
+    return torch.cuda.device_count() > 0 and any(str(where) not in ("cpu", "disk") for where in places)
+
+
+def on_gpu_weight_only(spec: ModelSpec) -> ModelSpec:
+    """A weight-only entry (int8, int4, q4_1: CPU kernels) as it loads on a GPU: bitsandbytes' 8-bit or 4-bit
+    weights under transformers' forward (the compact forward fuses plain Linear layers), uncompiled."""
+    quantization = GPU_WEIGHT_ONLY[spec.quantization]
+    log.warning("%s: %s on a GPU loads as bitsandbytes %s (transformers' forward, uncompiled)", spec.name,
+                spec.quantization, quantization)
+    return replace(spec, quantization=quantization, forward="transformers", compile=False)
+
+
 def _quantization(spec: ModelSpec, dtype: torch.dtype | str) -> dict[str, Any]:
     if spec.quantization == "none" or spec.quantization in CPU_QUANTIZATIONS:
         return {}
@@ -328,6 +344,12 @@ def load_model(spec: ModelSpec, device: str | None = None, draft: bool = False,
     if head_folder is not None:
         return load_feature_draft(spec, head_folder, dtype, target)
     placement = _placement(spec, device, draft)
+    if spec.quantization in GPU_WEIGHT_ONLY and not spec.is_random and _lands_on_gpu(placement) \
+            and not has_subset_head(model_source(spec)[0]):  # such a draft keeps its dtype on a GPU
+        spec = on_gpu_weight_only(spec)
+    if spec.is_random and spec.quantization in ("8bit", "4bit"):
+        raise UserError(f"model {spec.name!r}: random weights are built without bitsandbytes "
+                        f"(quantization: {spec.quantization}); use quantization: none")
     kwargs: dict[str, Any] = {"dtype": dtype, **placement, **_quantization(spec, dtype)}
     if spec.attn_implementation:
         kwargs["attn_implementation"] = spec.attn_implementation

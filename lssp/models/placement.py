@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from lssp.errors import UserError
-from lssp.models.registry import ModelSpec
+from lssp.models.registry import GPU_WEIGHT_ONLY, ModelSpec
 
 GiB = 2**30
 PRECISIONS = ("16-bit", "8-bit", "4-bit")
@@ -28,8 +28,10 @@ OFF_GPU = ("cpu", "disk")
 
 
 def precision_of(spec: ModelSpec) -> str:
-    """The storage precision an entry loads in: bitsandbytes 8-bit or 4-bit, else 16-bit."""
-    return {"8bit": "8-bit", "4bit": "4-bit"}.get(spec.quantization, "16-bit")
+    """The storage precision an entry loads in on GPUs: bitsandbytes 8-bit or 4-bit (a weight-only entry's there
+    too), else 16-bit."""
+    bitsandbytes = GPU_WEIGHT_ONLY.get(spec.quantization, spec.quantization)
+    return {"8bit": "8-bit", "4bit": "4-bit"}.get(bitsandbytes, "16-bit")
 
 
 def model_config(spec: ModelSpec) -> Any:

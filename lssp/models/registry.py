@@ -26,6 +26,8 @@ QUANTIZATIONS = ("none", "8bit", "4bit", "dynamic-fp16", "dynamic-int8", "int4",
 DYNAMIC_QUANTIZATIONS = ("dynamic-fp16", "dynamic-int8")
 WEIGHT_ONLY_QUANTIZATIONS = ("int4", "int8", "q4_1")
 CPU_QUANTIZATIONS = DYNAMIC_QUANTIZATIONS + WEIGHT_ONLY_QUANTIZATIONS  # applied after loading, on a CPU only
+# On a GPU a weight-only entry loads through bitsandbytes instead (its CPU kernels do not run there).
+GPU_WEIGHT_ONLY = {"int8": "8bit", "int4": "4bit", "q4_1": "4bit"}
 INITS = ("pretrained", "random")
 # transformers: the model's own forward. compact: lssp.models.compact's fused batch-1 forward for small
 # Llama models (a draft's cost ratio c is mostly per-call overhead).
