@@ -18,6 +18,7 @@ from lssp.errors import IncompatibleModelsError, UserError
 from lssp.models.compact import CompactLlama, FusedDecoder
 from lssp.models.draft_head import has_subset_head, load_subset_head_model
 from lssp.models.modules import logit_width, model_device
+from lssp.models.placement import OFF_GPU
 from lssp.models.registry import CPU_QUANTIZATIONS, GPU_WEIGHT_ONLY, WEIGHT_ONLY_QUANTIZATIONS, ModelSpec
 from lssp.models.sources import gguf_copy_dir, random_config
 from lssp.models.sources import model_source as _model_source
@@ -249,7 +250,7 @@ def _lands_on_gpu(placement: dict[str, Any]) -> bool:
     """Whether the weights ``placement`` describes go (at least partly) onto a GPU."""
     device_map = placement["device_map"]
     places = device_map.values() if isinstance(device_map, dict) else [device_map]
-    return torch.cuda.device_count() > 0 and any(str(where) not in ("cpu", "disk") for where in places)
+    return torch.cuda.device_count() > 0 and any(str(where) not in OFF_GPU for where in places)
 
 
 def on_gpu_weight_only(spec: ModelSpec) -> ModelSpec:
