@@ -273,10 +273,13 @@ def test_a_subset_head_drafts_from_its_own_tokens_logits_as_its_forward_gives_th
         assert out.tokens.tolist() == generate_regular(target, prompt, 20, params).tokens.tolist()
 
 
-def test_a_heads_greedy_chain_in_one_call_is_its_steps_one_by_one(tiny_dir):
-    """``draft_chain`` (k greedy drafts in one kernel call) gives the argmaxes of k ``draft_logits`` steps, each fed
-    the last draft, and leaves the head's cache, guess and length as they do, after a first step of one token or
-    several; greedy SSp gives the same tokens and counts with it and without it."""
+@pytest.mark.parametrize("temperature", [0.0, 0.7], ids=["greedy", "T=0.7"])
+def test_a_heads_chain_in_one_call_is_its_steps_one_by_one(tiny_dir, temperature):
+    """``draft_chain`` (k drafts in one kernel call) gives the argmaxes of k ``draft_logits`` steps, each fed the last
+    draft, or at a temperature their draws (``inverse_cdf`` of the warped logits by the same uniforms) and laws; and
+    leaves the head's cache, guess and length as those steps do, after a first step of one token or several. SSp
+    gives the same tokens and counts with it and without it (sampling: the same seed)."""
+    from lssp.decoding.sampling import inverse_cdf, warp
     from lssp.models.eagle import FeatureDraft
     from lssp.models.loading import cpu_quantize
     from lssp.models.registry import ModelSpec
@@ -285,6 +288,7 @@ def test_a_heads_greedy_chain_in_one_call_is_its_steps_one_by_one(tiny_dir):
     target = load_model(load_registry(tiny_dir / "models.yaml").get("tiny-target-q4")).model
     ids = list(range(1, 64, 2))
     head = cpu_quantize(FeatureDraft(random_head(target, 3, token_ids=ids), target), ModelSpec("h", quantization="q4_1"))
+    params = SamplingParams(temperature)
     prompt = torch.tensor([[3, 9, 4, 7, 1, 8, 2, 6]])
     with torch.inference_mode():
         features = target(prompt[:, :-1], past_key_values=new_cache(target), features=True).features
@@ -295,19 +299,27 @@ def test_a_heads_greedy_chain_in_one_call_is_its_steps_one_by_one(tiny_dir):
                 if fed > 1:
                     kv.queue(features[:, read:])
             pending = prompt[:, read:]
-            chain = head.draft_chain(pending, kv_chain, k)
+            uniforms = torch.rand(k, dtype=torch.float64, generator=torch.Generator().manual_seed(fed))
+            chain, laws = head.draft_chain(pending, kv_chain, k, temperature, uniforms if temperature else None)
             steps = []
-            for _ in range(k):
+            for j in range(k):
                 logits, columns = head.draft_logits(pending, kv_steps)
-                steps.append(int(columns[int(logits.argmax())]))
+                if temperature:
+                    q = warp(logits.unsqueeze(0), params)[0]
+                    torch.testing.assert_close(laws[j], q, rtol=1e-5, atol=1e-7)
+                    assert int(inverse_cdf(laws[j], uniforms[j:j + 1])) == int(inverse_cdf(q, uniforms[j:j + 1]))
+                column = int(inverse_cdf(laws[j], uniforms[j:j + 1])) if temperature else int(logits.argmax())
+                steps.append(int(columns[column]))
                 pending = torch.tensor([[steps[-1]]])
             assert chain == steps and kv_chain.length == kv_steps.length
+            assert (laws is None) == (temperature == 0)
             assert torch.equal(kv_chain.guess, kv_steps.guess)
             for a, b in zip(kv_chain.keys_values, kv_steps.keys_values):
                 assert torch.equal(a[:, :, :kv_chain.length], b[:, :, :kv_chain.length])
     chained, stepwise = FeatureHead(head), FeatureHead(head)
     stepwise.chains = False
-    runs = [speculative_decode(target, drafter, prompt, 24, 3, SamplingParams(0.0)) for drafter in (chained, stepwise)]
+    generator = lambda: torch.Generator().manual_seed(5) if temperature else None  # noqa: E731
+    runs = [speculative_decode(target, drafter, prompt, 24, 3, params, generator()) for drafter in (chained, stepwise)]
     assert runs[0].tokens.tolist() == runs[1].tokens.tolist()
     assert (runs[0].stats.accepted, runs[0].stats.drafted) == (runs[1].stats.accepted, runs[1].stats.drafted)
 

@@ -66,13 +66,26 @@ class Picker:
         return len(self.looked_up) >= self.k
 
     @property
-    def plain_greedy(self) -> bool:
-        """Whether each draft is the drafter's own argmax, with no hint or stop reading its logits: a drafter may then
-        pick them all itself (``extend``)."""
-        return self.q is None and self.hint is None and not self.stop_below
+    def plain(self) -> bool:
+        """Whether each draft is the drafter's own argmax, or a draw from its logits at the temperature alone (no
+        top-k or top-p), with no hint or stop reading them: a drafter may then pick them all itself (``extend``)."""
+        return self.hint is None and not self.stop_below and self.params.top_k == 0 and self.params.top_p == 1.0
 
-    def extend(self, drafts: Sequence[int]) -> None:
-        """Add the argmaxes a drafter picked itself where ``plain_greedy`` (what ``add`` would have picked)."""
+    def uniforms(self) -> torch.Tensor:
+        """The uniforms (k,) float64 that ``add`` would draw for k sampled drafts, one after the other."""
+        return torch.cat([torch.rand(1, dtype=torch.float64, device=self.device, generator=self.generator)
+                          for _ in range(self.k)])
+
+    def extend(self, drafts: Sequence[int], q: torch.Tensor | None = None, ids: torch.Tensor | None = None) -> None:
+        """Add the drafts a drafter picked itself where ``plain`` (what ``add`` would have picked): its argmaxes, or
+        its draws with their laws ``q`` (one row per draft) over the vocabulary ids ``ids`` (None: the first
+        columns)."""
+        if q is not None:
+            rows = self.q[len(self.drafted):len(self.drafted) + len(drafts)].zero_()
+            if ids is None:
+                rows[:, :q.shape[1]] = q
+            else:
+                rows.index_copy_(1, ids.to(self.device), q.to(self.device))
         self.drafted += drafts
         self.looked_up += [False] * len(drafts)
 

@@ -75,20 +75,21 @@ class FeatureHead(DraftModel):
     head's own guess, so after each verification it keeps only the positions fed real features."""
 
     needs_features = True
-    chains = True  # plain greedy drafts in one kernel call where the head can (FeatureDraft.draft_chain)
+    chains = True  # plain drafts in one kernel call where the head can (FeatureDraft.draft_chain)
 
     @property
     def ready(self) -> bool:
         return self.kv.ready
 
     def draft(self, seq: torch.Tensor, picker: Picker) -> Proposal:
-        if self.chains and picker.plain_greedy and not picker.done:
+        if self.chains and picker.plain and not picker.done and self._model.can_chain:
             pending = seq[:, self.kv.get_seq_length():]
             start = self.clock.forward_now()
-            drafts = self._model.draft_chain(pending.to(self.device), self.kv, picker.k)
-            if drafts is not None:
-                picker.extend(drafts)
-                return picker.proposal(self.clock.forward_now() - start)
+            temperature = picker.params.temperature  # 0: greedy
+            uniforms = picker.uniforms() if temperature else None
+            drafts, q = self._model.draft_chain(pending.to(self.device), self.kv, picker.k, temperature, uniforms)
+            picker.extend(drafts, q, self._model.draft_ids)
+            return picker.proposal(self.clock.forward_now() - start)
         return super().draft(seq, picker)
 
     def start(self, seq: torch.Tensor, features: torch.Tensor | None, prefix: PrefixCache | None,

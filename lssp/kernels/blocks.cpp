@@ -21,6 +21,7 @@
 #include <tuple>
 #include <vector>
 #include <cstdlib>
+#include <limits>
 #include <cstring>
 #include <sys/mman.h>
 
@@ -847,6 +848,32 @@ std::tuple<at::Tensor, at::Tensor> decoder(const at::Tensor& hidden_in, const at
   return std::make_tuple(full, logits);
 }
 
+// The index of the first maximum of l (n,), a NaN counting as the maximum (NumPy's argmax).
+int64_t first_max(const float* l, int64_t n) {
+  int64_t best = 0;
+  for (int64_t c = 0; c < n && !std::isnan(l[best]); ++c)
+    if (std::isnan(l[c]) || l[c] > l[best]) best = c;
+  return best;
+}
+
+// q = softmax(l / temperature) (n,) written to q, and the index u (in [0, 1)) picks: the first whose cumulative q,
+// summed in float64, exceeds u x the total (at most n - 1), as lssp.decoding.sampling.inverse_cdf picks.
+int64_t draw(const float* l, int64_t n, double temperature, double u, float* q) {
+  const float t = static_cast<float>(temperature);
+  float top = -std::numeric_limits<float>::infinity();
+  for (int64_t c = 0; c < n; ++c) top = std::max(top, l[c] / t);
+  float total = 0.0f;
+  for (int64_t c = 0; c < n; ++c) total += (q[c] = std::exp(l[c] / t - top));
+  for (int64_t c = 0; c < n; ++c) q[c] /= total;
+  double cdf = 0.0;
+  for (int64_t c = 0; c < n; ++c) cdf += q[c];
+  const double point = u * cdf;
+  double sum = 0.0;
+  for (int64_t c = 0; c < n; ++c)
+    if ((sum += q[c]) > point) return c;
+  return n - 1;
+}
+
 // lssp::draft_chain: a feature head's k greedy drafts in one call, without Python between its steps. ids (n,): the
 // tokens the head has not read, features (n, D) float32 the features paired with them (the target's, or the head's
 // last guess). Each step multiplies [the tokens' rows of table (V, D) float32, their features] by fc (packed, scales,
@@ -854,13 +881,17 @@ std::tuple<at::Tensor, at::Tensor> decoder(const at::Tensor& hidden_in, const at
 // output rows (output) over the last position; the draft is token_ids[the first maximum of those logits] (NaN counting
 // as the maximum, as NumPy's argmax), and the next step feeds it with the last hidden state as its feature. The steps
 // are those of a forward per draft through decoder: the same drafts, the same cache. cos, sin (1, n + k - 1, hd): the
-// rotary embedding of slots start..start+n+k-2. Returns the drafts (k,), the last step's hidden state (1, 1, D) and
-// its logits (N,): with k = 1, one drafting step whose draft the caller may pick otherwise (sampling, a hint).
-std::tuple<at::Tensor, at::Tensor, at::Tensor> draft_chain(const at::Tensor& ids_in, const at::Tensor& table,
+// rotary embedding of slots start..start+n+k-2. With temperature > 0 each draft is drawn instead: q = softmax(logits /
+// temperature) in float32, and the draft is token_ids[the first row whose cumulative q (summed in float64) exceeds
+// uniforms[j] x the total] (uniforms (k,) float64, in [0, 1)): the rule of lssp.decoding.sampling.inverse_cdf. Returns
+// the drafts (k,), the last step's hidden state (1, 1, D), its logits (N,) and each step's q (k, N; empty when greedy):
+// with k = 1, one drafting step whose draft the caller may pick otherwise (a hint, top-k, top-p).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> draft_chain(const at::Tensor& ids_in, const at::Tensor& table,
                                                const at::Tensor& features_in, at::TensorList fc, const at::Tensor& cos,
                                                const at::Tensor& sin, at::TensorList weights, at::TensorList cache,
                                                int64_t start, int64_t heads, int64_t kv_heads, double eps, double scale,
-                                               at::TensorList output, const at::Tensor& token_ids_in, int64_t k) {
+                                               at::TensorList output, const at::Tensor& token_ids_in, int64_t k,
+                                               double temperature, const c10::optional<at::Tensor>& uniforms_in) {
   const int64_t D = table.size(1), n = ids_in.numel();
   TORCH_CHECK(table.dim() == 2 && table.scalar_type() == at::kFloat && table.is_contiguous(), "draft_chain: table (V, D) float32");
   TORCH_CHECK(k >= 1 && n >= 1 && features_in.numel() == n * D, "draft_chain: k >= 1, ids (n,), features (n, D)");
@@ -880,7 +911,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> draft_chain(const at::Tensor& ids
     std::copy(table.data_ptr<float>() + id * D, table.data_ptr<float>() + (id + 1) * D, x.data() + i * 2 * D);
     std::copy(features.data_ptr<float>() + i * D, features.data_ptr<float>() + (i + 1) * D, x.data() + i * 2 * D + D);
   }
+  const bool sampled = temperature > 0;
+  at::Tensor uniforms;
+  if (sampled) {
+    TORCH_CHECK(uniforms_in.has_value() && uniforms_in->numel() == k, "draft_chain: sampling takes k uniforms");
+    uniforms = uniforms_in->to(at::kDouble).contiguous();
+  }
   at::Tensor drafts = at::empty({k}, at::TensorOptions().dtype(at::kLong));
+  at::Tensor q = at::empty({sampled ? k : 0, N}, table.options());
   at::Tensor guess, last;
   Scratch s;
   for (int64_t j = 0, slot = start, count = n; j < k; ++j, slot += count, count = 1) {
@@ -891,9 +929,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> draft_chain(const at::Tensor& ids
                                scale, c10::nullopt, output, 1, c10::nullopt);
     last = logits;
     const float* l = logits.data_ptr<float>();
-    int64_t best = 0;
-    for (int64_t c = 0; c < N && !std::isnan(l[best]); ++c)
-      if (std::isnan(l[c]) || l[c] > l[best]) best = c;
+    const int64_t best = sampled ? draw(l, N, temperature, uniforms.data_ptr<double>()[j], q.data_ptr<float>() + j * N)
+                                 : first_max(l, N);
     const int64_t token = token_ids.data_ptr<int64_t>()[best];
     drafts.data_ptr<int64_t>()[j] = token;
     guess = h.narrow(1, count - 1, 1).contiguous();
@@ -904,7 +941,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> draft_chain(const at::Tensor& ids
       std::copy(guess.data_ptr<float>(), guess.data_ptr<float>() + D, x.data() + D);
     }
   }
-  return std::make_tuple(drafts, guess, last.reshape({N}));
+  return std::make_tuple(drafts, guess, last.reshape({N}), q);
 }
 
 // lssp::arena: nbytes of uint8 in memory aligned to 2 MiB and advised as huge pages (the weights a forward streams:
@@ -930,7 +967,7 @@ TORCH_LIBRARY(lssp, m) {
         "Tensor? used=None) -> (Tensor, Tensor)");
   m.def("draft_chain(Tensor ids, Tensor table, Tensor features, Tensor[] fc, Tensor cos, Tensor sin, Tensor[] weights, "
         "Tensor(a!)[] cache, int start, int heads, int kv_heads, float eps, float scale, Tensor[] output, "
-        "Tensor token_ids, int k) -> (Tensor, Tensor, Tensor)");
+        "Tensor token_ids, int k, float temperature=0., Tensor? uniforms=None) -> (Tensor, Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(lssp, CPU, m) {

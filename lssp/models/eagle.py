@@ -451,34 +451,44 @@ class FeatureDraft(FusedDecoder):
         fused = self._draft_output()
         if fused is None:
             return self(input_ids, kv, logits_to_keep=1).logits[0, -1], None
-        chained = self._chain(input_ids, kv, 1)
-        logits = chained[1] if chained is not None else self._step(input_ids, kv, None, fused)[1][0, -1]
+        if self.can_chain and input_ids.shape[0] == 1:
+            logits = self._chain(input_ids, kv, 1)[1]
+        else:
+            logits = self._step(input_ids, kv, None, fused)[1][0, -1]
         return logits, self.draft_ids
 
-    def draft_chain(self, input_ids: torch.Tensor, kv: FeatureCache, k: int) -> list[int] | None:
-        """``k`` greedy drafts after ``input_ids`` (1, n) in one call of our kernel: the argmaxes of ``k`` steps of
-        ``draft_logits``, each step fed the last draft, and the cache as those steps leave it (the last draft not
-        fed). None where the head cannot (the steps then go one by one)."""
-        chained = self._chain(input_ids, kv, k)
-        return None if chained is None else chained[0].tolist()
+    @property
+    def can_chain(self) -> bool:
+        """Whether the head drafts in one call of our kernel (``draft_chain``): its layers, ``fc`` and output rows
+        are in the kernel's blocks."""
+        return self._chain_parts() is not None
 
-    def _chain(self, input_ids: torch.Tensor, kv: FeatureCache, k: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``torch.ops.lssp.draft_chain``'s drafts and last logits over ``kv``, extending it as k forwards would;
-        None where the head's layers, ``fc`` or output rows are not in our kernel's blocks."""
-        parts = self._chain_parts()
-        if parts is None or input_ids.shape[0] != 1:
-            return None
-        table, fc, output, ids = parts
+    def draft_chain(self, input_ids: torch.Tensor, kv: FeatureCache, k: int, temperature: float = 0.0,
+                    uniforms: torch.Tensor | None = None) -> tuple[list[int], torch.Tensor | None]:
+        """``k`` drafts after ``input_ids`` (1, n) in one call of our kernel (where ``can_chain``), each step fed the
+        last draft, and the cache as those steps leave it (the last draft not fed): the argmaxes of ``k`` steps of
+        ``draft_logits``, or with ``temperature`` > 0 draws from their softmax at that temperature by ``uniforms``
+        (k,), as ``inverse_cdf`` draws, with those laws (k, the head's tokens: ``draft_ids``)."""
+        drafts, _, q = self._chain(input_ids, kv, k, temperature, uniforms)
+        return drafts.tolist(), q if temperature > 0 else None
+
+    def _chain(self, input_ids: torch.Tensor, kv: FeatureCache, k: int, temperature: float = 0.0,
+               uniforms: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``torch.ops.lssp.draft_chain``'s drafts, last logits and laws over ``kv``, extending it as k forwards
+        would."""
+        if input_ids.shape[0] != 1:
+            raise ValueError("a chain of drafts is one completion's")
+        table, fc, output, ids = self._chain_parts()
         n = input_ids.shape[1]
         features = kv.take(n)
         start, end = kv.length, kv.length + n + k - 1
         kv.reserve(end)
         cos, sin = self._rotary(start, end, kv.keys_values[0])
-        drafts, kv.guess, logits = torch.ops.lssp.draft_chain(
+        drafts, kv.guess, logits, q = torch.ops.lssp.draft_chain(
             input_ids[0], table, features[0], fc, cos, sin, self._block_stack(), kv.keys_values, start, self.heads,
-            self.kv_heads, self.eps, self.scale, output, ids, k)
+            self.kv_heads, self.eps, self.scale, output, ids, k, temperature, uniforms)
         kv.length = end
-        return drafts, logits
+        return drafts, logits, q
 
     def _chain_parts(self) -> tuple[torch.Tensor, tuple, tuple, torch.Tensor] | None:
         """What ``draft_chain`` reads besides the cache (the embedding table, ``fc``'s and the output rows' blocks,
