@@ -1,9 +1,9 @@
-"""A feature head's greedy drafts in one kernel call (``draft_chain``) against step by step, in one process.
+"""A feature head's drafts in one kernel call (``draft_chain``) against step by step, in one process.
 
-The default pair decodes the story openings greedily (SSp with the default drafter at each K), the two ways
-alternating per completion; the tokens must be equal. Writes the medians of the per-pass ms/token (after each
+The default pair decodes the story openings (SSp with the default drafter at each K; greedy, or sampled at
+``--temperature`` with a seed per prompt), the two ways alternating per pass; the tokens must be equal. Writes the medians of the per-pass ms/token (after each
 completion's first emission) and their ratio with the machine to a JSON file.
-Usage: .venv/bin/python benchmarks/chain_ab.py OUT.json [--k 1,2,4] [--repeats 6] [--prompts 8]
+Usage: .venv/bin/python benchmarks/chain_ab.py OUT.json [--k 1,2,4] [--repeats 6] [--prompts 8] [--temperature T]
 """
 from __future__ import annotations
 
@@ -28,20 +28,20 @@ from lssp.models.registry import load_registry  # noqa: E402
 from lssp.report.results import cpu_name  # noqa: E402
 from lssp.workloads.prompts import LATENCY_PROMPTS  # noqa: E402
 
-GREEDY = SamplingParams(temperature=0.0)
 
-
-def one_pass(target, head, spec, ids: list[torch.Tensor], k: int | None, chains: bool) -> tuple[float, list]:
+def one_pass(target, head, spec, ids: list[torch.Tensor], k: int | None, chains: bool,
+             params: SamplingParams) -> tuple[float, list]:
     """ms/token over the prompts (after each first emission) and their tokens: SSp at ``k`` (None: RSp)."""
     FeatureHead.chains = chains
     spent, count, tokens = 0.0, 0, []
-    for prompt in ids:
+    for seed, prompt in enumerate(ids):
+        generator = None if params.greedy else torch.Generator().manual_seed(seed)
         if k is None:
-            out = generate_regular(target.model, prompt, 64, GREEDY, time_forwards=False)
+            out = generate_regular(target.model, prompt, 64, params, generator, time_forwards=False)
         else:
             drafter = drafter_for(head.model, 0, spec.confidence or 0.0, spec.prompt_lookup or 0,
                                   spec.prompt_lookup_chain or 0)
-            out = speculative_decode(target.model, drafter, prompt, 64, k, GREEDY, time_forwards=False)
+            out = speculative_decode(target.model, drafter, prompt, 64, k, params, generator, time_forwards=False)
         spent += out.stats.total_time_s - out.stats.ttft_s
         count += out.stats.new_tokens - out.stats.first_emission_tokens
         tokens.append(out.tokens.tolist())
@@ -54,7 +54,9 @@ def main() -> None:
     parser.add_argument("--k", default="1,2,4")
     parser.add_argument("--repeats", type=int, default=6)
     parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--temperature", type=float, default=0.0)
     args = parser.parse_args()
+    params = SamplingParams(temperature=args.temperature)
     registry = load_registry(REPO / "models.yaml")
     target = load_model(registry.get(registry.target_name(None)))
     spec = registry.get(registry.draft_name(None))
@@ -63,12 +65,12 @@ def main() -> None:
     rows = {}
     with torch.inference_mode():
         for k in [None, *(int(k) for k in args.k.split(","))]:
-            one_pass(target, head, spec, ids[:1], k, True)  # warm up
+            one_pass(target, head, spec, ids[:1], k, True, params)  # warm up
             times: dict[str, list[float]] = {"chain": [], "steps": []}
             outputs: dict[str, list] = {"chain": [], "steps": []}
             for i in range(args.repeats):
                 for name in (("chain", "steps") if i % 2 else ("steps", "chain")):
-                    ms, tokens = one_pass(target, head, spec, ids, k, name == "chain")
+                    ms, tokens = one_pass(target, head, spec, ids, k, name == "chain", params)
                     times[name].append(ms)
                     outputs[name].append(tokens)
             ratios = [s / c for s, c in zip(times["steps"], times["chain"])]
@@ -78,6 +80,7 @@ def main() -> None:
                 "equal": outputs["chain"] == outputs["steps"]}
     FeatureHead.chains = True
     result = {"cpu": cpu_name(), "threads": torch.get_num_threads(), "draft": spec.name, "prompts": args.prompts,
+              "sampling": str(params),
               "repeats": args.repeats, "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
