@@ -874,7 +874,7 @@ int64_t draw(const float* l, int64_t n, double temperature, double u, float* q) 
   return n - 1;
 }
 
-// lssp::draft_chain: a feature head's k greedy drafts in one call, without Python between its steps. ids (n,): the
+// lssp::draft_chain: a feature head's k drafts in one call, without Python between its steps. ids (n,): the
 // tokens the head has not read, features (n, D) float32 the features paired with them (the target's, or the head's
 // last guess). Each step multiplies [the tokens' rows of table (V, D) float32, their features] by fc (packed, scales,
 // mins: D outputs of 2D inputs), runs the head's layers (weights, cache as for decoder) at slots from start and its
