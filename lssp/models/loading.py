@@ -19,7 +19,13 @@ from lssp.models.compact import CompactLlama, FusedDecoder
 from lssp.models.draft_head import has_subset_head, load_subset_head_model
 from lssp.models.modules import logit_width, model_device
 from lssp.models.placement import OFF_GPU
-from lssp.models.registry import CPU_QUANTIZATIONS, GPU_WEIGHT_ONLY, WEIGHT_ONLY_QUANTIZATIONS, ModelSpec
+from lssp.models.registry import (
+    BITSANDBYTES_QUANTIZATIONS,
+    CPU_QUANTIZATIONS,
+    GPU_WEIGHT_ONLY,
+    WEIGHT_ONLY_QUANTIZATIONS,
+    ModelSpec,
+)
 from lssp.models.sources import gguf_copy_dir, random_config
 from lssp.models.sources import model_source as _model_source
 from lssp.models.weight_only import weight_only_quantize
@@ -348,7 +354,7 @@ def load_model(spec: ModelSpec, device: str | None = None, draft: bool = False,
     if spec.quantization in GPU_WEIGHT_ONLY and not spec.is_random and _lands_on_gpu(placement) \
             and not has_subset_head(model_source(spec)[0]):  # such a draft keeps its dtype on a GPU
         spec = on_gpu_weight_only(spec)
-    if spec.is_random and spec.quantization in ("8bit", "4bit"):
+    if spec.is_random and spec.quantization in BITSANDBYTES_QUANTIZATIONS:
         raise UserError(f"model {spec.name!r}: random weights are built without bitsandbytes "
                         f"(quantization: {spec.quantization}); use quantization: none")
     kwargs: dict[str, Any] = {"dtype": dtype, **placement, **_quantization(spec, dtype)}
@@ -361,7 +367,7 @@ def load_model(spec: ModelSpec, device: str | None = None, draft: bool = False,
         log.info("loading %s from %s %s", spec.name, where, extra)
         try:
             if has_subset_head(where):
-                if spec.quantization in ("8bit", "4bit"):
+                if spec.quantization in BITSANDBYTES_QUANTIZATIONS:
                     raise UserError(f"model {spec.name!r}: a draft with a frequent-token head loads without bitsandbytes")
                 torch_dtype = dtype if isinstance(dtype, torch.dtype) else torch.float32
                 model = load_subset_head_model(where, torch_dtype, _single_device(placement["device_map"]))
@@ -415,7 +421,7 @@ def load_feature_draft(spec: ModelSpec, folder: Path, dtype: torch.dtype | str, 
         quantization = target.spec.quantization if target.spec.quantization in CPU_QUANTIZATIONS else "none"
         spec = replace(spec, quantization=quantization, dtype=target.spec.dtype)
         dtype = DTYPES.get(spec.dtype, "auto")
-    if spec.quantization in ("8bit", "4bit") or spec.compile:
+    if spec.quantization in BITSANDBYTES_QUANTIZATIONS or spec.compile:
         raise UserError(f"model {spec.name!r}: a feature head runs without bitsandbytes and uncompiled")
     head = load_feature_head(folder, spec.name)
     check_head_fits(head, target.model, spec.name)

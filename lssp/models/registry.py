@@ -23,6 +23,7 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 # int8 activations (llama.cpp's arithmetic), multiplied by our kernel (lssp.kernels: AVX512-VNNI or AVX2). auto: the fastest
 # of q4_1, int4 and dynamic-fp16 on this CPU, measured once and cached (lssp.models.calibration); none on a GPU.
 QUANTIZATIONS = ("none", "8bit", "4bit", "dynamic-fp16", "dynamic-int8", "int4", "int8", "q4_1", "auto")
+BITSANDBYTES_QUANTIZATIONS = ("8bit", "4bit")
 DYNAMIC_QUANTIZATIONS = ("dynamic-fp16", "dynamic-int8")
 WEIGHT_ONLY_QUANTIZATIONS = ("int4", "int8", "q4_1")
 CPU_QUANTIZATIONS = DYNAMIC_QUANTIZATIONS + WEIGHT_ONLY_QUANTIZATIONS  # applied after loading, on a CPU only
