@@ -508,3 +508,14 @@ def test_bench_says_a_busy_machine_too(run, tmp_path, monkeypatch):
     assert "busy machine: other work took 50% of the CPUs' time" in " ".join(out.split())
     rows = json.loads((tmp_path / "b.json").read_text())
     assert rows and all(r["others_cpu_share"] == 0.5 and r["noisy"] for r in rows)
+
+
+def test_cost_times_a_compiled_entry_in_every_precision_uncompiled(run, tmp_path):
+    """An entry with ``compile: true`` (as the default target is) timed in precisions it was not compiled for: each
+    precision's eager forward, said in one line, never a crash."""
+    code, out, err = run("cost", "tiny-target-q4-compiled", "--precisions", "bfloat16,float32,q4_1", "--tokens", "1,3",
+                         "--repeats", "2", "--json", str(tmp_path / "c.json"))
+    assert code == 0, err
+    assert "timed uncompiled: tiny-target-q4-compiled asks torch.compile" in " ".join(out.split())
+    rows = json.loads((tmp_path / "c.json").read_text())
+    assert {(r["precision"], r["tokens"]) for r in rows} == {(p, n) for p in ("bfloat16", "float32", "q4_1") for n in (1, 3)}

@@ -47,8 +47,9 @@ def cost(
     names = models or [s.registry.target_name(None), s.registry.draft_name(None, heads=False)]  # models alone
     results = s.writable_results_dir(json_out)
     loaded = []
-    for name in names:
-        spec = replace(s.registry.get(name), quantization="none")  # each precision is made from the plain weights
+    compiled = [n for n in names if s.registry.get(n).compile]
+    for name in names:  # each precision is made from the plain weights, and timed uncompiled
+        spec = replace(s.registry.get(name), quantization="none", compile=False)
         for forward in forward_list or [spec.forward]:
             with err_console.status(f"Loading {name} ({forward} forward)…"):
                 loaded.append(load_model(replace(spec, forward=forward), s.device))
@@ -61,6 +62,9 @@ def cost(
         out.add_row(f"{model}\n({forward}, {precision})",
                     *(f"{cells[n].ms:.1f}\n×{cells[n].relative:.2f}" for n in counts_timed))
     console.print(out)
+    if compiled:
+        console.print(f"  timed uncompiled: {', '.join(compiled)} asks torch.compile, which cost leaves out (each "
+                      "precision's eager forward; latency times the entry as it runs)")
     if run.limits is not None:
         console.print(f"  floor: the Linear layers' weights read once at {run.limits.bandwidth / 1e9:.1f} GB/s (this "
                       "machine's copy bandwidth), or their arithmetic at each precision's own large-matmul speed, "
