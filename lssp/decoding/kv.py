@@ -14,7 +14,7 @@ from functools import cache
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from lssp.models.eagle import FeatureCache, FeatureDraft, forward_with_features
+from lssp.models.eagle import FeatureCache, FeatureDrafting, forward_with_features
 from lssp.models.modules import model_device
 
 NO_FEATURES = None  # what prefill_target gives when the drafter reads no features
@@ -126,7 +126,7 @@ class PrefixCache:
             features = torch.cat([features, forward_with_features(target, seq[:, n:-1], kv, 0)[1]], dim=1)
         return kv, features
 
-    def head_prefix(self, head: FeatureDraft, seq: torch.Tensor, features: torch.Tensor) -> FeatureCache | None:
+    def head_prefix(self, head: FeatureDrafting, seq: torch.Tensor, features: torch.Tensor) -> FeatureCache | None:
         """A feature head's cache holding the prefix's pairs but the last (each token after the first with the
         feature, in ``features`` (1, T-1, d), of the one before), computed once and rolled back to them at each call;
         None where ``seq`` (1, T) does not extend the prefix. A caller that keeps it past the next call copies it."""
@@ -142,7 +142,7 @@ class PrefixCache:
             drop(kv, kv.length - (n - 1))
         return kv
 
-    def start_head(self, head: FeatureDraft, seq: torch.Tensor, features: torch.Tensor) -> FeatureCache | None:
+    def start_head(self, head: FeatureDrafting, seq: torch.Tensor, features: torch.Tensor) -> FeatureCache | None:
         """A feature head's cache started on ``seq``'s ``features``, its pairs over the prefix computed once."""
         kv = self.head_prefix(head, seq, features)
         return head.start(seq, features, kv) if kv is not None else None

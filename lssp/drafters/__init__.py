@@ -15,7 +15,7 @@ from lssp.decoding.speculative import speculative_decode
 from lssp.drafters.confidence import ConfidenceStop
 from lssp.drafters.lookup import ContextLookup, CopyFirst, LookupHint, NgramDrafter
 from lssp.drafters.model import DraftModel, FeatureHead
-from lssp.models.eagle import FeatureDraft
+from lssp.models.eagle import FeatureDrafting
 
 __all__ = ["ConfidenceStop", "ContextLookup", "CopyFirst", "DraftModel", "DraftRows", "Drafter", "FeatureHead", "LookupHint",
            "NgramDrafter", "PickPolicy", "Picker", "Proposal", "drafter_for", "generate_speculative"]
@@ -35,7 +35,7 @@ def drafter_for(draft: PreTrainedModel | None, lookup: int = 0, confidence: floa
         if not lookup:
             raise ValueError("the n-gram drafter needs an n-gram length (lookup >= 1)")
         return NgramDrafter(lookup, policies)
-    drafter = FeatureHead(draft, policies) if isinstance(draft, FeatureDraft) else DraftModel(draft, policies)
+    drafter = FeatureHead(draft, policies) if isinstance(draft, FeatureDrafting) else DraftModel(draft, policies)
     return CopyFirst(drafter, copy_first, copy_chain) if copy_first else drafter
 
 

@@ -23,7 +23,7 @@ from lssp.decoding.drafting import Drafter, DraftRows, Picker, PickPolicy, Polic
 from lssp.decoding.kv import PrefixCache, drop, forward_logits, new_cache, prefill, repeated
 from lssp.decoding.timing import Clock
 from lssp.models.compact import CompactLlama
-from lssp.models.eagle import FeatureCache, FeatureDraft, forward_with_features
+from lssp.models.eagle import FeatureCache, FeatureDraft, FeatureDrafting, forward_with_features
 from lssp.models.modules import model_device
 
 
@@ -109,6 +109,8 @@ class FeatureHead(DraftModel):
         self.kv.queue(features)  # paired with the tokens it has not read at its next draft
 
     def rows_reason(self, target: torch.nn.Module) -> str | None:
+        if not isinstance(self._model, FeatureDraft):
+            return "an EAGLE-3 head drafts one completion at a time"
         if not isinstance(target, CompactLlama):
             return "a feature head drafts batched only for a target under the compact forward"
         return None
@@ -121,7 +123,7 @@ class FeatureHead(DraftModel):
 def draft_logits(target: PreTrainedModel, draft: PreTrainedModel, ids: torch.Tensor) -> torch.Tensor:
     """The draft's logits (1, vocab) for the token after ``ids`` (1, T), from scratch; a feature head reads the
     target's features of ``ids`` first."""
-    if not isinstance(draft, FeatureDraft):
+    if not isinstance(draft, FeatureDrafting):
         return forward_logits(draft, ids.to(model_device(draft)), new_cache(draft), 1)
     if ids.shape[1] == 1:
         raise ValueError("a feature draft needs the target's feature of a token before the last")

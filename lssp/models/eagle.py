@@ -238,7 +238,7 @@ def _weight_names(folder: Path) -> list[str]:
     return names
 
 
-def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
+def read_weights(folder: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     state: dict[str, torch.Tensor] = {}
@@ -251,16 +251,18 @@ def load_feature_head(folder: str | Path, name: str = "") -> FeatureHead:
     """A head from ``folder``: its config.json and weights (safetensors or pytorch_model.bin), mapped key by key.
 
     A missing or unexpected weight is an error that names it; the copies of the target's embeddings or
-    output layer that published heads carry are skipped (the target's own are used). EAGLE-3 heads are refused.
+    output layer that published heads carry are skipped (the target's own are used). EAGLE-3 heads load through
+    ``lssp.models.eagle3``.
     """
     folder = Path(folder)
     label = name or str(folder)
     raw = json.loads((folder / "config.json").read_text())
-    state = _read_weights(folder)
+    state = read_weights(folder)
     if not state:
         raise UserError(f"feature head {label!r}: no weights (*.safetensors or pytorch_model.bin) in {folder}")
     if any(k.startswith(EAGLE3_SIGNS) for k in state) or "Eagle3" in "".join(raw.get("architectures") or []):
-        raise UserError(f"feature head {label!r} is in EAGLE-3's format, which llamassp does not run (EAGLE-1/2 heads only)")
+        raise UserError(f"feature head {label!r} is in EAGLE-3's layout: it drafts (as a registry entry), but "
+                        "distill trains EAGLE-1/2 heads only")
     raw.pop("architectures", None)
     config = LlamaConfig(**{k: v for k, v in raw.items() if k not in ("model_type", "transformers_version")})
     fc = state.get("fc.weight")
@@ -351,7 +353,27 @@ class FeatureCache(CompactCache):
         return self.queued is not None or self.guess is not None
 
 
-class FeatureDraft(FusedDecoder):
+class FeatureDrafting:
+    """What a head drafting from its target's features offers the drafters (``FeatureDraft``, EAGLE-1/2, and
+    ``Eagle3Draft``): ``new_cache``, a forward over (tokens, cache), ``draft_logits``, ``draft_ids``, ``can_chain``
+    and, from here, ``start``."""
+
+    def start(self, seq: torch.Tensor, features: torch.Tensor, kv: FeatureCache | None = None) -> FeatureCache:
+        """The head's cache after the target's prefill of ``seq`` (1, T) but its last token, whose features
+        ``features`` (1, T-1, d) are: every pair but the last is fed, the last waits for the first draft.
+        ``kv``: a cache already holding the first pairs of ``seq`` (a shared prompt prefix's)."""
+        kv = kv if kv is not None else self.new_cache()  # type: ignore[attr-defined]
+        kv.queued = kv.guess = None
+        done = kv.length
+        if features.shape[1] - 1 > done:
+            kv.queue(features[:, done:-1])
+            self(seq[:, done + 1:-1], kv)  # type: ignore[operator]
+        if features.shape[1]:
+            kv.queue(features[:, -1:])
+        return kv
+
+
+class FeatureDraft(FusedDecoder, FeatureDrafting):
     """``head`` drafting for ``target`` (a loaded model: transformers, compact or dynamically quantized).
 
     The target's input embedding is shared, not copied; the output layer is the target's rows for the head's
@@ -399,20 +421,6 @@ class FeatureDraft(FusedDecoder):
     def fused(self, features: torch.Tensor) -> torch.Tensor:
         """The target's features (..., its feature width) as the head reads them (..., d)."""
         return self.head.fused(features, feature_layers(self._target[0]), self.compute_dtype)
-
-    def start(self, seq: torch.Tensor, features: torch.Tensor, kv: FeatureCache | None = None) -> FeatureCache:
-        """The head's cache after the target's prefill of ``seq`` (1, T) but its last token, whose features
-        ``features`` (1, T-1, d) are: every pair but the last is fed, the last waits for the first draft.
-        ``kv``: a cache already holding the first pairs of ``seq`` (a shared prompt prefix's)."""
-        kv = kv if kv is not None else self.new_cache()
-        kv.queued = kv.guess = None
-        done = kv.length
-        if features.shape[1] - 1 > done:
-            kv.queue(features[:, done:-1])
-            self(seq[:, done + 1:-1], kv)
-        if features.shape[1]:
-            kv.queue(features[:, -1:])
-        return kv
 
     def forward(self, input_ids: torch.Tensor, past_key_values: FeatureCache, use_cache: bool = True,
                 logits_to_keep: int = 0, input_features: torch.Tensor | None = None,

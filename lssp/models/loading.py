@@ -200,9 +200,9 @@ class LoadedModel(ModelHandle):
 
     @property
     def draft_kind(self) -> str:
-        from lssp.models.eagle import FeatureDraft
+        from lssp.models.eagle import FeatureDrafting
 
-        return "eagle" if isinstance(self.model, FeatureDraft) else "draft"
+        return "eagle" if isinstance(self.model, FeatureDrafting) else "draft"
 
     def _eos_sources(self) -> list[Any]:
         return [getattr(self.hf_model, "generation_config", None), self.hf_model.config, self.tokenizer]
@@ -414,6 +414,7 @@ def feature_head_folder(spec: ModelSpec) -> Path | None:
 def load_feature_draft(spec: ModelSpec, folder: Path, dtype: torch.dtype | str, target: LoadedModel | None) -> LoadedModel:
     """An EAGLE head bound to ``target``, in the entry's dtype (and dynamic quantization on a CPU)."""
     from lssp.models.eagle import FeatureDraft, check_head_fits, load_feature_head
+    from lssp.models.eagle3 import Eagle3Draft, is_eagle3_head, load_eagle3_head
 
     if target is None:
         raise UserError(f"model {spec.name!r} is a feature head (EAGLE): it drafts for a target and cannot run alone")
@@ -423,13 +424,20 @@ def load_feature_draft(spec: ModelSpec, folder: Path, dtype: torch.dtype | str, 
         dtype = DTYPES.get(spec.dtype, "auto")
     if spec.quantization in BITSANDBYTES_QUANTIZATIONS or spec.compile:
         raise UserError(f"model {spec.name!r}: a feature head runs without bitsandbytes and uncompiled")
-    head = load_feature_head(folder, spec.name)
-    check_head_fits(head, target.model, spec.name)
     weights = target.model.get_input_embeddings().weight
     torch_dtype = dtype if isinstance(dtype, torch.dtype) else weights.dtype
-    model: PreTrainedModel = FeatureDraft(head, target.model, torch_dtype)
-    if spec.quantization in CPU_QUANTIZATIONS:
-        model = cpu_quantize(model, spec)
+    if is_eagle3_head(folder):
+        if spec.quantization in CPU_QUANTIZATIONS:
+            log.info("%s: an EAGLE-3 head runs in %s (%s is for EAGLE-1/2 heads and models)", spec.name,
+                     str(torch_dtype).removeprefix("torch."), spec.quantization)
+        model: PreTrainedModel = Eagle3Draft(load_eagle3_head(folder, target.model, spec.name), target.model,
+                                             torch_dtype)
+    else:
+        head = load_feature_head(folder, spec.name)
+        check_head_fits(head, target.model, spec.name)
+        model = FeatureDraft(head, target.model, torch_dtype)
+        if spec.quantization in CPU_QUANTIZATIONS:
+            model = cpu_quantize(model, spec)
     has_tokenizer = any((folder / name).exists() for name in ("tokenizer.json", "tokenizer_config.json"))
     return LoadedModel(spec, model.eval(), load_tokenizer(spec) if has_tokenizer or spec.tokenizer else target.tokenizer)
 
