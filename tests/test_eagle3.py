@@ -22,9 +22,11 @@ GREEDY = SamplingParams(temperature=0)
 AUX = [1, 2, 3]  # the hidden states entering layers 1, 2 and 3 of the 4-layer target
 
 
-def publish(folder, target, draft_ids: list[int], seed: int, aux: list[int] | None = AUX, drop: str | None = None):
-    """A random EAGLE-3 head for ``target`` written by hand as SafeAILab's and SpecForge's scripts write them
-    (names, shapes, d2t as offsets, t2d as a mask), independently of lssp's own classes."""
+def publish(folder, target, draft_ids: list[int], seed: int, aux: list[int] | None = AUX, drop: str | None = None,
+            planted: dict | None = None):
+    """A random EAGLE-3 head for ``target`` (or with the ``planted`` weights) written by hand as SafeAILab's and
+    SpecForge's scripts write them (names, shapes, d2t as offsets, t2d as a mask; none where the draft vocabulary is
+    the target's), independently of lssp's own classes."""
     torch.manual_seed(seed)
     c = target.config
     d, hd, heads, kv_heads, inter = c.hidden_size, c.hidden_size // c.num_attention_heads, c.num_attention_heads, \
@@ -40,8 +42,8 @@ def publish(folder, target, draft_ids: list[int], seed: int, aux: list[int] | No
     state["d2t"] = torch.tensor(draft_ids) - torch.arange(len(draft_ids))
     state["t2d"] = torch.zeros(c.vocab_size, dtype=torch.bool)
     state["t2d"][draft_ids] = True
-    if drop:
-        del state[drop]
+    state.update(planted or {})
+    written = {k: v for k, v in state.items() if k != drop and (len(draft_ids) < c.vocab_size or k not in ("d2t", "t2d"))}
     config = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": d,
               "intermediate_size": inter, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
               "num_hidden_layers": 1, "vocab_size": c.vocab_size, "draft_vocab_size": len(draft_ids),
@@ -53,7 +55,7 @@ def publish(folder, target, draft_ids: list[int], seed: int, aux: list[int] | No
     (folder / "config.json").write_text(json.dumps(config))
     from safetensors.torch import save_file
 
-    save_file({k: v.contiguous() for k, v in state.items()}, folder / "model.safetensors")
+    save_file({k: v.contiguous() for k, v in written.items()}, folder / "model.safetensors")
     return state
 
 

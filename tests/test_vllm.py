@@ -424,6 +424,50 @@ def test_vllm_runs_our_feature_head_with_its_eagle_method(tmp_path):
 
 
 
+def test_vllm_runs_a_published_eagle3_head_with_its_eagle3_method(tmp_path):
+    """An EAGLE-3 head in its published layout goes to vLLM as it is (method eagle3, its three target layers). On a
+    target whose layers add nothing (its next token a function f of the current one) and a head planted to read
+    f(f(token)) off ``fc``'s copy of the target's state (its layer adding nothing either), vLLM's greedy tokens are
+    our RSp's and it accepts the drafts ours accepts (its first ones; the second reads the fed-back state)."""
+    vllm_or_skip()
+    from conftest import char_tokenizer, tiny_llama
+    from test_eagle3 import publish
+
+    from lssp.drafters import generate_speculative
+    from lssp.models.compact import CompactLlama
+    from lssp.models.eagle3 import Eagle3Draft, load_eagle3_head
+
+    target = tiny_llama(14, hidden=256, layers=4, scale=4.0)
+    with torch.no_grad():
+        for layer in target.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        unit = torch.nn.functional.normalize(target.model.embed_tokens.weight, dim=-1)
+        f = target(torch.arange(64)[:, None]).logits[:, -1].argmax(-1)
+    target.save_pretrained(tmp_path / "t")
+    char_tokenizer().save_pretrained(tmp_path / "t")
+    draft_ids = list(range(8, 56))  # 48 of the 64 tokens
+    rows = torch.stack([unit[f[f] == y].sum(0) for y in draft_ids]) * 50  # logit of y: 50 where f(f(x)) = y
+    planted = {"fc.weight": torch.cat([torch.eye(256), torch.zeros(256, 512)], 1), "norm.weight": torch.ones(256),
+               "midlayer.self_attn.o_proj.weight": torch.zeros(256, 256),
+               "midlayer.mlp.down_proj.weight": torch.zeros(256, 512), "lm_head.weight": rows}
+    publish(tmp_path / "h", target, draft_ids, seed=5, planted=planted)
+    (tmp_path / "models.yaml").write_text("models:\n  t: {path: ./t, dtype: float32}\n  h: {path: ./h, dtype: float32}\n")
+    registry = load_registry(tmp_path / "models.yaml")
+    t = EngineModel(registry.get("t"))
+    h = EngineModel(registry.get("h"), t)
+    assert h.draft_kind == "eagle" and vllm_engine.speculative_config(2, 0, h)["method"] == "eagle3"
+    engines = VllmEngines(t, h, [(2, 0)])
+    compact = CompactLlama(target)
+    ours = Eagle3Draft(load_eagle3_head(tmp_path / "h", target), compact, torch.float32)
+    for prompt in PROMPTS[:3]:
+        ids = torch.tensor([prompt])
+        done = engines.generate(2, 0, prompt, 16, GREEDY, 0, ignore_eos=True)
+        assert done.output.tokens.tolist() == generate_regular(compact, ids, 16, GREEDY).tokens.tolist()
+        mine, theirs = generate_speculative(compact, ours, ids, 16, 2, GREEDY).stats, done.output.stats
+        # the same drafts accepted, but for the last iteration at the token budget, which vLLM counts its own way
+        assert abs(theirs.accepted - mine.accepted) <= 1 and mine.accepted >= 6, (theirs.accepted, mine.accepted)
+
 def test_verify_audits_vllm_beside_ours(run, tmp_path):
     vllm_or_skip()
     code, out, err = run("verify", "--engine", "ours,vllm", "--samples", "200", "--nb-prompts", "1", "--depth", "1",

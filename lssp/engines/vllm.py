@@ -30,6 +30,7 @@ from lssp.engines.base import Engine, EngineInfo, Mode, Request
 from lssp.errors import UserError
 from lssp.models.draft_head import has_subset_head
 from lssp.models.eagle import head_feature_layers, is_feature_head
+from lssp.models.eagle3 import is_eagle3_head
 from lssp.models.export import export_draft, exported_dir
 from lssp.models.loading import ModelHandle, feature_head_folder, load_model, load_tokenizer
 from lssp.models.registry import ModelSpec
@@ -187,7 +188,9 @@ class EngineModel(ModelHandle):
 
         check_loadable(spec)
         self.spec = spec
-        self.head = target is not None and feature_head_folder(spec) is not None
+        folder = feature_head_folder(spec) if target is not None else None
+        self.head = folder is not None
+        self.eagle3 = folder is not None and is_eagle3_head(folder)  # vLLM's eagle3 method, else its eagle one
         self.tokenizer = target.tokenizer if self.head else load_tokenizer(spec)
         self.path = model_path(spec)
         self.config = AutoConfig.from_pretrained(self.path, revision=spec.revision)
@@ -267,8 +270,11 @@ def speculative_config(k: int, lookup: int, draft: EngineModel | None) -> dict[s
 
 
 def draft_method(draft: EngineModel) -> str:
-    """vLLM's speculative method for ``draft``: the entry's, else eagle for a feature head, else draft_model."""
-    return draft.spec.speculative_method or ("eagle" if draft.draft_kind == "eagle" else "draft_model")
+    """vLLM's speculative method for ``draft``: the entry's, else eagle3 or eagle for a feature head (as its layout
+    says), else draft_model."""
+    if draft.spec.speculative_method:
+        return draft.spec.speculative_method
+    return ("eagle3" if draft.eagle3 else "eagle") if draft.draft_kind == "eagle" else "draft_model"
 
 
 def draft_sampling(draft: EngineModel) -> str:

@@ -131,6 +131,9 @@ def load_eagle3_head(folder: str | Path, target: PreTrainedModel, name: str = ""
         raise UserError(f"EAGLE-3 head {label!r} has a vocabulary of {config.vocab_size}, its target "
                         f"{target.config.vocab_size}")
     head = Eagle3Head(config, aux, own_embeddings="embed_tokens.weight" in state)
+    if len(head.d2t) == config.vocab_size:  # a full draft vocabulary: d2t and t2d may be left out (vLLM wants them out)
+        state.setdefault("d2t", head.d2t)
+        state.setdefault("t2d", torch.ones_like(head.t2d))
     expected = {k: v.shape for k, v in head.state_dict().items()}
     state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
     missing, extra = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
@@ -161,8 +164,9 @@ def save_eagle3_head(head: Eagle3Head, folder: str | Path, dtype: torch.dtype = 
     for key in ("_attn_implementation_autoset", "_name_or_path", "transformers_version"):
         config.pop(key, None)
     (folder / "config.json").write_text(json.dumps(config, indent=1, sort_keys=True))
+    full = len(head.d2t) == head.config.vocab_size and not head.d2t.any()  # vLLM refuses d2t where nothing maps
     state = {k: (v if k in ("d2t", "t2d") else v.to(dtype)).detach().cpu().contiguous()
-             for k, v in head.state_dict().items() if not k.startswith("rotary.")}
+             for k, v in head.state_dict().items() if not k.startswith("rotary.") and not (full and k in ("d2t", "t2d"))}
     save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
 
 

@@ -388,8 +388,8 @@ def load_model(spec: ModelSpec, device: str | None = None, draft: bool = False,
 
 
 def feature_head_folder(spec: ModelSpec) -> Path | None:
-    """The folder of an EAGLE head entry (a local folder in that layout, or ``speculative_method: eagle`` on a
-    hub id, downloaded now), None for any other entry."""
+    """The folder of an EAGLE head entry (a local folder in that layout, or ``speculative_method: eagle`` or
+    ``eagle3`` on a hub id, downloaded now), None for any other entry."""
     from lssp.models.eagle import is_feature_head
 
     if spec.is_random or spec.is_gguf:
@@ -397,7 +397,7 @@ def feature_head_folder(spec: ModelSpec) -> Path | None:
     local = spec.local_path()
     if local is not None:
         return local if local.is_dir() and is_feature_head(local) else None
-    if spec.speculative_method != "eagle":
+    if spec.speculative_method not in ("eagle", "eagle3"):
         return None
     from huggingface_hub import snapshot_download
 
