@@ -186,3 +186,32 @@ def test_eagle3_heads_save_load_and_say_what_is_wrong_in_one_line(target, tmp_pa
         load_eagle3_head(tmp_path / "deep", target, "deep")
     publish(tmp_path / "default", target, list(range(10, 50)), seed=4, aux=None)  # vLLM's default: 2, L/2, L-3
     assert load_eagle3_head(tmp_path / "default", target).aux_ids == (2, 2, 1)
+
+
+def test_an_eagle3_entry_runs_through_latency_verify_and_eval(tmp_path, capsys):
+    """A registry entry pointing at a published EAGLE-3 folder drafts like any other: latency times it, verify finds
+    greedy SSp equal to RSp, eval's batched SSp runs it one completion at a time."""
+    from conftest import char_tokenizer, cli
+
+    target = tiny_llama(40, layers=4, scale=4.0)
+    target.save_pretrained(tmp_path / "t")
+    char_tokenizer().save_pretrained(tmp_path / "t")
+    publish(tmp_path / "h", target, list(range(2, 64, 2)), seed=6)
+    (tmp_path / "models.yaml").write_text("default_target: t\ndefault_draft: h\nmodels:\n"
+                                          "  t: {path: ./t, dtype: float32, forward: compact}\n"
+                                          "  tq: {path: ./t, dtype: float32, forward: compact, quantization: q4_1}\n"
+                                          "  h: {path: ./h, dtype: float32, quantization: auto}\n")
+    run = cli(capsys, tmp_path / "models.yaml", tmp_path / "results")
+    code, out, err = run("latency", "--k", "1,3", "--nb-prompts", "2", "--max-new-tokens", "8",
+                         "--json", str(tmp_path / "l.json"))
+    assert code == 0, err
+    rows = json.loads((tmp_path / "l.json").read_text())
+    assert [(r["mode"], r["method"], r["k"]) for r in rows] == [("rsp", "none", 0), ("ssp", "eagle", 1), ("ssp", "eagle", 3)]
+    code, out, err = run("verify", "--temperature", "0", "--nb-prompts", "2", "--k", "2", "--json", str(tmp_path / "v.json"))
+    assert code == 0, err
+    assert json.loads((tmp_path / "v.json").read_text())["lossless"]
+    code, out, err = run("eval", "--both", "--nb-prompts", "6")
+    assert code == 0, err
+    code, out, err = run("verify", "tq", "--temperature", "0", "--nb-prompts", "2", "--k", "2", "--json",
+                         str(tmp_path / "vq.json"))  # over our kernel's one-call decoder, the head in float32
+    assert code == 0 and json.loads((tmp_path / "vq.json").read_text())["lossless"], err
