@@ -215,3 +215,54 @@ def test_an_eagle3_entry_runs_through_latency_verify_and_eval(tmp_path, capsys):
     code, out, err = run("verify", "tq", "--temperature", "0", "--nb-prompts", "2", "--k", "2", "--json",
                          str(tmp_path / "vq.json"))  # over our kernel's one-call decoder, the head in float32
     assert code == 0 and json.loads((tmp_path / "vq.json").read_text())["lossless"], err
+
+
+def test_the_training_time_test_unrolls_the_head_as_it_drafts(target, tmp_path):
+    """``Eagle3Head.unrolled``: step 0 is the head over the real fused states; step 1 at position j is the draft fed
+    its own output of position j-1, attending to the real pairs before it and to that output's own keys."""
+    from lssp.decoding.kv import new_cache
+
+    publish(tmp_path / "head", target, list(range(64)), seed=7)
+    head = load_eagle3_head(tmp_path / "head", target)
+    draft = Eagle3Draft(head, target, torch.float32)
+    ids = torch.tensor([[0, 5, 9, 3, 17, 4, 40, 2]])
+    features = _features(target, ids)
+    fused = draft.fused(features[:, :-1])
+    embeds = target.get_input_embeddings()(ids[:, 1:])
+    with torch.no_grad():
+        steps = head.unrolled(embeds, fused, 2)
+        kv = new_cache(target) and draft.new_cache()
+        torch.testing.assert_close(steps[0], head.step(embeds, fused, kv), rtol=1e-5, atol=1e-5)
+        for j in (1, 4, 6):  # a draft begun at j-1: the real pairs up to j-1, then its output fed at j
+            kv = draft.new_cache()
+            first = head.step(embeds[:, :j], fused[:, :j], kv)
+            second = head.step(embeds[:, j:j + 1], first[:, -1:], kv)
+            torch.testing.assert_close(steps[1][:, j], second[:, 0], rtol=1e-5, atol=1e-5)
+
+
+def test_distill_kind_eagle3_writes_a_published_head_that_drafts_and_resumes(tmp_path, capsys):
+    from conftest import char_tokenizer, cli
+
+    tiny_llama(42, layers=4, scale=4.0).save_pretrained(tmp_path / "t")
+    char_tokenizer().save_pretrained(tmp_path / "t")
+    (tmp_path / "models.yaml").write_text("default_target: t\nmodels:\n  t: {path: ./t, dtype: float32}\n"
+                                          "  h: {path: ./h, dtype: float32}\n")
+    run = cli(capsys, tmp_path / "models.yaml", tmp_path / "results")
+    base = ["distill", "t", "--kind", "eagle3", "--out", str(tmp_path / "h"), "--batch-prompts", "4", "--new-tokens",
+            "8", "--head-tokens", "40", "--data-tokens", "40"]
+    code, out, err = run(*base, "--max-steps", "3")
+    assert code == 0, err
+    assert "EAGLE-3 head written to" in " ".join(out.split())
+    config = json.loads((tmp_path / "h" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == 40
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 2, 1]  # vLLM's default for 4 layers
+    assert "EAGLE-3 head for t" in (tmp_path / "h" / "README.md").read_text()
+    code, out, err = run(*base[:-1], "80", "--max-steps", "5")  # more data, going on from the checkpoint
+    assert code == 0, err
+    report = json.loads((tmp_path / "h" / "distill_report.json").read_text())
+    assert [step for step, _, _ in report["loss_curve"]] == [3, 5] and report["data_tokens"] >= 80
+    code, out, err = run("verify", "--draft", "h", "--temperature", "0", "--nb-prompts", "2", "--k", "2",
+                         "--json", str(tmp_path / "v.json"))
+    assert code == 0 and json.loads((tmp_path / "v.json").read_text())["lossless"], err
+    code, out, err = run(*base[:2], "--kind", "eagle3", "--feature-layers", "0,1,4", "--out", str(tmp_path / "x"))
+    assert code == 2 and "feature layers 4" in err

@@ -1,6 +1,7 @@
 """`distill`: make a small Llama draft for a target from the target's own continuations."""
 from __future__ import annotations
 
+import json
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -24,7 +25,8 @@ if TYPE_CHECKING:
 
 
 FEATURE_LAYERS_HELP = ("--kind eagle: the head also reads the target's hidden states after these layers (comma-separated, "
-                       "e.g. 2,15: EAGLE-3's fused features); by default those --init-draft's head reads, else none.")
+                       "e.g. 2,15: EAGLE-3's fused features); by default those --init-draft's head reads, else none. "
+                       "--kind eagle3: the three layers (default: after 1, L/2-1 and L-4, the states vLLM gives).")
 
 
 @app.command()
@@ -33,7 +35,9 @@ def distill(
     target: TargetArg = None,
     out: Annotated[Path, typer.Option(help="Output folder for the draft (and its checkpoints).")] = Path("drafts/draft"),
     kind: Annotated[str, typer.Option(help="draft: a small Llama; eagle: a feature head (EAGLE) over the target's "
-                                      "final hidden states, at the target's width.")] = "draft",
+                                      "final hidden states, at the target's width; eagle3: an EAGLE-3 head (three "
+                                      "target layers, its own output layer) in the layout vLLM and llama.cpp "
+                                      "load.")] = "draft",
     hidden_size: Annotated[int, typer.Option(help="Draft width (--kind draft).")] = 256,
     layers: Annotated[Optional[int], typer.Option(help="Decoder layers (default: 4 for a draft, 1 for a head); with --init-draft, a head with fewer "
                                              "grows to this many, the new layers starting as the identity.")] = None,
@@ -94,6 +98,8 @@ def distill(
     work = data_dir or out / "work"
     others = _other_collections(cfg, work)
     t = load(s, s.registry.target_name(target))
+    if cfg.kind == "eagle3" and not cfg.feature_layers:  # vLLM's default layers for the target
+        cfg.feature_layers = dst.default_taps(t.hf_model)
     if t.tokenizer is None:
         raise UserError(f"model {t.name!r} has no tokenizer to share with a draft")
     work.mkdir(parents=True, exist_ok=True)
@@ -109,13 +115,14 @@ def distill(
         return
     rep.parameters = sum(p.numel() for p in model.parameters())
     command = "python llamassp.py " + " ".join(sys.argv[1:]) if sys.argv and "llamassp" in sys.argv[0] else "llamassp distill …"
-    write = dst.write_head if kind == "eagle" else dst.write_draft
+    write = {"eagle": dst.write_head, "eagle3": dst.write_eagle3_head}.get(kind, dst.write_draft)
     write(model, t.tokenizer, out, rep, command)
     # Measure what the card promises: greedy acceptance on held-out prompts, through the real loader.
     with err_console.status("Measuring acceptance on held-out prompts…"):
         rep.acceptance.update(dst.held_out_acceptance(t, out, s.seed, s.device))
     write(model, t.tokenizer, out, rep, command)
-    console.print(f"{'Feature head' if kind == 'eagle' else 'Draft'} written to {out}: {rep.parameters / 1e6:.1f}M "
+    what = {"eagle": "Feature head", "eagle3": "EAGLE-3 head"}.get(kind, "Draft")
+    console.print(f"{what} written to {out}: {rep.parameters / 1e6:.1f}M "
                   f"parameters, {rep.data_tokens} data tokens, {rep.steps} steps, final loss {rep.final_loss:.3f}, "
                   f"greedy acceptance {rep.acceptance[dst.HELD_OUT_ACCEPTANCE]:.1%}")
 
@@ -147,7 +154,7 @@ def _collect_and_train(s: Settings, t: LoadedModel, work: Path, cfg: DistillConf
         # head learns from); training reads the transformers model's weights.
         writer = dst.load_initial_draft(t.hf_model, cfg).to(model_device(t.hf_model)).eval() if cfg.on_policy else None
         collector = _collector(s, t)
-        if cfg.kind == "eagle":
+        if cfg.kind in ("eagle", "eagle3"):
             check_feature_layers(collector, cfg.feature_layers)
             collector.feature_layers = cfg.feature_layers
         if tokens_from:
@@ -162,7 +169,7 @@ def _collect_and_train(s: Settings, t: LoadedModel, work: Path, cfg: DistillConf
                           f"{work / 'data'}: {got.seconds / 3600:.2f} h of collection, "
                           f"{(got.tokens + got.held_out_tokens) / max(got.seconds, 1e-9):.0f} tokens/s")
             return None
-        train = dst.train_head if cfg.kind == "eagle" else dst.train
+        train = {"eagle": dst.train_head, "eagle3": dst.train_eagle3_head}.get(cfg.kind, dst.train)
         model = train(t.hf_model, work, cfg, rep, progress)
     return model
 
@@ -179,11 +186,14 @@ def _other_collections(cfg: DistillConfig, work: Path) -> list[dict]:
 def _feature_layers(given: str, kind: str, init_draft: Path | None) -> tuple[int, ...]:
     """``--feature-layers`` as sorted layer numbers; when not given, those the --init-draft head reads."""
     from lssp.models.eagle import head_feature_layers, is_feature_head
+    from lssp.models.eagle3 import AUX_KEY, is_eagle3_head
 
     if not given.strip():
+        if kind == "eagle3" and init_draft and is_eagle3_head(init_draft):
+            return tuple(i - 1 for i in json.loads((init_draft / "config.json").read_text())["eagle_config"][AUX_KEY])
         return head_feature_layers(init_draft) if kind == "eagle" and init_draft and is_feature_head(init_draft) else ()
-    if kind != "eagle":
-        raise UserError("--feature-layers is for --kind eagle (a head reads the target's hidden states)")
+    if kind not in ("eagle", "eagle3"):
+        raise UserError("--feature-layers is for --kind eagle or eagle3 (a head reads the target's hidden states)")
     try:
         return tuple(sorted({int(part) for part in given.split(",") if part.strip()}))
     except ValueError:
@@ -192,9 +202,9 @@ def _feature_layers(given: str, kind: str, init_draft: Path | None) -> tuple[int
 
 def _check(cfg: DistillConfig) -> None:
     """One line for each setting a user can get wrong."""
-    if cfg.kind not in ("draft", "eagle"):
-        raise UserError(f"--kind {cfg.kind!r}: expected draft or eagle")
-    if cfg.kind == "eagle" and cfg.on_policy:
+    if cfg.kind not in ("draft", "eagle", "eagle3"):
+        raise UserError(f"--kind {cfg.kind!r}: expected draft, eagle or eagle3")
+    if cfg.kind != "draft" and cfg.on_policy:
         raise UserError("--on-policy is for --kind draft (a head drafts from the target's features)")
     if cfg.precision not in ("auto", "bf16", "fp32"):
         raise UserError(f"--precision {cfg.precision!r}: expected auto, bf16 or fp32")

@@ -13,11 +13,12 @@ Both phases checkpoint into the output folder, so an interrupted run resumes.
 - card: the draft's files and model card; earlier_training reads one back
 - acceptance: held_out_acceptance of a written draft
 - head_training: a feature head (EAGLE, --kind eagle) trained on the target's features
+- eagle3_training: an EAGLE-3 head (--kind eagle3) in its published layout
 """
 from __future__ import annotations
 
 from lssp.distill.acceptance import HELD_OUT_ACCEPTANCE, held_out_acceptance
-from lssp.distill.card import earlier_training, write_draft, write_head
+from lssp.distill.card import earlier_training, write_draft, write_eagle3_head, write_head
 from lssp.distill.collection import (
     REPEAT_CUE,
     REPEAT_WINDOW,
@@ -31,6 +32,7 @@ from lssp.distill.collection import (
 )
 from lssp.distill.config import Collected, DistillConfig, DistillReport, Progress
 from lssp.distill.data import training_prompts
+from lssp.distill.eagle3_training import default_taps, train_eagle3_head
 from lssp.distill.head_training import train_head
 from lssp.distill.training import draft_config, init_draft, load_initial_draft, top1_agreement, train
 
@@ -38,5 +40,6 @@ __all__ = [
     "HELD_OUT_ACCEPTANCE", "REPEAT_CUE", "REPEAT_WINDOW", "Collected", "DistillConfig", "DistillReport", "Progress",
     "chosen_shard", "collect", "collection_summary", "collection_model", "collection_spec", "generate_rows", "draft_config", "earlier_training", "held_out_acceptance", "init_draft",
     "load_initial_draft", "repeat_prompts", "top1_agreement", "train", "train_head", "training_prompts", "write_draft",
+    "write_eagle3_head", "train_eagle3_head", "default_taps",
     "write_head",
 ]

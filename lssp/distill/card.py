@@ -13,6 +13,7 @@ from lssp.distill.collection import REPEAT_CUE, REPEAT_WINDOW
 from lssp.distill.config import DistillReport
 from lssp.models.draft_head import subset_head
 from lssp.models.eagle import FeatureHead, save_feature_head
+from lssp.models.eagle3 import AUX_KEY, Eagle3Head, save_eagle3_head
 
 
 def write_draft(draft: LlamaForCausalLM, tokenizer: PreTrainedTokenizerBase, out: Path, report: DistillReport,
@@ -187,6 +188,38 @@ Made with: `{command}`
 {_lineage(report)}
 {learning}{_curves(report)}""")
 
+
+def write_eagle3_head(head: Eagle3Head, tokenizer: PreTrainedTokenizerBase, out: Path, report: DistillReport,
+                      command: str) -> None:
+    """An EAGLE-3 head in its published layout (vLLM's ``eagle3`` and llama.cpp's converter read it), its report and
+    a model card."""
+    from lssp.distill.head_training import STEP_DECAY
+
+    save_eagle3_head(head, out)
+    (out / "distill_report.json").write_text(json.dumps(asdict(report), indent=1))
+    c, vocab = head.config, len(head.d2t)
+    layers = ", ".join(map(str, head.aux_ids))
+    curve = learning_curve(report)
+    learning = f"## Learning curve across trainings\n{curve}\n" if curve else ""
+    (out / "README.md").write_text(f"""# EAGLE-3 head for {report.target}, made by `llamassp distill --kind eagle3`
+
+One decoder layer at the target's width ({c.hidden_size}; {c.num_attention_heads} heads, {c.num_key_value_heads} key/value heads,
+MLP {c.intermediate_size}) whose attention reads the embedding of token t+1 and `fc` ({len(head.aux_ids) * c.hidden_size} -> {c.hidden_size}) over the
+target's hidden states entering its layers {layers} at t (EAGLE-3's fused features), each normalized; its own `norm` and
+`lm_head` over a draft vocabulary of {vocab} tokens ({report.head_coverage:.1%} of the tokens it was trained on; `d2t` maps
+them to the target's), {report.parameters / 1e6:.1f}M parameters in bfloat16 with the target's embeddings. The files follow
+the published layout (`fc`, `midlayer.*`, `norm`, `lm_head`, `d2t`, `t2d`; `eagle_config.{AUX_KEY}`).
+
+Made with: `{command}`
+
+- data: {report.data_tokens} tokens of continuations written by the target ({_collected(report)}), with its hidden
+  states after layers {", ".join(str(i - 1) for i in head.aux_ids)} and its final ones at every position
+- training: {report.steps} steps in {report.train_seconds / 60:.1f} min{_in(report)}; loss = cross-entropy to the target's distribution
+  over the draft vocabulary, on the fused features and on the head's own outputs over {report.config.get("unroll", 2)} drafting steps (the
+  training-time test; step s weighs {STEP_DECAY}^s); final loss {report.final_loss:.3f}
+- {_prompts_line(report)}
+{_lineage(report)}
+{learning}{_curves(report)}""")
 
 def earlier_training(folder: str | Path) -> dict:
     """What a draft folder's own card says of how it was made: its report and command, where present."""

@@ -265,16 +265,17 @@ SHARD_COUNTS = ("tokens", "draft_tokens", "repeat_tokens", "held_out_tokens")
 
 
 def _keeps_features(data: Path, meta: dict, cfg: DistillConfig) -> bool:
-    """Whether the shards carry the target's features: for a head (``--kind eagle``), and for a draft that goes on with
+    """Whether the shards carry the target's features: for a head (``--kind eagle``, ``eagle3``), and for a draft that goes on with
     a collection begun for one, so that a head can still train on every shard. A head refuses to go on with a
     collection begun without them."""
     if "features" not in meta and meta["files"]:  # written before meta said so
         meta["features"] = "features" in torch.load(data / meta["files"][0]["name"], mmap=True)
     began_with = meta.get("features")
-    if cfg.kind == "eagle" and began_with is False and meta["files"]:
+    head = cfg.kind in ("eagle", "eagle3")
+    if head and began_with is False and meta["files"]:
         raise UserError(f"{data} holds a collection without the target's features (made for --kind draft): collect "
-                        "into another --data-dir for --kind eagle")
-    return cfg.kind == "eagle" or bool(began_with)
+                        f"into another --data-dir for --kind {cfg.kind}")
+    return head or bool(began_with)
 
 
 def same_feature_layers(data: Path, meta: dict, target: PreTrainedModel) -> None:
@@ -345,7 +346,7 @@ def collect(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out: Pa
 
     The target writes them (``generate_rows``: batched, each row as alone with its seed), except the
     ``cfg.on_policy`` share that ``draft`` writes (on-policy data: the contexts the draft itself gets into); every
-    position carries the target's top-k, and with ``cfg.kind == "eagle"`` its features. A ``cfg.repeat_share`` of
+    position carries the target's top-k, and for a head (``cfg.kind`` eagle or eagle3) its features. A ``cfg.repeat_share`` of
     shards replaces the prompts by repeat_prompts of an earlier shard. With held-out prompts (``source_prompts``),
     shard 0 answers them and is marked ``split: held_out``. A shard missing or cut short is collected again (said
     through ``notice``).

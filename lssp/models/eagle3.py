@@ -26,7 +26,7 @@ from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, Lla
 from lssp.errors import UserError
 from lssp.models.compact import CompactOutput
 from lssp.models.draft_head import SubsetHead
-from lssp.models.eagle import FeatureCache, FeatureDrafting, feature_layers, read_weights
+from lssp.models.eagle import FeatureCache, FeatureDrafting, feature_layers, read_weights, unrolled_mask
 
 AUX_KEY = "eagle_aux_hidden_state_layer_ids"  # in config.json's eagle_config: the target layers the head reads
 
@@ -113,6 +113,35 @@ class Eagle3Head(nn.Module):
                                              enable_gqa=True)
         state = hidden + attn.o_proj(out.transpose(1, 2).reshape(1, n, -1))
         return state + layer.mlp(layer.post_attention_layernorm(state))
+
+
+    def unrolled(self, embeds: torch.Tensor, fused: torch.Tensor, steps: int) -> list[torch.Tensor]:
+        """The training-time test: the layer's outputs before ``norm`` (batch, T, d) at each of ``steps`` drafting
+        steps over embeddings of tokens 1..T and fused states 0..T-1. Step 0 reads the fused states; at step s,
+        position j reads step s-1's output at j-1 and attends as a draft of s+1 tokens begun at j-s would
+        (``unrolled_mask``), as ``FeatureHead.unrolled`` does."""
+        layer, attn = self.midlayer, self.midlayer.self_attn
+        length = embeds.shape[1]
+        positions = torch.arange(length, device=embeds.device)[None]
+        rope = self.rotary(embeds, positions)
+        shape = (*embeds.shape[:2], -1, attn.head_dim)
+        normed = layer.input_layernorm(embeds)
+        keys: list[torch.Tensor] = []
+        values: list[torch.Tensor] = []
+        states, given = [], fused
+        for step in range(steps):
+            x = torch.cat([normed, layer.hidden_norm(given)], dim=-1)
+            q, k = apply_rotary_pos_emb(attn.q_proj(x).view(shape).transpose(1, 2),
+                                        attn.k_proj(x).view(shape).transpose(1, 2), *rope)
+            keys.append(k)
+            values.append(attn.v_proj(x).view(shape).transpose(1, 2))
+            out = F.scaled_dot_product_attention(q, torch.cat(keys, dim=2), torch.cat(values, dim=2),
+                                                 attn_mask=unrolled_mask(length, step, embeds.device), enable_gqa=True)
+            state = given + attn.o_proj(out.transpose(1, 2).reshape(*embeds.shape[:2], -1))
+            state = state + layer.mlp(layer.post_attention_layernorm(state))
+            states.append(state)
+            given = torch.cat([fused[:, :1], state[:, :-1]], dim=1)
+        return states
 
 
 def load_eagle3_head(folder: str | Path, target: PreTrainedModel, name: str = "") -> Eagle3Head:
