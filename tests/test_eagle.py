@@ -398,7 +398,7 @@ def test_distill_kind_eagle_refuses_what_only_drafts_take(tiny_dir, tmp_path, ca
                  "--unroll", "0", "--out", str(tmp_path / "h")])
     assert code == 2 and "--unroll" in capsys.readouterr().err
     code = main(["--config", str(tiny_dir / "models.yaml"), "distill", "tiny-target", "--kind", "medusa"])
-    assert code == 2 and "expected draft or eagle" in capsys.readouterr().err
+    assert code == 2 and "expected draft, eagle or eagle3" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("options", [{"lookup": 2}, {"confidence": 0.3}], ids=["lookup", "confidence"])
