@@ -49,8 +49,9 @@ def publish(folder, target, draft_ids: list[int], seed: int, aux: list[int] | No
               "num_hidden_layers": 1, "vocab_size": c.vocab_size, "draft_vocab_size": len(draft_ids),
               "rms_norm_eps": c.rms_norm_eps, "max_position_embeddings": 256, "rope_theta": 10000.0,
               "hidden_act": "silu", "torch_dtype": "float32"}
-    if aux is not None:
+    if aux is not None:  # where vLLM reads them, and where llama.cpp's converter does
         config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": aux}
+        config["eagle_aux_hidden_state_layer_ids"] = aux
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(config))
     from safetensors.torch import save_file

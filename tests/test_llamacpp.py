@@ -357,3 +357,52 @@ def test_a_build_is_tried_once_before_it_is_kept(tmp_path):
     assert reason.startswith("llama-server exited at start with code -11 (SIGSEGV)") and "threadpool" in reason
     assert llamacpp_build.main(["smoke", str(crashing)]) == 1
     assert llamacpp_build.smoke_test(build_or_skip().server, model) is None
+
+
+def test_llamacpp_runs_a_published_eagle3_head_with_draft_eagle3(lc_dir, tmp_path):
+    """An EAGLE-3 head in its published layout is converted with its target's folder (llama.cpp's converter reads the
+    target's config and tokenizer, and the head's layers where it looks for them) and drafts through llama-server's
+    draft-eagle3. On a target that repeats its last token (its layers add nothing, its output rows are its
+    embeddings) and a head planted to say the token it reads, llama.cpp's greedy tokens are our RSp's and it accepts
+    the drafts ours accepts."""
+    from test_eagle3 import publish
+
+    from lssp.drafters import generate_speculative
+    from lssp.models.compact import CompactLlama
+    from lssp.models.eagle3 import Eagle3Draft, load_eagle3_head
+
+    build = build_or_skip()
+    save_tiny_smol(tmp_path / "t", 3, hidden=256, layers=4, scale=1.0)
+    target = LlamaForCausalLM.from_pretrained(tmp_path / "t", dtype=torch.float32).eval()
+    with torch.no_grad():
+        for layer in target.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        target.lm_head.weight.copy_(target.model.embed_tokens.weight * 8)
+    target.save_pretrained(tmp_path / "t")
+    draft_ids = list(range(0, 49152, 2))  # the even tokens
+    planted = {"fc.weight": torch.cat([torch.eye(256), torch.zeros(256, 512)], 1), "norm.weight": torch.ones(256),
+               "midlayer.self_attn.o_proj.weight": torch.zeros(256, 256),
+               "midlayer.mlp.down_proj.weight": torch.zeros(256, 512),
+               "lm_head.weight": target.lm_head.weight[draft_ids].detach().clone()}
+    publish(tmp_path / "h", target, draft_ids, seed=5, planted=planted)
+    (tmp_path / "models.yaml").write_text("models:\n  t: {path: ./t, dtype: float32}\n  h: {path: ./h, dtype: float32}\n")
+    registry = load_registry(tmp_path / "models.yaml")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(llamacpp_build, "gguf_root", lambda: tmp_path / "gguf")
+        t = LlamacppModel(registry.get("t"), build)
+        h = LlamacppModel(registry.get("h"), build, t)
+    assert h.eagle3 and h.draft_kind == "eagle"
+    assert server_args(t, h, 2, 0)[server_args(t, h, 2, 0).index("--spec-type") + 1] == "draft-eagle3"
+    servers = LlamacppServers(t, h, [(2, 0)])
+    compact = CompactLlama(target)
+    ours = Eagle3Draft(load_eagle3_head(tmp_path / "h", target), compact, torch.float32)
+    try:
+        for ids in ([1, 504, 3327, 314, 253, 1346], [1, 2, 3, 4, 5, 6, 7, 8]):  # both end on an even token
+            done = servers.generate(2, 0, ids, 16, GREEDY, 0)
+            assert done.tokens.tolist() == generate_regular(compact, torch.tensor([ids]), 16, GREEDY).tokens.tolist()
+            mine = generate_speculative(compact, ours, torch.tensor([ids]), 16, 2, GREEDY).stats
+            # the same drafts accepted (each engine drafts its own way at the token budget)
+            assert done.stats.accepted == mine.accepted >= 8, (done.stats, mine)
+    finally:
+        servers.close()

@@ -82,7 +82,7 @@ def load_llamacpp_pair(s: Settings, target_name: str | None, draft_name: str | N
     d_name = s.registry.draft_name(draft_name, heads=False) if (draft_name or need_draft) else None
     with err_console.status(f"Preparing {t_spec.name} for llama.cpp (GGUF)…"):
         target = LlamacppModel(t_spec, build)
-        draft = LlamacppModel(s.registry.get(d_name), build) if d_name else None
+        draft = LlamacppModel(s.registry.get(d_name), build, target) if d_name else None
     if draft is not None:
         check_compatible(target, draft)
     return target, draft

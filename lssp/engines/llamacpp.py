@@ -36,6 +36,7 @@ from lssp.decoding.sampling import SamplingParams
 from lssp.engines.base import Engine, EngineInfo, Mode, Request
 from lssp.engines.llamacpp_build import LlamacppBuild, gguf_path, last_error_line, require_build
 from lssp.errors import UserError
+from lssp.models.eagle3 import is_eagle3_head
 from lssp.models.loading import ModelHandle, load_tokenizer
 from lssp.models.registry import ModelSpec
 
@@ -61,16 +62,19 @@ def check_ready(confidences: tuple[float, ...] | list[float] = (0.0,)) -> Llamac
 class LlamacppModel(ModelHandle):
     """A registry entry that llama.cpp runs: our side only tokenizes, decodes and describes it."""
 
-    def __init__(self, spec: ModelSpec, build: LlamacppBuild) -> None:
+    def __init__(self, spec: ModelSpec, build: LlamacppBuild, target: LlamacppModel | None = None) -> None:
+        """``target``: the model a draft drafts for (an EAGLE-3 head is converted with it and shares its tokenizer)."""
         self.spec = spec
-        self.gguf = gguf_path(spec, build)
-        self.tokenizer = load_tokenizer(spec)
+        local = spec.local_path()
+        self.eagle3 = target is not None and local is not None and is_eagle3_head(local)  # its draft-eagle3
+        self.gguf = gguf_path(spec, build, target.spec if target is not None else None)
+        self.tokenizer = target.tokenizer if self.eagle3 else load_tokenizer(spec)
         self.build = build
         self.engine_placement = f"llama.cpp {build.version}"
 
     @property
     def draft_kind(self) -> str:
-        return "draft"
+        return "eagle" if self.eagle3 else "draft"
 
     @property
     def device(self) -> torch.device:
@@ -287,7 +291,8 @@ def server_args(target: LlamacppModel, draft: LlamacppModel | None, k: int, look
     elif k:
         if draft is None:
             raise UserError("--engine llamacpp: SSp needs a draft model (or --lookup for n-gram drafts)")
-        args += ["-md", str(draft.gguf), "--spec-type", "draft-simple", "--spec-draft-n-max", str(k),
+        spec_type = "draft-eagle3" if draft.eagle3 else "draft-simple"
+        args += ["-md", str(draft.gguf), "--spec-type", spec_type, "--spec-draft-n-max", str(k),
                  "--spec-draft-n-min", "0", "--spec-draft-p-min", "0"]
         if target.build.flavor == "cuda":
             args += ["--spec-draft-ngl", "all"]
@@ -417,7 +422,7 @@ class LlamacppEngine(Engine):
     label = "llama.cpp"
     decode_timing = DECODE_TIMING
     runs_our_weights = False  # its own kernels and number formats: our exact law is a reference, not the verdict
-    runs_feature_heads = False  # its draft-eagle3 takes EAGLE-3 heads (three target layers); ours read one
+    runs_feature_heads = False  # its draft-eagle3 takes EAGLE-3 heads (three target layers), not EAGLE-1 ones
     takes_lookup = False  # its n-gram drafter drafts alone (Mode.ngram), never as a hint over a draft model
     marks_drafts = False  # whole answers: which tokens were drafted is not streamed
     version_column = "llamacpp"

@@ -20,6 +20,7 @@ from pathlib import Path
 from lssp.errors import UserError
 from lssp.models.draft_head import has_subset_head
 from lssp.models.eagle import is_feature_head
+from lssp.models.eagle3 import is_eagle3_head
 from lssp.models.export import export_draft, exported_dir
 from lssp.models.registry import ModelSpec
 from lssp.models.sources import cache_root
@@ -92,8 +93,9 @@ def require_build() -> LlamacppBuild:
     return found
 
 
-def gguf_path(spec: ModelSpec, build: LlamacppBuild) -> Path:
-    """The GGUF file llama.cpp runs for ``spec``: the entry's own ``.gguf``, else its folder converted (cached)."""
+def gguf_path(spec: ModelSpec, build: LlamacppBuild, target: ModelSpec | None = None) -> Path:
+    """The GGUF file llama.cpp runs for ``spec``: the entry's own ``.gguf``, else its folder converted (cached); an
+    EAGLE-3 head with ``target``'s folder, which the converter reads."""
     if spec.is_random:
         raise UserError(f"model {spec.name!r}: llama.cpp runs weights from a file, not 'init: random'")
     local = spec.local_path()
@@ -104,6 +106,10 @@ def gguf_path(spec: ModelSpec, build: LlamacppBuild) -> Path:
         raise UserError(f"model {spec.name!r}: {local} does not exist")
     if spec.is_gguf:
         return local
+    if is_eagle3_head(local):
+        if target is None:
+            raise UserError(f"model {spec.name!r} is an EAGLE-3 head: it drafts for a target")
+        return convert(local, spec, build, target_folder(target))
     if is_feature_head(local):
         raise UserError(f"model {spec.name!r} is a feature head (EAGLE-1 layout, one target layer): llama.cpp's "
                         "draft-eagle3 needs an EAGLE-3 head (three target layers); use a draft model or --lookup")
@@ -116,17 +122,36 @@ def gguf_path(spec: ModelSpec, build: LlamacppBuild) -> Path:
     return convert(folder, spec, build)
 
 
-def converted_path(folder: Path, outtype: str, build: LlamacppBuild) -> Path:
-    """Where ``folder``'s conversion is kept: named by the folder, its files' sizes and times, the type, the build."""
+def target_folder(target: ModelSpec) -> Path:
+    """The Hugging Face folder of ``target`` (config and tokenizer) that an EAGLE-3 head's conversion reads: a GGUF
+    entry's converted copy (made now if missing), else its own folder."""
+    from lssp.models.loading import load_model
+    from lssp.models.sources import gguf_copy_dir
+
+    local = target.local_path()
+    if local is None or not local.exists():
+        raise UserError(f"model {target.name!r}: --engine llamacpp runs local files; {target.path!r} is not one")
+    if not target.is_gguf:
+        return local
+    copy = gguf_copy_dir(local, target.dtype)
+    if not (copy / "config.json").exists():
+        load_model(target)  # converts the GGUF and keeps the copy
+    return copy
+
+
+def converted_path(folder: Path, outtype: str, build: LlamacppBuild, target: Path | None = None) -> Path:
+    """Where ``folder``'s conversion is kept: named by the folder, its files' sizes and times, the type, the build
+    (and, for a head, its target's folder)."""
     stamp = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in folder.iterdir() if p.is_file())
-    key = json.dumps([str(folder.resolve()), stamp, outtype, build.commit])
+    key = json.dumps([str(folder.resolve()), stamp, outtype, build.commit] + ([str(target.resolve())] if target else []))
     return gguf_root() / f"{folder.name}-{outtype}-{hashlib.sha1(key.encode()).hexdigest()[:12]}.gguf"
 
 
-def convert(folder: Path, spec: ModelSpec, build: LlamacppBuild) -> Path:
-    """``folder`` as GGUF through llama.cpp's ``convert_hf_to_gguf.py`` (with the tree's own gguf-py), kept."""
+def convert(folder: Path, spec: ModelSpec, build: LlamacppBuild, target: Path | None = None) -> Path:
+    """``folder`` as GGUF through llama.cpp's ``convert_hf_to_gguf.py`` (with the tree's own gguf-py), kept; an
+    EAGLE-3 head's with its ``target`` folder."""
     outtype = OUTTYPES.get(spec.dtype, "auto")
-    out = converted_path(folder, outtype, build)
+    out = converted_path(folder, outtype, build, target)
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -134,6 +159,7 @@ def convert(folder: Path, spec: ModelSpec, build: LlamacppBuild) -> Path:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(build.folder / "src" / "gguf-py"),
                                                          os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
     command = [sys.executable, str(build.converter), str(folder), "--outfile", str(partial), "--outtype", outtype]
+    command += ["--target-model-dir", str(target)] if target is not None else []
     log.info("converting %s to GGUF: %s", spec.name, " ".join(command))
     try:
         with open(log_path, "w") as sink:

@@ -38,8 +38,9 @@ def is_eagle3_head(folder: str | Path) -> bool:
 
 
 def aux_layer_ids(config: LlamaConfig, target_layers: int) -> tuple[int, ...]:
-    """The target layers whose input hidden states the head reads (vLLM's default for Llama: 2, L/2, L-3)."""
-    given = (getattr(config, "eagle_config", None) or {}).get(AUX_KEY)
+    """The target layers whose input hidden states the head reads: ``eagle_config``'s (vLLM reads them there) or the
+    top level's (llama.cpp's converter reads them there), else vLLM's default for Llama: 2, L/2, L-3."""
+    given = (getattr(config, "eagle_config", None) or {}).get(AUX_KEY) or getattr(config, AUX_KEY, None)
     return tuple(given) if given else (2, target_layers // 2, target_layers - 3)
 
 
@@ -181,7 +182,8 @@ def load_eagle3_head(folder: str | Path, target: PreTrainedModel, name: str = ""
 
 
 def save_eagle3_head(head: Eagle3Head, folder: str | Path, dtype: torch.dtype = torch.bfloat16) -> None:
-    """config.json and model.safetensors in the published layout (vLLM's ``eagle3`` method reads it)."""
+    """config.json and model.safetensors in the published layout (vLLM's ``eagle3`` method and llama.cpp's converter
+    read it; the layers are said where each looks)."""
     from safetensors.torch import save_file
 
     folder = Path(folder)
@@ -189,7 +191,8 @@ def save_eagle3_head(head: Eagle3Head, folder: str | Path, dtype: torch.dtype = 
     config = head.config.to_diff_dict()
     config.update({"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
                    "draft_vocab_size": len(head.d2t), "dtype": str(dtype).removeprefix("torch."),
-                   "eagle_config": {**(getattr(head.config, "eagle_config", None) or {}), AUX_KEY: list(head.aux_ids)}})
+                   "eagle_config": {**(getattr(head.config, "eagle_config", None) or {}), AUX_KEY: list(head.aux_ids)},
+                   AUX_KEY: list(head.aux_ids)})  # where llama.cpp's converter reads them
     for key in ("_attn_implementation_autoset", "_name_or_path", "transformers_version"):
         config.pop(key, None)
     (folder / "config.json").write_text(json.dumps(config, indent=1, sort_keys=True))
