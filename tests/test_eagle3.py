@@ -213,6 +213,8 @@ def test_an_eagle3_entry_runs_through_latency_verify_and_eval(tmp_path, capsys):
     assert json.loads((tmp_path / "v.json").read_text())["lossless"]
     code, out, err = run("eval", "--both", "--nb-prompts", "6")
     assert code == 0, err
+    code, out, err = run("export-draft", "h")
+    assert code == 2 and "vLLM's eagle3 method loads" in " ".join(err.split())
     code, out, err = run("verify", "tq", "--temperature", "0", "--nb-prompts", "2", "--k", "2", "--json",
                          str(tmp_path / "vq.json"))  # over our kernel's one-call decoder, the head in float32
     assert code == 0 and json.loads((tmp_path / "vq.json").read_text())["lossless"], err

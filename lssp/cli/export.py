@@ -21,6 +21,7 @@ def export_draft_cmd(
     """Write the draft with a full-width output layer: rows outside its head are held far below it."""
     from lssp.models.draft_head import has_subset_head
     from lssp.models.eagle import is_feature_head
+    from lssp.models.eagle3 import is_eagle3_head
     from lssp.models.export import export_draft, exported_dir
 
     s = settings(ctx)
@@ -28,6 +29,9 @@ def export_draft_cmd(
     local = spec.local_path()
     if local is None or not local.is_dir():
         raise UserError(f"model {spec.name!r}: export-draft reads a local folder, not {spec.path!r}")
+    if is_eagle3_head(local):
+        raise UserError(f"model {spec.name!r} is an EAGLE-3 head in its published layout: vLLM's eagle3 method loads "
+                        f"{local} as it is, and llama.cpp's converter reads it with its target's folder")
     if is_feature_head(local):
         raise UserError(f"model {spec.name!r} is a feature head in EAGLE's layout: vLLM's eagle method loads {local} "
                         "as it is")
