@@ -380,6 +380,13 @@ def test_pipeline_parallel_with_speculation_is_refused_before_loading(tmp_path):
     vllm_engine.check_placement(spec, speculative=False)
 
 
+def _target_and_head(folder):
+    """The target saved in ``folder``/t and the head in ``folder``/h, as vLLM's engine takes them."""
+    (folder / "models.yaml").write_text("models:\n  t: {path: ./t, dtype: float32}\n  h: {path: ./h, dtype: float32}\n")
+    registry = load_registry(folder / "models.yaml")
+    target = EngineModel(registry.get("t"))
+    return target, EngineModel(registry.get("h"), target)
+
 def test_vllm_runs_our_feature_head_with_its_eagle_method(tmp_path):
     """Our heads are written in EAGLE's layout: vLLM's eagle method loads one as it is. On a planted head that
     is nearly always right (it reads the features a little), vLLM's greedy tokens equal our RSp's and it accepts
@@ -406,10 +413,7 @@ def test_vllm_runs_our_feature_head_with_its_eagle_method(tmp_path):
         head.layers[0].self_attn.o_proj.weight.zero_()
         head.layers[0].mlp.down_proj.weight.zero_()
     save_feature_head(head, tmp_path / "h", dtype=torch.float32)
-    (tmp_path / "models.yaml").write_text("models:\n  t: {path: ./t, dtype: float32}\n  h: {path: ./h, dtype: float32}\n")
-    registry = load_registry(tmp_path / "models.yaml")
-    t = EngineModel(registry.get("t"))
-    h = EngineModel(registry.get("h"), t)
+    t, h = _target_and_head(tmp_path)
     assert h.draft_kind == "eagle" and vllm_engine.speculative_config(2, 0, h)["method"] == "eagle"
     engines = VllmEngines(t, h, [(3, 0)])
     ours = FeatureDraft(head, target)
@@ -452,10 +456,7 @@ def test_vllm_runs_a_published_eagle3_head_with_its_eagle3_method(tmp_path):
                "midlayer.self_attn.o_proj.weight": torch.zeros(256, 256),
                "midlayer.mlp.down_proj.weight": torch.zeros(256, 512), "lm_head.weight": rows}
     publish(tmp_path / "h", target, draft_ids, seed=5, planted=planted)
-    (tmp_path / "models.yaml").write_text("models:\n  t: {path: ./t, dtype: float32}\n  h: {path: ./h, dtype: float32}\n")
-    registry = load_registry(tmp_path / "models.yaml")
-    t = EngineModel(registry.get("t"))
-    h = EngineModel(registry.get("h"), t)
+    t, h = _target_and_head(tmp_path)
     assert h.draft_kind == "eagle" and vllm_engine.speculative_config(2, 0, h)["method"] == "eagle3"
     engines = VllmEngines(t, h, [(2, 0)])
     compact = CompactLlama(target)

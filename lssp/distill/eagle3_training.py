@@ -16,8 +16,8 @@ import torch
 from transformers import PreTrainedModel
 
 from lssp.distill.config import DistillConfig, DistillReport, Progress
-from lssp.distill.head_training import STEP_DECAY, HeadTrainer, feature_examples
-from lssp.distill.training import checkpoint_path, optimize, training_examples
+from lssp.distill.head_training import STEP_DECAY, HeadTrainer, feature_examples, fit, token_counts
+from lssp.distill.training import training_examples
 from lssp.errors import UserError
 from lssp.models.compact import float_weight
 from lssp.models.draft_head import most_frequent
@@ -62,21 +62,11 @@ class Eagle3Trainer(HeadTrainer):
             total = total - STEP_DECAY ** step * (p * logits[valid].log_softmax(-1)).sum(-1).mean()
         return total
 
-    @torch.no_grad()
-    def agreement(self, held_out: list[dict[str, torch.Tensor]], step: int = 0) -> float:
-        """Share of positions where the head's top token is the target's top token among the draft vocabulary
-        (teacher-forced up to the draft's start, then ``step`` steps on its own outputs)."""
-        was = self.head.training
-        self.head.eval()
-        hits = total = 0
-        for at in range(0, len(held_out), 16):
-            embeds, features, mask = self._batch(held_out[at: at + 16])
-            mask[:, :step] = False
-            logits = self._guesses(embeds, features, step + 1)[step][mask]
-            hits += int((logits.argmax(-1) == self._wanted(features, mask).argmax(-1)).sum())
-            total += int(mask.sum())
-        self.head.train(was)
-        return hits / total if total else float("nan")
+    def _logits(self, embeds: torch.Tensor, features: torch.Tensor, mask: torch.Tensor,
+                step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The head's logits at drafting step ``step`` and the target's, over the draft vocabulary, where ``mask``
+        (``agreement``: their argmaxes agree)."""
+        return self._guesses(embeds, features, step + 1)[step][mask], self._wanted(features, mask)
 
 
 def new_eagle3_head(target: PreTrainedModel, taps: tuple[int, ...], token_ids: list[int]) -> Eagle3Head:
@@ -119,21 +109,13 @@ def train_eagle3_head(target: PreTrainedModel, out: Path, cfg: DistillConfig, re
                             f"--feature-layers must be {','.join(str(i - 1) for i in head.aux_ids)}")
     else:
         vocab = target.get_output_embeddings().out_features
-        counts = torch.zeros(vocab, dtype=torch.long)
-        for e in examples:
-            counts += torch.bincount(e["ids"][1:], minlength=vocab)
+        counts = token_counts(examples, vocab)
         token_ids = most_frequent(counts, cfg.head_tokens) if cfg.head_tokens else list(range(vocab))
         report.head_coverage = float(counts[token_ids].sum() / counts.sum())
         torch.manual_seed(cfg.seed)
         head = new_eagle3_head(target, taps, token_ids)
-    trainer = Eagle3Trainer(head, target, taps, cfg.unroll)
-    optimize(head, examples, held_out, trainer.loss, trainer.agreement, checkpoint_path(out, cfg), cfg, report, progress,
-             others)
-    for step in range(1, max(cfg.unroll, 2)) if held_out else ():
-        report.acceptance[f"held-out top-1 agreement, draft token {step + 1} (on its own guesses)"] = \
-            trainer.agreement(held_out, step)
-    head.eval()
-    return head
+    return fit(head, Eagle3Trainer(head, target, taps, cfg.unroll), examples, held_out, others, out, cfg, report,
+               progress)
 
 
 def replace_taps(cfg: DistillConfig, taps: tuple[int, ...]) -> DistillConfig:

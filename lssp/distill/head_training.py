@@ -124,13 +124,18 @@ class HeadTrainer:
         for at in range(0, len(held_out), 16):
             embeds, features, mask = self._batch(held_out[at: at + 16])
             mask[:, :step] = False
-            given = self.head.fused(features[:, :-1], self.head.feature_layers)
-            guess = self.head.unrolled(embeds, given, step + 1)[step][mask]
-            wanted = features[:, 1:, -self.rows.shape[1]:][mask]
-            hits += int(((guess @ self.rows.T).argmax(-1) == (wanted @ self.rows.T).argmax(-1)).sum())
+            guessed, wanted = self._logits(embeds, features, mask, step)
+            hits += int((guessed.argmax(-1) == wanted.argmax(-1)).sum())
             total += int(mask.sum())
         self.head.train(was)
         return hits / total if total else float("nan")
+
+    def _logits(self, embeds: torch.Tensor, features: torch.Tensor, mask: torch.Tensor,
+                step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The head's logits at drafting step ``step`` and the target's, over the head's tokens, where ``mask``."""
+        given = self.head.fused(features[:, :-1], self.head.feature_layers)
+        guess = self.head.unrolled(embeds, given, step + 1)[step][mask]
+        return guess @ self.rows.T, features[:, 1:, -self.rows.shape[1]:][mask] @ self.rows.T
 
 
 def _initial_head(target: PreTrainedModel, folder: str, layers: tuple[int, ...], depth: int) -> FeatureHead:
@@ -158,15 +163,18 @@ def train_head(target: PreTrainedModel, out: Path, cfg: DistillConfig, report: D
     start = _initial_head(target, cfg.init_from, cfg.feature_layers, cfg.layers) if cfg.init_from else None
     token_ids = start.token_ids if start is not None else None
     if cfg.head_tokens or token_ids:
-        counts = torch.zeros(width, dtype=torch.long)
-        for e in examples:
-            counts += torch.bincount(e["ids"][1:], minlength=width)
+        counts = token_counts(examples, width)
         token_ids = token_ids or most_frequent(counts, cfg.head_tokens)
         report.head_coverage = float(counts[token_ids].sum() / counts.sum())
     torch.manual_seed(cfg.seed)
     head = start if start is not None else FeatureHead(head_config(target.config, cfg.layers, token_ids,
                                                                    cfg.feature_layers))
-    trainer = HeadTrainer(head, target, cfg.unroll)
+    return fit(head, HeadTrainer(head, target, cfg.unroll), examples, held_out, others, out, cfg, report, progress)
+
+
+def fit(head: torch.nn.Module, trainer: HeadTrainer, examples: list, held_out: list, others: dict, out: Path,
+        cfg: DistillConfig, report: DistillReport, progress: Progress | None) -> torch.nn.Module:
+    """``optimize`` ``head`` under ``trainer``'s loss, then its held-out agreement at each later drafting step."""
     optimize(head, examples, held_out, trainer.loss, trainer.agreement, checkpoint_path(out, cfg), cfg, report, progress,
              others)
     for step in range(1, max(cfg.unroll, 2)) if held_out else ():
@@ -174,3 +182,11 @@ def train_head(target: PreTrainedModel, out: Path, cfg: DistillConfig, report: D
             trainer.agreement(held_out, step)
     head.eval()
     return head
+
+
+def token_counts(examples: list[dict[str, torch.Tensor]], vocab: int) -> torch.Tensor:
+    """How often each token is a position's next token in ``examples``."""
+    counts = torch.zeros(vocab, dtype=torch.long)
+    for e in examples:
+        counts += torch.bincount(e["ids"][1:], minlength=vocab)
+    return counts
