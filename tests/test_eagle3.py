@@ -187,6 +187,9 @@ def test_eagle3_heads_save_load_and_say_what_is_wrong_in_one_line(target, tmp_pa
         load_eagle3_head(tmp_path / "deep", target, "deep")
     publish(tmp_path / "default", target, list(range(10, 50)), seed=4, aux=None)  # vLLM's default: 2, L/2, L-3
     assert load_eagle3_head(tmp_path / "default", target).aux_ids == (2, 2, 1)
+    config = json.loads((tmp_path / "default" / "config.json").read_text())  # as EAGLE's authors first published
+    (tmp_path / "default" / "config.json").write_text(json.dumps({**config, "architectures": ["LlamaForCausalLM"]}))
+    assert is_eagle3_head(tmp_path / "default") and not is_eagle3_head(tmp_path)
 
 
 def test_an_eagle3_entry_runs_through_latency_verify_and_eval(tmp_path, capsys):

@@ -32,9 +32,13 @@ AUX_KEY = "eagle_aux_hidden_state_layer_ids"  # in config.json's eagle_config: t
 
 
 def is_eagle3_head(folder: str | Path) -> bool:
-    """Whether ``folder``'s config.json names an EAGLE-3 head."""
+    """Whether ``folder``'s config.json is an EAGLE-3 head's: its architecture says so, or it has a draft vocabulary
+    (as the heads EAGLE's authors published first, under a plain Llama architecture)."""
     config = Path(folder) / "config.json"
-    return config.exists() and "Eagle3" in "".join(json.loads(config.read_text()).get("architectures") or [])
+    if not config.exists():
+        return False
+    raw = json.loads(config.read_text())
+    return "Eagle3" in "".join(raw.get("architectures") or []) or "draft_vocab_size" in raw
 
 
 def aux_layer_ids(config: LlamaConfig, target_layers: int) -> tuple[int, ...]:
