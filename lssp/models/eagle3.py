@@ -230,7 +230,8 @@ class Eagle3Draft(nn.Module, FeatureDrafting):
 
     @property
     def compute_dtype(self) -> torch.dtype:
-        return self.head.fc.weight.dtype
+        """The activations' dtype: the norms' (the Linear layers may hold our kernel's blocks instead of weights)."""
+        return self.head.norm.weight.dtype
 
     @property
     def draft_ids(self) -> torch.Tensor:
@@ -240,7 +241,7 @@ class Eagle3Draft(nn.Module, FeatureDrafting):
 
     def new_cache(self, batch: int = 1) -> FeatureCache:
         attn = self.head.midlayer.self_attn
-        return FeatureCache(1, attn.kv_heads, attn.head_dim, self.compute_dtype, self.head.fc.weight.device,
+        return FeatureCache(1, attn.kv_heads, attn.head_dim, self.compute_dtype, self.head.norm.weight.device,
                             batch=batch, fuse=self.fused)
 
     def fused(self, features: torch.Tensor) -> torch.Tensor:

@@ -427,11 +427,13 @@ def load_feature_draft(spec: ModelSpec, folder: Path, dtype: torch.dtype | str, 
     weights = target.model.get_input_embeddings().weight
     torch_dtype = dtype if isinstance(dtype, torch.dtype) else weights.dtype
     if is_eagle3_head(folder):
-        if spec.quantization in CPU_QUANTIZATIONS:
-            log.info("%s: an EAGLE-3 head runs in %s (%s is for EAGLE-1/2 heads and models)", spec.name,
-                     str(torch_dtype).removeprefix("torch."), spec.quantization)
         model: PreTrainedModel = Eagle3Draft(load_eagle3_head(folder, target.model, spec.name), target.model,
                                              torch_dtype)
+        if spec.quantization in WEIGHT_ONLY_QUANTIZATIONS and model_device(model).type == "cpu":
+            model = weight_only_quantize(model, spec.quantization, torch.float32)[0]  # its Linear layers only
+        elif spec.quantization in CPU_QUANTIZATIONS:
+            log.info("%s: an EAGLE-3 head runs in %s (%s is for EAGLE-1/2 heads and models)", spec.name,
+                     str(torch_dtype).removeprefix("torch."), spec.quantization)
     else:
         head = load_feature_head(folder, spec.name)
         check_head_fits(head, target.model, spec.name)
