@@ -185,6 +185,8 @@ def test_eagle3_heads_save_load_and_say_what_is_wrong_in_one_line(target, tmp_pa
     publish(tmp_path / "deep", target, list(range(10, 50)), seed=4, aux=[1, 2, 4])
     with pytest.raises(UserError, match=r"entering layers \[1, 2, 4\]; its target has layers 0..3"):
         load_eagle3_head(tmp_path / "deep", target, "deep")
+    with pytest.raises(UserError, match="is for a target 32 wide .* its target 64"):
+        load_eagle3_head(tmp_path / "again", tiny_llama(43, hidden=64, layers=4))
     publish(tmp_path / "default", target, list(range(10, 50)), seed=4, aux=None)  # vLLM's default: 2, L/2, L-3
     assert load_eagle3_head(tmp_path / "default", target).aux_ids == (2, 2, 1)
     config = json.loads((tmp_path / "default" / "config.json").read_text())  # as EAGLE's authors first published

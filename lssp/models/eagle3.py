@@ -164,7 +164,12 @@ def load_eagle3_head(folder: str | Path, target: PreTrainedModel, name: str = ""
     if config.vocab_size != target.config.vocab_size:
         raise UserError(f"EAGLE-3 head {label!r} has a vocabulary of {config.vocab_size}, its target "
                         f"{target.config.vocab_size}")
-    head = Eagle3Head(config, aux, own_embeddings="embed_tokens.weight" in state)
+    own = "embed_tokens.weight" in state
+    width, meant = target.config.hidden_size, getattr(config, "target_hidden_size", None) or config.hidden_size
+    if meant != width or (not own and config.hidden_size != width):
+        raise UserError(f"EAGLE-3 head {label!r} is for a target {meant} wide (and reads its embeddings unless it has "
+                        f"its own), its target {width}")
+    head = Eagle3Head(config, aux, own_embeddings=own)
     if len(head.d2t) == config.vocab_size:  # a full draft vocabulary: d2t and t2d may be left out (vLLM wants them out)
         state.setdefault("d2t", head.d2t)
         state.setdefault("t2d", torch.ones_like(head.t2d))
