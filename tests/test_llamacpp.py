@@ -179,7 +179,7 @@ def test_server_flags_per_mode(tmp_path):
 
     class Fake:
         def __init__(self, name: str) -> None:
-            self.gguf, self.build = tmp_path / f"{name}.gguf", build
+            self.gguf, self.build, self.eagle3 = tmp_path / f"{name}.gguf", build, False
             self.spec = type("Spec", (), {"dtype": "float32"})()
 
     target, draft = Fake("t"), Fake("d")

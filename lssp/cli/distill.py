@@ -113,11 +113,18 @@ def distill(
                          "the same command goes on from there")
     if model is None:  # --collect-only
         return
+    _write(s, t, model, out, rep, kind)
+
+
+def _write(s: Settings, t: LoadedModel, model: torch.nn.Module, out: Path, rep: DistillReport, kind: str) -> None:
+    """The draft's files and card, its greedy acceptance on held-out prompts measured through the real loader (what
+    the card promises), and one line saying so."""
+    from lssp import distill as dst
+
     rep.parameters = sum(p.numel() for p in model.parameters())
     command = "python llamassp.py " + " ".join(sys.argv[1:]) if sys.argv and "llamassp" in sys.argv[0] else "llamassp distill …"
     write = {"eagle": dst.write_head, "eagle3": dst.write_eagle3_head}.get(kind, dst.write_draft)
     write(model, t.tokenizer, out, rep, command)
-    # Measure what the card promises: greedy acceptance on held-out prompts, through the real loader.
     with err_console.status("Measuring acceptance on held-out prompts…"):
         rep.acceptance.update(dst.held_out_acceptance(t, out, s.seed, s.device))
     write(model, t.tokenizer, out, rep, command)
@@ -125,7 +132,6 @@ def distill(
     console.print(f"{what} written to {out}: {rep.parameters / 1e6:.1f}M "
                   f"parameters, {rep.data_tokens} data tokens, {rep.steps} steps, final loss {rep.final_loss:.3f}, "
                   f"greedy acceptance {rep.acceptance[dst.HELD_OUT_ACCEPTANCE]:.1%}")
-
 
 def _collector(s: Settings, t: LoadedModel) -> torch.nn.Module:
     """The forward collection runs: the target itself, or a copy of it in a form that runs batches faster."""
