@@ -22,13 +22,12 @@ from lssp.errors import UserError
 from lssp.models.compact import float_weight
 from lssp.models.draft_head import most_frequent
 from lssp.models.eagle import check_feature_layers, head_config
-from lssp.models.eagle3 import AUX_KEY, Eagle3Head, is_eagle3_head, load_eagle3_head
+from lssp.models.eagle3 import AUX_KEY, Eagle3Head, default_aux_ids, is_eagle3_head, load_eagle3_head
 
 
 def default_taps(target: PreTrainedModel) -> tuple[int, ...]:
     """Our feature layers for vLLM's default EAGLE-3 layers (the states entering 2, L/2 and L-3 leave 1, L/2-1, L-4)."""
-    layers = target.config.num_hidden_layers
-    return (1, layers // 2 - 1, layers - 4)
+    return tuple(i - 1 for i in default_aux_ids(target.config.num_hidden_layers))
 
 
 class Eagle3Trainer(HeadTrainer):

@@ -45,7 +45,12 @@ def aux_layer_ids(config: LlamaConfig, target_layers: int) -> tuple[int, ...]:
     """The target layers whose input hidden states the head reads: ``eagle_config``'s (vLLM reads them there) or the
     top level's (llama.cpp's converter reads them there), else vLLM's default for Llama: 2, L/2, L-3."""
     given = (getattr(config, "eagle_config", None) or {}).get(AUX_KEY) or getattr(config, AUX_KEY, None)
-    return tuple(given) if given else (2, target_layers // 2, target_layers - 3)
+    return tuple(given) if given else default_aux_ids(target_layers)
+
+
+def default_aux_ids(target_layers: int) -> tuple[int, ...]:
+    """vLLM's (and llama.cpp's converter's) EAGLE-3 layers for a Llama of ``target_layers``: 2, L/2, L-3."""
+    return (2, target_layers // 2, target_layers - 3)
 
 
 class Eagle3Attention(nn.Module):
