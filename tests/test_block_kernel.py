@@ -273,21 +273,35 @@ def test_a_subset_head_drafts_from_its_own_tokens_logits_as_its_forward_gives_th
         assert out.tokens.tolist() == generate_regular(target, prompt, 20, params).tokens.tolist()
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.7], ids=["greedy", "T=0.7"])
-def test_a_heads_chain_in_one_call_is_its_steps_one_by_one(tiny_dir, temperature):
-    """``draft_chain`` (k drafts in one kernel call) gives the argmaxes of k ``draft_logits`` steps, each fed the last
-    draft, or at a temperature their draws (``inverse_cdf`` of the warped logits by the same uniforms) and laws; and
-    leaves the head's cache, guess and length as those steps do, after a first step of one token or several. SSp
-    gives the same tokens and counts with it and without it (sampling: the same seed)."""
-    from lssp.decoding.sampling import inverse_cdf, warp
+def _q4_head(kind: str, target, ids: list[int], folder: Path):
+    """A random head of ``kind`` (EAGLE-1 or EAGLE-3) drafting ``ids`` for ``target``, its Linear layers in q4_1."""
     from lssp.models.eagle import FeatureDraft
+    from lssp.models.eagle3 import Eagle3Draft, load_eagle3_head
     from lssp.models.loading import cpu_quantize
     from lssp.models.registry import ModelSpec
     from tests.conftest import random_head
+    from tests.test_eagle3 import publish
+
+    if kind == "eagle":
+        return cpu_quantize(FeatureDraft(random_head(target, 3, token_ids=ids), target), ModelSpec("h", quantization="q4_1"))
+    publish(folder, target, ids, seed=3, aux=[1] * 3)  # the 2-layer target's one middle state, three times
+    head = Eagle3Draft(load_eagle3_head(folder, target), target, torch.float32)
+    return weight_only_quantize(head, "q4_1")[0]
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+@pytest.mark.parametrize("temperature", [0.0, 0.7], ids=["greedy", "T=0.7"])
+def test_a_heads_chain_in_one_call_is_its_steps_one_by_one(tiny_dir, tmp_path, temperature, kind):
+    """``draft_chain`` (k drafts in one kernel call) gives the argmaxes of k ``draft_logits`` steps, each fed the last
+    draft, or at a temperature their draws (``inverse_cdf`` of the warped logits by the same uniforms) and laws; and
+    leaves the head's cache, guess and length as those steps do, after a first step of one token or several. SSp
+    gives the same tokens and counts with it and without it (sampling: the same seed). EAGLE-1 and EAGLE-3 heads."""
+    from lssp.decoding.sampling import inverse_cdf, warp
 
     target = load_model(load_registry(tiny_dir / "models.yaml").get("tiny-target-q4")).model
     ids = list(range(1, 64, 2))
-    head = cpu_quantize(FeatureDraft(random_head(target, 3, token_ids=ids), target), ModelSpec("h", quantization="q4_1"))
+    head = _q4_head(kind, target, ids, tmp_path / "head")
+    assert head.can_chain
     params = SamplingParams(temperature)
     prompt = torch.tensor([[3, 9, 4, 7, 1, 8, 2, 6]])
     with torch.inference_mode():
@@ -322,6 +336,28 @@ def test_a_heads_chain_in_one_call_is_its_steps_one_by_one(tiny_dir, temperature
     runs = [speculative_decode(target, drafter, prompt, 24, 3, params, generator()) for drafter in (chained, stepwise)]
     assert runs[0].tokens.tolist() == runs[1].tokens.tolist()
     assert (runs[0].stats.accepted, runs[0].stats.drafted) == (runs[1].stats.accepted, runs[1].stats.drafted)
+
+
+def test_an_eagle3_layer_in_one_kernel_call_drafts_as_its_torch_layer(tiny_dir, tmp_path):
+    """An EAGLE-3 head in q4_1 runs its layer (the two normed halves into queries, keys and values, its own final
+    norm, the pre-norm state fed back) in our kernel: over a prompt and four drafting steps its logits are those of
+    the same blocks run layer by layer in torch, to float32 rounding."""
+    target = load_model(load_registry(tiny_dir / "models.yaml").get("tiny-target-q4")).model
+    head = _q4_head("eagle3", target, list(range(1, 64, 2)), tmp_path / "head")
+    prompt = torch.tensor([[3, 9, 4, 7, 1, 8, 2, 6]])
+    runs = []
+    with torch.inference_mode():
+        features = target(prompt[:, :-1], past_key_values=new_cache(target), features=True).features
+        for kernel in (True, False):
+            if not kernel:
+                head.__dict__["_chain_parts_"] = None  # as a head outside our blocks runs
+            kv, pending, steps = head.start(prompt, features), prompt[:, -1:], []
+            for _ in range(4):
+                logits, columns = head.draft_logits(pending, kv)
+                steps.append(logits)
+                pending = torch.tensor([[int(columns[int(logits.argmax())])]])
+            runs.append(torch.stack(steps))
+    torch.testing.assert_close(runs[0], runs[1], rtol=1e-5, atol=1e-5)
 
 
 def test_the_kernels_fake_tensors_match_what_they_return_for_any_layout():

@@ -106,7 +106,8 @@ def _load_block_kernel(root: Path) -> None:
     def _(hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, allowed: torch.Tensor | None,
           weights: list[torch.Tensor], cache: list[torch.Tensor], start: int, heads: int, kv_heads: int, eps: float,
           scale: float, final_norm: torch.Tensor | None, output: list[torch.Tensor],
-          keep: int, used: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+          keep: int, used: torch.Tensor | None = None, embeds: torch.Tensor | None = None,
+          embed_norm: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         batch, n = hidden.shape[:2]
         kept = min(keep, n) if keep > 0 else n
         logits = hidden.new_empty(batch, kept, output[0].shape[0]) if output else hidden.new_empty(0)

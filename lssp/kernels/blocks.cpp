@@ -658,12 +658,14 @@ at::Tensor row_attention(const at::Tensor& q_in, const at::Tensor& keys_in, cons
   return out.to(q_in.scalar_type());
 }
 
-// x (R, D) -> out (R, D): RMS norm with ``weight`` (null: none, a copy); rows split between threads where many.
-void rms_norm(const float* x, int64_t R, int64_t D, const float* weight, float eps, float* out) {
+// x (R, D) -> out (R, D), its rows ``out_stride`` apart (0: D): RMS norm with ``weight`` (null: none, a copy); rows
+// split between threads where many.
+void rms_norm(const float* x, int64_t R, int64_t D, const float* weight, float eps, float* out, int64_t out_stride = 0) {
+  const int64_t stride = out_stride > 0 ? out_stride : D;
   at::parallel_for(0, R, kRowsPerThread, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const float* v = x + r * D;
-      float* o = out + r * D;
+      float* o = out + r * stride;
       if (!weight) {
         std::copy(v, v + D, o);
         continue;
@@ -709,11 +711,15 @@ constexpr int64_t kPerLayer = 14;  // input norm, qkv (3), o (3), post-attention
 // packed, scales, mins) the logits of each row's last ``keep`` positions (all where 0), (B, keep, N); else no logits.
 // used: none (every position holds a token) or bool (B, n), false at a hole (a batch's padding): a hole is not
 // computed (its hidden states and logits are zeros, its cache slot is left as it was), so padding costs nothing.
+// embeds (B, n, D) float32 with embed_norm (D,): an EAGLE-3 layer. The first layer's queries, keys and values read
+// [embed_norm(embeds), input norm(hidden)] (their weights 2D inputs wide), hidden staying the residual; the hidden
+// states returned are then those before final_norm (the head feeds them back), the logits those after it.
 std::tuple<at::Tensor, at::Tensor> decoder(const at::Tensor& hidden_in, const at::Tensor& cos_in, const at::Tensor& sin_in,
                    const c10::optional<at::Tensor>& allowed_in, at::TensorList weights, at::TensorList cache,
                    int64_t start, int64_t heads, int64_t kv_heads, double eps, double scale,
                    const c10::optional<at::Tensor>& final_norm, at::TensorList output, int64_t keep,
-                   const c10::optional<at::Tensor>& used_in) {
+                   const c10::optional<at::Tensor>& used_in, const c10::optional<at::Tensor>& embeds_in,
+                   const c10::optional<at::Tensor>& embed_norm) {
   TORCH_CHECK(hidden_in.dim() == 3 && hidden_in.scalar_type() == at::kFloat, "decoder: hidden (B, n, D) float32");
   const int64_t L = static_cast<int64_t>(weights.size()) / kPerLayer;
   TORCH_CHECK(L >= 1 && L * kPerLayer == static_cast<int64_t>(weights.size()) &&
@@ -746,9 +752,18 @@ std::tuple<at::Tensor, at::Tensor> decoder(const at::Tensor& hidden_in, const at
   at::Tensor hidden = holes ? hidden_in.contiguous().reshape({B * n, D}).index_select(0, live_index)
                             : hidden_in.contiguous().clone();
   float* h = hidden.data_ptr<float>();
+  const bool two_inputs = embeds_in.has_value() && embeds_in->defined();
+  at::Tensor embeds;
+  if (two_inputs) {
+    TORCH_CHECK(embeds_in->sizes() == hidden_in.sizes() && embeds_in->scalar_type() == at::kFloat &&
+                embed_norm.has_value() && embed_norm->scalar_type() == at::kFloat && embed_norm->numel() == D &&
+                embed_norm->is_contiguous() && weights[0].numel() == D,
+                "decoder: embeds (B, n, D) float32 with embed_norm (D,) float32 and an input norm");
+    embeds = holes ? embeds_in->contiguous().reshape({B * n, D}).index_select(0, live_index) : embeds_in->contiguous();
+  }
   const int64_t width = (heads + 2 * kv_heads) * hd;
   const int64_t inner = weights[8].size(0) / 2;
-  std::vector<float> x(R * D), qkv(R * width), attn(R * heads * hd), proj(R * D),
+  std::vector<float> x(R * (two_inputs ? 2 * D : D)), qkv(R * width), attn(R * heads * hd), proj(R * D),
       gate_up(R * 2 * inner), act(R * inner);
   Scratch s;
   for (int64_t l = 0; l < L; ++l) {
@@ -757,8 +772,15 @@ std::tuple<at::Tensor, at::Tensor> decoder(const at::Tensor& hidden_in, const at
     const at::Tensor& values = cache[2 * l + 1];
     float* kp = keys.data_ptr<float>();
     float* vp = values.data_ptr<float>();
-    rms_norm(h, R, D, w[0].numel() ? w[0].data_ptr<float>() : nullptr, eps, x.data());
-    matmul(blocks_of(w[1], w[2], w[3], D), x.data(), R, qkv.data(), s);
+    const float* input_norm = w[0].numel() ? w[0].data_ptr<float>() : nullptr;
+    if (l == 0 && two_inputs) {  // [embed_norm(embeds), input norm(hidden)], 2D wide
+      rms_norm(embeds.data_ptr<float>(), R, D, embed_norm->data_ptr<float>(), eps, x.data(), 2 * D);
+      rms_norm(h, R, D, input_norm, eps, x.data() + D, 2 * D);
+      matmul(blocks_of(w[1], w[2], w[3], 2 * D), x.data(), R, qkv.data(), s);
+    } else {
+      rms_norm(h, R, D, input_norm, eps, x.data());
+      matmul(blocks_of(w[1], w[2], w[3], D), x.data(), R, qkv.data(), s);
+    }
     // rotary on queries and keys; keys and values into the cache
     at::parallel_for(0, R, kRowsPerThread, [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r) {
@@ -808,10 +830,14 @@ std::tuple<at::Tensor, at::Tensor> decoder(const at::Tensor& hidden_in, const at
     matmul(blocks_of(w[11], w[12], w[13], inner), act.data(), R, proj.data(), s);
     for (int64_t j = 0; j < R * D; ++j) h[j] += proj[j];
   }
+  const float* normed = h;  // the rows the output layer reads
+  std::vector<float> apart;  // an EAGLE-3 layer's normed rows, its hidden states kept as they were
   if (final_norm.has_value() && final_norm->defined()) {  // in place: each row's squares are summed before it is written
     TORCH_CHECK(final_norm->scalar_type() == at::kFloat && final_norm->numel() == D && final_norm->is_contiguous(),
                 "decoder: final_norm (D,) float32");
-    rms_norm(h, R, D, final_norm->data_ptr<float>(), eps, h);
+    if (two_inputs) apart.resize(R * D);
+    rms_norm(h, R, D, final_norm->data_ptr<float>(), eps, two_inputs ? apart.data() : h);
+    if (two_inputs) normed = apart.data();
   }
   // The computed rows back in their places (B, n, D), holes zero; ``row_of``: each position's row (-1: a hole).
   std::vector<int64_t> row_of(B * n, -1);
@@ -833,7 +859,7 @@ std::tuple<at::Tensor, at::Tensor> decoder(const at::Tensor& hidden_in, const at
   std::vector<float> last(picked.size() * D);
   for (size_t p = 0; p < picked.size(); ++p) {
     const int64_t b = picked[p] / kept, j = picked[p] % kept;
-    const float* row = h + row_of[b * n + n - kept + j] * D;
+    const float* row = normed + row_of[b * n + n - kept + j] * D;
     std::copy(row, row + D, last.data() + p * D);
   }
   at::Tensor logits = holes ? at::zeros({B, kept, o.N}, hidden.options()) : at::empty({B, kept, o.N}, hidden.options());
@@ -886,22 +912,29 @@ int64_t draw(const float* l, int64_t n, double temperature, double u, float* q) 
 // uniforms[j] x the total] (uniforms (k,) float64, in [0, 1)): the rule of lssp.decoding.sampling.inverse_cdf. Returns
 // the drafts (k,), the last step's hidden state (1, 1, D), its logits (N,) and each step's q (k, N; empty when greedy):
 // with k = 1, one drafting step whose draft the caller may pick otherwise (a hint, top-k, top-p).
+// An EAGLE-3 head (fc empty, embed_norm and final_norm given): the features are the head's states already (fused by
+// its fc where the target's), each step runs decoder's EAGLE-3 layer over [embedding, state] (see decoder), its
+// logits after final_norm, and the next step reads the state before it.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> draft_chain(const at::Tensor& ids_in, const at::Tensor& table,
                                                const at::Tensor& features_in, at::TensorList fc, const at::Tensor& cos,
                                                const at::Tensor& sin, at::TensorList weights, at::TensorList cache,
                                                int64_t start, int64_t heads, int64_t kv_heads, double eps, double scale,
                                                at::TensorList output, const at::Tensor& token_ids_in, int64_t k,
-                                               double temperature, const c10::optional<at::Tensor>& uniforms_in) {
+                                               double temperature, const c10::optional<at::Tensor>& uniforms_in,
+                                               const c10::optional<at::Tensor>& embed_norm,
+                                               const c10::optional<at::Tensor>& final_norm) {
   const int64_t D = table.size(1), n = ids_in.numel();
   TORCH_CHECK(table.dim() == 2 && table.scalar_type() == at::kFloat && table.is_contiguous(), "draft_chain: table (V, D) float32");
   TORCH_CHECK(k >= 1 && n >= 1 && features_in.numel() == n * D, "draft_chain: k >= 1, ids (n,), features (n, D)");
-  TORCH_CHECK(fc.size() == 3 && output.size() == 3, "draft_chain: fc and output are packed, scales, mins");
+  const bool eagle3 = fc.empty();
+  TORCH_CHECK((fc.size() == 3 || (eagle3 && embed_norm.has_value() && final_norm.has_value())) && output.size() == 3,
+              "draft_chain: fc (or an EAGLE-3 head's embed_norm and final_norm) and output are packed, scales, mins");
   TORCH_CHECK(cos.dim() == 3 && cos.size(1) >= n + k - 1, "draft_chain: cos, sin (1, n + k - 1, head_dim)");
   const at::Tensor ids = ids_in.to(at::kLong).contiguous();
   const at::Tensor features = features_in.to(at::kFloat).contiguous();
   const at::Tensor token_ids = token_ids_in.to(at::kLong).contiguous();
-  const Blocks f = blocks_of(fc[0], fc[1], fc[2], 2 * D);
-  TORCH_CHECK(f.N == D, "draft_chain: fc maps 2D inputs to D");
+  const Blocks f = eagle3 ? Blocks{} : blocks_of(fc[0], fc[1], fc[2], 2 * D);
+  TORCH_CHECK(eagle3 || f.N == D, "draft_chain: fc maps 2D inputs to D");
   const int64_t V = table.size(0), N = output[0].size(0);
   TORCH_CHECK(token_ids.numel() == N, "draft_chain: a vocabulary id per output row");
   std::vector<float> x(n * 2 * D);  // [embedding, feature] of each position fed
@@ -922,11 +955,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> draft_chain(const at:
   at::Tensor guess, last;
   Scratch s;
   for (int64_t j = 0, slot = start, count = n; j < k; ++j, slot += count, count = 1) {
-    at::Tensor hidden = at::empty({1, count, D}, table.options());
-    matmul(f, x.data(), count, hidden.data_ptr<float>(), s);
+    at::Tensor hidden, embeds;
+    if (eagle3) {  // x's rows are [embedding, state]
+      const at::Tensor rows = at::from_blob(x.data(), {1, count, 2 * D}, table.options());
+      embeds = rows.narrow(2, 0, D).contiguous();
+      hidden = rows.narrow(2, D, D).contiguous();
+    } else {
+      hidden = at::empty({1, count, D}, table.options());
+      matmul(f, x.data(), count, hidden.data_ptr<float>(), s);
+    }
     const at::Tensor step_cos = cos.narrow(1, slot - start, count), step_sin = sin.narrow(1, slot - start, count);
     auto [h, logits] = decoder(hidden, step_cos, step_sin, c10::nullopt, weights, cache, slot, heads, kv_heads, eps,
-                               scale, c10::nullopt, output, 1, c10::nullopt);
+                               scale, eagle3 ? final_norm : c10::nullopt, output, 1, c10::nullopt,
+                               eagle3 ? c10::optional<at::Tensor>(embeds) : c10::nullopt, embed_norm);
     last = logits;
     const float* l = logits.data_ptr<float>();
     const int64_t best = sampled ? draw(l, N, temperature, uniforms.data_ptr<double>()[j], q.data_ptr<float>() + j * N)
@@ -964,10 +1005,11 @@ TORCH_LIBRARY(lssp, m) {
   m.def("arena(int nbytes) -> Tensor");
   m.def("decoder(Tensor hidden, Tensor cos, Tensor sin, Tensor? allowed, Tensor[] weights, Tensor(a!)[] cache, "
         "int start, int heads, int kv_heads, float eps, float scale, Tensor? final_norm, Tensor[] output, int keep, "
-        "Tensor? used=None) -> (Tensor, Tensor)");
+        "Tensor? used=None, Tensor? embeds=None, Tensor? embed_norm=None) -> (Tensor, Tensor)");
   m.def("draft_chain(Tensor ids, Tensor table, Tensor features, Tensor[] fc, Tensor cos, Tensor sin, Tensor[] weights, "
         "Tensor(a!)[] cache, int start, int heads, int kv_heads, float eps, float scale, Tensor[] output, "
-        "Tensor token_ids, int k, float temperature=0., Tensor? uniforms=None) -> (Tensor, Tensor, Tensor, Tensor)");
+        "Tensor token_ids, int k, float temperature=0., Tensor? uniforms=None, Tensor? embed_norm=None, "
+        "Tensor? final_norm=None) -> (Tensor, Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(lssp, CPU, m) {

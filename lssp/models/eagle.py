@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import json
+from dataclasses import dataclass
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -353,10 +354,73 @@ class FeatureCache(CompactCache):
         return self.queued is not None or self.guess is not None
 
 
+@dataclass(frozen=True)
+class ChainParts:
+    """What ``torch.ops.lssp.draft_chain`` reads besides the cache: the embedding table (float32), ``fc``'s blocks
+    (none: the cache holds the head's own states already, EAGLE-3), the layer stack as ``torch.ops.lssp.decoder``
+    takes it, the output rows' blocks and their vocabulary ids; an EAGLE-3 layer's embedding and final norms."""
+
+    table: torch.Tensor
+    fc: tuple[torch.Tensor, ...]
+    layers: list[torch.Tensor]
+    output: tuple[torch.Tensor, ...]
+    token_ids: torch.Tensor
+    embed_norm: torch.Tensor | None = None
+    final_norm: torch.Tensor | None = None
+
+
 class FeatureDrafting:
     """What a head drafting from its target's features offers the drafters (``FeatureDraft``, EAGLE-1/2, and
-    ``Eagle3Draft``): ``new_cache``, a forward over (tokens, cache), ``draft_logits``, ``draft_ids``, ``can_chain``
-    and, from here, ``start``."""
+    ``Eagle3Draft``): ``new_cache``, a forward over (tokens, cache), ``draft_logits``, ``draft_ids`` and, from here,
+    ``start``, ``can_chain`` and ``draft_chain`` (over the head's ``_chain_parts``, ``_rotary`` and its ``heads``,
+    ``kv_heads``, ``eps`` and ``scale``)."""
+
+    heads: int
+    kv_heads: int
+    eps: float
+    scale: float
+
+    def _chain_parts(self) -> ChainParts | None:
+        """What the head drafts with in one kernel call, where it can (None: it cannot)."""
+        return None
+
+    def _rotary(self, start: int, end: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin (sin negated on its first half) of positions start..end-1, (1, positions, head_dim)."""
+        raise NotImplementedError
+
+    @property
+    def can_chain(self) -> bool:
+        """Whether the head drafts in one call of our kernel (``draft_chain``): its layers and output rows (and an
+        EAGLE-1 head's ``fc``) are in the kernel's blocks."""
+        return self._chain_parts() is not None
+
+    def draft_chain(self, input_ids: torch.Tensor, kv: FeatureCache, k: int, temperature: float = 0.0,
+                    uniforms: torch.Tensor | None = None) -> tuple[list[int], torch.Tensor | None]:
+        """``k`` drafts after ``input_ids`` (1, n) in one call of our kernel (where ``can_chain``), each step fed the
+        last draft, and the cache as those steps leave it (the last draft not fed): the argmaxes of ``k`` steps of
+        ``draft_logits``, or with ``temperature`` > 0 draws from their softmax at that temperature by ``uniforms``
+        (k,), as ``inverse_cdf`` draws, with those laws (k, the head's tokens: ``draft_ids``)."""
+        drafts, _, q = self._chain(input_ids, kv, k, temperature, uniforms)
+        return drafts.tolist(), q if temperature > 0 else None
+
+    def _chain(self, input_ids: torch.Tensor, kv: FeatureCache, k: int, temperature: float = 0.0,
+               uniforms: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``torch.ops.lssp.draft_chain``'s drafts, last logits and laws over ``kv``, extending it as k forwards
+        would."""
+        parts = self._chain_parts()
+        if input_ids.shape[0] != 1 or parts is None:
+            raise ValueError("a chain of drafts is one completion's, by a head in our kernel's blocks")
+        n = input_ids.shape[1]
+        features = kv.take(n)
+        start, end = kv.length, kv.length + n + k - 1
+        kv.reserve(end)
+        cos, sin = self._rotary(start, end, kv.keys_values[0])
+        drafts, kv.guess, logits, q = torch.ops.lssp.draft_chain(
+            input_ids[0], parts.table, features[0], parts.fc, cos, sin, parts.layers, kv.keys_values, start,
+            self.heads, self.kv_heads, self.eps, self.scale, parts.output, parts.token_ids, k, temperature, uniforms,
+            parts.embed_norm, parts.final_norm)
+        kv.length = end
+        return drafts, logits, q
 
     def start(self, seq: torch.Tensor, features: torch.Tensor, kv: FeatureCache | None = None) -> FeatureCache:
         """The head's cache after the target's prefill of ``seq`` (1, T) but its last token, whose features
@@ -465,49 +529,16 @@ class FeatureDraft(FusedDecoder, FeatureDrafting):
             logits = self._step(input_ids, kv, None, fused)[1][0, -1]
         return logits, self.draft_ids
 
-    @property
-    def can_chain(self) -> bool:
-        """Whether the head drafts in one call of our kernel (``draft_chain``): its layers, ``fc`` and output rows
-        are in the kernel's blocks."""
-        return self._chain_parts() is not None
-
-    def draft_chain(self, input_ids: torch.Tensor, kv: FeatureCache, k: int, temperature: float = 0.0,
-                    uniforms: torch.Tensor | None = None) -> tuple[list[int], torch.Tensor | None]:
-        """``k`` drafts after ``input_ids`` (1, n) in one call of our kernel (where ``can_chain``), each step fed the
-        last draft, and the cache as those steps leave it (the last draft not fed): the argmaxes of ``k`` steps of
-        ``draft_logits``, or with ``temperature`` > 0 draws from their softmax at that temperature by ``uniforms``
-        (k,), as ``inverse_cdf`` draws, with those laws (k, the head's tokens: ``draft_ids``)."""
-        drafts, _, q = self._chain(input_ids, kv, k, temperature, uniforms)
-        return drafts.tolist(), q if temperature > 0 else None
-
-    def _chain(self, input_ids: torch.Tensor, kv: FeatureCache, k: int, temperature: float = 0.0,
-               uniforms: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``torch.ops.lssp.draft_chain``'s drafts, last logits and laws over ``kv``, extending it as k forwards
-        would."""
-        if input_ids.shape[0] != 1:
-            raise ValueError("a chain of drafts is one completion's")
-        table, fc, output, ids = self._chain_parts()
-        n = input_ids.shape[1]
-        features = kv.take(n)
-        start, end = kv.length, kv.length + n + k - 1
-        kv.reserve(end)
-        cos, sin = self._rotary(start, end, kv.keys_values[0])
-        drafts, kv.guess, logits, q = torch.ops.lssp.draft_chain(
-            input_ids[0], table, features[0], fc, cos, sin, self._block_stack(), kv.keys_values, start, self.heads,
-            self.kv_heads, self.eps, self.scale, output, ids, k, temperature, uniforms)
-        kv.length = end
-        return drafts, logits, q
-
-    def _chain_parts(self) -> tuple[torch.Tensor, tuple, tuple, torch.Tensor] | None:
-        """What ``draft_chain`` reads besides the cache (the embedding table, ``fc``'s and the output rows' blocks,
-        their vocabulary ids), where the head can draft in one call; else None. Read once, off the drafting path."""
+    def _chain_parts(self) -> ChainParts | None:
+        """What ``draft_chain`` reads, where the head can draft in one call (its ``fc``, layers and output rows in
+        our kernel's blocks, float32 activations); else None. Read once, off the drafting path."""
         if "_chain_parts_" not in self.__dict__:
             fused = self._draft_output()
             table = self.get_input_embeddings().weight
             able = (fused is not None and type(self.head.fc) is BlockLinear and table.dtype == torch.float32
-                    and self.compute_dtype == torch.float32)
-            self.__dict__["_chain_parts_"] = (table, self.head.fc.weights(), fused.weights, self.draft_ids) \
-                if able else None
+                    and self.compute_dtype == torch.float32 and self._block_stack() is not None)
+            self.__dict__["_chain_parts_"] = ChainParts(table, self.head.fc.weights(), self._block_stack(),
+                                                        fused.weights, self.draft_ids) if able else None
         return self.__dict__["_chain_parts_"]
 
     def _draft_output(self) -> FusedOutput | None:

@@ -26,7 +26,9 @@ from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, Lla
 from lssp.errors import UserError
 from lssp.models.compact import CompactOutput
 from lssp.models.draft_head import SubsetHead
-from lssp.models.eagle import FeatureCache, FeatureDrafting, feature_layers, read_weights, unrolled_mask
+from lssp.models.eagle import (ChainParts, FeatureCache, FeatureDrafting, feature_layers, read_weights,
+                              unrolled_mask)
+from lssp.models.weight_only import BlockLinear, stacked_blocks
 
 AUX_KEY = "eagle_aux_hidden_state_layer_ids"  # in config.json's eagle_config: the target layers the head reads
 
@@ -218,11 +220,15 @@ def save_eagle3_head(head: Eagle3Head, folder: str | Path, dtype: torch.dtype = 
 
 class Eagle3Draft(nn.Module, FeatureDrafting):
     """``head`` drafting for ``target``: the target's embeddings unless the head has its own, its draft vocabulary
-    as a SubsetHead (in the target's id order). One completion at a time, each step in torch."""
+    as a SubsetHead (in the target's id order). One completion at a time: with its Linear layers in our kernel's
+    blocks (q4_1) the layer runs in one kernel call and drafts chain in one; else each step in torch."""
 
     def __init__(self, head: Eagle3Head, target: PreTrainedModel, dtype: torch.dtype) -> None:
         super().__init__()
         self.head, self.config = head.to(dtype), head.config
+        attn = head.midlayer.self_attn
+        self.heads, self.kv_heads, self.eps, self.scale = (attn.heads, attn.kv_heads, head.config.rms_norm_eps,
+                                                           attn.head_dim ** -0.5)
         self._target = (target,)  # not a submodule: moving the draft leaves the target alone
         self.taps = tuple(i - 1 for i in head.aux_ids)  # the state entering layer i leaves layer i - 1
         target.feature_layers = tuple(sorted(set(feature_layers(target)) | set(self.taps)))
@@ -247,8 +253,6 @@ class Eagle3Draft(nn.Module, FeatureDrafting):
     def draft_ids(self) -> torch.Tensor:
         return self.output.token_ids
 
-    can_chain = False  # no kernel of ours runs this layer in one call
-
     def new_cache(self, batch: int = 1) -> FeatureCache:
         attn = self.head.midlayer.self_attn
         return FeatureCache(1, attn.kv_heads, attn.head_dim, self.compute_dtype, self.head.norm.weight.device,
@@ -269,12 +273,47 @@ class Eagle3Draft(nn.Module, FeatureDrafting):
             raise ValueError("an EAGLE-3 head drafts one completion at a time")
         kv = past_key_values
         embeds = self.get_input_embeddings()(input_ids).to(self.compute_dtype)
-        state = self.head.step(embeds, kv.take(input_ids.shape[1]), kv)
+        hidden = kv.take(input_ids.shape[1])
+        parts = self._chain_parts()
+        if parts is not None:  # the layer, its norm and output rows in one call, as draft_chain runs them
+            start, end = kv.length, kv.length + input_ids.shape[1]
+            kv.reserve(end)
+            state, logits = torch.ops.lssp.decoder(
+                hidden.contiguous(), *self._rotary(start, end, embeds), None, parts.layers, kv.keys_values, start,
+                self.heads, self.kv_heads, self.eps, self.scale, parts.final_norm, parts.output, logits_to_keep, None,
+                embeds.contiguous(), parts.embed_norm)
+            kv.length = end
+        else:
+            state = self.head.step(embeds, hidden, kv)
+            last = state[:, -logits_to_keep:] if logits_to_keep else state
+            logits = self.output.linear(self.head.norm(last))
         kv.guess = state[:, -1:]
-        last = state[:, -logits_to_keep:] if logits_to_keep else state
-        logits = self.output.linear(self.head.norm(last))
         return CompactOutput(self.output.widen(logits) if widen else logits)
 
     def draft_logits(self, input_ids: torch.Tensor, kv: FeatureCache) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The last position's logits over the draft vocabulary and their target ids."""
         return self(input_ids, kv, logits_to_keep=1, widen=False).logits[0, -1], self.draft_ids
+
+    def _chain_parts(self) -> ChainParts | None:
+        """What our kernel reads to run the layer (``decoder``) and chain drafts (``draft_chain``): where every Linear
+        of the layer and the output rows are in its blocks (q4_1) and activations float32; else None. Built once."""
+        if "_chain_parts_" not in self.__dict__:
+            layer, table = self.head.midlayer, self.get_input_embeddings().weight
+            attn, mlp = layer.self_attn, layer.mlp
+            linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj,
+                       self.output.linear)
+            able = (all(type(m) is BlockLinear for m in linears) and self.compute_dtype == torch.float32
+                    and table.dtype == torch.float32 and table.is_contiguous())
+            norm = lambda m: m.weight.detach().float().contiguous()  # noqa: E731
+            self.__dict__["_chain_parts_"] = ChainParts(
+                table, (), [norm(layer.hidden_norm), *stacked_blocks(attn.q_proj, attn.k_proj, attn.v_proj),
+                            *attn.o_proj.weights(), norm(layer.post_attention_layernorm),
+                            *stacked_blocks(mlp.gate_proj, mlp.up_proj), *mlp.down_proj.weights()],
+                self.output.linear.weights(), self.draft_ids, norm(layer.input_layernorm), norm(self.head.norm)) \
+                if able else None
+        return self.__dict__["_chain_parts_"]
+
+    def _rotary(self, start: int, end: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.head.rotary(like.float(), torch.arange(start, end, device=like.device)[None])
+        half = sin.shape[-1] // 2
+        return cos.contiguous(), torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)

@@ -146,6 +146,14 @@ class BlockLinear(nn.Module):
         return (grouped * d[..., None] + m[..., None]).reshape(self.out_features, self.in_features)
 
 
+def stacked_blocks(*layers: BlockLinear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """packed, scales, mins of one layer whose outputs are those of ``layers`` in turn (inputs as wide and bits
+    alike: each output row's blocks are its own, so this is the concatenated weight's quantization)."""
+    if len({(m.in_features, m.bits) for m in layers}) != 1:
+        raise ValueError("stacked layers take inputs as wide, in blocks of as many bits")
+    return tuple(torch.cat(parts) for parts in zip(*(m.weights() for m in layers)))  # type: ignore[return-value]
+
+
 def into_arena(layers: list[BlockLinear]) -> None:
     """Move the weights of ``layers`` into one buffer of huge pages (``torch.ops.lssp.arena``), in the order given
     (the order a forward reads them): streaming them then misses the TLB once per 2 MiB, not per 4 KiB (~10% of a
