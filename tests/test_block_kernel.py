@@ -360,6 +360,27 @@ def test_an_eagle3_layer_in_one_kernel_call_drafts_as_its_torch_layer(tiny_dir, 
     torch.testing.assert_close(runs[0], runs[1], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "torch"])
+@pytest.mark.parametrize("params", [SamplingParams(0.0), SamplingParams(1.0)], ids=["greedy", "T=1"])
+def test_batched_rows_with_an_eagle3_head_give_what_each_gives_alone(tiny_dir, tmp_path, params, kernel):
+    """An EAGLE-3 head drafts for rows at positions of their own (its layer in our kernel, padding skipped, or in
+    torch under the rows' mask): each row gets the tokens and counts it gets alone."""
+    target = load_model(load_registry(tiny_dir / "models.yaml").get("tiny-target-q4")).model
+    head = _q4_head("eagle3", target, list(range(64)), tmp_path / "head")
+    if not kernel:
+        head.__dict__["_chain_parts_"] = None  # as a head outside our blocks runs
+    assert FeatureHead(head).rows_reason(target) is None
+    prompts = [[3, 9, 4, 3, 9, 4, 3, 9], [7, 7, 7, 7, 7], [5, 1, 2, 6, 5, 1], [8, 2]]
+    generators = lambda s: None if params.greedy else torch.Generator().manual_seed(s)  # noqa: E731
+    outs = speculative_decode_batch(target, FeatureHead(head), [torch.tensor(p) for p in prompts], 16, 2, params,
+                                    [generators(s) for s in range(len(prompts))])
+    for seed, (prompt, out) in enumerate(zip(prompts, outs)):
+        alone = speculative_decode(target, FeatureHead(head), torch.tensor([prompt]), 16, 2, params, generators(seed))
+        assert out.tokens.tolist() == alone.tokens.tolist(), prompt
+        assert (out.stats.drafted, out.stats.accepted) == (alone.stats.drafted, alone.stats.accepted), prompt
+    assert sum(out.stats.accepted for out in outs) > 0
+
+
 def test_the_kernels_fake_tensors_match_what_they_return_for_any_layout():
     """torch.compile builds graphs from the ops' fake kernels: their shapes, dtypes and strides must be the real ones,
     also for a query laid out as attention hands it over (heads and positions transposed), or a compiled step fails

@@ -124,7 +124,7 @@ def test_a_published_eagle3_head_drafts_as_vllms_equations_say(target, tmp_path)
         assert torch.isinf(got[[i for i in range(64) if i not in draft_ids]]).all()
     # drafting steps feed the layer's own output back: three argmax drafts against the reference's
     drafter = drafter_for(draft)
-    assert isinstance(drafter, FeatureHead) and drafter.rows_reason(CompactLlama(target))
+    assert isinstance(drafter, FeatureHead) and drafter.rows_reason(CompactLlama(target)) is None  # batches too
     kv = draft.start(ids, _features(target, ids[:, :-1]))
     pending = ids[:, -1:]
     for step in range(3):
@@ -196,7 +196,7 @@ def test_eagle3_heads_save_load_and_say_what_is_wrong_in_one_line(target, tmp_pa
 
 def test_an_eagle3_entry_runs_through_latency_verify_and_eval(tmp_path, capsys):
     """A registry entry pointing at a published EAGLE-3 folder drafts like any other: latency times it, verify finds
-    greedy SSp equal to RSp, eval's batched SSp runs it one completion at a time."""
+    greedy SSp equal to RSp, eval's batched SSp runs it in rows."""
     from conftest import char_tokenizer, cli
 
     target = tiny_llama(40, layers=4, scale=4.0)

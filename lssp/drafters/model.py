@@ -109,8 +109,6 @@ class FeatureHead(DraftModel):
         self.kv.queue(features)  # paired with the tokens it has not read at its next draft
 
     def rows_reason(self, target: torch.nn.Module) -> str | None:
-        if not isinstance(self._model, FeatureDraft):
-            return "an EAGLE-3 head drafts one completion at a time"
         if not isinstance(target, CompactLlama):
             return "a feature head drafts batched only for a target under the compact forward"
         return None
@@ -174,7 +172,7 @@ class HeadRows(DraftRows):
     the token after it; the features the target gave for tokens the head has not read yet wait in ``queued`` (its
     first draft forward reads them), and each later draft reads the head's own guess of the feature before it."""
 
-    def __init__(self, head: FeatureDraft, prompts: Sequence[list[int]], features: Sequence[torch.Tensor],
+    def __init__(self, head: FeatureDrafting, prompts: Sequence[list[int]], features: Sequence[torch.Tensor],
                  policies: PolicyRows, prefix: PrefixCache | None = None) -> None:
         super().__init__(policies)
         self.width = head.config.hidden_size

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -106,26 +105,29 @@ class Eagle3Head(nn.Module):
         """The target's id of each draft token (i + d2t[i])."""
         return torch.arange(len(self.d2t), device=self.d2t.device) + self.d2t
 
-    def step(self, embeds: torch.Tensor, hidden: torch.Tensor, kv: FeatureCache) -> torch.Tensor:
-        """The layer's output before ``norm`` (1, n, d) for n new positions after the cache's, each reading its
-        token's embedding and the state beside it (fused or fed back), its keys and values added to ``kv``."""
+    def step(self, embeds: torch.Tensor, hidden: torch.Tensor, kv: FeatureCache, positions: torch.Tensor | None = None,
+             mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The layer's output before ``norm`` (batch, n, d) for n new positions after the cache's, each reading its
+        token's embedding and the state beside it (fused or fed back), its keys and values added to ``kv``. Rows at
+        positions of their own pass ``positions`` (batch, n) and an additive ``mask`` (batch, 1, n, slots); else
+        each row is at the cache's next slots and attends causally."""
         layer, attn = self.midlayer, self.midlayer.self_attn
-        start, n = kv.length, embeds.shape[1]
+        start, (batch, n) = kv.length, embeds.shape[:2]
         x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(hidden)], dim=-1)
-        shape = (1, n, -1, attn.head_dim)
+        shape = (batch, n, -1, attn.head_dim)
         q, k, v = (proj(x).view(shape).transpose(1, 2) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
-        positions = torch.arange(start, start + n, device=embeds.device)[None]
+        if positions is None:
+            positions = torch.arange(start, start + n, device=embeds.device)[None]
+            mask = torch.arange(start + n, device=embeds.device)[None] <= positions[0, :, None]
         q, k = apply_rotary_pos_emb(q, k, *self.rotary(x, positions))
         kv.reserve(start + n)
         keys, values = kv.keys_values
         keys[:, :, start:start + n], values[:, :, start:start + n] = k, v
         kv.length = start + n
-        seen = torch.arange(start + n, device=embeds.device)[None] <= positions[0, :, None]
-        out = F.scaled_dot_product_attention(q, keys[:, :, :start + n], values[:, :, :start + n], attn_mask=seen,
+        out = F.scaled_dot_product_attention(q, keys[:, :, :start + n], values[:, :, :start + n], attn_mask=mask,
                                              enable_gqa=True)
-        state = hidden + attn.o_proj(out.transpose(1, 2).reshape(1, n, -1))
+        state = hidden + attn.o_proj(out.transpose(1, 2).reshape(batch, n, -1))
         return state + layer.mlp(layer.post_attention_layernorm(state))
-
 
     def unrolled(self, embeds: torch.Tensor, fused: torch.Tensor, steps: int) -> list[torch.Tensor]:
         """The training-time test: the layer's outputs before ``norm`` (batch, T, d) at each of ``steps`` drafting
@@ -266,29 +268,39 @@ class Eagle3Draft(nn.Module, FeatureDrafting):
         return self.head.fc(torch.cat([chunks[given.index(t)] for t in self.taps], dim=-1).to(self.compute_dtype))
 
     def forward(self, input_ids: torch.Tensor, past_key_values: FeatureCache, use_cache: bool = True,
-                logits_to_keep: int = 0, widen: bool = True, **batched: Any) -> CompactOutput:
-        """Logits after ``input_ids`` (1, n), each token paired with the state of the token before it (the cache's
-        queued fused states, or its last output); the last output becomes the cache's ``guess``."""
-        if any(v is not None for v in batched.values()) or input_ids.shape[0] != 1:
-            raise ValueError("an EAGLE-3 head drafts one completion at a time")
+                logits_to_keep: int = 0, input_features: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                used: torch.Tensor | None = None, widen: bool = True) -> CompactOutput:
+        """Logits after ``input_ids`` (batch, n), each token paired with the state of the token before it: the
+        cache's queued fused states or its last output, or ``input_features`` (fused, batch, n, d) where the caller
+        keeps them (batched rows, with ``attention_mask``, ``position_ids`` and ``used`` as in
+        ``CompactLlama.forward``). The last position's output becomes the cache's ``guess``."""
         kv = past_key_values
         embeds = self.get_input_embeddings()(input_ids).to(self.compute_dtype)
-        hidden = kv.take(input_ids.shape[1])
+        hidden = kv.take(input_ids.shape[1]) if input_features is None else input_features.to(self.compute_dtype)
         parts = self._chain_parts()
         if parts is not None:  # the layer, its norm and output rows in one call, as draft_chain runs them
             start, end = kv.length, kv.length + input_ids.shape[1]
             kv.reserve(end)
+            cos, sin = self._rope(position_ids if position_ids is not None
+                                  else torch.arange(start, end, device=embeds.device)[None])
+            allowed = None if attention_mask is None else (attention_mask == 0)[:, 0]
             state, logits = torch.ops.lssp.decoder(
-                hidden.contiguous(), *self._rotary(start, end, embeds), None, parts.layers, kv.keys_values, start,
-                self.heads, self.kv_heads, self.eps, self.scale, parts.final_norm, parts.output, logits_to_keep, None,
+                hidden.contiguous(), cos, sin, allowed, parts.layers, kv.keys_values, start, self.heads,
+                self.kv_heads, self.eps, self.scale, parts.final_norm, parts.output, logits_to_keep, used,
                 embeds.contiguous(), parts.embed_norm)
             kv.length = end
         else:
-            state = self.head.step(embeds, hidden, kv)
+            state = self.head.step(embeds, hidden, kv, position_ids, attention_mask)
             last = state[:, -logits_to_keep:] if logits_to_keep else state
             logits = self.output.linear(self.head.norm(last))
         kv.guess = state[:, -1:]
         return CompactOutput(self.output.widen(logits) if widen else logits)
+
+    @property
+    def skips_holes(self) -> bool:
+        """Whether a batch's padding costs nothing (``forward`` takes ``used``): in one call of our kernel."""
+        return self.can_chain
 
     def draft_logits(self, input_ids: torch.Tensor, kv: FeatureCache) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The last position's logits over the draft vocabulary and their target ids."""
@@ -314,6 +326,11 @@ class Eagle3Draft(nn.Module, FeatureDrafting):
         return self.__dict__["_chain_parts_"]
 
     def _rotary(self, start: int, end: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self.head.rotary(like.float(), torch.arange(start, end, device=like.device)[None])
+        return self._rope(torch.arange(start, end, device=like.device)[None])
+
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin (sin negated on its first half) at ``positions`` (batch, n), float32 as the kernel
+        takes them."""
+        cos, sin = self.head.rotary(self.head.norm.weight.float(), positions)
         half = sin.shape[-1] // 2
         return cos.contiguous(), torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
