@@ -23,7 +23,7 @@ from lssp.decoding.drafting import Drafter, DraftRows, Picker, PickPolicy, Polic
 from lssp.decoding.kv import PrefixCache, drop, forward_logits, new_cache, prefill, repeated
 from lssp.decoding.timing import Clock
 from lssp.models.compact import CompactLlama
-from lssp.models.eagle import FeatureCache, FeatureDraft, FeatureDrafting, forward_with_features
+from lssp.models.eagle import FeatureCache, FeatureDrafting, forward_with_features
 from lssp.models.modules import model_device
 
 

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import copy
 import json
-from dataclasses import dataclass
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 

@@ -25,8 +25,7 @@ from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, Lla
 from lssp.errors import UserError
 from lssp.models.compact import CompactOutput
 from lssp.models.draft_head import SubsetHead
-from lssp.models.eagle import (ChainParts, FeatureCache, FeatureDrafting, feature_layers, read_weights,
-                              unrolled_mask)
+from lssp.models.eagle import ChainParts, FeatureCache, FeatureDrafting, feature_layers, read_weights, unrolled_mask
 from lssp.models.weight_only import BlockLinear, stacked_blocks
 
 AUX_KEY = "eagle_aux_hidden_state_layer_ids"  # in config.json's eagle_config: the target layers the head reads
