@@ -221,8 +221,8 @@ def save_eagle3_head(head: Eagle3Head, folder: str | Path, dtype: torch.dtype = 
 
 class Eagle3Draft(nn.Module, FeatureDrafting):
     """``head`` drafting for ``target``: the target's embeddings unless the head has its own, its draft vocabulary
-    as a SubsetHead (in the target's id order). One completion at a time: with its Linear layers in our kernel's
-    blocks (q4_1) the layer runs in one kernel call and drafts chain in one; else each step in torch."""
+    as a SubsetHead (in the target's id order), for one completion or batched rows. With its Linear layers in our
+    kernel's blocks (q4_1) the layer runs in one kernel call and K drafts chain in one; else in torch."""
 
     def __init__(self, head: Eagle3Head, target: PreTrainedModel, dtype: torch.dtype) -> None:
         super().__init__()
@@ -330,6 +330,6 @@ class Eagle3Draft(nn.Module, FeatureDrafting):
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin (sin negated on its first half) at ``positions`` (batch, n), float32 as the kernel
         takes them."""
-        cos, sin = self.head.rotary(self.head.norm.weight.float(), positions)
+        cos, sin = self.head.rotary(self.head.norm.weight.float(), positions)  # the tensor only gives dtype, device
         half = sin.shape[-1] // 2
         return cos.contiguous(), torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
