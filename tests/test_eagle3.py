@@ -15,6 +15,7 @@ from lssp.drafters import drafter_for, generate_speculative
 from lssp.drafters.model import FeatureHead, draft_logits
 from lssp.errors import UserError
 from lssp.models.compact import CompactLlama
+from lssp.models.eagle import read_weights
 from lssp.models.eagle3 import Eagle3Draft, is_eagle3_head, load_eagle3_head, save_eagle3_head
 from lssp.report.stats import chi_square_gof
 
@@ -248,25 +249,36 @@ def test_the_training_time_test_unrolls_the_head_as_it_drafts(target, tmp_path):
             torch.testing.assert_close(steps[1][:, j], second[:, 0], rtol=1e-5, atol=1e-5)
 
 
-def test_distill_kind_eagle3_writes_a_published_head_that_drafts_and_resumes(tmp_path, capsys):
+def test_distill_kind_eagle3_writes_a_published_head_that_drafts_and_resumes(tmp_path, capsys, monkeypatch):
     from conftest import char_tokenizer, cli
 
-    tiny_llama(42, layers=4, scale=4.0).save_pretrained(tmp_path / "t")
+    import lssp.distill.eagle3_training as training
+
+    target = tiny_llama(42, layers=4, scale=4.0)
+    target.save_pretrained(tmp_path / "t")
     char_tokenizer().save_pretrained(tmp_path / "t")
     (tmp_path / "models.yaml").write_text("default_target: t\nmodels:\n  t: {path: ./t, dtype: float32}\n"
                                           "  h: {path: ./h, dtype: float32}\n")
     run = cli(capsys, tmp_path / "models.yaml", tmp_path / "results")
     base = ["distill", "t", "--kind", "eagle3", "--out", str(tmp_path / "h"), "--batch-prompts", "4", "--new-tokens",
-            "8", "--head-tokens", "40", "--data-tokens", "40"]
+            "8", "--head-tokens", "16", "--data-tokens", "40"]
     code, out, err = run(*base, "--max-steps", "3")
     assert code == 0, err
     assert "EAGLE-3 head written to" in " ".join(out.split())
     config = json.loads((tmp_path / "h" / "config.json").read_text())
-    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == 40
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == 16
     assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 2, 1]  # vLLM's default for 4 layers
     assert "EAGLE-3 head for t" in (tmp_path / "h" / "README.md").read_text()
-    code, out, err = run(*base[:-1], "80", "--max-steps", "5")  # more data, going on from the checkpoint
+    # More data, going on from the checkpoint, its most frequent tokens others: lm_head's rows keep their tokens,
+    # and the loss reads the target's logits of those tokens.
+    first, seen = read_weights(tmp_path / "h"), []
+    loss = training.Eagle3Trainer.loss
+    monkeypatch.setattr(training, "most_frequent", lambda counts, n: list(range(64 - n, 64)))
+    monkeypatch.setattr(training.Eagle3Trainer, "loss", lambda self, batch: seen.append(
+        torch.equal(self.rows, target.lm_head.weight[self.head.token_ids])) or loss(self, batch))
+    code, out, err = run(*base[:-1], "80", "--max-steps", "5")
     assert code == 0, err
+    assert torch.equal(read_weights(tmp_path / "h")["d2t"], first["d2t"]) and seen and all(seen)
     report = json.loads((tmp_path / "h" / "distill_report.json").read_text())
     assert [step for step, _, _ in report["loss_curve"]] == [3, 5] and report["data_tokens"] >= 80
     code, out, err = run("verify", "--draft", "h", "--temperature", "0", "--nb-prompts", "2", "--k", "2",

@@ -17,7 +17,7 @@ from transformers import PreTrainedModel
 
 from lssp.distill.config import DistillConfig, DistillReport, Progress
 from lssp.distill.head_training import STEP_DECAY, HeadTrainer, feature_examples, fit, token_counts
-from lssp.distill.training import training_examples
+from lssp.distill.training import checkpoint_path, training_examples
 from lssp.errors import UserError
 from lssp.models.compact import float_weight
 from lssp.models.draft_head import most_frequent
@@ -109,12 +109,22 @@ def train_eagle3_head(target: PreTrainedModel, out: Path, cfg: DistillConfig, re
     else:
         vocab = target.get_output_embeddings().out_features
         counts = token_counts(examples, vocab)
-        token_ids = most_frequent(counts, cfg.head_tokens) if cfg.head_tokens else list(range(vocab))
+        token_ids = checkpoint_vocabulary(checkpoint_path(out, cfg)) or \
+            (most_frequent(counts, cfg.head_tokens) if cfg.head_tokens else list(range(vocab)))
         report.head_coverage = float(counts[token_ids].sum() / counts.sum())
         torch.manual_seed(cfg.seed)
         head = new_eagle3_head(target, taps, token_ids)
     return fit(head, Eagle3Trainer(head, target, taps, cfg.unroll), examples, held_out, others, out, cfg, report,
                progress)
+
+
+def checkpoint_vocabulary(path: Path) -> list[int] | None:
+    """The draft vocabulary of the head checkpointed at ``path`` (None: no checkpoint): resumed on more data, the head
+    keeps the tokens its ``lm_head`` rows were trained on, whatever the new data's most frequent ones."""
+    if not path.exists():
+        return None
+    d2t = torch.load(path, map_location="cpu")["model"]["d2t"]
+    return (torch.arange(len(d2t)) + d2t).tolist()
 
 
 def replace_taps(cfg: DistillConfig, taps: tuple[int, ...]) -> DistillConfig:
