@@ -17,9 +17,10 @@ from lssp.errors import UserError
 def cost(
     ctx: typer.Context,
     models: Annotated[Optional[list[str]], typer.Argument(help="Models to time (default: the default target and draft).")] = None,
-    precisions: Annotated[str, typer.Option(help="Float dtypes and CPU quantizations (dynamic-*, weight-only int4 and "
-                                            "int8) to compare.")] =
-        "bfloat16,float32,dynamic-fp16,dynamic-int8,int4,int8",
+    precisions: Annotated[str, typer.Option(help="Float dtypes and CPU quantizations (q4_1: the GGUF's blocks, as the "
+                                            "default pair runs on a CPU; dynamic-*; weight-only int4 and int8) to "
+                                            "compare.")] =
+        "q4_1,bfloat16,float32,dynamic-fp16,dynamic-int8,int4,int8",
     tokens: Annotated[str, typer.Option(help="Tokens fed in one forward (K+1 for a verification).")] = "1,2,3,5",
     forwards: Annotated[Optional[str], typer.Option(help="Time these forwards: transformers,compact (default: each entry's).")] = None,
     context: Annotated[int, typer.Option(help="Tokens already in the KV cache.")] = 64,
