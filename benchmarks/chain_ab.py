@@ -40,7 +40,7 @@ def one_pass(target, head, spec, ids: list[torch.Tensor], k: int | None, chains:
             out = generate_regular(target.model, prompt, 64, params, generator, time_forwards=False)
         else:
             drafter = drafter_for(head.model, 0, spec.confidence or 0.0, spec.prompt_lookup or 0,
-                                  spec.prompt_lookup_chain or 0)
+                                  spec.prompt_lookup_chain or 0, spec.prompt_lookup_min or 0)
             out = speculative_decode(target.model, drafter, prompt, 64, k, params, generator, time_forwards=False)
         spent += out.stats.total_time_s - out.stats.ttft_s
         count += out.stats.new_tokens - out.stats.first_emission_tokens

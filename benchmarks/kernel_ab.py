@@ -86,7 +86,7 @@ def decoding(ops: dict, repeats: int, prompts: int) -> dict:
             for name in (list(ops) if i % 2 else list(ops)[::-1]):
                 torch.ops.lssp.decoder = ops[name]
                 drafter = drafter_for(head.model, 0, spec.confidence or 0.0, spec.prompt_lookup or 0,
-                                      spec.prompt_lookup_chain or 0)
+                                      spec.prompt_lookup_chain or 0, spec.prompt_lookup_min or 0)
                 for mode, out in (("rsp", generate_regular(target.model, prompt, 64, greedy, time_forwards=False)),
                                   ("ssp", speculative_decode(target.model, drafter, prompt, 64, spec.k or 2, greedy,
                                                              time_forwards=False))):

@@ -44,6 +44,7 @@ DRAFTERS = {  # name: how to build it from (draft model, feature head)
     "copy-first(draft-model)": lambda draft, head: CopyFirst(DraftModel(draft), 1),
     "copy-first(confidence(feature-head))": lambda draft, head: CopyFirst(FeatureHead(head, [ConfidenceStop(0.3)]), 1),
     "copy-first(feature-head), chains past K": lambda draft, head: CopyFirst(FeatureHead(head), 1, chain=5),
+    "copy-first(draft-model), tails of 2 then 1": lambda draft, head: CopyFirst(DraftModel(draft), 2, 3, shortest=1),
 }
 
 

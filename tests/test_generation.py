@@ -13,7 +13,8 @@ from lssp.decoding.batched import speculative_decode_batch
 from lssp.decoding.generation import Stopping, generate_regular
 from lssp.decoding.sampling import SamplingParams, argmax, sample, warp
 from lssp.drafters import drafter_for, generate_speculative
-from lssp.drafters.lookup import ContextLookup
+from lssp.decoding.drafting import Picker
+from lssp.drafters.lookup import ContextLookup, copy_room
 from lssp.report.stats import chi_square_gof
 
 GREEDY = SamplingParams(temperature=0)
@@ -355,6 +356,27 @@ def test_context_lookup_proposes_what_followed_the_latest_occurrence():
     assert ContextLookup(3, [1, 2]).propose() is None  # shorter than n
     with pytest.raises(ValueError):
         ContextLookup(0, [])
+
+
+def test_context_lookup_falls_back_to_shorter_tails_longest_first():
+    text = [1, 2, 3, 8, 9, 2, 3, 5, 7, 3]
+    assert ContextLookup(3, text).propose() is None  # (5, 7, 3) and nothing shorter
+    lookup = ContextLookup(3, text, shortest=1)
+    assert lookup.propose() == 5  # "3" last followed by 5; no 3- or 2-gram tail occurred before
+    assert lookup.propose([9]) == 2  # "3 9": new as a pair; "9" was followed by 2
+    pairs = ContextLookup(3, [4, 6, 1, 6, 3, 7], shortest=1)
+    assert pairs.propose([4, 6]) == 1 and pairs.propose([6]) == 3  # "4 6" was followed by 1, the latest "6" by 3
+    assert ContextLookup(3, text, shortest=2).propose() is None  # no pair tail ("7 3") occurred before
+    with pytest.raises(ValueError):
+        ContextLookup(2, [], shortest=3)
+
+
+def test_copy_first_copies_past_k_only_after_the_whole_tail():
+    picker = Picker(2, 50, SamplingParams(0.0), None, torch.device("cpu"), room=5)
+    assert copy_room(ContextLookup(2, [1, 2, 3, 4, 1, 2], shortest=1), picker) == 5  # "1 2" occurred before
+    assert copy_room(ContextLookup(2, [1, 2, 3, 4, 9, 2], shortest=1), picker) == 2  # only "2" did: up to K
+    assert copy_room(ContextLookup(2, [7, 8], shortest=1), picker) == 0  # nothing did: the draft's turn
+    assert copy_room(ContextLookup(2, [1, 2, 1, 2]), Picker(0, 50, SamplingParams(0.0), None, torch.device("cpu"))) == 0
 
 
 def test_greedy_speculative_with_the_lookup_equals_greedy_regular(soft_target, soft_draft):

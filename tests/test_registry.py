@@ -58,6 +58,12 @@ def test_a_copied_chain_length_needs_the_lookup_it_lengthens(tmp_path):
         load_registry(write(tmp_path, "models:\n  a: {path: x, prompt_lookup_chain: 6}\n"))
     spec = load_registry(write(tmp_path, "models:\n  a: {path: x, prompt_lookup: 4, prompt_lookup_chain: 6}\n")).get("a")
     assert (spec.prompt_lookup, spec.prompt_lookup_chain) == (4, 6)
+    with pytest.raises(UserError, match="'prompt_lookup_min' needs 'prompt_lookup'"):
+        load_registry(write(tmp_path, "models:\n  a: {path: x, prompt_lookup_min: 2}\n"))
+    with pytest.raises(UserError, match=r"'prompt_lookup_min' \(5\) is above 'prompt_lookup' \(4\)"):
+        load_registry(write(tmp_path, "models:\n  a: {path: x, prompt_lookup: 4, prompt_lookup_min: 5}\n"))
+    spec = load_registry(write(tmp_path, "models:\n  a: {path: x, prompt_lookup: 4, prompt_lookup_min: 3}\n")).get("a")
+    assert (spec.prompt_lookup, spec.prompt_lookup_min) == (4, 3)
 
 
 def test_a_draft_entry_carries_its_confidence_stop(tmp_path):

@@ -22,12 +22,12 @@ __all__ = ["ConfidenceStop", "ContextLookup", "CopyFirst", "DraftModel", "DraftR
 
 
 def drafter_for(draft: PreTrainedModel | None, lookup: int = 0, confidence: float = 0.0,
-                copy_first: int = 0, copy_chain: int = 0) -> Drafter:
+                copy_first: int = 0, copy_chain: int = 0, copy_shortest: int = 0) -> Drafter:
     """The drafter for ``draft`` (a feature head reads the target's features; None: the n-gram drafter over
     ``lookup``-grams, no model), with the context lookup over ``lookup``-grams (0: off) and the confidence stop below
     ``confidence`` (0: off) as its policies; ``copy_first`` > 0: the chain of the prompt lookup over
     ``copy_first``-grams wherever it has one (up to ``copy_chain`` tokens, at least K), the draft elsewhere
-    (``CopyFirst``)."""
+    (``CopyFirst``; ``copy_shortest`` > 0: down to tails of that many tokens where the longer ones are new)."""
     policies: list[PickPolicy] = [LookupHint(lookup)] if lookup and draft is not None else []
     if confidence:
         policies.append(ConfidenceStop(confidence))
@@ -36,7 +36,7 @@ def drafter_for(draft: PreTrainedModel | None, lookup: int = 0, confidence: floa
             raise ValueError("the n-gram drafter needs an n-gram length (lookup >= 1)")
         return NgramDrafter(lookup, policies)
     drafter = FeatureHead(draft, policies) if isinstance(draft, FeatureDrafting) else DraftModel(draft, policies)
-    return CopyFirst(drafter, copy_first, copy_chain) if copy_first else drafter
+    return CopyFirst(drafter, copy_first, copy_chain, copy_shortest or None) if copy_first else drafter
 
 
 def generate_speculative(target: PreTrainedModel, draft: PreTrainedModel | Drafter, input_ids: torch.Tensor,

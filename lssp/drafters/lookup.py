@@ -26,20 +26,24 @@ LOOKUP_BELOW = 0.5  # the lookup speaks only where the draft's own top probabili
 
 
 class ContextLookup:
-    """The token that followed the latest earlier occurrence of the text's last ``n`` tokens."""
+    """The token that followed the latest earlier occurrence of the text's last ``n`` tokens; with ``shortest`` < n,
+    of its last n - 1, ..., ``shortest`` tokens where the longer tail is new (the longest match first, as vLLM's
+    n-gram drafter looks between its prompt_lookup_max and prompt_lookup_min)."""
 
-    def __init__(self, n: int, tokens: Sequence[int]) -> None:
-        if n < 1:
-            raise ValueError(f"lookup n-gram length must be >= 1, got {n}")
-        self.n = n
+    def __init__(self, n: int, tokens: Sequence[int], shortest: int | None = None) -> None:
+        shortest = n if shortest is None else shortest
+        if not 1 <= shortest <= n:
+            raise ValueError(f"lookup n-gram lengths must satisfy 1 <= shortest <= n, got n={n}, shortest={shortest}")
+        self.n, self.shortest = n, shortest
         self.tokens: list[int] = []
-        self.successor: dict[tuple[int, ...], int] = {}
+        self.successors: dict[int, dict[tuple[int, ...], int]] = {m: {} for m in range(shortest, n + 1)}
         self.extend(tokens)
 
     def extend(self, tokens: Sequence[int]) -> None:
         for token in tokens:
-            if len(self.tokens) >= self.n:
-                self.successor[tuple(self.tokens[-self.n:])] = token
+            for m, successor in self.successors.items():
+                if len(self.tokens) >= m:
+                    successor[tuple(self.tokens[-m:])] = token
             self.tokens.append(token)
 
     def catch_up(self, text: Sequence[int]) -> None:
@@ -47,9 +51,30 @@ class ContextLookup:
         self.extend(text[len(self.tokens):])
 
     def propose(self, drafted: Sequence[int] = ()) -> int | None:
-        """The hint for the token after the text plus ``drafted``, or None where the n-gram is new."""
+        """The hint for the token after the text plus ``drafted``, or None where every tail from n down to
+        ``shortest`` tokens is new."""
+        return self.match(drafted)[0]
+
+    def match(self, drafted: Sequence[int] = ()) -> tuple[int | None, int]:
+        """(the hint, the length of the tail it followed), or (None, 0)."""
         tail = (self.tokens[-self.n:] + list(drafted))[-self.n:]
-        return self.successor.get(tuple(tail)) if len(tail) == self.n else None
+        for m in range(min(self.n, len(tail)), self.shortest - 1, -1):
+            token = self.successors[m].get(tuple(tail[-m:]))
+            if token is not None:
+                return token, m
+        return None, 0
+
+
+def copy_room(context: ContextLookup, picker: Picker) -> int:
+    """How many tokens copy first may copy this iteration (0: no tail of the text occurred before, the draft's
+    turn): up to the picker's room (a copied chain's) where the whole n-token tail matched, up to K where only a
+    shorter one did (their chains are more often wrong past the first tokens)."""
+    if picker.k == 0:
+        return 0
+    token, length = context.match()
+    if token is None:
+        return 0
+    return picker.room if length == context.n else picker.k
 
 
 def unsure_hint(context: ContextLookup, drafted: Sequence[int], logits: torch.Tensor) -> int | None:
@@ -145,13 +170,15 @@ class NgramRows(DraftRows):
 
 class CopyFirst(DrafterWrapper):
     """Copy where the answer copies, chosen per iteration: where the text's last ``n`` tokens occurred before, the
-    chain that followed them (up to ``chain`` tokens, at least K; q one-hot, as ``NgramDrafter``); elsewhere ``inner``
+    chain that followed them (up to ``chain`` tokens, at least K; q one-hot, as ``NgramDrafter``), and with
+    ``shortest``, where only a shorter tail of at least that many tokens did, up to K (``copy_room``); elsewhere
+    ``inner``
     (a draft model or feature head, up to K), which then feeds the tokens it did not draft (with a head, their
     features) at its next turn."""
 
-    def __init__(self, inner: Drafter, n: int, chain: int = 0) -> None:
+    def __init__(self, inner: Drafter, n: int, chain: int = 0, shortest: int | None = None) -> None:
         super().__init__(inner)
-        self.context = ContextLookup(n, ())
+        self.context = ContextLookup(n, (), shortest)
         self.chain = chain
         self.copied = False  # whether the last proposal was the lookup's
 
@@ -159,14 +186,15 @@ class CopyFirst(DrafterWrapper):
         return max(self.inner.longest(k), self.chain)
 
     def begin(self, seq: torch.Tensor, features: torch.Tensor | None, prefix: PrefixCache | None, clock: Clock) -> None:
-        self.context, self.copied = ContextLookup(self.context.n, ()), False
+        self.context, self.copied = ContextLookup(self.context.n, (), self.context.shortest), False
         self.inner.begin(seq, features, prefix, clock)
 
     def propose(self, seq: torch.Tensor, picker: Picker) -> Proposal:
         self.context.extend(seq[0, len(self.context.tokens):].tolist())
-        self.copied = picker.k > 0 and self.context.propose() is not None
+        room = copy_room(self.context, picker)
+        self.copied = room > 0
         if self.copied:
-            return ngram_drafts(self.context, self.context.tokens, picker.fresh(picker.room))
+            return ngram_drafts(self.context, self.context.tokens, picker.fresh(room))
         return self.inner.propose(seq, picker)
 
     def commit(self, proposal: Proposal, accepted: int, emitted: list[int], features: torch.Tensor | None) -> None:
@@ -185,7 +213,8 @@ class CopyFirst(DrafterWrapper):
 
     def begin_rows(self, prompts: Sequence[list[int]], prefix: PrefixCache | None,
                    features: Sequence[torch.Tensor] | None) -> CopyRows:
-        return CopyRows(self.inner.begin_rows(prompts, prefix, features), self.context.n, len(prompts))
+        return CopyRows(self.inner.begin_rows(prompts, prefix, features), self.context.n, len(prompts),
+                        self.context.shortest)
 
 
 class CopyRows(DraftRows):
@@ -193,10 +222,10 @@ class CopyRows(DraftRows):
     as it would alone; ``inner`` drafts for the rows that do not copy (the others get a picker of k 0) and skips the
     iterations it did not draft."""
 
-    def __init__(self, inner: DraftRows, n: int, rows: int) -> None:
+    def __init__(self, inner: DraftRows, n: int, rows: int, shortest: int | None = None) -> None:
         super().__init__(PolicyRows([], [[] for _ in range(rows)]))  # the policies are the inner drafter's
         self.inner = inner
-        self.contexts = [ContextLookup(n, ()) for _ in range(rows)]
+        self.contexts = [ContextLookup(n, (), shortest) for _ in range(rows)]
         self.copied = [False] * rows
 
     def ready(self, row: int) -> bool:
@@ -206,12 +235,14 @@ class CopyRows(DraftRows):
         return self.inner.caches()
 
     def draft(self, seqs: Sequence[Sequence[int]], pickers: Sequence[Picker]) -> list[Proposal]:
+        rooms = []
         for r, (context, seq, picker) in enumerate(zip(self.contexts, seqs, pickers)):
             context.catch_up(seq)
-            self.copied[r] = picker.k > 0 and context.propose() is not None
+            rooms.append(copy_room(context, picker))
+            self.copied[r] = rooms[-1] > 0
         drafted = self.inner.propose(seqs, [p.fresh(0) if c else p for p, c in zip(pickers, self.copied)])
-        return [ngram_drafts(context, context.tokens, picker.fresh(picker.room)) if copied else proposal
-                for context, picker, copied, proposal in zip(self.contexts, pickers, self.copied, drafted)]
+        return [ngram_drafts(context, context.tokens, picker.fresh(room)) if room else proposal
+                for context, picker, room, proposal in zip(self.contexts, pickers, rooms, drafted)]
 
     def commit(self, row: int, proposal: Proposal, accepted: int, emitted: Sequence[int],
                features: torch.Tensor | None) -> None:

@@ -55,7 +55,7 @@ class OursEngine(Engine):
         draft, vocab = self.drafts[mode.draft or self.default]
         spec = draft.spec
         return drafter_for(draft.model, mode.lookup, mode.confidence or spec.confidence or 0.0, spec.prompt_lookup or 0,
-                           spec.prompt_lookup_chain or 0), vocab
+                           spec.prompt_lookup_chain or 0, spec.prompt_lookup_min or 0), vocab
 
     def batch_reason(self, mode: Mode) -> str | None:
         """None where ``complete_many`` runs ``mode`` in one batched loop: RSp always, SSp unless the drafter drafts

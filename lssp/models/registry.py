@@ -44,6 +44,7 @@ SPEC_KEYS = {
     "k",  # on a draft: its default draft length
     "prompt_lookup",  # on a draft, ours: copy first (the prompt lookup's chain where it has one, the draft elsewhere)
     "prompt_lookup_chain",  # with prompt_lookup: the longest chain copied in one iteration (default: K)
+    "prompt_lookup_min",  # with prompt_lookup: the shortest tail looked up where the longer ones are new (default: N)
     "confidence",  # on a draft, ours: the confidence stop it drafts with (--draft-confidence overrides)
 }
 DEFAULT_K = 4  # draft tokens per iteration when neither --k nor the draft's registry entry says
@@ -89,6 +90,7 @@ class ModelSpec:
     prompt_lookup: int | None = None  # on a draft (ours): copy first, the chain that followed the text's last N
     #   tokens where they occurred before, the draft elsewhere (per iteration)
     prompt_lookup_chain: int | None = None  # with prompt_lookup: the longest chain copied at once (default: K)
+    prompt_lookup_min: int | None = None  # with prompt_lookup: copy from tails down to this many tokens (default: N)
     confidence: float | None = None  # on a draft (ours): stop drafting below this probability of its own token
     base_dir: Path = field(default=Path("."), compare=False)
 
@@ -342,8 +344,12 @@ def _spec(loc: _Located, name: str, node: yaml.Node, base_dir: Path) -> ModelSpe
         raise loc.error(node, f"model {name!r}: 'path' is required (or 'init: random' with a 'config')")
     if init == "random" and not values.get("config"):
         raise loc.error(node, f"model {name!r}: 'init: random' needs a 'config' (a mapping or an architecture name)")
-    if "prompt_lookup_chain" in values and not values.get("prompt_lookup"):
-        raise loc.error(node, f"model {name!r}: 'prompt_lookup_chain' needs 'prompt_lookup' (the n-gram length)")
+    for key in ("prompt_lookup_chain", "prompt_lookup_min"):
+        if key in values and not values.get("prompt_lookup"):
+            raise loc.error(node, f"model {name!r}: '{key}' needs 'prompt_lookup' (the n-gram length)")
+    if values.get("prompt_lookup_min", 0) > values.get("prompt_lookup", 0):
+        raise loc.error(node, f"model {name!r}: 'prompt_lookup_min' ({values['prompt_lookup_min']}) is above "
+                              f"'prompt_lookup' ({values['prompt_lookup']})")
     if "max_memory" in values:
         values["max_memory"] = {str(k): str(v) for k, v in values["max_memory"].items()}
     return ModelSpec(name=name, base_dir=base_dir, **values)
@@ -358,7 +364,7 @@ def _check_value(name: str, key: str, value: Any, at: str) -> None:
         if value not in choices:
             raise UserError(f"{at}: model {name!r}: bad {key} {value!r}; expected one of {', '.join(choices)}")
     elif key in ("gpus", "tensor_parallel_size", "pipeline_parallel_size", "max_model_len", "k",
-                 "prompt_lookup", "prompt_lookup_chain"):
+                 "prompt_lookup", "prompt_lookup_chain", "prompt_lookup_min"):
         if not isinstance(value, int) or isinstance(value, bool) or value < (0 if key == "gpus" else 1):
             raise bad("a whole number >= " + ("0" if key == "gpus" else "1"))
     elif key == "gpu_memory_utilization":
