@@ -23,18 +23,17 @@ from lssp.report.results import markdown_table, read_csv_parts  # noqa: E402
 from lssp.report.stats import ratio_interval  # noqa: E402
 
 # The runs README.md's headline shows, in this order, greedy, on one machine (2-core AMD EPYC, AVX-512, bf16), so
-# the two tables compare: the default pair as shipped since 2026-11-26 night (quantization: auto, q4_1 there, our
-# kernel on both cores with the output layer in its call; the default draft the feature head copying first, chains
-# of up to 6 tokens, smollm2-135m-eagle-chain6):
-# - 20261126-225457-6c9548: the reference's 16 story openings, completions ending at the end token, 3 passes,
-#   K = 2, 3, 4, the shipped draft model and the head copying up to K, 4 and 6 tokens side by side (`latency --draft
-#   smollm2-135m-draft-auto,smollm2-135m-eagle-copy,smollm2-135m-eagle-chain4,smollm2-135m-eagle-chain6 --k 2,3,4
-#   --repeats 3`).
-# - 20261126-223428-25ad0b: every task category, the head copying up to K, 4 and 6 tokens side by side (`latency
-#   --task all --draft smollm2-135m-eagle-copy,smollm2-135m-eagle-chain4,smollm2-135m-eagle-chain6 --k 2 --repeats
-#   3`, 100 prompts), 3 passes.
+# the two tables compare: the default pair as shipped since 2026-11-28 (quantization: auto, q4_1 there, our kernel on
+# both cores with the output layer in its call; the default draft the feature head copying first, chains of up to 6
+# tokens after a 4-token tail, up to K after a 3- or 2-token one, smollm2-135m-eagle-chain6-min2):
+# - 20261128-090615-69831e: the reference's 16 story openings, completions ending at the end token, 3 passes, K = 2, 3, 4, the
+#   shipped draft model and the head copying after 4-token tails alone and after 4..2 side by side (`latency --draft
+#   smollm2-135m-draft-auto,smollm2-135m-eagle-chain6,smollm2-135m-eagle-chain6-min2 --k 2,3,4 --repeats 3`).
+# - 20261128-090802-4fb919: every task category, the head copying after 4-token tails alone and after 4..2 side by side
+#   (`latency --task all --draft smollm2-135m-eagle-chain6,smollm2-135m-eagle-chain6-min2 --k 2 --repeats 3`, 100
+#   prompts), 3 passes.
 # When newer runs are written, put their ids here and rerun with --write-readme.
-HEADLINE_RUNS = ["20261126-225457-6c9548", "20261126-223428-25ad0b"]
+HEADLINE_RUNS = ["20261128-090615-69831e", "20261128-090802-4fb919"]
 # The engine audit README.md's headline shows (benchmarks/audit.sh, run by run.sh step 3b): `verify` runs on the
 # default pair in float32, every engine and proposer. When audit.sh writes newer runs, put their ids here.
 HEADLINE_AUDIT_RUNS = [

@@ -42,10 +42,10 @@ def test_default_pair_is_on_disk():
 def test_latency_on_the_default_pair(run, tmp_path):
     _, out = run("latency", "--nb-prompts", "2", "--max-new-tokens", "8", "--json", str(tmp_path / "l.json"))
     rsp, ssp = json.loads((tmp_path / "l.json").read_text())
-    draft = load_registry(ROOT / "models.yaml").models["smollm2-135m-eagle-chain6"]
+    draft = load_registry(ROOT / "models.yaml").models["smollm2-135m-eagle-chain6-min2"]
     k, chain = draft.k, draft.prompt_lookup_chain  # the head's own K (no --k given); copied chains run further
     assert (rsp["mode"], ssp["mode"]) == ("rsp", "ssp") and k == 2 and chain == 6
-    assert ssp["target"] == "smollm2-135m-auto" and ssp["draft"] == "smollm2-135m-eagle-chain6" and ssp["k"] == k
+    assert ssp["target"] == "smollm2-135m-auto" and ssp["draft"] == "smollm2-135m-eagle-chain6-min2" and ssp["k"] == k
     assert ssp["method"] == "eagle"
     assert ssp["speedup"] == pytest.approx(rsp["ms_per_token"] / ssp["ms_per_token"])
     # Greedy on two fixed prompts: deterministic. The shipped draft predicts the target (about 0.6 here; a

@@ -10,10 +10,10 @@ from torch import nn
 
 import lssp.decoding.verification as verification
 from lssp.decoding.batched import speculative_decode_batch
+from lssp.decoding.drafting import Picker
 from lssp.decoding.generation import Stopping, generate_regular
 from lssp.decoding.sampling import SamplingParams, argmax, sample, warp
 from lssp.drafters import drafter_for, generate_speculative
-from lssp.decoding.drafting import Picker
 from lssp.drafters.lookup import ContextLookup, copy_room
 from lssp.report.stats import chi_square_gof
 

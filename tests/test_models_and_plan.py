@@ -179,7 +179,7 @@ def test_models_wide_and_json_give_every_field(real, tmp_path):
     assert rows["llama-3.1-8b"]["path"] == "meta-llama/Llama-3.1-8B" and rows["llama-3.1-8b"]["source"] == "hub"
     assert 8.0e9 < rows["llama-3.1-8b"]["parameters"] < 8.1e9 and 72.6e9 < rows["qwen2.5-72b"]["parameters"] < 72.8e9
     assert rows["smollm2-135m-auto"]["role"] == "default target"
-    assert (rows["smollm2-135m-eagle-chain6"]["role"], rows["smollm2-135m-draft-auto"]["role"]) == ("default draft",
+    assert (rows["smollm2-135m-eagle-chain6-min2"]["role"], rows["smollm2-135m-draft-auto"]["role"]) == ("default draft",
                                                                                          "default draft model")
 
 

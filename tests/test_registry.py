@@ -29,7 +29,7 @@ def test_shipped_registry_is_valid_and_has_the_families():
                  "llama-3.1-8b", "llama-3.1-70b", "qwen2.5-0.5b", "qwen2.5-72b"]:
         assert name in reg.models
     assert reg.models["65B_8bit"].quantization == "8bit"
-    assert reg.default_target == "smollm2-135m-auto" and reg.default_draft == "smollm2-135m-eagle-chain6"
+    assert reg.default_target == "smollm2-135m-auto" and reg.default_draft == "smollm2-135m-eagle-chain6-min2"
     assert reg.default_draft_model == "smollm2-135m-draft-auto"
     assert reg.models["llama-2-7b-random"].is_random
 
