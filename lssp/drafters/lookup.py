@@ -6,8 +6,9 @@ policy (``LookupHint``) it speaks where the drafter is unsure of its own top tok
 given half of q's mass (sampling). As a drafter (``NgramDrafter``, no model) it proposes the chain of such guesses
 with q one-hot on each, as vLLM's and llama.cpp's n-gram drafters do. Copy first (``CopyFirst``, a draft entry's
 ``prompt_lookup``) chooses per iteration: the chain where the text's last n tokens occurred before (up to K, or
-``prompt_lookup_chain`` tokens), the draft model or feature head elsewhere. q is whatever the draft side proposes
-from, so the acceptance rule keeps SSp exact in every case.
+``prompt_lookup_chain`` tokens; with ``prompt_lookup_min``, where only a shorter tail did, up to K), the draft model
+or feature head elsewhere. q is whatever the draft side proposes from, so the acceptance rule keeps SSp exact in
+every case.
 """
 from __future__ import annotations
 
@@ -172,9 +173,8 @@ class CopyFirst(DrafterWrapper):
     """Copy where the answer copies, chosen per iteration: where the text's last ``n`` tokens occurred before, the
     chain that followed them (up to ``chain`` tokens, at least K; q one-hot, as ``NgramDrafter``), and with
     ``shortest``, where only a shorter tail of at least that many tokens did, up to K (``copy_room``); elsewhere
-    ``inner``
-    (a draft model or feature head, up to K), which then feeds the tokens it did not draft (with a head, their
-    features) at its next turn."""
+    ``inner`` (a draft model or feature head, up to K), which then feeds the tokens it did not draft (with a head,
+    their features) at its next turn."""
 
     def __init__(self, inner: Drafter, n: int, chain: int = 0, shortest: int | None = None) -> None:
         super().__init__(inner)
