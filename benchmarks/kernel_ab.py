@@ -3,8 +3,9 @@
 Builds ``lssp/kernels/blocks.cpp`` as it was at REV under another op namespace, then times both builds:
 the body's matmuls of the default target's shape (30 layers' gate/up and down projections, random weights, streamed
 from memory as in a forward) at 1 to 8 activation rows, and the default pair decoding the story openings (RSp, and
-SSp with the default drafter at its K), each build's ``decoder`` op swapped in per completion. Outputs must be equal.
-Writes the medians with the machine to a JSON file.
+SSp with the default drafter at its K), each build's ``decoder`` op swapped in per completion, and the target's
+forward of 1 and 3 tokens after 64 to 1536 cached tokens, call by call. Both over a float32 KV cache (what every
+build reads). Says whether the outputs were equal. Writes the medians with the machine to a JSON file.
 Usage: .venv/bin/python benchmarks/kernel_ab.py REV OUT.json [--repeats 3] [--prompts 8]
 """
 from __future__ import annotations
@@ -75,6 +76,7 @@ def decoding(ops: dict, repeats: int, prompts: int) -> dict:
     after its first emission, and whether every completion's tokens were equal."""
     registry = load_registry(REPO / "models.yaml")
     target = load_model(registry.get(registry.target_name(None)))
+    target.model.cache_dtype = None  # float32, which every build reads
     spec = registry.get(registry.draft_name(None))
     head = load_model(spec, draft=True, target=target)
     greedy = SamplingParams(temperature=0.0)
@@ -98,6 +100,33 @@ def decoding(ops: dict, repeats: int, prompts: int) -> dict:
         "equal": all(t == first for t in tokens.values()), "draft": spec.name, "k": spec.k or 2}
 
 
+def forwards(ops: dict, repeats: int) -> dict:
+    """Median ms per build of the default target's forward of 1 and 3 tokens after 64..1536 cached tokens (random
+    ids), the builds alternating call by call, and whether their logits were equal."""
+    registry = load_registry(REPO / "models.yaml")
+    model = load_model(registry.get(registry.target_name(None))).model
+    model.cache_dtype = None
+    ids = torch.randint(100, 20000, (1, 1540), generator=torch.Generator().manual_seed(0))
+    out = {}
+    for context in (64, 256, 512, 1536):
+        kv = model.new_cache()
+        model(ids[:, :context], past_key_values=kv)
+        for n in (1, 3):
+            times: dict[str, list[float]] = {name: [] for name in ops}
+            logits = {}
+            for i in range(repeats):
+                for name in (list(ops) if i % 2 else list(ops)[::-1]):
+                    torch.ops.lssp.decoder = ops[name]
+                    start = time.perf_counter()
+                    logits[name] = model(ids[:, context:context + n], past_key_values=kv).logits
+                    times[name].append(time.perf_counter() - start)
+                    kv.crop(-n)
+            first = next(iter(logits.values()))
+            out[f"{context}+{n}"] = {**{name: round(1000 * median(t), 3) for name, t in times.items()},
+                                     "equal": all(torch.equal(first, x) for x in logits.values())}
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("rev")
@@ -112,6 +141,7 @@ def main() -> None:
         base = getattr(torch.ops, BASE)
         result = {"cpu": cpu_name(), "threads": torch.get_num_threads(), "base": args.rev, "head": head.strip(),
                   "matmul_ms": matmuls({"head": torch.ops.lssp.block_mm, "base": base.block_mm}, 40),
+                  "forward_ms": forwards({"head": torch.ops.lssp.decoder, "base": base.decoder}, 20),
                   "decoding_ms_per_token": decoding({"head": torch.ops.lssp.decoder, "base": base.decoder},
                                                     args.repeats, args.prompts)}
     args.out.parent.mkdir(parents=True, exist_ok=True)

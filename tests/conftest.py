@@ -173,6 +173,23 @@ models:
     quantization: q4_1
     forward: compact
     compile: true
+  tiny-wide-q4:
+    path: ./tiny-wide
+    dtype: float32
+    quantization: q4_1
+    forward: compact
+  tiny-wide-q4-f16:
+    path: ./tiny-wide
+    dtype: float32
+    quantization: q4_1
+    forward: compact
+    kv_cache: float16
+  tiny-target-q4-f16:  # heads of 8: the one-call decoder keeps its cache in float32
+    path: ./tiny-target
+    dtype: float32
+    quantization: q4_1
+    forward: compact
+    kv_cache: float16
   tiny-other-vocab:
     path: ./tiny-other
     dtype: float32
@@ -209,6 +226,7 @@ def tiny_dir(tmp_path_factory):
     save_tiny(root / "tiny-draft", 1, hidden=16, layers=1, scale=4.0)
     save_tiny(root / "tiny-other", 2, chars=list(reversed(CHARS)))
     save_tiny_head(root / "tiny-eagle", tiny_llama(0, scale=4.0), seed=3)
+    save_tiny(root / "tiny-wide", 4, hidden=256, scale=4.0)  # heads of 64, as a float16 KV cache takes
     (root / "models.yaml").write_text(TINY_REGISTRY)
     return root
 

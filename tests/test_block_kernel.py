@@ -154,25 +154,28 @@ def test_a_calibration_timed_on_a_busy_machine_is_used_but_not_cached(tiny_dir, 
     assert not calibration.cache_file().exists()
 
 
-@pytest.mark.parametrize("name", ["tiny-target-q4", "tiny-target-q4-compiled"])
+@pytest.mark.parametrize("name", ["tiny-target-q4", "tiny-target-q4-compiled", "tiny-wide-q4-f16"])
 def test_a_verification_forward_gives_each_position_the_one_token_forwards_numbers(tiny_dir, name):
     """int8 activations turn a batched attention's rounding into other tokens: under q4_1 each query attends by
-    itself (row_attention), so 5 tokens in one forward get the very logits of 5 one-token forwards."""
+    itself (row_attention), so 5 tokens in one forward get the very logits of 5 one-token forwards; after a long
+    context too, where the rows' slots run over blocks of 128 (the last rows into a second one)."""
     model = load_model(load_registry(tiny_dir / "models.yaml").get(name)).model
-    ids = torch.randint(0, 64, (1, 30), generator=torch.Generator().manual_seed(3))
-    with torch.inference_mode():
-        kv = model.new_cache()
-        model(ids[:, :25], past_key_values=kv)
-        one = torch.stack([model(ids[:, 25 + i:26 + i], past_key_values=kv).logits[0, -1] for i in range(5)])
-        kv.crop(-5)
-        assert torch.equal(model(ids[:, 25:30], past_key_values=kv).logits[0], one)
+    ids = torch.randint(0, 64, (1, 130), generator=torch.Generator().manual_seed(3))
+    for start in (25, 125):
+        with torch.inference_mode():
+            kv = model.new_cache()
+            model(ids[:, :start], past_key_values=kv)
+            one = torch.stack([model(ids[:, start + i:start + i + 1], past_key_values=kv).logits[0, -1] for i in range(5)])
+            kv.crop(-5)
+            assert torch.equal(model(ids[:, start:start + 5], past_key_values=kv).logits[0], one)
 
 
-def test_batched_rows_give_each_row_the_tokens_it_gets_alone(tiny_dir):
+@pytest.mark.parametrize("name", ["tiny-target-q4", "tiny-wide-q4-f16"])
+def test_batched_rows_give_each_row_the_tokens_it_gets_alone(tiny_dir, name):
     """Rows of different lengths in one batch (holes in the cache, rows accepting different numbers of drafts): under
-    q4_1 each row's sampled tokens are those it draws alone with its seed, exactly."""
+    q4_1 each row's sampled tokens are those it draws alone with its seed, exactly (a float16 cache too)."""
     registry = load_registry(tiny_dir / "models.yaml")
-    target = load_model(registry.get("tiny-target-q4"))
+    target = load_model(registry.get(name))
     draft = load_model(registry.get("tiny-draft"), draft=True)
     engine = OursEngine(target, [draft], [check_compatible(target, draft)])
     rows = [torch.tensor([1, 5, 9, 3]), torch.tensor([2, 7]), torch.tensor([4, 4, 6, 8, 1, 3])]
@@ -381,6 +384,26 @@ def test_batched_rows_with_an_eagle3_head_give_what_each_gives_alone(tiny_dir, t
     assert sum(out.stats.accepted for out in outs) > 0
 
 
+def test_a_float16_kv_cache_holds_the_float32_keys_and_values_rounded_where_the_one_call_decoder_runs(tiny_dir):
+    """``kv_cache: float16`` on a q4_1 entry: the cache is float16, its first layer's keys and values (read from the
+    embeddings alone) the float32 cache's rounded to nearest, the precision says so, and the logits stay close; over
+    heads the kernel does not take in float16 (8 wide) the cache stays float32."""
+    registry = load_registry(tiny_dir / "models.yaml")
+    half, full = (load_model(registry.get(name)) for name in ("tiny-wide-q4-f16", "tiny-wide-q4"))
+    ids = torch.randint(0, 64, (1, 40), generator=torch.Generator().manual_seed(8))
+    with torch.inference_mode():
+        caches = [loaded.model.new_cache() for loaded in (half, full)]
+        logits = [loaded.model(ids, past_key_values=kv).logits for loaded, kv in zip((half, full), caches)]
+    assert caches[0].keys_values[0].dtype == torch.float16 and caches[1].keys_values[0].dtype == torch.float32
+    for i in (0, 1):  # layer 0's keys and values
+        assert torch.equal(caches[0].keys_values[i][:, :, :40], caches[1].keys_values[i][:, :, :40].half())
+    gap = (logits[0] - logits[1]).abs()
+    assert gap.mean() < 0.05 and gap.max() < 0.25, (gap.mean(), gap.max())  # int8 activations round a few other ways
+    assert half.precision.endswith("float16 KV cache") and "KV cache" not in full.precision
+    narrow = load_model(registry.get("tiny-target-q4-f16"))
+    assert narrow.model.new_cache().keys_values[0].dtype == torch.float32 and "KV cache" not in narrow.precision
+
+
 def test_the_kernels_fake_tensors_match_what_they_return_for_any_layout():
     """torch.compile builds graphs from the ops' fake kernels: their shapes, dtypes and strides must be the real ones,
     also for a query laid out as attention hands it over (heads and positions transposed), or a compiled step fails
@@ -396,7 +419,7 @@ def test_the_kernels_fake_tensors_match_what_they_return_for_any_layout():
                               test_utils=("test_schema", "test_faketensor"))
 
 
-@pytest.mark.parametrize("name", ["tiny-target-q4", "tiny-eagle-q4"])
+@pytest.mark.parametrize("name", ["tiny-target-q4", "tiny-eagle-q4", "tiny-wide-q4-f16"])
 def test_the_one_call_decoder_computes_what_the_layer_by_layer_forward_does(tiny_dir, name):
     """A q4_1 model's decoder layers, final norm and output layer run in one call of ``torch.ops.lssp.decoder``; the
     layer-by-layer forward (block_mm and row_attention from Python) is the reference: the same arithmetic, up to where float32 sums round an int8
@@ -404,6 +427,9 @@ def test_the_one_call_decoder_computes_what_the_layer_by_layer_forward_does(tiny
     registry = load_registry(tiny_dir / "models.yaml")
     target = load_model(registry.get("tiny-target-q4"))
     model = target.model if name == "tiny-target-q4" else load_model(registry.get(name), draft=True, target=target).model
+    if name == "tiny-wide-q4-f16":
+        target = load_model(registry.get(name))
+        model, name = target.model, "tiny-target-q4"  # a target, as above
     assert model._block_stack() is not None
     assert model._fused_output(1) is not None  # the final norm and output layer in the same call
     ids = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(5))

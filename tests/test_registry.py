@@ -53,6 +53,12 @@ def test_bad_quantization_and_gpus(tmp_path):
         load_registry(write(tmp_path, "models:\n  a: {path: x, gpus: -1}\n"))
 
 
+def test_a_kv_cache_is_float16_or_float32(tmp_path):
+    with pytest.raises(UserError, match="bad kv_cache 'int8'; expected one of float32, float16"):
+        load_registry(write(tmp_path, "models:\n  a: {path: x, quantization: q4_1, kv_cache: int8}\n"))
+    assert load_registry(write(tmp_path, "models:\n  a: {path: x, kv_cache: float16}\n")).get("a").kv_cache == "float16"
+
+
 def test_a_copied_chain_length_needs_the_lookup_it_lengthens(tmp_path):
     with pytest.raises(UserError, match="'prompt_lookup_chain' needs 'prompt_lookup'"):
         load_registry(write(tmp_path, "models:\n  a: {path: x, prompt_lookup_chain: 6}\n"))

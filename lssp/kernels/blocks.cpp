@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <tuple>
 #include <vector>
+#include <type_traits>
 #include <cstdlib>
 #include <limits>
 #include <cstring>
@@ -507,47 +508,62 @@ inline v16f exp512(v16f x) {
 }
 
 
+// 16 elements of a cache row, float32 or float16, as floats; and back (float16: rounded to nearest, ties to even).
+inline v16f load_row(const float* p) { return v16_loadu_ps(p); }
+inline v16f load_row(const at::Half* p) { return v16_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline void store_row(float* p, v16f a) { v16_storeu_ps(p, a); }
+#ifdef LSSP_AVX512
+inline void store_row(at::Half* p, v16f a) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+#else
+inline void store_row(at::Half* p, v16f a) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(a.lo, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p + 8), _mm256_cvtps_ph(a.hi, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+#endif
+
 // out (16 V) = inv * sum over c of scores[c] * the value row of slots[c]: each row read once, two rows at a time into
 // two sets of V accumulators (independent chains), added at the end.
-template <int V>
-void accumulate_values(const float* v, int64_t vs, const float* scores, const int64_t* slots, int64_t count, float inv,
+template <int V, typename T>
+void accumulate_values(const T* v, int64_t vs, const float* scores, const int64_t* slots, int64_t count, float inv,
                        float* out) {
   v16f a[V], b[V];
   for (int i = 0; i < V; ++i) a[i] = b[i] = v16_setzero_ps();
   int64_t c = 0;
   for (; c + 2 <= count; c += 2) {
-    const float* v0 = v + slots[c] * vs;
-    const float* v1 = v + slots[c + 1] * vs;
+    const T* v0 = v + slots[c] * vs;
+    const T* v1 = v + slots[c + 1] * vs;
     const v16f s0 = v16_set1_ps(scores[c]), s1 = v16_set1_ps(scores[c + 1]);
     for (int i = 0; i < V; ++i) {
-      a[i] = v16_fmadd_ps(s0, v16_loadu_ps(v0 + 16 * i), a[i]);
-      b[i] = v16_fmadd_ps(s1, v16_loadu_ps(v1 + 16 * i), b[i]);
+      a[i] = v16_fmadd_ps(s0, load_row(v0 + 16 * i), a[i]);
+      b[i] = v16_fmadd_ps(s1, load_row(v1 + 16 * i), b[i]);
     }
   }
   if (c < count) {
-    const float* v0 = v + slots[c] * vs;
+    const T* v0 = v + slots[c] * vs;
     const v16f s0 = v16_set1_ps(scores[c]);
-    for (int i = 0; i < V; ++i) a[i] = v16_fmadd_ps(s0, v16_loadu_ps(v0 + 16 * i), a[i]);
+    for (int i = 0; i < V; ++i) a[i] = v16_fmadd_ps(s0, load_row(v0 + 16 * i), a[i]);
   }
   for (int i = 0; i < V; ++i) v16_storeu_ps(out + 16 * i, v16_mul_ps(v16_add_ps(a[i], b[i]), v16_set1_ps(inv)));
 }
 
 // scores[c] = scale * (q . the key of slots[c]) for c < count, four slots at a time (four independent chains of
 // FMAs). DC: D / 16 where D is a whole number of vectors known here (no masks), else 0; the same sums either way.
-template <int DC>
-void dot_scores(const float* q, const float* k, int64_t ks, int64_t D, const int64_t* slots, int64_t count,
+template <int DC, typename T>
+void dot_scores(const float* q, const T* k, int64_t ks, int64_t D, const int64_t* slots, int64_t count,
                 float scale, float* scores) {
   const int64_t chunks = DC ? DC : (D + 15) / 16;
-  const auto load = [D](const float* p, int64_t d) {
-    if constexpr (DC > 0) return v16_loadu_ps(p + d);
+  const auto load = [D](const auto* p, int64_t d) {  // float16 rows: whole vectors only (DC > 0)
+    if constexpr (DC > 0) return load_row(p + d);
     else return v16_maskz_loadu_ps(lanes_from(D - d), p + d);
   };
   int64_t c = 0;
   for (; c + 4 <= count; c += 4) {
-    const float* k0 = k + slots[c] * ks;
-    const float* k1 = k + slots[c + 1] * ks;
-    const float* k2 = k + slots[c + 2] * ks;
-    const float* k3 = k + slots[c + 3] * ks;
+    const T* k0 = k + slots[c] * ks;
+    const T* k1 = k + slots[c + 1] * ks;
+    const T* k2 = k + slots[c + 2] * ks;
+    const T* k3 = k + slots[c + 3] * ks;
     v16f a0 = v16_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     for (int64_t i = 0; i < chunks; ++i) {
       const int64_t d = 16 * i;
@@ -566,23 +582,28 @@ void dot_scores(const float* q, const float* k, int64_t ks, int64_t D, const int
   }
 }
 
-// One query row q (D) over the slots 0..S-1 of keys and values (slot j at k + j * ks, v + j * vs) that ``sees`` allows
-// (null: all), in order: the same numbers whatever the other rows and slots hold (the grouping of slots by four
-// depends on the row's own allowed slots alone). out (D); scores and slots: room for S.
-void attend_row(const float* q, const float* k, int64_t ks, const float* v, int64_t vs, int64_t S, int64_t D,
-                const bool* sees, float scale, float* out, float* scores, int64_t* slots) {
-  int64_t count = 0;
-  for (int64_t j = 0; j < S; ++j)
-    if (!sees || sees[j]) slots[count++] = j;
+// Attention goes over each query's allowed slots in blocks of kSlotBlock (counted in that query's own slots): a
+// block's keys and values are read once for every query of a forward that reaches it (the query heads sharing a
+// key/value head, and every row), and a query's numbers depend on its own slots alone, whatever the other queries.
+constexpr int64_t kSlotBlock = 128;
+
+// One query q (D) over ``count`` slots (a block of its allowed slots, slot j's key at k + j * ks, value at v + j * vs):
+// ``top`` its largest score, ``total`` the sum of exp(score - top), acc (D) the values weighted by those, unscaled.
+template <typename T>
+void attend_block(const float* q, const T* k, int64_t ks, const T* v, int64_t vs, int64_t D,
+                  const int64_t* slots, int64_t count, float scale, float* scores, float* acc, float& top,
+                  float& total) {
   switch (D) {  // the common head sizes in whole vectors, unmasked
     case 64: dot_scores<4>(q, k, ks, D, slots, count, scale, scores); break;
     case 128: dot_scores<8>(q, k, ks, D, slots, count, scale, scores); break;
-    default: dot_scores<0>(q, k, ks, D, slots, count, scale, scores); break;
+    default:
+      if constexpr (std::is_same_v<T, float>) dot_scores<0>(q, k, ks, D, slots, count, scale, scores);
+      else TORCH_CHECK(false, "attention: a float16 cache takes heads of 64 or 128");
   }
   int64_t c = 0;
   v16f tops = v16_set1_ps(-INFINITY);
   for (c = 0; c < count; c += 16) tops = v16_max_ps(tops, v16_mask_loadu_ps(tops, lanes_from(count - c), scores + c));
-  const float top = v16_reduce_max_ps(tops);
+  top = v16_reduce_max_ps(tops);
   v16f sums = v16_setzero_ps();
   for (c = 0; c < count; c += 16) {
     const mask16 lanes = lanes_from(count - c);
@@ -590,14 +611,14 @@ void attend_row(const float* q, const float* k, int64_t ks, const float* v, int6
     v16_mask_storeu_ps(scores + c, lanes, e);
     sums = v16_mask_add_ps(sums, lanes, sums, e);
   }
-  const float total = v16_reduce_add_ps(sums);
-  const float inv = count ? 1.0f / total : 0.0f;
+  total = v16_reduce_add_ps(sums);
   switch (D) {  // the common head sizes: each value row read once, whole, into registers
-    case 64: accumulate_values<4>(v, vs, scores, slots, count, inv, out); return;
-    case 128: accumulate_values<8>(v, vs, scores, slots, count, inv, out); return;
+    case 64: accumulate_values<4>(v, vs, scores, slots, count, 1.0f, acc); return;
+    case 128: accumulate_values<8>(v, vs, scores, slots, count, 1.0f, acc); return;
     default: break;
   }
-  for (int64_t d = 0; d < D; d += 16) {  // four accumulators over the slots in turn, added at the end
+  if constexpr (!std::is_same_v<T, float>) return;  // (not reached)
+  else for (int64_t d = 0; d < D; d += 16) {  // four accumulators over the slots in turn, added at the end
     const mask16 lanes = lanes_from(D - d);
     v16f a0 = v16_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     for (c = 0; c + 4 <= count; c += 4) {
@@ -608,9 +629,55 @@ void attend_row(const float* q, const float* k, int64_t ks, const float* v, int6
     }
     for (; c < count; ++c)
       a0 = v16_fmadd_ps(v16_set1_ps(scores[c]), v16_maskz_loadu_ps(lanes, v + slots[c] * vs + d), a0);
-    const v16f acc = v16_add_ps(v16_add_ps(a0, a1), v16_add_ps(a2, a3));
-    v16_mask_storeu_ps(out + d, lanes, v16_mul_ps(acc, v16_set1_ps(inv)));
+    v16_mask_storeu_ps(acc + d, lanes, v16_add_ps(v16_add_ps(a0, a1), v16_add_ps(a2, a3)));
   }
+}
+
+// out (D) = a query's attention from its blocks' ``tops``, ``totals`` and ``accs`` (blocks x D), in block order.
+// weights: room for ``blocks``.
+void combine_blocks(const float* tops, const float* totals, const float* accs, int64_t blocks, int64_t D, float* out,
+                    float* weights) {
+  v16f most = v16_set1_ps(-INFINITY);
+  for (int64_t j = 0; j < blocks; j += 16) most = v16_max_ps(most, v16_mask_loadu_ps(most, lanes_from(blocks - j), tops + j));
+  const float top = v16_reduce_max_ps(most);
+  v16f sums = v16_setzero_ps();
+  for (int64_t j = 0; j < blocks; j += 16) {
+    const mask16 lanes = lanes_from(blocks - j);
+    const v16f e = exp512(v16_sub_ps(v16_maskz_loadu_ps(lanes, tops + j), v16_set1_ps(top)));
+    v16_mask_storeu_ps(weights + j, lanes, e);
+    sums = v16_mask_add_ps(sums, lanes, sums, v16_mul_ps(e, v16_maskz_loadu_ps(lanes, totals + j)));
+  }
+  const float total = v16_reduce_add_ps(sums);
+  const v16f inv = v16_set1_ps(total > 0.0f ? 1.0f / total : 0.0f);
+  for (int64_t d = 0; d < D; d += 16) {
+    const mask16 lanes = lanes_from(D - d);
+    v16f o = v16_setzero_ps();
+    for (int64_t j = 0; j < blocks; ++j) o = v16_fmadd_ps(v16_maskz_loadu_ps(lanes, accs + j * D + d), v16_set1_ps(weights[j]), o);
+    v16_mask_storeu_ps(out + d, lanes, v16_mul_ps(o, inv));
+  }
+}
+
+// One query row q (D) over its ``count`` allowed slots (``slots``, in order), block by block: the numbers the
+// decoder's shared-block attention gives the same query. scratch: room for kSlotBlock + ceil(count / kSlotBlock) * (D + 3).
+void attend_row(const float* q, const float* k, int64_t ks, const float* v, int64_t vs, int64_t D,
+                const int64_t* slots, int64_t count, float scale, float* out, float* scratch) {
+  const int64_t blocks = (count + kSlotBlock - 1) / kSlotBlock;
+  float* scores = scratch;
+  float* tops = scores + kSlotBlock;
+  float* totals = tops + blocks;
+  float* accs = totals + blocks;
+  for (int64_t j = 0; j < blocks; ++j)
+    attend_block(q, k, ks, v, vs, D, slots + j * kSlotBlock, std::min(kSlotBlock, count - j * kSlotBlock), scale,
+                 scores, accs + j * D, tops[j], totals[j]);
+  combine_blocks(tops, totals, accs, blocks, D, out, accs + blocks * D);
+}
+
+// The slots a query row sees, in order: those ``sees`` allows (null: 0..S-1). Returns their count.
+int64_t allowed_slots(const bool* sees, int64_t S, int64_t* slots) {
+  int64_t count = 0;
+  for (int64_t j = 0; j < S; ++j)
+    if (!sees || sees[j]) slots[count++] = j;
+  return count;
 }
 
 at::Tensor bool_mask(const c10::optional<at::Tensor>& allowed_in, int64_t B, int64_t R, int64_t S) {
@@ -645,14 +712,14 @@ at::Tensor row_attention(const at::Tensor& q_in, const at::Tensor& keys_in, cons
   const float* vp = values.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, B * H * R, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(S);
     std::vector<int64_t> slots(S);
+    std::vector<float> scratch(kSlotBlock + (S + kSlotBlock - 1) / kSlotBlock * (D + 3));
     for (int64_t bhr = begin; bhr < end; ++bhr) {
       const int64_t b = bhr / (H * R), h = (bhr / R) % H, r = bhr % R;
+      const int64_t count = allowed_slots(ap ? ap + b * a_batch + r * S : nullptr, S, slots.data());
       attend_row(qp + bhr * D, kp + b * keys.stride(0) + h * keys.stride(1), keys.stride(2),
-                 vp + b * values.stride(0) + h * values.stride(1), values.stride(2), S, D,
-                 ap ? ap + b * a_batch + r * S : nullptr, static_cast<float>(scale), op + bhr * D, scores.data(),
-                 slots.data());
+                 vp + b * values.stride(0) + h * values.stride(1), values.stride(2), D, slots.data(), count,
+                 static_cast<float>(scale), op + bhr * D, scratch.data());
     }
   });
   return out.to(q_in.scalar_type());
@@ -700,6 +767,106 @@ void rotate(float* v, const float* cos, const float* sin, int64_t hd) {
   }
 }
 
+// A float32 row of hd into a cache row of T.
+template <typename T>
+void put_row(const float* from, T* to, int64_t hd) {
+  if constexpr (std::is_same_v<T, float>) std::copy(from, from + hd, to);
+  else for (int64_t d = 0; d < hd; d += 16) store_row(to + d, v16_loadu_ps(from + d));
+}
+
+// The attention of one forward, the same in every layer: each live row's allowed slots (causal rows: the first
+// start + i + 1, read from ``iota``), the units of work (b, slot block j), and room for the partial results of rows
+// with more than one block.
+struct AttentionPlan {
+  int64_t S, heads, group, hd, parts, threads;
+  bool masked;
+  std::vector<int64_t> counts, base, row_slots, iota, most;
+  std::vector<std::vector<int64_t>> rows_of;
+  std::vector<std::pair<int64_t, int64_t>> units;
+  std::vector<float> tops, totals, accs;
+
+  AttentionPlan(const std::vector<int64_t>& live, int64_t n, int64_t start, int64_t S_, const bool* ap, int64_t a_batch,
+                int64_t B, int64_t heads_, int64_t kv_heads, int64_t hd_)
+      : S(S_), heads(heads_), group(heads_ / kv_heads), hd(hd_), masked(ap != nullptr), counts(live.size()),
+        base(live.size()), row_slots(ap ? live.size() * S_ : 0), iota(ap ? 0 : S_), most(B, 0), rows_of(B) {
+    for (int64_t j = 0; j < static_cast<int64_t>(iota.size()); ++j) iota[j] = j;
+    int64_t partials = 0;
+    for (int64_t r = 0; r < static_cast<int64_t>(live.size()); ++r) {
+      const int64_t b = live[r] / n, i = live[r] % n;
+      counts[r] = ap ? allowed_slots(ap + b * a_batch + i * S, S, row_slots.data() + r * S) : start + i + 1;
+      rows_of[b].push_back(r);
+      most[b] = std::max(most[b], blocks_of_row(r));
+      base[r] = partials;
+      if (blocks_of_row(r) > 1) partials += heads * blocks_of_row(r);
+    }
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t j = 0; j < most[b]; ++j) units.emplace_back(b, j);
+    tops.resize(partials);
+    totals.resize(partials);
+    accs.resize(partials * hd);
+    // A unit takes the query heads of one key/value head, or of one query head where that leaves threads idle.
+    const int64_t units_kv = static_cast<int64_t>(units.size()) * kv_heads;
+    parts = units_kv >= 2 * at::get_num_threads() ? kv_heads : heads;
+    threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(units.size()) * parts));
+  }
+  int64_t blocks_of_row(int64_t r) const { return (counts[r] + kSlotBlock - 1) / kSlotBlock; }
+  const int64_t* slots_of(int64_t r) const { return masked ? row_slots.data() + r * S : iota.data(); }
+};
+
+// attn (rows, heads * hd) = each query's attention over its slots of a cache of T, by units (b, slot block j,
+// key/value head or query head): a unit reads its block's keys and values once for its queries in every row reaching
+// the block; a thread takes every T-th unit (blocks late in a long prefill have fewer rows). Each query gets the
+// numbers attend_row gives it.
+template <typename T>
+void attend_layer(AttentionPlan& p, const float* qkv, int64_t width, const at::Tensor& keys, const at::Tensor& values,
+                  float scale, float* attn) {
+  const T* kp = keys.data_ptr<T>();
+  const T* vp = values.data_ptr<T>();
+  const int64_t hd = p.hd, heads = p.heads;
+  at::parallel_for(0, p.threads, 1, [&](int64_t t0, int64_t t1) {
+    float scores[kSlotBlock], weight;
+    std::vector<float> acc(hd);
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t u = t; u < static_cast<int64_t>(p.units.size()) * p.parts; u += p.threads) {
+        const int64_t b = p.units[u / p.parts].first, j = p.units[u / p.parts].second, part = u % p.parts;
+        const int64_t first = part * heads / p.parts, last = (part + 1) * heads / p.parts;  // query heads
+        const T* kb = kp + b * keys.stride(0) + (first / p.group) * keys.stride(1);
+        const T* vb = vp + b * values.stride(0) + (first / p.group) * values.stride(1);
+        for (const int64_t r : p.rows_of[b]) {
+          const int64_t count = p.counts[r], c0 = j * kSlotBlock, blocks = p.blocks_of_row(r);
+          if (count <= c0) continue;
+          const int64_t* sl = p.slots_of(r) + c0;
+          const int64_t m = std::min(kSlotBlock, count - c0);
+          for (int64_t head = first; head < last; ++head) {
+            const float* q = qkv + r * width + head * hd;
+            if (blocks == 1) {
+              float top, total;
+              attend_block(q, kb, keys.stride(2), vb, values.stride(2), hd, sl, m, scale, scores, acc.data(), top,
+                           total);
+              combine_blocks(&top, &total, acc.data(), 1, hd, attn + r * heads * hd + head * hd, &weight);
+            } else {
+              const int64_t item = p.base[r] + head * blocks + j;
+              attend_block(q, kb, keys.stride(2), vb, values.stride(2), hd, sl, m, scale, scores,
+                           p.accs.data() + item * hd, p.tops[item], p.totals[item]);
+            }
+          }
+        }
+      }
+  });
+  if (p.tops.empty()) return;
+  const int64_t rows = static_cast<int64_t>(p.counts.size());
+  at::parallel_for(0, rows * heads, 64, [&](int64_t begin, int64_t end) {
+    std::vector<float> weights(*std::max_element(p.most.begin(), p.most.end()));
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t r = item / heads, head = item % heads, blocks = p.blocks_of_row(r);
+      if (blocks < 2) continue;
+      const int64_t first = p.base[r] + head * blocks;
+      combine_blocks(p.tops.data() + first, p.totals.data() + first, p.accs.data() + first * hd, blocks, hd,
+                     attn + r * heads * hd + head * hd, weights.data());
+    }
+  });
+}
+
 constexpr int64_t kPerLayer = 14;  // input norm, qkv (3), o (3), post-attention norm, gate|up (3), down (3)
 
 // lssp::decoder: Llama decoder layers over hidden (B, n, D) float32, one call for the whole stack, every layer's
@@ -733,9 +900,12 @@ std::tuple<at::Tensor, at::Tensor> decoder(const at::Tensor& hidden_in, const at
   const bool* ap = allowed.defined() ? allowed.data_ptr<bool>() : nullptr;
   const int64_t a_batch = allowed.defined() && allowed.size(0) == B ? n * S : 0;
   const int64_t c_batch = cos.size(0) == B ? n * hd : 0;
+  const bool half = cache[0].scalar_type() == at::kHalf;
   for (const at::Tensor& t : cache)
-    TORCH_CHECK(t.scalar_type() == at::kFloat && t.dim() == 4 && t.size(0) == B && t.size(1) == kv_heads &&
-                t.size(2) >= S && t.size(3) == hd && t.stride(3) == 1, "decoder: cache (B, kv_heads, >= slots, hd) float32");
+    TORCH_CHECK(t.scalar_type() == cache[0].scalar_type() && (half || t.scalar_type() == at::kFloat) && t.dim() == 4 &&
+                t.size(0) == B && t.size(1) == kv_heads && t.size(2) >= S && t.size(3) == hd && t.stride(3) == 1,
+                "decoder: cache (B, kv_heads, >= slots, hd), all float32 or all float16");
+  TORCH_CHECK(!half || hd == 64 || hd == 128, "decoder: a float16 cache takes heads of 64 or 128");
   // The positions computed (b * n + i), each a row of the buffers below: all of them, or those ``used`` marks.
   std::vector<int64_t> live;
   if (used_in.has_value() && used_in->defined()) {
@@ -765,13 +935,12 @@ std::tuple<at::Tensor, at::Tensor> decoder(const at::Tensor& hidden_in, const at
   const int64_t inner = weights[8].size(0) / 2;
   std::vector<float> x(R * (two_inputs ? 2 * D : D)), qkv(R * width), attn(R * heads * hd), proj(R * D),
       gate_up(R * 2 * inner), act(R * inner);
+  AttentionPlan plan(live, n, start, S, ap, a_batch, B, heads, kv_heads, hd);
   Scratch s;
   for (int64_t l = 0; l < L; ++l) {
     const at::Tensor* w = weights.data() + l * kPerLayer;
     const at::Tensor& keys = cache[2 * l];
     const at::Tensor& values = cache[2 * l + 1];
-    float* kp = keys.data_ptr<float>();
-    float* vp = values.data_ptr<float>();
     const float* input_norm = w[0].numel() ? w[0].data_ptr<float>() : nullptr;
     if (l == 0 && two_inputs) {  // [embed_norm(embeds), input norm(hidden)], 2D wide
       rms_norm(embeds.data_ptr<float>(), R, D, embed_norm->data_ptr<float>(), eps, x.data(), 2 * D);
@@ -790,26 +959,20 @@ std::tuple<at::Tensor, at::Tensor> decoder(const at::Tensor& hidden_in, const at
         const float* sn = sin.data_ptr<float>() + b * c_batch + i * hd;
         for (int64_t g = 0; g < heads + kv_heads; ++g) rotate(row + g * hd, c, sn, hd);
         for (int64_t g = 0; g < kv_heads; ++g) {
-          std::copy(row + (heads + g) * hd, row + (heads + g + 1) * hd,
-                    kp + b * keys.stride(0) + g * keys.stride(1) + (start + i) * keys.stride(2));
-          std::copy(row + (heads + kv_heads + g) * hd, row + (heads + kv_heads + g + 1) * hd,
-                    vp + b * values.stride(0) + g * values.stride(1) + (start + i) * values.stride(2));
+          const int64_t at_k = b * keys.stride(0) + g * keys.stride(1) + (start + i) * keys.stride(2);
+          const int64_t at_v = b * values.stride(0) + g * values.stride(1) + (start + i) * values.stride(2);
+          if (half) {
+            put_row(row + (heads + g) * hd, keys.data_ptr<at::Half>() + at_k, hd);
+            put_row(row + (heads + kv_heads + g) * hd, values.data_ptr<at::Half>() + at_v, hd);
+          } else {
+            put_row(row + (heads + g) * hd, keys.data_ptr<float>() + at_k, hd);
+            put_row(row + (heads + kv_heads + g) * hd, values.data_ptr<float>() + at_v, hd);
+          }
         }
       }
     });
-    at::parallel_for(0, heads * R, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> scores(S);
-      std::vector<int64_t> slots(S);
-      for (int64_t item = begin; item < end; ++item) {
-        const int64_t head = item / R, r = item % R, b = live[r] / n, i = live[r] % n;
-        const int64_t kv = head / group;
-        const bool* sees = ap ? ap + b * a_batch + i * S : nullptr;
-        attend_row(qkv.data() + r * width + head * hd, kp + b * keys.stride(0) + kv * keys.stride(1), keys.stride(2),
-                   vp + b * values.stride(0) + kv * values.stride(1), values.stride(2), sees ? S : start + i + 1, hd,
-                   sees, static_cast<float>(scale), attn.data() + r * heads * hd + head * hd, scores.data(),
-                   slots.data());
-      }
-    });
+    if (half) attend_layer<at::Half>(plan, qkv.data(), width, keys, values, static_cast<float>(scale), attn.data());
+    else attend_layer<float>(plan, qkv.data(), width, keys, values, static_cast<float>(scale), attn.data());
     matmul(blocks_of(w[4], w[5], w[6], heads * hd), attn.data(), R, proj.data(), s);
     for (int64_t j = 0; j < R * D; ++j) h[j] += proj[j];
     rms_norm(h, R, D, w[7].data_ptr<float>(), eps, x.data());

@@ -235,6 +235,9 @@ class FusedDecoder(nn.Module):
         # Each query attends by itself, as in a one-token forward of its row (set for q4_1: its int8 activations turn
         # the rounding differences of a batched attention into different tokens).
         self.row_attention = False
+        # The cache's element type where not the model's own (float16 halves what attention reads over a long cache;
+        # set for the one-call decoder only, which reads and writes it).
+        self.cache_dtype: torch.dtype | None = None
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if x.dtype == weight.dtype == torch.float32:  # one fused call
@@ -306,7 +309,8 @@ class FusedDecoder(nn.Module):
     def _one_call_over(self, hidden: torch.Tensor, keys: torch.Tensor) -> bool:
         """Whether ``_layers`` runs ``hidden`` over a cache like ``keys`` in one call of our kernel (causal where no
         mask is given)."""
-        return self._block_stack() is not None and hidden.dtype == keys.dtype == torch.float32
+        return (self._block_stack() is not None and hidden.dtype == torch.float32
+                and keys.dtype in (torch.float32, torch.float16))
 
     def _block_stack(self) -> list[torch.Tensor] | None:
         """Every layer's norms and block weights for ``torch.ops.lssp.decoder``, when each Linear is a q4_1 layer
@@ -391,12 +395,12 @@ class FusedDecoder(nn.Module):
         end = start + n
         kv.reserve(end)
         if positions is None:
-            cos, sin = self._rotary(start, end, kv.keys_values[0])
+            cos, sin = self._rotary(start, end, hidden)
             # Queries see every cached position and the new ones up to their own (the one-call decoder's default).
             causal = n == 1 or self._one_call_over(hidden, kv.keys_values[0])
             mask = None if causal else torch.ones(n, end, dtype=torch.bool, device=hidden.device).tril(diagonal=start)
         else:
-            cos, sin = self._rotary(0, int(positions.max()) + 1, kv.keys_values[0])
+            cos, sin = self._rotary(0, int(positions.max()) + 1, hidden)
             cos, sin = cos[0][positions].unsqueeze(1), sin[0][positions].unsqueeze(1)  # (batch, 1, n, head_dim)
         out = self._layers(hidden, cos, sin, mask, kv.keys_values, slice(start, end), end, output, taps, used)
         kv.length = end
@@ -435,13 +439,14 @@ class CompactLlama(FusedDecoder):
 
     def new_cache(self, batch: int = 1) -> CompactCache:
         weight = self.get_input_embeddings().weight
-        args = (self.config.num_hidden_layers, self.kv_heads, self.head_dim, weight.dtype, weight.device)
+        args = (self.config.num_hidden_layers, self.kv_heads, self.head_dim, self.cache_dtype or weight.dtype,
+                weight.device)
         if self._compiled_step is None or batch > 1:  # the compiled step runs batch 1
             return CompactCache(*args, batch=batch)
         # Compiled: a zeroed buffer of fixed capacity (positions past the text are masked, never NaN), reused by the
         # next cache once this one is dropped, so CUDA graphs see the same addresses and no new shape.
         buffers = self._free_buffers.pop() if self._free_buffers else [
-            _static(torch.zeros(1, args[1], COMPILED_CAPACITY, args[2], dtype=weight.dtype, device=weight.device))
+            _static(torch.zeros(1, args[1], COMPILED_CAPACITY, args[2], dtype=args[3], device=weight.device))
             for _ in range(2 * args[0])]
         cache = CompactCache(*args, buffers=buffers)
         weakref.finalize(cache, self._free_buffers.append, buffers)

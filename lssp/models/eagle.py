@@ -414,7 +414,7 @@ class FeatureDrafting:
         features = kv.take(n)
         start, end = kv.length, kv.length + n + k - 1
         kv.reserve(end)
-        cos, sin = self._rotary(start, end, kv.keys_values[0])
+        cos, sin = self._rotary(start, end, features)
         drafts, kv.guess, logits, q = torch.ops.lssp.draft_chain(
             input_ids[0], parts.table, features[0], parts.fc, cos, sin, parts.layers, kv.keys_values, start,
             self.heads, self.kv_heads, self.eps, self.scale, parts.output, parts.token_ids, k, temperature, uniforms,

@@ -179,7 +179,8 @@ class LoadedModel(ModelHandle):
             return weights
         mode = getattr(self.model, "compile_mode", None)
         if getattr(self.model, "one_call", False):
-            return f"{weights}, compact forward, one-call decoder"
+            cache = getattr(self.model, "cache_dtype", None)
+            return f"{weights}, compact forward, one-call decoder" + (f", {str(cache)[6:]} KV cache" if cache else "")
         return f"{weights}, compact forward" + (f", compiled ({mode})" if mode else "")
 
     @property
@@ -491,6 +492,18 @@ def weight_only_dtype(spec: ModelSpec) -> torch.dtype:
     return torch.bfloat16 if bf16 else torch.float32
 
 
+def set_cache_dtype(model: FusedDecoder, spec: ModelSpec) -> None:
+    """The entry's ``kv_cache`` where our one-call decoder runs the model (it reads float16 keys and values of heads
+    of 64 or 128); elsewhere one log line says it is not applied."""
+    if spec.kv_cache in (None, "float32"):
+        return
+    if model.one_call and model.head_dim in (64, 128):
+        model.cache_dtype = torch.float16
+    else:
+        log.info("%s: kv_cache %s applies to our one-call decoder over heads of 64 or 128; keeping float32", spec.name,
+                 spec.kv_cache)
+
+
 def cpu_quantize(model: PreTrainedModel, spec: ModelSpec) -> PreTrainedModel:
     """Every Linear layer as a dynamically quantized one (dynamic-*: fp16 or int8 weights, fp32 compute) or a
     weight-only one (int4, int8: ``lssp.models.weight_only``).
@@ -507,6 +520,7 @@ def cpu_quantize(model: PreTrainedModel, spec: ModelSpec) -> PreTrainedModel:
         if spec.quantization == "q4_1" and isinstance(model, FusedDecoder):
             model.row_attention = True  # each position of a verification computed as in a one-token forward
             model._block_stack()  # its weights laid out for the one-call decoder now, not at the first forward
+            set_cache_dtype(model, spec)
         if kept:
             log.info("%s: %d Linear layers stay float (shapes the %s kernel does not take)", spec.name, kept,
                      spec.quantization)

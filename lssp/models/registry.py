@@ -34,6 +34,7 @@ INITS = ("pretrained", "random")
 # Llama models (a draft's cost ratio c is mostly per-call overhead).
 FORWARDS = ("transformers", "compact")
 # compile: true (torch.compile's mode reduce-overhead on a GPU, i.e. CUDA graphs; default on the CPU) or a mode.
+KV_CACHE_DTYPES = ("float32", "float16")  # kv_cache: what our one-call decoder stores keys and values in
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 SPEC_KEYS = {
     "path", "tokenizer", "dtype", "quantization", "device_map", "gpus", "max_memory",
@@ -46,6 +47,7 @@ SPEC_KEYS = {
     "prompt_lookup_chain",  # with prompt_lookup: the longest chain copied in one iteration (default: K)
     "prompt_lookup_min",  # with prompt_lookup: the shortest tail looked up where the longer ones are new (default: N)
     "confidence",  # on a draft, ours: the confidence stop it drafts with (--draft-confidence overrides)
+    "kv_cache",  # ours, q4_1 on a CPU: the KV cache's element type (float16 or float32, the default)
 }
 DEFAULT_K = 4  # draft tokens per iteration when neither --k nor the draft's registry entry says
 EXECUTOR_BACKENDS = ("mp", "ray")
@@ -92,6 +94,7 @@ class ModelSpec:
     prompt_lookup_chain: int | None = None  # with prompt_lookup: the longest chain copied at once (default: K)
     prompt_lookup_min: int | None = None  # with prompt_lookup: copy from tails down to this many tokens (default: N)
     confidence: float | None = None  # on a draft (ours): stop drafting below this probability of its own token
+    kv_cache: str | None = None  # ours, q4_1 on a CPU: keys and values stored in float16 (half what attention reads)
     base_dir: Path = field(default=Path("."), compare=False)
 
     @property
@@ -359,7 +362,8 @@ def _check_value(name: str, key: str, value: Any, at: str) -> None:
     def bad(expected: str) -> UserError:
         return UserError(f"{at}: model {name!r}: bad {key} {value!r}; expected {expected}")
 
-    choices = {"dtype": DTYPES, "quantization": QUANTIZATIONS, "init": INITS, "forward": FORWARDS}.get(key)
+    choices = {"dtype": DTYPES, "quantization": QUANTIZATIONS, "init": INITS, "forward": FORWARDS,
+               "kv_cache": KV_CACHE_DTYPES}.get(key)
     if choices is not None:
         if value not in choices:
             raise UserError(f"{at}: model {name!r}: bad {key} {value!r}; expected one of {', '.join(choices)}")

@@ -1,0 +1,91 @@
+"""The default target's KV cache in float16 against float32, in one process, alternating completion by completion.
+
+The default pair decodes the story openings and the long-prompt task categories (RAG, summarization): RSp, and SSp
+with the default drafter at its K, greedy, each completion once with each cache. Writes per task and mode the median
+ms/token over the passes (after each completion's first emission), the ratio, and how many completions gave the same
+tokens (float16 keys and values are another target law, so equal tokens are not expected everywhere), with the
+machine, to a JSON file.
+Usage: .venv/bin/python benchmarks/kv_cache_ab.py OUT.json [--repeats 3] [--prompts 8] [--tasks stories,rag,summarization]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from statistics import median
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+from lssp.decoding.generation import generate_regular  # noqa: E402
+from lssp.decoding.sampling import SamplingParams  # noqa: E402
+from lssp.decoding.speculative import speculative_decode  # noqa: E402
+from lssp.drafters import drafter_for  # noqa: E402
+from lssp.models.loading import encode_prompt, load_model  # noqa: E402
+from lssp.models.registry import load_registry  # noqa: E402
+from lssp.report.results import cpu_name  # noqa: E402
+from lssp.workloads.tasks import task_prompts  # noqa: E402
+
+CACHES = {"float32": None, "float16": torch.float16}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--tasks", default="stories,rag,summarization")
+    args = parser.parse_args()
+    greedy = SamplingParams(temperature=0.0)
+    registry = load_registry(REPO / "models.yaml")
+    target = load_model(registry.get(registry.target_name(None)))
+    spec = registry.get(registry.draft_name(None))
+    head = load_model(spec, draft=True, target=target)
+    model = target.model
+    rows = {}
+    with torch.inference_mode():
+        for task in args.tasks.split(","):
+            prompts = task_prompts(task)[:args.prompts]
+            ids = [torch.tensor([encode_prompt(target.tokenizer, p.turns[0], p.chat)]) for p in prompts]
+            spent = {(c, m): [] for c in CACHES for m in ("rsp", "ssp")}
+            tokens: dict[tuple[str, str], list] = {key: [] for key in spent}
+            for i in range(args.repeats):
+                per_pass = {key: [0.0, 0] for key in spent}
+                for prompt in ids:
+                    for cache in (list(CACHES) if i % 2 else list(CACHES)[::-1]):
+                        model.cache_dtype = CACHES[cache]
+                        drafter = drafter_for(head.model, 0, spec.confidence or 0.0, spec.prompt_lookup or 0,
+                                              spec.prompt_lookup_chain or 0, spec.prompt_lookup_min or 0)
+                        for mode, out in (("rsp", generate_regular(model, prompt, 64, greedy, time_forwards=False)),
+                                          ("ssp", speculative_decode(model, drafter, prompt, 64, spec.k or 2, greedy,
+                                                                     time_forwards=False))):
+                            per_pass[cache, mode][0] += out.stats.total_time_s - out.stats.ttft_s
+                            per_pass[cache, mode][1] += out.stats.new_tokens - out.stats.first_emission_tokens
+                            if i == 0:
+                                tokens[cache, mode].append(out.tokens.tolist())
+                for key, (s, n) in per_pass.items():
+                    spent[key].append(1000 * s / n)
+            for mode in ("rsp", "ssp"):
+                f32, f16 = spent["float32", mode], spent["float16", mode]
+                rows[f"{task} {mode}"] = {
+                    "float32_ms": round(median(f32), 3), "float16_ms": round(median(f16), 3),
+                    "float32_over_float16": round(median(a / b for a, b in zip(f32, f16)), 3),
+                    "same_tokens": sum(a == b for a, b in zip(tokens["float32", mode], tokens["float16", mode])),
+                    "completions": len(ids)}
+            for cache in CACHES:
+                rsp, ssp = spent[cache, "rsp"], spent[cache, "ssp"]
+                rows[f"{task} {cache} ssp_speedup"] = round(median(a / b for a, b in zip(rsp, ssp)), 3)
+            print(json.dumps({task: {k: v for k, v in rows.items() if k.startswith(task)}}), flush=True)
+    model.cache_dtype = None
+    result = {"cpu": cpu_name(), "threads": torch.get_num_threads(), "target": target.spec.name,
+              "precision": target.precision, "draft": spec.name, "k": spec.k or 2, "prompts": args.prompts,
+              "repeats": args.repeats, "rows": rows}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
