@@ -21,6 +21,7 @@
 #include <tuple>
 #include <vector>
 #include <type_traits>
+#include <atomic>
 #include <cstdlib>
 #include <limits>
 #include <cstring>
@@ -780,7 +781,7 @@ void put_row(const float* from, T* to, int64_t hd) {
 struct AttentionPlan {
   int64_t S, heads, group, hd, parts, threads;
   bool masked;
-  std::vector<int64_t> counts, base, row_slots, iota, most;
+  std::vector<int64_t> counts, base, row_slots, iota, most, batch_of;
   std::vector<std::vector<int64_t>> rows_of;
   std::vector<std::pair<int64_t, int64_t>> units;
   std::vector<float> tops, totals, accs;
@@ -788,13 +789,15 @@ struct AttentionPlan {
   AttentionPlan(const std::vector<int64_t>& live, int64_t n, int64_t start, int64_t S_, const bool* ap, int64_t a_batch,
                 int64_t B, int64_t heads_, int64_t kv_heads, int64_t hd_)
       : S(S_), heads(heads_), group(heads_ / kv_heads), hd(hd_), masked(ap != nullptr), counts(live.size()),
-        base(live.size()), row_slots(ap ? live.size() * S_ : 0), iota(ap ? 0 : S_), most(B, 0), rows_of(B) {
+        base(live.size()), row_slots(ap ? live.size() * S_ : 0), iota(ap ? 0 : S_), most(B, 0),
+        batch_of(live.size()), rows_of(B) {
     for (int64_t j = 0; j < static_cast<int64_t>(iota.size()); ++j) iota[j] = j;
     int64_t partials = 0;
     for (int64_t r = 0; r < static_cast<int64_t>(live.size()); ++r) {
       const int64_t b = live[r] / n, i = live[r] % n;
       counts[r] = ap ? allowed_slots(ap + b * a_batch + i * S, S, row_slots.data() + r * S) : start + i + 1;
       rows_of[b].push_back(r);
+      batch_of[r] = b;
       most[b] = std::max(most[b], blocks_of_row(r));
       base[r] = partials;
       if (blocks_of_row(r) > 1) partials += heads * blocks_of_row(r);
@@ -813,21 +816,43 @@ struct AttentionPlan {
   const int64_t* slots_of(int64_t r) const { return masked ? row_slots.data() + r * S : iota.data(); }
 };
 
+inline const float* q_of(const float* qkv, int64_t width, int64_t hd, int64_t r, int64_t head) {
+  return qkv + r * width + head * hd;
+}
+
 // attn (rows, heads * hd) = each query's attention over its slots of a cache of T, by units (b, slot block j,
 // key/value head or query head): a unit reads its block's keys and values once for its queries in every row reaching
-// the block; a thread takes every T-th unit (blocks late in a long prefill have fewer rows). Each query gets the
-// numbers attend_row gives it.
+// the block; a thread done with a unit takes the next one not taken. Where every row has one
+// block (a short context) each query is a unit, the threads taking runs of them. Each query gets the numbers
+// attend_row gives it.
 template <typename T>
 void attend_layer(AttentionPlan& p, const float* qkv, int64_t width, const at::Tensor& keys, const at::Tensor& values,
                   float scale, float* attn) {
   const T* kp = keys.data_ptr<T>();
   const T* vp = values.data_ptr<T>();
-  const int64_t hd = p.hd, heads = p.heads;
+  const int64_t hd = p.hd, heads = p.heads, rows = static_cast<int64_t>(p.counts.size());
+  if (p.tops.empty()) {  // one block per row (a short context): each thread a run of (query head, row), in order
+    at::parallel_for(0, heads * rows, 1, [&](int64_t begin, int64_t end) {
+      float scores[kSlotBlock], weight, top, total;
+      std::vector<float> acc(hd);
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t head = item / rows, r = item % rows, b = p.batch_of[r];
+        if (p.counts[r] == 0) continue;
+        attend_block(q_of(qkv, width, hd, r, head), kp + b * keys.stride(0) + (head / p.group) * keys.stride(1),
+                     keys.stride(2), vp + b * values.stride(0) + (head / p.group) * values.stride(1), values.stride(2),
+                     hd, p.slots_of(r), p.counts[r], scale, scores, acc.data(), top, total);
+        combine_blocks(&top, &total, acc.data(), 1, hd, attn + r * heads * hd + head * hd, &weight);
+      }
+    });
+    return;
+  }
+  std::atomic<int64_t> next{0};  // the next unit not taken: a thread done with one takes the next
+  const int64_t units = static_cast<int64_t>(p.units.size()) * p.parts;
   at::parallel_for(0, p.threads, 1, [&](int64_t t0, int64_t t1) {
     float scores[kSlotBlock], weight;
     std::vector<float> acc(hd);
-    for (int64_t t = t0; t < t1; ++t)
-      for (int64_t u = t; u < static_cast<int64_t>(p.units.size()) * p.parts; u += p.threads) {
+    if (t0 < t1)
+      for (int64_t u = next++; u < units; u = next++) {
         const int64_t b = p.units[u / p.parts].first, j = p.units[u / p.parts].second, part = u % p.parts;
         const int64_t first = part * heads / p.parts, last = (part + 1) * heads / p.parts;  // query heads
         const T* kb = kp + b * keys.stride(0) + (first / p.group) * keys.stride(1);
@@ -838,7 +863,7 @@ void attend_layer(AttentionPlan& p, const float* qkv, int64_t width, const at::T
           const int64_t* sl = p.slots_of(r) + c0;
           const int64_t m = std::min(kSlotBlock, count - c0);
           for (int64_t head = first; head < last; ++head) {
-            const float* q = qkv + r * width + head * hd;
+            const float* q = q_of(qkv, width, hd, r, head);
             if (blocks == 1) {
               float top, total;
               attend_block(q, kb, keys.stride(2), vb, values.stride(2), hd, sl, m, scale, scores, acc.data(), top,
@@ -853,8 +878,6 @@ void attend_layer(AttentionPlan& p, const float* qkv, int64_t width, const at::T
         }
       }
   });
-  if (p.tops.empty()) return;
-  const int64_t rows = static_cast<int64_t>(p.counts.size());
   at::parallel_for(0, rows * heads, 64, [&](int64_t begin, int64_t end) {
     std::vector<float> weights(*std::max_element(p.most.begin(), p.most.end()));
     for (int64_t item = begin; item < end; ++item) {
