@@ -23,17 +23,18 @@ from lssp.report.results import markdown_table, read_csv_parts  # noqa: E402
 from lssp.report.stats import ratio_interval  # noqa: E402
 
 # The runs README.md's headline shows, in this order, greedy, on one machine (2-core AMD EPYC, AVX-512, bf16), so
-# the two tables compare: the default pair as shipped since 2026-11-28 (quantization: auto, q4_1 there, our kernel on
-# both cores with the output layer in its call; the default draft the feature head copying first, chains of up to 6
-# tokens after a 4-token tail, up to K after a 3- or 2-token one, smollm2-135m-eagle-chain6-min2):
-# - 20261128-090615-69831e: the reference's 16 story openings, completions ending at the end token, 3 passes, K = 2, 3, 4, the
+# the two tables compare: the default pair as shipped since 2026-11-28 midday (quantization: auto, q4_1 there, our
+# kernel on both cores with the output layer in its call, keys and values in float16; the default draft the feature
+# head copying first, chains of up to 6 tokens after a 4-token tail, up to K after a 3- or 2-token one,
+# smollm2-135m-eagle-chain6-min2):
+# - 20261128-105132-2a8c9d: the reference's 16 story openings, completions ending at the end token, 3 passes, K = 2, 3, 4, the
 #   shipped draft model and the head copying after 4-token tails alone and after 4..2 side by side (`latency --draft
 #   smollm2-135m-draft-auto,smollm2-135m-eagle-chain6,smollm2-135m-eagle-chain6-min2 --k 2,3,4 --repeats 3`).
-# - 20261128-090802-4fb919: every task category, the head copying after 4-token tails alone and after 4..2 side by side
+# - 20261128-110814-a96e9c: every task category, the head copying after 4-token tails alone and after 4..2 side by side
 #   (`latency --task all --draft smollm2-135m-eagle-chain6,smollm2-135m-eagle-chain6-min2 --k 2 --repeats 3`, 100
 #   prompts), 3 passes.
 # When newer runs are written, put their ids here and rerun with --write-readme.
-HEADLINE_RUNS = ["20261128-090615-69831e", "20261128-090802-4fb919"]
+HEADLINE_RUNS = ["20261128-105132-2a8c9d", "20261128-110814-a96e9c"]
 # The engine audit README.md's headline shows (benchmarks/audit.sh, run by run.sh step 3b): `verify` runs on the
 # default pair in float32, every engine and proposer. When audit.sh writes newer runs, put their ids here.
 HEADLINE_AUDIT_RUNS = [
@@ -45,8 +46,9 @@ HEADLINE_AUDIT_RUNS = [
     "20261124-150154-65e4e9",  # llama.cpp at T=0.7 top-k 50
 ]
 # Ours beside vLLM and llama.cpp (benchmarks/engines.sh, run.sh step 2c): one latency run per sampling setting,
-# 2026-11-26 on a 2-core AMD EPYC (AVX-512, bf16), the default pair in q4_1 with the draft model: greedy, then T=0.7.
-HEADLINE_ENGINE_RUNS: list[str] = ["20261126-232559-1e3c36", "20261126-233007-5f1e56"]
+# 2026-11-28 on a 2-core AMD EPYC (AVX-512, bf16), the default pair in q4_1 (float16 KV cache) with the draft model:
+# greedy, then T=0.7.
+HEADLINE_ENGINE_RUNS: list[str] = ["20261128-105853-8b2397", "20261128-110259-6a3951"]
 # The quality check the headline quotes (eval.csv): `eval --both --max-operand 9 --nb-prompts 1500` (run.sh step 4).
 HEADLINE_EVAL_RUN = "20261124-144234-09fa35"
 HEADLINE_BEGIN, HEADLINE_END = "<!-- headline:begin -->\n", "<!-- headline:end -->"
