@@ -3,6 +3,8 @@ llama.cpp does (int8 activations in groups of 32), gives each row the numbers it
 ``q4_1`` decodes exactly (greedy SSp = RSp, eager and compiled)."""
 from __future__ import annotations
 
+import shutil
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -485,3 +487,20 @@ def test_the_kernel_runs_on_avx512_vnni_or_avx2_and_says_which(monkeypatch):
         monkeypatch.setattr(results, "cpu_flags", lambda flags=flags: flags)
         assert kernels.kernel_isa() == isa
         assert kernels.missing_flags() == ([] if isa else ["avx2", "fma"])
+
+
+@pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler")
+def test_the_kernels_source_compiles_for_an_avx2_only_cpu_too():
+    """The machine running the suite builds the AVX-512 path; the AVX2 one (pairs of 256-bit registers, F16C) is
+    checked here by compiling the source for such a CPU (Haswell), so that neither path breaks unseen."""
+    import sysconfig
+
+    from torch.utils.cpp_extension import include_paths
+
+    from lssp.kernels import SOURCE
+
+    includes = [arg for path in [*include_paths(), sysconfig.get_paths()["include"]] for arg in ("-isystem", path)]
+    result = subprocess.run(["c++", "-fsyntax-only", "-std=c++20", "-O3", "-march=haswell", "-fopenmp",
+                             "-DTORCH_EXTENSION_NAME=lssp_avx2_check", *includes, str(SOURCE)],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]

@@ -513,7 +513,7 @@ inline v16f exp512(v16f x) {
 inline v16f load_row(const float* p) { return v16_loadu_ps(p); }
 inline v16f load_row(const at::Half* p) { return v16_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 inline void store_row(float* p, v16f a) { v16_storeu_ps(p, a); }
-#ifdef LSSP_AVX512
+#if LSSP_AVX512
 inline void store_row(at::Half* p, v16f a) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
