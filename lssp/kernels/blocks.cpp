@@ -831,6 +831,8 @@ void attend_layer(AttentionPlan& p, const float* qkv, int64_t width, const at::T
   const T* kp = keys.data_ptr<T>();
   const T* vp = values.data_ptr<T>();
   const int64_t hd = p.hd, heads = p.heads, rows = static_cast<int64_t>(p.counts.size());
+  for (int64_t r = 0; r < rows; ++r)  // a row that sees no slot attends to nothing: zeros
+    if (p.counts[r] == 0) std::fill(attn + r * heads * hd, attn + (r + 1) * heads * hd, 0.0f);
   if (p.tops.empty()) {  // one block per row (a short context): each thread a run of (query head, row), in order
     at::parallel_for(0, heads * rows, 1, [&](int64_t begin, int64_t end) {
       float scores[kSlotBlock], weight, top, total;
