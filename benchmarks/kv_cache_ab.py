@@ -1,11 +1,13 @@
 """The default target's KV cache in float16 against float32, in one process, alternating completion by completion.
 
 The default pair decodes the story openings and the long-prompt task categories (RAG, summarization): RSp, and SSp
-with the default drafter at its K, greedy, each completion once with each cache. Writes per task and mode the median
+with the default drafter at its K, greedy (or sampled at ``--temperature``, a seed per prompt), each completion once
+with each cache. Writes per task and mode the median
 ms/token over the passes (after each completion's first emission), the ratio, and how many completions gave the same
 tokens (float16 keys and values are another target law, so equal tokens are not expected everywhere), with the
 machine, to a JSON file.
 Usage: .venv/bin/python benchmarks/kv_cache_ab.py OUT.json [--repeats 3] [--prompts 8] [--tasks stories,rag,summarization]
+       [--temperature T]
 """
 from __future__ import annotations
 
@@ -32,14 +34,20 @@ from lssp.workloads.tasks import task_prompts  # noqa: E402
 CACHES = {"float32": None, "float16": torch.float16}
 
 
+def seeded(params: SamplingParams, seed: int) -> torch.Generator | None:
+    """A generator seeded per prompt where sampling draws, none where greedy."""
+    return None if params.greedy else torch.Generator().manual_seed(seed)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--tasks", default="stories,rag,summarization")
+    parser.add_argument("--temperature", type=float, default=0.0)
     args = parser.parse_args()
-    greedy = SamplingParams(temperature=0.0)
+    params = SamplingParams(temperature=args.temperature)
     registry = load_registry(REPO / "models.yaml")
     target = load_model(registry.get(registry.target_name(None)))
     spec = registry.get(registry.draft_name(None))
@@ -54,14 +62,15 @@ def main() -> None:
             tokens: dict[tuple[str, str], list] = {key: [] for key in spent}
             for i in range(args.repeats):
                 per_pass = {key: [0.0, 0] for key in spent}
-                for prompt in ids:
+                for seed, prompt in enumerate(ids):
                     for cache in (list(CACHES) if i % 2 else list(CACHES)[::-1]):
                         model.cache_dtype = CACHES[cache]
                         drafter = drafter_for(head.model, 0, spec.confidence or 0.0, spec.prompt_lookup or 0,
                                               spec.prompt_lookup_chain or 0, spec.prompt_lookup_min or 0)
-                        for mode, out in (("rsp", generate_regular(model, prompt, 64, greedy, time_forwards=False)),
-                                          ("ssp", speculative_decode(model, drafter, prompt, 64, spec.k or 2, greedy,
-                                                                     time_forwards=False))):
+                        rsp = generate_regular(model, prompt, 64, params, seeded(params, seed), time_forwards=False)
+                        ssp = speculative_decode(model, drafter, prompt, 64, spec.k or 2, params, seeded(params, seed),
+                                                 time_forwards=False)
+                        for mode, out in (("rsp", rsp), ("ssp", ssp)):
                             per_pass[cache, mode][0] += out.stats.total_time_s - out.stats.ttft_s
                             per_pass[cache, mode][1] += out.stats.new_tokens - out.stats.first_emission_tokens
                             if i == 0:
@@ -81,7 +90,8 @@ def main() -> None:
             print(json.dumps({task: {k: v for k, v in rows.items() if k.startswith(task)}}), flush=True)
     model.cache_dtype = None
     result = {"cpu": cpu_name(), "threads": torch.get_num_threads(), "target": target.spec.name,
-              "precision": target.precision, "draft": spec.name, "k": spec.k or 2, "prompts": args.prompts,
+              "precision": target.precision, "draft": spec.name, "k": spec.k or 2, "sampling": str(params),
+              "prompts": args.prompts,
               "repeats": args.repeats, "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
