@@ -17,14 +17,13 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
+from default_pair import load_default_pair, new_drafter  # noqa: E402
 
 from lssp.decoding.generation import generate_regular  # noqa: E402
 from lssp.decoding.sampling import SamplingParams  # noqa: E402
 from lssp.decoding.speculative import speculative_decode  # noqa: E402
-from lssp.drafters import drafter_for  # noqa: E402
 from lssp.drafters.model import FeatureHead  # noqa: E402
-from lssp.models.loading import encode_prompt, load_model  # noqa: E402
-from lssp.models.registry import load_registry  # noqa: E402
+from lssp.models.loading import encode_prompt  # noqa: E402
 from lssp.report.results import cpu_name  # noqa: E402
 from lssp.workloads.prompts import LATENCY_PROMPTS  # noqa: E402
 
@@ -39,8 +38,7 @@ def one_pass(target, head, spec, ids: list[torch.Tensor], k: int | None, chains:
         if k is None:
             out = generate_regular(target.model, prompt, 64, params, generator, time_forwards=False)
         else:
-            drafter = drafter_for(head.model, 0, spec.confidence or 0.0, spec.prompt_lookup or 0,
-                                  spec.prompt_lookup_chain or 0, spec.prompt_lookup_min or 0)
+            drafter = new_drafter(head, spec)
             out = speculative_decode(target.model, drafter, prompt, 64, k, params, generator, time_forwards=False)
         spent += out.stats.total_time_s - out.stats.ttft_s
         count += out.stats.new_tokens - out.stats.first_emission_tokens
@@ -57,10 +55,7 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.0)
     args = parser.parse_args()
     params = SamplingParams(temperature=args.temperature)
-    registry = load_registry(REPO / "models.yaml")
-    target = load_model(registry.get(registry.target_name(None)))
-    spec = registry.get(registry.draft_name(None))
-    head = load_model(spec, draft=True, target=target)
+    target, spec, head = load_default_pair()
     ids = [torch.tensor([encode_prompt(target.tokenizer, text, False)]) for text in LATENCY_PROMPTS[:args.prompts]]
     rows = {}
     with torch.inference_mode():

@@ -23,11 +23,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
+from default_pair import load_default_pair, new_drafter  # noqa: E402
 
 from lssp.decoding.generation import generate_regular  # noqa: E402
 from lssp.decoding.sampling import SamplingParams  # noqa: E402
 from lssp.decoding.speculative import speculative_decode  # noqa: E402
-from lssp.drafters import drafter_for  # noqa: E402
 from lssp.kernels import CFLAGS, LDFLAGS, block_kernel  # noqa: E402
 from lssp.models.loading import encode_prompt, load_model  # noqa: E402
 from lssp.models.registry import load_registry  # noqa: E402
@@ -74,11 +74,8 @@ def matmuls(ops: dict, repeats: int) -> dict:
 def decoding(ops: dict, repeats: int, prompts: int) -> dict:
     """ms/token per build for RSp and SSp (the default pair, story openings, greedy, 64 tokens), per completion
     after its first emission, and whether every completion's tokens were equal."""
-    registry = load_registry(REPO / "models.yaml")
-    target = load_model(registry.get(registry.target_name(None)))
+    target, spec, head = load_default_pair()
     target.model.cache_dtype = None  # float32, which every build reads
-    spec = registry.get(registry.draft_name(None))
-    head = load_model(spec, draft=True, target=target)
     greedy = SamplingParams(temperature=0.0)
     ids = [torch.tensor([encode_prompt(target.tokenizer, text, False)]) for text in LATENCY_PROMPTS[:prompts]]
     spent = {name: {"rsp": [0.0, 0], "ssp": [0.0, 0]} for name in ops}
@@ -87,8 +84,7 @@ def decoding(ops: dict, repeats: int, prompts: int) -> dict:
         for prompt in ids:
             for name in (list(ops) if i % 2 else list(ops)[::-1]):
                 torch.ops.lssp.decoder = ops[name]
-                drafter = drafter_for(head.model, 0, spec.confidence or 0.0, spec.prompt_lookup or 0,
-                                      spec.prompt_lookup_chain or 0, spec.prompt_lookup_min or 0)
+                drafter = new_drafter(head, spec)
                 for mode, out in (("rsp", generate_regular(target.model, prompt, 64, greedy, time_forwards=False)),
                                   ("ssp", speculative_decode(target.model, drafter, prompt, 64, spec.k or 2, greedy,
                                                              time_forwards=False))):

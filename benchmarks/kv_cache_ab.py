@@ -21,13 +21,12 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
+from default_pair import load_default_pair, new_drafter  # noqa: E402
 
 from lssp.decoding.generation import generate_regular  # noqa: E402
 from lssp.decoding.sampling import SamplingParams  # noqa: E402
 from lssp.decoding.speculative import speculative_decode  # noqa: E402
-from lssp.drafters import drafter_for  # noqa: E402
-from lssp.models.loading import encode_prompt, load_model  # noqa: E402
-from lssp.models.registry import load_registry  # noqa: E402
+from lssp.models.loading import encode_prompt  # noqa: E402
 from lssp.report.results import cpu_name  # noqa: E402
 from lssp.workloads.tasks import task_prompts  # noqa: E402
 
@@ -48,10 +47,7 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.0)
     args = parser.parse_args()
     params = SamplingParams(temperature=args.temperature)
-    registry = load_registry(REPO / "models.yaml")
-    target = load_model(registry.get(registry.target_name(None)))
-    spec = registry.get(registry.draft_name(None))
-    head = load_model(spec, draft=True, target=target)
+    target, spec, head = load_default_pair()
     model = target.model
     rows = {}
     with torch.inference_mode():
@@ -65,8 +61,7 @@ def main() -> None:
                 for seed, prompt in enumerate(ids):
                     for cache in (list(CACHES) if i % 2 else list(CACHES)[::-1]):
                         model.cache_dtype = CACHES[cache]
-                        drafter = drafter_for(head.model, 0, spec.confidence or 0.0, spec.prompt_lookup or 0,
-                                              spec.prompt_lookup_chain or 0, spec.prompt_lookup_min or 0)
+                        drafter = new_drafter(head, spec)
                         rsp = generate_regular(model, prompt, 64, params, seeded(params, seed), time_forwards=False)
                         ssp = speculative_decode(model, drafter, prompt, 64, spec.k or 2, params, seeded(params, seed),
                                                  time_forwards=False)

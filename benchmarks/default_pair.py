@@ -1,0 +1,28 @@
+"""The default pair as the A/B scripts here load it: the registry's default target, its default drafter's entry and
+the drafter's model, and a fresh drafter per completion as the registry entry describes it."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from lssp.decoding.drafting import Drafter  # noqa: E402
+from lssp.drafters import drafter_for  # noqa: E402
+from lssp.models.loading import LoadedModel, load_model  # noqa: E402
+from lssp.models.registry import ModelSpec, load_registry  # noqa: E402
+
+
+def load_default_pair() -> tuple[LoadedModel, ModelSpec, LoadedModel]:
+    """(the default target, the default draft's entry, the draft loaded for that target) of ``models.yaml``."""
+    registry = load_registry(REPO / "models.yaml")
+    target = load_model(registry.get(registry.target_name(None)))
+    spec = registry.get(registry.draft_name(None))
+    return target, spec, load_model(spec, draft=True, target=target)
+
+
+def new_drafter(head: LoadedModel, spec: ModelSpec) -> Drafter:
+    """A drafter over ``head`` with the entry's confidence stop and prompt lookup, for one completion."""
+    return drafter_for(head.model, 0, spec.confidence or 0.0, spec.prompt_lookup or 0, spec.prompt_lookup_chain or 0,
+                       spec.prompt_lookup_min or 0)
