@@ -660,7 +660,8 @@ void combine_blocks(const float* tops, const float* totals, const float* accs, i
 
 // One query row q (D) over its ``count`` allowed slots (``slots``, in order), block by block: the numbers the
 // decoder's shared-block attention gives the same query. scratch: room for kSlotBlock + ceil(count / kSlotBlock) * (D + 3).
-void attend_row(const float* q, const float* k, int64_t ks, const float* v, int64_t vs, int64_t D,
+template <typename T>
+void attend_row(const float* q, const T* k, int64_t ks, const T* v, int64_t vs, int64_t D,
                 const int64_t* slots, int64_t count, float scale, float* out, float* scratch) {
   const int64_t blocks = (count + kSlotBlock - 1) / kSlotBlock;
   float* scores = scratch;
@@ -831,28 +832,24 @@ void attend_layer(AttentionPlan& p, const float* qkv, int64_t width, const at::T
   const T* kp = keys.data_ptr<T>();
   const T* vp = values.data_ptr<T>();
   const int64_t hd = p.hd, heads = p.heads, rows = static_cast<int64_t>(p.counts.size());
-  for (int64_t r = 0; r < rows; ++r)  // a row that sees no slot attends to nothing: zeros
-    if (p.counts[r] == 0) std::fill(attn + r * heads * hd, attn + (r + 1) * heads * hd, 0.0f);
   if (p.tops.empty()) {  // one block per row (a short context): each thread a run of (query head, row), in order
     at::parallel_for(0, heads * rows, 1, [&](int64_t begin, int64_t end) {
-      float scores[kSlotBlock], weight, top, total;
-      std::vector<float> acc(hd);
+      std::vector<float> scratch(kSlotBlock + hd + 3);
       for (int64_t item = begin; item < end; ++item) {
         const int64_t head = item / rows, r = item % rows, b = p.batch_of[r];
-        if (p.counts[r] == 0) continue;
-        attend_block(q_of(qkv, width, hd, r, head), kp + b * keys.stride(0) + (head / p.group) * keys.stride(1),
-                     keys.stride(2), vp + b * values.stride(0) + (head / p.group) * values.stride(1), values.stride(2),
-                     hd, p.slots_of(r), p.counts[r], scale, scores, acc.data(), top, total);
-        combine_blocks(&top, &total, acc.data(), 1, hd, attn + r * heads * hd + head * hd, &weight);
+        attend_row(q_of(qkv, width, hd, r, head), kp + b * keys.stride(0) + (head / p.group) * keys.stride(1),
+                   keys.stride(2), vp + b * values.stride(0) + (head / p.group) * values.stride(1), values.stride(2),
+                   hd, p.slots_of(r), p.counts[r], scale, attn + r * heads * hd + head * hd, scratch.data());
       }
     });
     return;
   }
+  for (int64_t r = 0; r < rows; ++r)  // a row that sees no slot (no block) attends to nothing: zeros
+    if (p.counts[r] == 0) std::fill(attn + r * heads * hd, attn + (r + 1) * heads * hd, 0.0f);
   std::atomic<int64_t> next{0};  // the next unit not taken: a thread done with one takes the next
   const int64_t units = static_cast<int64_t>(p.units.size()) * p.parts;
   at::parallel_for(0, p.threads, 1, [&](int64_t t0, int64_t t1) {
-    float scores[kSlotBlock], weight;
-    std::vector<float> acc(hd);
+    std::vector<float> scratch(kSlotBlock + hd + 3);  // scores first, as attend_row lays it out
     if (t0 < t1)
       for (int64_t u = next++; u < units; u = next++) {
         const int64_t b = p.units[u / p.parts].first, j = p.units[u / p.parts].second, part = u % p.parts;
@@ -866,14 +863,12 @@ void attend_layer(AttentionPlan& p, const float* qkv, int64_t width, const at::T
           const int64_t m = std::min(kSlotBlock, count - c0);
           for (int64_t head = first; head < last; ++head) {
             const float* q = q_of(qkv, width, hd, r, head);
-            if (blocks == 1) {
-              float top, total;
-              attend_block(q, kb, keys.stride(2), vb, values.stride(2), hd, sl, m, scale, scores, acc.data(), top,
-                           total);
-              combine_blocks(&top, &total, acc.data(), 1, hd, attn + r * heads * hd + head * hd, &weight);
+            if (blocks == 1) {  // the row's only block: as a query alone
+              attend_row(q, kb, keys.stride(2), vb, values.stride(2), hd, sl, m, scale,
+                         attn + r * heads * hd + head * hd, scratch.data());
             } else {
               const int64_t item = p.base[r] + head * blocks + j;
-              attend_block(q, kb, keys.stride(2), vb, values.stride(2), hd, sl, m, scale, scores,
+              attend_block(q, kb, keys.stride(2), vb, values.stride(2), hd, sl, m, scale, scratch.data(),
                            p.accs.data() + item * hd, p.tops[item], p.totals[item]);
             }
           }
