@@ -180,7 +180,7 @@ class LoadedModel(ModelHandle):
         mode = getattr(self.model, "compile_mode", None)
         if getattr(self.model, "one_call", False):
             cache = getattr(self.model, "cache_dtype", None)
-            return f"{weights}, compact forward, one-call decoder" + (f", {str(cache)[6:]} KV cache" if cache else "")
+            return f"{weights}, compact forward, one-call decoder" + (f", {str(cache).removeprefix('torch.')} KV cache" if cache else "")
         return f"{weights}, compact forward" + (f", compiled ({mode})" if mode else "")
 
     @property
@@ -493,15 +493,16 @@ def weight_only_dtype(spec: ModelSpec) -> torch.dtype:
 
 
 def set_cache_dtype(model: FusedDecoder, spec: ModelSpec) -> None:
-    """The entry's ``kv_cache`` where our one-call decoder runs the model (it reads float16 keys and values of heads
-    of 64 or 128); elsewhere one log line says it is not applied."""
+    """The entry's ``kv_cache`` where our one-call decoder runs a model with a cache of its own (a feature head's
+    follows its features) over heads of 64 or 128 (it reads float16 keys and values of those); elsewhere one log
+    line says it is not applied."""
     if spec.kv_cache in (None, "float32"):
         return
-    if model.one_call and model.head_dim in (64, 128):
+    if isinstance(model, CompactLlama) and model.one_call and model.head_dim in (64, 128):
         model.cache_dtype = torch.float16
     else:
-        log.info("%s: kv_cache %s applies to our one-call decoder over heads of 64 or 128; keeping float32", spec.name,
-                 spec.kv_cache)
+        log.info("%s: kv_cache %s applies to a model's own one-call decoder over heads of 64 or 128; keeping float32",
+                 spec.name, spec.kv_cache)
 
 
 def cpu_quantize(model: PreTrainedModel, spec: ModelSpec) -> PreTrainedModel:

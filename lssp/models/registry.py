@@ -33,8 +33,8 @@ INITS = ("pretrained", "random")
 # transformers: the model's own forward. compact: lssp.models.compact's fused batch-1 forward for small
 # Llama models (a draft's cost ratio c is mostly per-call overhead).
 FORWARDS = ("transformers", "compact")
-# compile: true (torch.compile's mode reduce-overhead on a GPU, i.e. CUDA graphs; default on the CPU) or a mode.
 KV_CACHE_DTYPES = ("float32", "float16")  # kv_cache: what our one-call decoder stores keys and values in
+# compile: true (torch.compile's mode reduce-overhead on a GPU, i.e. CUDA graphs; default on the CPU) or a mode.
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 SPEC_KEYS = {
     "path", "tokenizer", "dtype", "quantization", "device_map", "gpus", "max_memory",
