@@ -4,9 +4,10 @@ Builds ``lssp/kernels/blocks.cpp`` as it was at REV under another op namespace, 
 the body's matmuls of the default target's shape (30 layers' gate/up and down projections, random weights, streamed
 from memory as in a forward) at 1 to 8 activation rows, and the default pair decoding the story openings (RSp, and
 SSp with the default drafter at its K), each build's ``decoder`` op swapped in per completion, and the target's
-forward of 1 and 3 tokens after 64 to 1536 cached tokens, call by call. Both over a float32 KV cache (what every
-build reads). Says whether the outputs were equal. Writes the medians with the machine to a JSON file.
-Usage: .venv/bin/python benchmarks/kernel_ab.py REV OUT.json [--repeats 3] [--prompts 8]
+forward of 1, 3 and 7 tokens after 64 to 1536 cached tokens, call by call. Both over a float32 KV cache (what every
+build reads; ``--cache float16`` where both builds read that too). Says whether the outputs were equal. Writes the
+medians with the machine to a JSON file.
+Usage: .venv/bin/python benchmarks/kernel_ab.py REV OUT.json [--repeats 3] [--prompts 8] [--cache float16]
 """
 from __future__ import annotations
 
@@ -71,11 +72,11 @@ def matmuls(ops: dict, repeats: int) -> dict:
     return out
 
 
-def decoding(ops: dict, repeats: int, prompts: int) -> dict:
+def decoding(ops: dict, repeats: int, prompts: int, cache: torch.dtype | None) -> dict:
     """ms/token per build for RSp and SSp (the default pair, story openings, greedy, 64 tokens), per completion
     after its first emission, and whether every completion's tokens were equal."""
     target, spec, head = load_default_pair()
-    target.model.cache_dtype = None  # float32, which every build reads
+    target.model.cache_dtype = cache
     greedy = SamplingParams(temperature=0.0)
     ids = [torch.tensor([encode_prompt(target.tokenizer, text, False)]) for text in LATENCY_PROMPTS[:prompts]]
     spent = {name: {"rsp": [0.0, 0], "ssp": [0.0, 0]} for name in ops}
@@ -96,18 +97,18 @@ def decoding(ops: dict, repeats: int, prompts: int) -> dict:
         "equal": all(t == first for t in tokens.values()), "draft": spec.name, "k": spec.k or 2}
 
 
-def forwards(ops: dict, repeats: int) -> dict:
-    """Median ms per build of the default target's forward of 1 and 3 tokens after 64..1536 cached tokens (random
-    ids), the builds alternating call by call, and whether their logits were equal."""
+def forwards(ops: dict, repeats: int, cache: torch.dtype | None) -> dict:
+    """Median ms per build of the default target's forward of 1, 3 and 7 tokens after 64..1536 cached tokens
+    (random ids), the builds alternating call by call, and whether their logits were equal."""
     registry = load_registry(REPO / "models.yaml")
     model = load_model(registry.get(registry.target_name(None))).model
-    model.cache_dtype = None
+    model.cache_dtype = cache
     ids = torch.randint(100, 20000, (1, 1540), generator=torch.Generator().manual_seed(0))
     out = {}
     for context in (64, 256, 512, 1536):
         kv = model.new_cache()
         model(ids[:, :context], past_key_values=kv)
-        for n in (1, 3):
+        for n in (1, 3, 7):
             times: dict[str, list[float]] = {name: [] for name in ops}
             logits = {}
             for i in range(repeats):
@@ -129,17 +130,20 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--cache", choices=["float32", "float16"], default="float32")
     args = parser.parse_args()
+    cache = torch.float16 if args.cache == "float16" else None
     block_kernel(cache_root() / "kernels")
     with tempfile.TemporaryDirectory() as where, torch.inference_mode():
         build_base(args.rev, Path(where))
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout
         base = getattr(torch.ops, BASE)
         result = {"cpu": cpu_name(), "threads": torch.get_num_threads(), "base": args.rev, "head": head.strip(),
+                  "kv_cache": args.cache,
                   "matmul_ms": matmuls({"head": torch.ops.lssp.block_mm, "base": base.block_mm}, 40),
-                  "forward_ms": forwards({"head": torch.ops.lssp.decoder, "base": base.decoder}, 20),
+                  "forward_ms": forwards({"head": torch.ops.lssp.decoder, "base": base.decoder}, 20, cache),
                   "decoding_ms_per_token": decoding({"head": torch.ops.lssp.decoder, "base": base.decoder},
-                                                    args.repeats, args.prompts)}
+                                                    args.repeats, args.prompts, cache)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result))
