@@ -10,10 +10,10 @@ import pytest
 import torch
 from conftest import random_head, tiny_llama
 
-from lssp.decoding import verification
+from lssp.decoding import sampling, verification
 from lssp.decoding.batched import speculative_decode_batch
 from lssp.decoding.generation import generate_regular
-from lssp.decoding.sampling import SamplingParams, inverse_cdf, warp
+from lssp.decoding.sampling import SamplingParams, inverse_cdf, on_kernel, warp
 from lssp.decoding.speculative import speculative_decode
 from lssp.drafters import ConfidenceStop, CopyFirst, DraftModel, FeatureHead, LookupHint, NgramDrafter, Picker, Proposal
 from lssp.drafters.base import DrafterWrapper
@@ -201,6 +201,39 @@ def test_the_law_test_at_k1_catches_planted_bonus_and_residual_bugs(models, name
     counts = _two_token_counts(CompactLlama(target), lambda: DRAFTERS[name](CompactLlama(draft), head), params, prompt,
                                k=1, batched=True)  # the batched loop verifies through the same function
     assert chi_square_gof(counts, _exact_law(target, prompt, params).tolist()).p_value < SIGNIFICANCE
+
+
+@pytest.mark.skipif(not on_kernel(torch.zeros(1)), reason="our CPU kernel does not run on this CPU")
+def test_warp_on_a_cpu_is_the_kernels_softmax_torchs_up_to_rounding():
+    """At a temperature alone (no top-k or top-p) ``warp`` is ``softmax_rows`` (the softmax the kernel's drafting
+    chain draws by): torch's softmax up to float32 rounding, a -inf logit's probability exactly 0."""
+    logits = torch.randn(4, 3000, generator=torch.Generator().manual_seed(0)) * 4
+    logits[:, :7] = float("-inf")
+    for temperature in (0.3, 0.7, 1.0, 2.5):
+        probs = warp(logits, SamplingParams(temperature))
+        assert torch.equal(probs, torch.ops.lssp.softmax_rows(logits, temperature))
+        torch.testing.assert_close(probs, torch.softmax(logits / temperature, -1), rtol=2e-5, atol=1e-8)
+        assert not probs[:, :7].any()
+
+
+@pytest.mark.skipif(not on_kernel(torch.zeros(1)), reason="our CPU kernel does not run on this CPU")
+def test_the_kernels_draw_picks_the_tokens_torchs_inverse_cdf_picks(monkeypatch):
+    """``draw_from`` (float64 sums by blocks, then a scan) picks the token torch's float64 cumsum and searchsorted
+    pick, never a zero-probability one, over rows wider and narrower than its blocks; from a residual too."""
+    gen = torch.Generator().manual_seed(1)
+    cases = []
+    for trial in range(300):
+        width = (40, 1000, 49152)[trial % 3]
+        probs = torch.softmax(torch.randn(width, generator=gen) * 4, -1)
+        probs[torch.rand(width, generator=gen) < 0.3] = 0.0
+        cases.append((probs, torch.rand(1, 1, dtype=torch.float64, generator=gen)))
+    kernel = [int(inverse_cdf(probs, u)) for probs, u in cases]
+    minus = [torch.ops.lssp.draw_from(probs, probs.flip(0), float(u)) for probs, u in cases]
+    monkeypatch.setattr(sampling, "on_kernel", lambda t: False)
+    assert kernel == [int(inverse_cdf(probs, u)) for probs, u in cases]
+    assert all(probs[token] > 0 for (probs, _), token in zip(cases, kernel))
+    residuals = [verification.residual_distribution(probs, probs.flip(0)) for probs, _ in cases]
+    assert minus == [int(inverse_cdf(law, u)) for law, (_, u) in zip(residuals, cases)]
 
 
 class DraftsAtTemperatureOne(DrafterWrapper):

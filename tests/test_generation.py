@@ -12,7 +12,7 @@ import lssp.decoding.verification as verification
 from lssp.decoding.batched import speculative_decode_batch
 from lssp.decoding.drafting import Picker
 from lssp.decoding.generation import Stopping, generate_regular
-from lssp.decoding.sampling import SamplingParams, argmax, sample, warp
+from lssp.decoding.sampling import SamplingParams, argmax, inverse_cdf, sample, warp
 from lssp.drafters import drafter_for, generate_speculative
 from lssp.drafters.lookup import ContextLookup, copy_room
 from lssp.report.stats import chi_square_gof
@@ -299,7 +299,7 @@ def test_distribution_test_rejects_a_residual_without_max0(small_vocab_pair, mon
     target, draft = small_vocab_pair
     params = SamplingParams(1.0)
     prompt = torch.tensor([[1, 2, 3]])
-    monkeypatch.setattr(verification, "residual_distribution", lambda p, q: p)  # resample from p: biased
+    monkeypatch.setattr(verification, "residual_draw", lambda p, q, u: inverse_cdf(p, u))  # resample from p: biased
     result = chi_square_gof(two_token_counts(target, draft, prompt, params), exact_two_token_law(target, prompt, params).tolist())
     assert result.p_value < SIGNIFICANCE, result
 

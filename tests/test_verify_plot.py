@@ -8,7 +8,7 @@ import torch
 from conftest import char_tokenizer, tiny_llama
 
 import lssp.decoding.verification as verification
-from lssp.decoding.sampling import SamplingParams
+from lssp.decoding.sampling import SamplingParams, inverse_cdf
 from lssp.engines import OursEngine, TransformersEngine
 from lssp.measure.verify import verify_greedy, verify_sampled
 from lssp.models.loading import LoadedModel
@@ -52,7 +52,7 @@ def test_verify_fails_an_always_accept_verifier(pair, monkeypatch):
 @pytest.mark.slow
 def test_verify_fails_a_residual_without_max0(pair, monkeypatch):
     # Without max(0, .) the replacement token can only be drawn from p itself (clamping is what removes q's mass).
-    monkeypatch.setattr(verification, "residual_distribution", lambda p, q: p)
+    monkeypatch.setattr(verification, "residual_draw", lambda p, q, u: inverse_cdf(p, u))
     assert not sampled(pair).lossless
 
 

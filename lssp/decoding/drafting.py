@@ -125,6 +125,16 @@ class Picker:
             self.k = i + 1
         return token
 
+    def add_certain(self, token: int) -> int:
+        """Add ``token`` with q one-hot on it (a copied token): what ``add`` gives for logits of -inf but at
+        ``token`` (no hint or stop speaks where the draft is certain), without building them or drawing a uniform
+        (a one-hot law leaves nothing to draw)."""
+        if self.q is not None:
+            self.q[len(self.looked_up)].zero_()[token] = 1.0
+        self.looked_up.append(False)
+        self.drafted.append(token)
+        return token
+
     def proposal(self, forward_s: float = 0.0) -> Proposal:
         n = len(self.looked_up)
         tokens = torch.tensor(self.drafted, dtype=torch.long, device=self.device)

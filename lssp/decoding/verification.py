@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from lssp.decoding.sampling import argmax, inverse_cdf
+from lssp.decoding.sampling import argmax, inverse_cdf, on_kernel
 
 
 def draw_uniforms(k: int, device: torch.device, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -20,14 +20,16 @@ def draw_uniforms(k: int, device: torch.device, generator: torch.Generator | Non
 
 
 def accepted_prefix(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, uniforms: torch.Tensor) -> int:
-    """How many leading drafts pass: draft i is kept where uniforms[i] · q_i(x) < p_i(x). Counted on the device,
-    so the iteration synchronizes once."""
+    """How many leading drafts pass: draft i is kept where uniforms[i] · q_i(x) < p_i(x)."""
     k = drafts.shape[0]
     if k == 0:
         return 0
     rows = torch.arange(k, device=drafts.device)
-    accept = uniforms * q[rows, drafts] < p[rows, drafts]
-    return int(accept.cumprod(0).sum())
+    # On the host (a few floats, one synchronization): float32 products are exact in Python's float64.
+    for n, (u, q_x, p_x) in enumerate(zip(uniforms.tolist(), q[rows, drafts].tolist(), p[rows, drafts].tolist())):
+        if not u * q_x < p_x:
+            return n
+    return k
 
 
 def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -38,6 +40,14 @@ def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return torch.where(total > 0, residual / total.clamp_min(torch.finfo(p.dtype).tiny), p)
 
 
+def residual_draw(p: torch.Tensor, q: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The token uniform ``u`` picks from norm(max(0, p - q)) (as ``inverse_cdf`` picks), in one pass of our CPU
+    kernel where it samples, without building the residual."""
+    if on_kernel(p) and on_kernel(q):
+        return torch.tensor(torch.ops.lssp.draw_from(p, q, float(u)))
+    return inverse_cdf(residual_distribution(p, q), u)
+
+
 def sampled_verification(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, accept_u: torch.Tensor,
                          next_u: torch.Tensor) -> tuple[int, torch.Tensor]:
     """(accepted drafts n, the next token) from the target's probabilities ``p`` (k+1, V), the draft's ``q`` (k, V)
@@ -45,8 +55,7 @@ def sampled_verification(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor,
     from p_{k+1} (the bonus)."""
     k = drafts.shape[0]
     n = accepted_prefix(p, q, drafts, accept_u)
-    law = residual_distribution(p[n], q[n]) if n < k else p[k]
-    return n, inverse_cdf(law, next_u).reshape(())
+    return n, (residual_draw(p[n], q[n], next_u) if n < k else inverse_cdf(p[k], next_u)).reshape(())
 
 
 def greedy_verification(logits: torch.Tensor, drafts: torch.Tensor) -> tuple[int, torch.Tensor]:

@@ -105,17 +105,14 @@ class LookupHint(PickPolicy):
 
 
 def ngram_drafts(context: ContextLookup, text: Sequence[int], picker: Picker) -> Proposal:
-    """The chain of lookups after ``text``, each drawn from a one-hot q, until ``picker`` is done or the n-gram is
-    new."""
+    """The chain of lookups after ``text``, each with a one-hot q, until ``picker`` is done or the n-gram is new."""
     context.catch_up(text)
     drafted: list[int] = []
     while not picker.done:
         token = context.propose(drafted)
         if token is None:
             break
-        logits = torch.full((picker.vocab,), float("-inf"), device=picker.device)
-        logits[token] = 0.0
-        drafted.append(picker.add(logits))
+        drafted.append(picker.add_certain(token))
     return picker.proposal()
 
 

@@ -97,6 +97,10 @@ def _load_block_kernel(root: Path) -> None:
     def _(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
         return x.new_empty(x.shape[0], packed.shape[0], dtype=torch.float32)
 
+    @torch.library.register_fake("lssp::softmax_rows")
+    def _(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+        return logits.new_empty(logits.shape, dtype=torch.float32)
+
     @torch.library.register_fake("lssp::row_attention")
     def _(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor | None,
           scale: float) -> torch.Tensor:

@@ -1065,22 +1065,104 @@ int64_t first_max(const float* l, int64_t n) {
   return best;
 }
 
-// q = softmax(l / temperature) (n,) written to q, and the index u (in [0, 1)) picks: the first whose cumulative q,
-// summed in float64, exceeds u x the total (at most n - 1), as lssp.decoding.sampling.inverse_cdf picks.
+// e^x in each lane, 0 where x < -87.3 (e^x below float's smallest normal): a -inf logit's probability is 0.
+inline v16f exp_or_zero(v16f x) {
+#if LSSP_AVX512
+  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3f), _CMP_GE_OQ), exp512(x));
+#else
+  const v16f e = exp512(x);
+  const __m256 floor = _mm256_set1_ps(-87.3f);
+  return pair(_mm256_and_ps(e.lo, _mm256_cmp_ps(x.lo, floor, _CMP_GE_OQ)),
+              _mm256_and_ps(e.hi, _mm256_cmp_ps(x.hi, floor, _CMP_GE_OQ)));
+#endif
+}
+
+// probs (n,) = softmax(l * inv_t): e^((l - max l) inv_t), 0 for a -inf logit, over their sum, in float32.
+void softmax_row(const float* l, int64_t n, float inv_t, float* probs) {
+  v16f most = v16_set1_ps(-INFINITY);
+  for (int64_t c = 0; c < n; c += 16) most = v16_max_ps(most, v16_mask_loadu_ps(most, lanes_from(n - c), l + c));
+  const v16f top = v16_set1_ps(v16_reduce_max_ps(most)), scale = v16_set1_ps(inv_t);
+  v16f sums = v16_setzero_ps();
+  for (int64_t c = 0; c < n; c += 16) {
+    const mask16 lanes = lanes_from(n - c);
+    const v16f e = exp_or_zero(v16_mul_ps(v16_sub_ps(v16_maskz_loadu_ps(lanes, l + c), top), scale));
+    v16_mask_storeu_ps(probs + c, lanes, e);
+    sums = v16_mask_add_ps(sums, lanes, sums, e);
+  }
+  const v16f inv = v16_set1_ps(1.0f / v16_reduce_add_ps(sums));
+  for (int64_t c = 0; c < n; c += 16) {
+    const mask16 lanes = lanes_from(n - c);
+    v16_mask_storeu_ps(probs + c, lanes, v16_mul_ps(v16_maskz_loadu_ps(lanes, probs + c), inv));
+  }
+}
+
+// The index u (in [0, 1)) picks from weights w (n,): the first whose cumulative weight exceeds u x the total, never
+// one of weight 0. w = probs, or with ``minus`` max(0, probs - minus) (speculative sampling's residual; probs where
+// that leaves no mass). Sums in float64 over blocks of 256 weights (each summed in float32 lanes): the blocks before
+// the point are skipped whole, the rest scanned weight by weight.
+int64_t draw_index(const float* probs, const float* minus, int64_t n, double u) {
+  constexpr int64_t kBlock = 256;
+  const int64_t blocks = (n + kBlock - 1) / kBlock;
+  std::vector<double> sums(blocks);
+  double total = 0.0;
+  for (int64_t b = 0; b < blocks; ++b) {
+    v16f acc = v16_setzero_ps();
+    for (int64_t c = b * kBlock; c < std::min(n, (b + 1) * kBlock); c += 16) {
+      const mask16 lanes = lanes_from(n - c);
+      v16f w = v16_maskz_loadu_ps(lanes, probs + c);
+      if (minus) w = v16_max_ps(v16_sub_ps(w, v16_maskz_loadu_ps(lanes, minus + c)), v16_setzero_ps());
+      acc = v16_add_ps(acc, w);
+    }
+    total += (sums[b] = v16_reduce_add_ps(acc));
+  }
+  if (minus && !(total > 0.0)) return draw_index(probs, nullptr, n, u);  // p = q up to rounding: p itself
+  const double point = u * total;
+  double running = 0.0;
+  int64_t b = 0;
+  while (b + 1 < blocks && running + sums[b] <= point) running += sums[b++];
+  int64_t last = -1;  // the last index of positive weight scanned
+  for (int64_t c = b * kBlock; c < n; ++c) {
+    const float w = minus ? std::max(0.0f, probs[c] - minus[c]) : probs[c];
+    if (w > 0.0f) {
+      last = c;
+      if ((running += w) > point) return c;
+    }
+  }
+  for (int64_t c = b * kBlock - 1; last < 0 && c >= 0; --c)  // rounding ran past the end: the last positive weight
+    if ((minus ? probs[c] - minus[c] : probs[c]) > 0.0f) last = c;
+  return std::max<int64_t>(last, 0);
+}
+
+// q = softmax(l / temperature) (n,) written to q, and the index u (in [0, 1)) picks from it: the rule of
+// lssp.decoding.sampling's warp and inverse_cdf on a CPU.
 int64_t draw(const float* l, int64_t n, double temperature, double u, float* q) {
-  const float t = static_cast<float>(temperature);
-  float top = -std::numeric_limits<float>::infinity();
-  for (int64_t c = 0; c < n; ++c) top = std::max(top, l[c] / t);
-  float total = 0.0f;
-  for (int64_t c = 0; c < n; ++c) total += (q[c] = std::exp(l[c] / t - top));
-  for (int64_t c = 0; c < n; ++c) q[c] /= total;
-  double cdf = 0.0;
-  for (int64_t c = 0; c < n; ++c) cdf += q[c];
-  const double point = u * cdf;
-  double sum = 0.0;
-  for (int64_t c = 0; c < n; ++c)
-    if ((sum += q[c]) > point) return c;
-  return n - 1;
+  softmax_row(l, n, static_cast<float>(1.0 / temperature), q);
+  return draw_index(q, nullptr, n, u);
+}
+
+// lssp::softmax_rows: softmax(logits / temperature) of each row of logits (R, V), in float32 (as draw computes q).
+at::Tensor softmax_rows(const at::Tensor& logits_in, double temperature) {
+  TORCH_CHECK(logits_in.dim() == 2 && temperature > 0, "softmax_rows: logits (R, V) and a temperature > 0");
+  const at::Tensor logits = logits_in.to(at::kFloat).contiguous();
+  const int64_t R = logits.size(0), V = logits.size(1);
+  at::Tensor out = at::empty_like(logits);
+  at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      softmax_row(logits.data_ptr<float>() + r * V, V, static_cast<float>(1.0 / temperature), out.data_ptr<float>() + r * V);
+  });
+  return out;
+}
+
+// lssp::draw_from: the index u (in [0, 1)) picks from probs (V,), or from the residual max(0, probs - minus) (draw_index).
+int64_t draw_from(const at::Tensor& probs_in, const c10::optional<at::Tensor>& minus_in, double u) {
+  const at::Tensor probs = probs_in.to(at::kFloat).contiguous();
+  TORCH_CHECK(probs.dim() == 1 && probs.numel() > 0, "draw_from: probs (V,)");
+  at::Tensor minus;
+  if (minus_in.has_value() && minus_in->defined()) {
+    minus = minus_in->to(at::kFloat).contiguous();
+    TORCH_CHECK(minus.sizes() == probs.sizes(), "draw_from: minus (V,) as probs");
+  }
+  return draw_index(probs.data_ptr<float>(), minus.defined() ? minus.data_ptr<float>() : nullptr, probs.numel(), u);
 }
 
 // lssp::draft_chain: a feature head's k drafts in one call, without Python between its steps. ids (n,): the
@@ -1186,6 +1268,8 @@ TORCH_LIBRARY(lssp, m) {
   m.def("block_mm(Tensor x, Tensor packed, Tensor scales, Tensor mins) -> Tensor");
   m.def("row_attention(Tensor q, Tensor keys, Tensor values, Tensor? allowed, float scale) -> Tensor");
   m.def("arena(int nbytes) -> Tensor");
+  m.def("softmax_rows(Tensor logits, float temperature) -> Tensor");
+  m.def("draw_from(Tensor probs, Tensor? minus, float u) -> int");
   m.def("decoder(Tensor hidden, Tensor cos, Tensor sin, Tensor? allowed, Tensor[] weights, Tensor(a!)[] cache, "
         "int start, int heads, int kv_heads, float eps, float scale, Tensor? final_norm, Tensor[] output, int keep, "
         "Tensor? used=None, Tensor? embeds=None, Tensor? embed_norm=None) -> (Tensor, Tensor)");
@@ -1200,6 +1284,8 @@ TORCH_LIBRARY_IMPL(lssp, CPU, m) {
   m.impl("row_attention", &row_attention);
   m.impl("decoder", &decoder);
   m.impl("draft_chain", &draft_chain);
+  m.impl("softmax_rows", &softmax_rows);
+  m.impl("draw_from", &draw_from);
 }
 
 TORCH_LIBRARY_IMPL(lssp, CompositeExplicitAutograd, m) {
