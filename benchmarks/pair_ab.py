@@ -3,11 +3,13 @@
 The default pair decodes the story openings and task categories (by default RAG and summarization, long prompts):
 RSp, and SSp with the default drafter at its K, greedy (or sampled at ``--temperature``, a seed per prompt), each
 completion once in each arm. The arms (``--arms``): ``kv-cache``, the target's KV cache in float32 against float16;
-``sampling``, sampling through torch's ops against our CPU kernel's (``lssp.decoding.sampling.on_kernel``). Writes per
+``sampling``, sampling through torch's ops against our CPU kernel's (``lssp.decoding.sampling.on_kernel``);
+``copy``, a copied token added as a logits row of -inf but at it (warped, drawn from: ``Picker.add``, as before
+2026-11-28 afternoon) against one-hot directly (``Picker.add_certain``). Writes per
 task and mode the median ms/token over the passes (after each completion's first emission), the ratio, and how many
 completions gave the same tokens (another cache is another target law, another sampler other rounding, so equal
 tokens are not expected everywhere), with the machine, to a JSON file.
-Usage: .venv/bin/python benchmarks/pair_ab.py OUT.json [--arms kv-cache|sampling] [--repeats 3] [--prompts 8]
+Usage: .venv/bin/python benchmarks/pair_ab.py OUT.json [--arms kv-cache|sampling|copy] [--repeats 3] [--prompts 8]
        [--tasks stories,rag,summarization] [--temperature T]
 """
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch  # noqa: E402
 from default_pair import load_default_pair, new_drafter  # noqa: E402
 
 from lssp.decoding import sampling, verification  # noqa: E402
+from lssp.decoding.drafting import Picker  # noqa: E402
 from lssp.decoding.generation import generate_regular  # noqa: E402
 from lssp.decoding.sampling import SamplingParams  # noqa: E402
 from lssp.decoding.speculative import speculative_decode  # noqa: E402
@@ -34,6 +37,14 @@ from lssp.report.results import cpu_name  # noqa: E402
 from lssp.workloads.tasks import task_prompts  # noqa: E402
 
 KERNEL_SAMPLING = sampling.on_kernel
+ONE_HOT = Picker.add_certain
+
+
+def add_as_logits(picker: Picker, token: int) -> int:
+    """A copied token as ``Picker.add`` takes any draft: logits of -inf but at it."""
+    logits = torch.full((picker.vocab,), float("-inf"), device=picker.device)
+    logits[token] = 0.0
+    return picker.add(logits)
 
 
 def sample_through(kernel: bool) -> None:
@@ -47,6 +58,9 @@ def arms(name: str, model: torch.nn.Module) -> dict[str, Callable[[], None]]:
     if name == "kv-cache":
         return {"float32": lambda: setattr(model, "cache_dtype", None),
                 "float16": lambda: setattr(model, "cache_dtype", torch.float16)}
+    if name == "copy":
+        return {"logits": lambda: setattr(Picker, "add_certain", add_as_logits),
+                "one-hot": lambda: setattr(Picker, "add_certain", ONE_HOT)}
     return {"torch": lambda: sample_through(False), "kernel": lambda: sample_through(True)}
 
 
@@ -62,7 +76,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--tasks", default="stories,rag,summarization")
     parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--arms", choices=["kv-cache", "sampling"], default="kv-cache")
+    parser.add_argument("--arms", choices=["kv-cache", "sampling", "copy"], default="kv-cache")
     args = parser.parse_args()
     params = SamplingParams(temperature=args.temperature)
     target, spec, head = load_default_pair()
@@ -106,6 +120,7 @@ def main() -> None:
             print(json.dumps({task: {k: v for k, v in rows.items() if k.startswith(task)}}), flush=True)
     model.cache_dtype = default_cache
     sample_through(True)
+    Picker.add_certain = ONE_HOT
     result = {"cpu": cpu_name(), "threads": torch.get_num_threads(), "target": target.spec.name,
               "precision": target.precision, "draft": spec.name, "k": spec.k or 2, "sampling": str(params),
               "arms": args.arms, "prompts": args.prompts,
