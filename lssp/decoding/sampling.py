@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from lssp.errors import UserError
-from lssp.kernels import block_kernel, kernel_isa
+from lssp.kernels import kernel_isa, kernel_unavailable
 from lssp.models.sources import cache_root
 
 log = logging.getLogger(__name__)
@@ -95,12 +95,10 @@ def cpu_sampling() -> bool:
     chain draws by), building it the first time; False where it cannot run here (torch's ops then sample)."""
     if not kernel_isa():
         return False
-    try:
-        block_kernel(cache_root() / "kernels")
-    except UserError as exc:
-        log.warning("sampling through torch: %s", exc)
-        return False
-    return True
+    reason = kernel_unavailable(cache_root() / "kernels")
+    if reason:
+        log.warning("sampling through torch: %s", reason)
+    return reason is None
 
 
 def on_kernel(t: torch.Tensor) -> bool:

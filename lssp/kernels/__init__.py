@@ -70,6 +70,15 @@ def block_kernel(root: Path) -> None:
         _load_block_kernel(root)
 
 
+def kernel_unavailable(root: Path) -> str | None:
+    """``block_kernel(root)``, returning why it cannot be (one line) instead of raising; None once it is loaded."""
+    try:
+        block_kernel(root)
+    except UserError as exc:
+        return str(exc)
+    return None
+
+
 _loaded: list[Path] = []  # where this process loaded it from
 
 

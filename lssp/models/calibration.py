@@ -18,7 +18,6 @@ from pathlib import Path
 
 import torch
 
-from lssp.errors import UserError
 from lssp.models.registry import ModelSpec
 
 log = logging.getLogger(__name__)
@@ -66,15 +65,13 @@ def runnable(quantization: str) -> bool:
     """Whether this CPU runs ``quantization`` (q4_1 needs our kernel: AVX512-VNNI or AVX2, and it must build)."""
     if quantization != "q4_1":
         return True
-    from lssp.kernels import block_kernel
+    from lssp.kernels import kernel_unavailable
     from lssp.models.sources import cache_root
 
-    try:
-        block_kernel(cache_root() / "kernels")
-    except UserError as exc:
-        log.info("quantization auto leaves out q4_1: %s", exc)
-        return False
-    return True
+    reason = kernel_unavailable(cache_root() / "kernels")
+    if reason:
+        log.info("quantization auto leaves out q4_1: %s", reason)
+    return reason is None
 
 
 def _forward_ms(model: torch.nn.Module) -> tuple[float, float]:
