@@ -94,7 +94,8 @@ def _load_block_kernel(root: Path) -> None:
     where = build_dir(root)
     where.mkdir(parents=True, exist_ok=True)
     if not any(where.glob("*.so")):
-        log.warning("building the q4_1 kernel for this CPU (once, ~10-20 s) in %s", where)
+        log.warning("building our CPU kernel (q4_1 matmuls, attention, sampling) for this CPU (once, ~10-20 s) in %s",
+                    where)
     try:
         load(name=f"lssp_{where.name.replace('-', '_')}", sources=[str(SOURCE)], build_directory=str(where),
              extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS), is_python_module=False, verbose=False)
