@@ -1116,20 +1116,21 @@ int64_t draw_index(const float* probs, const float* minus, int64_t n, double u) 
     total += (sums[b] = v16_reduce_add_ps(acc));
   }
   if (minus && !(total > 0.0)) return draw_index(probs, nullptr, n, u);  // p = q up to rounding: p itself
+  const auto weight = [&](int64_t c) { return minus ? std::max(0.0f, probs[c] - minus[c]) : probs[c]; };
   const double point = u * total;
   double running = 0.0;
   int64_t b = 0;
   while (b + 1 < blocks && running + sums[b] <= point) running += sums[b++];
   int64_t last = -1;  // the last index of positive weight scanned
   for (int64_t c = b * kBlock; c < n; ++c) {
-    const float w = minus ? std::max(0.0f, probs[c] - minus[c]) : probs[c];
+    const float w = weight(c);
     if (w > 0.0f) {
       last = c;
       if ((running += w) > point) return c;
     }
   }
   for (int64_t c = b * kBlock - 1; last < 0 && c >= 0; --c)  // rounding ran past the end: the last positive weight
-    if ((minus ? probs[c] - minus[c] : probs[c]) > 0.0f) last = c;
+    if (weight(c) > 0.0f) last = c;
   return std::max<int64_t>(last, 0);
 }
 
