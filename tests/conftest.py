@@ -18,7 +18,7 @@ torch.set_num_threads(1)
 
 
 def tiny_llama(seed: int, vocab_size: int = 64, hidden: int = 32, layers: int = 2, scale: float = 1.0,
-               eos: int | None = 1) -> LlamaForCausalLM:
+               eos: int | None = 1, heads: int = 4, kv_heads: int = 2) -> LlamaForCausalLM:
     """A random Llama small enough to run thousands of forwards in seconds, in float32."""
     torch.manual_seed(seed)
     config = LlamaConfig(
@@ -26,8 +26,8 @@ def tiny_llama(seed: int, vocab_size: int = 64, hidden: int = 32, layers: int = 
         hidden_size=hidden,
         intermediate_size=2 * hidden,
         num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
         max_position_embeddings=256,
         tie_word_embeddings=False,
         bos_token_id=0,

@@ -583,6 +583,21 @@ void dot_scores(const float* q, const T* k, int64_t ks, int64_t D, const int64_t
   }
 }
 
+// scores (count) -> exp(score - top): ``top`` their largest, ``total`` the sum of the exponentials.
+inline void exponentiate_scores(float* scores, int64_t count, float& top, float& total) {
+  v16f tops = v16_set1_ps(-INFINITY);
+  for (int64_t c = 0; c < count; c += 16) tops = v16_max_ps(tops, v16_mask_loadu_ps(tops, lanes_from(count - c), scores + c));
+  top = v16_reduce_max_ps(tops);
+  v16f sums = v16_setzero_ps();
+  for (int64_t c = 0; c < count; c += 16) {
+    const mask16 lanes = lanes_from(count - c);
+    const v16f e = exp512(v16_sub_ps(v16_maskz_loadu_ps(lanes, scores + c), v16_set1_ps(top)));
+    v16_mask_storeu_ps(scores + c, lanes, e);
+    sums = v16_mask_add_ps(sums, lanes, sums, e);
+  }
+  total = v16_reduce_add_ps(sums);
+}
+
 // Attention goes over each query's allowed slots in blocks of kSlotBlock (counted in that query's own slots): a
 // block's keys and values are read once for every query of a forward that reaches it (the query heads sharing a
 // key/value head, and every row), and a query's numbers depend on its own slots alone, whatever the other queries.
@@ -601,18 +616,8 @@ void attend_block(const float* q, const T* k, int64_t ks, const T* v, int64_t vs
       if constexpr (std::is_same_v<T, float>) dot_scores<0>(q, k, ks, D, slots, count, scale, scores);
       else TORCH_CHECK(false, "attention: a float16 cache takes heads of 64 or 128");
   }
+  exponentiate_scores(scores, count, top, total);
   int64_t c = 0;
-  v16f tops = v16_set1_ps(-INFINITY);
-  for (c = 0; c < count; c += 16) tops = v16_max_ps(tops, v16_mask_loadu_ps(tops, lanes_from(count - c), scores + c));
-  top = v16_reduce_max_ps(tops);
-  v16f sums = v16_setzero_ps();
-  for (c = 0; c < count; c += 16) {
-    const mask16 lanes = lanes_from(count - c);
-    const v16f e = exp512(v16_sub_ps(v16_maskz_loadu_ps(lanes, scores + c), v16_set1_ps(top)));
-    v16_mask_storeu_ps(scores + c, lanes, e);
-    sums = v16_mask_add_ps(sums, lanes, sums, e);
-  }
-  total = v16_reduce_add_ps(sums);
   switch (D) {  // the common head sizes: each value row read once, whole, into registers
     case 64: accumulate_values<4>(v, vs, scores, slots, count, 1.0f, acc); return;
     case 128: accumulate_values<8>(v, vs, scores, slots, count, 1.0f, acc); return;
@@ -672,6 +677,118 @@ void attend_row(const float* q, const T* k, int64_t ks, const T* v, int64_t vs, 
     attend_block(q, k, ks, v, vs, D, slots + j * kSlotBlock, std::min(kSlotBlock, count - j * kSlotBlock), scale,
                  scores, accs + j * D, tops[j], totals[j]);
   combine_blocks(tops, totals, accs, blocks, D, out, accs + blocks * D);
+}
+
+// Query heads sharing one key/value head attend together, up to kHeadGroup at a time: each key and value row is loaded
+// (and widened from float16) once for all of them. Each query's sums run in the order attend_block's do, so a query
+// gets the same numbers alone or in a group. Pairs of AVX2 registers are too few to hold a group's sums: one there.
+constexpr int kHeadGroup = LSSP_AVX512 ? 4 : 1;
+
+// scores[g * kSlotBlock + c] = scale * (q[g] . the key of slots[c]), dot_scores<DC>'s sums for each of G queries.
+template <int G, int DC, typename T>
+void dot_scores_group(const float* const* q, const T* k, int64_t ks, const int64_t* slots, int64_t count,
+                      float scale, float* scores) {
+  int64_t c = 0;
+  for (; c + 4 <= count; c += 4) {
+    const T* k0 = k + slots[c] * ks;
+    const T* k1 = k + slots[c + 1] * ks;
+    const T* k2 = k + slots[c + 2] * ks;
+    const T* k3 = k + slots[c + 3] * ks;
+    v16f a[G][4];
+    for (int g = 0; g < G; ++g) a[g][0] = a[g][1] = a[g][2] = a[g][3] = v16_setzero_ps();
+    for (int i = 0; i < DC; ++i) {
+      const int64_t d = 16 * i;
+      const v16f x0 = load_row(k0 + d), x1 = load_row(k1 + d), x2 = load_row(k2 + d), x3 = load_row(k3 + d);
+      for (int g = 0; g < G; ++g) {
+        const v16f qv = load_row(q[g] + d);
+        a[g][0] = v16_fmadd_ps(qv, x0, a[g][0]);
+        a[g][1] = v16_fmadd_ps(qv, x1, a[g][1]);
+        a[g][2] = v16_fmadd_ps(qv, x2, a[g][2]);
+        a[g][3] = v16_fmadd_ps(qv, x3, a[g][3]);
+      }
+    }
+    for (int g = 0; g < G; ++g)
+      _mm_storeu_ps(scores + g * kSlotBlock + c, _mm_mul_ps(sum4(a[g][0], a[g][1], a[g][2], a[g][3]), _mm_set1_ps(scale)));
+  }
+  for (; c < count; ++c)
+    for (int g = 0; g < G; ++g) {
+      v16f acc = v16_setzero_ps();
+      for (int i = 0; i < DC; ++i) acc = v16_fmadd_ps(load_row(q[g] + 16 * i), load_row(k + slots[c] * ks + 16 * i), acc);
+      scores[g * kSlotBlock + c] = v16_reduce_add_ps(acc) * scale;
+    }
+}
+
+// out[g] (16 V) = the value rows of slots weighted by scores[g * kSlotBlock + c]: accumulate_values<V>'s sums (two
+// chains, even and odd slots) for each of G queries.
+template <int G, int V, typename T>
+void accumulate_values_group(const T* v, int64_t vs, const float* scores, const int64_t* slots, int64_t count,
+                             float* const* out) {
+  v16f a[G][V], b[G][V];
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < V; ++i) a[g][i] = b[g][i] = v16_setzero_ps();
+  int64_t c = 0;
+  for (; c + 2 <= count; c += 2) {
+    const T* v0 = v + slots[c] * vs;
+    const T* v1 = v + slots[c + 1] * vs;
+    for (int i = 0; i < V; ++i) {
+      const v16f x0 = load_row(v0 + 16 * i), x1 = load_row(v1 + 16 * i);
+      for (int g = 0; g < G; ++g) {
+        a[g][i] = v16_fmadd_ps(v16_set1_ps(scores[g * kSlotBlock + c]), x0, a[g][i]);
+        b[g][i] = v16_fmadd_ps(v16_set1_ps(scores[g * kSlotBlock + c + 1]), x1, b[g][i]);
+      }
+    }
+  }
+  if (c < count) {
+    const T* v0 = v + slots[c] * vs;
+    for (int i = 0; i < V; ++i) {
+      const v16f x0 = load_row(v0 + 16 * i);
+      for (int g = 0; g < G; ++g) a[g][i] = v16_fmadd_ps(v16_set1_ps(scores[g * kSlotBlock + c]), x0, a[g][i]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < V; ++i) v16_storeu_ps(out[g] + 16 * i, v16_mul_ps(v16_add_ps(a[g][i], b[g][i]), v16_set1_ps(1.0f)));
+}
+
+// G queries over one block of slots, as attend_block takes each: acc[g] (D), top[g], total[g].
+template <int G, int DC, typename T>
+void attend_block_group(const float* const* q, const T* k, int64_t ks, const T* v, int64_t vs, const int64_t* slots,
+                        int64_t count, float scale, float* scores, float* const* acc, float* const* top,
+                        float* const* total) {
+  dot_scores_group<G, DC>(q, k, ks, slots, count, scale, scores);
+  for (int g = 0; g < G; ++g) exponentiate_scores(scores + g * kSlotBlock, count, *top[g], *total[g]);
+  if constexpr (G * DC <= 12) {
+    accumulate_values_group<G, DC>(v, vs, scores, slots, count, acc);
+  } else {
+    for (int g = 0; g < G; ++g) accumulate_values<DC>(v, vs, scores + g * kSlotBlock, slots, count, 1.0f, acc[g]);
+  }
+}
+
+// G queries over one block, by attend_block_group for a head size of 64 or 128.
+template <int G, typename T>
+void attend_block_group_of(int64_t D, const float* const* q, const T* k, int64_t ks, const T* v, int64_t vs,
+                           const int64_t* slots, int64_t count, float scale, float* scores, float* const* acc,
+                           float* const* top, float* const* total) {
+  if (D == 64) attend_block_group<G, 4>(q, k, ks, v, vs, slots, count, scale, scores, acc, top, total);
+  else attend_block_group<G, 8>(q, k, ks, v, vs, slots, count, scale, scores, acc, top, total);
+}
+
+// n query heads sharing a key/value head over one block: attend_block's numbers for each (acc[h], *top[h],
+// *total[h]), up to kHeadGroup heads at a time where the head size is 64 or 128. scores: kHeadGroup * kSlotBlock.
+template <typename T>
+void attend_block_heads(int64_t n, const float* const* q, const T* k, int64_t ks, const T* v, int64_t vs, int64_t D,
+                        const int64_t* slots, int64_t count, float scale, float* scores, float* const* acc,
+                        float* const* top, float* const* total) {
+  const bool grouped = kHeadGroup > 1 && (D == 64 || D == 128);
+  for (int64_t h = 0; h < n;) {
+    const int64_t take = grouped ? std::min<int64_t>(kHeadGroup, n - h) : 1;
+    switch (take) {
+      case 4: attend_block_group_of<4>(D, q + h, k, ks, v, vs, slots, count, scale, scores, acc + h, top + h, total + h); break;
+      case 3: attend_block_group_of<3>(D, q + h, k, ks, v, vs, slots, count, scale, scores, acc + h, top + h, total + h); break;
+      case 2: attend_block_group_of<2>(D, q + h, k, ks, v, vs, slots, count, scale, scores, acc + h, top + h, total + h); break;
+      default: attend_block(q[h], k, ks, v, vs, D, slots, count, scale, scores, acc[h], *top[h], *total[h]); break;
+    }
+    h += take;
+  }
 }
 
 // The slots a query row sees, in order: those ``sees`` allows (null: 0..S-1). Returns their count.
@@ -821,25 +938,72 @@ inline const float* q_of(const float* qkv, int64_t width, int64_t hd, int64_t r,
   return qkv + r * width + head * hd;
 }
 
+// Room for one thread's attention of up to ``heads`` query heads at a time: scores, the partial results of a row's
+// only block before they are combined, and pointers to each head's query and results. One per thread, kept.
+struct HeadScratch {
+  std::vector<float> scores, local;
+  std::vector<const float*> q;
+  std::vector<float*> acc, top, total;
+  static HeadScratch& of_thread(int64_t heads, int64_t hd) {
+    thread_local HeadScratch s;
+    if (static_cast<int64_t>(s.q.size()) < heads || static_cast<int64_t>(s.local.size()) < heads * (hd + 2) + 16) {
+      s.scores.resize(kHeadGroup * kSlotBlock);
+      s.local.resize(heads * (hd + 2) + 16);
+      for (auto* v : {&s.acc, &s.top, &s.total}) v->resize(heads);
+      s.q.resize(heads);
+    }
+    return s;
+  }
+};
+
+// Query heads first..first+n-1 (sharing one key/value head) of row r over block j of its slots: into ``attn``
+// directly where that is the row's only block (as attend_row), else into the plan's partial results for block j.
+template <typename T>
+void attend_heads(AttentionPlan& p, const float* qkv, int64_t width, const T* kb, int64_t ks, const T* vb, int64_t vs,
+                  float scale, int64_t r, int64_t j, int64_t first, int64_t n, float* attn, HeadScratch& s) {
+  const int64_t hd = p.hd, count = p.counts[r], c0 = j * kSlotBlock, blocks = p.blocks_of_row(r);
+  float* out = attn + r * p.heads * hd + first * hd;
+  if (count == 0) {  // a row that sees no slot attends to nothing: zeros
+    std::fill(out, out + n * hd, 0.0f);
+    return;
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    s.q[i] = q_of(qkv, width, hd, r, first + i);
+    const int64_t item = p.base[r] + (first + i) * blocks + j;
+    s.acc[i] = blocks == 1 ? s.local.data() + i * hd : p.accs.data() + item * hd;
+    s.top[i] = blocks == 1 ? s.local.data() + n * hd + i : &p.tops[item];
+    s.total[i] = blocks == 1 ? s.local.data() + n * hd + n + i : &p.totals[item];
+  }
+  attend_block_heads(n, s.q.data(), kb, ks, vb, vs, hd, p.slots_of(r) + c0, std::min(kSlotBlock, count - c0), scale,
+                     s.scores.data(), s.acc.data(), s.top.data(), s.total.data());
+  if (blocks == 1)
+    for (int64_t i = 0; i < n; ++i)
+      combine_blocks(s.top[i], s.total[i], s.acc[i], 1, hd, out + i * hd, s.local.data() + n * (hd + 2));
+}
+
 // attn (rows, heads * hd) = each query's attention over its slots of a cache of T, by units (b, slot block j,
 // key/value head or query head): a unit reads its block's keys and values once for its queries in every row reaching
-// the block; a thread done with a unit takes the next one not taken. Where every row has one
-// block (a short context) each query is a unit, the threads taking runs of them. Each query gets the numbers
-// attend_row gives it.
+// the block; a thread done with a unit takes the next one not taken. Where every row has one block (a short
+// context) the units are (row, key/value head), or (row, query head) where too few for the threads, taken in runs.
+// Each query gets the numbers attend_row gives it.
 template <typename T>
 void attend_layer(AttentionPlan& p, const float* qkv, int64_t width, const at::Tensor& keys, const at::Tensor& values,
                   float scale, float* attn) {
   const T* kp = keys.data_ptr<T>();
   const T* vp = values.data_ptr<T>();
   const int64_t hd = p.hd, heads = p.heads, rows = static_cast<int64_t>(p.counts.size());
-  if (p.tops.empty()) {  // one block per row (a short context): each thread a run of (query head, row), in order
-    at::parallel_for(0, heads * rows, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> scratch(kSlotBlock + hd + 3);
+  const auto keys_of = [&](int64_t b, int64_t head) { return kp + b * keys.stride(0) + (head / p.group) * keys.stride(1); };
+  const auto values_of = [&](int64_t b, int64_t head) {
+    return vp + b * values.stride(0) + (head / p.group) * values.stride(1);
+  };
+  if (p.tops.empty()) {  // one block per row (a short context)
+    const int64_t per = kHeadGroup > 1 && heads / p.group * rows >= 2 * at::get_num_threads() ? p.group : 1;
+    at::parallel_for(0, heads / per * rows, 1, [&](int64_t begin, int64_t end) {
+      HeadScratch& s = HeadScratch::of_thread(per, hd);
       for (int64_t item = begin; item < end; ++item) {
-        const int64_t head = item / rows, r = item % rows, b = p.batch_of[r];
-        attend_row(q_of(qkv, width, hd, r, head), kp + b * keys.stride(0) + (head / p.group) * keys.stride(1),
-                   keys.stride(2), vp + b * values.stride(0) + (head / p.group) * values.stride(1), values.stride(2),
-                   hd, p.slots_of(r), p.counts[r], scale, attn + r * heads * hd + head * hd, scratch.data());
+        const int64_t first = item / rows * per, r = item % rows, b = p.batch_of[r];
+        attend_heads(p, qkv, width, keys_of(b, first), keys.stride(2), values_of(b, first), values.stride(2), scale, r,
+                     0, first, per, attn, s);
       }
     });
     return;
@@ -849,30 +1013,15 @@ void attend_layer(AttentionPlan& p, const float* qkv, int64_t width, const at::T
   std::atomic<int64_t> next{0};  // the next unit not taken: a thread done with one takes the next
   const int64_t units = static_cast<int64_t>(p.units.size()) * p.parts;
   at::parallel_for(0, p.threads, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> scratch(kSlotBlock + hd + 3);  // scores first, as attend_row lays it out
+    HeadScratch& s = HeadScratch::of_thread(heads, hd);
     if (t0 < t1)
       for (int64_t u = next++; u < units; u = next++) {
         const int64_t b = p.units[u / p.parts].first, j = p.units[u / p.parts].second, part = u % p.parts;
         const int64_t first = part * heads / p.parts, last = (part + 1) * heads / p.parts;  // query heads
-        const T* kb = kp + b * keys.stride(0) + (first / p.group) * keys.stride(1);
-        const T* vb = vp + b * values.stride(0) + (first / p.group) * values.stride(1);
-        for (const int64_t r : p.rows_of[b]) {
-          const int64_t count = p.counts[r], c0 = j * kSlotBlock, blocks = p.blocks_of_row(r);
-          if (count <= c0) continue;
-          const int64_t* sl = p.slots_of(r) + c0;
-          const int64_t m = std::min(kSlotBlock, count - c0);
-          for (int64_t head = first; head < last; ++head) {
-            const float* q = q_of(qkv, width, hd, r, head);
-            if (blocks == 1) {  // the row's only block: as a query alone
-              attend_row(q, kb, keys.stride(2), vb, values.stride(2), hd, sl, m, scale,
-                         attn + r * heads * hd + head * hd, scratch.data());
-            } else {
-              const int64_t item = p.base[r] + head * blocks + j;
-              attend_block(q, kb, keys.stride(2), vb, values.stride(2), hd, sl, m, scale, scratch.data(),
-                           p.accs.data() + item * hd, p.tops[item], p.totals[item]);
-            }
-          }
-        }
+        for (const int64_t r : p.rows_of[b])
+          if (p.counts[r] > j * kSlotBlock)
+            attend_heads(p, qkv, width, keys_of(b, first), keys.stride(2), values_of(b, first), values.stride(2), scale,
+                         r, j, first, last - first, attn, s);
       }
   });
   at::parallel_for(0, rows * heads, 64, [&](int64_t begin, int64_t end) {
