@@ -568,3 +568,19 @@ def test_the_kernels_source_compiles_for_an_avx2_only_cpu_too():
                              "-DTORCH_EXTENSION_NAME=lssp_avx2_check", *includes, str(SOURCE)],
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_every_row_says_whether_the_kernels_weights_got_huge_pages(tiny_dir):
+    """A forward streaming its weights from 4 KiB pages took up to 20% longer by chance per process: the run's
+    environment (every row) names the share of each model's weights arena in huge pages, where it has one."""
+    from lssp.kernels import huge_page_share
+    from lssp.report.results import RunInfo
+
+    registry = load_registry(tiny_dir / "models.yaml")
+    q4, plain = load_model(registry.get("tiny-target-q4")), load_model(registry.get("tiny-draft"))
+    arena = torch.ops.lssp.arena(4 << 20)
+    share = huge_page_share(arena.data_ptr(), arena.numel())
+    assert share is not None and 0.0 <= share <= 1.0
+    assert plain.huge_pages is None and q4.huge_pages is not None
+    env = RunInfo.for_models(q4, plain).env
+    assert env["huge_pages"] == f"tiny-target-q4: {q4.huge_pages:.0%}"

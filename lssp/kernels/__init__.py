@@ -133,3 +133,24 @@ def _load_block_kernel(root: Path) -> None:
     current = torch.compiler.config.cache_key_tag
     torch.compiler.config.cache_key_tag = f"{current}+{tag}" if current and tag not in current else current or tag
     _loaded.append(where)
+
+
+def huge_page_share(address: int, nbytes: int) -> float | None:
+    """The share of the ``nbytes`` of memory at ``address`` that Linux backs with huge pages: the ``AnonHugePages``
+    of the mappings holding it (``/proc/self/smaps``, each mapping's pages counted in full); None off Linux."""
+    try:
+        text = Path("/proc/self/smaps").read_text()
+    except OSError:
+        return None
+    huge = total = 0
+    overlaps = False
+    for line in text.splitlines():
+        head = line.split(maxsplit=1)[0]
+        if "-" in head and not head.endswith(":"):  # a mapping's first line: "start-end perms ..."
+            start, end = (int(x, 16) for x in head.split("-"))
+            overlaps = start < address + nbytes and address < end
+            if overlaps:
+                total += end - start
+        elif overlaps and head == "AnonHugePages:":
+            huge += int(line.split()[1]) * 1024
+    return min(1.0, huge / total) if total else None

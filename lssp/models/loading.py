@@ -154,6 +154,13 @@ class LoadedModel(ModelHandle):
         return device_names(self.model)
 
     @property
+    def huge_pages(self) -> float | None:
+        """The share of its weights arena (our kernel's q4_1 weights) in huge pages; None where it has none."""
+        from lssp.models.weight_only import arena_huge_pages
+
+        return arena_huge_pages(self.model)
+
+    @property
     def hf_model(self) -> PreTrainedModel:
         """The transformers model itself (under a compact forward, the one it wraps)."""
         return getattr(self.model, "hf", self.model)

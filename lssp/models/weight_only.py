@@ -172,6 +172,17 @@ def into_arena(layers: list[BlockLinear]) -> None:
         layer.in_arena = True
 
 
+def arena_huge_pages(model: nn.Module) -> float | None:
+    """The share of ``model``'s weights arenas (``into_arena``) in huge pages; None where it has none (or off Linux)."""
+    from lssp.kernels import huge_page_share
+
+    arenas = {m.packed.untyped_storage().data_ptr(): m.packed.untyped_storage().nbytes()
+              for m in model.modules() if isinstance(m, BlockLinear) and m.in_arena}
+    shares = [(huge_page_share(address, nbytes), nbytes) for address, nbytes in arenas.items()]
+    known = [(share, nbytes) for share, nbytes in shares if share is not None]
+    return sum(share * nbytes for share, nbytes in known) / sum(n for _, n in known) if known else None
+
+
 def packable(linear: nn.Module, kind: str) -> bool:
     """Whether ``linear`` is a plain bias-free Linear the ``kind`` kernel takes (int4, q4_1: input width a multiple
     of the group, output width of 16)."""
