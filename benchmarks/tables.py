@@ -49,7 +49,7 @@ HEADLINE_AUDIT_RUNS = [
 # Ours beside vLLM and llama.cpp (benchmarks/engines.sh, run.sh step 2c): one latency run per sampling setting,
 # 2026-11-28 on a 2-core AMD EPYC (AVX-512, bf16), the default pair in q4_1 (float16 KV cache) with the draft model:
 # greedy, then T=0.7.
-HEADLINE_ENGINE_RUNS: list[str] = ["20261128-105853-8b2397", "20261128-110259-6a3951"]
+HEADLINE_ENGINE_RUNS: list[str] = ["20261128-164121-0730dd", "20261128-164511-acaedc"]
 # The quality check the headline quotes (eval.csv): `eval --both --max-operand 9 --nb-prompts 1500` (run.sh step 4).
 HEADLINE_EVAL_RUN = "20261124-144234-09fa35"
 HEADLINE_BEGIN, HEADLINE_END = "<!-- headline:begin -->\n", "<!-- headline:end -->"

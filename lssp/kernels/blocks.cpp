@@ -946,12 +946,11 @@ struct HeadScratch {
   std::vector<float*> acc, top, total;
   static HeadScratch& of_thread(int64_t heads, int64_t hd) {
     thread_local HeadScratch s;
-    if (static_cast<int64_t>(s.q.size()) < heads || static_cast<int64_t>(s.local.size()) < heads * (hd + 2) + 16) {
-      s.scores.resize(kHeadGroup * kSlotBlock);
-      s.local.resize(heads * (hd + 2) + 16);
-      for (auto* v : {&s.acc, &s.top, &s.total}) v->resize(heads);
-      s.q.resize(heads);
-    }
+    const auto grow = [](auto& v, int64_t size) { if (static_cast<int64_t>(v.size()) < size) v.resize(size); };
+    grow(s.scores, kHeadGroup * kSlotBlock + hd + 3);  // attend_row's room too
+    grow(s.local, heads * (hd + 2) + 16);
+    grow(s.q, heads);
+    for (auto* v : {&s.acc, &s.top, &s.total}) grow(*v, heads);
     return s;
   }
 };
@@ -1002,8 +1001,13 @@ void attend_layer(AttentionPlan& p, const float* qkv, int64_t width, const at::T
       HeadScratch& s = HeadScratch::of_thread(per, hd);
       for (int64_t item = begin; item < end; ++item) {
         const int64_t first = item / rows * per, r = item % rows, b = p.batch_of[r];
-        attend_heads(p, qkv, width, keys_of(b, first), keys.stride(2), values_of(b, first), values.stride(2), scale, r,
-                     0, first, per, attn, s);
+        if (per == 1)  // a query by itself
+          attend_row(q_of(qkv, width, hd, r, first), keys_of(b, first), keys.stride(2), values_of(b, first),
+                     values.stride(2), hd, p.slots_of(r), p.counts[r], scale, attn + r * heads * hd + first * hd,
+                     s.scores.data());
+        else
+          attend_heads(p, qkv, width, keys_of(b, first), keys.stride(2), values_of(b, first), values.stride(2), scale,
+                       r, 0, first, per, attn, s);
       }
     });
     return;

@@ -158,6 +158,7 @@ class LoadedModel(ModelHandle):
         """The share of its weights arena (our kernel's q4_1 weights) in huge pages; None where it has none."""
         from lssp.models.weight_only import arena_huge_pages
 
+        getattr(self.model, "one_call", None)  # a compact forward moves its weights into the arena on first use
         return arena_huge_pages(self.model)
 
     @property
