@@ -258,5 +258,5 @@ def run_costs(models: Sequence[LoadedModel], precisions: Sequence[str], token_co
     start = cpu_snapshot()
     limits = machine_limits(models, precisions)
     costs = forward_costs(models, precisions, token_counts, context, repeats, progress, limits)
-    return CostRun(costs, context, repeats, RunInfo.here(models[0].device), limits,
+    return CostRun(costs, context, repeats, RunInfo.for_models(*models), limits,
                    others_share(start, cpu_snapshot()))
