@@ -524,50 +524,95 @@ inline void store_row(at::Half* p, v16f a) {
 }
 #endif
 
-// out (16 V) = inv * sum over c of scores[c] * the value row of slots[c]: each row read once, two rows at a time into
-// two sets of V accumulators (independent chains), added at the end.
-template <int V, typename T>
-void accumulate_values(const T* v, int64_t vs, const float* scores, const int64_t* slots, int64_t count, float inv,
-                       float* out) {
-  v16f a[V], b[V];
-  for (int i = 0; i < V; ++i) a[i] = b[i] = v16_setzero_ps();
-  int64_t c = 0;
-  for (; c + 2 <= count; c += 2) {
-    const T* v0 = v + slots[c] * vs;
-    const T* v1 = v + slots[c + 1] * vs;
-    const v16f s0 = v16_set1_ps(scores[c]), s1 = v16_set1_ps(scores[c + 1]);
-    for (int i = 0; i < V; ++i) {
-      a[i] = v16_fmadd_ps(s0, load_row(v0 + 16 * i), a[i]);
-      b[i] = v16_fmadd_ps(s1, load_row(v1 + 16 * i), b[i]);
-    }
-  }
-  if (c < count) {
-    const T* v0 = v + slots[c] * vs;
-    const v16f s0 = v16_set1_ps(scores[c]);
-    for (int i = 0; i < V; ++i) a[i] = v16_fmadd_ps(s0, load_row(v0 + 16 * i), a[i]);
-  }
-  for (int i = 0; i < V; ++i) v16_storeu_ps(out + 16 * i, v16_mul_ps(v16_add_ps(a[i], b[i]), v16_set1_ps(inv)));
-}
+// Attention goes over each query's allowed slots in blocks of kSlotBlock (counted in that query's own slots): a
+// block's keys and values are read once for every query of a forward that reaches it (the query heads sharing a
+// key/value head, and every row), and a query's numbers depend on its own slots alone, whatever the other queries.
+constexpr int64_t kSlotBlock = 128;
 
-// scores[c] = scale * (q . the key of slots[c]) for c < count, four slots at a time (four independent chains of
-// FMAs). DC: D / 16 where D is a whole number of vectors known here (no masks), else 0; the same sums either way.
-template <int DC, typename T>
-void dot_scores(const float* q, const T* k, int64_t ks, int64_t D, const int64_t* slots, int64_t count,
-                float scale, float* scores) {
-  const int64_t chunks = DC ? DC : (D + 15) / 16;
-  const auto load = [D](const auto* p, int64_t d) {  // float16 rows: whole vectors only (DC > 0)
-    if constexpr (DC > 0) return load_row(p + d);
-    else return v16_maskz_loadu_ps(lanes_from(D - d), p + d);
-  };
+// Query heads sharing one key/value head attend together, up to kHeadGroup at a time: each key and value row is loaded
+// (and widened from float16) once for all of them. Each query's sums run in the order attend_block's do, so a query
+// gets the same numbers alone or in a group. Pairs of AVX2 registers are too few to hold a group's sums: one there.
+constexpr int kHeadGroup = LSSP_AVX512 ? 4 : 1;
+
+// scores[g * kSlotBlock + c] = scale * (q[g] . the key of slots[c]), four slots at a time (four independent
+// chains of FMAs per query, one tree reduction of the four sums).
+template <int G, int DC, typename T>
+void dot_scores_group(const float* const* q, const T* k, int64_t ks, const int64_t* slots, int64_t count,
+                      float scale, float* scores) {
   int64_t c = 0;
   for (; c + 4 <= count; c += 4) {
     const T* k0 = k + slots[c] * ks;
     const T* k1 = k + slots[c + 1] * ks;
     const T* k2 = k + slots[c + 2] * ks;
     const T* k3 = k + slots[c + 3] * ks;
-    v16f a0 = v16_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    for (int64_t i = 0; i < chunks; ++i) {
+    v16f a[G][4];
+    for (int g = 0; g < G; ++g) a[g][0] = a[g][1] = a[g][2] = a[g][3] = v16_setzero_ps();
+    for (int i = 0; i < DC; ++i) {
       const int64_t d = 16 * i;
+      const v16f x0 = load_row(k0 + d), x1 = load_row(k1 + d), x2 = load_row(k2 + d), x3 = load_row(k3 + d);
+      for (int g = 0; g < G; ++g) {
+        const v16f qv = load_row(q[g] + d);
+        a[g][0] = v16_fmadd_ps(qv, x0, a[g][0]);
+        a[g][1] = v16_fmadd_ps(qv, x1, a[g][1]);
+        a[g][2] = v16_fmadd_ps(qv, x2, a[g][2]);
+        a[g][3] = v16_fmadd_ps(qv, x3, a[g][3]);
+      }
+    }
+    for (int g = 0; g < G; ++g)
+      _mm_storeu_ps(scores + g * kSlotBlock + c, _mm_mul_ps(sum4(a[g][0], a[g][1], a[g][2], a[g][3]), _mm_set1_ps(scale)));
+  }
+  for (; c < count; ++c)
+    for (int g = 0; g < G; ++g) {
+      v16f acc = v16_setzero_ps();
+      for (int i = 0; i < DC; ++i) acc = v16_fmadd_ps(load_row(q[g] + 16 * i), load_row(k + slots[c] * ks + 16 * i), acc);
+      scores[g * kSlotBlock + c] = v16_reduce_add_ps(acc) * scale;
+    }
+}
+
+// out[g] (16 V) = the value rows of slots weighted by scores[g * kSlotBlock + c]: each row read once, two
+// rows at a time into two sets of accumulators per query (independent chains), added at the end.
+template <int G, int V, typename T>
+void accumulate_values_group(const T* v, int64_t vs, const float* scores, const int64_t* slots, int64_t count,
+                             float* const* out) {
+  v16f a[G][V], b[G][V];
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < V; ++i) a[g][i] = b[g][i] = v16_setzero_ps();
+  int64_t c = 0;
+  for (; c + 2 <= count; c += 2) {
+    const T* v0 = v + slots[c] * vs;
+    const T* v1 = v + slots[c + 1] * vs;
+    for (int i = 0; i < V; ++i) {
+      const v16f x0 = load_row(v0 + 16 * i), x1 = load_row(v1 + 16 * i);
+      for (int g = 0; g < G; ++g) {
+        a[g][i] = v16_fmadd_ps(v16_set1_ps(scores[g * kSlotBlock + c]), x0, a[g][i]);
+        b[g][i] = v16_fmadd_ps(v16_set1_ps(scores[g * kSlotBlock + c + 1]), x1, b[g][i]);
+      }
+    }
+  }
+  if (c < count) {
+    const T* v0 = v + slots[c] * vs;
+    for (int i = 0; i < V; ++i) {
+      const v16f x0 = load_row(v0 + 16 * i);
+      for (int g = 0; g < G; ++g) a[g][i] = v16_fmadd_ps(v16_set1_ps(scores[g * kSlotBlock + c]), x0, a[g][i]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < V; ++i) v16_storeu_ps(out[g] + 16 * i, v16_mul_ps(v16_add_ps(a[g][i], b[g][i]), v16_set1_ps(1.0f)));
+}
+
+// scores[c] = scale * (q . the key of slots[c]) for c < count, any D (masked loads), four slots at a time as
+// dot_scores_group takes them: float32 rows of a head size other than 64 or 128.
+void dot_scores_masked(const float* q, const float* k, int64_t ks, int64_t D, const int64_t* slots, int64_t count,
+                       float scale, float* scores) {
+  const auto load = [D](const float* p, int64_t d) { return v16_maskz_loadu_ps(lanes_from(D - d), p + d); };
+  int64_t c = 0;
+  for (; c + 4 <= count; c += 4) {
+    const float* k0 = k + slots[c] * ks;
+    const float* k1 = k + slots[c + 1] * ks;
+    const float* k2 = k + slots[c + 2] * ks;
+    const float* k3 = k + slots[c + 3] * ks;
+    v16f a0 = v16_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t d = 0; d < D; d += 16) {
       const v16f qv = load(q, d);
       a0 = v16_fmadd_ps(qv, load(k0, d), a0);
       a1 = v16_fmadd_ps(qv, load(k1, d), a1);
@@ -578,7 +623,7 @@ void dot_scores(const float* q, const T* k, int64_t ks, int64_t D, const int64_t
   }
   for (; c < count; ++c) {
     v16f acc = v16_setzero_ps();
-    for (int64_t i = 0; i < chunks; ++i) acc = v16_fmadd_ps(load(q, 16 * i), load(k + slots[c] * ks, 16 * i), acc);
+    for (int64_t d = 0; d < D; d += 16) acc = v16_fmadd_ps(load(q, d), load(k + slots[c] * ks, d), acc);
     scores[c] = v16_reduce_add_ps(acc) * scale;
   }
 }
@@ -598,11 +643,6 @@ inline void exponentiate_scores(float* scores, int64_t count, float& top, float&
   total = v16_reduce_add_ps(sums);
 }
 
-// Attention goes over each query's allowed slots in blocks of kSlotBlock (counted in that query's own slots): a
-// block's keys and values are read once for every query of a forward that reaches it (the query heads sharing a
-// key/value head, and every row), and a query's numbers depend on its own slots alone, whatever the other queries.
-constexpr int64_t kSlotBlock = 128;
-
 // One query q (D) over ``count`` slots (a block of its allowed slots, slot j's key at k + j * ks, value at v + j * vs):
 // ``top`` its largest score, ``total`` the sum of exp(score - top), acc (D) the values weighted by those, unscaled.
 template <typename T>
@@ -610,17 +650,17 @@ void attend_block(const float* q, const T* k, int64_t ks, const T* v, int64_t vs
                   const int64_t* slots, int64_t count, float scale, float* scores, float* acc, float& top,
                   float& total) {
   switch (D) {  // the common head sizes in whole vectors, unmasked
-    case 64: dot_scores<4>(q, k, ks, D, slots, count, scale, scores); break;
-    case 128: dot_scores<8>(q, k, ks, D, slots, count, scale, scores); break;
+    case 64: dot_scores_group<1, 4>(&q, k, ks, slots, count, scale, scores); break;
+    case 128: dot_scores_group<1, 8>(&q, k, ks, slots, count, scale, scores); break;
     default:
-      if constexpr (std::is_same_v<T, float>) dot_scores<0>(q, k, ks, D, slots, count, scale, scores);
+      if constexpr (std::is_same_v<T, float>) dot_scores_masked(q, k, ks, D, slots, count, scale, scores);
       else TORCH_CHECK(false, "attention: a float16 cache takes heads of 64 or 128");
   }
   exponentiate_scores(scores, count, top, total);
   int64_t c = 0;
   switch (D) {  // the common head sizes: each value row read once, whole, into registers
-    case 64: accumulate_values<4>(v, vs, scores, slots, count, 1.0f, acc); return;
-    case 128: accumulate_values<8>(v, vs, scores, slots, count, 1.0f, acc); return;
+    case 64: accumulate_values_group<1, 4>(v, vs, scores, slots, count, &acc); return;
+    case 128: accumulate_values_group<1, 8>(v, vs, scores, slots, count, &acc); return;
     default: break;
   }
   if constexpr (!std::is_same_v<T, float>) return;  // (not reached)
@@ -679,76 +719,6 @@ void attend_row(const float* q, const T* k, int64_t ks, const T* v, int64_t vs, 
   combine_blocks(tops, totals, accs, blocks, D, out, accs + blocks * D);
 }
 
-// Query heads sharing one key/value head attend together, up to kHeadGroup at a time: each key and value row is loaded
-// (and widened from float16) once for all of them. Each query's sums run in the order attend_block's do, so a query
-// gets the same numbers alone or in a group. Pairs of AVX2 registers are too few to hold a group's sums: one there.
-constexpr int kHeadGroup = LSSP_AVX512 ? 4 : 1;
-
-// scores[g * kSlotBlock + c] = scale * (q[g] . the key of slots[c]), dot_scores<DC>'s sums for each of G queries.
-template <int G, int DC, typename T>
-void dot_scores_group(const float* const* q, const T* k, int64_t ks, const int64_t* slots, int64_t count,
-                      float scale, float* scores) {
-  int64_t c = 0;
-  for (; c + 4 <= count; c += 4) {
-    const T* k0 = k + slots[c] * ks;
-    const T* k1 = k + slots[c + 1] * ks;
-    const T* k2 = k + slots[c + 2] * ks;
-    const T* k3 = k + slots[c + 3] * ks;
-    v16f a[G][4];
-    for (int g = 0; g < G; ++g) a[g][0] = a[g][1] = a[g][2] = a[g][3] = v16_setzero_ps();
-    for (int i = 0; i < DC; ++i) {
-      const int64_t d = 16 * i;
-      const v16f x0 = load_row(k0 + d), x1 = load_row(k1 + d), x2 = load_row(k2 + d), x3 = load_row(k3 + d);
-      for (int g = 0; g < G; ++g) {
-        const v16f qv = load_row(q[g] + d);
-        a[g][0] = v16_fmadd_ps(qv, x0, a[g][0]);
-        a[g][1] = v16_fmadd_ps(qv, x1, a[g][1]);
-        a[g][2] = v16_fmadd_ps(qv, x2, a[g][2]);
-        a[g][3] = v16_fmadd_ps(qv, x3, a[g][3]);
-      }
-    }
-    for (int g = 0; g < G; ++g)
-      _mm_storeu_ps(scores + g * kSlotBlock + c, _mm_mul_ps(sum4(a[g][0], a[g][1], a[g][2], a[g][3]), _mm_set1_ps(scale)));
-  }
-  for (; c < count; ++c)
-    for (int g = 0; g < G; ++g) {
-      v16f acc = v16_setzero_ps();
-      for (int i = 0; i < DC; ++i) acc = v16_fmadd_ps(load_row(q[g] + 16 * i), load_row(k + slots[c] * ks + 16 * i), acc);
-      scores[g * kSlotBlock + c] = v16_reduce_add_ps(acc) * scale;
-    }
-}
-
-// out[g] (16 V) = the value rows of slots weighted by scores[g * kSlotBlock + c]: accumulate_values<V>'s sums (two
-// chains, even and odd slots) for each of G queries.
-template <int G, int V, typename T>
-void accumulate_values_group(const T* v, int64_t vs, const float* scores, const int64_t* slots, int64_t count,
-                             float* const* out) {
-  v16f a[G][V], b[G][V];
-  for (int g = 0; g < G; ++g)
-    for (int i = 0; i < V; ++i) a[g][i] = b[g][i] = v16_setzero_ps();
-  int64_t c = 0;
-  for (; c + 2 <= count; c += 2) {
-    const T* v0 = v + slots[c] * vs;
-    const T* v1 = v + slots[c + 1] * vs;
-    for (int i = 0; i < V; ++i) {
-      const v16f x0 = load_row(v0 + 16 * i), x1 = load_row(v1 + 16 * i);
-      for (int g = 0; g < G; ++g) {
-        a[g][i] = v16_fmadd_ps(v16_set1_ps(scores[g * kSlotBlock + c]), x0, a[g][i]);
-        b[g][i] = v16_fmadd_ps(v16_set1_ps(scores[g * kSlotBlock + c + 1]), x1, b[g][i]);
-      }
-    }
-  }
-  if (c < count) {
-    const T* v0 = v + slots[c] * vs;
-    for (int i = 0; i < V; ++i) {
-      const v16f x0 = load_row(v0 + 16 * i);
-      for (int g = 0; g < G; ++g) a[g][i] = v16_fmadd_ps(v16_set1_ps(scores[g * kSlotBlock + c]), x0, a[g][i]);
-    }
-  }
-  for (int g = 0; g < G; ++g)
-    for (int i = 0; i < V; ++i) v16_storeu_ps(out[g] + 16 * i, v16_mul_ps(v16_add_ps(a[g][i], b[g][i]), v16_set1_ps(1.0f)));
-}
-
 // G queries over one block of slots, as attend_block takes each: acc[g] (D), top[g], total[g].
 template <int G, int DC, typename T>
 void attend_block_group(const float* const* q, const T* k, int64_t ks, const T* v, int64_t vs, const int64_t* slots,
@@ -759,7 +729,7 @@ void attend_block_group(const float* const* q, const T* k, int64_t ks, const T* 
   if constexpr (G * DC <= 12) {
     accumulate_values_group<G, DC>(v, vs, scores, slots, count, acc);
   } else {
-    for (int g = 0; g < G; ++g) accumulate_values<DC>(v, vs, scores + g * kSlotBlock, slots, count, 1.0f, acc[g]);
+    for (int g = 0; g < G; ++g) accumulate_values_group<1, DC>(v, vs, scores + g * kSlotBlock, slots, count, acc + g);
   }
 }
 
