@@ -535,10 +535,16 @@ constexpr int64_t kSlotBlock = 128;
 constexpr int kHeadGroup = LSSP_AVX512 ? 4 : 1;
 
 // scores[g * kSlotBlock + c] = scale * (q[g] . the key of slots[c]), four slots at a time (four independent
-// chains of FMAs per query, one tree reduction of the four sums).
+// chains of FMAs per query, one tree reduction of the four sums). DC: D / 16 where the head size D is a whole number
+// of vectors known here (no masks); 0 for any D (float32 rows, masked loads), the same sums either way.
 template <int G, int DC, typename T>
 void dot_scores_group(const float* const* q, const T* k, int64_t ks, const int64_t* slots, int64_t count,
-                      float scale, float* scores) {
+                      float scale, float* scores, int64_t D = 16 * DC) {
+  const int64_t chunks = DC ? DC : (D + 15) / 16;
+  const auto load = [D](const auto* p, int64_t d) {  // float16 rows: whole vectors only (DC > 0)
+    if constexpr (DC > 0) return load_row(p + d);
+    else return v16_maskz_loadu_ps(lanes_from(D - d), p + d);
+  };
   int64_t c = 0;
   for (; c + 4 <= count; c += 4) {
     const T* k0 = k + slots[c] * ks;
@@ -547,11 +553,11 @@ void dot_scores_group(const float* const* q, const T* k, int64_t ks, const int64
     const T* k3 = k + slots[c + 3] * ks;
     v16f a[G][4];
     for (int g = 0; g < G; ++g) a[g][0] = a[g][1] = a[g][2] = a[g][3] = v16_setzero_ps();
-    for (int i = 0; i < DC; ++i) {
+    for (int64_t i = 0; i < chunks; ++i) {
       const int64_t d = 16 * i;
-      const v16f x0 = load_row(k0 + d), x1 = load_row(k1 + d), x2 = load_row(k2 + d), x3 = load_row(k3 + d);
+      const v16f x0 = load(k0, d), x1 = load(k1, d), x2 = load(k2, d), x3 = load(k3, d);
       for (int g = 0; g < G; ++g) {
-        const v16f qv = load_row(q[g] + d);
+        const v16f qv = load(q[g], d);
         a[g][0] = v16_fmadd_ps(qv, x0, a[g][0]);
         a[g][1] = v16_fmadd_ps(qv, x1, a[g][1]);
         a[g][2] = v16_fmadd_ps(qv, x2, a[g][2]);
@@ -564,7 +570,7 @@ void dot_scores_group(const float* const* q, const T* k, int64_t ks, const int64
   for (; c < count; ++c)
     for (int g = 0; g < G; ++g) {
       v16f acc = v16_setzero_ps();
-      for (int i = 0; i < DC; ++i) acc = v16_fmadd_ps(load_row(q[g] + 16 * i), load_row(k + slots[c] * ks + 16 * i), acc);
+      for (int64_t i = 0; i < chunks; ++i) acc = v16_fmadd_ps(load(q[g], 16 * i), load(k + slots[c] * ks, 16 * i), acc);
       scores[g * kSlotBlock + c] = v16_reduce_add_ps(acc) * scale;
     }
 }
@@ -600,34 +606,6 @@ void accumulate_values_group(const T* v, int64_t vs, const float* scores, const 
     for (int i = 0; i < V; ++i) v16_storeu_ps(out[g] + 16 * i, v16_mul_ps(v16_add_ps(a[g][i], b[g][i]), v16_set1_ps(1.0f)));
 }
 
-// scores[c] = scale * (q . the key of slots[c]) for c < count, any D (masked loads), four slots at a time as
-// dot_scores_group takes them: float32 rows of a head size other than 64 or 128.
-void dot_scores_masked(const float* q, const float* k, int64_t ks, int64_t D, const int64_t* slots, int64_t count,
-                       float scale, float* scores) {
-  const auto load = [D](const float* p, int64_t d) { return v16_maskz_loadu_ps(lanes_from(D - d), p + d); };
-  int64_t c = 0;
-  for (; c + 4 <= count; c += 4) {
-    const float* k0 = k + slots[c] * ks;
-    const float* k1 = k + slots[c + 1] * ks;
-    const float* k2 = k + slots[c + 2] * ks;
-    const float* k3 = k + slots[c + 3] * ks;
-    v16f a0 = v16_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    for (int64_t d = 0; d < D; d += 16) {
-      const v16f qv = load(q, d);
-      a0 = v16_fmadd_ps(qv, load(k0, d), a0);
-      a1 = v16_fmadd_ps(qv, load(k1, d), a1);
-      a2 = v16_fmadd_ps(qv, load(k2, d), a2);
-      a3 = v16_fmadd_ps(qv, load(k3, d), a3);
-    }
-    _mm_storeu_ps(scores + c, _mm_mul_ps(sum4(a0, a1, a2, a3), _mm_set1_ps(scale)));
-  }
-  for (; c < count; ++c) {
-    v16f acc = v16_setzero_ps();
-    for (int64_t d = 0; d < D; d += 16) acc = v16_fmadd_ps(load(q, d), load(k + slots[c] * ks, d), acc);
-    scores[c] = v16_reduce_add_ps(acc) * scale;
-  }
-}
-
 // scores (count) -> exp(score - top): ``top`` their largest, ``total`` the sum of the exponentials.
 inline void exponentiate_scores(float* scores, int64_t count, float& top, float& total) {
   v16f tops = v16_set1_ps(-INFINITY);
@@ -653,7 +631,7 @@ void attend_block(const float* q, const T* k, int64_t ks, const T* v, int64_t vs
     case 64: dot_scores_group<1, 4>(&q, k, ks, slots, count, scale, scores); break;
     case 128: dot_scores_group<1, 8>(&q, k, ks, slots, count, scale, scores); break;
     default:
-      if constexpr (std::is_same_v<T, float>) dot_scores_masked(q, k, ks, D, slots, count, scale, scores);
+      if constexpr (std::is_same_v<T, float>) dot_scores_group<1, 0>(&q, k, ks, slots, count, scale, scores, D);
       else TORCH_CHECK(false, "attention: a float16 cache takes heads of 64 or 128");
   }
   exponentiate_scores(scores, count, top, total);
