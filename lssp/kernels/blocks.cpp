@@ -603,7 +603,7 @@ void accumulate_values_group(const T* v, int64_t vs, const float* scores, const 
     }
   }
   for (int g = 0; g < G; ++g)
-    for (int i = 0; i < V; ++i) v16_storeu_ps(out[g] + 16 * i, v16_mul_ps(v16_add_ps(a[g][i], b[g][i]), v16_set1_ps(1.0f)));
+    for (int i = 0; i < V; ++i) v16_storeu_ps(out[g] + 16 * i, v16_add_ps(a[g][i], b[g][i]));
 }
 
 // scores (count) -> exp(score - top): ``top`` their largest, ``total`` the sum of the exponentials.
