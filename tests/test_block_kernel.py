@@ -579,7 +579,7 @@ def test_every_row_says_whether_the_kernels_weights_got_huge_pages(tiny_dir):
     registry = load_registry(tiny_dir / "models.yaml")
     q4, plain = load_model(registry.get("tiny-target-q4")), load_model(registry.get("tiny-draft"))
     arena = torch.ops.lssp.arena(4 << 20)
-    share = huge_page_share(arena.data_ptr(), arena.numel())
+    share = huge_page_share([(arena.data_ptr(), arena.numel())])
     assert share is not None and 0.0 <= share <= 1.0
     assert plain.huge_pages is None and q4.huge_pages is not None
     env = RunInfo.for_models(q4, plain).env

@@ -135,9 +135,10 @@ def _load_block_kernel(root: Path) -> None:
     _loaded.append(where)
 
 
-def huge_page_share(address: int, nbytes: int) -> float | None:
-    """The share of the ``nbytes`` of memory at ``address`` that Linux backs with huge pages: the ``AnonHugePages``
-    of the mappings holding it (``/proc/self/smaps``, each mapping's pages counted in full); None off Linux."""
+def huge_page_share(spans: list[tuple[int, int]]) -> float | None:
+    """The share of the memory ``spans`` ((address, bytes) each) that Linux backs with huge pages: the
+    ``AnonHugePages`` of the mappings holding them (``/proc/self/smaps``, read once, each mapping counted once and in
+    full); None off Linux or where no mapping holds them."""
     try:
         text = Path("/proc/self/smaps").read_text()
     except OSError:
@@ -148,7 +149,7 @@ def huge_page_share(address: int, nbytes: int) -> float | None:
         head = line.split(maxsplit=1)[0]
         if "-" in head and not head.endswith(":"):  # a mapping's first line: "start-end perms ..."
             start, end = (int(x, 16) for x in head.split("-"))
-            overlaps = start < address + nbytes and address < end
+            overlaps = any(start < address + nbytes and address < end for address, nbytes in spans)
             if overlaps:
                 total += end - start
         elif overlaps and head == "AnonHugePages:":

@@ -178,9 +178,7 @@ def arena_huge_pages(model: nn.Module) -> float | None:
 
     arenas = {m.packed.untyped_storage().data_ptr(): m.packed.untyped_storage().nbytes()
               for m in model.modules() if isinstance(m, BlockLinear) and m.in_arena}
-    shares = [(huge_page_share(address, nbytes), nbytes) for address, nbytes in arenas.items()]
-    known = [(share, nbytes) for share, nbytes in shares if share is not None]
-    return sum(share * nbytes for share, nbytes in known) / sum(n for _, n in known) if known else None
+    return huge_page_share(list(arenas.items())) if arenas else None
 
 
 def packable(linear: nn.Module, kind: str) -> bool:
