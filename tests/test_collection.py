@@ -12,7 +12,7 @@ from conftest import char_tokenizer, tiny_llama
 
 from lssp.decoding.generation import Stopping, generate_regular
 from lssp.decoding.sampling import SamplingParams
-from lssp.distill import DistillConfig, collect, conversations, generate_rows
+from lssp.distill import DistillConfig, collect, conversations, documents, generate_rows
 from lssp.distill import collection as collection_module
 from lssp.distill.collection import bucketed, score_batch
 from lssp.errors import UserError
@@ -108,6 +108,39 @@ def test_sharegpt_contexts_leave_out_the_evaluation_draw_repeats_other_scripts_a
     assert multi and all(len(c.answers) == len(c.turns) - 1 for c in multi)
     assert all(c.turns[0] == f"question {c.key[1:].split(':')[0]}?" for c in multi)
     assert train == conversations.split_contexts(0, 0.5, frozenset({"A benchmark prompt"}))[0]  # seeded
+
+
+def test_document_prompts_work_on_the_training_split_answers_each_task_seeded(fake_sharegpt, monkeypatch):
+    monkeypatch.setattr(documents, "SHORTEST", 1)
+    train, held = documents.document_prompts(seed=0, excluded_texts=frozenset({"A benchmark prompt"}))
+    contexts = conversations.split_contexts(0, 0.0, frozenset({"A benchmark prompt"}))
+    assert len(train) == len(contexts[0]) and len(held) == len(contexts[1])  # one per conversation, the same split
+    number = lambda prompt: prompt.split("answer ")[1].split(".")[0]  # noqa: E731 - the answer worked on
+    assert [number(p) for p in train] == [c.key.split(":")[0][1:] for c in contexts[0]]
+    assert all(f"answer {number(p)}." in p for p in train + held)
+    rag = [p for p in train if p.startswith("Answer the question")]
+    assert rag and all(p.endswith(f"Question: question {number(p)}?") for p in rag)  # its own conversation's turn
+    assert {p.split()[0] for p in train} <= {"Summarize", "Write", "What", "Rewrite", "Shorten", "Answer", "Translate"}
+    assert documents.document_prompts(0, frozenset({"A benchmark prompt"})) == (train, held)
+
+
+def test_a_document_prompt_fits_its_task_and_leaves_out_texts_too_short_or_long():
+    import random
+
+    rng = random.Random(0)
+    german = ("Die Stadt hat am Montag gesagt, dass die Brücke nicht mehr sicher ist. Ich glaube, das ist eine gute "
+              "Entscheidung für die Leute, die mit dem Auto auf der Straße fahren und sie jeden Tag benutzen. ") * 3
+    assert documents.language(german) == "German" and documents.language("The cat is on the mat. " * 20) == "English"
+    assert documents.document_prompt("q?", "too short", rng) is None
+    assert documents.document_prompt("q?", "x" * (documents.LONGEST + 1), rng) is None
+    made = [documents.document_prompt("What is it?", german, random.Random(i)) for i in range(40)]
+    translated = [p for p in made if p.startswith("Translate")]
+    assert translated and all(p.startswith("Translate the following German text into English:") for p in translated)
+    assert all(len(p.split("\n\n", 1)[1]) <= documents.TRANSLATED for p in translated)
+    text = "First part. " * 15 + "\n\n" + "Second part. " * 15
+    assert documents.passages(text, random.Random(0)).startswith("Passage 1: First part.")
+    assert "Passage 2: Second part." in documents.passages(text, random.Random(0))
+    assert documents.cut("One. Two. Three.", 9) == "One. Two."
 
 
 def test_a_context_is_formatted_in_the_chat_template():

@@ -59,10 +59,12 @@ def distill(
                                              "the target in one teacher-forced forward (on-policy data).")] = 0.0,
     repeat_share: Annotated[float, typer.Option(help="Share of newly collected shards the target continues from "
                                                 "contexts that repeat a cue of earlier text (teaches the draft to copy).")] = 0.0,
-    source: Annotated[str, typer.Option(help="Prompts the target answers: built-in (written for lssp) or sharegpt "
+    source: Annotated[str, typer.Option(help="Prompts the target answers: built-in (written for lssp), sharegpt "
                                         "(real conversations' human turns, in the chat template; ./setup.sh installs "
-                                        "them).")] = "built-in",
-    max_prompt_tokens: Annotated[int, typer.Option(help="--source sharegpt: leave out longer contexts.")] = 384,
+                                        "them) or documents (ShareGPT's answers to summarize, answer from, translate "
+                                        "or rewrite).")] = "built-in",
+    max_prompt_tokens: Annotated[int, typer.Option(help="--source sharegpt or documents: leave out longer "
+                                                   "contexts.")] = 384,
     max_seq_len: Annotated[int, typer.Option(help="Training sequences: the answer and as much of its context as "
                                              "fits.")] = 160,
     precision: Annotated[str, typer.Option(help="Training's arithmetic: bf16 (autocast; weights stay fp32), fp32, or "
@@ -214,8 +216,10 @@ def _check(cfg: DistillConfig) -> None:
         raise UserError("--on-policy is for --kind draft (a head drafts from the target's features)")
     if cfg.precision not in ("auto", "bf16", "fp32"):
         raise UserError(f"--precision {cfg.precision!r}: expected auto, bf16 or fp32")
-    if cfg.source not in ("built-in", "sharegpt"):
-        raise UserError(f"--source {cfg.source!r}: expected built-in or sharegpt")
+    from lssp.distill.config import SOURCES
+
+    if cfg.source not in SOURCES:
+        raise UserError(f"--source {cfg.source!r}: expected one of {', '.join(SOURCES)}")
     for name, value in [("--hidden-size", cfg.hidden_size), ("--layers", cfg.layers), ("--data-tokens", cfg.data_tokens),
                         ("--batch-prompts", cfg.batch_prompts), ("--new-tokens", cfg.new_tokens),
                         ("--max-prompt-tokens", cfg.max_prompt_tokens), ("--max-seq-len", cfg.max_seq_len),

@@ -97,6 +97,8 @@ PROMPTS = {
     "sharegpt": "ShareGPT conversations up to a human turn, in the target's chat template "
                 "(`lssp/distill/conversations.py`); none of the first 1,000 of the `--task sharegpt` draw",
     "built-in": "written by `lssp/distill/data.py`",
+    "documents": "ShareGPT answers to summarize, answer questions from, translate or rewrite "
+                 "(`lssp/distill/documents.py`); none of the first 1,000 of the `--task sharegpt` draw",
 }
 
 

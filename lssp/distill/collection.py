@@ -19,9 +19,10 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from lssp.decoding.batched import empty_rows, feed_rows, keep_rows
 from lssp.decoding.kv import accepts_logits_to_keep
 from lssp.decoding.sampling import SamplingParams, sample_logits
-from lssp.distill.config import Collected, DistillConfig, Progress
+from lssp.distill.config import SOURCES, Collected, DistillConfig, Progress
 from lssp.distill.conversations import split_contexts
 from lssp.distill.data import training_prompts
+from lssp.distill.documents import document_prompts
 from lssp.errors import UserError
 from lssp.models.compact import CompactLlama, supports_compact
 from lssp.models.eagle import feature_layers
@@ -233,14 +234,20 @@ def source_prompts(tokenizer: PreTrainedTokenizerBase, cfg: DistillConfig) -> tu
     """(training prompts, held-out prompts) as token ids. ``built-in``: the prompts of ``data.training_prompts``
     (no held-out prompts: training holds out some of its sequences). ``sharegpt``: the contexts of
     ``conversations.split_contexts`` in the target's chat template, at most ``cfg.max_prompt_tokens`` long,
-    bucketed by length."""
+    bucketed by length; ``documents``: ``documents.document_prompts`` over the same split, the same way."""
     if cfg.source == "built-in":  # as many prompts as the collection can use (a longer list extends a shorter one)
         count = min(2_000_000, 4 * cfg.data_tokens) // cfg.new_tokens + 1000
         return [encode_prompt(tokenizer, p, chat) for p, chat in training_prompts(count, cfg.seed)], []
-    if cfg.source != "sharegpt":
-        raise UserError(f"--source {cfg.source!r}: expected built-in or sharegpt")
-    train, held = split_contexts(cfg.seed, excluded_texts=frozenset(HELD_OUT | all_task_texts()))
+    if cfg.source not in SOURCES:
+        raise UserError(f"--source {cfg.source!r}: expected one of {', '.join(SOURCES)}")
     chars = CHARS_PER_TOKEN * cfg.max_prompt_tokens  # longer texts cannot fit: not worth encoding
+    excluded = frozenset(HELD_OUT | all_task_texts())
+    if cfg.source == "documents":
+        encoded = [[ids for text in texts if len(text) <= chars
+                    and len(ids := encode_prompt(tokenizer, text, True)) <= cfg.max_prompt_tokens]
+                   for texts in document_prompts(cfg.seed, excluded)]
+        return bucketed(encoded[0], cfg.batch_prompts, cfg.seed), encoded[1]
+    train, held = split_contexts(cfg.seed, excluded_texts=excluded)
     encoded = [[ids for c in contexts if sum(map(len, c.turns + c.answers)) <= chars
                 and len(ids := encode_conversation(tokenizer, c.turns, c.answers, True)) <= cfg.max_prompt_tokens]
                for contexts in (train, held)]

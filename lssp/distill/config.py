@@ -5,6 +5,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 Progress = Callable[[str, float, str], None]  # phase, fraction done, message
+SOURCES = ("built-in", "sharegpt", "documents")  # --source: the prompts the target answers
 
 
 @dataclass
@@ -31,7 +32,8 @@ class DistillConfig:
     head_tokens: int = 0  # >0: the output layer covers only the target's most frequent tokens (see draft_head)
     on_policy: float = 0.0  # share of new shards the init_from draft writes and the target scores (teacher-forced)
     repeat_share: float = 0.0  # share of new shards the target continues from a cue repeated out of earlier text
-    source: str = "built-in"  # the prompts: "built-in" (lssp.distill.data) or "sharegpt" (lssp.distill.conversations)
+    source: str = "built-in"  # the prompts: "built-in" (lssp.distill.data), "sharegpt" (lssp.distill.conversations)
+    #   or "documents" (lssp.distill.documents)
     max_prompt_tokens: int = 384  # sharegpt: longer contexts are left out (prefill and memory grow with them)
     precision: str = "auto"  # of training's forward: "bf16" (autocast, fp32 weights), "fp32", "auto" (bf16 where native)
     also_data: tuple[str, ...] = ()  # other collections' folders (their data/ is read, never written) trained on too
