@@ -379,6 +379,16 @@ def test_distill_kind_eagle_makes_a_loadable_head_and_resumes(tiny_dir, tmp_path
     rebuilt = json.loads((again_dir / "data" / "meta.json").read_text())
     assert rebuilt["tokens"] == tokens and rebuilt["shards"] == json.loads((kept / "meta.json").read_text())["shards"]
     assert all(f["rebuilt"] for f in rebuilt["files"]) and rebuilt["source"] == "built-in"
+    # Asked for fewer tokens than the file holds, the rebuild stops there; stopped early, it says its prompts.
+    from lssp.distill.collection import collection_model
+    from lssp.distill.tokens import rebuild_shards
+
+    first = json.loads((kept / "meta.json").read_text())["files"]
+    part = tmp_path / "part" / "data"
+    wanted = first[0]["tokens"] + 1  # into the second shard
+    assert len(first) > 2 and rebuild_shards(collection_model(target.model), kept / "tokens.npz", part, tokens=wanted, source="built-in") == 2
+    assert json.loads((part / "meta.json").read_text())["tokens"] == first[0]["tokens"] + first[1]["tokens"]
+    assert json.loads((part / "meta.json").read_text())["source"] == "built-in"
     # Training on it again counts none of its text as new in the learning curve.
     from lssp.distill.card import distinct_tokens
     from lssp.distill.collection import collection_summary

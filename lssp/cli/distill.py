@@ -166,7 +166,7 @@ def _collect_and_train(s: Settings, t: LoadedModel, work: Path, cfg: DistillConf
             check_feature_layers(collector, cfg.feature_layers)
             collector.feature_layers = cfg.feature_layers
         if tokens_from:
-            rebuild_shards(collector, tokens_from, work / "data", progress)
+            rebuild_shards(collector, tokens_from, work / "data", progress, cfg.data_tokens, cfg.source)
         got = dst.collect(collector, t.tokenizer, work, cfg, progress, draft=writer,
                           notice=lambda line: err_console.print(f"[yellow]{line}[/yellow]"))
         save_tokens(work / "data")

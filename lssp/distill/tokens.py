@@ -54,13 +54,18 @@ def _ids(ids: torch.Tensor) -> np.ndarray:
     return ids.astype(np.uint16 if ids.size == 0 or (ids.min() >= 0 and ids.max() < 2 ** 16) else np.int32)
 
 
-def rebuild_shards(target: PreTrainedModel, tokens_path: Path, data: Path, progress: Progress | None = None) -> int:
+def rebuild_shards(target: PreTrainedModel, tokens_path: Path, data: Path, progress: Progress | None = None,
+                   tokens: int | None = None, source: str | None = None) -> int:
     """Write the shards of ``tokens_path`` that ``data`` lacks, in order, by teacher forcing ``target`` (a compact
-    forward) over each prompt and its continuation; returns how many were written."""
+    forward) over each prompt and its continuation, until the collection holds ``tokens`` (None: all of them);
+    returns how many were written. ``source``: the collection's prompts (``--source``), recorded from its first
+    shard, so a rebuild stopped early still says what it holds."""
     if not isinstance(target, CompactLlama):
         raise UserError("writing a collection again from its token ids needs a Llama target the compact forward runs")
     meta = read_meta(data)
     same_feature_layers(data, meta, target)
+    if source is not None:
+        meta.setdefault("source", source)
     try:
         stored = np.load(tokens_path)
     except (OSError, ValueError) as exc:
@@ -71,14 +76,18 @@ def rebuild_shards(target: PreTrainedModel, tokens_path: Path, data: Path, progr
             raise UserError(f"{data} holds shards that are not the first ones of {tokens_path}: rebuild into "
                             "another --data-dir")
         todo = names[len(meta["files"]):]
-        for done, name in enumerate(todo):
+        written = 0
+        for name in todo:
+            if tokens is not None and meta["tokens"] >= tokens:
+                break
             start = time.perf_counter()
             record = _scored(target, {key: stored[f"{name}/{key}"] for key in (
                 "prompt_lengths", "prompts", "lengths", "tokens", "split", "source", "top_k", "new_tokens")})
             add_shard(data, meta, record, time.perf_counter() - start, rebuilt=True)
+            written += 1
             if progress:
-                progress("rebuild", (done + 1) / len(todo), f"{name} ({meta['tokens']} tokens) from {tokens_path.name}")
-    return len(todo)
+                progress("rebuild", written / len(todo), f"{name} ({meta['tokens']} tokens) from {tokens_path.name}")
+    return written
 
 
 def _scored(target: PreTrainedModel, shard: dict[str, np.ndarray]) -> dict:
