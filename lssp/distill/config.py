@@ -34,7 +34,7 @@ class DistillConfig:
     repeat_share: float = 0.0  # share of new shards the target continues from a cue repeated out of earlier text
     source: str = "built-in"  # the prompts: "built-in" (lssp.distill.data), "sharegpt" (lssp.distill.conversations)
     #   or "documents" (lssp.distill.documents)
-    max_prompt_tokens: int = 384  # sharegpt: longer contexts are left out (prefill and memory grow with them)
+    max_prompt_tokens: int = 384  # sharegpt, documents: longer contexts are left out (prefill and memory grow with them)
     precision: str = "auto"  # of training's forward: "bf16" (autocast, fp32 weights), "fp32", "auto" (bf16 where native)
     also_data: tuple[str, ...] = ()  # other collections' folders (their data/ is read, never written) trained on too
     unroll: int = 2  # a head's training-time test: drafting steps unrolled over its own guesses (EAGLE-3)
