@@ -243,14 +243,14 @@ def source_prompts(tokenizer: PreTrainedTokenizerBase, cfg: DistillConfig) -> tu
     chars = CHARS_PER_TOKEN * cfg.max_prompt_tokens  # longer texts cannot fit: not worth encoding
     excluded = frozenset(HELD_OUT | all_task_texts())
     if cfg.source == "documents":
-        encoded = [[ids for text in texts if len(text) <= chars
-                    and len(ids := encode_prompt(tokenizer, text, True)) <= cfg.max_prompt_tokens]
-                   for texts in document_prompts(cfg.seed, excluded)]
-        return bucketed(encoded[0], cfg.batch_prompts, cfg.seed), encoded[1]
-    train, held = split_contexts(cfg.seed, excluded_texts=excluded)
-    encoded = [[ids for c in contexts if sum(map(len, c.turns + c.answers)) <= chars
-                and len(ids := encode_conversation(tokenizer, c.turns, c.answers, True)) <= cfg.max_prompt_tokens]
-               for contexts in (train, held)]
+        splits: tuple = document_prompts(cfg.seed, excluded)
+        length, encode = len, lambda text: encode_prompt(tokenizer, text, True)
+    else:
+        splits = split_contexts(cfg.seed, excluded_texts=excluded)
+        length = lambda c: sum(map(len, c.turns + c.answers))  # noqa: E731
+        encode = lambda c: encode_conversation(tokenizer, c.turns, c.answers, True)  # noqa: E731
+    encoded = [[ids for item in split if length(item) <= chars and len(ids := encode(item)) <= cfg.max_prompt_tokens]
+               for split in splits]
     return bucketed(encoded[0], cfg.batch_prompts, cfg.seed), encoded[1]
 
 
