@@ -9,7 +9,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from lssp.decoding.drafting import Drafter  # noqa: E402
-from lssp.drafters import drafter_for  # noqa: E402
+from lssp.drafters import entry_drafter  # noqa: E402
 from lssp.models.loading import LoadedModel, load_model  # noqa: E402
 from lssp.models.registry import ModelSpec, load_registry  # noqa: E402
 
@@ -24,5 +24,4 @@ def load_default_pair() -> tuple[LoadedModel, ModelSpec, LoadedModel]:
 
 def new_drafter(head: LoadedModel, spec: ModelSpec) -> Drafter:
     """A drafter over ``head`` with the entry's confidence stop and prompt lookup, for one completion."""
-    return drafter_for(head.model, 0, spec.confidence or 0.0, spec.prompt_lookup or 0, spec.prompt_lookup_chain or 0,
-                       spec.prompt_lookup_min or 0)
+    return entry_drafter(head)

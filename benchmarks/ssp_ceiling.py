@@ -12,14 +12,14 @@ Writes, per task and over all, RSp's ms/token, and for the shipped drafter and i
 alpha and K) the ms/token, the speedup (median over the passes of RSp's time / SSp's time), tokens per forward and
 the measured acceptance; and, for each K and each bar in ``--bars``, the alpha where the oracle's speedup crosses
 it (linear between the alphas measured; null where no alpha measured reaches it).
-Usage: .venv/bin/python benchmarks/ssp_ceiling.py OUT.json [--repeats 2] [--prompts 4] [--ks 2,3,4,6]
+The oracle is ``lssp.drafters.oracle.Oracle``; ``llamassp.py ceiling`` runs the same measurement with the
+registry's pairs (without the head-alone arms). Usage: .venv/bin/python benchmarks/ssp_ceiling.py OUT.json [--repeats 2] [--prompts 4] [--ks 2,3,4,6]
        [--alphas 0.6,0.7,0.8,0.9,1.0] [--tasks all] [--bars all:1.5,stories:2.0]
 """
 from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
 from pathlib import Path
 from statistics import median
@@ -30,13 +30,12 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 from default_pair import load_default_pair, new_drafter  # noqa: E402
 
-from lssp.decoding.drafting import Drafter, Picker, Proposal  # noqa: E402
 from lssp.decoding.generation import GenerationOutput, generate_regular  # noqa: E402
-from lssp.decoding.kv import PrefixCache  # noqa: E402
 from lssp.decoding.sampling import SamplingParams  # noqa: E402
 from lssp.decoding.speculative import speculative_decode  # noqa: E402
-from lssp.decoding.timing import Clock  # noqa: E402
 from lssp.drafters import drafter_for  # noqa: E402
+from lssp.drafters.oracle import Oracle  # noqa: E402
+from lssp.measure.ceiling import crossing  # noqa: E402
 from lssp.models.loading import encode_prompt  # noqa: E402
 from lssp.report.results import cpu_name  # noqa: E402
 from lssp.workloads.tasks import TASKS, task_prompts  # noqa: E402
@@ -45,59 +44,10 @@ NEW_TOKENS = 64
 GREEDY = SamplingParams(temperature=0.0)
 
 
-class OracleDrafter(Drafter):
-    """Proposes ``reference`` (the target's greedy continuation of the prompt), each draft right with probability
-    ``alpha``, while ``inner`` (a plain head) drafts the same number of tokens alongside for its cost."""
-
-    def __init__(self, inner: Drafter, reference: list[int], prompt_length: int, alpha: float, seed: int) -> None:
-        super().__init__()
-        self.inner, self.reference, self.prompt_length = inner, reference, prompt_length
-        self.alpha, self.rng = alpha, random.Random(seed)
-        self.needs_features = inner.needs_features
-        self.last: Proposal | None = None
-
-    @property
-    def model(self) -> torch.nn.Module | None:
-        return self.inner.model
-
-    @property
-    def ready(self) -> bool:
-        return self.inner.ready
-
-    def start(self, seq: torch.Tensor, features: torch.Tensor | None, prefix: PrefixCache | None, clock: Clock) -> None:
-        self.inner.begin(seq, features, prefix, clock)
-
-    def draft(self, seq: torch.Tensor, picker: Picker) -> Proposal:
-        self.last = self.inner.propose(seq, picker)
-        at = seq.shape[1] - self.prompt_length
-        tokens = []
-        for i in range(len(self.last)):
-            right = self.reference[at + i] if at + i < len(self.reference) else 0
-            tokens.append(right if self.rng.random() < self.alpha else max(right - 1, 0) or 1)
-        return Proposal(torch.tensor(tokens, dtype=torch.long), None, [False] * len(tokens), self.last.forward_s)
-
-    def commit(self, proposal: Proposal, accepted: int, emitted: list[int], features: torch.Tensor | None) -> None:
-        self.inner.commit(self.last, accepted, emitted, features)
-
-    def advance(self, proposal: Proposal, accepted: int, features: torch.Tensor | None) -> None:
-        raise NotImplementedError  # commit hands the inner drafter its own proposal
-
-
 def per_token_ms(outs: list[GenerationOutput]) -> float:
     """ms per token after each completion's first emission, over the completions."""
     spent = sum(o.stats.total_time_s - o.stats.ttft_s for o in outs)
     return 1000 * spent / sum(o.stats.new_tokens - o.stats.first_emission_tokens for o in outs)
-
-
-def crossing(points: list[tuple[float, float]], bar: float) -> float | None:
-    """The alpha where speedup first reaches ``bar`` along (alpha, speedup) points, linear between them."""
-    points = sorted(points)
-    for (a0, s0), (a1, s1) in zip(points, points[1:]):
-        if s0 >= bar:
-            return a0
-        if s1 >= bar:
-            return round(a0 + (a1 - a0) * (bar - s0) / (s1 - s0), 3)
-    return points[-1][0] if points and points[-1][1] >= bar else None
 
 
 def main() -> None:
@@ -136,7 +86,7 @@ def main() -> None:
                             out = generate_regular(model, ids, NEW_TOKENS, GREEDY, time_forwards=False)
                         else:
                             drafter = (new_drafter(head, spec) if kind == "shipped" else drafter_for(head.model)
-                                       if kind == "head" else OracleDrafter(drafter_for(head.model), references[t, i],
+                                       if kind == "head" else Oracle(drafter_for(head.model), references[t, i],
                                                                             ids.shape[1], alpha, 1000 * rep + i))
                             out = speculative_decode(model, drafter, ids, NEW_TOKENS, k, GREEDY, time_forwards=False)
                         differing += out.tokens.tolist() != references[t, i]

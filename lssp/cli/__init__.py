@@ -7,7 +7,7 @@ import threading
 
 import typer
 
-from lssp.cli import bench, compare, cost, distill, export, latency, load, models, plan, plot, verify  # noqa: F401
+from lssp.cli import bench, ceiling, compare, cost, distill, export, latency, load, models, plan, plot, verify  # noqa: F401
 from lssp.cli import eval as eval_command  # noqa: F401  (registers; the module is named after its command)
 from lssp.cli.app import GLOBAL_FLAGS, GLOBAL_OPTIONS_WITH_VALUE, app
 from lssp.cli.output import console, err_console, interrupt_said

@@ -94,14 +94,14 @@ def parse_ints(name: str, text: str, minimum: int = 1) -> list[int]:
     return values
 
 
-def parse_fractions(name: str, text: str) -> list[float]:
-    """Numbers in [0, 1), comma-separated."""
+def parse_fractions(name: str, text: str, with_one: bool = False) -> list[float]:
+    """Numbers in [0, 1) (``with_one``: [0, 1]), comma-separated."""
     try:
         values = [float(part) for part in _comma_list(name, text, "numbers")]
     except ValueError:
         raise UserError(f"{name} takes numbers separated by commas, got {text!r}") from None
-    if any(not 0 <= v < 1 for v in values):
-        raise UserError(f"{name} values must be in [0, 1), got {text!r}")
+    if any(not (0 <= v <= 1 if with_one else 0 <= v < 1) for v in values):
+        raise UserError(f"{name} values must be in [0, {1 if with_one else '1)'}{']' if with_one else ''}, got {text!r}")
     return values
 
 

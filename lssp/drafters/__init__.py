@@ -4,6 +4,8 @@ its picks (the context lookup, the confidence stop). ``drafter_for`` builds the 
 feature head) and the options ask for."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from transformers import PreTrainedModel
 
@@ -17,8 +19,11 @@ from lssp.drafters.lookup import ContextLookup, CopyFirst, LookupHint, NgramDraf
 from lssp.drafters.model import DraftModel, FeatureHead
 from lssp.models.eagle import FeatureDrafting
 
+if TYPE_CHECKING:
+    from lssp.models.loading import LoadedModel
+
 __all__ = ["ConfidenceStop", "ContextLookup", "CopyFirst", "DraftModel", "DraftRows", "Drafter", "FeatureHead", "LookupHint",
-           "NgramDrafter", "PickPolicy", "Picker", "Proposal", "drafter_for", "generate_speculative"]
+           "NgramDrafter", "PickPolicy", "Picker", "Proposal", "drafter_for", "entry_drafter", "generate_speculative"]
 
 
 def drafter_for(draft: PreTrainedModel | None, lookup: int = 0, confidence: float = 0.0,
@@ -37,6 +42,14 @@ def drafter_for(draft: PreTrainedModel | None, lookup: int = 0, confidence: floa
         return NgramDrafter(lookup, policies)
     drafter = FeatureHead(draft, policies) if isinstance(draft, FeatureDrafting) else DraftModel(draft, policies)
     return CopyFirst(drafter, copy_first, copy_chain, copy_shortest or None) if copy_first else drafter
+
+
+def entry_drafter(draft: LoadedModel, lookup: int = 0, confidence: float = 0.0) -> Drafter:
+    """The drafter over a loaded draft as its registry entry describes it (its confidence stop unless ``confidence``
+    is given, its prompt lookup first), with the context lookup over ``lookup``-grams."""
+    spec = draft.spec
+    return drafter_for(draft.model, lookup, confidence or spec.confidence or 0.0, spec.prompt_lookup or 0,
+                       spec.prompt_lookup_chain or 0, spec.prompt_lookup_min or 0)
 
 
 def generate_speculative(target: PreTrainedModel, draft: PreTrainedModel | Drafter, input_ids: torch.Tensor,

@@ -8,7 +8,7 @@ import torch
 from lssp.decoding.batched import generate_regular_rows, joinable, speculative_decode_batch
 from lssp.decoding.generation import GenerationOutput, generate_regular, generate_regular_batch
 from lssp.decoding.speculative import speculative_decode
-from lssp.drafters import Drafter, drafter_for
+from lssp.drafters import Drafter, drafter_for, entry_drafter
 from lssp.engines.base import Engine, Mode, Request
 from lssp.models.loading import LoadedModel
 
@@ -53,9 +53,7 @@ class OursEngine(Engine):
         if mode.ngram:
             return drafter_for(None, mode.ngram, mode.confidence), None
         draft, vocab = self.drafts[mode.draft or self.default]
-        spec = draft.spec
-        return drafter_for(draft.model, mode.lookup, mode.confidence or spec.confidence or 0.0, spec.prompt_lookup or 0,
-                           spec.prompt_lookup_chain or 0, spec.prompt_lookup_min or 0), vocab
+        return entry_drafter(draft, mode.lookup, mode.confidence), vocab
 
     def batch_reason(self, mode: Mode) -> str | None:
         """None where ``complete_many`` runs ``mode`` in one batched loop: RSp always, SSp unless the drafter drafts

@@ -1,0 +1,97 @@
+"""`ceiling`: how good must the draft be? SSp with an oracle draft of set acceptance, against RSp and the draft."""
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+from lssp.cli.app import app, settings
+from lssp.cli.loaders import load_pair
+from lssp.cli.options import (
+    DraftAlsoArg,
+    JsonOpt,
+    MaxNewOpt,
+    PromptsOpt,
+    TargetArg,
+    TaskOpt,
+    check_k_within_budget,
+    check_positive,
+    one_draft,
+    parse_fractions,
+    parse_ints,
+    read_task_prompts,
+)
+from lssp.cli.output import console, err_console, exit_with, save, say_busy, table
+from lssp.errors import UserError
+
+
+@app.command()
+def ceiling(
+    ctx: typer.Context,
+    target: TargetArg = None,
+    draft_name: DraftAlsoArg = None,
+    draft: Annotated[Optional[str], typer.Option(help="The draft (default: the registry's default_draft): timed as it "
+                                                 "drafts, and drafting alongside the oracle for its cost.")] = None,
+    k: Annotated[str, typer.Option("--k", help="Draft lengths, comma-separated.")] = "2,4",
+    alpha: Annotated[str, typer.Option("--alpha", help="The oracle's acceptances: each of its drafts is right with "
+                                       "this probability.")] = "0.6,0.7,0.8,0.9,1.0",
+    bar: Annotated[str, typer.Option("--bar", help="Speedups to find the needed acceptance for, comma-separated.")] = "1.5",
+    task: TaskOpt = None,
+    prompts: PromptsOpt = None,
+    nb_prompts: Annotated[int, typer.Option(help="Prompts of each task (or of the file, or of the story openings).")] = 4,
+    repeats: Annotated[int, typer.Option(help="Passes over the prompts (interleaved).")] = 2,
+    max_new_tokens: MaxNewOpt = 64,
+    json_out: JsonOpt = None,
+) -> None:
+    """How good must the draft be? Greedy SSp on our engine with an oracle draft that knows the target's answer and
+    is right with set probabilities, against RSp and the draft, in one interleaved run."""
+    from lssp.drafters import entry_drafter
+    from lssp.measure.ceiling import ALL, run_ceiling
+
+    s = settings(ctx)
+    draft = one_draft(draft_name, draft)
+    ks, alphas = parse_ints("--k", k), parse_fractions("--alpha", alpha, with_one=True)
+    bars = [float(b) for b in parse_positive_numbers("--bar", bar)]
+    check_k_within_budget(ks, max_new_tokens)
+    check_positive("--repeats", repeats)
+    check_positive("--nb-prompts", nb_prompts)
+    prompt_list = read_task_prompts(task, prompts, nb_prompts, False)
+    results = s.writable_results_dir(json_out)
+    t, d, vocab = load_pair(s, target, draft)
+    with err_console.status("Timing…") as status:
+        run = run_ceiling(t, d, lambda: entry_drafter(d), prompt_list, ks, alphas, repeats, max_new_tokens, s.seed,
+                          progress=lambda m: status.update(f"Timing: {m}…"))
+    out = table(f"SSp ÷ RSp ({run.rsp_ms[ALL]:.2f} ms/token): speedup, 95% interval, tokens per forward",
+                [("drafting", "left")] + [(f"K={k}", "right") for k in run.ks])
+    for alpha_value in [None, *run.alphas]:
+        cells = [run.cell(ALL, k, alpha_value) for k in run.ks]
+        out.add_row(run.draft if alpha_value is None else f"oracle α={alpha_value:g}",
+                    *(f"{c.speedup:.2f}×\n[{c.speedup_low:.2f}-{c.speedup_high:.2f}]\n{c.tokens_per_forward:.2f}"
+                      for c in cells))
+    console.print(out)
+    console.print("  oracle α: proposes the target's own answer, each draft right with probability α\n"
+                  "  (the draft drafts alongside for its cost)")
+    measured = ", ".join(f"{run.cell(ALL, k, None).measured_alpha:.2f} at K={k}" for k in run.ks)
+    console.print(f"  the draft's α (accepted ÷ tried): {measured}")
+    for b in bars:
+        needed = ", ".join(f"≥ {a:.2f} at K={k}" if a is not None else f"none measured at K={k}"
+                           for k, a in run.alpha_needed(b).items())
+        console.print(f"  {b:g}× needs the oracle's α {needed}")
+    if run.not_equal:
+        console.print(f"[bold red]  {run.not_equal} completions differ from RSp's: greedy SSp is not exact here"
+                      "[/bold red]")
+    say_busy(run.others_cpu_share)
+    summary = {"run_id": run.info.run_id, "rsp_ms": run.rsp_ms, "alpha_needed": {
+        f"{b:g}": {f"K={k}": a for k, a in run.alpha_needed(b).items()} for b in bars}, "rows": run.rows()}
+    exit_with(save(results, run.info.run_id, "ceiling", run.rows(), run.markdown(), json_out, summary,
+                   f"{run.info.env['device']} · run {run.info.run_id}"))
+
+
+def parse_positive_numbers(name: str, text: str) -> list[float]:
+    try:
+        values = [float(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise UserError(f"{name} takes numbers separated by commas, got {text!r}") from None
+    if not values or any(v <= 0 for v in values):
+        raise UserError(f"{name} takes positive numbers separated by commas, got {text!r}")
+    return values
