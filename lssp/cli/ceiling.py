@@ -69,7 +69,7 @@ def ceiling(
                     *(f"{c.speedup:.2f}×\n[{c.speedup_low:.2f}-{c.speedup_high:.2f}]\n{c.tokens_per_forward:.2f}"
                       for c in cells))
     console.print(out)
-    console.print("  oracle α: proposes the target's own answer, each draft right with probability α\n"
+    console.print("  oracle α: proposes the target's answer, each draft right with probability α\n"
                   "  (the draft drafts alongside for its cost)")
     measured = ", ".join(f"{run.cell(ALL, k, None).measured_alpha:.2f} at K={k}" for k in run.ks)
     console.print(f"  the draft's α (accepted ÷ tried): {measured}")
