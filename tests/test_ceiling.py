@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -82,6 +83,16 @@ def test_ceiling_times_the_draft_and_the_oracle_and_says_the_alpha_needed(run, t
     assert all(r["not_equal_to_rsp"] == 0 and r["speedup_low"] <= r["speedup"] <= r["speedup_high"] for r in rows)
     assert "device" in rows[0] and summary["alpha_needed"]["50"] == {"K=1": None, "K=2": None}
     assert (tmp_path / "results" / "ceiling.csv").exists()
+
+
+def test_ceiling_shows_intervals_and_says_where_there_is_none(run):
+    code, out, err = run("ceiling", "tiny-target", "tiny-draft", "--nb-prompts", "2", "--repeats", "1", "--k", "1",
+                         "--alpha", "1", "--max-new-tokens", "6")
+    assert code == 0, err
+    assert re.search(r"\[\d+\.\d\d-\d+\.\d\d\]", out)  # two completions a way: an interval, not eaten as markup
+    code, out, err = run("ceiling", "tiny-target", "tiny-draft", "--nb-prompts", "1", "--repeats", "1", "--k", "1",
+                         "--alpha", "1", "--max-new-tokens", "6")
+    assert code == 0 and "no interval" in out, err
 
 
 def test_ceiling_says_a_wrong_alpha_in_one_line(run):

@@ -1,9 +1,11 @@
 """`ceiling`: how good must the draft be? SSp with an oracle draft of set acceptance, against RSp and the draft."""
 from __future__ import annotations
 
+import math
 from typing import Annotated, Optional
 
 import typer
+from rich.markup import escape
 
 from lssp.cli.app import app, settings
 from lssp.cli.loaders import load_pair
@@ -66,8 +68,7 @@ def ceiling(
     for alpha_value in [None, *run.alphas]:
         cells = [run.cell(ALL, k, alpha_value) for k in run.ks]
         out.add_row(run.draft if alpha_value is None else f"oracle α={alpha_value:g}",
-                    *(f"{c.speedup:.2f}×\n[{c.speedup_low:.2f}-{c.speedup_high:.2f}]\n{c.tokens_per_forward:.2f}"
-                      for c in cells))
+                    *(f"{c.speedup:.2f}×\n{interval_text(c)}\n{c.tokens_per_forward:.2f}" for c in cells))
     console.print(out)
     console.print("  oracle α: proposes the target's answer, each draft right with probability α\n"
                   "  (the draft drafts alongside for its cost)")
@@ -85,6 +86,13 @@ def ceiling(
         f"{b:g}": {f"K={k}": a for k, a in run.alpha_needed(b).items()} for b in bars}, "rows": run.rows()}
     exit_with(save(results, run.info.run_id, "ceiling", run.rows(), run.markdown(), json_out, summary,
                    f"{run.info.env['device']} · run {run.info.run_id}"))
+
+
+def interval_text(c) -> str:
+    """The speedup's 95% interval, escaped for rich; "no interval" from a single completion per way."""
+    if math.isnan(c.speedup_low):
+        return "no interval"
+    return escape(f"[{c.speedup_low:.2f}-{c.speedup_high:.2f}]")
 
 
 def parse_positive_numbers(name: str, text: str) -> list[float]:

@@ -9,6 +9,7 @@ t interval (``ratio_interval``); ``alpha_needed`` reads where the oracle's speed
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -108,7 +109,8 @@ class CeilingRun:
 
 
 def cell_text(c: CeilingCell) -> str:
-    return f"{c.speedup:.2f}× [{c.speedup_low:.2f}-{c.speedup_high:.2f}], {c.tokens_per_forward:.2f} tok/fwd"
+    interval = "no interval" if math.isnan(c.speedup_low) else f"[{c.speedup_low:.2f}-{c.speedup_high:.2f}]"
+    return f"{c.speedup:.2f}× {interval}, {c.tokens_per_forward:.2f} tok/fwd"
 
 
 def crossing(points: Sequence[tuple[float, float]], bar: float) -> float | None:
