@@ -19,6 +19,7 @@ import pandas as pd
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from lssp.measure.ceiling import crossing  # noqa: E402
 from lssp.report.results import markdown_table, read_csv_parts  # noqa: E402
 from lssp.report.stats import ratio_interval  # noqa: E402
 
@@ -53,6 +54,9 @@ HEADLINE_AUDIT_RUNS = [
 HEADLINE_ENGINE_RUNS: list[str] = ["20261128-164121-0730dd", "20261128-164511-acaedc"]
 # The quality check the headline quotes (eval.csv): `eval --both --max-operand 9 --nb-prompts 1500` (run.sh step 4).
 HEADLINE_EVAL_RUN = "20261124-144234-09fa35"
+# `ceiling` runs (their folder under the results, the run, the bar its line reads the oracle's alpha for).
+HEADLINE_CEILING_RUNS = [("ceiling-20261128", "20261128-221906-bd3c6f", 1.5),
+                         ("ceiling-20261128", "20261128-222555-ac99eb", 2.0)]
 HEADLINE_BEGIN, HEADLINE_END = "<!-- headline:begin -->\n", "<!-- headline:end -->"
 HEADLINE_COLUMNS = ["task", "mode", "K", "ms/token", "α", "speedup", "95% CI"]
 
@@ -194,6 +198,8 @@ def headline(root: Path) -> str:
         parts.append(_headline_chart(root, run_id))
     for run_id in HEADLINE_ENGINE_RUNS:
         parts.append(engines_table(root, run_id) + "\n")
+    if HEADLINE_CEILING_RUNS:
+        parts.append(ceiling_line(root, HEADLINE_CEILING_RUNS) + "\n\n")
     if HEADLINE_EVAL_RUN:
         parts.append(quality_line(root, HEADLINE_EVAL_RUN) + "\n\n")
     if HEADLINE_AUDIT_RUNS:
@@ -255,6 +261,34 @@ def engines_table(root: Path, run_id: str) -> str:
                "n-gram drafter alone; ours ÷ it: ours' fastest mode ÷ the engine's fastest, RSp included (below 1: "
                f"ours is faster){noisy}")
     return caption + "\n\n" + markdown_table(rows, ["engine", "RSp ms/token", "SSp, draft", "SSp, n-gram", "ours ÷ it"])
+
+
+def ceiling_line(root: Path, runs: list[tuple[str, str, float]]) -> str:
+    """What each `ceiling` run says over all its prompts: the draft at its best K with its alpha, the oracle's alpha
+    from which the speedup reaches the run's bar (at the K needing least), and a draft always right at the largest K."""
+    said, device = [], ""
+    for folder, run_id, bar in runs:
+        frame = read_csv_parts(root / folder / "ceiling.csv")
+        rows = frame[(frame["run_id"] == run_id) & (frame["task"] == "all")]
+        if rows.empty:
+            raise SystemExit(f"tables.py: run {run_id} (HEADLINE_CEILING_RUNS) is not in {root / folder / 'ceiling.csv'}")
+        tasks = frame[(frame["run_id"] == run_id) & (frame["task"] != "all")]["task"].unique()
+        what = "the story openings" if list(tasks) == ["stories"] else "the task categories"
+        draft = rows[rows["alpha"].isna()]
+        best = draft.loc[draft["speedup"].idxmax()]
+        oracle = rows[rows["alpha"].notna()]
+        needed = {int(k): crossing(list(zip(o["alpha"], o["speedup"])), bar) for k, o in oracle.groupby("k")}
+        reached = {k: a for k, a in needed.items() if a is not None}
+        need = (f"{bar:g}× needs α ≥ {min(reached.values()):.2f} (K={min(reached, key=reached.get)})" if reached
+                else f"no α measured reaches {bar:g}×")
+        top = oracle[oracle["alpha"] == oracle["alpha"].max()]
+        perfect = top.loc[top["k"].idxmax()]
+        said.append(f"on {what} (run `{run_id}`) the draft gives {best['speedup']:.2f}× (K={int(best['k'])}, α "
+                    f"{best['measured_alpha']:.2f}) and {need}; α = {perfect['alpha']:g} gives "
+                    f"{perfect['speedup']:.2f}× at K={int(perfect['k'])}")
+        device = best["device"]
+    return ("**How good must the draft be?** `ceiling` times an oracle draft, right with probability α per draft, in "
+            "the same loop as the draft ([docs/commands.md](docs/commands.md#ceiling)): " + "; ".join(said) + f" · {device}")
 
 
 def quality_line(root: Path, run_id: str) -> str:
