@@ -283,7 +283,8 @@ def ceiling_line(root: Path, runs: list[tuple[str, str, float]]) -> str:
                 else f"no α measured reaches {bar:g}×")
         top = oracle[oracle["alpha"] == oracle["alpha"].max()]
         perfect = top.loc[top["k"].idxmax()]
-        said.append(f"on {what} (run `{run_id}`) the draft gives {best['speedup']:.2f}× (K={int(best['k'])}, α "
+        who = "the draft" if draft["draft"].nunique() == 1 else f"the best draft ({best['draft']})"
+        said.append(f"on {what} (run `{run_id}`) {who} gives {best['speedup']:.2f}× (K={int(best['k'])}, α "
                     f"{best['measured_alpha']:.2f}) and {need}; α = {perfect['alpha']:g} gives "
                     f"{perfect['speedup']:.2f}× at K={int(perfect['k'])}")
         device = best["device"]

@@ -95,6 +95,19 @@ def test_ceiling_shows_intervals_and_says_where_there_is_none(run):
     assert code == 0 and "no interval" in out, err
 
 
+def test_ceiling_times_several_drafts_side_by_side(run, tmp_path):
+    code, out, err = run("ceiling", "tiny-target", "--draft", "tiny-eagle,tiny-draft", "--nb-prompts", "2", "--repeats",
+                         "1", "--k", "2", "--alpha", "1", "--max-new-tokens", "6", "--json", str(tmp_path / "c.json"))
+    assert code == 0, err
+    text = " ".join(out.split())
+    assert "tiny-eagle's α (accepted ÷ tried)" in text and "tiny-draft's α (accepted ÷ tried)" in text
+    rows = json.loads((tmp_path / "c.json").read_text())["rows"]
+    assert {(r["draft"], r["alpha"]) for r in rows if r["task"] == "all"} == {
+        ("tiny-eagle", None), ("tiny-draft", None), ("tiny-eagle", 1.0)}  # the oracle drafts beside the first
+    code, _, err = run("ceiling", "tiny-target", "--draft", "tiny-draft,tiny-draft")
+    assert code == 2 and "names a draft twice" in err
+
+
 def test_ceiling_says_a_wrong_alpha_in_one_line(run):
     code, _, err = run("ceiling", "tiny-target", "tiny-draft", "--alpha", "0.5,1.5")
     assert code == 2 and "--alpha values must be in [0, 1], got '0.5,1.5'" in " ".join(err.split())

@@ -8,7 +8,7 @@ import typer
 from rich.markup import escape
 
 from lssp.cli.app import app, settings
-from lssp.cli.loaders import load_pair
+from lssp.cli.loaders import load_draft_for, load_pair
 from lssp.cli.options import (
     DraftAlsoArg,
     JsonOpt,
@@ -32,8 +32,9 @@ def ceiling(
     ctx: typer.Context,
     target: TargetArg = None,
     draft_name: DraftAlsoArg = None,
-    draft: Annotated[Optional[str], typer.Option(help="The draft (default: the registry's default_draft): timed as it "
-                                                 "drafts, and drafting alongside the oracle for its cost.")] = None,
+    draft: Annotated[Optional[str], typer.Option(help="The draft (default: the registry's default_draft), or a comma "
+                                                 "list timed side by side: each as its entry drafts; the first drafts "
+                                                 "alongside the oracle for its cost.")] = None,
     k: Annotated[str, typer.Option("--k", help="Draft lengths, comma-separated.")] = "2,4",
     alpha: Annotated[str, typer.Option("--alpha", help="The oracle's acceptances: each of its drafts is right with "
                                        "this probability.")] = "0.6,0.7,0.8,0.9,1.0",
@@ -59,21 +60,25 @@ def ceiling(
     check_positive("--nb-prompts", nb_prompts)
     prompt_list = read_task_prompts(task, prompts, nb_prompts, False)
     results = s.writable_results_dir(json_out)
-    t, d, vocab = load_pair(s, target, draft)
+    names = [name.strip() for name in (draft or "").split(",") if name.strip()] or [None]
+    if len(set(names)) < len(names):
+        raise UserError(f"--draft {draft!r} names a draft twice")
+    t, d, _ = load_pair(s, target, names[0])
+    drafts = [d, *(load_draft_for(s, t, name)[0] for name in names[1:])]
     with err_console.status("Timing…") as status:
-        run = run_ceiling(t, d, lambda: entry_drafter(d), prompt_list, ks, alphas, repeats, max_new_tokens, s.seed,
+        run = run_ceiling(t, drafts, entry_drafter, prompt_list, ks, alphas, repeats, max_new_tokens, s.seed,
                           progress=lambda m: status.update(f"Timing: {m}…"))
     out = table(f"SSp ÷ RSp ({run.rsp_ms[ALL]:.2f} ms/token): speedup, 95% interval, tokens per forward",
                 [("drafting", "left")] + [(f"K={k}", "right") for k in run.ks])
-    for alpha_value in [None, *run.alphas]:
-        cells = [run.cell(ALL, k, alpha_value) for k in run.ks]
-        out.add_row(run.draft if alpha_value is None else f"oracle α={alpha_value:g}",
-                    *(f"{c.speedup:.2f}×\n{interval_text(c)}\n{c.tokens_per_forward:.2f}" for c in cells))
+    for label, alpha_value, name in run.ways():
+        cells = [run.cell(ALL, k, alpha_value, name) for k in run.ks]
+        out.add_row(label, *(f"{c.speedup:.2f}×\n{interval_text(c)}\n{c.tokens_per_forward:.2f}" for c in cells))
     console.print(out)
     console.print("  oracle α: proposes the target's answer, each draft right with probability α\n"
                   "  (the draft drafts alongside for its cost)")
-    measured = ", ".join(f"{run.cell(ALL, k, None).measured_alpha:.2f} at K={k}" for k in run.ks)
-    console.print(f"  the draft's α (accepted ÷ tried): {measured}")
+    for name in run.drafts:
+        measured = ", ".join(f"{run.cell(ALL, k, None, name).measured_alpha:.2f} at K={k}" for k in run.ks)
+        console.print(f"  {'the draft' if len(run.drafts) == 1 else name}'s α (accepted ÷ tried): {measured}")
     for b in bars:
         needed = ", ".join(f"≥ {a:.2f} at K={k}" if a is not None else f"none measured at K={k}"
                            for k, a in run.alpha_needed(b).items())

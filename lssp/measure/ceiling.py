@@ -35,17 +35,19 @@ Progress = Callable[[str], None]
 
 @dataclass(frozen=True)
 class Arm:
-    """One way of completing: RSp (k 0), the real drafter (alpha None) or the oracle at ``alpha``, at draft length k."""
+    """One way of completing: RSp (k 0), a real draft (``draft``, alpha None) or the oracle at ``alpha`` (drafting
+    alongside ``draft``), at draft length k."""
 
     k: int = 0
     alpha: float | None = None
     oracle: bool = False
+    draft: str = ""
 
     @property
     def name(self) -> str:
         if not self.k:
             return "rsp"
-        return f"oracle alpha={self.alpha:g} k={self.k}" if self.oracle else f"draft k={self.k}"
+        return f"oracle alpha={self.alpha:g} k={self.k}" if self.oracle else f"{self.draft} k={self.k}"
 
 
 @dataclass
@@ -54,8 +56,9 @@ class CeilingCell:
 
     task: str
     arm: str
+    draft: str  # the real draft timed, or the one drafting alongside the oracle
     k: int
-    alpha: float | None  # the oracle's set alpha; None for the real drafter
+    alpha: float | None  # the oracle's set alpha; None for a real draft
     ms_per_token: float
     speedup: float
     speedup_low: float
@@ -66,7 +69,7 @@ class CeilingCell:
 
 @dataclass
 class CeilingRun:
-    draft: str
+    drafts: list[str]  # the real drafts timed; the first drafts alongside the oracle
     cells: list[CeilingCell]
     rsp_ms: dict[str, float]  # by task, and ALL
     prompts: int
@@ -76,8 +79,16 @@ class CeilingRun:
     info: RunInfo = field(default_factory=RunInfo)
     others_cpu_share: float = 0.0
 
-    def cell(self, task: str, k: int, alpha: float | None) -> CeilingCell:
-        return next(c for c in self.cells if c.task == task and c.k == k and c.alpha == alpha)
+    def cell(self, task: str, k: int, alpha: float | None, draft: str | None = None) -> CeilingCell:
+        """The oracle's cell at ``alpha``, or (alpha None) ``draft``'s (default: the first)."""
+        draft = draft or self.drafts[0]
+        return next(c for c in self.cells if c.task == task and c.k == k and c.alpha == alpha
+                    and (alpha is not None or c.draft == draft))
+
+    def ways(self) -> list[tuple[str, float | None, str]]:
+        """(label, alpha, draft) of each way, in the order shown: each real draft, then the oracle by alpha."""
+        return ([(d, None, d) for d in self.drafts]
+                + [(f"oracle α={a:g}", a, self.drafts[0]) for a in self.alphas])
 
     @property
     def ks(self) -> list[int]:
@@ -93,16 +104,15 @@ class CeilingRun:
         return {k: crossing([(a, self.cell(task, k, a).speedup) for a in self.alphas], bar) for k in self.ks}
 
     def rows(self) -> list[dict[str, Any]]:
-        return [{**self.info.head(), **asdict(c), "draft": self.draft, "rsp_ms_per_token": self.rsp_ms[c.task],
+        return [{**self.info.head(), **asdict(c), "rsp_ms_per_token": self.rsp_ms[c.task],
                  "prompts": self.prompts, "repeats": self.repeats, "max_new_tokens": self.max_new_tokens,
                  "not_equal_to_rsp": self.not_equal, "others_cpu_share": round(self.others_cpu_share, 3),
                  **self.info.env} for c in self.cells]
 
     def markdown(self) -> str:
         columns = ["drafting"] + [f"K={k}" for k in self.ks]
-        rows = [{"drafting": self.draft, **{f"K={k}": cell_text(self.cell(ALL, k, None)) for k in self.ks}}]
-        rows += [{"drafting": f"oracle α={a:g}", **{f"K={k}": cell_text(self.cell(ALL, k, a)) for k in self.ks}}
-                 for a in self.alphas]
+        rows = [{"drafting": label, **{f"K={k}": cell_text(self.cell(ALL, k, a, d)) for k in self.ks}}
+                for label, a, d in self.ways()]
         return (f"# Ceiling run {self.info.run_id}\n\n{self.info.env.get('device', '')} · RSp "
                 f"{self.rsp_ms[ALL]:.2f} ms/token · {self.prompts} prompts × {self.repeats} passes, greedy\n\n"
                 + markdown_table(rows, columns))
@@ -124,16 +134,19 @@ def crossing(points: Sequence[tuple[float, float]], bar: float) -> float | None:
     return None
 
 
-def arms_of(ks: Sequence[int], alphas: Sequence[float]) -> list[Arm]:
-    return [Arm()] + [Arm(k) for k in ks] + [Arm(k, a, True) for a in alphas for k in ks]
+def arms_of(drafts: Sequence[str], ks: Sequence[int], alphas: Sequence[float]) -> list[Arm]:
+    return ([Arm()] + [Arm(k, draft=d) for d in drafts for k in ks]
+            + [Arm(k, a, True, drafts[0]) for a in alphas for k in ks])
 
 
-def run_ceiling(target: LoadedModel, draft: LoadedModel, make_drafter: Callable[[], Drafter],
+def run_ceiling(target: LoadedModel, drafts: Sequence[LoadedModel], make_drafter: Callable[[LoadedModel], Drafter],
                 prompts: Sequence[TaskPrompt], ks: Sequence[int], alphas: Sequence[float], repeats: int = 2,
                 max_new_tokens: int = 64, seed: int = 0, progress: Progress | None = None) -> CeilingRun:
-    """RSp, the real drafter (``make_drafter``: a fresh one per completion) at each K, and the oracle at each alpha
-    and K (``draft``'s model drafting alongside, no copying), over ``prompts`` ``repeats`` times, interleaved."""
-    model, arms = target.model, arms_of(ks, alphas)
+    """RSp, each real draft (``make_drafter``: a fresh drafter over it per completion) at each K, and the oracle at
+    each alpha and K (the first draft's model drafting alongside, no copying), over ``prompts`` ``repeats`` times,
+    interleaved."""
+    model, names = target.model, [d.spec.name for d in drafts]
+    by_name, arms = dict(zip(names, drafts)), arms_of(names, ks, alphas)
     ids = [torch.tensor([encode_prompt(target.tokenizer, p.text, p.chat)]) for p in prompts]
     start = cpu_snapshot()
     outs: dict[Arm, list[tuple[str, GenerationOutput]]] = {arm: [] for arm in arms}
@@ -150,14 +163,14 @@ def run_ceiling(target: LoadedModel, draft: LoadedModel, make_drafter: Callable[
                     if not arm.k:
                         out = generate_regular(model, x, max_new_tokens, GREEDY, time_forwards=False)
                     else:
-                        drafter = make_drafter() if not arm.oracle else Oracle(
-                            drafter_for(draft.model), references[i], x.shape[1], arm.alpha, seed + 1000 * rep + i)
+                        drafter = make_drafter(by_name[arm.draft]) if not arm.oracle else Oracle(
+                            drafter_for(drafts[0].model), references[i], x.shape[1], arm.alpha, seed + 1000 * rep + i)
                         out = speculative_decode(model, drafter, x, max_new_tokens, arm.k, GREEDY, time_forwards=False)
                     not_equal += out.tokens.tolist() != references[i]
                     outs[arm].append((prompt.task, out))
     cells, rsp_ms = summarize(outs, arms, sorted({p.task for p in prompts}))
-    return CeilingRun(draft.spec.name, cells, rsp_ms, len(prompts), repeats, max_new_tokens, not_equal,
-                      RunInfo.for_models(target, draft), others_share(start, cpu_snapshot()))
+    return CeilingRun(names, cells, rsp_ms, len(prompts), repeats, max_new_tokens, not_equal,
+                      RunInfo.for_models(target, *drafts), others_share(start, cpu_snapshot()))
 
 
 def per_token_ms(out: GenerationOutput) -> float:
@@ -180,7 +193,7 @@ def summarize(outs: dict[Arm, list[tuple[str, GenerationOutput]]], arms: Sequenc
             ratio = ratio_interval([(per_token_ms(rsp[i][1]), per_token_ms(o)) for i, o in zip(mine, done)])
             stats = [o.stats for o in done]
             cells.append(CeilingCell(
-                task, arm.name, arm.k, arm.alpha if arm.oracle else None,
+                task, arm.name, arm.draft, arm.k, arm.alpha if arm.oracle else None,
                 round(sum(per_token_ms(o) for o in done) / len(done), 3), round(ratio.estimate, 3),
                 round(ratio.low, 3), round(ratio.high, 3),
                 round(sum(s.new_tokens for s in stats) / sum(s.target_forwards for s in stats), 3),
