@@ -108,6 +108,25 @@ def test_ceiling_times_several_drafts_side_by_side(run, tmp_path):
     assert code == 2 and "names a draft twice" in err
 
 
+def test_ctrl_c_in_ceiling_keeps_the_completions_every_way_finished(run, tmp_path, monkeypatch):
+    import lssp.measure.ceiling as ceiling
+
+    calls, real = [0], ceiling.speculative_decode
+
+    def interrupted_later(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] > 7:  # the first prompt's 6 SSp ways are done, the second prompt's are not
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ceiling, "speculative_decode", interrupted_later)
+    code, out, err = run("ceiling", "tiny-target", "tiny-draft", "--nb-prompts", "3", "--repeats", "1", "--k", "1,2",
+                         "--alpha", "0.5,1", "--max-new-tokens", "6", "--json", str(tmp_path / "c.json"))
+    assert code == 130 and "interrupted after 1 completion of each way" in " ".join(err.split()), err
+    rows = json.loads((tmp_path / "c.json").read_text())["rows"]
+    assert rows and all(r["interrupted"] and r["completions"] == 1 for r in rows)
+
+
 def test_ceiling_says_a_wrong_alpha_in_one_line(run):
     code, _, err = run("ceiling", "tiny-target", "tiny-draft", "--alpha", "0.5,1.5")
     assert code == 2 and "--alpha values must be in [0, 1], got '0.5,1.5'" in " ".join(err.split())

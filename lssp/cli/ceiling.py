@@ -23,8 +23,9 @@ from lssp.cli.options import (
     parse_ints,
     read_task_prompts,
 )
-from lssp.cli.output import console, err_console, exit_with, save, say_busy, table
+from lssp.cli.output import console, err_console, exit_interrupted, exit_with, save, say_busy, table
 from lssp.errors import UserError
+from lssp.report.results import plural
 
 
 @app.command()
@@ -89,8 +90,12 @@ def ceiling(
     say_busy(run.others_cpu_share)
     summary = {"run_id": run.info.run_id, "rsp_ms": run.rsp_ms, "alpha_needed": {
         f"{b:g}": {f"K={k}": a for k, a in run.alpha_needed(b).items()} for b in bars}, "rows": run.rows()}
-    exit_with(save(results, run.info.run_id, "ceiling", run.rows(), run.markdown(), json_out, summary,
-                   f"{run.info.env['device']} · run {run.info.run_id}"))
+    code = save(results, run.info.run_id, "ceiling", run.rows(), run.markdown(), json_out, summary,
+                f"{run.info.env['device']} · run {run.info.run_id}")
+    if run.interrupted:
+        exit_interrupted(f"interrupted after {plural(run.completions, 'completion')} of each way: the table and files "
+                         "cover them")
+    exit_with(code)
 
 
 def interval_text(c) -> str:

@@ -78,6 +78,8 @@ class CeilingRun:
     not_equal: int  # completions whose tokens differ from RSp's (greedy SSp must give none)
     info: RunInfo = field(default_factory=RunInfo)
     others_cpu_share: float = 0.0
+    interrupted: bool = False  # Ctrl-C: the cells cover the completions done by every way
+    completions: int = 0  # of each way (prompts × passes where not interrupted)
 
     def cell(self, task: str, k: int, alpha: float | None, draft: str | None = None) -> CeilingCell:
         """The oracle's cell at ``alpha``, or (alpha None) ``draft``'s (default: the first)."""
@@ -107,6 +109,7 @@ class CeilingRun:
         return [{**self.info.head(), **asdict(c), "rsp_ms_per_token": self.rsp_ms[c.task],
                  "prompts": self.prompts, "repeats": self.repeats, "max_new_tokens": self.max_new_tokens,
                  "not_equal_to_rsp": self.not_equal, "others_cpu_share": round(self.others_cpu_share, 3),
+                 "interrupted": self.interrupted, "completions": self.completions,
                  **self.info.env} for c in self.cells]
 
     def markdown(self) -> str:
@@ -150,27 +153,37 @@ def run_ceiling(target: LoadedModel, drafts: Sequence[LoadedModel], make_drafter
     ids = [torch.tensor([encode_prompt(target.tokenizer, p.text, p.chat)]) for p in prompts]
     start = cpu_snapshot()
     outs: dict[Arm, list[tuple[str, GenerationOutput]]] = {arm: [] for arm in arms}
-    not_equal = 0
+    not_equal, interrupted = 0, False
     with torch.inference_mode():
         references = [generate_regular(model, x, max_new_tokens, GREEDY, time_forwards=False).tokens.tolist()
                       for x in ids]
-        for rep in range(repeats):
-            for i, (prompt, x) in enumerate(zip(prompts, ids)):
-                if progress:
-                    progress(f"pass {rep + 1} of {repeats}, prompt {i + 1} of {len(prompts)}")
-                turn = (i + rep) % len(arms)
-                for arm in arms[turn:] + arms[:turn]:
-                    if not arm.k:
-                        out = generate_regular(model, x, max_new_tokens, GREEDY, time_forwards=False)
-                    else:
-                        drafter = make_drafter(by_name[arm.draft]) if not arm.oracle else Oracle(
-                            drafter_for(drafts[0].model), references[i], x.shape[1], arm.alpha, seed + 1000 * rep + i)
-                        out = speculative_decode(model, drafter, x, max_new_tokens, arm.k, GREEDY, time_forwards=False)
-                    not_equal += out.tokens.tolist() != references[i]
-                    outs[arm].append((prompt.task, out))
-    cells, rsp_ms = summarize(outs, arms, sorted({p.task for p in prompts}))
+        try:
+            for rep in range(repeats):
+                for i, (prompt, x) in enumerate(zip(prompts, ids)):
+                    if progress:
+                        progress(f"pass {rep + 1} of {repeats}, prompt {i + 1} of {len(prompts)}")
+                    turn = (i + rep) % len(arms)
+                    for arm in arms[turn:] + arms[:turn]:
+                        if not arm.k:
+                            out = generate_regular(model, x, max_new_tokens, GREEDY, time_forwards=False)
+                        else:
+                            drafter = make_drafter(by_name[arm.draft]) if not arm.oracle else Oracle(
+                                drafter_for(drafts[0].model), references[i], x.shape[1], arm.alpha,
+                                seed + 1000 * rep + i)
+                            out = speculative_decode(model, drafter, x, max_new_tokens, arm.k, GREEDY,
+                                                     time_forwards=False)
+                        not_equal += out.tokens.tolist() != references[i]
+                        outs[arm].append((prompt.task, out))
+        except KeyboardInterrupt:  # keep the prompts every way completed; none: nothing to keep
+            done = min(len(o) for o in outs.values())
+            if not done:
+                raise
+            outs, interrupted = {arm: o[:done] for arm, o in outs.items()}, True
+    done_prompts = [task for task, _ in outs[arms[0]]]
+    cells, rsp_ms = summarize(outs, arms, sorted(set(done_prompts)))
     return CeilingRun(names, cells, rsp_ms, len(prompts), repeats, max_new_tokens, not_equal,
-                      RunInfo.for_models(target, *drafts), others_share(start, cpu_snapshot()))
+                      RunInfo.for_models(target, *drafts), others_share(start, cpu_snapshot()), interrupted,
+                      len(done_prompts))
 
 
 def per_token_ms(out: GenerationOutput) -> float:
