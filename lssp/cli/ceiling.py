@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 from rich.markup import escape
@@ -26,6 +26,9 @@ from lssp.cli.options import (
 from lssp.cli.output import console, err_console, exit_interrupted, exit_with, save, say_busy, table
 from lssp.errors import UserError
 from lssp.report.results import plural
+
+if TYPE_CHECKING:
+    from lssp.measure.ceiling import CeilingCell
 
 
 @app.command()
@@ -98,7 +101,7 @@ def ceiling(
     exit_with(code)
 
 
-def interval_text(c) -> str:
+def interval_text(c: CeilingCell) -> str:
     """The speedup's 95% interval, escaped for rich; "no interval" from a single completion per way."""
     if math.isnan(c.speedup_low):
         return "no interval"
