@@ -127,6 +127,14 @@ def test_ctrl_c_in_ceiling_keeps_the_completions_every_way_finished(run, tmp_pat
     assert rows and all(r["interrupted"] and r["completions"] == 1 for r in rows)
 
 
+def test_ceiling_over_several_tasks_adds_a_line_per_task(run):
+    code, out, err = run("ceiling", "tiny-target", "tiny-draft", "--task", "chat,stories", "--nb-prompts", "1",
+                         "--repeats", "2", "--k", "2", "--alpha", "0,1", "--bar", "1.01", "--max-new-tokens", "6")
+    assert code == 0, err
+    text = " ".join(out.split())
+    assert "By task" in text and re.search(r"│ chat +│ [\d.]+× \(K=2, α [\d.]+\)", out) and "│ stories" in out
+
+
 def test_ceiling_says_a_wrong_alpha_in_one_line(run):
     code, _, err = run("ceiling", "tiny-target", "tiny-draft", "--alpha", "0.5,1.5")
     assert code == 2 and "--alpha values must be in [0, 1], got '0.5,1.5'" in " ".join(err.split())

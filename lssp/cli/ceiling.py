@@ -28,7 +28,9 @@ from lssp.errors import UserError
 from lssp.report.results import plural
 
 if TYPE_CHECKING:
-    from lssp.measure.ceiling import CeilingCell
+    from rich.table import Table
+
+    from lssp.measure.ceiling import CeilingCell, CeilingRun
 
 
 @app.command()
@@ -87,6 +89,8 @@ def ceiling(
         needed = ", ".join(f"≥ {a:.2f} at K={k}" if a is not None else f"none measured at K={k}"
                            for k, a in run.alpha_needed(b).items())
         console.print(f"  {b:g}× needs the oracle's α {needed}")
+    if len(run.tasks) > 1:
+        console.print(by_task(run, bars[0]))
     if run.not_equal:
         console.print(f"[bold red]  {run.not_equal} completions differ from RSp's: greedy SSp is not exact here"
                       "[/bold red]")
@@ -99,6 +103,21 @@ def ceiling(
         exit_interrupted(f"interrupted after {plural(run.completions, 'completion')} of each way: the table and files "
                          "cover them")
     exit_with(code)
+
+
+def by_task(run: CeilingRun, bar: float) -> Table:
+    """Per task: the first draft at its fastest K, the oracle's α needed for ``bar``, and the oracle's best."""
+    top = max(run.alphas)
+    out = table("By task: the draft and the oracle at their fastest K",
+                [("task", "left"), ("draft", "right"), (f"{bar:g}× needs", "right"), (f"α={top:g}", "right")])
+    for task in run.tasks:
+        draft = max((run.cell(task, k, None) for k in run.ks), key=lambda c: c.speedup)
+        reached = [a for a in run.alpha_needed(bar, task).values() if a is not None]
+        best = max((run.cell(task, k, top) for k in run.ks), key=lambda c: c.speedup)
+        out.add_row(task, f"{draft.speedup:.2f}× (K={draft.k}, α {draft.measured_alpha:.2f})",
+                    f"α ≥ {min(reached):.2f}" if reached else "not reached",
+                    f"{best.speedup:.2f}× (K={best.k})")
+    return out
 
 
 def interval_text(c: CeilingCell) -> str:

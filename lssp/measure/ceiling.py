@@ -97,6 +97,11 @@ class CeilingRun:
         return sorted({c.k for c in self.cells})
 
     @property
+    def tasks(self) -> list[str]:
+        """The tasks of the prompts, without ALL."""
+        return sorted({c.task for c in self.cells} - {ALL})
+
+    @property
     def alphas(self) -> list[float]:
         return sorted({c.alpha for c in self.cells if c.alpha is not None})
 
