@@ -17,11 +17,12 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
-from default_pair import load_default_pair, new_drafter  # noqa: E402
+from default_pair import load_default_pair  # noqa: E402
 
 from lssp.decoding.generation import generate_regular  # noqa: E402
 from lssp.decoding.sampling import SamplingParams  # noqa: E402
 from lssp.decoding.speculative import speculative_decode  # noqa: E402
+from lssp.drafters import entry_drafter  # noqa: E402
 from lssp.drafters.model import FeatureHead  # noqa: E402
 from lssp.models.loading import encode_prompt  # noqa: E402
 from lssp.report.results import cpu_name  # noqa: E402
@@ -38,7 +39,7 @@ def one_pass(target, head, spec, ids: list[torch.Tensor], k: int | None, chains:
         if k is None:
             out = generate_regular(target.model, prompt, 64, params, generator, time_forwards=False)
         else:
-            drafter = new_drafter(head, spec)
+            drafter = entry_drafter(head)
             out = speculative_decode(target.model, drafter, prompt, 64, k, params, generator, time_forwards=False)
         spent += out.stats.total_time_s - out.stats.ttft_s
         count += out.stats.new_tokens - out.stats.first_emission_tokens

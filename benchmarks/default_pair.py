@@ -1,5 +1,5 @@
 """The default pair as the A/B scripts here load it: the registry's default target, its default drafter's entry and
-the drafter's model, and a fresh drafter per completion as the registry entry describes it."""
+the drafter's model (a fresh drafter per completion: ``lssp.drafters.entry_drafter``)."""
 from __future__ import annotations
 
 import sys
@@ -8,8 +8,6 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from lssp.decoding.drafting import Drafter  # noqa: E402
-from lssp.drafters import entry_drafter  # noqa: E402
 from lssp.models.loading import LoadedModel, load_model  # noqa: E402
 from lssp.models.registry import ModelSpec, load_registry  # noqa: E402
 
@@ -20,8 +18,3 @@ def load_default_pair() -> tuple[LoadedModel, ModelSpec, LoadedModel]:
     target = load_model(registry.get(registry.target_name(None)))
     spec = registry.get(registry.draft_name(None))
     return target, spec, load_model(spec, draft=True, target=target)
-
-
-def new_drafter(head: LoadedModel, spec: ModelSpec) -> Drafter:
-    """A drafter over ``head`` with the entry's confidence stop and prompt lookup, for one completion."""
-    return entry_drafter(head)

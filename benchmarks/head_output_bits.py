@@ -15,11 +15,12 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
-from default_pair import load_default_pair, new_drafter  # noqa: E402
+from default_pair import load_default_pair  # noqa: E402
 
 import lssp.models.loading as loading  # noqa: E402
 from lssp.decoding.sampling import SamplingParams  # noqa: E402
 from lssp.decoding.speculative import speculative_decode  # noqa: E402
+from lssp.drafters import entry_drafter  # noqa: E402
 from lssp.models.draft_head import SubsetHead  # noqa: E402
 from lssp.models.loading import encode_prompt, load_model  # noqa: E402
 from lssp.models.weight_only import BlockLinear, weight_only_quantize  # noqa: E402
@@ -56,7 +57,7 @@ def main() -> None:
         for i, prompt in enumerate(task_prompts(task)[:args.prompts]):
             ids = torch.tensor([encode_prompt(target.tokenizer, prompt.text, prompt.chat)])
             for name in (list(heads) if i % 2 else list(heads)[::-1]):
-                s = speculative_decode(target.model, new_drafter(heads[name], spec), ids, args.tokens, spec.k or 2,
+                s = speculative_decode(target.model, entry_drafter(heads[name]), ids, args.tokens, spec.k or 2,
                                        greedy).stats
                 for acc in (spent[name], totals[name]):
                     acc[0] += s.total_time_s - s.ttft_s

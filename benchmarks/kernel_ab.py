@@ -24,11 +24,12 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
-from default_pair import load_default_pair, new_drafter  # noqa: E402
+from default_pair import load_default_pair  # noqa: E402
 
 from lssp.decoding.generation import generate_regular  # noqa: E402
 from lssp.decoding.sampling import SamplingParams  # noqa: E402
 from lssp.decoding.speculative import speculative_decode  # noqa: E402
+from lssp.drafters import entry_drafter  # noqa: E402
 from lssp.kernels import CFLAGS, LDFLAGS, block_kernel  # noqa: E402
 from lssp.models.loading import encode_prompt, load_model  # noqa: E402
 from lssp.models.registry import load_registry  # noqa: E402
@@ -85,7 +86,7 @@ def decoding(ops: dict, repeats: int, prompts: int, cache: torch.dtype | None) -
         for prompt in ids:
             for name in (list(ops) if i % 2 else list(ops)[::-1]):
                 torch.ops.lssp.decoder = ops[name]
-                drafter = new_drafter(head, spec)
+                drafter = entry_drafter(head)
                 for mode, out in (("rsp", generate_regular(target.model, prompt, 64, greedy, time_forwards=False)),
                                   ("ssp", speculative_decode(target.model, drafter, prompt, 64, spec.k or 2, greedy,
                                                              time_forwards=False))):

@@ -25,13 +25,14 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
-from default_pair import load_default_pair, new_drafter  # noqa: E402
+from default_pair import load_default_pair  # noqa: E402
 
 from lssp.decoding import sampling, verification  # noqa: E402
 from lssp.decoding.drafting import Picker  # noqa: E402
 from lssp.decoding.generation import generate_regular  # noqa: E402
 from lssp.decoding.sampling import SamplingParams  # noqa: E402
 from lssp.decoding.speculative import speculative_decode  # noqa: E402
+from lssp.drafters import entry_drafter  # noqa: E402
 from lssp.models.loading import encode_prompt  # noqa: E402
 from lssp.report.results import cpu_name  # noqa: E402
 from lssp.workloads.tasks import task_prompts  # noqa: E402
@@ -96,7 +97,7 @@ def main() -> None:
                 for seed, prompt in enumerate(ids):
                     for arm in (list(settings) if i % 2 else list(settings)[::-1]):
                         settings[arm]()
-                        drafter = new_drafter(head, spec)
+                        drafter = entry_drafter(head)
                         rsp = generate_regular(model, prompt, 64, params, seeded(params, seed), time_forwards=False)
                         ssp = speculative_decode(model, drafter, prompt, 64, spec.k or 2, params, seeded(params, seed),
                                                  time_forwards=False)

@@ -28,12 +28,12 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
-from default_pair import load_default_pair, new_drafter  # noqa: E402
+from default_pair import load_default_pair  # noqa: E402
 
 from lssp.decoding.generation import GenerationOutput, generate_regular  # noqa: E402
 from lssp.decoding.sampling import SamplingParams  # noqa: E402
 from lssp.decoding.speculative import speculative_decode  # noqa: E402
-from lssp.drafters import drafter_for  # noqa: E402
+from lssp.drafters import drafter_for, entry_drafter  # noqa: E402
 from lssp.drafters.oracle import Oracle  # noqa: E402
 from lssp.measure.ceiling import crossing  # noqa: E402
 from lssp.models.loading import encode_prompt  # noqa: E402
@@ -85,7 +85,7 @@ def main() -> None:
                         if kind == "rsp":
                             out = generate_regular(model, ids, NEW_TOKENS, GREEDY, time_forwards=False)
                         else:
-                            drafter = (new_drafter(head, spec) if kind == "shipped" else drafter_for(head.model)
+                            drafter = (entry_drafter(head) if kind == "shipped" else drafter_for(head.model)
                                        if kind == "head" else Oracle(drafter_for(head.model), references[t, i],
                                                                             ids.shape[1], alpha, 1000 * rep + i))
                             out = speculative_decode(model, drafter, ids, NEW_TOKENS, k, GREEDY, time_forwards=False)
