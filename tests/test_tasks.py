@@ -326,3 +326,56 @@ def test_the_noise_flag_reads_the_headline_passes_not_prompt_lengths():
                    else 1000 * t.stats.decode_time_s / 20) for t in quiet]
     flagged = {(s.task, s.engine, s.mode) for s in summaries_by_task(busy, modes) if s.noisy}
     assert ("all", "vllm", "rsp") in flagged and ("all", "ours", "rsp") not in flagged
+
+
+def test_the_noise_flag_expects_iterations_that_verify_more_drafts_to_cost_more():
+    """An n-gram drafter drafts only where its lookup matches: a completion that drafted 4 tokens every iteration
+    takes ~2x the time per iteration of one that never drafted, on a quiet machine (llama.cpp's n-gram K=4 was
+    flagged busy so, at 0.6% of the CPUs taken by others); a completion slowed 2x at its drafts per iteration is
+    still flagged."""
+    from lssp.decoding.generation import GenerationStats
+    from lssp.engines import Mode
+    from lssp.measure.latency import PromptTiming, expected_iteration_ms, noise_spreads
+
+    rsp, ngram = Mode("rsp", engine="llamacpp"), Mode("ssp", 4, engine="llamacpp", ngram=4)
+    share = [0.0, 0.1, 0.2, 0.3, 0.5, 0.9, 0.95, 1.0]  # of the iterations that drafted 4 tokens, per prompt
+
+    def timings(slowed: int = -1) -> list[PromptTiming]:
+        out = []
+        for i, drafting in enumerate(share):
+            forwards = 40
+            ms = 9.0 * (1 + drafting) * (2.0 if i == slowed else 1.0) * (1 + 0.01 * i)
+            ssp = GenerationStats("ssp", 4, new_tokens=64, target_forwards=forwards, drafted=int(4 * forwards * drafting),
+                                  drafted_at=[0] * 4, accepted_at=[0] * 4, total_time_s=forwards * ms / 1000)
+            plain = GenerationStats("rsp", 0, new_tokens=64, target_forwards=64, total_time_s=64 * 9.0 / 1000)
+            drafting = [GenerationStats("ssp", k, new_tokens=64, target_forwards=30, drafted=30 * k, drafted_at=[0] * k,
+                                        accepted_at=[0] * k, total_time_s=30 * 14.0 / 1000) for k in (2, 3)]
+            out += [PromptTiming(i, "ssp", 4, ssp, engine="llamacpp", ngram=4),
+                    PromptTiming(i, "rsp", 0, plain, engine="llamacpp")]
+            out += [PromptTiming(i, "ssp", k, stats, engine="llamacpp") for k, stats in zip((2, 3), drafting)]
+        return out
+
+    quiet = noise_spreads(timings())
+    assert quiet[ngram] < 1.1 and quiet[rsp] < 1.1
+    assert noise_spreads(timings(slowed=2))[ngram] > 1.7
+    assert noise_spreads(timings(slowed=6))[ngram] > 1.7
+    # drafts per iteration that barely vary (a draft model, K every iteration): the median, no slope read into noise
+    assert expected_iteration_ms([10.0, 11.0, 30.0], [2.0, 2.0, 2.1]) == [11.0] * 3
+
+
+def test_llamacpp_n_gram_modes_that_would_never_draft_are_left_out_and_said():
+    """llama.cpp's ngram-simple drafts nothing where K is below its n-gram length (it needs size_m >= size_n): a
+    sweep leaves those modes out and says so, a single mode is refused in one line; ours and vLLM draft at any K."""
+    from lssp.engines import Mode, engine_class
+    from lssp.measure.latency import latency_modes, ngram_left_out
+
+    modes = latency_modes(["ours", "vllm", "llamacpp"], ["d"], [2, 3, 4], lookups=[0, 4])
+    assert [m.k for m in modes if m.engine == "llamacpp" and m.ngram] == [4]
+    assert [m.k for m in modes if m.engine == "vllm" and m.ngram] == [2, 3, 4]
+    assert [m.k for m in modes if m.engine == "ours" and m.lookup] == [2, 3, 4]
+    assert ngram_left_out(["ours", "vllm", "llamacpp"], [2, 3, 4], [0, 4]) == [
+        "llama.cpp n-gram K=2,3 left out: llama.cpp's n-gram drafter (ngram-simple) drafts only at K >= its n-gram "
+        "length 4"]
+    llamacpp = engine_class("llamacpp")
+    assert "K >= its n-gram length 4" in llamacpp.refuses(Mode("ssp", 3, engine="llamacpp", ngram=4))
+    assert llamacpp.refuses(Mode("ssp", 4, engine="llamacpp", ngram=4)) is None

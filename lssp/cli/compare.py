@@ -151,6 +151,10 @@ def _start(s, chosen: str, target: str | None, draft: str | None, k: int, lookup
     for both."""
     from lssp.measure.latency import latency_modes
 
+    kind = engine_class(chosen)
+    why = kind.refuses(kind.ssp_mode(chosen, k, lookup, has_draft=not alone))
+    if why:
+        raise UserError(f"compare --engine {chosen} --k {k} --lookup {lookup}: {why}")
     modes = dict(zip(("rsp", "ssp"), latency_modes([chosen], [] if alone else ["draft"], [k], (0.0,), [lookup]),
                      strict=True))
     t, d, runner = start_engine(s, chosen, [engine_class(chosen).key(m) for m in modes.values()], target, draft,

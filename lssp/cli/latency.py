@@ -37,7 +37,18 @@ from lssp.cli.options import (
     read_task_prompts,
     sampling_params,
 )
-from lssp.cli.output import console, exit_interrupted, exit_with, fmt, k_label, plot_charts, save, say_busy, table
+from lssp.cli.output import (
+    console,
+    err_console,
+    exit_interrupted,
+    exit_with,
+    fmt,
+    k_label,
+    plot_charts,
+    save,
+    say_busy,
+    table,
+)
 from lssp.cli.progress import progress
 from lssp.engines import engine_class
 from lssp.engines.base import Mode
@@ -81,7 +92,7 @@ def latency(
 ) -> None:
     """ms/token of RSp and SSp on a prompt list or task categories, measured side by side in one run."""
     draft = one_draft(draft_name, draft)
-    from lssp.measure.latency import SPLIT_CHOICES, latency_modes, run_latency
+    from lssp.measure.latency import SPLIT_CHOICES, latency_modes, ngram_left_out, run_latency
     from lssp.workloads.prompts import WARMUP_PROMPT
 
     s = settings(ctx)
@@ -110,6 +121,8 @@ def latency(
     names = [s.registry.draft_name(name) for name in draft_names] if use_draft else []
     modes = [entry_confidence(m, s.registry, names) for m in latency_modes(engines_wanted, names, ks, confidences,
                                                                            lookups, not no_baseline)]
+    for line in ngram_left_out(engines_wanted, ks, lookups):
+        err_console.print(f"[dim]latency: {line}[/dim]", soft_wrap=True)
     loaded = None
     if any(engine_class(e).runs_our_weights for e in engines_wanted):  # ours, hf: the models loaded here, once
         t, d, vocab = load_pair(s, target, draft, need_draft=use_draft)

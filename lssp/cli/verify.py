@@ -230,6 +230,11 @@ def _engines(s, names: list[str], t, d, vocab: int, target: str | None, draft: s
 
     runners = []
     for name in names:
+        kind = engine_class(name)
+        why = next((why for k in ks if (why := kind.refuses(kind.ssp_mode(name, k, lookup)))), None)
+        if why:
+            raise UserError(f"verify --engine {name}: {why}")
+    for name in names:
         runner = start_engine(s, name, [(0, 0)] + [(k, lookup) for k in ks], target, draft, loaded=(t, [d], [vocab]))[2]
         for k in ks:
             why = runner.supports(runner.ssp_mode(name, k, lookup))

@@ -127,13 +127,23 @@ class Engine(ABC):
         """Before anything loads: one line (``UserError``) if the engine is not installed or built here, or refuses
         an option asked for (``confidences``: the confidence stops)."""
 
+    @classmethod
+    def refuses(cls, mode: Mode) -> str | None:
+        """Why no engine of this class can run ``mode``, whatever it started, or None."""
+        if mode.lookup and not cls.takes_lookup:
+            return f"{cls.label or cls.name} takes no context lookup over a draft's picks"
+        if mode.ngram and not cls.takes_ngram:
+            return f"{cls.label or cls.name} has no n-gram drafter here"
+        return cls.ngram_reason(mode.k, mode.ngram) if mode.mode == "ssp" and mode.ngram else None
+
+    @classmethod
+    def ngram_reason(cls, k: int, n: int) -> str | None:
+        """Why its n-gram drafter, looking up ``n``-grams, would never draft at K = ``k``, or None."""
+        return None
+
     def supports(self, mode: Mode) -> str | None:
         """Why this engine cannot run ``mode``, or None."""
-        if mode.lookup and not self.takes_lookup:
-            return f"{self.label or self.name} takes no context lookup over a draft's picks"
-        if mode.ngram and not self.takes_ngram:
-            return f"{self.label or self.name} has no n-gram drafter here"
-        return None
+        return self.refuses(mode)
 
     @abstractmethod
     def complete(self, mode: Mode, request: Request) -> GenerationOutput:

@@ -434,6 +434,13 @@ class LlamacppEngine(Engine):
     def check_ready(cls, confidences: Sequence[float] = (0.0,)) -> None:
         check_ready(list(confidences))
 
+    @classmethod
+    def ngram_reason(cls, k: int, n: int) -> str | None:
+        # common_ngram_simple_draft returns no draft where fewer than size_n tokens follow the match (size_m = K)
+        if k < n:
+            return f"llama.cpp's n-gram drafter (ngram-simple) drafts only at K >= its n-gram length {n}"
+        return None
+
     @property
     def version(self) -> str:
         return self.servers.version

@@ -7,6 +7,7 @@ from functools import cached_property
 from statistics import median, stdev
 from typing import Any
 
+import numpy as np
 import torch
 
 from lssp.decoding.generation import FIRST_TO_LAST, GenerationOutput, GenerationStats, Stopping, combined, timing_basis
@@ -467,30 +468,55 @@ def verdict_columns(verdict: Verdict | None) -> dict[str, Any]:
 
 
 def iteration_ms(timing: PromptTiming) -> float:
-    """Decode ms per iteration (one target forward with its drafts): about the same work on every prompt, whatever
-    the acceptance; an engine that counts no forwards gives RSp's ms per token, and nothing for SSp."""
+    """Decode ms per iteration (one target forward with its drafts); an engine that counts no forwards gives RSp's
+    ms per token, and nothing for SSp."""
     s = timing.stats
     if s.target_forwards:
         return 1000 * s.decode_time_s / s.target_forwards
     return s.ms_per_token if timing.mode == "rsp" else float("nan")
 
 
+def drafts_per_iteration(timing: PromptTiming) -> float:
+    s = timing.stats
+    return s.drafted / s.target_forwards if s.target_forwards else 0.0
+
+
+MIN_DRAFT_GAP = 0.25  # drafts per iteration: closer pairs of completions say nothing of what a draft costs
+
+
+def expected_iteration_ms(values: Sequence[float], drafts: Sequence[float]) -> list[float]:
+    """What each completion's ms per iteration should be for its drafts per iteration ``drafts``: a line through
+    them where they vary (an n-gram drafter drafts only where its lookup matches, a copied chain runs past K, and an
+    iteration verifying 5 tokens costs more than one verifying 1), else the median. The line is Theil-Sen's (the
+    median of the pairwise slopes), which a slowed completion does not pull."""
+    v, d = np.asarray(values, dtype=float), np.asarray(drafts, dtype=float)
+    i, j = np.triu_indices(len(v), 1)
+    gap = d[j] - d[i]
+    apart = np.abs(gap) >= MIN_DRAFT_GAP
+    if apart.sum() < 3:
+        return [float(np.median(v))] * len(v)
+    slope = max(0.0, float(np.median((v[j] - v[i])[apart] / gap[apart])))
+    base = float(np.median(v - slope * d))
+    return list(base + slope * d)
+
+
 def noise_spreads(timings: Sequence[PromptTiming]) -> dict[Mode, float]:
-    """Per mode, the worst of its completions' time per iteration, divided by the mode's median (what the mode
-    costs) and then by the median over modes of the same prompt and pass (what the prompt costs: its length, its
-    task). On a quiet machine every value is near 1; a completion slowed by other work stands out, in any engine
-    and in the passes that give the figures."""
-    cell: dict[tuple[int, int], dict[Mode, float]] = {}
-    by_mode: dict[Mode, list[float]] = {}
+    """Per mode, the worst of its completions' time per iteration, divided by what the mode costs at its drafts per
+    iteration (``expected_iteration_ms``) and then by the median over modes of the same prompt and pass (what the
+    prompt costs: its length, its task). On a quiet machine every value is near 1; a completion slowed by other
+    work stands out, in any engine and in the passes that give the figures."""
+    by_mode: dict[Mode, list[PromptTiming]] = {}
     for t in timings:
         value = iteration_ms(t)
         if value == value and value > 0:
-            cell.setdefault((t.repeat, t.prompt_index), {})[t.how] = value
-            by_mode.setdefault(t.how, []).append(value)
-    typical = {how: median(values) for how, values in by_mode.items()}
+            by_mode.setdefault(t.how, []).append(t)
+    cell: dict[tuple[int, int], dict[Mode, float]] = {}
+    for how, done in by_mode.items():
+        expected = expected_iteration_ms([iteration_ms(t) for t in done], [drafts_per_iteration(t) for t in done])
+        for t, typical in zip(done, expected):
+            cell.setdefault((t.repeat, t.prompt_index), {})[how] = iteration_ms(t) / typical
     worst: dict[Mode, float] = {}
-    for values in cell.values():
-        relative = {how: v / typical[how] for how, v in values.items()}
+    for relative in cell.values():
         centre = median(relative.values())
         for how, r in relative.items():
             worst[how] = max(worst.get(how, 0.0), r / centre)
@@ -654,8 +680,22 @@ def latency_modes(engines: Sequence[str], drafts: Sequence[str], ks: Sequence[in
         for name in names:
             for n in lookups:
                 ssp = [kind.ssp_mode(engine, k, n, c, name, bool(drafts)) for c in confidences for k in ks]
-                modes += [m for m in ssp if (m.ngram and kind.takes_ngram) or (drafts and not m.ngram)]
+                modes += [m for m in ssp if (m.ngram or drafts) and not kind.refuses(m)]
     return list(dict.fromkeys(modes))
+
+
+def ngram_left_out(engines: Sequence[str], ks: Sequence[int], lookups: Sequence[int]) -> list[str]:
+    """A line per engine whose n-gram drafter would never draft at some of ``ks`` (``Engine.ngram_reason``): the
+    modes ``latency_modes`` leaves out for that."""
+    lines = []
+    for engine in engines:
+        kind = engine_class(engine)
+        for n in (n for n in lookups if n and kind.takes_ngram):
+            short = [k for k in ks if kind.ngram_reason(k, n)]
+            if short:
+                lines.append(f"{kind.label or engine} n-gram K={','.join(map(str, short))} left out: "
+                             f"{kind.ngram_reason(short[0], n)}")
+    return lines
 
 
 def run_latency(
