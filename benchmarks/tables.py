@@ -28,16 +28,16 @@ from lssp.report.stats import ratio_interval  # noqa: E402
 # kernel on both cores with the output layer in its call and its weights on huge pages in every process, keys and
 # values in float16; the default draft the feature head copying first, chains of up to 6 tokens after a 4-token tail,
 # up to K after a 3- or 2-token one, smollm2-135m-eagle-chain6-min2):
-# - 20261128-165919-525d52: the reference's 16 story openings, completions ending at the end token, 3 passes, K = 2,
+# - 20261129-000032-5b0a82: the reference's 16 story openings, completions ending at the end token, 3 passes, K = 2,
 #   3, 4, the shipped draft model and the head copying after 4-token tails alone and after 4..2 side by side
 #   (`latency --draft smollm2-135m-draft-auto,smollm2-135m-eagle-chain6,smollm2-135m-eagle-chain6-min2 --k 2,3,4
-#   --repeats 3 --nb-prompts 16`); flagged busy (as were its runs before, 20261128-143429-c238b5: 1.51x at K=2,
-#   20261128-142140-72be43: 1.42x), with the query heads attending together.
+#   --repeats 3 --nb-prompts 16`), quiet (the runs before it were flagged busy: 20261128-165919-525d52, 1.47x at
+#   K=2; 20261128-143429-c238b5, 1.51x; 20261128-142140-72be43, 1.42x).
 # - 20261128-170557-f7c718: every task category, the head copying after 4-token tails alone and after 4..2 side by side
 #   (`latency --task all --draft smollm2-135m-eagle-chain6,smollm2-135m-eagle-chain6-min2 --k 2 --repeats 3`, 100
 #   prompts), 3 passes, quiet, with the query heads attending together.
 # When newer runs are written, put their ids here and rerun with --write-readme.
-HEADLINE_RUNS = ["20261128-165919-525d52", "20261128-170557-f7c718"]
+HEADLINE_RUNS = ["20261129-000032-5b0a82", "20261128-170557-f7c718"]
 # The engine audit README.md's headline shows (benchmarks/audit.sh, run by run.sh step 3b): `verify` runs on the
 # default pair in float32, every engine and proposer. When audit.sh writes newer runs, put their ids here.
 HEADLINE_AUDIT_RUNS = [
@@ -49,9 +49,9 @@ HEADLINE_AUDIT_RUNS = [
     "20261124-150154-65e4e9",  # llama.cpp at T=0.7 top-k 50
 ]
 # Ours beside vLLM and llama.cpp (benchmarks/engines.sh, run.sh step 2c): one latency run per sampling setting,
-# 2026-11-28 on a 2-core AMD EPYC (AVX-512, bf16), the default pair in q4_1 (float16 KV cache) with the draft model:
-# greedy, then T=0.7.
-HEADLINE_ENGINE_RUNS: list[str] = ["20261128-164121-0730dd", "20261128-164511-acaedc"]
+# 2026-11-29 on a 2-core AMD EPYC (AVX-512, bf16), the default pair in q4_1 (float16 KV cache) with the draft model:
+# greedy, then T=0.7; llama.cpp's n-gram at K=4 alone (at K < 4 its ngram-simple never drafts).
+HEADLINE_ENGINE_RUNS: list[str] = ["20261129-002146-5f3b11", "20261129-002536-3150e8"]
 # The quality check the headline quotes (eval.csv): `eval --both --max-operand 9 --nb-prompts 1500` (run.sh step 4).
 HEADLINE_EVAL_RUN = "20261124-144234-09fa35"
 # `ceiling` runs (their folder under the results, the run, the bar its line reads the oracle's alpha for).

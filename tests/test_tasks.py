@@ -374,8 +374,7 @@ def test_llamacpp_n_gram_modes_that_would_never_draft_are_left_out_and_said():
     assert [m.k for m in modes if m.engine == "vllm" and m.ngram] == [2, 3, 4]
     assert [m.k for m in modes if m.engine == "ours" and m.lookup] == [2, 3, 4]
     assert ngram_left_out(["ours", "vllm", "llamacpp"], [2, 3, 4], [0, 4]) == [
-        "llama.cpp n-gram K=2,3 left out: llama.cpp's n-gram drafter (ngram-simple) drafts only at K >= its n-gram "
-        "length 4"]
+        "n-gram K=2,3 left out: llama.cpp's ngram-simple drafts only at K >= the n-gram length 4"]
     llamacpp = engine_class("llamacpp")
-    assert "K >= its n-gram length 4" in llamacpp.refuses(Mode("ssp", 3, engine="llamacpp", ngram=4))
+    assert "K >= the n-gram length 4" in llamacpp.refuses(Mode("ssp", 3, engine="llamacpp", ngram=4))
     assert llamacpp.refuses(Mode("ssp", 4, engine="llamacpp", ngram=4)) is None

@@ -438,7 +438,7 @@ class LlamacppEngine(Engine):
     def ngram_reason(cls, k: int, n: int) -> str | None:
         # common_ngram_simple_draft returns no draft where fewer than size_n tokens follow the match (size_m = K)
         if k < n:
-            return f"llama.cpp's n-gram drafter (ngram-simple) drafts only at K >= its n-gram length {n}"
+            return f"llama.cpp's ngram-simple drafts only at K >= the n-gram length {n}"
         return None
 
     @property

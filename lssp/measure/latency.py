@@ -693,8 +693,7 @@ def ngram_left_out(engines: Sequence[str], ks: Sequence[int], lookups: Sequence[
         for n in (n for n in lookups if n and kind.takes_ngram):
             short = [k for k in ks if kind.ngram_reason(k, n)]
             if short:
-                lines.append(f"{kind.label or engine} n-gram K={','.join(map(str, short))} left out: "
-                             f"{kind.ngram_reason(short[0], n)}")
+                lines.append(f"n-gram K={','.join(map(str, short))} left out: {kind.ngram_reason(short[0], n)}")
     return lines
 
 
