@@ -6,7 +6,8 @@ activations on AVX512-VNNI, or on AVX2 (with FMA and F16C) where the CPU has no 
 attention of each query by itself (the compact forward of a q4_1 model: a verification forward, or a batch of rows,
 then computes each position as a one-token forward of its row does, which int8 activations need to keep SSp exact), and
 ``torch.ops.lssp.decoder``, a q4_1 model's whole stack of decoder layers in one call (no Python, no compilation), with
-its final norm and output layer where asked. It is built with ``-march=native -fopenmp`` (its matmuls and attention
+its final norm and output layer where asked. It is built with ``-march=native -fopenmp`` (``-march=x86-64-v3`` with
+``$LLAMASSP_KERNEL_AVX2=1``: the AVX2 path on any CPU, to test or time it; its matmuls and attention
 split between torch's threads) by torch's extension builder (g++ and ninja) into ``$LLAMASSP_CACHE/kernels/`` (the
 caller's choice), one build per source, torch version and CPU model (~10-20 s, once).
 """
@@ -32,7 +33,10 @@ NEEDED_FLAGS = ("avx2", "fma", "f16c")  # what it needs at least
 # -fopenmp: at::parallel_for is inlined into this source and splits work between threads only where compiled with
 # OpenMP (else every matmul runs on one thread). The library it links by name, libgomp.so.1, resolves at load time
 # to the copy torch has already loaded, so torch.set_num_threads governs both.
-CFLAGS = ("-O3", "-march=native", "-fopenmp")
+# $LLAMASSP_KERNEL_AVX2=1 builds the AVX2 path on any CPU that runs it, AVX-512 ones too (x86-64-v3: AVX2, FMA,
+# F16C), so that a machine with AVX-512 tests it and times it; the build, its cache and calibrations are its own.
+FORCE_AVX2 = os.environ.get("LLAMASSP_KERNEL_AVX2", "") not in ("", "0")
+CFLAGS = ("-O3", "-march=x86-64-v3" if FORCE_AVX2 else "-march=native", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
 
 
@@ -49,7 +53,7 @@ def kernel_isa() -> str:
     from lssp.report.results import cpu_flags
 
     flags = cpu_flags()
-    if all(f in flags for f in AVX512_FLAGS):
+    if all(f in flags for f in AVX512_FLAGS) and not FORCE_AVX2:
         return "avx512-vnni"
     return "" if missing_flags() else "avx2"
 
