@@ -482,6 +482,7 @@ def drafts_per_iteration(timing: PromptTiming) -> float:
 
 
 MIN_DRAFT_GAP = 0.25  # drafts per iteration: closer pairs of completions say nothing of what a draft costs
+SLOPE_SAMPLE = 600  # completions whose pairs give the slope (180k pairs; a long run's every completion: millions)
 
 
 def expected_iteration_ms(values: Sequence[float], drafts: Sequence[float]) -> list[float]:
@@ -490,14 +491,17 @@ def expected_iteration_ms(values: Sequence[float], drafts: Sequence[float]) -> l
     iteration verifying 5 tokens costs more than one verifying 1), else the median. The line is Theil-Sen's (the
     median of the pairwise slopes), which a slowed completion does not pull."""
     v, d = np.asarray(values, dtype=float), np.asarray(drafts, dtype=float)
-    i, j = np.triu_indices(len(v), 1)
-    gap = d[j] - d[i]
+    step = -(-len(v) // SLOPE_SAMPLE)  # the pairs of at most SLOPE_SAMPLE completions, evenly spaced
+    i, j = np.triu_indices(len(v[::step]), 1)
+    sv, sd = v[::step], d[::step]
+    gap = sd[j] - sd[i]
     apart = np.abs(gap) >= MIN_DRAFT_GAP
+    median_ms = float(np.median(v))
     if apart.sum() < 3:
-        return [float(np.median(v))] * len(v)
-    slope = max(0.0, float(np.median((v[j] - v[i])[apart] / gap[apart])))
-    base = float(np.median(v - slope * d))
-    return list(base + slope * d)
+        return [median_ms] * len(v)
+    slope = max(0.0, float(np.median((sv[j] - sv[i])[apart] / gap[apart])))
+    expected = float(np.median(v - slope * d)) + slope * d
+    return list(expected) if (expected > 0).all() else [median_ms] * len(v)
 
 
 def noise_spreads(timings: Sequence[PromptTiming]) -> dict[Mode, float]:
