@@ -340,7 +340,7 @@ def test_latency_and_eval_run_transformers_as_an_engine(run, tmp_path):
     code, out, err = run("latency", "--engine", "ours,hf", "--k", "2", "--lookup", "0,2", "--nb-prompts", "2",
                          "--max-new-tokens", "6", "--json", str(tmp_path / "l.json"))
     assert code == 0, err
-    assert "hf RSP" in out and "hf SSP" in out
+    assert "hf RSp" in out and "hf SSp" in out
     rows = json.loads((tmp_path / "l.json").read_text())
     hf = [r for r in rows if r["engine"] == "hf"]
     assert {(r["mode"], r["lookup"]) for r in hf} == {("rsp", 0), ("ssp", 0)}  # no lookup in assisted generation
@@ -437,7 +437,7 @@ def test_two_drafts_of_one_kind_are_told_apart_by_name(run):
     code, out, err = run("latency", "tiny-target", "--draft", "tiny-draft,tiny-draft-compact", "--k", "2",
                          "--nb-prompts", "1", "--max-new-tokens", "4")
     assert code == 0, err
-    assert "SSP tiny-draft " in out and "SSP tiny-draft-compact" in out
+    assert "SSp tiny-draft " in out and "SSp tiny-draft-compact" in out
 
 
 def test_an_unknown_name_far_from_every_model_points_at_models_not_at_all_of_them(tmp_path, capsys):

@@ -279,7 +279,7 @@ def test_latency_times_a_head_beside_a_draft_in_one_run(run, tmp_path):
     code, out, err = run("latency", "tiny-target", "--draft", "tiny-draft,tiny-eagle", "--k", "1,2", "--nb-prompts", "2",
                          "--max-new-tokens", "10")
     assert code == 0, err
-    assert "SSP eagle" in out and "SSP draft" in out and "tiny-eagle" in out
+    assert "SSp eagle" in out and "SSp draft" in out and "tiny-eagle" in out
     assert max(map(len, out.splitlines())) <= 80
     rows = pd.read_csv(tmp_path / "results" / "latency.csv")
     assert list(rows["method"]) == ["none", "draft", "draft", "eagle", "eagle"]

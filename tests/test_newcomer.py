@@ -98,7 +98,7 @@ def test_malformed_csv_is_left_untouched_and_rows_go_beside(run, tmp_path):
     assert "latency.csv is malformed (line 3 has 5 fields where its header has 3)" in err
     assert "latency.1.csv" in err
     rows = pd.read_csv(results / "latency.1.csv")
-    assert list(rows["mode"]) == ["rsp", "ssp"] and "RSP" in out
+    assert list(rows["mode"]) == ["rsp", "ssp"] and "RSp" in out
 
 
 def test_results_dir_is_checked_before_any_model_loads(run, tmp_path, monkeypatch):
@@ -121,7 +121,7 @@ def test_a_failed_write_names_the_file_and_keeps_the_rows_elsewhere(run, tmp_pat
     (results / "latency.csv").mkdir(parents=True)  # a directory where the CSV should be: the write fails
     code, out, err = run("latency", "--nb-prompts", "1", "--max-new-tokens", "4", results=results)
     assert code == 1
-    assert "RSP" in out and "SSP" in out  # the table came first
+    assert "RSp" in out and "SSp" in out  # the table came first
     line = next(x for x in err.splitlines() if "could not write" in x)
     assert str(results / "latency.csv") in line and "wrote " in line
     fallback = Path(line.split("wrote ")[1].split(" instead")[0])

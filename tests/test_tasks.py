@@ -290,7 +290,7 @@ def test_eval_addition_and_operand_range(run, tmp_path):
     rows = pd.read_csv(tmp_path / "results" / "eval.csv")
     assert rows["op"][0] == "add" and rows["max_operand"][0] == 9 and rows["s_per_problem"][0] > 0
     assert rows["s_per_problem_basis"][0].startswith("amortised over batches")  # RSp ran batched
-    assert "* RSP amortised over batches" in out.replace("\n", " ")
+    assert "* RSp amortised over batches" in out.replace("\n", " ")
     code, _, err = run("eval", "tiny-target", "--op", "div")
     assert code == 2 and "--op 'div'" in err
 

@@ -190,7 +190,7 @@ def test_latency_engine_vllm_writes_rows(run, tmp_path):
     code, out, err = run("latency", "--engine", "ours,vllm", "--k", "2", "--lookup", "0,2", "--nb-prompts", "2",
                          "--max-new-tokens", "8", "--ignore-eos", "--json", str(tmp_path / "l.json"))
     assert code == 0, err
-    assert "vLLM RSP" in out and "ours ÷ vLLM ms/token" in out and "2 ngram 2" in out
+    assert "vLLM RSp" in out and "ours ÷ vLLM ms/token" in out and "2 ngram 2" in out
     verdicts = [line.split(":")[0] for line in out.splitlines() if line.startswith("verdict")]
     assert verdicts == ["verdict (ours)", "verdict (vLLM)"]  # one line per engine, each named
     assert all(len(line) <= 80 for line in out.splitlines())

@@ -38,7 +38,7 @@ from lssp.cli.output import (
 )
 from lssp.cli.progress import progress
 from lssp.errors import UserError
-from lssp.report.results import plural
+from lssp.report.results import mode_name, plural
 
 
 @app.command("eval")
@@ -95,7 +95,7 @@ def eval_cmd(
         check_k_within_budget(k, max_new_tokens)
     hint = ("" if both else " (--both compares it with RSp)" if modes == ["ssp"]
             else " (a target alone: --draft D for SSp, --both for RSp and SSp)")
-    err_console.print(f"[dim]eval: {' and '.join(m.upper() for m in modes)}{hint}[/dim]", soft_wrap=True)
+    err_console.print(f"[dim]eval: {' and '.join(mode_name(m) for m in modes)}{hint}[/dim]", soft_wrap=True)
     results = s.writable_results_dir(json_out)
     done_before = 0
     if resume:  # say "nothing to resume" before loading anything
@@ -109,7 +109,7 @@ def eval_cmd(
         with progress(nb_prompts * len(modes), "eval", done_before) as tick:
             def on_record(r) -> None:
                 correct[r.mode] += r.correct
-                tick(" ".join(f"{m.upper()} {c}✓" for m, c in correct.items()))
+                tick(" ".join(f"{mode_name(m)} {c}✓" for m, c in correct.items()))
 
             run = run_eval(t, d, runner, modes, nb_prompts, s.seed, params, max_new_tokens, k, results / "eval_records",
                            resume=resume, on_record=on_record, lookup=lookup, op=op, max_operand=max_operand,
@@ -137,13 +137,13 @@ def render(run, t, d) -> None:
                 [("mode", "left"), *((c, "right") for c in ("correct", "rate ±95%", "95% Wald", "95% Wilson", "s/problem"))])
     for m in run.summaries:
         half = max(m.wald.high - m.success_rate, m.success_rate - m.wald.low)
-        out.add_row(m.mode.upper(), f"{m.successes}/{m.trials}", f"{100 * m.success_rate:.1f}% ±{100 * half:.1f}",
+        out.add_row(mode_name(m.mode), f"{m.successes}/{m.trials}", f"{100 * m.success_rate:.1f}% ±{100 * half:.1f}",
                     f"[{100 * m.wald.low:.1f}, {100 * m.wald.high:.1f}]", f"[{100 * m.wilson.low:.1f}, {100 * m.wilson.high:.1f}]",
                     fmt(m.seconds_per_problem, 3) + ("*" if run.timing_basis(m.mode) != "per problem" else ""))
     console.print(out)
     batched = [m.mode for m in run.summaries if run.timing_basis(m.mode) != "per problem"]
     if batched:
-        bases = "; ".join(f"{m.upper()} {run.timing_basis(m)} (--{m}-batch)" for m in batched)
+        bases = "; ".join(f"{mode_name(m)} {run.timing_basis(m)} (--{m}-batch)" for m in batched)
         console.print(f"  * {bases}: not comparable with a one-at-a-time s/problem")
     cmp = run.comparison
     if cmp:

@@ -54,7 +54,7 @@ from lssp.engines import engine_class
 from lssp.engines.base import Mode
 from lssp.errors import UserError
 from lssp.models.registry import Registry
-from lssp.report.results import plural
+from lssp.report.results import mode_name, plural
 
 
 @app.command()
@@ -195,7 +195,7 @@ def render(run, t, d, wide: bool = False, more: list | None = None) -> None:
     both = len(run.engines) > 1
     star = fastest(overall) if several else None
     for m in overall:
-        mode = (engine_label(m.engine) + " " if both else "") + m.mode.upper() \
+        mode = (engine_label(m.engine) + " " if both else "") + mode_name(m.mode) \
             + (f" {setup.draft_label(m)}" if len(setup.draft_kinds) > 1 and m.mode == "ssp" else "") \
             + (" ★" if m is star else "")
         k = _k(m) if m.mode == "ssp" else "–"
@@ -268,7 +268,7 @@ def render_verdict(run) -> None:
     say_busy(setup.others_cpu_share)
     if any(m.noisy for m in run.overall):
         worst = max((m for m in run.overall if m.noisy), key=lambda m: max(_finite(m.noise_spread), _finite(m.forward_spread)))
-        console.print(f"[bold yellow]  busy machine: a {_engine(worst)}{worst.mode.upper()} completion took "
+        console.print(f"[bold yellow]  busy machine: a {_engine(worst)}{mode_name(worst.mode)} completion took "
                       f"{max(_finite(worst.noise_spread), _finite(worst.forward_spread)):.1f}× its typical time per "
                       f"iteration (a quiet machine stays under {NOISY_SPREAD}×): the speedup is unreliable[/bold yellow]")
     workload = (f"{len(setup.tasks)} tasks" if run.by_task else setup.tasks[0]) if setup.tasks else "the prompts given"

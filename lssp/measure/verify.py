@@ -31,7 +31,7 @@ from lssp.decoding.sampling import SamplingParams, warp
 from lssp.drafters.model import draft_logits
 from lssp.engines import Engine, Mode, OursEngine, Request, request_seed
 from lssp.models.loading import LoadedModel
-from lssp.report.results import RunInfo
+from lssp.report.results import RunInfo, mode_name
 from lssp.report.stats import POWER, chi_square_gof, chi_square_homogeneity, chi_square_power, chi_square_samples_needed
 
 Progress = Callable[[str], None]
@@ -206,7 +206,7 @@ def _samples(engine: Engine, mode: Mode, ids: torch.Tensor, runs: int, tokens: i
             outputs.append(out.tokens.tolist())
             stats.append(out.stats)
             if progress and len(outputs) % 50 == 0:
-                progress(f"{what}: {len(outputs)}/{runs} {mode.mode.upper()} runs")
+                progress(f"{what}: {len(outputs)}/{runs} {mode_name(mode.mode)} runs")
     return outputs, stats
 
 

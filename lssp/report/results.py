@@ -293,6 +293,11 @@ class ResultWriter:
         self._write(path, write)
 
 
+def mode_name(mode: str) -> str:
+    """"rsp" -> "RSp", "ssp" -> "SSp": a mode as the tool writes it everywhere."""
+    return {"rsp": "RSp", "ssp": "SSp"}.get(mode, mode)
+
+
 def plural(count: int, noun: str) -> str:
     """"1 prompt", "3 prompts"."""
     return f"{count} {noun}{'' if count == 1 else 's'}"
