@@ -118,7 +118,8 @@ def test_eval_on_the_default_pair_gives_rsp_and_ssp_the_same_greedy_answers(run,
         assert m["wilson_low"] <= m["success_rate"] <= m["wilson_high"] and m["wald_low"] <= m["success_rate"] <= m["wald_high"]
 
 
-def test_a_gguf_target_is_converted_once_and_then_loads_from_its_copy(tmp_path, monkeypatch):
+def test_a_gguf_target_is_converted_once_and_then_loads_from_its_copy(tmp_path, monkeypatch, capfd):
+    """Converted quietly (transformers' own conversion bar off unless -v), once."""
     import torch
 
     from lssp.models import loading, sources
@@ -126,6 +127,7 @@ def test_a_gguf_target_is_converted_once_and_then_loads_from_its_copy(tmp_path, 
     monkeypatch.setenv("LLAMASSP_CACHE", str(tmp_path / "cache"))
     spec = load_registry(ROOT / "models.yaml").get("smollm2-135m")
     first = loading.load_model(spec)  # from the GGUF file; writes the copy
+    assert "Converting and de-quantizing" not in capfd.readouterr().err
     copy_dir = sources.gguf_copy_dir(spec.local_path(), spec.dtype)
     assert (copy_dir / "model.safetensors").exists() and (copy_dir / "tokenizer.json").exists()
     assert sources.model_source(spec) == (str(copy_dir), {})

@@ -1,12 +1,13 @@
 """Load registry entries through transformers, accelerate placement and bitsandbytes."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -381,7 +382,8 @@ def load_model(spec: ModelSpec, device: str | None = None, draft: bool = False,
                 torch_dtype = dtype if isinstance(dtype, torch.dtype) else torch.float32
                 model = load_subset_head_model(where, torch_dtype, _single_device(placement["device_map"]))
             else:
-                model = AutoModelForCausalLM.from_pretrained(where, **kwargs, **extra)
+                with _no_conversion_bar("gguf_file" in extra):
+                    model = AutoModelForCausalLM.from_pretrained(where, **kwargs, **extra)
                 if "gguf_file" in extra:
                     save_gguf_copy(model, spec, where, extra)
         except OSError as exc:
@@ -394,6 +396,23 @@ def load_model(spec: ModelSpec, device: str | None = None, draft: bool = False,
     if spec.compile:
         compile_decode(model, spec, compile_fallback)
     return LoadedModel(spec, model, load_tokenizer(spec))
+
+
+@contextlib.contextmanager
+def _no_conversion_bar(gguf: bool) -> Iterator[None]:
+    """transformers' GGUF conversion draws a tqdm bar of its own, which its progress-bar switch does not reach (in a
+    piped log, ~30 lines of 90 columns): off unless the logs are at INFO (-v)."""
+    if not gguf or log.isEnabledFor(logging.INFO):
+        yield
+        return
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
+    bar = gguf_utils.tqdm
+    gguf_utils.tqdm = lambda iterable, **_: iterable
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = bar
 
 
 def feature_head_folder(spec: ModelSpec) -> Path | None:
