@@ -288,8 +288,11 @@ def test_latency_rows_name_the_engine_and_version(lc_dir, tmp_path, capsys):
     run = cli(capsys, lc_dir / "models.yaml", tmp_path / "results")
     before, logs_before = llamacpp.servers_started(), set(Path(tempfile.gettempdir()).glob("llamassp-llamacpp-*"))
     code, out, err = run("latency", "--engine", "ours,llamacpp", "--k", "2", "--max-new-tokens", "8",
-                         "--nb-prompts", "2", "--ignore-eos")
+                         "--nb-prompts", "2", "--ignore-eos", "--lookup", "0,4")
     assert code == 0, err
+    # llama.cpp's n-gram drafter would never draft at K=2 < 4: left out, said on the terminal and in the run's notes
+    assert "n-gram K=2 left out: llama.cpp's ngram-simple drafts only at K >= the n-gram length 4" in " ".join(err.split())
+    assert "Left out: n-gram K=2" in next((tmp_path / "results").glob("**/latency-*.md")).read_text()
     assert llamacpp.servers_started() > before  # it started servers, and stopped them all when it ended:
     assert all(s.serial <= before and s.process.poll() is None for s in llamacpp._STARTED)
     assert set(Path(tempfile.gettempdir()).glob("llamassp-llamacpp-*")) == logs_before  # nothing failed: no logs kept
@@ -298,7 +301,7 @@ def test_latency_rows_name_the_engine_and_version(lc_dir, tmp_path, capsys):
     lc = rows[rows.engine == "llamacpp"]
     assert set(lc["mode"]) == {"rsp", "ssp"} and set(rows.engine) == {"ours", "llamacpp"}
     assert all(str(v).startswith(llamacpp_build.LLAMACPP_VERSION) for v in lc["llamacpp"])
-    assert set(lc["method"]) == {"none", "draft-simple"}
+    assert set(lc["method"]) == {"none", "draft-simple"} and set(rows[rows.engine == "ours"]["lookup"]) == {0, 4}
 
 
 def test_bench_takes_llamacpp_as_a_rival(lc_dir, pair, tmp_path, capsys, monkeypatch):  # pair: GGUFs converted

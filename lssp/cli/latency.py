@@ -121,7 +121,8 @@ def latency(
     names = [s.registry.draft_name(name) for name in draft_names] if use_draft else []
     modes = [entry_confidence(m, s.registry, names) for m in latency_modes(engines_wanted, names, ks, confidences,
                                                                            lookups, not no_baseline)]
-    for line in ngram_left_out(engines_wanted, ks, lookups):
+    left_out = ngram_left_out(engines_wanted, ks, lookups)
+    for line in left_out:
         err_console.print(f"[dim]latency: {line}[/dim]", soft_wrap=True)
     loaded = None
     if any(engine_class(e).runs_our_weights for e in engines_wanted):  # ours, hf: the models loaded here, once
@@ -136,7 +137,8 @@ def latency(
     d = drafts[0] if drafts else None
     with progress(None, "latency") as tick:
         run = run_latency(t, engines, modes, prompt_list, WARMUP_PROMPT, params, max_new_tokens, s.seed, drafts,
-                          progress=tick, chat=chat, repeats=repeats, split=split, ignore_eos=ignore_eos)
+                          progress=tick, chat=chat, repeats=repeats, split=split, ignore_eos=ignore_eos,
+                          left_out=left_out)
     render(run, t, d, wide, drafts[1:])
     code = save(results, run.info.run_id, "latency", run.rows(), run.markdown(), json_out, run.summary_json(),
                 f"{run.info.env['device']} · run {run.info.run_id}", {"latency_prompts.csv": run.prompt_rows()})

@@ -222,6 +222,7 @@ class LatencySetup:
     engines: dict[str, EngineInfo] = field(default_factory=dict)  # what each engine of the run says of itself
     draft_kinds: dict[str, str] = field(default_factory=dict)  # each draft's kind: draft (a model) or eagle (a head)
     draft_precisions: dict[str, str] = field(default_factory=dict)  # in a run of several drafts
+    left_out: list[str] = field(default_factory=list)  # modes asked for that an engine would not run as asked, why
 
     def method(self, m: ModeSummary) -> str:
         """How a mode drafted: none (RSp); ngram (an engine's n-gram drafter alone); the engine's own method with a
@@ -426,6 +427,7 @@ class LatencyRun:
                  "mean per-prompt tokens/s (whole completion) ÷ RSp's, as Spec-Bench computes it; at_budget_share: "
                  "completions that ran to the token budget" + (" (--ignore-eos: all of them)." if setup.ignore_eos
                                                               else " instead of ending at the end token.")]
+        notes += [f"Left out: {line}." for line in setup.left_out]
         if setup.recompiles:
             notes.append(f"torch.compile built {plural(setup.recompiles, 'graph')} during the timed passes: their "
                          "compile time is in the figures.")
@@ -438,7 +440,8 @@ class LatencyRun:
                          f"(others_cpu_share; a quiet machine: under {BUSY_SHARE:.0%}); the speedup is unreliable.")
         if any(s.noisy for s in self.overall):
             notes.append(f"Noisy: a completion's time per iteration stood more than {NOISY_SPREAD}x above its mode's "
-                          "and its prompt's typical one (noise_spread), or the slowest prompt's target forwards took "
+                          "(at its drafts per iteration) and its prompt's typical one (noise_spread), or the slowest "
+                          "prompt's target forwards took "
                           f"more than {NOISY_SPREAD}x the median "
                          "prompt's; the speedup is unreliable.")
         notes += [f"Verdict{f' ({v.engine})' if len(self.verdicts) > 1 else ''}: {v.outcome}, {v.mode.how.name} at "
@@ -705,6 +708,7 @@ def run_latency(
     target: LoadedModel, engines: dict[str, Engine], modes: Sequence[Mode], prompts: Sequence[str | TaskPrompt],
     warmup_prompt: str, params: SamplingParams, max_new_tokens: int, seed: int, drafts: Sequence[LoadedModel] = (),
     progress: Progress | None = None, chat: bool = False, repeats: int = 1, split: str = "auto", ignore_eos: bool = False,
+    left_out: Sequence[str] = (),
 ) -> LatencyRun:
     """Time every mode (``latency_modes``) on every prompt through its engine, interleaved prompt by prompt, the
     order of the modes rotating from one prompt to the next (``run_interleaved``).
@@ -716,7 +720,8 @@ def run_latency(
     target has one. ``repeats`` passes over the prompts give the speedup's spread. ``split``: where the
     draft/target time split is measured (``separate_split_pass``); with a separate pass, the timed passes
     synchronize a GPU only at each completion's boundaries. Ctrl-C after at least one prompt returns the
-    prompts completed in every mode (``interrupted``). ``target`` tokenizes; ``drafts`` are described in the rows.
+    prompts completed in every mode (``interrupted``). ``target`` tokenizes; ``drafts`` are described in the rows;
+    ``left_out``: modes asked for and not run, why (``ngram_left_out``), said in the run's notes.
     """
     prompts = as_task_prompts(prompts, chat)
     for how in modes:
@@ -728,6 +733,7 @@ def run_latency(
     separate = ours is not None and separate_split_pass(split, *ours.models())
     stopping = Stopping() if ignore_eos else Stopping(token_ids=target.eos_ids)
     setup = _setup(target, drafts, engines, prompts, params, max_new_tokens, chat, repeats, ignore_eos, separate)
+    setup.left_out = list(left_out)
 
     def complete(how: Mode, prompt: TaskPrompt, index: int, time_forwards: bool) -> tuple[GenerationStats, int]:
         engine = engines[how.engine]
