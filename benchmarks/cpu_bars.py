@@ -1,0 +1,160 @@
+"""Issue 45's bars on this machine, in one go: ours against llama.cpp on the same GGUF (the issue's own command, greedy
+and at T=0.7), our RSp against its floor, SSp over RSp on the story openings, the eval's time, verify of the default
+pair, and whether the llama-server built here starts. Each command writes its results files as usual (under OUT);
+this script then reads their JSON and writes OUT/cpu-bars.json and OUT/cpu-bars.md: every bar, its value, met or not,
+the runs it came from, and the CPU. Run it on every kind of machine the project meets (say which in the results).
+Usage: .venv/bin/python benchmarks/cpu_bars.py OUT [--quick] [--reread]   (~20 minutes on 2 cores; --quick: ~3,
+too few prompts for a verdict)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from lssp.report.results import cpu_flags, cpu_name  # noqa: E402
+
+BARS = {"fastest": 0.7, "rsp": 1.0, "floor": 1.3, "stories": 1.4, "eval_s": 60.0}
+
+
+def llamassp(out: Path, *args: str) -> tuple[int, float]:
+    """Run one command (its results under ``out``); its exit code and wall time."""
+    start = time.perf_counter()
+    code = subprocess.call([sys.executable, str(REPO / "llamassp.py"), "--results-dir", str(out), *args], cwd=REPO)
+    return code, time.perf_counter() - start
+
+
+def overall(rows: list[dict], engine: str) -> list[dict]:
+    """``engine``'s rows over all prompts (a run of one task has no "all" rows: its rows are)."""
+    tasks = {r.get("task") for r in rows}
+    return [r for r in rows if r["engine"] == engine and ("all" not in tasks or r.get("task") == "all")]
+
+
+def fastest(rows: list[dict], engine: str) -> float:
+    return min(r["ms_per_token"] for r in overall(rows, engine))
+
+
+def rsp(rows: list[dict], engine: str) -> dict:
+    return next(r for r in overall(rows, engine) if r["mode"] == "rsp")
+
+
+def floor_ms() -> tuple[float, str]:
+    """The default target's one-token floor on this CPU (``cost``'s, as ``latency --wide`` shows it)."""
+    from lssp.measure.cost import model_floor
+    from lssp.models.loading import load_model
+    from lssp.models.registry import load_registry
+
+    registry = load_registry(REPO / "models.yaml")
+    found = model_floor(load_model(registry.get(registry.target_name(None))))
+    if found is None:
+        return float("nan"), ""
+    floor, precision = found
+    return floor.ms(1)[0], precision
+
+
+def smoke() -> str:
+    """Whether the llama-server built here starts ("" where it does), or why not."""
+    from lssp.engines.llamacpp_build import find_build, smoke_model, smoke_test
+
+    build, model = find_build(), smoke_model()
+    if build is None or model is None:
+        return "not built (./setup.sh --llamacpp)" if build is None else "no GGUF to start it on"
+    return smoke_test(build.server, model) or ""
+
+
+def measure(out: Path, quick: bool) -> dict:
+    """Run every command; what the bars are read from."""
+    n = ["--nb-prompts", "2" if quick else "8"]
+    got: dict = {"codes": {}}
+    for t in ("0", "0.7"):
+        got["codes"][f"engines-t{t}"] = llamassp(out, "latency", "--engine", "ours,llamacpp", "--k", "2,3,4", "--lookup",
+                                                 "0,4", "--ignore-eos", "--temperature", t, *n,
+                                                 "--json", str(out / f"engines-t{t}.json"))[0]
+    got["codes"]["stories"] = llamassp(out, "latency", "--k", "2,3,4", *(["--nb-prompts", "4"] if quick else []),
+                                       "--json", str(out / "stories.json"))[0]
+    problems = "100" if quick else "1000"
+    got["codes"]["eval"], got["eval_wall_s"] = llamassp(out, "eval", "--both", "--nb-prompts", problems,
+                                                        "--json", str(out / "eval.json"))
+    for t, extra in (("0", ["--k", "1,2,4"]), ("0.7", ["--k", "1,4"] + (["--samples", "200"] if quick else []))):
+        got["codes"][f"verify-t{t}"] = llamassp(out, "verify", "--temperature", t, *extra,
+                                                "--json", str(out / f"verify-t{t}.json"))[0]
+    got["floor_ms"], got["floor_precision"] = floor_ms()
+    got["llama_server"] = smoke()
+    return got
+
+
+def bars(out: Path, got: dict) -> list[dict]:
+    """Each bar: what it asks, the value, met or not, the runs."""
+    def read(name: str) -> list[dict]:
+        path = out / name
+        return json.loads(path.read_text()) if path.exists() else []
+
+    rows: list[dict] = []
+
+    def bar(what: str, value: float | str, met: bool, runs: list[dict]) -> None:
+        rows.append({"bar": what, "value": value, "met": bool(met),
+                     "runs": sorted({r["run_id"] for r in runs if r.get("run_id")})})
+
+    for t in ("0", "0.7"):
+        engines = read(f"engines-t{t}.json")
+        if {r["engine"] for r in engines} >= {"ours", "llamacpp"}:
+            ratio = fastest(engines, "ours") / fastest(engines, "llamacpp")
+            bar(f"T={t}: ours' fastest ÷ llama.cpp's fastest <= {BARS['fastest']}", round(ratio, 3),
+                ratio <= BARS["fastest"], engines)
+            ratio = rsp(engines, "ours")["ms_per_token"] / rsp(engines, "llamacpp")["ms_per_token"]
+            bar(f"T={t}: ours' RSp ÷ llama.cpp's RSp <= {BARS['rsp']}", round(ratio, 3), ratio <= BARS["rsp"], engines)
+        if t == "0" and engines:
+            ratio = rsp(engines, "ours")["ms_per_token"] / got["floor_ms"]
+            bar(f"ours' RSp ÷ its floor ({got['floor_precision']}, {got['floor_ms']:.2f} ms) <= {BARS['floor']}",
+                round(ratio, 3), ratio <= BARS["floor"], engines)
+    stories = [r for r in read("stories.json") if r["mode"] == "ssp"]
+    if stories:
+        best = max(r["speedup"] for r in stories)
+        bar(f"SSp ÷ RSp on the story openings >= {BARS['stories']}", round(best, 3), best >= BARS["stories"], stories)
+    evals = read("eval.json")
+    if evals:
+        seconds = sum(r["trials"] * r["s_per_problem"] for r in evals)
+        bar(f"eval --both: seconds beyond loading <= {BARS['eval_s']:g} (per 1000 problems)",
+            round(seconds * 1000 / evals[0]["trials"], 1), seconds * 1000 / evals[0]["trials"] <= BARS["eval_s"], evals)
+    for t in ("0", "0.7"):
+        verdicts = read(f"verify-t{t}.json")
+        verdicts = verdicts if isinstance(verdicts, list) else [verdicts]
+        lossless = bool(verdicts) and all(v.get("lossless") is True for v in verdicts)
+        bar(f"verify T={t}: LOSSLESS", "lossless" if lossless else "not shown", lossless, verdicts)
+    bar("the llama-server built here starts", got["llama_server"] or "starts", not got["llama_server"], [])
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--reread", action="store_true", help="read the files OUT holds again, running nothing but "
+                        "the floor and the server check")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.reread:
+        got = {"codes": {}, "llama_server": smoke()}
+        got["floor_ms"], got["floor_precision"] = floor_ms()
+    else:
+        got = measure(args.out, args.quick)
+    found = bars(args.out, got)
+    flags = sorted(f for f in cpu_flags() if f.startswith(("avx512", "amx", "avx2")))
+    report = {"cpu": cpu_name(), "flags": flags, "quick": args.quick, "exit_codes": got["codes"], "bars": found}
+    (args.out / "cpu-bars.json").write_text(json.dumps(report, indent=1) + "\n")
+    lines = [f"# Issue 45's bars on {cpu_name()} ({', '.join(flags)})", "", "| bar | value | met | runs |",
+             "|---|---|---|---|"] + [f"| {b['bar']} | {b['value']} | {'yes' if b['met'] else '**no**'} | "
+                                     f"{', '.join(b['runs'])} |" for b in found]
+    (args.out / "cpu-bars.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0 if all(b["met"] for b in found) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
