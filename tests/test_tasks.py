@@ -378,3 +378,15 @@ def test_llamacpp_n_gram_modes_that_would_never_draft_are_left_out_and_said():
     llamacpp = engine_class("llamacpp")
     assert "K >= the n-gram length 4" in llamacpp.refuses(Mode("ssp", 3, engine="llamacpp", ngram=4))
     assert llamacpp.refuses(Mode("ssp", 4, engine="llamacpp", ngram=4)) is None
+
+
+def test_compare_verify_and_load_refuse_a_llamacpp_n_gram_mode_that_would_never_draft_in_one_line():
+    """Before anything starts: the command, the engine, K, the n-gram length and why; K >= N and other engines pass."""
+    from lssp.cli.loaders import check_ssp
+
+    with pytest.raises(UserError, match=r"^verify --engine llamacpp --k 3 --lookup 4: llama.cpp's ngram-simple drafts "
+                                        r"only at K >= the n-gram length 4$"):
+        check_ssp("verify", "llamacpp", [4, 3], 4)
+    check_ssp("compare", "llamacpp", [4], 4)
+    check_ssp("load", "vllm", [2], 4)
+    check_ssp("load", "ours", [2], 4, has_draft=False)

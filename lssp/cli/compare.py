@@ -9,7 +9,7 @@ import typer
 from rich.text import Text
 
 from lssp.cli.app import app, settings
-from lssp.cli.loaders import heads_run, start_engine
+from lssp.cli.loaders import check_ssp, heads_run, start_engine
 from lssp.cli.options import (
     ChatOpt,
     DraftAlsoOpt,
@@ -151,10 +151,7 @@ def _start(s, chosen: str, target: str | None, draft: str | None, k: int, lookup
     for both."""
     from lssp.measure.latency import latency_modes
 
-    kind = engine_class(chosen)
-    why = kind.refuses(kind.ssp_mode(chosen, k, lookup, has_draft=not alone))
-    if why:
-        raise UserError(f"compare --engine {chosen} --k {k} --lookup {lookup}: {why}")
+    check_ssp("compare", chosen, [k], lookup, has_draft=not alone)
     modes = dict(zip(("rsp", "ssp"), latency_modes([chosen], [] if alone else ["draft"], [k], (0.0,), [lookup]),
                      strict=True))
     t, d, runner = start_engine(s, chosen, [engine_class(chosen).key(m) for m in modes.values()], target, draft,

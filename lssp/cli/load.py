@@ -9,7 +9,7 @@ import typer
 from rich.text import Text
 
 from lssp.cli.app import Settings, app, settings
-from lssp.cli.loaders import STARTERS, check_ready, heads_run
+from lssp.cli.loaders import STARTERS, check_ready, check_ssp, heads_run
 from lssp.cli.options import (
     ChatOpt,
     DraftAlsoArg,
@@ -107,9 +107,7 @@ def load(
     results = s.writable_results_dir(json_out)
     kind = engine_class(engine)
     need_draft = draft is not None or target is None or not lookup or kind.takes_lookup
-    why = kind.refuses(kind.ssp_mode(engine, k, lookup, has_draft=need_draft)) if lookup else None
-    if why:
-        raise UserError(f"load --engine {engine} --k {k} --lookup {lookup}: {why}")
+    check_ssp("load", engine, [k], lookup, has_draft=need_draft)
     starter = STARTERS[engine]
     t, d, vocab = starter.models(s, target, draft, need_draft)
     modes = latency_modes([engine], [d.name] if d else [], [k], (0.0,), [0, lookup] if lookup else [0])

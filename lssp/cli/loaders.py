@@ -98,6 +98,18 @@ def check_ready(wanted: Sequence[str], confidences: Sequence[float] = (0.0,)) ->
     return list(wanted)
 
 
+def check_ssp(command: str, engine: str, ks: Sequence[int], lookup: int, has_draft: bool = True) -> None:
+    """One line (``UserError``) before anything starts where ``engine`` would not run SSp at one of ``ks`` with an
+    n-gram length ``lookup`` as asked (``Engine.refuses``: llama.cpp's n-gram drafter below its n-gram length)."""
+    from lssp.engines import engine_class
+
+    kind = engine_class(engine)
+    for k in ks:
+        why = kind.refuses(kind.ssp_mode(engine, k, lookup, has_draft=has_draft))
+        if why:
+            raise UserError(f"{command} --engine {engine} --k {k} --lookup {lookup}: {why}")
+
+
 @dataclass(frozen=True)
 class Starter:
     """How one engine starts from the CLI: its pair as it runs it (``models``: (target, draft, the logit width they

@@ -12,7 +12,7 @@ import typer
 from rich.text import Text
 
 from lssp.cli.app import app, settings
-from lssp.cli.loaders import check_ready, heads_run, load_pair
+from lssp.cli.loaders import check_ready, check_ssp, heads_run, load_pair
 from lssp.cli.options import (
     DraftAlsoOpt,
     DraftArg,
@@ -230,10 +230,7 @@ def _engines(s, names: list[str], t, d, vocab: int, target: str | None, draft: s
 
     runners = []
     for name in names:
-        kind = engine_class(name)
-        why = next((why for k in ks if (why := kind.refuses(kind.ssp_mode(name, k, lookup)))), None)
-        if why:
-            raise UserError(f"verify --engine {name}: {why}")
+        check_ssp("verify", name, ks, lookup)
     for name in names:
         runner = start_engine(s, name, [(0, 0)] + [(k, lookup) for k in ks], target, draft, loaded=(t, [d], [vocab]))[2]
         for k in ks:
