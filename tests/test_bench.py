@@ -7,6 +7,7 @@ import pandas as pd
 import pytest
 from conftest import char_tokenizer, tiny_llama
 
+import lssp.decoding.timing as timing
 import lssp.measure.bench as bench
 from lssp.cli import main
 from lssp.decoding.generation import FIRST_TO_LAST, WHOLE_COMPLETION, GenerationStats
@@ -63,7 +64,7 @@ def test_copy_bandwidth_counts_bytes_read_and_written_over_the_fastest_untimed_w
         def now(self) -> float:
             return next(self.readings)
 
-    monkeypatch.setattr(bench, "Clock", ScriptedClock)
+    monkeypatch.setattr(timing, "Clock", ScriptedClock)
     assert copy_bandwidth("cpu", megabytes=2, repeats=3) == pytest.approx(2 * 2 * 2**20 / 0.25)
     assert next(ScriptedClock.readings, None) is None  # two readings per timed copy, none for the warm-up
 

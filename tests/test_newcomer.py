@@ -55,8 +55,8 @@ def test_latency_wide_shows_the_other_columns(run):
     tables = out.split("share of iterations")[0]
     assert "TTFT" in tables and "median" in tables and "spread" in tables
     assert_fits_80_columns(tables)
-    floor = re.search(r"floor of a tiny-target token \(float32, ([\d.e+-]+) MB.*?: ([\d.e+-]+) ms; ms/token ÷ floor: "
-                      r"RSp ([\d.e+-]+)×, K=2 ([\d.e+-]+)×", " ".join(out.split()))
+    floor = re.search(r"floor of a tiny-target token \(float32, ([\d.e+-]+) MB.*?the median of 1 probe\): ([\d.e+-]+) "
+                      r"ms; ms/token ÷ floor: RSp ([\d.e+-]+)×, K=2 ([\d.e+-]+)×", " ".join(out.split()))
     assert floor and float(floor.group(2)) > 0 and float(floor.group(3)) > 0  # each mode against the machine's floor
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pandas as pd
 import pytest
@@ -390,3 +391,35 @@ def test_compare_verify_and_load_refuse_a_llamacpp_n_gram_mode_that_would_never_
     check_ssp("compare", "llamacpp", [4], 4)
     check_ssp("load", "vllm", [2], 4)
     check_ssp("load", "ours", [2], 4, has_draft=False)
+
+
+def test_each_completion_is_held_against_the_floor_probed_beside_it(target, draft, monkeypatch):
+    """On a CPU the bandwidth is probed once per prompt and pass, after the first mode's completion; each completion's
+    ms/token is divided by the target's one-token floor at that probe (its weights ÷ the bandwidth), and a mode's
+    over_floor is the geometric mean of those ratios with its interval, in the rows, the JSON and the notes."""
+    import lssp.measure.latency as latency
+    from lssp.measure.cost import Floor
+
+    probes = iter([5e9, 2e9, 4e9, 1e9, 8e9])  # the first: the floor's own, before the warm-up (which takes none)
+    monkeypatch.setattr(latency, "bandwidth_probe", lambda: next(probes))
+    monkeypatch.setattr("lssp.measure.cost.bandwidth_probe", lambda: next(probes))
+    t = _loaded(target)
+    run = latency.run_latency_ours(t, _loaded(draft, "d"), ["ab", "cd"], "w", [2], GREEDY, 4, 0, repeats=2,
+                                   ignore_eos=True)
+    weight_bytes = Floor.of(target, 1.0, 1.0).weight_bytes
+    setup = run.setup
+    assert setup.bandwidth_probes == 4 and setup.bandwidth_gbs == pytest.approx(3.0)  # median of 2, 4, 1, 8 GB/s
+    assert setup.floor_precision == "float32" and setup.floor_weight_mb == pytest.approx(weight_bytes / 1e6)
+    by_round = {(p.repeat, p.prompt_index): p.floor_ms for p in run.timings if p.mode == "rsp"}
+    assert by_round == pytest.approx({(0, 0): 1000 * weight_bytes / 2e9, (0, 1): 1000 * weight_bytes / 4e9,
+                                      (1, 0): 1000 * weight_bytes / 1e9, (1, 1): 1000 * weight_bytes / 8e9})
+    for m in run.summaries:
+        mine = [p for p in run.timings if p.how == m.how]
+        assert all(p.floor_ms == by_round[(p.repeat, p.prompt_index)] for p in mine)  # SSp shares its round's probe
+        logs = [math.log(p.stats.ms_per_token / p.floor_ms) for p in mine]
+        assert m.over_floor == pytest.approx(math.exp(sum(logs) / len(logs)))
+        assert m.over_floor_low < m.over_floor < m.over_floor_high
+    json_rows, rows = run.summary_json(), run.rows()
+    assert json_rows[0]["over_floor"] == run.summaries[0].over_floor and rows[0]["bandwidth_gbs"] == pytest.approx(3.0)
+    assert "over_floor: a completion's ms/token ÷ the floor of one t token (float32" in run.markdown()
+    assert "| over_floor |" in run.markdown()

@@ -149,20 +149,20 @@ def latency(
     exit_with(code)
 
 
-def _floor_line(run, t) -> None:
+def _floor_line(run) -> None:
     """``--wide``: each mode's ms/token as a multiple of the target's one-token floor on this CPU (``cost``'s: its
-    Linear weights read once at the copy bandwidth, or their arithmetic, whichever is slower)."""
-    from lssp.measure.cost import model_floor
-
-    found = model_floor(t)
-    if found is None:
+    Linear weights read once at the copy bandwidth probed beside each prompt, or their arithmetic, whichever is
+    slower)."""
+    setup = run.setup
+    if not setup.floor_precision:
         return
-    floor, precision = found
-    ms, bound = floor.ms(1)
-    console.print(f"  floor of a {t.name} token ({precision}, {floor.weight_bytes / 1e6:.3g} MB, {bound}-bound at "
-                  f"{floor.bandwidth / 1e9:.1f} GB/s): {ms:.3g} ms; ms/token ÷ floor: " + ", ".join(
-                      f"{_engine(m)}{'RSp' if m.mode == 'rsp' else 'K=' + _k(m)} {m.ms_per_token / ms:.3g}×"
-                      for m in run.overall))
+    rsp = next((m for m in run.overall if m.mode == "rsp"), run.overall[0])
+    console.print(f"  floor of a {setup.target} token ({setup.floor_precision}, {setup.floor_weight_mb:.3g} MB, "
+                  f"{setup.floor_bound}-bound at {setup.bandwidth_gbs:.1f} GB/s, the median of "
+                  f"{plural(setup.bandwidth_probes, 'probe')}): {rsp.floor_ms:.3g} ms; ms/token ÷ floor: " + ", ".join(
+                      f"{_engine(m)}{'RSp' if m.mode == 'rsp' else 'K=' + _k(m)} {m.over_floor:.3g}×"
+                      + (f" [{m.over_floor_low:.3g}–{m.over_floor_high:.3g}]" if m.over_floor_low == m.over_floor_low
+                         else "") for m in run.overall))
 
 
 def engine_label(name: str) -> str:
@@ -215,7 +215,7 @@ def render(run, t, d, wide: bool = False, more: list | None = None) -> None:
     console.print(out)
     if wide:
         console.print(details)
-        _floor_line(run, t)
+        _floor_line(run)
     budget = overall[0].at_budget_share
     console.print(f"  {fmt(budget, 0, pct=True)} of completions ran to the {setup.max_new_tokens}-token budget"
                   + (" (--ignore-eos)" if setup.ignore_eos else "; the others ended at the end token" if budget < 1

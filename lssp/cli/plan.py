@@ -103,7 +103,7 @@ def plan(
         raise UserError(f"--bandwidth must be positive, got {bandwidth:g}")
     bandwidth_source = "--bandwidth"
     if bandwidth is None and _visible_gpus():
-        from lssp.measure.bench import copy_bandwidth
+        from lssp.decoding.timing import copy_bandwidth
 
         bandwidth, bandwidth_source = copy_bandwidth("cuda:0") / 1e9, "measured copy bandwidth of cuda:0"
     t_config = model_config(t_spec)

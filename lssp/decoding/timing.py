@@ -58,3 +58,19 @@ class Clock:
     def forward_now(self) -> float:
         """A reading around one forward: synchronized when forwards are timed, else 0.0."""
         return self.now() if self.per_forward else 0.0
+
+
+def copy_bandwidth(device: torch.device | str, megabytes: int = 1024, repeats: int = 5) -> float:
+    """Bytes per second of a large device-to-device copy (bytes read plus written)."""
+    device = torch.device(device)
+    n = megabytes * 2**20 // 4
+    src = torch.empty(n, dtype=torch.float32, device=device).fill_(1.0)
+    dst = torch.empty_like(src)
+    clock = Clock(device)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(repeats):
+        start = clock.now()
+        dst.copy_(src)
+        best = min(best, clock.now() - start)
+    return 2 * src.numel() * src.element_size() / best

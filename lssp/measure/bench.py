@@ -13,11 +13,9 @@ from dataclasses import dataclass, field
 from statistics import median
 from typing import Any
 
-import torch
-
 from lssp.decoding.generation import FIRST_TO_LAST, GenerationStats, timing_basis
 from lssp.decoding.sampling import SamplingParams
-from lssp.decoding.timing import Clock
+from lssp.decoding.timing import copy_bandwidth
 from lssp.engines import ENGINES as ENGINE_KINDS
 from lssp.engines import Engine, Mode, OursEngine, Request, TransformersEngine, engine_class, request_seed
 from lssp.measure.latency import (
@@ -396,19 +394,3 @@ def headline_timings(by: dict[str, list[EngineRun]], k: int, confidence: float =
         timings += [PromptTiming(r.prompt_index, how.mode, how.k, r.stats, how.confidence, engine=how.engine)
                     for r in runs if r.stats is not None]
     return timings
-
-
-def copy_bandwidth(device: torch.device | str, megabytes: int = 1024, repeats: int = 5) -> float:
-    """Bytes per second of a large device-to-device copy (bytes read plus written)."""
-    device = torch.device(device)
-    n = megabytes * 2**20 // 4
-    src = torch.empty(n, dtype=torch.float32, device=device).fill_(1.0)
-    dst = torch.empty_like(src)
-    clock = Clock(device)
-    dst.copy_(src)
-    best = float("inf")
-    for _ in range(repeats):
-        start = clock.now()
-        dst.copy_(src)
-        best = min(best, clock.now() - start)
-    return 2 * src.numel() * src.element_size() / best

@@ -17,7 +17,7 @@ import torch
 from transformers import PreTrainedModel
 
 from lssp.decoding.kv import forward_logits, new_cache
-from lssp.decoding.timing import Clock
+from lssp.decoding.timing import Clock, copy_bandwidth
 from lssp.models.loading import LoadedModel, cpu_quantize
 from lssp.models.modules import model_device
 from lssp.models.registry import CPU_QUANTIZATIONS
@@ -71,6 +71,10 @@ class Floor:
         """The floor of ``model``'s forward: the Linear layers it runs, as stored."""
         sizes = [stored_bytes(layer) for layer in linear_layers(model)]
         return cls(sum(b for b, _ in sizes), sum(w for _, w in sizes), bandwidth, throughput)
+
+    def at(self, bandwidth: float) -> Floor:
+        """The same floor at another bandwidth (a probe taken later)."""
+        return replace(self, bandwidth=bandwidth)
 
     def ms(self, tokens: int) -> tuple[float, str]:
         memory, compute = self.weight_bytes / self.bandwidth, 2 * self.weights * tokens / self.throughput
@@ -231,24 +235,28 @@ class Limits:
 
 def machine_limits(models: Sequence[LoadedModel], precisions: Sequence[str]) -> Limits | None:
     """The limits on the CPU (None elsewhere: a GPU's are bench's)."""
-    from lssp.measure.bench import copy_bandwidth
-
     if models[0].device.type != "cpu":
         return None
     return Limits(copy_bandwidth("cpu", BANDWIDTH_PROBE_MB), {p: matmul_throughput(p) for p in precisions})
 
 
+def bandwidth_probe() -> float:
+    """This CPU's copy bandwidth now, in bytes/s: the short probe a latency run takes beside its completions (it
+    drifts by a third from minute to minute on a shared machine)."""
+    return copy_bandwidth("cpu", BANDWIDTH_PROBE_MB, repeats=3)
+
+
 def model_floor(loaded: LoadedModel, bandwidth: float | None = None) -> tuple[Floor, str] | None:
     """The floor of one forward of ``loaded`` as it is (its precision, its forward) on this CPU, and that precision's
-    name; None on a GPU."""
-    from lssp.measure.bench import copy_bandwidth
-
-    if loaded.device.type != "cpu":
+    name; None on a GPU or for a model whose weights are not here (another engine's)."""
+    if loaded.device.type != "cpu" or not isinstance(getattr(loaded, "model", None), torch.nn.Module):
         return None
     quantization = loaded.spec.quantization
     precision = quantization if quantization in CPU_QUANTIZATIONS else loaded.dtype
-    return Floor.of(loaded.model, bandwidth or copy_bandwidth("cpu", BANDWIDTH_PROBE_MB),
-                    matmul_throughput(precision)), precision
+    floor = Floor.of(loaded.model, bandwidth or bandwidth_probe(), float("nan"))
+    if not floor.weight_bytes:
+        return None
+    return replace(floor, throughput=matmul_throughput(precision)), precision
 
 
 def run_costs(models: Sequence[LoadedModel], precisions: Sequence[str], token_counts: Sequence[int],

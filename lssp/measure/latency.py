@@ -15,6 +15,7 @@ from lssp.decoding.sampling import SamplingParams
 from lssp.decoding.timing import Clock
 from lssp.engines import ENGINES, Engine, EngineInfo, Mode, OursEngine, Request, engine_class, request_seed
 from lssp.errors import UserError
+from lssp.measure.cost import Floor, bandwidth_probe, model_floor
 from lssp.measure.runloop import Progress, run_interleaved
 from lssp.models.compact import compiled_graphs
 from lssp.models.loading import LoadedModel
@@ -43,6 +44,7 @@ class PromptTiming:
     engine: str = "ours"
     draft: str = ""  # SSp in a run of several drafts: which one
     ngram: int = 0  # SSp: n-gram length of the engine's n-gram drafter, drafting alone (0: a draft model)
+    floor_ms: float = float("nan")  # the target's one-token floor at the bandwidth probed in this prompt's round
 
     @property
     def how(self) -> Mode:
@@ -109,6 +111,10 @@ class ModeSummary:
     timing_fallbacks: int = 0  # completions whose ms/token is the whole completion's (no timed first emission)
     timing_basis: str = FIRST_TO_LAST  # how ms/token was measured (lssp.decoding.generation.timing_basis)
     ngram: int = 0  # SSp: n-gram length of the engine's n-gram drafter, drafting alone (0: a draft model)
+    floor_ms: float = float("nan")  # median of its completions' one-token floors (``over_floor``)
+    over_floor: float = float("nan")  # geometric mean of its completions' ms/token ÷ the floor beside each
+    over_floor_low: float = float("nan")  # its 95% t interval
+    over_floor_high: float = float("nan")
 
     @property
     def how(self) -> Mode:
@@ -185,7 +191,19 @@ def summarize(timings: Sequence[PromptTiming], how: Mode = RSP,
         ngram=how.ngram,
         timing_fallbacks=fallbacks,
         timing_basis=timing_basis(fallbacks, len(stats)),
+        **over_floor(timings),
     )
+
+
+def over_floor(timings: Sequence[PromptTiming]) -> dict[str, float]:
+    """ModeSummary's floor fields: each completion's ms/token ÷ the floor probed in its round, their geometric mean
+    with a 95% interval (nan where no probe was taken: a GPU, another engine's weights)."""
+    pairs = [(t.stats.ms_per_token, t.floor_ms) for t in timings if t.floor_ms == t.floor_ms]
+    if not pairs:
+        return {}
+    interval = ratio_interval(pairs)
+    return {"floor_ms": median(f for _, f in pairs), "over_floor": interval.estimate,
+            "over_floor_low": interval.low, "over_floor_high": interval.high}
 
 
 SAME_PASS = "same pass"  # no GPU to synchronize: the timed passes time every forward too
@@ -223,6 +241,11 @@ class LatencySetup:
     draft_kinds: dict[str, str] = field(default_factory=dict)  # each draft's kind: draft (a model) or eagle (a head)
     draft_precisions: dict[str, str] = field(default_factory=dict)  # in a run of several drafts
     left_out: list[str] = field(default_factory=list)  # modes asked for that an engine would not run as asked, why
+    floor_precision: str = ""  # the target's weights as the floor counts them (``model_floor``); "": no floor
+    floor_bound: str = ""  # memory or compute: what bounds the one-token floor at the median bandwidth
+    floor_weight_mb: float = float("nan")  # the target's Linear weights a forward reads
+    bandwidth_gbs: float = float("nan")  # the median of the copy-bandwidth probes taken, one per prompt and pass
+    bandwidth_probes: int = 0
 
     def method(self, m: ModeSummary) -> str:
         """How a mode drafted: none (RSp); ngram (an engine's n-gram drafter alone); the engine's own method with a
@@ -375,6 +398,7 @@ class LatencyRun:
             "acceptance_given_previous": ";".join(f"{x:.4f}" for x in m.acceptance_given_previous),
             "noisy": m.noisy or self.busy, "interrupted": self.interrupted, "split_timing": setup.split_timing,
             "recompiles": setup.recompiles, "others_cpu_share": round(setup.others_cpu_share, 3),
+            "bandwidth_gbs": setup.bandwidth_gbs, "floor_precision": setup.floor_precision,
             "target_precision": setup.own(m.engine).target_precision or setup.target_precision,
             "draft_precision": setup.draft_precisions.get(m.draft, setup.draft_precision) or "",
             **version_columns(engine_class(m.engine), setup.own(m.engine).version),
@@ -405,8 +429,9 @@ class LatencyRun:
         keys = ("task", "engine", "method", "mode", "target", "draft", "k", "confidence", "lookup", "lookup_acceptance", "ngram", "ms_per_token",
                 "ttft_ms", "acceptance_rate", "alpha", "mean_accepted", "speedup", "speedup_sd", "speedup_low",
                 "speedup_high", "specbench_speedup", *verdict_columns(None), "at_budget_share", "ms_per_token_median",
-                "forward_spread", "noise_spread", "noisy", "others_cpu_share", "timing_basis", "interrupted", "run_id",
-                "device")
+                "forward_spread", "noise_spread", "noisy", "others_cpu_share", "floor_ms", "over_floor",
+                "over_floor_low", "over_floor_high", "floor_precision", "bandwidth_gbs", "timing_basis", "interrupted",
+                "run_id", "device")
         return [{**{key: row[key] for key in keys}, "draft": row["draft"] or None,
                  "acceptance_by_position": [round(x, 4) for x in m.acceptance_by_position],
                  "acceptance_given_previous": [round(x, 4) for x in m.acceptance_given_previous]}
@@ -419,7 +444,8 @@ class LatencyRun:
                    *(["ngram"] if any(m.ngram for m in self.summaries) else []), "ms_per_token", "ms_per_token_median",
                    "ms_per_token_min", "ms_per_token_max", "ttft_ms", "acceptance_rate", "alpha", "mean_accepted",
                    "speedup", *(["speedup_sd"] if setup.repeats > 1 else []), "speedup_low", "speedup_high",
-                   "specbench_speedup", "at_budget_share", "forward_spread", "noise_spread"]
+                   "specbench_speedup", "at_budget_share", "forward_spread", "noise_spread",
+                   *(["over_floor", "over_floor_low", "over_floor_high"] if setup.floor_precision else [])]
         notes = [f"The draft/target shares, ms per forward and the spread come from {self.split_note}.",
                  "ms/token: time from a completion's first emission to its last token ÷ the tokens emitted after the "
                  "first emission, for every engine; speedup: RSp's ms/token ÷ this one's; speedup_low–high: the "
@@ -428,6 +454,8 @@ class LatencyRun:
                  "completions that ran to the token budget" + (" (--ignore-eos: all of them)." if setup.ignore_eos
                                                               else " instead of ending at the end token.")]
         notes += [f"Left out: {line}." for line in setup.left_out]
+        if setup.floor_precision:
+            notes.append(floor_note(setup))
         if setup.recompiles:
             notes.append(f"torch.compile built {plural(setup.recompiles, 'graph')} during the timed passes: their "
                          "compile time is in the figures.")
@@ -459,6 +487,14 @@ class LatencyRun:
                 f"{' (end token ignored)' if setup.ignore_eos else ' (or the end token)'}"
                 f"{f' x {setup.repeats} passes' if setup.repeats > 1 else ''}, {setup.params}\n\n{self.info.describe()}"
                 f"\n\n{tables}\n{' '.join(notes)}\n")
+
+
+def floor_note(setup: LatencySetup) -> str:
+    """What over_floor divides by, in a sentence."""
+    return (f"over_floor: a completion's ms/token ÷ the floor of one {setup.target} token ({setup.floor_precision}, "
+            f"{setup.floor_weight_mb:.3g} MB of weights read once, {setup.floor_bound}-bound) at the copy bandwidth "
+            f"probed right after its prompt's first mode (median {setup.bandwidth_gbs:.1f} GB/s over "
+            f"{plural(setup.bandwidth_probes, 'probe')}); the geometric mean with its 95% interval.")
 
 
 def verdict_columns(verdict: Verdict | None) -> dict[str, Any]:
@@ -721,7 +757,9 @@ def run_latency(
     draft/target time split is measured (``separate_split_pass``); with a separate pass, the timed passes
     synchronize a GPU only at each completion's boundaries. Ctrl-C after at least one prompt returns the
     prompts completed in every mode (``interrupted``). ``target`` tokenizes; ``drafts`` are described in the rows;
-    ``left_out``: modes asked for and not run, why (``ngram_left_out``), said in the run's notes.
+    ``left_out``: modes asked for and not run, why (``ngram_left_out``), said in the run's notes. On a CPU, the
+    copy bandwidth is probed after the first mode's completion of each prompt, for each completion's ms/token as a
+    multiple of the target's one-token floor at that moment (``over_floor``).
     """
     prompts = as_task_prompts(prompts, chat)
     for how in modes:
@@ -734,8 +772,9 @@ def run_latency(
     stopping = Stopping() if ignore_eos else Stopping(token_ids=target.eos_ids)
     setup = _setup(target, drafts, engines, prompts, params, max_new_tokens, chat, repeats, ignore_eos, separate)
     setup.left_out = list(left_out)
+    floor = floor_of(target, setup)
 
-    def complete(how: Mode, prompt: TaskPrompt, index: int, time_forwards: bool) -> tuple[GenerationStats, int]:
+    def complete(how: Mode, prompt: TaskPrompt, index: int, time_forwards: bool) -> tuple[GenerationStats, int, float]:
         engine = engines[how.engine]
 
         def generate(ids: torch.Tensor) -> GenerationOutput:
@@ -743,7 +782,8 @@ def run_latency(
                                                 time_forwards=time_forwards))
 
         stats, at_budget, _ = complete_turns(target, prompt, uses_chat_template(target, prompt, chat), generate)
-        return stats, at_budget
+        probed = floor is not None and index >= 0 and how == modes[0]
+        return stats, at_budget, bandwidth_probe() if probed else float("nan")
 
     graphs, started = [compiled_graphs()], [cpu_snapshot()]
 
@@ -756,10 +796,26 @@ def run_latency(
         warmed=warmed)
     setup.recompiles = compiled_graphs() - graphs[0]
     setup.others_cpu_share = others_share(started[0], cpu_snapshot())
+    probes = {(s.repeat, s.split_pass, s.index): s.result[2] for s in steps if s.result[2] == s.result[2]}
+    if floor is not None and probes:
+        setup.bandwidth_gbs, setup.bandwidth_probes = median(probes.values()) / 1e9, len(probes)
+        setup.floor_bound = floor.at(median(probes.values())).ms(1)[1]
+    floors = {key: floor.at(bandwidth).ms(1)[0] for key, bandwidth in probes.items()} if floor else {}
     timings = [PromptTiming(s.index, s.mode.mode, s.mode.k, s.result[0], s.mode.confidence, s.mode.lookup, s.repeat,
                             s.split_pass, prompts[s.index].task, len(prompts[s.index].turns), s.result[1], s.mode.engine,
-                            s.mode.draft, s.mode.ngram) for s in steps]
+                            s.mode.draft, s.mode.ngram, floors.get((s.repeat, s.split_pass, s.index), float("nan")))
+               for s in steps]
     return LatencyRun(summaries_by_task(timings, modes), timings, setup, info, interrupted)
+
+
+def floor_of(target: LoadedModel, setup: LatencySetup) -> Floor | None:
+    """The target's one-token floor on this CPU (``model_floor``), said in ``setup``; None on a GPU."""
+    found = model_floor(target)
+    if found is None:
+        return None
+    floor, setup.floor_precision = found
+    setup.floor_weight_mb = floor.weight_bytes / 1e6
+    return floor
 
 
 def _setup(target: LoadedModel, drafts: Sequence[LoadedModel], engines: dict[str, Engine], prompts: Sequence[TaskPrompt],
