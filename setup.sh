@@ -74,25 +74,42 @@ fi
 
 # llama.cpp, from the tree that llama-cpp-python's source distribution vendors (PyPI has no llama.cpp of its own).
 # Built once per version into $LLAMASSP_CACHE/llamacpp/VERSION-FLAVOR (default ~/.cache/llamassp), shared by clones:
-# bin/llama-server, src/ (the tree: convert_hf_to_gguf.py and its gguf-py), build.json (what lssp reads), build.log.
+# bin/llama-server, bin/llama-bench (llama.cpp's own decode timer, for the benchmarks' reference), src/ (the tree:
+# convert_hf_to_gguf.py and its gguf-py), build.json (what lssp reads), build.log.
 # LLAMACPP_VERSION must match lssp/engines/llamacpp.py's LLAMACPP_VERSION.
 LLAMACPP_VERSION=${LLAMACPP_VERSION:-0.3.36}
-# cmake_llamacpp WORK CUDA_FLAG COMMIT JOBS CFLAGS LOG: llama-server from WORK/src into WORK/bin (CFLAGS added to
-# GGML_NATIVE's own; "" for none).
+# cmake_llamacpp WORK CUDA_FLAG COMMIT JOBS CFLAGS LOG [TARGETS]: llama-server and llama-bench (or TARGETS) from
+# WORK/src into WORK/bin (CFLAGS added to GGML_NATIVE's own; "" for none).
 cmake_llamacpp() {
-    local work=$1 cuda_flag=$2 commit=$3 jobs=$4 cflags=$5 log=$6
+    local work=$1 cuda_flag=$2 commit=$3 jobs=$4 cflags=$5 log=$6 targets
+    read -ra targets <<<"${7:-llama-server llama-bench}"
     if ! { cmake -S "$work/src" -B "$work/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
                -DGGML_CUDA="$cuda_flag" -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
                -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF \
                -DCMAKE_C_FLAGS="$cflags" -DCMAKE_CXX_FLAGS="$cflags" -DLLAMA_BUILD_COMMIT="${commit:-unknown}" \
-           && cmake --build "$work/build" --config Release --target llama-server -j "$jobs"; } >>"$log" 2>&1; then
+           && cmake --build "$work/build" --config Release --target "${targets[@]}" -j "$jobs"; } >>"$log" 2>&1; then
         local last
         last=$(grep -E ': (fatal )?error|CMake Error|No such file' "$log" | tail -1)
         echo "setup: building llama.cpp failed: ${last:-see the log}" >&2
         echo "setup: build log: $log" >&2
         return 1
     fi
-    mkdir -p "$work/bin" && cp "$work/build/bin/llama-server" "$work/bin/"
+    local target
+    mkdir -p "$work/bin" && for target in "${targets[@]}"; do cp "$work/build/bin/$target" "$work/bin/"; done
+}
+# bench_llamacpp DIR: llama-bench into a build made before setup built it (the libraries again, minutes), with the
+# flags build.json records.
+bench_llamacpp() {
+    local dir=$1 work="$1.bench-partial"
+    local cuda_flag=OFF commit cflags
+    case $dir in *-cuda) cuda_flag=ON ;; esac
+    commit=$($PY -c "import json, sys; print(json.load(open(sys.argv[1])).get('llama_cpp_commit', ''))" "$dir/build.json")
+    cflags=$($PY -c "import json, sys; print(json.load(open(sys.argv[1])).get('cflags', ''))" "$dir/build.json")
+    rm -rf "$work" && mkdir -p "$work" && ln -s "$dir/src" "$work/src"
+    echo "setup: building llama-bench beside the llama-server built earlier (minutes)"
+    cmake_llamacpp "$work" "$cuda_flag" "$commit" "$(nproc 2>/dev/null || echo 2)" "$cflags" "$work/build.log" \
+        llama-bench || return 1
+    cp "$work/bin/llama-bench" "$dir/bin/" && rm -rf "$work"
 }
 # smoke_llamacpp SERVER: start it once on the embedded GGUF (lssp.engines.llamacpp_build.smoke_test); prints what
 # happened, fails if it did not start.
@@ -106,6 +123,7 @@ build_llamacpp() {
     local dir="$cache/llamacpp/$LLAMACPP_VERSION-$flavor"
     if [ -f "$dir/build.json" ] && [ -x "$dir/bin/llama-server" ]; then
         echo "setup: llama.cpp already built in $dir"
+        [ -x "$dir/bin/llama-bench" ] || bench_llamacpp "$dir"
         return 0
     fi
     local work="$dir.partial"

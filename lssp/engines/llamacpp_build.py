@@ -48,6 +48,11 @@ class LlamacppBuild:
         return self.folder / "bin" / "llama-server"
 
     @property
+    def bench(self) -> Path:
+        """llama.cpp's own timer (``raw_decode``); builds made before setup built it lack it until setup runs again."""
+        return self.folder / "bin" / "llama-bench"
+
+    @property
     def converter(self) -> Path:
         return self.folder / "src" / "convert_hf_to_gguf.py"
 
@@ -187,6 +192,42 @@ def last_error_line(log_path: Path) -> str:
 
 
 SMOKE_TIMEOUT_S = 120
+BENCH_TIMEOUT_S = 600
+
+
+@dataclass(frozen=True)
+class RawDecode:
+    """llama.cpp's decoding with nothing around it (``llama-bench``'s generation test: no server, no sampling)."""
+
+    ms_per_token: float  # the mean over the repetitions
+    sd_ms: float  # their standard deviation
+    tokens: int  # generated per repetition, after ``depth`` tokens already in the cache
+    depth: int
+    threads: int
+    flash_attn: str
+
+    @property
+    def label(self) -> str:
+        return f"llama-bench tg{self.tokens} @ d{self.depth}, {self.threads} threads, flash attention {self.flash_attn}"
+
+
+def raw_decode(build: LlamacppBuild, model: Path, threads: int, tokens: int = 64, depth: int = 64, repeats: int = 5,
+               flash_attn: str = "on") -> RawDecode:
+    """Time llama.cpp's own decoding of ``model`` with ``llama-bench`` (``tokens`` after ``depth`` in the cache):
+    the reference for what llama.cpp itself reaches, beside what llama-server's timings say."""
+    if not build.bench.exists():
+        raise UserError(f"no llama-bench in {build.folder}: run ./setup.sh --llamacpp again (it adds it)")
+    args = [str(build.bench), "-m", str(model), "-t", str(threads), "-p", "0", "-n", str(tokens), "-d", str(depth),
+            "-r", str(repeats), "-fa", flash_attn, "-o", "json"]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=BENCH_TIMEOUT_S)
+    if done.returncode != 0:
+        raise UserError(f"llama-bench exited with code {done.returncode}: "
+                        f"{(done.stderr.strip().splitlines() or ['no output'])[-1][:200]}")
+    test = json.loads(done.stdout)[0]
+    per_token = [ns / 1e6 / tokens for ns in test["samples_ns"]]
+    mean = sum(per_token) / len(per_token)
+    sd = (sum((x - mean) ** 2 for x in per_token) / (len(per_token) - 1)) ** 0.5 if len(per_token) > 1 else 0.0
+    return RawDecode(mean, sd, tokens, depth, threads, flash_attn)
 
 
 def smoke_model() -> Path | None:
