@@ -16,6 +16,7 @@
 #include <torch/library.h>
 #include <immintrin.h>
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <tuple>
@@ -226,6 +227,28 @@ constexpr int64_t kRowTile = 8;
 constexpr int64_t kRowsPerThread = 16;  // from here the per-row work beside the matmuls is split between threads
 constexpr int64_t kAhead = 4096;  // bytes of weights prefetched ahead of those multiplied: on an AMD EPYC (2 cores),
                                   // a q4_1 forward 4-6% faster than at 2048 and 15-18% than with none (interleaved A/B in one process)
+
+#ifdef LSSP_PHASES  // benchmarks/forward_phases.py's own build: the decoder's time by phase, summed over its calls
+constexpr int kPhases = 11;  // norm, qkv, rope and cache, attention, o, residual and norm, gate_up, silu, down,
+                             // residual, output layer; then the number of calls
+double phase_seconds[kPhases + 1];
+inline double phase_now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+#define LSSP_LAP_START() double lap_ = phase_now(); phase_seconds[kPhases] += 1
+#define LSSP_LAP_RESET() lap_ = phase_now()
+#define LSSP_LAP(i) do { const double now_ = phase_now(); phase_seconds[i] += now_ - lap_; lap_ = now_; } while (0)
+at::Tensor phase_times() {  // the sums since the last call (seconds; the last entry: calls), then zeros
+  at::Tensor out = at::empty({kPhases + 1}, at::TensorOptions().dtype(at::kDouble));
+  std::copy(phase_seconds, phase_seconds + kPhases + 1, out.data_ptr<double>());
+  std::fill(phase_seconds, phase_seconds + kPhases + 1, 0.0);
+  return out;
+}
+#else
+#define LSSP_LAP_START()
+#define LSSP_LAP_RESET()
+#define LSSP_LAP(i)
+#endif
 
 // Activations in int8 groups: xq (R, K), each group's scale s, s * sum(xq) for the minimum's term, and sum(xq).
 struct Quantized {
@@ -1058,6 +1081,7 @@ std::tuple<at::Tensor, at::Tensor> decoder(const at::Tensor& hidden_in, const at
       gate_up(R * 2 * inner), act(R * inner);
   AttentionPlan plan(live, n, start, S, ap, a_batch, B, heads, kv_heads, hd);
   Scratch s;
+  LSSP_LAP_START();
   for (int64_t l = 0; l < L; ++l) {
     const at::Tensor* w = weights.data() + l * kPerLayer;
     const at::Tensor& keys = cache[2 * l];
@@ -1066,11 +1090,14 @@ std::tuple<at::Tensor, at::Tensor> decoder(const at::Tensor& hidden_in, const at
     if (l == 0 && two_inputs) {  // [embed_norm(embeds), input norm(hidden)], 2D wide
       rms_norm(embeds.data_ptr<float>(), R, D, embed_norm->data_ptr<float>(), eps, x.data(), 2 * D);
       rms_norm(h, R, D, input_norm, eps, x.data() + D, 2 * D);
+      LSSP_LAP(0);
       matmul(blocks_of(w[1], w[2], w[3], 2 * D), x.data(), R, qkv.data(), s);
     } else {
       rms_norm(h, R, D, input_norm, eps, x.data());
+      LSSP_LAP(0);
       matmul(blocks_of(w[1], w[2], w[3], D), x.data(), R, qkv.data(), s);
     }
+    LSSP_LAP(1);
     // rotary on queries and keys; keys and values into the cache
     at::parallel_for(0, R, kRowsPerThread, [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r) {
@@ -1092,12 +1119,17 @@ std::tuple<at::Tensor, at::Tensor> decoder(const at::Tensor& hidden_in, const at
         }
       }
     });
+    LSSP_LAP(2);
     if (half) attend_layer<at::Half>(plan, qkv.data(), width, keys, values, static_cast<float>(scale), attn.data());
     else attend_layer<float>(plan, qkv.data(), width, keys, values, static_cast<float>(scale), attn.data());
+    LSSP_LAP(3);
     matmul(blocks_of(w[4], w[5], w[6], heads * hd), attn.data(), R, proj.data(), s);
+    LSSP_LAP(4);
     for (int64_t j = 0; j < R * D; ++j) h[j] += proj[j];
     rms_norm(h, R, D, w[7].data_ptr<float>(), eps, x.data());
+    LSSP_LAP(5);
     matmul(blocks_of(w[8], w[9], w[10], D), x.data(), R, gate_up.data(), s);
+    LSSP_LAP(6);
     at::parallel_for(0, R, kRowsPerThread, [&](int64_t r0, int64_t r1) {  // silu(gate) * up
       for (int64_t r = r0; r < r1; ++r) {
         const float* gu = gate_up.data() + r * 2 * inner;
@@ -1111,8 +1143,11 @@ std::tuple<at::Tensor, at::Tensor> decoder(const at::Tensor& hidden_in, const at
         }
       }
     });
+    LSSP_LAP(7);
     matmul(blocks_of(w[11], w[12], w[13], inner), act.data(), R, proj.data(), s);
+    LSSP_LAP(8);
     for (int64_t j = 0; j < R * D; ++j) h[j] += proj[j];
+    LSSP_LAP(9);
   }
   const float* normed = h;  // the rows the output layer reads
   std::vector<float> apart;  // an EAGLE-3 layer's normed rows, its hidden states kept as they were
@@ -1146,6 +1181,7 @@ std::tuple<at::Tensor, at::Tensor> decoder(const at::Tensor& hidden_in, const at
     const float* row = normed + row_of[b * n + n - kept + j] * D;
     std::copy(row, row + D, last.data() + p * D);
   }
+  LSSP_LAP_RESET();  // the final norm and the rows' bookkeeping are in no phase
   at::Tensor logits = holes ? at::zeros({B, kept, o.N}, hidden.options()) : at::empty({B, kept, o.N}, hidden.options());
   if (!holes) {
     matmul(o, last.data(), B * kept, logits.data_ptr<float>(), s);
@@ -1155,6 +1191,7 @@ std::tuple<at::Tensor, at::Tensor> decoder(const at::Tensor& hidden_in, const at
     for (size_t p = 0; p < picked.size(); ++p)
       std::copy(computed.data() + p * o.N, computed.data() + (p + 1) * o.N, logits.data_ptr<float>() + picked[p] * o.N);
   }
+  LSSP_LAP(10);
   return std::make_tuple(full, logits);
 }
 
@@ -1386,6 +1423,9 @@ TORCH_LIBRARY(lssp, m) {
         "Tensor(a!)[] cache, int start, int heads, int kv_heads, float eps, float scale, Tensor[] output, "
         "Tensor token_ids, int k, float temperature=0., Tensor? uniforms=None, Tensor? embed_norm=None, "
         "Tensor? final_norm=None) -> (Tensor, Tensor, Tensor, Tensor)");
+#ifdef LSSP_PHASES
+  m.def("phase_times() -> Tensor");
+#endif
 }
 
 TORCH_LIBRARY_IMPL(lssp, CPU, m) {
@@ -1399,4 +1439,7 @@ TORCH_LIBRARY_IMPL(lssp, CPU, m) {
 
 TORCH_LIBRARY_IMPL(lssp, CompositeExplicitAutograd, m) {
   m.impl("arena", &arena);
+#ifdef LSSP_PHASES
+  m.impl("phase_times", &phase_times);
+#endif
 }
