@@ -20,7 +20,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from lssp.kernels import CFLAGS, LDFLAGS, block_kernel  # noqa: E402
+from lssp.kernels import block_kernel, load_as  # noqa: E402
 from lssp.measure.cost import stored_bytes  # noqa: E402
 from lssp.models.loading import load_model  # noqa: E402
 from lssp.models.registry import load_registry  # noqa: E402
@@ -30,18 +30,6 @@ from lssp.report.results import cpu_name  # noqa: E402
 NAMESPACE = "lssp_phases"
 PHASES = ("norm", "qkv", "rope_and_cache", "attention", "o", "residual_and_norm", "gate_up", "silu", "down", "residual",
           "output_layer")
-
-
-def build(where: Path) -> None:
-    """``torch.ops.lssp_phases``: the working tree's kernel, timing its phases."""
-    from torch.utils.cpp_extension import load
-
-    source = (REPO / "lssp" / "kernels" / "blocks.cpp").read_text()
-    source = source.replace("TORCH_LIBRARY(lssp,", f"TORCH_LIBRARY({NAMESPACE},")
-    source = source.replace("TORCH_LIBRARY_IMPL(lssp,", f"TORCH_LIBRARY_IMPL({NAMESPACE},")
-    (where / "blocks.cpp").write_text(source)
-    load(name=NAMESPACE, sources=[str(where / "blocks.cpp")], build_directory=str(where),
-         extra_cflags=[*CFLAGS, "-DLSSP_PHASES"], extra_ldflags=list(LDFLAGS), is_python_module=False, verbose=False)
 
 
 def weight_mb(model: torch.nn.Module) -> dict[str, float]:
@@ -65,7 +53,7 @@ def main() -> None:
     result: dict = {"cpu": cpu_name(), "threads": torch.get_num_threads(), "unit": "µs per forward",
                     "weights_mb": {k: round(v, 2) for k, v in sizes.items()}, "runs": {}}
     with tempfile.TemporaryDirectory() as where, torch.inference_mode():
-        build(Path(where))
+        load_as((REPO / "lssp" / "kernels" / "blocks.cpp").read_text(), NAMESPACE, Path(where), ("-DLSSP_PHASES",))
         torch.ops.lssp.decoder = getattr(torch.ops, NAMESPACE).decoder
         for context in (128, 512):
             cache = model.new_cache()

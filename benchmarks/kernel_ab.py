@@ -30,7 +30,7 @@ from lssp.decoding.generation import generate_regular  # noqa: E402
 from lssp.decoding.sampling import SamplingParams  # noqa: E402
 from lssp.decoding.speculative import speculative_decode  # noqa: E402
 from lssp.drafters import entry_drafter  # noqa: E402
-from lssp.kernels import CFLAGS, LDFLAGS, block_kernel  # noqa: E402
+from lssp.kernels import block_kernel, load_as  # noqa: E402
 from lssp.models.loading import encode_prompt, load_model  # noqa: E402
 from lssp.models.registry import load_registry  # noqa: E402
 from lssp.models.sources import cache_root  # noqa: E402
@@ -43,15 +43,9 @@ BASE = "lssp_base"  # the op namespace of REV's build
 
 def build_base(rev: str, where: Path) -> None:
     """``torch.ops.lssp_base``: the kernel's source at ``rev``."""
-    from torch.utils.cpp_extension import load
-
     source = subprocess.run(["git", "show", f"{rev}:lssp/kernels/blocks.cpp"], cwd=REPO, check=True,
                             capture_output=True, text=True).stdout
-    source = source.replace("TORCH_LIBRARY(lssp,", f"TORCH_LIBRARY({BASE},")
-    source = source.replace("TORCH_LIBRARY_IMPL(lssp,", f"TORCH_LIBRARY_IMPL({BASE},")
-    (where / "blocks.cpp").write_text(source)
-    load(name=f"{BASE}_{rev[:12]}", sources=[str(where / "blocks.cpp")], build_directory=str(where),
-         extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS), is_python_module=False, verbose=False)
+    load_as(source, BASE, where)
 
 
 def matmuls(ops: dict, repeats: int) -> dict:

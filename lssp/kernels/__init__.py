@@ -139,6 +139,18 @@ def _load_block_kernel(root: Path) -> None:
     _loaded.append(where)
 
 
+def load_as(source: str, namespace: str, where: Path, extra_cflags: tuple[str, ...] = ()) -> None:
+    """Build and load another copy of the kernel's ``source`` whose ops live under ``torch.ops.<namespace>`` (the
+    benchmarks' A/B and instrumented builds, beside the one ``block_kernel`` loads)."""
+    from torch.utils.cpp_extension import load
+
+    source = source.replace("TORCH_LIBRARY(lssp,", f"TORCH_LIBRARY({namespace},")
+    source = source.replace("TORCH_LIBRARY_IMPL(lssp,", f"TORCH_LIBRARY_IMPL({namespace},")
+    (where / "blocks.cpp").write_text(source)
+    load(name=namespace, sources=[str(where / "blocks.cpp")], build_directory=str(where),
+         extra_cflags=[*CFLAGS, *extra_cflags], extra_ldflags=list(LDFLAGS), is_python_module=False, verbose=False)
+
+
 def huge_page_share(spans: list[tuple[int, int]]) -> float | None:
     """The share of the memory ``spans`` ((address, bytes) each) that Linux backs with huge pages: the
     ``AnonHugePages`` of the mappings holding them (``/proc/self/smaps``, read once, each mapping counted once and in
