@@ -20,7 +20,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from lssp.kernels import block_kernel, load_as  # noqa: E402
+from lssp.kernels import block_kernel, load_as, with_kept_stack  # noqa: E402
 from lssp.measure.cost import stored_bytes  # noqa: E402
 from lssp.models.loading import load_model  # noqa: E402
 from lssp.models.registry import load_registry  # noqa: E402
@@ -54,7 +54,7 @@ def main() -> None:
                     "weights_mb": {k: round(v, 2) for k, v in sizes.items()}, "runs": {}}
     with tempfile.TemporaryDirectory() as where, torch.inference_mode():
         load_as((REPO / "lssp" / "kernels" / "blocks.cpp").read_text(), NAMESPACE, Path(where), ("-DLSSP_PHASES",))
-        torch.ops.lssp.decoder = getattr(torch.ops, NAMESPACE).decoder
+        torch.ops.lssp.decoder = with_kept_stack(NAMESPACE)
         for context in (128, 512):
             cache = model.new_cache()
             model(ids[:, :context], past_key_values=cache)

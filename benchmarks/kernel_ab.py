@@ -30,7 +30,7 @@ from lssp.decoding.generation import generate_regular  # noqa: E402
 from lssp.decoding.sampling import SamplingParams  # noqa: E402
 from lssp.decoding.speculative import speculative_decode  # noqa: E402
 from lssp.drafters import entry_drafter  # noqa: E402
-from lssp.kernels import block_kernel, load_as  # noqa: E402
+from lssp.kernels import block_kernel, load_as, with_kept_stack  # noqa: E402
 from lssp.models.loading import encode_prompt, load_model  # noqa: E402
 from lssp.models.registry import load_registry  # noqa: E402
 from lssp.models.sources import cache_root  # noqa: E402
@@ -132,13 +132,17 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as where, torch.inference_mode():
         build_base(args.rev, Path(where))
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout
+        changed = subprocess.run(["git", "status", "--porcelain", "lssp"], cwd=REPO, capture_output=True, text=True).stdout
+        head = head.strip() + (" with the working tree's changes" if changed.strip() else "")
         base = getattr(torch.ops, BASE)
-        result = {"cpu": cpu_name(), "threads": torch.get_num_threads(), "base": args.rev, "head": head.strip(),
+        # Both taken before any swap: forwards() leaves torch.ops.lssp.decoder set to the build it timed last (until
+        # 2026-11-29 decoding() then read it as the head's, and timed the base build against itself).
+        decoders = {"head": torch.ops.lssp.decoder, "base": with_kept_stack(BASE)}
+        result = {"cpu": cpu_name(), "threads": torch.get_num_threads(), "base": args.rev, "head": head,
                   "kv_cache": args.cache,
                   "matmul_ms": matmuls({"head": torch.ops.lssp.block_mm, "base": base.block_mm}, 40),
-                  "forward_ms": forwards({"head": torch.ops.lssp.decoder, "base": base.decoder}, 20, cache),
-                  "decoding_ms_per_token": decoding({"head": torch.ops.lssp.decoder, "base": base.decoder},
-                                                    args.repeats, args.prompts, cache)}
+                  "forward_ms": forwards(decoders, 20, cache),
+                  "decoding_ms_per_token": decoding(decoders, args.repeats, args.prompts, cache)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result))

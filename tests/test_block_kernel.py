@@ -3,6 +3,7 @@ llama.cpp does (int8 activations in groups of 32), gives each row the numbers it
 ``q4_1`` decodes exactly (greedy SSp = RSp, eager and compiled)."""
 from __future__ import annotations
 
+import gc
 import os
 import re
 import shutil
@@ -541,6 +542,59 @@ def test_the_one_call_decoder_gives_the_hidden_states_of_tapped_layers(tiny_dir)
     target.__dict__["_stack"] = None  # the layer-by-layer forward
     layered_logits, layered = features((0,))
     torch.testing.assert_close(tapped, layered, rtol=1e-3, atol=1e-3)
+
+
+def kept_against_passed(model: torch.nn.Module) -> int:
+    """The one-call decoder's logits from ``model``'s kept stack equal those from its tensors passed; its handle."""
+    ids = torch.randint(0, 64, (1, 6), generator=torch.Generator().manual_seed(7))
+    with torch.inference_mode():
+        kv = model.new_cache()
+        model(ids[:, :5], past_key_values=kv)
+        hidden = model.hf.model.embed_tokens(ids[:, 5:])
+        cos, sin = model._rotary(5, 6, hidden)
+        output, handle = model._fused_output(1), model._kept_stack()
+        logits = [torch.ops.lssp.decoder(hidden, cos, sin, None, weights, kv.keys_values, 5, model.heads,
+                                         model.kv_heads, model.eps, model.scale, output.norm, output.weights, 1, None,
+                                         stack=stack)[1] for weights, stack in (([], handle), (model._block_stack(), -1))]
+        assert torch.equal(*logits)
+        assert len(torch.ops.lssp.kept(handle)) == len(model._block_stack())
+    return handle
+
+
+def test_a_kept_stack_gives_its_tensors_numbers_and_goes_with_its_model(tiny_dir):
+    """The one-call decoder reads a model's weights from a stack kept in the kernel by handle (passing 14 tensors a
+    layer to every call cost ~0.1 ms a forward): the same logits as the tensors passed; the stack is let go when its
+    model is, and its handle then refused in one line."""
+    model = load_model(load_registry(tiny_dir / "models.yaml").get("tiny-target-q4")).model
+    handle = kept_against_passed(model)
+    del model
+    gc.collect()
+    with pytest.raises(RuntimeError, match=f"no stack kept as {handle}"):
+        torch.ops.lssp.kept(handle)
+
+
+def test_the_forward_gives_the_same_logits_on_one_thread_as_on_two(tiny_dir):
+    """Each output of the one-call decoder is computed by one thread in the same order however the work is shared,
+    so one thread and two give the same logits, decoding and verifying."""
+    model = load_model(load_registry(tiny_dir / "models.yaml").get("tiny-wide-q4-f16")).model
+    ids = torch.randint(0, 64, (1, 140), generator=torch.Generator().manual_seed(8))
+
+    def logits() -> torch.Tensor:
+        with torch.inference_mode():
+            kv = model.new_cache()
+            prompt = model(ids[:, :136], past_key_values=kv).logits[0]
+            return torch.cat([prompt, model(ids[:, 136:137], past_key_values=kv).logits[0],
+                              model(ids[:, 137:140], past_key_values=kv).logits[0]])
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        two = logits()
+        torch.set_num_threads(1)
+        one = logits()
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
 
 
 def test_the_kernel_runs_on_avx512_vnni_or_avx2_and_says_which(monkeypatch):

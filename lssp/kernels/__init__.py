@@ -6,7 +6,8 @@ activations on AVX512-VNNI, or on AVX2 (with FMA and F16C) where the CPU has no 
 attention of each query by itself (the compact forward of a q4_1 model: a verification forward, or a batch of rows,
 then computes each position as a one-token forward of its row does, which int8 activations need to keep SSp exact), and
 ``torch.ops.lssp.decoder``, a q4_1 model's whole stack of decoder layers in one call (no Python, no compilation), with
-its final norm and output layer where asked. It is built with ``-march=native -fopenmp`` (``-march=x86-64-v3`` with
+its final norm and output layer where asked (its weights kept in the kernel by handle, ``torch.ops.lssp.keep``, and its
+layers run in one team of threads with a barrier between steps). It is built with ``-march=native -fopenmp`` (``-march=x86-64-v3`` with
 ``$LLAMASSP_KERNEL_AVX2=1``: the AVX2 path on any CPU, to test or time it; its matmuls and attention
 split between torch's threads) by torch's extension builder (g++ and ninja) into ``$LLAMASSP_CACHE/kernels/`` (the
 caller's choice), one build per source, torch version and CPU model (~10-20 s, once).
@@ -19,7 +20,9 @@ import os
 import platform
 import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -38,6 +41,7 @@ NEEDED_FLAGS = ("avx2", "fma", "f16c")  # what it needs at least
 FORCE_AVX2 = os.environ.get("LLAMASSP_KERNEL_AVX2", "") not in ("", "0")
 CFLAGS = ("-O3", "-march=x86-64-v3" if FORCE_AVX2 else "-march=native", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
+WEIGHTS_PER_LAYER = 14  # tensors per layer in the one-call decoder's stack (kPerLayer in blocks.cpp)
 
 
 def missing_flags() -> list[str]:
@@ -125,7 +129,8 @@ def _load_block_kernel(root: Path) -> None:
           weights: list[torch.Tensor], cache: list[torch.Tensor], start: int, heads: int, kv_heads: int, eps: float,
           scale: float, final_norm: torch.Tensor | None, output: list[torch.Tensor],
           keep: int, used: torch.Tensor | None = None, embeds: torch.Tensor | None = None,
-          embed_norm: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+          embed_norm: torch.Tensor | None = None, stack: int = -1,
+          stack_layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         batch, n = hidden.shape[:2]
         kept = min(keep, n) if keep > 0 else n
         logits = hidden.new_empty(batch, kept, output[0].shape[0]) if output else hidden.new_empty(0)
@@ -149,6 +154,27 @@ def load_as(source: str, namespace: str, where: Path, extra_cflags: tuple[str, .
     (where / "blocks.cpp").write_text(source)
     load(name=namespace, sources=[str(where / "blocks.cpp")], build_directory=str(where),
          extra_cflags=[*CFLAGS, *extra_cflags], extra_ldflags=list(LDFLAGS), is_python_module=False, verbose=False)
+
+
+def with_kept_stack(namespace: str) -> Callable[..., Any]:
+    """The ``decoder`` op of another build (``load_as``) called as ours is: a stack named by handle in this build
+    (``stack``, from layer ``stack_layer``) is kept in that build too, or passed as tensors where its source keeps
+    none (an older one)."""
+    ops = getattr(torch.ops, namespace)
+    keeps = hasattr(ops, "keep")
+    theirs: dict[int, int] = {}  # our handle -> theirs, for the same tensors
+
+    def call(*args: Any, stack: int = -1, stack_layer: int = 0, **kwargs: Any) -> Any:
+        if stack < 0:
+            return ops.decoder(*args, **kwargs)
+        if keeps:
+            if stack not in theirs:
+                theirs[stack] = ops.keep(torch.ops.lssp.kept(stack))
+            return ops.decoder(*args, stack=theirs[stack], stack_layer=stack_layer, **kwargs)
+        layers = len(args[5]) // 2  # the cache's tensors: keys and values per layer
+        first, end = stack_layer * WEIGHTS_PER_LAYER, (stack_layer + layers) * WEIGHTS_PER_LAYER
+        return ops.decoder(*args[:4], torch.ops.lssp.kept(stack)[first:end], *args[5:], **kwargs)
+    return call
 
 
 def huge_page_share(spans: list[tuple[int, int]]) -> float | None:

@@ -27,6 +27,10 @@
 #include <limits>
 #include <cstring>
 #include <sys/mman.h>
+#include <omp.h>
+#include <memory>
+#include <mutex>
+#include <thread>
 
 namespace {
 
@@ -238,6 +242,7 @@ inline double phase_now() {
 #define LSSP_LAP_START() double lap_ = phase_now(); phase_seconds[kPhases] += 1
 #define LSSP_LAP_RESET() lap_ = phase_now()
 #define LSSP_LAP(i) do { const double now_ = phase_now(); phase_seconds[i] += now_ - lap_; lap_ = now_; } while (0)
+#define LSSP_LAP_IF(first, i) do { if (first) LSSP_LAP(i); } while (0)  // one thread's laps in a team
 at::Tensor phase_times() {  // the sums since the last call (seconds; the last entry: calls), then zeros
   at::Tensor out = at::empty({kPhases + 1}, at::TensorOptions().dtype(at::kDouble));
   std::copy(phase_seconds, phase_seconds + kPhases + 1, out.data_ptr<double>());
@@ -248,6 +253,7 @@ at::Tensor phase_times() {  // the sums since the last call (seconds; the last e
 #define LSSP_LAP_START()
 #define LSSP_LAP_RESET()
 #define LSSP_LAP(i)
+#define LSSP_LAP_IF(first, i)
 #endif
 
 // Activations in int8 groups: xq (R, K), each group's scale s, s * sum(xq) for the minimum's term, and sum(xq).
@@ -258,27 +264,25 @@ struct Quantized {
   const int32_t* group_totals;
 };
 
-void quantize_rows(const float* x, int64_t R, int64_t K, int8_t* xq, float* row_scales, float* group_sums,
+// Rows r0..r1-1 of x (R, K) in int8 groups.
+void quantize_rows(const float* x, int64_t r0, int64_t r1, int64_t K, int8_t* xq, float* row_scales, float* group_sums,
                    int32_t* group_totals) {
   const int64_t G = K / kGroup;
-  at::parallel_for(0, R, kRowsPerThread, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      for (int64_t g = 0; g < G; ++g) {
-        const float* v = x + r * K + g * kGroup;
-        const v16f a = v16_loadu_ps(v), b = v16_loadu_ps(v + 16);
-        const float amax = v16_reduce_max_ps(v16_max_ps(v16_abs_ps(a), v16_abs_ps(b)));
-        const float s = amax / 127.0f;
-        const v16f inv = v16_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
-        const v16i qa = v16_cvtps_epi32(v16_mul_ps(a, inv)), qb = v16_cvtps_epi32(v16_mul_ps(b, inv));
-        v16_store_epi8(xq + r * K + g * kGroup, qa);
-        v16_store_epi8(xq + r * K + g * kGroup + 16, qb);
-        const int32_t total = v16_reduce_add_epi32(v16_add_epi32(qa, qb));
-        row_scales[r * G + g] = s;
-        group_sums[r * G + g] = s * static_cast<float>(total);
-        group_totals[r * G + g] = total;
-      }
+  for (int64_t r = r0; r < r1; ++r)
+    for (int64_t g = 0; g < G; ++g) {
+      const float* v = x + r * K + g * kGroup;
+      const v16f a = v16_loadu_ps(v), b = v16_loadu_ps(v + 16);
+      const float amax = v16_reduce_max_ps(v16_max_ps(v16_abs_ps(a), v16_abs_ps(b)));
+      const float s = amax / 127.0f;
+      const v16f inv = v16_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+      const v16i qa = v16_cvtps_epi32(v16_mul_ps(a, inv)), qb = v16_cvtps_epi32(v16_mul_ps(b, inv));
+      v16_store_epi8(xq + r * K + g * kGroup, qa);
+      v16_store_epi8(xq + r * K + g * kGroup + 16, qb);
+      const int32_t total = v16_reduce_add_epi32(v16_add_epi32(qa, qb));
+      row_scales[r * G + g] = s;
+      group_sums[r * G + g] = s * static_cast<float>(total);
+      group_totals[r * G + g] = total;
     }
-  });
 }
 
 // Rows r0..r0+T-1 of the output for the blocks of 16 weight rows nb0..nb1-1. Each 32-bit lane of a vector is one
@@ -479,20 +483,76 @@ struct Scratch {
       group_totals.resize(R * K / kGroup);
     }
   }
+  Quantized view() const { return {xq.data(), row_scales.data(), group_sums.data(), group_totals.data()}; }
+  void quantize(const float* x, int64_t r0, int64_t r1, int64_t K) {  // rows r0..r1-1 of x (R, K), fitted before
+    quantize_rows(x, r0, r1, K, xq.data(), row_scales.data(), group_sums.data(), group_totals.data());
+  }
+};
+
+// Rows 0..R-1 of y (R, N) = x W^T for the blocks of 16 weight rows nb0..nb1-1, from x quantized in ``a``.
+void multiply_blocks(const Blocks& w, const Quantized& a, float* y, int64_t R, int64_t nb0, int64_t nb1) {
+  if (w.bits == 4) rows<4>(w.packed, w.scales, w.mins, a, y, R, nb0, nb1, w.K, w.N);
+  else rows<8>(w.packed, w.scales, w.mins, a, y, R, nb0, nb1, w.K, w.N);
+}
+
+// The threads of one forward in one parallel region: each runs the whole forward's code (``run``), takes its share
+// of each step's items (``share``: contiguous, as at::parallel_for hands them out) and waits at ``sync`` for the
+// others before the next step reads what they wrote. A parallel region per step costs ~1 us to open and close (150
+// a token); a barrier where the threads spin ~0.05 us.
+class Team {
+ public:
+  explicit Team(int size) : size_(std::max(size, 1)) {}
+  int size() const { return size_; }
+  std::pair<int64_t, int64_t> share(int64_t n, int t) const {
+    const int64_t chunk = (n + size_ - 1) / size_;
+    return {std::min(n, t * chunk), std::min(n, (t + 1) * chunk)};
+  }
+  void sync() {
+    if (size_ == 1) return;
+    const int64_t phase = phase_.load(std::memory_order_relaxed);
+    if (arrived_.fetch_add(1, std::memory_order_acq_rel) == size_ - 1) {
+      arrived_.store(0, std::memory_order_relaxed);
+      phase_.store(phase + 1, std::memory_order_release);
+      return;
+    }
+    for (int spins = 0; phase_.load(std::memory_order_acquire) == phase; ++spins) {
+      if (spins < kSpins) _mm_pause();
+      else std::this_thread::yield();  // a thread descheduled by others' work: give the core back
+    }
+  }
+  // body(t) on each thread t of the team; on one thread where OpenMP gives fewer (nested in another region).
+  template <typename Body>
+  void run(Body&& body) {
+    if (size_ > 1 && !omp_in_parallel()) {
+      int got = 0;
+#pragma omp parallel num_threads(size_)
+      {
+#pragma omp single
+        got = omp_get_num_threads();
+        if (got == size_) body(omp_get_thread_num());
+      }
+      if (got == size_) return;
+    }
+    size_ = 1;
+    body(0);
+  }
+
+ private:
+  static constexpr int kSpins = 1 << 14;
+  int size_;
+  alignas(64) std::atomic<int> arrived_{0};
+  alignas(64) std::atomic<int64_t> phase_{0};
 };
 
 // y (R, N) = x (R, K) W^T, the outputs split between threads by blocks of 16 weight rows.
 void matmul(const Blocks& w, const float* x, int64_t R, float* y, Scratch& s) {
   if (R == 0 || w.N == 0) return;
   s.fit(R, w.K);
-  quantize_rows(x, R, w.K, s.xq.data(), s.row_scales.data(), s.group_sums.data(), s.group_totals.data());
-  const Quantized a{s.xq.data(), s.row_scales.data(), s.group_sums.data(), s.group_totals.data()};
+  at::parallel_for(0, R, kRowsPerThread, [&](int64_t r0, int64_t r1) { s.quantize(x, r0, r1, w.K); });
+  const Quantized a = s.view();
   const int64_t blocks = w.N / 16;
   const int64_t grain = std::max<int64_t>(1, blocks / (4 * at::get_num_threads()));
-  at::parallel_for(0, blocks, grain, [&](int64_t nb0, int64_t nb1) {
-    if (w.bits == 4) rows<4>(w.packed, w.scales, w.mins, a, y, R, nb0, nb1, w.K, w.N);
-    else rows<8>(w.packed, w.scales, w.mins, a, y, R, nb0, nb1, w.K, w.N);
-  });
+  at::parallel_for(0, blocks, grain, [&](int64_t nb0, int64_t nb1) { multiply_blocks(w, a, y, R, nb0, nb1); });
 }
 
 at::Tensor block_mm(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& mins) {
@@ -815,31 +875,30 @@ at::Tensor row_attention(const at::Tensor& q_in, const at::Tensor& keys_in, cons
   return out.to(q_in.scalar_type());
 }
 
-// x (R, D) -> out (R, D), its rows ``out_stride`` apart (0: D): RMS norm with ``weight`` (null: none, a copy); rows
-// split between threads where many.
-void rms_norm(const float* x, int64_t R, int64_t D, const float* weight, float eps, float* out, int64_t out_stride = 0) {
+// Rows r0..r1-1 of x (R, D) -> out (R, D), its rows ``out_stride`` apart (0: D): RMS norm with ``weight`` (null:
+// none, a copy).
+void rms_norm(const float* x, int64_t r0, int64_t r1, int64_t D, const float* weight, float eps, float* out,
+              int64_t out_stride = 0) {
   const int64_t stride = out_stride > 0 ? out_stride : D;
-  at::parallel_for(0, R, kRowsPerThread, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const float* v = x + r * D;
-      float* o = out + r * stride;
-      if (!weight) {
-        std::copy(v, v + D, o);
-        continue;
-      }
-      v16f squares = v16_setzero_ps();
-      for (int64_t d = 0; d < D; d += 16) {
-        const v16f a = v16_maskz_loadu_ps(lanes_from(D - d), v + d);
-        squares = v16_fmadd_ps(a, a, squares);
-      }
-      const v16f inv = v16_set1_ps(1.0f / std::sqrt(v16_reduce_add_ps(squares) / static_cast<float>(D) + eps));
-      for (int64_t d = 0; d < D; d += 16) {
-        const mask16 lanes = lanes_from(D - d);
-        v16_mask_storeu_ps(o + d, lanes, v16_mul_ps(v16_mul_ps(v16_maskz_loadu_ps(lanes, v + d), inv),
-                                                    v16_maskz_loadu_ps(lanes, weight + d)));
-      }
+  for (int64_t r = r0; r < r1; ++r) {
+    const float* v = x + r * D;
+    float* o = out + r * stride;
+    if (!weight) {
+      std::copy(v, v + D, o);
+      continue;
     }
-  });
+    v16f squares = v16_setzero_ps();
+    for (int64_t d = 0; d < D; d += 16) {
+      const v16f a = v16_maskz_loadu_ps(lanes_from(D - d), v + d);
+      squares = v16_fmadd_ps(a, a, squares);
+    }
+    const v16f inv = v16_set1_ps(1.0f / std::sqrt(v16_reduce_add_ps(squares) / static_cast<float>(D) + eps));
+    for (int64_t d = 0; d < D; d += 16) {
+      const mask16 lanes = lanes_from(D - d);
+      v16_mask_storeu_ps(o + d, lanes, v16_mul_ps(v16_mul_ps(v16_maskz_loadu_ps(lanes, v + d), inv),
+                                                  v16_maskz_loadu_ps(lanes, weight + d)));
+    }
+  }
 }
 
 // v (hd) rotated in place: v * cos + swap_halves(v) * sin (sin negated on its first half).
@@ -953,12 +1012,13 @@ void attend_heads(AttentionPlan& p, const float* qkv, int64_t width, const T* kb
 
 // attn (rows, heads * hd) = each query's attention over its slots of a cache of T, by units (b, slot block j,
 // key/value head or query head): a unit reads its block's keys and values once for its queries in every row reaching
-// the block; a thread done with a unit takes the next one not taken. Where every row has one block (a short
-// context) the units are (row, key/value head), or (row, query head) where too few for the threads, taken in runs.
-// Each query gets the numbers attend_row gives it.
+// the block; a thread done with a unit takes the next one not taken (``next``, 0 at first). Where every row has one
+// block (a short context) the units are (row, key/value head), or (row, query head) where too few for the threads,
+// taken in runs. Run by every thread t of ``team``, the caller syncing after. Each query gets the numbers attend_row
+// gives it.
 template <typename T>
 void attend_layer(AttentionPlan& p, const float* qkv, int64_t width, const at::Tensor& keys, const at::Tensor& values,
-                  float scale, float* attn) {
+                  float scale, float* attn, Team& team, int t, std::atomic<int64_t>& next) {
   const T* kp = keys.data_ptr<T>();
   const T* vp = values.data_ptr<T>();
   const int64_t hd = p.hd, heads = p.heads, rows = static_cast<int64_t>(p.counts.size());
@@ -967,49 +1027,73 @@ void attend_layer(AttentionPlan& p, const float* qkv, int64_t width, const at::T
     return vp + b * values.stride(0) + (head / p.group) * values.stride(1);
   };
   if (p.tops.empty()) {  // one block per row (a short context)
-    const int64_t per = kHeadGroup > 1 && heads / p.group * rows >= 2 * at::get_num_threads() ? p.group : 1;
-    at::parallel_for(0, heads / per * rows, 1, [&](int64_t begin, int64_t end) {
-      HeadScratch& s = HeadScratch::of_thread(per, hd);
-      for (int64_t item = begin; item < end; ++item) {
-        const int64_t first = item / rows * per, r = item % rows, b = p.batch_of[r];
-        if (per == 1)  // a query by itself
-          attend_row(q_of(qkv, width, hd, r, first), keys_of(b, first), keys.stride(2), values_of(b, first),
-                     values.stride(2), hd, p.slots_of(r), p.counts[r], scale, attn + r * heads * hd + first * hd,
-                     s.scores.data());
-        else
-          attend_heads(p, qkv, width, keys_of(b, first), keys.stride(2), values_of(b, first), values.stride(2), scale,
-                       r, 0, first, per, attn, s);
-      }
-    });
+    const int64_t per = kHeadGroup > 1 && heads / p.group * rows >= 2 * team.size() ? p.group : 1;
+    const auto [begin, end] = team.share(heads / per * rows, t);
+    HeadScratch& s = HeadScratch::of_thread(per, hd);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t first = item / rows * per, r = item % rows, b = p.batch_of[r];
+      if (per == 1)  // a query by itself
+        attend_row(q_of(qkv, width, hd, r, first), keys_of(b, first), keys.stride(2), values_of(b, first),
+                   values.stride(2), hd, p.slots_of(r), p.counts[r], scale, attn + r * heads * hd + first * hd,
+                   s.scores.data());
+      else
+        attend_heads(p, qkv, width, keys_of(b, first), keys.stride(2), values_of(b, first), values.stride(2), scale, r,
+                     0, first, per, attn, s);
+    }
     return;
   }
-  for (int64_t r = 0; r < rows; ++r)  // a row that sees no slot (no block) attends to nothing: zeros
+  const auto [z0, z1] = team.share(rows, t);
+  for (int64_t r = z0; r < z1; ++r)  // a row that sees no slot (no block) attends to nothing: zeros
     if (p.counts[r] == 0) std::fill(attn + r * heads * hd, attn + (r + 1) * heads * hd, 0.0f);
-  std::atomic<int64_t> next{0};  // the next unit not taken: a thread done with one takes the next
   const int64_t units = static_cast<int64_t>(p.units.size()) * p.parts;
-  at::parallel_for(0, p.threads, 1, [&](int64_t t0, int64_t t1) {
+  if (t < p.threads) {
     HeadScratch& s = HeadScratch::of_thread(heads, hd);
-    if (t0 < t1)
-      for (int64_t u = next++; u < units; u = next++) {
-        const int64_t b = p.units[u / p.parts].first, j = p.units[u / p.parts].second, part = u % p.parts;
-        const int64_t first = part * heads / p.parts, last = (part + 1) * heads / p.parts;  // query heads
-        for (const int64_t r : p.rows_of[b])
-          if (p.counts[r] > j * kSlotBlock)
-            attend_heads(p, qkv, width, keys_of(b, first), keys.stride(2), values_of(b, first), values.stride(2), scale,
-                         r, j, first, last - first, attn, s);
-      }
-  });
-  at::parallel_for(0, rows * heads, 64, [&](int64_t begin, int64_t end) {
-    std::vector<float> weights(*std::max_element(p.most.begin(), p.most.end()));
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t r = item / heads, head = item % heads, blocks = p.blocks_of_row(r);
-      if (blocks < 2) continue;
-      const int64_t first = p.base[r] + head * blocks;
-      combine_blocks(p.tops.data() + first, p.totals.data() + first, p.accs.data() + first * hd, blocks, hd,
-                     attn + r * heads * hd + head * hd, weights.data());
+    for (int64_t u = next++; u < units; u = next++) {
+      const int64_t b = p.units[u / p.parts].first, j = p.units[u / p.parts].second, part = u % p.parts;
+      const int64_t first = part * heads / p.parts, last = (part + 1) * heads / p.parts;  // query heads
+      for (const int64_t r : p.rows_of[b])
+        if (p.counts[r] > j * kSlotBlock)
+          attend_heads(p, qkv, width, keys_of(b, first), keys.stride(2), values_of(b, first), values.stride(2), scale,
+                       r, j, first, last - first, attn, s);
     }
-  });
+  }
+  team.sync();
+  const auto [c0, c1] = team.share(rows * heads, t);
+  std::vector<float> weights(c0 < c1 ? *std::max_element(p.most.begin(), p.most.end()) : 0);
+  for (int64_t item = c0; item < c1; ++item) {
+    const int64_t r = item / heads, head = item % heads, blocks = p.blocks_of_row(r);
+    if (blocks < 2) continue;
+    const int64_t first = p.base[r] + head * blocks;
+    combine_blocks(p.tops.data() + first, p.totals.data() + first, p.accs.data() + first * hd, blocks, hd,
+                   attn + r * heads * hd + head * hd, weights.data());
+  }
 }
+
+// Tensors kept on this side for later calls, by handle (``keep``; ``release`` lets them go): a model's decoder stack,
+// 14 tensors a layer, which cost ~0.25 us each to pass to an op from Python (~110 us a forward of 30 layers).
+std::mutex kept_mutex;
+std::vector<std::shared_ptr<const std::vector<at::Tensor>>> kept;
+
+int64_t keep(at::TensorList tensors) {
+  std::lock_guard<std::mutex> lock(kept_mutex);
+  kept.push_back(std::make_shared<const std::vector<at::Tensor>>(tensors.vec()));
+  return static_cast<int64_t>(kept.size()) - 1;
+}
+
+void release(int64_t handle) {
+  std::lock_guard<std::mutex> lock(kept_mutex);
+  TORCH_CHECK(handle >= 0 && handle < static_cast<int64_t>(kept.size()), "release: no such handle");
+  kept[handle].reset();
+}
+
+std::shared_ptr<const std::vector<at::Tensor>> kept_at(int64_t handle) {
+  std::lock_guard<std::mutex> lock(kept_mutex);
+  TORCH_CHECK(handle >= 0 && handle < static_cast<int64_t>(kept.size()) && kept[handle], "no stack kept as ",
+              handle);
+  return kept[handle];
+}
+
+std::vector<at::Tensor> kept_tensors(int64_t handle) { return *kept_at(handle); }
 
 constexpr int64_t kPerLayer = 14;  // input norm, qkv (3), o (3), post-attention norm, gate|up (3), down (3)
 
@@ -1025,13 +1109,23 @@ constexpr int64_t kPerLayer = 14;  // input norm, qkv (3), o (3), post-attention
 // embeds (B, n, D) float32 with embed_norm (D,): an EAGLE-3 layer. The first layer's queries, keys and values read
 // [embed_norm(embeds), input norm(hidden)] (their weights 2D inputs wide), hidden staying the residual; the hidden
 // states returned are then those before final_norm (the head feeds them back), the logits those after it.
+// stack >= 0: the weights are a stack ``keep`` holds (``weights`` empty), its layers from ``stack_layer`` on, as many as
+// ``cache`` has. The layers run in one team of threads (``Team``), each step's work shared out, a barrier between.
 std::tuple<at::Tensor, at::Tensor> decoder(const at::Tensor& hidden_in, const at::Tensor& cos_in, const at::Tensor& sin_in,
                    const c10::optional<at::Tensor>& allowed_in, at::TensorList weights, at::TensorList cache,
                    int64_t start, int64_t heads, int64_t kv_heads, double eps, double scale,
                    const c10::optional<at::Tensor>& final_norm, at::TensorList output, int64_t keep,
                    const c10::optional<at::Tensor>& used_in, const c10::optional<at::Tensor>& embeds_in,
-                   const c10::optional<at::Tensor>& embed_norm) {
+                   const c10::optional<at::Tensor>& embed_norm, int64_t stack, int64_t stack_layer) {
   TORCH_CHECK(hidden_in.dim() == 3 && hidden_in.scalar_type() == at::kFloat, "decoder: hidden (B, n, D) float32");
+  std::shared_ptr<const std::vector<at::Tensor>> held;  // the kept stack, while this call reads it
+  if (stack >= 0) {
+    held = kept_at(stack);
+    const int64_t from = stack_layer * kPerLayer, count = static_cast<int64_t>(cache.size()) / 2 * kPerLayer;
+    TORCH_CHECK(weights.empty() && stack_layer >= 0 && from + count <= static_cast<int64_t>(held->size()),
+                "decoder: weights from a kept stack or from the call, layers within it");
+    weights = at::TensorList(held->data() + from, count);
+  }
   const int64_t L = static_cast<int64_t>(weights.size()) / kPerLayer;
   TORCH_CHECK(L >= 1 && L * kPerLayer == static_cast<int64_t>(weights.size()) &&
               static_cast<int64_t>(cache.size()) == 2 * L, "decoder: 14 weights and 2 cache tensors per layer");
@@ -1080,27 +1174,57 @@ std::tuple<at::Tensor, at::Tensor> decoder(const at::Tensor& hidden_in, const at
   std::vector<float> x(R * (two_inputs ? 2 * D : D)), qkv(R * width), attn(R * heads * hd), proj(R * D),
       gate_up(R * 2 * inner), act(R * inner);
   AttentionPlan plan(live, n, start, S, ap, a_batch, B, heads, kv_heads, hd);
-  Scratch s;
-  LSSP_LAP_START();
+  std::vector<Blocks> linears;  // each layer's qkv, o, gate_up, down
   for (int64_t l = 0; l < L; ++l) {
     const at::Tensor* w = weights.data() + l * kPerLayer;
-    const at::Tensor& keys = cache[2 * l];
-    const at::Tensor& values = cache[2 * l + 1];
-    const float* input_norm = w[0].numel() ? w[0].data_ptr<float>() : nullptr;
-    if (l == 0 && two_inputs) {  // [embed_norm(embeds), input norm(hidden)], 2D wide
-      rms_norm(embeds.data_ptr<float>(), R, D, embed_norm->data_ptr<float>(), eps, x.data(), 2 * D);
-      rms_norm(h, R, D, input_norm, eps, x.data() + D, 2 * D);
-      LSSP_LAP(0);
-      matmul(blocks_of(w[1], w[2], w[3], 2 * D), x.data(), R, qkv.data(), s);
-    } else {
-      rms_norm(h, R, D, input_norm, eps, x.data());
-      LSSP_LAP(0);
-      matmul(blocks_of(w[1], w[2], w[3], D), x.data(), R, qkv.data(), s);
-    }
-    LSSP_LAP(1);
-    // rotary on queries and keys; keys and values into the cache
-    at::parallel_for(0, R, kRowsPerThread, [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r) {
+    linears.push_back(blocks_of(w[1], w[2], w[3], l == 0 && two_inputs ? 2 * D : D));
+    linears.push_back(blocks_of(w[4], w[5], w[6], heads * hd));
+    linears.push_back(blocks_of(w[8], w[9], w[10], D));
+    linears.push_back(blocks_of(w[11], w[12], w[13], inner));
+  }
+  const bool normed_apart = final_norm.has_value() && final_norm->defined() && two_inputs;
+  std::vector<float> apart(normed_apart ? R * D : 0);  // an EAGLE-3 layer's normed rows, its hidden states kept
+  if (final_norm.has_value() && final_norm->defined())
+    TORCH_CHECK(final_norm->scalar_type() == at::kFloat && final_norm->numel() == D && final_norm->is_contiguous(),
+                "decoder: final_norm (D,) float32");
+  const float* last_norm = final_norm.has_value() && final_norm->defined() ? final_norm->data_ptr<float>() : nullptr;
+  Scratch s;
+  s.fit(std::max<int64_t>(R, 1), std::max({two_inputs ? 2 * D : D, heads * hd, inner}));
+  const Quantized quantized = s.view();
+  std::unique_ptr<std::atomic<int64_t>[]> taken(new std::atomic<int64_t>[L]);  // each layer's attention units handed out
+  for (int64_t l = 0; l < L; ++l) taken[l] = 0;
+  Team team(R > 0 ? at::get_num_threads() : 1);
+  LSSP_LAP_START();
+  team.run([&](int t) {
+    const std::pair<int64_t, int64_t> rows = team.share(R, t);  // this thread's rows in the steps row by row
+    const int64_t r0 = rows.first, r1 = rows.second;
+    const auto multiply = [&](const Blocks& w, const float* in, float* y) {  // y = in W^T, in's rows quantized first
+      s.quantize(in, r0, r1, w.K);
+      team.sync();
+      const auto [nb0, nb1] = team.share(w.N / 16, t);
+      multiply_blocks(w, quantized, y, R, nb0, nb1);
+      team.sync();
+    };
+    const auto add_rows = [&](const float* from) {  // the residual: h += from on this thread's rows
+      for (int64_t j = r0 * D; j < r1 * D; ++j) h[j] += from[j];
+    };
+    for (int64_t l = 0; l < L; ++l) {
+      const at::Tensor* w = weights.data() + l * kPerLayer;
+      const at::Tensor& keys = cache[2 * l];
+      const at::Tensor& values = cache[2 * l + 1];
+      const float* input_norm = w[0].numel() ? w[0].data_ptr<float>() : nullptr;
+      if (l > 0) add_rows(proj.data());  // the layer before's MLP
+      LSSP_LAP_IF(t == 0, 9);
+      if (l == 0 && two_inputs) {  // [embed_norm(embeds), input norm(hidden)], 2D wide
+        rms_norm(embeds.data_ptr<float>(), r0, r1, D, embed_norm->data_ptr<float>(), eps, x.data(), 2 * D);
+        rms_norm(h, r0, r1, D, input_norm, eps, x.data() + D, 2 * D);
+      } else {
+        rms_norm(h, r0, r1, D, input_norm, eps, x.data());
+      }
+      LSSP_LAP_IF(t == 0, 0);
+      multiply(linears[4 * l], x.data(), qkv.data());
+      LSSP_LAP_IF(t == 0, 1);
+      for (int64_t r = r0; r < r1; ++r) {  // rotary on queries and keys; keys and values into the cache
         const int64_t b = live[r] / n, i = live[r] % n;
         float* row = qkv.data() + r * width;
         const float* c = cos.data_ptr<float>() + b * c_batch + i * hd;
@@ -1118,20 +1242,20 @@ std::tuple<at::Tensor, at::Tensor> decoder(const at::Tensor& hidden_in, const at
           }
         }
       }
-    });
-    LSSP_LAP(2);
-    if (half) attend_layer<at::Half>(plan, qkv.data(), width, keys, values, static_cast<float>(scale), attn.data());
-    else attend_layer<float>(plan, qkv.data(), width, keys, values, static_cast<float>(scale), attn.data());
-    LSSP_LAP(3);
-    matmul(blocks_of(w[4], w[5], w[6], heads * hd), attn.data(), R, proj.data(), s);
-    LSSP_LAP(4);
-    for (int64_t j = 0; j < R * D; ++j) h[j] += proj[j];
-    rms_norm(h, R, D, w[7].data_ptr<float>(), eps, x.data());
-    LSSP_LAP(5);
-    matmul(blocks_of(w[8], w[9], w[10], D), x.data(), R, gate_up.data(), s);
-    LSSP_LAP(6);
-    at::parallel_for(0, R, kRowsPerThread, [&](int64_t r0, int64_t r1) {  // silu(gate) * up
-      for (int64_t r = r0; r < r1; ++r) {
+      team.sync();
+      LSSP_LAP_IF(t == 0, 2);
+      if (half) attend_layer<at::Half>(plan, qkv.data(), width, keys, values, scale, attn.data(), team, t, taken[l]);
+      else attend_layer<float>(plan, qkv.data(), width, keys, values, scale, attn.data(), team, t, taken[l]);
+      team.sync();
+      LSSP_LAP_IF(t == 0, 3);
+      multiply(linears[4 * l + 1], attn.data(), proj.data());
+      LSSP_LAP_IF(t == 0, 4);
+      add_rows(proj.data());
+      rms_norm(h, r0, r1, D, w[7].data_ptr<float>(), eps, x.data());
+      LSSP_LAP_IF(t == 0, 5);
+      multiply(linears[4 * l + 2], x.data(), gate_up.data());
+      LSSP_LAP_IF(t == 0, 6);
+      for (int64_t r = r0; r < r1; ++r) {  // silu(gate) * up
         const float* gu = gate_up.data() + r * 2 * inner;
         float* a = act.data() + r * inner;
         for (int64_t j = 0; j < inner; j += 16) {
@@ -1142,22 +1266,16 @@ std::tuple<at::Tensor, at::Tensor> decoder(const at::Tensor& hidden_in, const at
           v16_mask_storeu_ps(a + j, lanes, v16_mul_ps(silu, v16_maskz_loadu_ps(lanes, gu + inner + j)));
         }
       }
-    });
-    LSSP_LAP(7);
-    matmul(blocks_of(w[11], w[12], w[13], inner), act.data(), R, proj.data(), s);
-    LSSP_LAP(8);
-    for (int64_t j = 0; j < R * D; ++j) h[j] += proj[j];
-    LSSP_LAP(9);
-  }
-  const float* normed = h;  // the rows the output layer reads
-  std::vector<float> apart;  // an EAGLE-3 layer's normed rows, its hidden states kept as they were
-  if (final_norm.has_value() && final_norm->defined()) {  // in place: each row's squares are summed before it is written
-    TORCH_CHECK(final_norm->scalar_type() == at::kFloat && final_norm->numel() == D && final_norm->is_contiguous(),
-                "decoder: final_norm (D,) float32");
-    if (two_inputs) apart.resize(R * D);
-    rms_norm(h, R, D, final_norm->data_ptr<float>(), eps, two_inputs ? apart.data() : h);
-    if (two_inputs) normed = apart.data();
-  }
+      LSSP_LAP_IF(t == 0, 7);
+      multiply(linears[4 * l + 3], act.data(), proj.data());
+      LSSP_LAP_IF(t == 0, 8);
+    }
+    add_rows(proj.data());
+    LSSP_LAP_IF(t == 0, 9);
+    // the final norm, in place (each row's squares are summed before it is written) or apart
+    if (last_norm) rms_norm(h, r0, r1, D, last_norm, eps, normed_apart ? apart.data() : h);
+  });
+  const float* normed = normed_apart ? apart.data() : h;  // the rows the output layer reads
   // The computed rows back in their places (B, n, D), holes zero; ``row_of``: each position's row (-1: a hole).
   std::vector<int64_t> row_of(B * n, -1);
   for (int64_t r = 0; r < R; ++r) row_of[live[r]] = r;
@@ -1371,7 +1489,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> draft_chain(const at:
     const at::Tensor step_cos = cos.narrow(1, slot - start, count), step_sin = sin.narrow(1, slot - start, count);
     auto [h, logits] = decoder(hidden, step_cos, step_sin, c10::nullopt, weights, cache, slot, heads, kv_heads, eps,
                                scale, eagle3 ? final_norm : c10::nullopt, output, 1, c10::nullopt,
-                               eagle3 ? c10::optional<at::Tensor>(embeds) : c10::nullopt, embed_norm);
+                               eagle3 ? c10::optional<at::Tensor>(embeds) : c10::nullopt, embed_norm, -1, 0);
     last = logits;
     const float* l = logits.data_ptr<float>();
     const int64_t best = sampled ? draw(l, N, temperature, uniforms.data_ptr<double>()[j], q.data_ptr<float>() + j * N)
@@ -1418,7 +1536,11 @@ TORCH_LIBRARY(lssp, m) {
   m.def("draw_from(Tensor probs, Tensor? minus, float u) -> int");
   m.def("decoder(Tensor hidden, Tensor cos, Tensor sin, Tensor? allowed, Tensor[] weights, Tensor(a!)[] cache, "
         "int start, int heads, int kv_heads, float eps, float scale, Tensor? final_norm, Tensor[] output, int keep, "
-        "Tensor? used=None, Tensor? embeds=None, Tensor? embed_norm=None) -> (Tensor, Tensor)");
+        "Tensor? used=None, Tensor? embeds=None, Tensor? embed_norm=None, int stack=-1, int stack_layer=0) "
+        "-> (Tensor, Tensor)");
+  m.def("keep(Tensor[] tensors) -> int");
+  m.def("release(int handle) -> ()");
+  m.def("kept(int handle) -> Tensor[]");
   m.def("draft_chain(Tensor ids, Tensor table, Tensor features, Tensor[] fc, Tensor cos, Tensor sin, Tensor[] weights, "
         "Tensor(a!)[] cache, int start, int heads, int kv_heads, float eps, float scale, Tensor[] output, "
         "Tensor token_ids, int k, float temperature=0., Tensor? uniforms=None, Tensor? embed_norm=None, "
@@ -1439,6 +1561,9 @@ TORCH_LIBRARY_IMPL(lssp, CPU, m) {
 
 TORCH_LIBRARY_IMPL(lssp, CompositeExplicitAutograd, m) {
   m.impl("arena", &arena);
+  m.impl("keep", &keep);
+  m.impl("release", &release);
+  m.impl("kept", &kept_tensors);
 #ifdef LSSP_PHASES
   m.impl("phase_times", &phase_times);
 #endif
