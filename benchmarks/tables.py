@@ -28,16 +28,18 @@ from lssp.report.stats import ratio_interval  # noqa: E402
 # kernel on both cores with the output layer in its call and its weights on huge pages in every process, keys and
 # values in float16; the default draft the feature head copying first, chains of up to 6 tokens after a 4-token tail,
 # up to K after a 3- or 2-token one, smollm2-135m-eagle-chain6-min2):
-# - 20261129-000032-5b0a82: the reference's 16 story openings, completions ending at the end token, 3 passes, K = 2,
+# - 20261129-051219-2b74c3: the reference's 16 story openings, completions ending at the end token, 3 passes, K = 2,
 #   3, 4, the shipped draft model and the head copying after 4-token tails alone and after 4..2 side by side
 #   (`latency --draft smollm2-135m-draft-auto,smollm2-135m-eagle-chain6,smollm2-135m-eagle-chain6-min2 --k 2,3,4
-#   --repeats 3 --nb-prompts 16`), quiet (the runs before it were flagged busy: 20261128-165919-525d52, 1.47x at
-#   K=2; 20261128-143429-c238b5, 1.51x; 20261128-142140-72be43, 1.42x).
-# - 20261128-170557-f7c718: every task category, the head copying after 4-token tails alone and after 4..2 side by side
+#   --repeats 3 --nb-prompts 16`), quiet, after the decoder's team of threads (the run before it, 20261129-000032-5b0a82,
+#   had RSp at 3.6 ms/token and the shipped drafter at 1.75x; the runs before that were flagged busy:
+#   20261128-165919-525d52, 1.47x at K=2; 20261128-143429-c238b5, 1.51x; 20261128-142140-72be43, 1.42x).
+# - 20261129-051958-0515c0: every task category, the head copying after 4-token tails alone and after 4..2 side by side
 #   (`latency --task all --draft smollm2-135m-eagle-chain6,smollm2-135m-eagle-chain6-min2 --k 2 --repeats 3`, 100
-#   prompts), 3 passes, quiet, with the query heads attending together.
+#   prompts), 3 passes, quiet, after the decoder's team of threads (the run just before, 20261129-051429-e8cd53, was
+#   flagged busy; the one it replaces, 20261128-170557-f7c718, ran the kernel before).
 # When newer runs are written, put their ids here and rerun with --write-readme.
-HEADLINE_RUNS = ["20261129-000032-5b0a82", "20261128-170557-f7c718"]
+HEADLINE_RUNS = ["20261129-051219-2b74c3", "20261129-051958-0515c0"]
 # The engine audit README.md's headline shows (benchmarks/audit.sh, run by run.sh step 3b): `verify` runs on the
 # default pair in float32, every engine and proposer. When audit.sh writes newer runs, put their ids here.
 HEADLINE_AUDIT_RUNS = [
