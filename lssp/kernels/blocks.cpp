@@ -495,6 +495,14 @@ void multiply_blocks(const Blocks& w, const Quantized& a, float* y, int64_t R, i
   else rows<8>(w.packed, w.scales, w.mins, a, y, R, nb0, nb1, w.K, w.N);
 }
 
+// Starts bringing ``bytes`` at p into this core's caches without waiting for them: the small tensors a step between
+// matmuls reads (norm weights, cache rows), otherwise cold after the weights streamed through, asked for during the
+// matmul before it.
+inline void prefetch_range(const void* p, int64_t bytes) {
+  const char* at = static_cast<const char*>(p);
+  for (int64_t offset = 0; offset < bytes; offset += 64) _mm_prefetch(at + offset, _MM_HINT_T0);
+}
+
 // The threads of one forward in one parallel region: each runs the whole forward's code (``run``), takes its share
 // of each step's items (``share``: contiguous, as at::parallel_for hands them out) and waits at ``sync`` for the
 // others before the next step reads what they wrote. A parallel region per step costs ~1 us to open and close (150
@@ -1198,9 +1206,11 @@ std::tuple<at::Tensor, at::Tensor> decoder(const at::Tensor& hidden_in, const at
   team.run([&](int t) {
     const std::pair<int64_t, int64_t> rows = team.share(R, t);  // this thread's rows in the steps row by row
     const int64_t r0 = rows.first, r1 = rows.second;
-    const auto multiply = [&](const Blocks& w, const float* in, float* y) {  // y = in W^T, in's rows quantized first
+    // y = in W^T, in's rows quantized first; ``soon`` (this thread's rows' next reads, prefetched) before the blocks
+    const auto multiply = [&](const Blocks& w, const float* in, float* y, auto&& soon) {
       s.quantize(in, r0, r1, w.K);
       team.sync();
+      if (r0 < r1) soon();
       const auto [nb0, nb1] = team.share(w.N / 16, t);
       multiply_blocks(w, quantized, y, R, nb0, nb1);
       team.sync();
@@ -1222,7 +1232,18 @@ std::tuple<at::Tensor, at::Tensor> decoder(const at::Tensor& hidden_in, const at
         rms_norm(h, r0, r1, D, input_norm, eps, x.data());
       }
       LSSP_LAP_IF(t == 0, 0);
-      multiply(linears[4 * l], x.data(), qkv.data());
+      multiply(linears[4 * l], x.data(), qkv.data(), [&] {  // the cache rows written next
+        for (int64_t r = r0; r < r1; ++r) {
+          const int64_t b = live[r] / n, i = live[r] % n, size = hd * keys.element_size();
+          for (int64_t g = 0; g < kv_heads; ++g) {
+            prefetch_range(static_cast<const char*>(keys.data_ptr()) +
+                           (b * keys.stride(0) + g * keys.stride(1) + (start + i) * keys.stride(2)) * keys.element_size(), size);
+            prefetch_range(static_cast<const char*>(values.data_ptr()) +
+                           (b * values.stride(0) + g * values.stride(1) + (start + i) * values.stride(2)) *
+                           values.element_size(), size);
+          }
+        }
+      });
       LSSP_LAP_IF(t == 0, 1);
       for (int64_t r = r0; r < r1; ++r) {  // rotary on queries and keys; keys and values into the cache
         const int64_t b = live[r] / n, i = live[r] % n;
@@ -1248,12 +1269,12 @@ std::tuple<at::Tensor, at::Tensor> decoder(const at::Tensor& hidden_in, const at
       else attend_layer<float>(plan, qkv.data(), width, keys, values, scale, attn.data(), team, t, taken[l]);
       team.sync();
       LSSP_LAP_IF(t == 0, 3);
-      multiply(linears[4 * l + 1], attn.data(), proj.data());
+      multiply(linears[4 * l + 1], attn.data(), proj.data(), [&] { prefetch_range(w[7].data_ptr(), D * 4); });
       LSSP_LAP_IF(t == 0, 4);
       add_rows(proj.data());
       rms_norm(h, r0, r1, D, w[7].data_ptr<float>(), eps, x.data());
       LSSP_LAP_IF(t == 0, 5);
-      multiply(linears[4 * l + 2], x.data(), gate_up.data());
+      multiply(linears[4 * l + 2], x.data(), gate_up.data(), [] {});
       LSSP_LAP_IF(t == 0, 6);
       for (int64_t r = r0; r < r1; ++r) {  // silu(gate) * up
         const float* gu = gate_up.data() + r * 2 * inner;
@@ -1267,7 +1288,9 @@ std::tuple<at::Tensor, at::Tensor> decoder(const at::Tensor& hidden_in, const at
         }
       }
       LSSP_LAP_IF(t == 0, 7);
-      multiply(linears[4 * l + 3], act.data(), proj.data());
+      multiply(linears[4 * l + 3], act.data(), proj.data(), [&] {  // the next layer's input norm
+        if (l + 1 < L && w[kPerLayer].numel()) prefetch_range(w[kPerLayer].data_ptr(), D * 4);
+      });
       LSSP_LAP_IF(t == 0, 8);
     }
     add_rows(proj.data());
