@@ -5,11 +5,14 @@ RSp, and SSp with the default drafter at its K, greedy (or sampled at ``--temper
 completion once in each arm. The arms (``--arms``): ``kv-cache``, the target's KV cache in float32 against float16;
 ``sampling``, sampling through torch's ops against our CPU kernel's (``lssp.decoding.sampling.on_kernel``);
 ``copy``, a copied token added as a logits row of -inf but at it (warped, drawn from: ``Picker.add``, as before
-2026-11-28 afternoon) against one-hot directly (``Picker.add_certain``). Writes per
+2026-11-28 afternoon) against one-hot directly (``Picker.add_certain``); ``verification``, the rule step by step
+(argmaxes, or the softmax, the acceptance tests and the draw each a call, as before 2026-11-29) against our kernel's
+one call (``verify_greedy``, ``verify_sampled``): the same tokens. Writes per
 task and mode the median ms/token over the passes (after each completion's first emission), the ratio, and how many
 completions gave the same tokens (another cache is another target law, another sampler other rounding, so equal
 tokens are not expected everywhere), with the machine, to a JSON file.
-Usage: .venv/bin/python benchmarks/pair_ab.py OUT.json [--arms kv-cache|sampling|copy] [--repeats 3] [--prompts 8]
+Usage: .venv/bin/python benchmarks/pair_ab.py OUT.json [--arms kv-cache|sampling|copy|verification] [--repeats 3]
+       [--prompts 8]
        [--tasks stories,rag,summarization] [--temperature T]
 """
 from __future__ import annotations
@@ -30,7 +33,7 @@ from default_pair import load_default_pair  # noqa: E402
 from lssp.decoding import sampling, verification  # noqa: E402
 from lssp.decoding.drafting import Picker  # noqa: E402
 from lssp.decoding.generation import generate_regular  # noqa: E402
-from lssp.decoding.sampling import SamplingParams  # noqa: E402
+from lssp.decoding.sampling import SamplingParams, warp  # noqa: E402
 from lssp.decoding.speculative import speculative_decode  # noqa: E402
 from lssp.drafters import entry_drafter  # noqa: E402
 from lssp.models.loading import encode_prompt  # noqa: E402
@@ -39,6 +42,7 @@ from lssp.workloads.tasks import task_prompts  # noqa: E402
 
 KERNEL_SAMPLING = sampling.on_kernel
 ONE_HOT = Picker.add_certain
+ONE_CALL = verification.greedy_verification, verification.tempered_verification
 
 
 def add_as_logits(picker: Picker, token: int) -> int:
@@ -54,6 +58,13 @@ def sample_through(kernel: bool) -> None:
     sampling.on_kernel = verification.on_kernel = on
 
 
+def verify_in_one_call(one_call: bool) -> None:
+    """Verification through our kernel's one call, or the rule step by step."""
+    steps = (verification.greedy_rule, lambda logits, temperature, q, drafts, accept_u, next_u:
+             verification.sampled_verification(warp(logits, SamplingParams(temperature)), q, drafts, accept_u, next_u))
+    verification.greedy_verification, verification.tempered_verification = ONE_CALL if one_call else steps
+
+
 def arms(name: str, model: torch.nn.Module) -> dict[str, Callable[[], None]]:
     """The two settings, each a function that puts it in place."""
     if name == "kv-cache":
@@ -62,6 +73,8 @@ def arms(name: str, model: torch.nn.Module) -> dict[str, Callable[[], None]]:
     if name == "copy":
         return {"logits": lambda: setattr(Picker, "add_certain", add_as_logits),
                 "one-hot": lambda: setattr(Picker, "add_certain", ONE_HOT)}
+    if name == "verification":
+        return {"steps": lambda: verify_in_one_call(False), "one-call": lambda: verify_in_one_call(True)}
     return {"torch": lambda: sample_through(False), "kernel": lambda: sample_through(True)}
 
 
@@ -77,7 +90,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--tasks", default="stories,rag,summarization")
     parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--arms", choices=["kv-cache", "sampling", "copy"], default="kv-cache")
+    parser.add_argument("--arms", choices=["kv-cache", "sampling", "copy", "verification"], default="kv-cache")
     args = parser.parse_args()
     params = SamplingParams(temperature=args.temperature)
     target, spec, head = load_default_pair()
@@ -122,6 +135,7 @@ def main() -> None:
     model.cache_dtype = default_cache
     sample_through(True)
     Picker.add_certain = ONE_HOT
+    verify_in_one_call(True)
     result = {"cpu": cpu_name(), "threads": torch.get_num_threads(), "target": target.spec.name,
               "precision": target.precision, "draft": spec.name, "k": spec.k or 2, "sampling": str(params),
               "arms": args.arms, "prompts": args.prompts,

@@ -196,6 +196,7 @@ PLANTED = {
 @pytest.mark.parametrize("name", ["draft-model", "feature-head"])
 def test_the_law_test_at_k1_catches_planted_bonus_and_residual_bugs(models, name, bug, monkeypatch):
     target, draft, head = models
+    monkeypatch.setattr(verification, "on_kernel", lambda t: False)  # the rule in Python, where the bug is
     monkeypatch.setattr(verification, "sampled_verification", _planted(PLANTED[bug]))
     prompt, params = torch.tensor([[1, 2, 3]]), SamplingParams(1.0)
     counts = _two_token_counts(CompactLlama(target), lambda: DRAFTERS[name](CompactLlama(draft), head), params, prompt,
@@ -234,6 +235,38 @@ def test_the_kernels_draw_picks_the_tokens_torchs_inverse_cdf_picks(monkeypatch)
     assert all(probs[token] > 0 for (probs, _), token in zip(cases, kernel))
     residuals = [verification.residual_distribution(probs, probs.flip(0)) for probs, _ in cases]
     assert minus == [int(inverse_cdf(law, u)) for law, (_, u) in zip(residuals, cases)]
+
+
+@pytest.mark.skipif(not on_kernel(torch.zeros(1)), reason="our CPU kernel does not run on this CPU")
+def test_the_kernels_verification_in_one_call_is_the_rule_step_by_step():
+    """``verify_sampled`` (softmax, acceptance tests and the draw in one call) gives the (n, token) the rule gives
+    step by step over the kernel's softmax and draws, at k 0 to 4, rejections, full acceptances and a bonus; and
+    ``verify_greedy`` the argmax rule's, ties and NaN included."""
+    gen = torch.Generator().manual_seed(3)
+    outcomes = set()
+    for trial in range(240):
+        k, width, temperature = trial % 5, (40, 1000, 49152)[trial % 3], (0.3, 0.7, 1.0, 2.0)[trial % 4]
+        logits = torch.randn(k + 1, width, generator=gen) * 3
+        q = torch.softmax(torch.randn(k, width, generator=gen) * 3, -1)
+        # drafts the target likes often enough that some runs pass whole
+        drafts = torch.where(torch.rand(k, generator=gen) < 0.7, logits[:k].argmax(-1),
+                             torch.randint(width, (k,), generator=gen))
+        accept_u, next_u = verification.draw_uniforms(k, torch.device("cpu"), gen)
+        got = verification.tempered_verification(logits, temperature, q, drafts, accept_u, next_u)
+        want = verification.sampled_verification(warp(logits, SamplingParams(temperature)), q, drafts, accept_u, next_u)
+        assert (got[0], int(got[1])) == (want[0], int(want[1]))
+        outcomes.add("all" if got[0] == k else "rejected")
+        logits[:, :3] = logits[:, 3:6]  # ties: the first maximum
+        if trial % 7 == 0:
+            logits[trial % (k + 1), 5] = float("nan")  # NumPy's argmax: the NaN
+        greedy, rule = verification.greedy_verification(logits, drafts), verification.greedy_rule(logits, drafts)
+        assert (greedy[0], int(greedy[1])) == (rule[0], int(rule[1]))
+    assert outcomes == {"all", "rejected"}
+    nan, inf = float("nan"), float("inf")
+    for row in ([1.0], [-inf, -inf, -inf], [-0.0, 0.0, 0.0], [0.0] * 17 + [nan], [2.0] + [1.0] * 30 + [2.0, nan],
+                [-inf] * 20 + [3.0] + [-inf] * 11, [nan] + [5.0] * 40, list(range(33)) + [32.0]):
+        logits = torch.tensor([row])
+        assert torch.ops.lssp.verify_greedy(logits, torch.empty(0, dtype=torch.long)) == (0, int(logits.numpy().argmax()))
 
 
 class DraftsAtTemperatureOne(DrafterWrapper):

@@ -210,6 +210,7 @@ def test_the_law_test_catches_a_ratio_without_the_heads_q(small_pair, monkeypatc
     model, draft = small_pair
     prompt, params = torch.tensor([[1, 2, 3]]), SamplingParams(1.0)
     accepted_prefix = verification.accepted_prefix
+    monkeypatch.setattr(verification, "on_kernel", lambda t: False)  # the rule in Python, where the bug is
     monkeypatch.setattr(verification, "accepted_prefix",
                         lambda p, q, drafts, g: accepted_prefix(p, torch.full_like(q, 1 / VOCAB), drafts, g))
     # the batched loop verifies through the function patched here

@@ -290,6 +290,7 @@ def test_distribution_test_rejects_an_always_accept_verifier(small_vocab_pair, m
     target, draft = small_vocab_pair
     params = SamplingParams(1.0)
     prompt = torch.tensor([[1, 2, 3]])
+    monkeypatch.setattr(verification, "on_kernel", lambda t: False)  # the rule in Python, where the bug is
     monkeypatch.setattr(verification, "accepted_prefix", lambda p, q, drafts, gen: drafts.shape[0])
     result = chi_square_gof(two_token_counts(target, draft, prompt, params), exact_two_token_law(target, prompt, params).tolist())
     assert result.p_value < SIGNIFICANCE, result
@@ -299,6 +300,7 @@ def test_distribution_test_rejects_a_residual_without_max0(small_vocab_pair, mon
     target, draft = small_vocab_pair
     params = SamplingParams(1.0)
     prompt = torch.tensor([[1, 2, 3]])
+    monkeypatch.setattr(verification, "on_kernel", lambda t: False)  # the rule in Python, where the bug is
     monkeypatch.setattr(verification, "residual_draw", lambda p, q, u: inverse_cdf(p, u))  # resample from p: biased
     result = chi_square_gof(two_token_counts(target, draft, prompt, params), exact_two_token_law(target, prompt, params).tolist())
     assert result.p_value < SIGNIFICANCE, result
@@ -314,6 +316,7 @@ def test_distribution_test_rejects_a_verifier_that_counts_passes_instead_of_the_
         rows = torch.arange(drafts.shape[0])
         return int((uniforms * q[rows, drafts] < p[rows, drafts]).sum())
 
+    monkeypatch.setattr(verification, "on_kernel", lambda t: False)  # the rule in Python, where the bug is
     monkeypatch.setattr(verification, "accepted_prefix", passes)
     result = chi_square_gof(two_token_counts(target, draft, prompt, params), exact_two_token_law(target, prompt, params).tolist())
     assert result.p_value < SIGNIFICANCE, result

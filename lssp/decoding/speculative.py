@@ -91,6 +91,9 @@ def verify_proposal(logits: torch.Tensor, proposal: Proposal, params: SamplingPa
     if params.greedy:
         return verification.greedy_verification(logits, proposal.tokens)
     accept_u, next_u = verification.draw_uniforms(len(proposal), logits.device, generator)
+    if params.top_k == 0 and params.top_p == 1.0:
+        return verification.tempered_verification(logits, params.temperature, proposal.q, proposal.tokens, accept_u,
+                                                  next_u)
     return verification.sampled_verification(warp(logits, params), proposal.q, proposal.tokens, accept_u, next_u)
 
 

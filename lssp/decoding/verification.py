@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from lssp.decoding.sampling import argmax, inverse_cdf, on_kernel
+from lssp.decoding.sampling import SamplingParams, argmax, inverse_cdf, on_kernel, warp
 
 
 def draw_uniforms(k: int, device: torch.device, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,9 +58,27 @@ def sampled_verification(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor,
     return n, (residual_draw(p[n], q[n], next_u) if n < k else inverse_cdf(p[k], next_u)).reshape(())
 
 
+def tempered_verification(logits: torch.Tensor, temperature: float, q: torch.Tensor, drafts: torch.Tensor,
+                          accept_u: torch.Tensor, next_u: torch.Tensor) -> tuple[int, torch.Tensor]:
+    """``sampled_verification`` of p = softmax(logits / temperature) (k+1, V): on a CPU our kernel's one call
+    (``verify_sampled``: the same numbers, the rows past the first rejection never computed), else through ``warp``."""
+    if on_kernel(logits) and on_kernel(q):
+        n, token = torch.ops.lssp.verify_sampled(logits, q, drafts, accept_u, float(next_u), temperature)
+        return n, torch.tensor(token)
+    return sampled_verification(warp(logits, SamplingParams(temperature)), q, drafts, accept_u, next_u)
+
+
 def greedy_verification(logits: torch.Tensor, drafts: torch.Tensor) -> tuple[int, torch.Tensor]:
     """The rule with one-hot p and q: drafts pass while they are the target's argmax, and the next token is the
-    target's argmax where the run stopped (or after it)."""
+    target's argmax where the run stopped (or after it). On a CPU our kernel's one call (``verify_greedy``)."""
+    if on_kernel(logits):
+        n, token = torch.ops.lssp.verify_greedy(logits, drafts)
+        return n, torch.tensor(token)
+    return greedy_rule(logits, drafts)
+
+
+def greedy_rule(logits: torch.Tensor, drafts: torch.Tensor) -> tuple[int, torch.Tensor]:
+    """``greedy_verification`` step by step: every row's argmax, then the leading run of drafts equal to them."""
     best = argmax(logits)
     n = 0
     for draft, top in zip(drafts.tolist(), best.tolist()):  # on the host: a few ints, no tensor operations

@@ -1336,12 +1336,45 @@ std::tuple<at::Tensor, at::Tensor> decoder(const at::Tensor& hidden_in, const at
   return std::make_tuple(full, logits);
 }
 
-// The index of the first maximum of l (n,), a NaN counting as the maximum (NumPy's argmax).
+// Bits of the lanes of x that are NaN, and of those equal to t.
+#if LSSP_AVX512
+inline uint32_t nan_bits(v16f x) { return _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q); }
+inline uint32_t equal_bits(v16f x, float t) { return _mm512_cmp_ps_mask(x, _mm512_set1_ps(t), _CMP_EQ_OQ); }
+#else
+inline uint32_t nan_bits(v16f x) {
+  return static_cast<uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps(x.lo, x.lo, _CMP_UNORD_Q))) |
+         static_cast<uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps(x.hi, x.hi, _CMP_UNORD_Q))) << 8;
+}
+inline uint32_t equal_bits(v16f x, float t) {
+  const __m256 v = _mm256_set1_ps(t);
+  return static_cast<uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps(x.lo, v, _CMP_EQ_OQ))) |
+         static_cast<uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps(x.hi, v, _CMP_EQ_OQ))) << 8;
+}
+#endif
+
+// The index of the first maximum of l (n,), a NaN counting as the maximum (NumPy's argmax): the first NaN where there
+// is one. Vectors of 16: the maximum, then the first lane equal to it.
 int64_t first_max(const float* l, int64_t n) {
-  int64_t best = 0;
-  for (int64_t c = 0; c < n && !std::isnan(l[best]); ++c)
-    if (std::isnan(l[c]) || l[c] > l[best]) best = c;
-  return best;
+  const int64_t whole = n / 16 * 16;
+  v16f most = v16_set1_ps(-INFINITY);
+  uint32_t nan = 0;
+  for (int64_t c = 0; c < whole; c += 16) {
+    const v16f x = v16_loadu_ps(l + c);
+    nan |= nan_bits(x);
+    most = v16_max_ps(most, x);
+  }
+  float top = v16_reduce_max_ps(most);
+  for (int64_t c = whole; c < n; ++c) {
+    if (std::isnan(l[c])) nan = 1;
+    else top = std::max(top, l[c]);
+  }
+  for (int64_t c = 0; nan && c < n; ++c)
+    if (std::isnan(l[c])) return c;
+  for (int64_t c = 0; c < whole; c += 16)
+    if (const uint32_t hits = equal_bits(v16_loadu_ps(l + c), top)) return c + __builtin_ctz(hits);
+  for (int64_t c = whole; c < n; ++c)
+    if (l[c] == top) return c;
+  return 0;
 }
 
 // e^x in each lane, 0 where x < -87.3 (e^x below float's smallest normal): a -inf logit's probability is 0.
@@ -1443,6 +1476,49 @@ int64_t draw_from(const at::Tensor& probs_in, const c10::optional<at::Tensor>& m
     TORCH_CHECK(minus.sizes() == probs.sizes(), "draw_from: minus (V,) as probs");
   }
   return draw_index(probs.data_ptr<float>(), minus.defined() ? minus.data_ptr<float>() : nullptr, probs.numel(), u);
+}
+
+// lssp::verify_greedy: greedy verification (lssp.decoding.verification.greedy_verification) in one call: drafts
+// (k,) pass while each is the first maximum of its row of logits (k + 1, V); returns (drafts passed n, the first
+// maximum of row n). Rows past n are not read.
+std::tuple<int64_t, int64_t> verify_greedy(const at::Tensor& logits_in, const at::Tensor& drafts_in) {
+  const at::Tensor logits = logits_in.to(at::kFloat).contiguous();
+  const at::Tensor drafts = drafts_in.to(at::kLong).contiguous();
+  const int64_t k = drafts.numel(), V = logits.size(-1);
+  TORCH_CHECK(logits.dim() == 2 && logits.size(0) == k + 1 && V > 0, "verify_greedy: logits (k + 1, V), drafts (k,)");
+  for (int64_t n = 0;; ++n) {
+    const int64_t best = first_max(logits.data_ptr<float>() + n * V, V);
+    if (n == k || best != drafts.data_ptr<int64_t>()[n]) return std::make_tuple(n, best);
+  }
+}
+
+// lssp::verify_sampled: sampled verification at a temperature (lssp.decoding.verification.sampled_verification of
+// softmax_rows(logits, temperature)) in one call: draft i of drafts (k,) passes where accept_u[i] x q[i, draft] <
+// p[i, draft] (in float64), p = softmax(logits / temperature) (k + 1, V) row by row as softmax_rows computes it, q the
+// draft's (k, V); the first rejection's token is drawn by next_u from max(0, p - q) of its row, a full acceptance's
+// from p's last row (draw_index). Returns (drafts passed n, the token). Rows past n are not read.
+std::tuple<int64_t, int64_t> verify_sampled(const at::Tensor& logits_in, const at::Tensor& q_in,
+                                            const at::Tensor& drafts_in, const at::Tensor& accept_u_in, double next_u,
+                                            double temperature) {
+  const at::Tensor logits = logits_in.to(at::kFloat).contiguous();
+  const at::Tensor q = q_in.to(at::kFloat).contiguous();
+  const at::Tensor drafts = drafts_in.to(at::kLong).contiguous();
+  const at::Tensor accept_u = accept_u_in.to(at::kFloat).contiguous();
+  const int64_t k = drafts.numel(), V = logits.size(-1);
+  TORCH_CHECK(logits.dim() == 2 && logits.size(0) == k + 1 && V > 0 &&
+              (k == 0 || (q.dim() == 2 && q.size(0) == k && q.size(1) == V)) && accept_u.numel() == k && temperature > 0,
+              "verify_sampled: logits (k + 1, V), q (k, V), drafts (k,), accept_u (k,), a temperature > 0");
+  std::vector<float> p(V);
+  for (int64_t n = 0;; ++n) {
+    softmax_row(logits.data_ptr<float>() + n * V, V, static_cast<float>(1.0 / temperature), p.data());
+    if (n == k) return std::make_tuple(n, draw_index(p.data(), nullptr, V, next_u));
+    const int64_t draft = drafts.data_ptr<int64_t>()[n];
+    TORCH_CHECK(draft >= 0 && draft < V, "verify_sampled: a draft out of the vocabulary");
+    const float* q_row = q.data_ptr<float>() + n * V;
+    const double u = accept_u.data_ptr<float>()[n];
+    if (!(u * static_cast<double>(q_row[draft]) < static_cast<double>(p[draft])))
+      return std::make_tuple(n, draw_index(p.data(), q_row, V, next_u));
+  }
 }
 
 // lssp::draft_chain: a feature head's k drafts in one call, without Python between its steps. ids (n,): the
@@ -1557,6 +1633,9 @@ TORCH_LIBRARY(lssp, m) {
   m.def("arena(int nbytes) -> Tensor");
   m.def("softmax_rows(Tensor logits, float temperature) -> Tensor");
   m.def("draw_from(Tensor probs, Tensor? minus, float u) -> int");
+  m.def("verify_greedy(Tensor logits, Tensor drafts) -> (int, int)");
+  m.def("verify_sampled(Tensor logits, Tensor q, Tensor drafts, Tensor accept_u, float next_u, float temperature) "
+        "-> (int, int)");
   m.def("decoder(Tensor hidden, Tensor cos, Tensor sin, Tensor? allowed, Tensor[] weights, Tensor(a!)[] cache, "
         "int start, int heads, int kv_heads, float eps, float scale, Tensor? final_norm, Tensor[] output, int keep, "
         "Tensor? used=None, Tensor? embeds=None, Tensor? embed_norm=None, int stack=-1, int stack_layer=0) "
@@ -1580,6 +1659,8 @@ TORCH_LIBRARY_IMPL(lssp, CPU, m) {
   m.impl("draft_chain", &draft_chain);
   m.impl("softmax_rows", &softmax_rows);
   m.impl("draw_from", &draw_from);
+  m.impl("verify_greedy", &verify_greedy);
+  m.impl("verify_sampled", &verify_sampled);
 }
 
 TORCH_LIBRARY_IMPL(lssp, CompositeExplicitAutograd, m) {
