@@ -33,7 +33,8 @@ def forward_logits(model: PreTrainedModel, ids: torch.Tensor, kv: DynamicCache, 
     """
     kwargs = {"logits_to_keep": last} if accepts_logits_to_keep(type(model)) else {}
     out = model(input_ids=ids, past_key_values=kv, use_cache=True, **kwargs)
-    return out.logits[0, -last:].to(model_device(model))
+    logits, device = out.logits[0, -last:], model_device(model)
+    return logits if logits.device == device else logits.to(device)
 
 
 def new_cache(model: PreTrainedModel, batch: int = 1) -> DynamicCache:

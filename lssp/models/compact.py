@@ -15,7 +15,7 @@ import itertools
 import types
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
@@ -348,14 +348,14 @@ class FusedDecoder(nn.Module):
     def _fused_output(self, keep: int) -> FusedOutput | None:
         """The final norm and output layer for the one-call decoder over the last ``keep`` positions, when the layers
         run in one call and the output layer is in our kernel's blocks."""
-        if "_output" not in self.__dict__:
+        outputs = self.__dict__.setdefault("_outputs", {})  # by keep, built once each
+        if keep not in outputs:
             from lssp.models.weight_only import BlockLinear
 
             norm, linear = self._output_parts()
             fused = self.one_call and type(linear) is BlockLinear
-            self.__dict__["_output"] = FusedOutput(norm, linear.weights()) if fused else None
-        fused = self.__dict__["_output"]
-        return None if fused is None else replace(fused, keep=keep)
+            outputs[keep] = FusedOutput(norm, linear.weights(), keep) if fused else None
+        return outputs[keep]
 
     @property
     def one_call(self) -> bool:
@@ -377,10 +377,11 @@ class FusedDecoder(nn.Module):
         allowed = None
         if mask is not None:  # bool (rows, slots), or additive (batch, 1, rows, slots)
             allowed = mask[None] if mask.dtype == torch.bool else (mask == 0)[:, 0]
-        cos, sin = cos.reshape(-1, n, self.head_dim), sin.reshape(-1, n, self.head_dim)
+        if cos.dim() != 3:
+            cos, sin = cos.reshape(-1, n, self.head_dim), sin.reshape(-1, n, self.head_dim)
         norm, weights, keep = (None, (), 0) if output is None else (output.norm, output.weights, output.keep)
         layers, tapped, logits = len(self.qkv), [], None
-        ends = sorted({t + 1 for t in taps if t + 1 < layers} | {layers})
+        ends = sorted({t + 1 for t in taps if t + 1 < layers} | {layers}) if taps else [layers]
         for first, end in zip([0, *ends[:-1]], ends):
             last = end == layers
             hidden, logits = torch.ops.lssp.decoder(
@@ -426,6 +427,8 @@ class CompactLlama(FusedDecoder):
             raise ValueError(f"'forward: compact' does not support {reason}")
         super().__init__(model.config, model.model.layers, model.get_input_embeddings().weight.dtype)
         self.hf = model
+        # Held here: transformers' lookup of it tries several attributes, each miss an exception (~25 us a forward).
+        self._embedding = model.get_input_embeddings()
         self._compiled_step = None  # set by compile_decode()
         self._filled_only = False  # compiled on a CPU: attend over the filled slots only (dynamic shapes)
         self.compile_mode: str | None = None
@@ -439,7 +442,15 @@ class CompactLlama(FusedDecoder):
         return self.hf.generation_config
 
     def get_input_embeddings(self) -> nn.Module:
-        return self.hf.get_input_embeddings()
+        return self._embedding
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The input embeddings of ``input_ids``: a plain table's rows by one aten call (what its module computes,
+        without the module's Python, which a forward right after the weights streamed through pays ~50 us for)."""
+        table = self._embedding
+        if type(table) is nn.Embedding and table.max_norm is None:
+            return torch.embedding(table.weight, input_ids)
+        return table(input_ids)
 
     def get_output_embeddings(self) -> nn.Module:
         return self.hf.get_output_embeddings()
@@ -495,7 +506,7 @@ class CompactLlama(FusedDecoder):
         built from the positions (the compiled path)."""
         slots = keys_values[0].shape[2] if upto is None else upto
         mask = torch.arange(slots, device=positions.device)[None, :] <= positions[:, None]
-        hidden = self._layers(self.hf.model.embed_tokens(input_ids[None]), cos_table[:, positions],
+        hidden = self._layers(self._embed(input_ids[None]), cos_table[:, positions],
                               sin_table[:, positions], mask, keys_values, positions, upto).hidden
         final = self._final(hidden)
         return self.hf.lm_head(final), final
@@ -528,7 +539,7 @@ class CompactLlama(FusedDecoder):
                 logits, final = logits.clone(), final.clone()
             kv.length = end
             return CompactOutput(logits[:, -logits_to_keep:] if logits_to_keep else logits, final if features else None)
-        final, logits, tapped = self._run(self.hf.model.embed_tokens(input_ids), kv, attention_mask, position_ids,
+        final, logits, tapped = self._run(self._embed(input_ids), kv, attention_mask, position_ids,
                                           self._fused_output(logits_to_keep), taps, used)
         if logits is None:
             final = self._final(final)
