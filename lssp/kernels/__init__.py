@@ -129,8 +129,10 @@ def _load_block_kernel(root: Path) -> None:
           weights: list[torch.Tensor], cache: list[torch.Tensor], start: int, heads: int, kv_heads: int, eps: float,
           scale: float, final_norm: torch.Tensor | None, output: list[torch.Tensor],
           keep: int, used: torch.Tensor | None = None, embeds: torch.Tensor | None = None,
-          embed_norm: torch.Tensor | None = None, stack: int = -1,
-          stack_layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+          embed_norm: torch.Tensor | None = None, stack: int = -1, stack_layer: int = 0,
+          ids: torch.Tensor | None = None, rope_start: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+        if ids is not None:  # hidden is the embedding table
+            hidden = hidden.new_empty(*ids.shape, hidden.shape[1])
         batch, n = hidden.shape[:2]
         kept = min(keep, n) if keep > 0 else n
         logits = hidden.new_empty(batch, kept, output[0].shape[0]) if output else hidden.new_empty(0)
@@ -162,9 +164,18 @@ def with_kept_stack(namespace: str) -> Callable[..., Any]:
     none (an older one)."""
     ops = getattr(torch.ops, namespace)
     keeps = hasattr(ops, "keep")
+    takes_ids = "ids" in {a.name for a in ops.decoder.default._schema.arguments}
     theirs: dict[int, int] = {}  # our handle -> theirs, for the same tensors
 
-    def call(*args: Any, stack: int = -1, stack_layer: int = 0, **kwargs: Any) -> Any:
+    def call(*args: Any, stack: int = -1, stack_layer: int = 0, ids: torch.Tensor | None = None, rope_start: int = -1,
+             **kwargs: Any) -> Any:
+        if takes_ids:
+            kwargs.update(ids=ids, rope_start=rope_start)
+        elif ids is not None or rope_start >= 0:  # an older build: the rows and rotary rows looked up here
+            n = ids.shape[1] if ids is not None else args[0].shape[1]
+            rows = (lambda t: t[:, rope_start:rope_start + n]) if rope_start >= 0 else (lambda t: t)  # noqa: E731
+            args = (torch.embedding(args[0], ids) if ids is not None else args[0], rows(args[1]), rows(args[2]),
+                    *args[3:])
         if stack < 0:
             return ops.decoder(*args, **kwargs)
         if keeps:

@@ -1119,13 +1119,39 @@ constexpr int64_t kPerLayer = 14;  // input norm, qkv (3), o (3), post-attention
 // states returned are then those before final_norm (the head feeds them back), the logits those after it.
 // stack >= 0: the weights are a stack ``keep`` holds (``weights`` empty), its layers from ``stack_layer`` on, as many as
 // ``cache`` has. The layers run in one team of threads (``Team``), each step's work shared out, a barrier between.
-std::tuple<at::Tensor, at::Tensor> decoder(const at::Tensor& hidden_in, const at::Tensor& cos_in, const at::Tensor& sin_in,
+// The rows of table (V, D) float32 that ids (B, n) name: (B, n, D).
+at::Tensor embedded(const at::Tensor& table, const at::Tensor& ids_in) {
+  TORCH_CHECK(table.dim() == 2 && table.scalar_type() == at::kFloat && table.is_contiguous() && ids_in.dim() == 2,
+              "decoder: with ids (B, n), hidden is the embedding table (V, D) float32");
+  const at::Tensor ids = ids_in.to(at::kLong).contiguous();
+  const int64_t V = table.size(0), D = table.size(1);
+  at::Tensor rows = at::empty({ids.size(0), ids.size(1), D}, table.options());
+  for (int64_t i = 0; i < ids.numel(); ++i) {
+    const int64_t id = ids.data_ptr<int64_t>()[i];
+    TORCH_CHECK(id >= 0 && id < V, "decoder: a token id out of the embedding table");
+    std::copy(table.data_ptr<float>() + id * D, table.data_ptr<float>() + (id + 1) * D, rows.data_ptr<float>() + i * D);
+  }
+  return rows;
+}
+
+std::tuple<at::Tensor, at::Tensor> decoder(const at::Tensor& hidden_arg, const at::Tensor& cos_arg, const at::Tensor& sin_arg,
                    const c10::optional<at::Tensor>& allowed_in, at::TensorList weights, at::TensorList cache,
                    int64_t start, int64_t heads, int64_t kv_heads, double eps, double scale,
                    const c10::optional<at::Tensor>& final_norm, at::TensorList output, int64_t keep,
                    const c10::optional<at::Tensor>& used_in, const c10::optional<at::Tensor>& embeds_in,
-                   const c10::optional<at::Tensor>& embed_norm, int64_t stack, int64_t stack_layer) {
+                   const c10::optional<at::Tensor>& embed_norm, int64_t stack, int64_t stack_layer,
+                   const c10::optional<at::Tensor>& ids_in, int64_t rope_start) {
+  // With ids, hidden is the embedding table they index; with rope_start >= 0, cos and sin are tables (1, >= rope_start
+  // + n, hd) whose rows from rope_start are the positions': no op before this one in a plain forward.
+  const bool by_ids = ids_in.has_value() && ids_in->defined();
+  const at::Tensor hidden_in = by_ids ? embedded(hidden_arg, *ids_in) : hidden_arg;
   TORCH_CHECK(hidden_in.dim() == 3 && hidden_in.scalar_type() == at::kFloat, "decoder: hidden (B, n, D) float32");
+  const auto rope_rows = [&](const at::Tensor& table) {
+    if (rope_start < 0) return table;
+    TORCH_CHECK(table.dim() == 3 && table.size(1) >= rope_start + hidden_in.size(1), "decoder: rope tables too short");
+    return table.narrow(1, rope_start, hidden_in.size(1));
+  };
+  const at::Tensor cos_in = rope_rows(cos_arg), sin_in = rope_rows(sin_arg);
   std::shared_ptr<const std::vector<at::Tensor>> held;  // the kept stack, while this call reads it
   if (stack >= 0) {
     held = kept_at(stack);
@@ -1588,7 +1614,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> draft_chain(const at:
     const at::Tensor step_cos = cos.narrow(1, slot - start, count), step_sin = sin.narrow(1, slot - start, count);
     auto [h, logits] = decoder(hidden, step_cos, step_sin, c10::nullopt, weights, cache, slot, heads, kv_heads, eps,
                                scale, eagle3 ? final_norm : c10::nullopt, output, 1, c10::nullopt,
-                               eagle3 ? c10::optional<at::Tensor>(embeds) : c10::nullopt, embed_norm, -1, 0);
+                               eagle3 ? c10::optional<at::Tensor>(embeds) : c10::nullopt, embed_norm, -1, 0,
+                               c10::nullopt, -1);
     last = logits;
     const float* l = logits.data_ptr<float>();
     const int64_t best = sampled ? draw(l, N, temperature, uniforms.data_ptr<double>()[j], q.data_ptr<float>() + j * N)
@@ -1638,8 +1665,8 @@ TORCH_LIBRARY(lssp, m) {
         "-> (int, int)");
   m.def("decoder(Tensor hidden, Tensor cos, Tensor sin, Tensor? allowed, Tensor[] weights, Tensor(a!)[] cache, "
         "int start, int heads, int kv_heads, float eps, float scale, Tensor? final_norm, Tensor[] output, int keep, "
-        "Tensor? used=None, Tensor? embeds=None, Tensor? embed_norm=None, int stack=-1, int stack_layer=0) "
-        "-> (Tensor, Tensor)");
+        "Tensor? used=None, Tensor? embeds=None, Tensor? embed_norm=None, int stack=-1, int stack_layer=0, "
+        "Tensor? ids=None, int rope_start=-1) -> (Tensor, Tensor)");
   m.def("keep(Tensor[] tensors) -> int");
   m.def("release(int handle) -> ()");
   m.def("kept(int handle) -> Tensor[]");

@@ -248,13 +248,18 @@ class FusedDecoder(nn.Module):
 
         The sin table is negated on its first half, so rotating x is x*cos + swap_halves(x)*sin.
         """
+        table = self._rope_upto(end, like)
+        return table[0][:, start:end], table[1][:, start:end]
+
+    def _rope_upto(self, end: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``_rotary``'s whole tables (1, >= end, head_dim), like ``like``'s dtype and device."""
         table = self._rope
         if table is None or table[0].shape[1] < end or table[0].device != like.device or table[0].dtype != like.dtype:
             size = max(256, 2 * end)
             freqs = torch.arange(size, device=like.device, dtype=torch.float)[:, None] * self.inv_freq.to(like.device)
             cos, sin = freqs.cos() * self.rope_scale, freqs.sin() * self.rope_scale
             table = self._rope = (torch.cat((cos, cos), -1)[None].to(like.dtype), torch.cat((-sin, sin), -1)[None].to(like.dtype))
-        return table[0][:, start:end], table[1][:, start:end]
+        return table
 
     def _layers(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
                 keys_values: list[torch.Tensor], at: slice | torch.Tensor, upto: int | None,
@@ -539,12 +544,30 @@ class CompactLlama(FusedDecoder):
                 logits, final = logits.clone(), final.clone()
             kv.length = end
             return CompactOutput(logits[:, -logits_to_keep:] if logits_to_keep else logits, final if features else None)
+        plain = attention_mask is None and position_ids is None and used is None and not taps
+        called = self._plain_call(input_ids, kv, logits_to_keep) if plain else None
+        if called is not None:
+            kv.length = end
+            return CompactOutput(called[1], called[0] if features else None)
         final, logits, tapped = self._run(self._embed(input_ids), kv, attention_mask, position_ids,
                                           self._fused_output(logits_to_keep), taps, used)
         if logits is None:
             final = self._final(final)
             logits = self.hf.lm_head(final[:, -logits_to_keep:] if logits_to_keep else final)
         return CompactOutput(logits, (torch.cat([*tapped, final], dim=-1) if tapped else final) if features else None)
+
+    def _plain_call(self, input_ids: torch.Tensor, kv: CompactCache, keep: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The final hidden states and logits of a plain forward (causal, every layer, the output layer fused) in one
+        call of our kernel that also looks up the tokens' rows and rotary rows, no op around it (each costs ~40 us
+        right after the weights streamed through); None where that call does not apply."""
+        table, output = self._embedding, self._fused_output(keep)
+        if (output is None or type(table) is not nn.Embedding or table.max_norm is not None
+                or not self._one_call_over(table.weight, kv.keys_values[0])):
+            return None
+        cos, sin = self._rope_upto(kv.length + input_ids.shape[1], table.weight)
+        return torch.ops.lssp.decoder(table.weight, cos, sin, None, [], kv.keys_values, kv.length, self.heads,
+                                      self.kv_heads, self.eps, self.scale, output.norm, output.weights, keep,
+                                      stack=self._kept_stack(), ids=input_ids, rope_start=kv.length)
 
     def _output_parts(self) -> tuple[torch.Tensor | None, nn.Module]:
         return self.hf.model.norm.weight.detach().float().contiguous(), self.hf.lm_head
