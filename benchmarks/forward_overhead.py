@@ -6,8 +6,9 @@ calls runs cold: an op that takes ~5 us in a loop takes ~40 us there. This times
 after a 100 MB stream: the default target's one-token forward as ``forward_logits`` calls it with the kernel's
 ``decoder`` stubbed (its output returned at once), by the plain call (``CompactLlama._plain_call``: the rows and
 rotary rows looked up in the kernel) and by the general path (embedding, rotary rows and arguments built in Python:
-the path a masked, batched or tapped forward takes); and a greedy pick of the next token (``sample_logits``).
-Writes the medians in us with the machine to a JSON file.
+the path a masked, batched or tapped forward takes); and RSp's step from logits to the next token's ids, greedy, by
+tensors on the device (``sample_logits``, the token stored, viewed as the next ids: a GPU's) and on the host
+(``pick``, the ids' buffer written by NumPy: a CPU's). Writes the medians in us with the machine to a JSON file.
 Usage: .venv/bin/python benchmarks/forward_overhead.py OUT.json [--rounds 300]   (~1 minute)
 """
 from __future__ import annotations
@@ -25,7 +26,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 from lssp.decoding.kv import forward_logits  # noqa: E402
-from lssp.decoding.sampling import SamplingParams, sample_logits  # noqa: E402
+from lssp.decoding.sampling import SamplingParams, pick, sample_logits  # noqa: E402
 from lssp.models.loading import load_model  # noqa: E402
 from lssp.models.registry import load_registry  # noqa: E402
 from lssp.report.results import cpu_name  # noqa: E402
@@ -41,7 +42,9 @@ def main() -> None:
     ids = torch.randint(100, 20000, (1, 129), generator=torch.Generator().manual_seed(0))
     stream = torch.empty(100 * 2**20 // 4)
     real, plain = torch.ops.lssp.decoder, model._plain_call
-    times: dict[str, list[float]] = {"plain call": [], "general path": [], "greedy pick": []}
+    times: dict[str, list[float]] = {"plain call": [], "general path": [], "next token by tensors": [],
+                                     "next token on the host": []}
+    greedy, out, fed = SamplingParams(0.0), torch.empty(1, dtype=torch.long), torch.empty(1, 1, dtype=torch.long)
     with torch.inference_mode():
         cache = model.new_cache()
         model(ids[:, :128], past_key_values=cache)
@@ -65,8 +68,14 @@ def main() -> None:
                     cache.crop(-1)
                 stream.fill_(1.0)
                 start = time.perf_counter()
-                sample_logits(logits, SamplingParams(0.0), None)
-                times["greedy pick"].append(time.perf_counter() - start)
+                token = sample_logits(logits, greedy, None)
+                out[0] = token[0]
+                token.view(1, 1)
+                times["next token by tensors"].append(time.perf_counter() - start)
+                stream.fill_(1.0)
+                start = time.perf_counter()
+                fed.numpy()[0, 0] = pick(logits, greedy, None)
+                times["next token on the host"].append(time.perf_counter() - start)
         finally:
             torch.ops.lssp.decoder, model._plain_call = real, plain
     result = {"cpu": cpu_name(), "threads": torch.get_num_threads(), "target": registry.target_name(None),

@@ -122,6 +122,13 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, point, right=True).clamp_(max=flat.shape[-1] - 1).reshape(probs.shape[:-1])
 
 
+def pick(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """``sample_logits`` of one row (1, vocab) as a Python int; greedy on a CPU by NumPy alone, no torch op."""
+    if params.greedy and logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return int(logits.detach().numpy().argmax())
+    return int(sample_logits(logits, params, generator)[0])
+
+
 def sample_logits(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
     """A token from the warped distribution of ``logits``; greedy takes the argmax without building it."""
     if params.greedy:
