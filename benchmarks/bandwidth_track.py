@@ -20,11 +20,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
+from default_pair import load_default_target  # noqa: E402
 
 from lssp.decoding.timing import copy_bandwidth  # noqa: E402
 from lssp.measure.cost import Floor  # noqa: E402
-from lssp.models.loading import load_model  # noqa: E402
-from lssp.models.registry import load_registry  # noqa: E402
 from lssp.models.weight_only import BlockLinear  # noqa: E402
 from lssp.report.results import cpu_name  # noqa: E402
 
@@ -45,8 +44,8 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--samples", type=int, default=25)
     args = parser.parse_args()
-    registry = load_registry(REPO / "models.yaml")
-    model = load_model(registry.get(registry.target_name(None))).model
+    target = load_default_target()
+    model = target.model
     weight_bytes = Floor.of(model, 1.0, 1.0).weight_bytes
     torch.manual_seed(0)
     small = [BlockLinear(torch.randn(3072, 576) * 0.05) for _ in range(MATMULS)]

@@ -12,6 +12,12 @@ from lssp.models.loading import LoadedModel, load_model  # noqa: E402
 from lssp.models.registry import ModelSpec, load_registry  # noqa: E402
 
 
+def load_default_target() -> LoadedModel:
+    """The default target of ``models.yaml``, loaded."""
+    registry = load_registry(REPO / "models.yaml")
+    return load_model(registry.get(registry.target_name(None)))
+
+
 def load_default_pair() -> tuple[LoadedModel, ModelSpec, LoadedModel]:
     """(the default target, the default draft's entry, the draft loaded for that target) of ``models.yaml``."""
     registry = load_registry(REPO / "models.yaml")

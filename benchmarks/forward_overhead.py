@@ -24,11 +24,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
+from default_pair import load_default_target  # noqa: E402
 
 from lssp.decoding.kv import forward_logits  # noqa: E402
 from lssp.decoding.sampling import SamplingParams, pick, sample_logits  # noqa: E402
-from lssp.models.loading import load_model  # noqa: E402
-from lssp.models.registry import load_registry  # noqa: E402
 from lssp.report.results import cpu_name  # noqa: E402
 
 
@@ -37,8 +36,8 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--rounds", type=int, default=300)
     args = parser.parse_args()
-    registry = load_registry(REPO / "models.yaml")
-    model = load_model(registry.get(registry.target_name(None))).model
+    target = load_default_target()
+    model = target.model
     ids = torch.randint(100, 20000, (1, 129), generator=torch.Generator().manual_seed(0))
     stream = torch.empty(100 * 2**20 // 4)
     real, plain = torch.ops.lssp.decoder, model._plain_call
@@ -78,7 +77,7 @@ def main() -> None:
                 times["next token on the host"].append(time.perf_counter() - start)
         finally:
             torch.ops.lssp.decoder, model._plain_call = real, plain
-    result = {"cpu": cpu_name(), "threads": torch.get_num_threads(), "target": registry.target_name(None),
+    result = {"cpu": cpu_name(), "threads": torch.get_num_threads(), "target": target.spec.name,
               "rounds": args.rounds, "unit": "us, median, each after a 100 MB stream",
               "us": {name: round(1e6 * median(spent), 1) for name, spent in times.items()}}
     print(json.dumps(result["us"]))

@@ -19,11 +19,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
+from default_pair import load_default_target  # noqa: E402
 
 from lssp.kernels import block_kernel, load_as, with_kept_stack  # noqa: E402
 from lssp.measure.cost import stored_bytes  # noqa: E402
-from lssp.models.loading import load_model  # noqa: E402
-from lssp.models.registry import load_registry  # noqa: E402
 from lssp.models.sources import cache_root  # noqa: E402
 from lssp.report.results import cpu_name  # noqa: E402
 
@@ -46,8 +45,8 @@ def main() -> None:
     parser.add_argument("--forwards", type=int, default=500)
     args = parser.parse_args()
     block_kernel(cache_root() / "kernels")
-    registry = load_registry(REPO / "models.yaml")
-    model = load_model(registry.get(registry.target_name(None))).model
+    target = load_default_target()
+    model = target.model
     sizes = weight_mb(model)
     ids = torch.randint(100, 20000, (1, 520), generator=torch.Generator().manual_seed(0))
     result: dict = {"cpu": cpu_name(), "threads": torch.get_num_threads(), "unit": "µs per forward",
