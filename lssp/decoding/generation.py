@@ -171,17 +171,16 @@ def generate_regular(
     stats = GenerationStats(mode="rsp", forwards_timed=clock.per_forward)
     host_needed = bool(on_tokens or stopping.token_ids or stopping.strings)
     seq = input_ids.to(device)
-    out = torch.empty(max_new_tokens, dtype=torch.long, device=device)
+    # On a CPU the tokens stay on the host, the next one fed through a buffer written by NumPy: each torch op between
+    # two forwards runs cold there (the weights just streamed through the caches), ~40 us apiece.
+    fed = torch.empty(1, 1, dtype=torch.long) if device.type == "cpu" else None
+    out = torch.empty(max_new_tokens, dtype=torch.long, device=device) if fed is None else None
     tokens: list[int] = []
     stopped = False
     start = clock.now()
     kv = prefill(model, seq, prefix)
     stats.prefill_time_s = clock.now() - start
     next_ids = seq[:, -1:]
-    # On a CPU the tokens stay on the host, the next one fed through a buffer written by NumPy: each torch op between
-    # two forwards runs cold there (the weights just streamed through the caches), ~40 us apiece.
-    host = device.type == "cpu"
-    fed = torch.empty(1, 1, dtype=torch.long) if host else None
     n = 0
     while n < max_new_tokens:
         t0 = clock.forward_now()
@@ -210,7 +209,7 @@ def generate_regular(
     stats.total_time_s = clock.now() - start
     stats.after_first_s = stats.total_time_s - stats.ttft_s
     stats.new_tokens = n
-    return GenerationOutput(torch.tensor(tokens[:n], dtype=torch.long) if host else out[:n].cpu(), stats, stopped)
+    return GenerationOutput(torch.tensor(tokens[:n], dtype=torch.long) if out is None else out[:n].cpu(), stats, stopped)
 
 
 @torch.inference_mode()
