@@ -165,6 +165,8 @@ def test_models_fits_80_columns_with_the_real_registry(real):
     rows = [line for line in out.splitlines() if line.startswith("│")]
     assert len(rows) == len(registry.models) + 3  # one line per entry, and one for each default's tag (three)
     assert "│ llama-3.1-8b " in out and " 8.0B │ bf16 " in out and "│ hub · 4 GPUs " in out
+    # the weight format an entry runs in, not the dtype of what is left unquantized
+    assert "│ smollm2-135m-auto  " in out and " 135M │ auto " in out and " 135M │ q4_1 " in out and " 135M │ int4 " in out
 
 
 def test_models_wide_and_json_give_every_field(real, tmp_path):

@@ -12,7 +12,8 @@ from lssp.models.hub import cached_file
 from lssp.models.registry import PACKAGE_PREFIX, ModelSpec, Registry
 
 SHORT_DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "auto": "auto"}
-SHORT_QUANTIZATIONS = {"8bit": "8bit", "4bit": "4bit", "dynamic-fp16": "dyn-fp16", "dynamic-int8": "dyn-int8"}
+SHORT_QUANTIZATIONS = {"8bit": "8bit", "4bit": "4bit", "dynamic-fp16": "dyn-fp16", "dynamic-int8": "dyn-int8",
+                       "int4": "int4", "int8": "int8", "q4_1": "q4_1", "auto": "auto"}
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,8 @@ def entry_row(spec: ModelSpec, role: str = "") -> CatalogRow:
 
 
 def short_precision(spec: ModelSpec) -> str:
-    """The quantization where there is one (bitsandbytes, or torch's dynamic one on a CPU), else the dtype."""
+    """The quantization where there is one (bitsandbytes, torch's dynamic or weight-only one, the GGUF's Q4_1 blocks,
+    or ``auto``: the fastest of them on the CPU that loads it), else the dtype."""
     return SHORT_QUANTIZATIONS.get(spec.quantization) or SHORT_DTYPES.get(spec.dtype, spec.dtype)
 
 
