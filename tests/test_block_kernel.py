@@ -127,7 +127,7 @@ def test_quantization_auto_measures_once_says_its_choice_and_the_head_follows_th
     monkeypatch.setenv("LLAMASSP_CACHE", str(tmp_path))
     monkeypatch.setattr(contention, "others_share", lambda start, end: 0.0)  # quiet, whatever runs beside the test
     registry = load_registry(tiny_dir / "models.yaml")
-    with caplog.at_level("WARNING"):
+    with caplog.at_level("INFO"):
         target = load_model(registry.get("tiny-target-auto"))
     chosen = target.spec.quantization
     assert chosen in {q for q, _ in calibration.CANDIDATES} and target.precision.startswith(chosen)
@@ -136,7 +136,7 @@ def test_quantization_auto_measures_once_says_its_choice_and_the_head_follows_th
     (entry,) = stored.values()
     assert entry["quantization"] == chosen and set(entry["ms"]) >= {"int4", "dynamic-fp16"}
     caplog.clear()
-    with caplog.at_level("WARNING"):
+    with caplog.at_level("INFO"):
         again = load_model(registry.get("tiny-target-auto"))
     assert again.spec.quantization == chosen and "cached" in caplog.text
     head = load_model(registry.get("tiny-eagle-auto"), draft=True, target=target)
@@ -154,7 +154,7 @@ def test_a_calibration_timed_on_a_busy_machine_is_used_but_not_cached(tiny_dir, 
     monkeypatch.setenv("LLAMASSP_CACHE", str(tmp_path))
     monkeypatch.setattr(contention, "others_share", lambda start, end: 0.6)
     registry = load_registry(tiny_dir / "models.yaml")
-    with caplog.at_level("WARNING"):
+    with caplog.at_level("INFO"):
         target = load_model(registry.get("tiny-target-auto"))
     assert target.spec.quantization in {q for q, _ in calibration.CANDIDATES}
     assert "busy machine (other work 60% of the CPUs): not cached" in caplog.text

@@ -41,7 +41,7 @@ class Settings:
     @property
     def registry(self) -> Registry:
         if self._registry is None:
-            self._registry = replace(load_registry(self.config), notify=_say_unlisted)
+            self._registry = replace(load_registry(self.config), notify=_say)
         return self._registry
 
     def writable_results_dir(self, json_out: Path | None = None) -> Path:
@@ -56,11 +56,17 @@ class Settings:
         return self.results_dir
 
 
-def _say_unlisted(line: str) -> None:
-    """The registry's one-line notices: how a model named by its hub id or path loads, a default draft swapped."""
+def _say(line: str) -> None:
+    """A one-line notice, dim on stderr: the registry's (how a model named by its hub id or path loads, a default
+    draft swapped) and the library's (``lssp.notices``)."""
     from rich.text import Text
 
     err_console.print(Text(line, style="dim"), soft_wrap=True)
+
+
+class _NoticeHandler(logging.Handler):
+    def emit(self, record: logging.LogRecord) -> None:
+        _say(record.getMessage())
 
 
 def settings(ctx: typer.Context) -> Settings:
@@ -102,8 +108,14 @@ def main_options(
 def _configure_logging(verbose: bool) -> None:
     from rich.logging import RichHandler
 
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(message)s",
-                        handlers=[RichHandler(console=err_console, show_path=False)], force=True)
+    from lssp.notices import NOTICES
+
+    logs = RichHandler(console=err_console, show_path=False)
+    logs.addFilter(lambda record: record.name != NOTICES.name)  # those are said plainly, below
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(message)s", handlers=[logs],
+                        force=True)
+    NOTICES.setLevel(logging.INFO)
+    NOTICES.handlers = [_NoticeHandler()]
     import transformers
 
     transformers.logging.set_verbosity_info() if verbose else transformers.logging.set_verbosity_error()

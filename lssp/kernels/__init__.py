@@ -15,7 +15,6 @@ caller's choice), one build per source, torch version and CPU model (~10-20 s, o
 from __future__ import annotations
 
 import hashlib
-import logging
 import os
 import platform
 import shutil
@@ -27,8 +26,7 @@ from typing import Any
 import torch
 
 from lssp.errors import UserError
-
-log = logging.getLogger(__name__)
+from lssp.notices import notice
 
 SOURCE = Path(__file__).with_name("blocks.cpp")
 AVX512_FLAGS = ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni")  # the kernel's first choice
@@ -102,7 +100,7 @@ def _load_block_kernel(root: Path) -> None:
     where = build_dir(root)
     where.mkdir(parents=True, exist_ok=True)
     if not any(where.glob("*.so")):
-        log.warning("building our CPU kernel (q4_1 matmuls, attention, sampling) for this CPU (once, ~10-20 s) in %s",
+        notice("building our CPU kernel (q4_1 matmuls, attention, sampling) for this CPU (once, ~10-20 s) in %s",
                     where)
     try:
         load(name=f"lssp_{where.name.replace('-', '_')}", sources=[str(SOURCE)], build_directory=str(where),

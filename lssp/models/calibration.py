@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from lssp.models.registry import ModelSpec
+from lssp.notices import notice
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +136,6 @@ def resolve_auto(spec: ModelSpec, on_cpu: bool, load: Callable[[ModelSpec], torc
     if not on_cpu:
         return replace(spec, quantization="none")
     found = calibrate(spec, load)
-    log.warning("%s", found.line(spec.name))
+    notice("%s", found.line(spec.name))
     compiles = spec.compile and not found.quantization.startswith("dynamic")
     return replace(spec, quantization=found.quantization, dtype=found.dtype, compile=compiles)
