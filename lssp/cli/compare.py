@@ -35,6 +35,7 @@ from lssp.cli.output import console, err_console, exit_interrupted, fmt, k_label
 from lssp.engines import Request, engine_class, request_seed
 from lssp.errors import UserError
 from lssp.report.contention import cpu_snapshot, others_share
+from lssp.report.results import plural
 
 
 @app.command()
@@ -166,14 +167,14 @@ def _summary(done: list[tuple[str, Any, Any]]) -> None:
     out = table("compare: wall time per token, prefill included", [("prompt", "left"), ("RSp ms/token", "right"),
                                                                    ("SSp ms/token", "right"), ("accepted", "right"),
                                                                    ("speedup", "right")])
+    out.columns[0].no_wrap, out.columns[0].overflow, out.columns[0].max_width = True, "ellipsis", 24  # one line each
     for label, rsp, ssp in done:
-        short = label if len(label) <= 28 else label[:27] + "…"
-        out.add_row(short, f"{_ms_per_token(rsp):.1f}", f"{_ms_per_token(ssp):.1f}",
+        out.add_row(" ".join(label.split()), f"{_ms_per_token(rsp):.1f}", f"{_ms_per_token(ssp):.1f}",
                     fmt(ssp.acceptance_rate, 0, pct=True), f"{_ms_per_token(rsp) / _ms_per_token(ssp):.2f}×")
     rsp_ms = 1000 * sum(r.total_time_s for _, r, _ in done) / max(1, sum(r.new_tokens for _, r, _ in done))
     ssp_ms = 1000 * sum(s.total_time_s for _, _, s in done) / max(1, sum(s.new_tokens for _, _, s in done))
     drafted = sum(s.drafted for _, _, s in done)
-    out.add_row(f"all {len(done)}", f"{rsp_ms:.1f}", f"{ssp_ms:.1f}",
+    out.add_row(f"all {plural(len(done), 'prompt')}", f"{rsp_ms:.1f}", f"{ssp_ms:.1f}",
                 fmt(sum(s.accepted for _, _, s in done) / drafted if drafted else float("nan"), 0, pct=True),
                 f"{rsp_ms / ssp_ms:.2f}×", style="bold")
     console.print()
