@@ -265,11 +265,19 @@ class LatencySetup:
         return m.draft or self.draft or ""
 
     def draft_label(self, m: ModeSummary) -> str:
-        """What tells ``m``'s drafter apart from the others timed: its method (draft, eagle, ngram), or the draft's
-        name where two drafts timed are of one kind."""
+        """What tells ``m``'s drafter apart from the others timed: its method (draft, eagle, ngram), or where two
+        drafts timed are of one kind, the draft's name less the words all of that kind's names start with
+        (smollm2-135m-eagle-chain6, smollm2-135m-eagle-chain6-min2: chain6, chain6-min2)."""
         method = self.method(m).split("+")[0]
         kind = self.draft_kinds.get(self.draft_of(m))
-        return self.draft_of(m) if method == kind and list(self.draft_kinds.values()).count(kind) > 1 else method
+        alike = [name for name, k in self.draft_kinds.items() if k == kind]
+        if method != kind or len(alike) < 2:
+            return method
+        common = 0  # whole words ("-"-separated) every name of the kind shares, one always left
+        words = [name.split("-") for name in alike]
+        while all(len(w) > common + 1 and w[common] == words[0][common] for w in words):
+            common += 1
+        return "-".join(self.draft_of(m).split("-")[common:])
 
     def own(self, engine: str) -> EngineInfo:
         """What ``engine`` said of itself (nothing, where it was not described)."""
