@@ -39,7 +39,7 @@ from lssp.report.stats import ratio_interval  # noqa: E402
 #   prompts), 3 passes, quiet, after the decoder's team of threads (the run just before, 20261129-051429-e8cd53, was
 #   flagged busy; the one it replaces, 20261128-170557-f7c718, ran the kernel before).
 # When newer runs are written, put their ids here and rerun with --write-readme.
-HEADLINE_RUNS = ["20261129-051219-2b74c3", "20261129-051958-0515c0"]
+HEADLINE_RUNS = ["20261129-091339-506a7e", "20261129-091519-00bc8b"]
 # The engine audit README.md's headline shows (benchmarks/audit.sh, run by run.sh step 3b): `verify` runs on the
 # default pair in float32, every engine and proposer. When audit.sh writes newer runs, put their ids here.
 HEADLINE_AUDIT_RUNS = [
@@ -55,7 +55,7 @@ HEADLINE_AUDIT_RUNS = [
 # greedy, then T=0.7; llama.cpp's n-gram at K=4 alone (at K < 4 its ngram-simple never drafts).
 HEADLINE_ENGINE_RUNS: list[str] = ["20261129-044648-7a6b10", "20261129-045040-6da53f"]
 # The quality check the headline quotes (eval.csv): `eval --both --max-operand 9 --nb-prompts 1500` (run.sh step 4).
-HEADLINE_EVAL_RUN = "20261124-144234-09fa35"
+HEADLINE_EVAL_RUN = "20261129-091301-06a8c9"
 # `ceiling` runs (their folder under the results, the run, the bar its line reads the oracle's alpha for).
 HEADLINE_CEILING_RUNS = [("ceiling-20261128", "20261128-221906-bd3c6f", 1.5),
                          ("ceiling-20261128", "20261128-222555-ac99eb", 2.0)]
