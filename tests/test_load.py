@@ -168,6 +168,10 @@ def test_load_on_compact_models_joins_requests_to_the_running_batch(run, tmp_pat
     rows = pd.read_csv(tmp_path / "results" / "load.csv")
     assert (rows["completed"] == 5).all() and rows["batched"].all() and (rows["scheduling"] == "continuous").all()
     assert rows[rows["mode"] == "ssp"]["latency_ratio"].notna().all()
+    # A closed loop: a request's TTFT runs from when its client sent it, not from the level's start (at c=1 the
+    # requests run one after another, so each one's TTFT is under the mean time of one).
+    one = rows[rows["concurrency"] == 1]
+    assert (one["ttft_median_ms"] < 1000 * one["wall_s"] / one["completed"]).all(), one
     # Static batches when asked: the same requests, the next batch when one is done.
     code, out, err = run("load", "tiny-target-compact", "--draft", "tiny-draft-compact", "--engine", "ours",
                          "--concurrency", "2", "--requests", "5", "--task", "stories", "--max-new-tokens", "6",

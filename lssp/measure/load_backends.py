@@ -194,7 +194,9 @@ class EngineLoadBackend(LoadBackend):
         batched = self.unbatched_reason(mode) is None
         start = time.perf_counter()
         if batched and self.joins(mode):
-            arrivals = poisson_arrivals(len(requests), self.setup.request_rate, self.setup.seed)
+            # a closed loop gives no arrival times: a client sends as its last request ends, and it joins then
+            rate = self.setup.request_rate
+            arrivals = poisson_arrivals(len(requests), rate, self.setup.seed) if rate else []
             timings, outputs = self._batch(mode, sorted(requests, key=lambda r: r.index), concurrency, arrivals)
         else:
             for batch in static_batches(requests, concurrency):
