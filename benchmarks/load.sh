@@ -2,8 +2,8 @@
 # Speculative decoding under load, the whole matrix on the default pair: ShareGPT first turns, 64 requests per level,
 # concurrency 1, 2, 4, 8, 16, greedy and T=0.7; through our engine (continuous batching) and through vLLM servers
 # (./setup.sh --vllm, its own serving client). Per engine and temperature two `load` runs, each with its own RSp
-# (ratios always come from one interleaved run): the draft model at K (with --lookup 3: ours the draft plus our
-# context lookup, vLLM its n-gram drafter alone), then the feature head at K; ours once more in static batches
+# (ratios always come from one interleaved run): the draft model (with --lookup 3: ours the draft plus our context
+# lookup, vLLM its n-gram drafter alone), then the feature head, each at its registry k (K=N: at N); ours once more in static batches
 # (greedy, the draft), to show what continuous batching changes. Each run writes
 # load-matrix-ENGINE-DRAFT-tT.json; `python benchmarks/tables.py --load` prints the table docs/load.md shows.
 # Usage: benchmarks/load.sh [quick] [ENGINES]   (ENGINES: ours,vllm by default; several hours on 2 cores, quick
@@ -15,7 +15,8 @@ PY=${PY:-.venv/bin/python}
 export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1}
 OUT=${RESULTS_DIR:-benchmarks/results}
 mkdir -p "$OUT"
-K=${K:-3}
+KOPT=()
+[ -n "${K:-}" ] && KOPT=(--k "$K")  # else each draft at its own k in models.yaml
 DRAFT=${DRAFT:-$($PY -c "from lssp.models.registry import load_registry; print(load_registry('models.yaml').draft_name(None, heads=False))")}  # the draft model
 HEAD=${HEAD:-$($PY -c "from lssp.models.registry import load_registry; print(load_registry('models.yaml').default_draft)")}  # the feature head
 if [ "${1:-}" = "quick" ]; then
@@ -48,12 +49,12 @@ for engine in ${ENGINES//,/ }; do
         for draft in "$DRAFT" "$HEAD"; do
             extra=()
             [ "$draft" = "$DRAFT" ] && extra=(--lookup 3)
-            run_load "$OUT/load-matrix-$engine-$draft-t$t.json" --engine "$engine" --draft "$draft" --k "$K" \
+            run_load "$OUT/load-matrix-$engine-$draft-t$t.json" --engine "$engine" --draft "$draft" "${KOPT[@]}" \
                 "${extra[@]}" --task sharegpt --temperature "$t" "${SIZE[@]}"
         done
     done
     if [ "$engine" = ours ]; then  # what continuous batching changes: the same greedy run in static batches
-        run_load "$OUT/load-matrix-ours-static-$DRAFT-t0.json" --engine ours --draft "$DRAFT" --k "$K" \
+        run_load "$OUT/load-matrix-ours-static-$DRAFT-t0.json" --engine ours --draft "$DRAFT" "${KOPT[@]}" \
             --batching static --task sharegpt "${SIZE[@]}"
     fi
 done
