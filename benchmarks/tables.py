@@ -53,7 +53,7 @@ HEADLINE_AUDIT_RUNS = [
 # Ours beside vLLM and llama.cpp (benchmarks/engines.sh, run.sh step 2c): one latency run per sampling setting,
 # 2026-11-29 on a 2-core AMD EPYC (AVX-512, bf16), the default pair in q4_1 (float16 KV cache) with the draft model:
 # greedy, then T=0.7; llama.cpp's n-gram at K=4 alone (at K < 4 its ngram-simple never drafts).
-HEADLINE_ENGINE_RUNS: list[str] = ["20261129-044648-7a6b10", "20261129-045040-6da53f"]
+HEADLINE_ENGINE_RUNS: list[str] = ["20261129-100332-53024a", "20261129-092509-426a5c"]
 # The quality check the headline quotes (eval.csv): `eval --both --max-operand 9 --nb-prompts 1500` (run.sh step 4).
 HEADLINE_EVAL_RUN = "20261129-091301-06a8c9"
 # `ceiling` runs (their folder under the results, the run, the bar its line reads the oracle's alpha for).
