@@ -504,7 +504,8 @@ def load_matrix_table(root: Path) -> str:
             levels.update(mine)
             first = next(iter(mine.values()))
             method = first["method"] if first["draft"] == "" else first["draft"]
-            row = {"engine": run["engine"] + static, "T": f"{first['temperature']:g}", "mode": f"{label} ({method})",
+            row = {"engine": run["engine"] + static, "target": run["target"], "T": f"{first['temperature']:g}",
+                   "mode": f"{label} ({method})",
                    "RSp tok/s": f"{rsp[top]['throughput_tok_s']:.0f} at c={top}" if top else "–",
                    "acc": f"{first['acceptance_rate']:.2f}" if first["acceptance_rate"] is not None else "–"}
             for c, r in mine.items():
@@ -517,10 +518,10 @@ def load_matrix_table(root: Path) -> str:
             rows.append(row)
     if not rows:
         return "no load-matrix-*.json in " + str(root)
-    columns = ["engine", "T", "mode", "RSp tok/s", "acc"] + [f"c={c}" for c in sorted(levels)] + \
+    columns = ["engine", "target", "T", "mode", "RSp tok/s", "acc"] + [f"c={c}" for c in sorted(levels)] + \
         ["break-even lat / thr"]
     rows = [{column: row.get(column, "–") for column in columns}
-            for row in sorted(rows, key=lambda row: (row["engine"], float(row["T"])))]
+            for row in sorted(rows, key=lambda row: (row["engine"], row["target"], float(row["T"])))]
     caption = (f"runs {', '.join(f'`{r}`' for r in run_ids)} · {' / '.join(sorted(devices))} · per level: SSp's "
                "per-user latency ratio / throughput ratio to the same run's RSp (> 1: SSp pays); acc: acceptance "
                "rate at concurrency 1; break-even: the lowest level from which SSp no longer pays (> c: it still pays at the highest level c; –: no ratio, "
