@@ -538,3 +538,31 @@ def test_a_lookup_length_means_a_hint_for_ours_and_the_ngram_drafter_alone_elsew
     assert VllmEngine.key(Mode("ssp", 2, engine="vllm", ngram=3)) == (2, 3)
     assert "no context lookup" in Engine.supports(VllmEngine.__new__(VllmEngine), Mode("ssp", 2, lookup=3,
                                                                                          engine="vllm"))
+
+
+@pytest.mark.parametrize("k, rows, max_rows, drafts", [(3, 1, 0, 3), (3, 8, 0, 3), (3, 1, 4, 3), (3, 2, 4, 1),
+                                                       (3, 3, 4, 0), (2, 2, 6, 2), (2, 3, 6, 1), (2, 7, 6, 0)])
+def test_a_row_budget_lowers_k_as_the_batch_grows(k, rows, max_rows, drafts):
+    assert batched.drafts_per_row(k, rows, max_rows) == drafts
+
+
+@pytest.mark.parametrize("params", [GREEDY, SamplingParams(0.7)], ids=["greedy", "T=0.7"])
+@pytest.mark.parametrize("drafting", ["draft K=3", "feature head K=2"])
+def test_under_a_row_budget_rows_stay_exact_and_draft_less_in_a_full_batch(compact_pair, head_pair, params, drafting):
+    """Continuous batching at most 3 rows at once, 4 verified positions a step: each row drafts K alone, 1 or none
+    beside others, so fewer drafts are made than without the budget, every row still to its budget. Greedy rows give
+    what RSp gives (a sampled row's law is verify's to check: K chosen from the past keeps it exact)."""
+    target, draft = head_pair if "head" in drafting else compact_pair
+    k = 3 if drafting == "draft K=3" else 2
+    prompts = [torch.tensor(p) for p in JOINING]
+
+    def generators() -> list:
+        return [None if params.greedy else torch.Generator().manual_seed(s) for s in range(len(JOINING))]
+    free = speculative_decode_batch(target, drafter_for(draft), prompts, 12, k, params, generators(), concurrency=3)
+    held = speculative_decode_batch(target, drafter_for(draft), prompts, 12, k, params, generators(), concurrency=3,
+                                    max_rows=4)
+    assert sum(o.stats.drafted for o in held) < sum(o.stats.drafted for o in free)
+    assert all(o.stats.new_tokens == 12 or o.stopped for o in held)
+    if params.greedy:
+        rsp = batched.generate_regular_rows(target, prompts, 12, params, [None] * len(JOINING), concurrency=3)
+        assert [o.tokens.tolist() for o in held] == [o.tokens.tolist() for o in rsp]

@@ -168,6 +168,13 @@ def test_load_on_compact_models_joins_requests_to_the_running_batch(run, tmp_pat
     rows = pd.read_csv(tmp_path / "results" / "load.csv")
     assert (rows["completed"] == 5).all() and rows["batched"].all() and (rows["scheduling"] == "continuous").all()
     assert rows[rows["mode"] == "ssp"]["latency_ratio"].notna().all()
+    # Under a row budget: a mode of its own beside plain SSp, each with its ratios to the same RSp.
+    code, out, err = run("load", "tiny-target-compact", "--draft", "tiny-draft-compact", "--engine", "ours",
+                         "--concurrency", "1,3", "--requests", "5", "--task", "stories", "--max-new-tokens", "6",
+                         "--k", "2", "--max-rows", "3", "--json", str(tmp_path / "budget.json"))
+    assert code == 0, err
+    labels = {r["label"] for r in json.loads((tmp_path / "budget.json").read_text())["rows"]}
+    assert labels == {"RSp", "SSp k=2", "SSp k=2 rows≤3"}, labels
     # A closed loop: a request's TTFT runs from when its client sent it, not from the level's start (at c=1 the
     # requests run one after another, so each one's TTFT is under the mean time of one).
     one = rows[rows["concurrency"] == 1]
@@ -199,7 +206,9 @@ def test_load_refuses_bad_levels_in_one_line(run):
                        (("--engine", "hf"), "load takes ours, vllm or llamacpp"),
                        (("--engine", "ours", "--request-rate", "2"), "static batches"),
                        (("--request-rate", "-1",), "positive"), (("--batching", "x"), "continuous or static"),
-                       (("--engine", "vllm", "--batching", "static"), "only --engine ours")]:
+                       (("--engine", "vllm", "--batching", "static"), "only --engine ours"),
+                       (("--k", "2", "--max-rows", "2"), "at least K + 1 = 3"),
+                       (("--engine", "vllm", "--k", "2", "--max-rows", "6"), "row budget is ours")]:
         code, out, err = run("load", "--engine", "ours", *args) if "--engine" not in args else run("load", *args)
         assert code == 2 and says in err, (args, err)
 

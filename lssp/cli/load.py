@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -73,6 +74,9 @@ def load(
     batching: Annotated[str, typer.Option(
         help="ours: continuous (requests join the running batch, under the compact forward) or static (the next "
              "--concurrency requests start when the whole batch is done).")] = "continuous",
+    max_rows: Annotated[Optional[int], typer.Option(
+        "--max-rows", help="ours: also SSp under a row budget: a step verifies at most this many positions, rows x "
+        "(drafts + 1), each row drafting fewer as the batch grows, down to none (at least K + 1).")] = None,
     json_out: JsonOpt = None,
 ) -> None:
     """Speculative decoding under load: per-user latency and throughput of RSp and SSp at each concurrency,
@@ -96,6 +100,7 @@ def load(
     if batching == "static" and not engine_class(engine).runs_our_weights:
         raise UserError(f"--batching static: only --engine ours serves static batches ({engine} batches "
                         "continuously)")
+    _check_max_rows(max_rows, k, engine)
     if request_rate is not None and not request_rate > 0:
         raise UserError(f"--request-rate must be a positive number of requests per second, got {request_rate:g}")
     from lssp.measure.latency import latency_modes
@@ -111,6 +116,8 @@ def load(
     starter = STARTERS[engine]
     t, d, vocab = starter.models(s, target, draft, need_draft)
     modes = latency_modes([engine], [d.name] if d else [], [k], (0.0,), [0, lookup] if lookup else [0])
+    if max_rows is not None:
+        modes += [replace(m, max_rows=max_rows) for m in modes if m.mode == "ssp" and not m.ngram]
     if len(modes) < 2:
         raise UserError(f"load compares SSp with RSp: give --draft D (or --lookup N for {kind.label}'s n-gram "
                         "drafts)")
@@ -123,6 +130,17 @@ def load(
         _measure(s, backend, t, d, results, json_out, request_set)
     finally:
         backend.close()  # servers and engines started for the run
+
+
+def _check_max_rows(max_rows: int | None, k: int, engine: str) -> None:
+    """--max-rows: an engine that takes a row budget, and room for one request's K drafts."""
+    if max_rows is None:
+        return
+    from lssp.engines import Mode
+
+    why = engine_class(engine).refuses(Mode("ssp", k, engine=engine, max_rows=max_rows))
+    if why or max_rows < k + 1:
+        raise UserError(f"--max-rows {max_rows}: {why or f'at least K + 1 = {k + 1} (one request drafts K)'}")
 
 
 def _workload(task: str | None, prompts: Path | None, nb_prompts: int | None, requests: int, chat: bool):

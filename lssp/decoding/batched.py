@@ -420,17 +420,25 @@ class RegularRows(RowsRun):
             row.done = row.stopped or len(row.tokens) >= self.max_new_tokens
 
 
+def drafts_per_row(k: int, rows: int, max_rows: int) -> int:
+    """A step's K: ``k``, or under a row budget ``max_rows`` > 0 the most drafts each of ``rows`` rows may propose
+    with the step verifying at most that many positions (rows x (drafts + 1)), down to none (an RSp step). A K set
+    by the batch's size alone keeps SSp exact, as any K chosen from what happened before."""
+    return k if not max_rows else max(0, min(k, max_rows // max(rows, 1) - 1))
+
+
 class SpeculativeRows(RowsRun):
-    """SSp rows of ``target`` with ``drafter`` (``speculative_decode_batch``)."""
+    """SSp rows of ``target`` with ``drafter`` (``speculative_decode_batch``); ``max_rows``: ``drafts_per_row``."""
 
     def __init__(self, target: PreTrainedModel, drafter: Drafter, k: int, params: SamplingParams,
                  stopping: Stopping, max_new_tokens: int, vocab: int, prefix: PrefixCache | None, clock: Clock,
-                 start: float) -> None:
+                 start: float, max_rows: int = 0) -> None:
         super().__init__(clock, start, max_new_tokens)
         refused = drafter.rows_reason(target)
         if refused:
             raise ValueError(refused)
         self.target, self.drafter, self.k, self.params, self.stopping = target, drafter, k, params, stopping
+        self.max_rows = max_rows
         self.vocab, self.prefix, self.device = vocab, prefix, model_device(target)
         self.target_cache: RowCache | None = None
         self.drafting: DraftRows | None = None  # the drafter's state of the live rows
@@ -461,9 +469,11 @@ class SpeculativeRows(RowsRun):
             self.drafting.keep(kept)
 
     def step(self) -> None:
-        live, k, max_new_tokens = self.live, self.k, self.max_new_tokens
-        # 1. Each row drafts up to k tokens, never past its budget (the iteration then emits at most what is left).
-        longest = self.drafter.longest(k)
+        live, max_new_tokens = self.live, self.max_new_tokens
+        # 1. Each row drafts up to k tokens (fewer where the batch outgrows the row budget: no copied chain past
+        #    them), never past its budget (the iteration then emits at most what is left).
+        k = drafts_per_row(self.k, len(live), self.max_rows)
+        longest = self.drafter.longest(k) if k == self.k else k
         lefts = [max_new_tokens - len(row.tokens) - 1 if self.drafting.ready(r) else 0 for r, row in enumerate(live)]
         pickers = [Picker(min(k, left), self.vocab, self.params, row.generator, self.device, min(longest, left))
                    for row, left in zip(live, lefts)]
@@ -541,14 +551,16 @@ def speculative_decode_batch(target: PreTrainedModel, drafter: Drafter, prompts:
                              max_new_tokens: int, k: int, params: SamplingParams,
                              generators: Sequence[torch.Generator | None], stopping: Stopping = NO_STOP,
                              vocab: int | None = None, prefix: PrefixCache | None = None,
-                             concurrency: int = 0, arrivals: Sequence[float] = ()) -> list[GenerationOutput]:
+                             concurrency: int = 0, arrivals: Sequence[float] = (),
+                             max_rows: int = 0) -> list[GenerationOutput]:
     """SSp of several prompts (each (T,) or (1, T), of any lengths) with ``drafter`` (one whose ``rows_reason(target)``
     is None), in one loop: each row gives the tokens ``speculative_decode``
     gives it alone with its generator (see the module's docstring). A row leaves the batch at its stop or budget;
     ``concurrency`` and ``arrivals``: continuous batching (``run_rows``). Each row's stats count its own drafts,
     acceptances and forwards; its ``ttft_s`` and ``after_first_s`` are its own (what a user waiting on it sees, from
     when it joined), while the time totals (prefill, target, draft) are the run's shared by its rows (divided by B,
-    as ``generate_regular_batch``). ``vocab`` and ``prefix`` as in ``speculative_decode``."""
+    as ``generate_regular_batch``). ``vocab`` and ``prefix`` as in ``speculative_decode``; ``max_rows``: each step's
+    K from the live rows (``drafts_per_row``)."""
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
     models = [m for m in (target, drafter.model) if m is not None]
@@ -557,7 +569,8 @@ def speculative_decode_batch(target: PreTrainedModel, drafter: Drafter, prompts:
     longest = drafter.longest(k)
     rows = _rows(prompts, generators, lambda: GenerationStats(mode="ssp", k=k, drafted_at=[0] * longest,
                                                                accepted_at=[0] * longest, forwards_timed=clock.per_forward))
-    run = SpeculativeRows(target, drafter, k, params, stopping, max_new_tokens, vocab, prefix, clock, clock.now())
+    run = SpeculativeRows(target, drafter, k, params, stopping, max_new_tokens, vocab, prefix, clock, clock.now(),
+                          max_rows)
     run_rows(run, rows, concurrency, arrivals)
     return _outputs(rows, run.now(), run.prefill_s, run.target_s, run.draft_s)
 

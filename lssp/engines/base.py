@@ -39,12 +39,14 @@ class Mode:
     engine: str = "ours"
     draft: str = ""  # in a run of several drafts: which one ("" in a run of one)
     ngram: int = 0  # SSp: n-gram length of the engine's n-gram drafter, drafting alone (no draft model); 0: off
+    max_rows: int = 0  # SSp in a batch (ours): positions a step verifies at most, rows x (drafts + 1); 0: no limit
 
     @property
     def name(self) -> str:
         return ((f"{self.engine} " if self.engine != "ours" else "") + self.mode + (f" {self.draft}" if self.draft else "")
                 + (f" k={self.k}" if self.k else "") + (f" p>={self.confidence:g}" if self.confidence else "")
-                + (f" lookup={self.lookup}" if self.lookup else "") + (f" ngram={self.ngram}" if self.ngram else ""))
+                + (f" lookup={self.lookup}" if self.lookup else "") + (f" ngram={self.ngram}" if self.ngram else "")
+                + (f" rows<={self.max_rows}" if self.max_rows else ""))
 
 
 @dataclass
@@ -134,6 +136,8 @@ class Engine(ABC):
             return f"{cls.label or cls.name} takes no context lookup over a draft's picks"
         if mode.ngram and not cls.takes_ngram:
             return f"{cls.label or cls.name} has no n-gram drafter here"
+        if mode.max_rows and not cls.runs_our_weights:
+            return f"{cls.label or cls.name} sets its own draft lengths in a batch (a row budget is ours)"
         return cls.ngram_reason(mode.k, mode.ngram) if mode.mode == "ssp" and mode.ngram else None
 
     @classmethod

@@ -86,4 +86,4 @@ class OursEngine(Engine):
                                          r.prefix, concurrency, arrivals)
         drafter, vocab = self.drafter(mode)
         return speculative_decode_batch(self.target.model, drafter, rows, r.max_new_tokens, mode.k, r.params,
-                                        generators, r.stopping, vocab, r.prefix, concurrency, arrivals)
+                                        generators, r.stopping, vocab, r.prefix, concurrency, arrivals, mode.max_rows)

@@ -257,12 +257,13 @@ class LevelSummary:
 
 def mode_label(mode: Mode) -> str:
     """RSp, SSp k=4, ngram 3 k=4 (an engine's n-gram drafter alone), SSp k=4 +lookup 3 (the draft with the context
-    lookup)."""
+    lookup), SSp k=4 rows≤8 (under a row budget)."""
     if mode.mode == "rsp":
         return "RSp"
     if mode.ngram:
         return f"ngram {mode.ngram} k={mode.k}"
-    return f"SSp k={mode.k}" + (f" +lookup {mode.lookup}" if mode.lookup else "")
+    return f"SSp k={mode.k}" + (f" +lookup {mode.lookup}" if mode.lookup else "") + \
+        (f" rows≤{mode.max_rows}" if mode.max_rows else "")
 
 
 def summarize_level(level: ModeLevel) -> LevelSummary:
