@@ -190,6 +190,9 @@ def test_bad_input_gives_one_line_and_nonzero_exit(run, args, message):
 def test_unknown_option_is_a_usage_error_not_a_traceback(run):
     code, out, err = run("latency", "--bogus")
     assert code == 2 and "No such option: --bogus" in err and "Traceback" not in err + out
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: No such option: --bogus (`")  # one line, where to look
+    assert lines[0].endswith(" latency --help` lists them)")
 
 
 def test_malformed_registry_is_one_line(run, tmp_path):

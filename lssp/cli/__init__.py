@@ -72,8 +72,11 @@ def _run(args: list[str]) -> int:
     except (typer.Abort, KeyboardInterrupt):
         code = 130
     except Exception as exc:  # noqa: BLE001 - classify, then one line
-        if hasattr(exc, "show") and hasattr(exc, "exit_code"):  # a usage error (typer vendors click's)
-            exc.show()
+        if hasattr(exc, "show") and hasattr(exc, "exit_code"):  # a usage error (typer vendors click's): one line
+            ctx = getattr(exc, "ctx", None)
+            where = f" (`{ctx.command_path} --help` lists them)" if ctx is not None else ""
+            err_console.print(f"[bold red]error:[/bold red] {exc.format_message()}{where}", soft_wrap=True,
+                              markup=True, highlight=False)
             return exc.exit_code
         if type(exc).__name__ == "OutOfMemoryError":
             return _fail("CUDA out of memory: try an 8bit/4bit entry, more GPUs (gpus: N), or fewer --max-new-tokens", verbose)
