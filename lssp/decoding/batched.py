@@ -560,7 +560,8 @@ def speculative_decode_batch(target: PreTrainedModel, drafter: Drafter, prompts:
     acceptances and forwards; its ``ttft_s`` and ``after_first_s`` are its own (what a user waiting on it sees, from
     when it joined), while the time totals (prefill, target, draft) are the run's shared by its rows (divided by B,
     as ``generate_regular_batch``). ``vocab`` and ``prefix`` as in ``speculative_decode``; ``max_rows``: each step's
-    K from the live rows (``drafts_per_row``)."""
+    K from the live rows (``drafts_per_row``): a row then follows the target's law with other drafts than alone
+    (greedy: the same tokens)."""
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
     models = [m for m in (target, drafter.model) if m is not None]
