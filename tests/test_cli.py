@@ -191,8 +191,8 @@ def test_unknown_option_is_a_usage_error_not_a_traceback(run):
     code, out, err = run("latency", "--bogus")
     assert code == 2 and "No such option: --bogus" in err and "Traceback" not in err + out
     lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: No such option: --bogus (`")  # one line, where to look
-    assert lines[0].endswith(" latency --help` lists them)")
+    assert len(lines) == 1 and lines[0].startswith("error: No such option: --bogus (see `")  # one line, where to look
+    assert lines[0].endswith(" latency --help`)")
 
 
 def test_malformed_registry_is_one_line(run, tmp_path):

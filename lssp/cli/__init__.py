@@ -6,6 +6,7 @@ import sys
 import threading
 
 import typer
+from rich.text import Text
 
 from lssp.cli import bench, ceiling, compare, cost, distill, export, latency, load, models, plan, plot, verify  # noqa: F401
 from lssp.cli import eval as eval_command  # noqa: F401  (registers; the module is named after its command)
@@ -74,9 +75,8 @@ def _run(args: list[str]) -> int:
     except Exception as exc:  # noqa: BLE001 - classify, then one line
         if hasattr(exc, "show") and hasattr(exc, "exit_code"):  # a usage error (typer vendors click's): one line
             ctx = getattr(exc, "ctx", None)
-            where = f" (`{ctx.command_path} --help` lists them)" if ctx is not None else ""
-            err_console.print(f"[bold red]error:[/bold red] {exc.format_message()}{where}", soft_wrap=True,
-                              markup=True, highlight=False)
+            where = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
+            err_console.print(Text.assemble(("error:", "bold red"), f" {exc.format_message()}{where}"), soft_wrap=True)
             return exc.exit_code
         if type(exc).__name__ == "OutOfMemoryError":
             return _fail("CUDA out of memory: try an 8bit/4bit entry, more GPUs (gpus: N), or fewer --max-new-tokens", verbose)
