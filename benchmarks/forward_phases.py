@@ -3,9 +3,9 @@
 Builds ``lssp/kernels/blocks.cpp`` as it is with ``-DLSSP_PHASES`` under another op namespace (the decoder then sums
 the time of each phase of each layer: norm, qkv, rope and cache, attention, o, residual and norm, gate_up, silu, down,
 residual; and the output layer), swaps its ``decoder`` in, and times forwards of 1 and 3 tokens after 128 and 512
-cached tokens. Each matmul's phase also gives GB/s of its weights (as stored). Writes µs per forward by phase with
+cached tokens (``--contexts``). Each matmul's phase also gives GB/s of its weights (as stored). Writes µs per forward by phase with
 the machine to a JSON file.
-Usage: .venv/bin/python benchmarks/forward_phases.py OUT.json [--forwards 500]   (~1 minute)
+Usage: .venv/bin/python benchmarks/forward_phases.py OUT.json [--forwards 500] [--contexts 128,512]   (~1 minute)
 """
 from __future__ import annotations
 
@@ -43,18 +43,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("--forwards", type=int, default=500)
+    parser.add_argument("--contexts", default="128,512", help="cached tokens before the timed forwards (comma list)")
     args = parser.parse_args()
     block_kernel(cache_root() / "kernels")
     target = load_default_target()
     model = target.model
     sizes = weight_mb(model)
-    ids = torch.randint(100, 20000, (1, 520), generator=torch.Generator().manual_seed(0))
+    contexts = [int(c) for c in args.contexts.split(",")]
+    ids = torch.randint(100, 20000, (1, max(contexts) + 8), generator=torch.Generator().manual_seed(0))
     result: dict = {"cpu": cpu_name(), "threads": torch.get_num_threads(), "unit": "µs per forward",
                     "weights_mb": {k: round(v, 2) for k, v in sizes.items()}, "runs": {}}
     with tempfile.TemporaryDirectory() as where, torch.inference_mode():
         load_as((REPO / "lssp" / "kernels" / "blocks.cpp").read_text(), NAMESPACE, Path(where), ("-DLSSP_PHASES",))
         torch.ops.lssp.decoder = with_kept_stack(NAMESPACE)
-        for context in (128, 512):
+        for context in contexts:
             cache = model.new_cache()
             model(ids[:, :context], past_key_values=cache)
             for n in (1, 3):

@@ -395,10 +395,11 @@ def test_compare_verify_and_load_refuse_a_llamacpp_n_gram_mode_that_would_never_
 
 def test_each_completion_is_held_against_the_floor_probed_beside_it(target, draft, monkeypatch):
     """On a CPU the bandwidth is probed once per prompt and pass, after the first mode's completion; each completion's
-    ms/token is divided by the target's one-token floor at that probe (its weights ÷ the bandwidth), and a mode's
-    over_floor is the geometric mean of those ratios with its interval, in the rows, the JSON and the notes."""
+    ms/token is divided by the target's one-token floor at that probe (its weights and the keys and values cached
+    before a token, on average over the completion, ÷ the bandwidth), and a mode's over_floor is the geometric mean
+    of those ratios with its interval, in the rows, the JSON and the notes."""
     import lssp.measure.latency as latency
-    from lssp.measure.cost import Floor
+    from lssp.measure.cost import Floor, cache_bytes_per_token
 
     probes = iter([5e9, 2e9, 4e9, 1e9, 8e9])  # the first: the floor's own, before the warm-up (which takes none)
     monkeypatch.setattr(latency, "bandwidth_probe", lambda: next(probes))
@@ -406,13 +407,18 @@ def test_each_completion_is_held_against_the_floor_probed_beside_it(target, draf
     t = _loaded(target)
     run = latency.run_latency_ours(t, _loaded(draft, "d"), ["ab", "cd"], "w", [2], GREEDY, 4, 0, repeats=2,
                                    ignore_eos=True)
-    weight_bytes = Floor.of(target, 1.0, 1.0).weight_bytes
+    weight_bytes, cache = Floor.of(target, 1.0, 1.0).weight_bytes, cache_bytes_per_token(target)
     setup = run.setup
     assert setup.bandwidth_probes == 4 and setup.bandwidth_gbs == pytest.approx(3.0)  # median of 2, 4, 1, 8 GB/s
     assert setup.floor_precision == "float32" and setup.floor_weight_mb == pytest.approx(weight_bytes / 1e6)
+    # float32 keys and values of each layer: 2 x layers x kv heads x head size x 4 bytes per cached token
+    config = target.config
+    assert cache == 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 4
+    assert setup.floor_cache_kb == pytest.approx(cache / 1e3)
+    read = [weight_bytes + cache * (t.encode_turns((p,), [], False).shape[-1] + 1.5) for p in ("ab", "cd")]  # 4 new
     by_round = {(p.repeat, p.prompt_index): p.floor_ms for p in run.timings if p.mode == "rsp"}
-    assert by_round == pytest.approx({(0, 0): 1000 * weight_bytes / 2e9, (0, 1): 1000 * weight_bytes / 4e9,
-                                      (1, 0): 1000 * weight_bytes / 1e9, (1, 1): 1000 * weight_bytes / 8e9})
+    assert by_round == pytest.approx({(0, 0): 1000 * read[0] / 2e9, (0, 1): 1000 * read[1] / 4e9,
+                                      (1, 0): 1000 * read[0] / 1e9, (1, 1): 1000 * read[1] / 8e9})
     for m in run.summaries:
         mine = [p for p in run.timings if p.how == m.how]
         assert all(p.floor_ms == by_round[(p.repeat, p.prompt_index)] for p in mine)  # SSp shares its round's probe

@@ -2,6 +2,7 @@
 a GGUF Q4_1 grid exactly, and a target loaded with them decodes as exactly as any other (greedy SSp = RSp)."""
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -68,7 +69,7 @@ def test_cost_times_the_weight_only_formats_against_the_machines_floor(run, tmp_
     import json
 
     code, out, err = run("cost", "tiny-target", "--precisions", "int4,int8,dynamic-fp16,float32", "--tokens", "1,3",
-                         "--repeats", "2", "--json", str(tmp_path / "c.json"))
+                         "--repeats", "2", "--context", "40", "--json", str(tmp_path / "c.json"))
     assert code == 0, err
     assert "int4" in out and "int8" in out and "floor" in out
     rows = {(r["precision"], r["tokens"]): r for r in json.loads((tmp_path / "c.json").read_text())}
@@ -76,6 +77,32 @@ def test_cost_times_the_weight_only_formats_against_the_machines_floor(run, tmp_
     assert rows[("int4", 1)]["weight_bytes"] < 0.6 * rows[("dynamic-fp16", 1)]["weight_bytes"]
     assert rows[("dynamic-fp16", 1)]["weight_bytes"] == rows[("float32", 1)]["weight_bytes"] // 2
     assert rows[("float32", 3)]["floor_ms"] >= rows[("float32", 1)]["floor_ms"]
+    # the 40 cached tokens' keys and values are read too: float32 ones in every format here (the weights' format
+    # leaves the cache alone)
+    assert len({r["cache_bytes"] for r in rows.values()}) == 1 and rows[("int4", 1)]["cache_bytes"] > 0
+    for r in rows.values():
+        if r["bound"] == "memory":
+            read = r["weight_bytes"] + r["cache_bytes"]
+            assert r["floor_ms"] == pytest.approx(1000 * read / (r["bandwidth_gbs"] * 1e9), rel=1e-6)
+
+
+def test_the_floor_counts_the_cached_keys_and_values_in_the_caches_dtype(target):
+    """A float16 cache (the compact forward's ``cache_dtype``) holds half a float32 one's bytes per token, and each
+    cached token adds them to a forward's reads."""
+    from lssp.measure.cost import Floor, cache_bytes_per_token
+
+    config = target.config
+    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
+    assert cache_bytes_per_token(target) == 4 * per_token
+    target.cache_dtype = torch.float16
+    try:
+        assert cache_bytes_per_token(target) == 2 * per_token
+        floor = Floor.of(target, bandwidth=1e9, throughput=1e18)
+        assert floor.ms(1, 100) == (pytest.approx(1000 * (floor.weight_bytes + 100 * 2 * per_token) / 1e9), "memory")
+        assert floor.ms(1) == (pytest.approx(1000 * floor.weight_bytes / 1e9), "memory")
+    finally:
+        del target.cache_dtype
+    assert cache_bytes_per_token(torch.nn.Linear(2, 2)) == 0  # no shapes said: no cache counted
 
 
 def test_the_layers_take_inputs_that_are_not_contiguous():

@@ -67,13 +67,18 @@ def cost(
         console.print(f"  timed uncompiled: {', '.join(compiled)} asks torch.compile, which cost leaves out (each "
                       "precision's eager forward; latency times the entry as it runs)")
     if run.limits is not None:
-        console.print(f"  floor: the Linear layers' weights read once at {run.limits.bandwidth / 1e9:.1f} GB/s (this "
-                      "machine's copy bandwidth), or their arithmetic at each precision's own large-matmul speed, "
-                      "whichever is slower; ms ÷ floor, 1 token:")
+        console.print(f"  floor: the Linear layers' weights and the {context} cached tokens' keys and values read "
+                      f"once at {run.limits.bandwidth / 1e9:.1f} GB/s (this machine's copy bandwidth, past its caches), "
+                      "or the weights' arithmetic at each precision's own large-matmul speed, whichever is slower; "
+                      "ms ÷ floor, 1 token:")
         for (model, forward, precision), cells in run.cells().items():
             one = cells[1]
             console.print(f"    {model} ({forward}, {precision}):\n      {one.ms:.1f} ms ÷ {one.floor_ms:.2f} = "
-                          f"{one.over_floor:.1f}× ({one.weight_bytes / 1e6:.0f} MB, {one.bound}-bound)")
+                          f"{one.over_floor:.1f}× ({one.weight_bytes / 1e6:.0f} MB + {one.cache_bytes / 1e6:.2g} MB "
+                          f"cached, {one.bound}-bound)")
+        if any(c.over_floor < 1 for c in run.costs):
+            console.print("  below 1×: what the forward reads stays in the CPU's own caches from one timed forward "
+                          "to the next (a small model, or a short cache); the floor takes every byte from memory")
     names_timed = list(dict.fromkeys(x.name for x in loaded))
     if len(names_timed) >= 2:
         target_name, draft_name = names_timed[:2]

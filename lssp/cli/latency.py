@@ -151,15 +151,16 @@ def latency(
 
 def _floor_line(run) -> None:
     """``--wide``: each mode's ms/token as a multiple of the target's one-token floor on this CPU (``cost``'s: its
-    Linear weights read once at the copy bandwidth probed beside each prompt, or their arithmetic, whichever is
-    slower)."""
+    Linear weights and the keys and values cached before the token read once at the copy bandwidth probed beside
+    each prompt, or the weights' arithmetic, whichever is slower)."""
     setup = run.setup
     if not setup.floor_precision:
         return
     rsp = next((m for m in run.overall if m.mode == "rsp"), run.overall[0])
-    console.print(f"  floor of a {setup.target} token ({setup.floor_precision}, {setup.floor_weight_mb:.3g} MB, "
-                  f"{setup.floor_bound}-bound at {setup.bandwidth_gbs:.1f} GB/s, the median of "
-                  f"{plural(setup.bandwidth_probes, 'probe')}): {rsp.floor_ms:.3g} ms; ms/token ÷ floor: " + ", ".join(
+    console.print(f"  floor of a {setup.target} token ({setup.floor_precision}, {setup.floor_weight_mb:.3g} MB "
+                  f"+ {setup.floor_cache_kb:.3g} kB per cached token, {setup.floor_bound}-bound at "
+                  f"{setup.bandwidth_gbs:.1f} GB/s, the median of {plural(setup.bandwidth_probes, 'probe')}): "
+                  f"{rsp.floor_ms:.3g} ms; ms/token ÷ floor: " + ", ".join(
                       f"{_engine(m)}{'RSp' if m.mode == 'rsp' else 'K=' + _k(m)} {m.over_floor:.3g}×"
                       + (f" [{m.over_floor_low:.3g}–{m.over_floor_high:.3g}]" if m.over_floor_low == m.over_floor_low
                          else "") for m in run.overall))

@@ -39,6 +39,7 @@ class ForwardCost:
     weight_bytes: int = 0  # the Linear layers' weights a forward reads (as stored in this precision)
     floor_ms: float = float("nan")  # this machine's floor for the forward (``Floor``)
     bound: str = ""  # memory or compute: which limit sets the floor
+    cache_bytes: int = 0  # the cached keys and values the forward reads (``context`` tokens' worth)
 
     @property
     def over_floor(self) -> float:
@@ -56,29 +57,48 @@ def with_precision(loaded: LoadedModel, precision: str) -> PreTrainedModel:
 
 @dataclass(frozen=True)
 class Floor:
-    """The least a forward of n tokens can take here: its Linear layers' weights read once at the machine's copy
-    bandwidth, against their arithmetic (2 FLOPs per weight and token) at the throughput this precision's own
-    kernel reaches on a large matmul; the larger of the two. Attention, norms and the cache are left out, so the
-    floor is below what any forward can reach."""
+    """The least a forward of n tokens after ``context`` cached tokens can take here: its Linear layers' weights and
+    the cached keys and values (which attention reads whole) read once at the machine's copy bandwidth, against the
+    Linear layers' arithmetic (2 FLOPs per weight and token) at the throughput this precision's own kernel reaches
+    on a large matmul; the larger of the two. Attention's arithmetic and the norms are left out, so the floor is
+    below what any forward can reach."""
 
     weight_bytes: int
     weights: int  # weights of the Linear layers (FLOPs: 2 per weight and token)
     bandwidth: float  # bytes/s
     throughput: float  # FLOP/s of this precision's kernel
+    cache_bytes: int = 0  # keys and values one cached token holds (``cache_bytes_per_token``)
 
     @classmethod
     def of(cls, model: torch.nn.Module, bandwidth: float, throughput: float) -> Floor:
-        """The floor of ``model``'s forward: the Linear layers it runs, as stored."""
+        """The floor of ``model``'s forward: the Linear layers it runs, as stored, and its cache's dtype."""
         sizes = [stored_bytes(layer) for layer in linear_layers(model)]
-        return cls(sum(b for b, _ in sizes), sum(w for _, w in sizes), bandwidth, throughput)
+        return cls(sum(b for b, _ in sizes), sum(w for _, w in sizes), bandwidth, throughput,
+                   cache_bytes_per_token(model))
 
     def at(self, bandwidth: float) -> Floor:
         """The same floor at another bandwidth (a probe taken later)."""
         return replace(self, bandwidth=bandwidth)
 
-    def ms(self, tokens: int) -> tuple[float, str]:
-        memory, compute = self.weight_bytes / self.bandwidth, 2 * self.weights * tokens / self.throughput
+    def ms(self, tokens: int, context: float = 0) -> tuple[float, str]:
+        """ms of a forward of ``tokens`` tokens after ``context`` cached ones, and what bounds it."""
+        memory = (self.weight_bytes + context * self.cache_bytes) / self.bandwidth
+        compute = 2 * self.weights * tokens / self.throughput
         return 1000 * max(memory, compute), "memory" if memory >= compute else "compute"
+
+
+def cache_bytes_per_token(model: torch.nn.Module) -> int:
+    """Bytes of keys and values one cached token holds over every layer, in the dtype the model's cache keeps them
+    (``cache_dtype`` where set, as the compact forward's float16 cache; else its embeddings'); 0 where the model
+    says no shapes."""
+    config = getattr(model, "config", None)
+    heads = getattr(config, "num_attention_heads", 0)
+    if not heads or not hasattr(model, "get_input_embeddings"):
+        return 0
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    dtype = getattr(model, "cache_dtype", None) or model.get_input_embeddings().weight.dtype
+    return 2 * config.num_hidden_layers * kv_heads * head_dim * dtype.itemsize
 
 
 def linear_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -178,8 +198,12 @@ def forward_costs(models: Sequence[LoadedModel], precisions: Sequence[str], toke
             ms = time_forwards(model, counts, context, repeats)
             forward = loaded.spec.forward
             floor = Floor.of(model, limits.bandwidth, limits.throughput.get(precision, float("nan"))) if limits else None
-            costs += [ForwardCost(loaded.name, precision, n, ms[n], ms[n] / ms[1], forward, floor.weight_bytes if floor
-                                  else 0, *(floor.ms(n) if floor else (float("nan"), ""))) for n in counts]
+            for n in counts:
+                cost = ForwardCost(loaded.name, precision, n, ms[n], ms[n] / ms[1], forward)
+                if floor:
+                    cost.floor_ms, cost.bound = floor.ms(n, context)
+                    cost.weight_bytes, cost.cache_bytes = floor.weight_bytes, context * floor.cache_bytes
+                costs.append(cost)
             del model
     return costs
 

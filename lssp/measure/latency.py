@@ -44,7 +44,8 @@ class PromptTiming:
     engine: str = "ours"
     draft: str = ""  # SSp in a run of several drafts: which one
     ngram: int = 0  # SSp: n-gram length of the engine's n-gram drafter, drafting alone (0: a draft model)
-    floor_ms: float = float("nan")  # the target's one-token floor at the bandwidth probed in this prompt's round
+    floor_ms: float = float("nan")  # the target's one-token floor at the bandwidth probed in this prompt's round,
+    # after the tokens its completion had cached on average (``mean_context``)
 
     @property
     def how(self) -> Mode:
@@ -244,6 +245,7 @@ class LatencySetup:
     floor_precision: str = ""  # the target's weights as the floor counts them (``model_floor``); "": no floor
     floor_bound: str = ""  # memory or compute: what bounds the one-token floor at the median bandwidth
     floor_weight_mb: float = float("nan")  # the target's Linear weights a forward reads
+    floor_cache_kb: float = float("nan")  # the keys and values a forward reads per cached token
     bandwidth_gbs: float = float("nan")  # the median of the copy-bandwidth probes taken, one per prompt and pass
     bandwidth_probes: int = 0
 
@@ -407,7 +409,7 @@ class LatencyRun:
             "noisy": m.noisy or self.busy, "interrupted": self.interrupted, "split_timing": setup.split_timing,
             "recompiles": setup.recompiles, "others_cpu_share": round(setup.others_cpu_share, 3),
             "bandwidth_gbs": setup.bandwidth_gbs, "floor_precision": setup.floor_precision,
-            "target_precision": setup.own(m.engine).target_precision or setup.target_precision,
+            "floor_cache_kb": setup.floor_cache_kb, "target_precision": setup.own(m.engine).target_precision or setup.target_precision,
             "draft_precision": setup.draft_precisions.get(m.draft, setup.draft_precision) or "",
             **version_columns(engine_class(m.engine), setup.own(m.engine).version),
             "decode_timing": engine_class(m.engine).decode_timing, **verdict_columns(verdicts.get(id(m))), **info.env,
@@ -500,7 +502,8 @@ class LatencyRun:
 def floor_note(setup: LatencySetup) -> str:
     """What over_floor divides by, in a sentence."""
     return (f"over_floor: a completion's ms/token ÷ the floor of one {setup.target} token ({setup.floor_precision}, "
-            f"{setup.floor_weight_mb:.3g} MB of weights read once, {setup.floor_bound}-bound) at the copy bandwidth "
+            f"{setup.floor_weight_mb:.3g} MB of weights and {setup.floor_cache_kb:.3g} kB of keys and values per "
+            f"token cached before it (the completion's mean) read once, {setup.floor_bound}-bound) at the copy bandwidth "
             f"probed right after its prompt's first mode (median {setup.bandwidth_gbs:.1f} GB/s over "
             f"{plural(setup.bandwidth_probes, 'probe')}); the geometric mean with its 95% interval.")
 
@@ -782,16 +785,20 @@ def run_latency(
     setup.left_out = list(left_out)
     floor = floor_of(target, setup)
 
-    def complete(how: Mode, prompt: TaskPrompt, index: int, time_forwards: bool) -> tuple[GenerationStats, int, float]:
+    def complete(how: Mode, prompt: TaskPrompt, index: int,
+                 time_forwards: bool) -> tuple[GenerationStats, int, float, float]:
         engine = engines[how.engine]
+        turns: list[tuple[int, int]] = []
 
         def generate(ids: torch.Tensor) -> GenerationOutput:
-            return engine.complete(how, Request(ids, max_new_tokens, params, request_seed(seed, index), stopping,
-                                                time_forwards=time_forwards))
+            out = engine.complete(how, Request(ids, max_new_tokens, params, request_seed(seed, index), stopping,
+                                               time_forwards=time_forwards))
+            turns.append((ids.shape[-1], len(out.tokens)))
+            return out
 
         stats, at_budget, _ = complete_turns(target, prompt, uses_chat_template(target, prompt, chat), generate)
         probed = floor is not None and index >= 0 and how == modes[0]
-        return stats, at_budget, bandwidth_probe() if probed else float("nan")
+        return stats, at_budget, bandwidth_probe() if probed else float("nan"), mean_context(turns)
 
     graphs, started = [compiled_graphs()], [cpu_snapshot()]
 
@@ -808,11 +815,12 @@ def run_latency(
     if floor is not None and probes:
         setup.bandwidth_gbs, setup.bandwidth_probes = median(probes.values()) / 1e9, len(probes)
         setup.floor_bound = floor.at(median(probes.values())).ms(1)[1]
-    floors = {key: floor.at(bandwidth).ms(1)[0] for key, bandwidth in probes.items()} if floor else {}
+    floors = {key: floor.at(bandwidth) for key, bandwidth in probes.items()} if floor else {}
     timings = [PromptTiming(s.index, s.mode.mode, s.mode.k, s.result[0], s.mode.confidence, s.mode.lookup, s.repeat,
                             s.split_pass, prompts[s.index].task, len(prompts[s.index].turns), s.result[1], s.mode.engine,
-                            s.mode.draft, s.mode.ngram, floors.get((s.repeat, s.split_pass, s.index), float("nan")))
-               for s in steps]
+                            s.mode.draft, s.mode.ngram, floors[key].ms(1, s.result[3])[0] if key in floors
+                            else float("nan"))
+               for s in steps for key in [(s.repeat, s.split_pass, s.index)]]
     return LatencyRun(summaries_by_task(timings, modes), timings, setup, info, interrupted)
 
 
@@ -822,8 +830,17 @@ def floor_of(target: LoadedModel, setup: LatencySetup) -> Floor | None:
     if found is None:
         return None
     floor, setup.floor_precision = found
-    setup.floor_weight_mb = floor.weight_bytes / 1e6
+    setup.floor_weight_mb, setup.floor_cache_kb = floor.weight_bytes / 1e6, floor.cache_bytes / 1e3
     return floor
+
+
+def mean_context(turns: Sequence[tuple[int, int]]) -> float:
+    """The tokens cached on average when a completion's tokens were made, from each turn's (prompt tokens, new
+    tokens): new token i of a turn reads its prompt and the i tokens before it."""
+    made = sum(n for _, n in turns)
+    if not made:
+        return float(turns[-1][0]) if turns else 0.0
+    return sum(n * (prompt + (n - 1) / 2) for prompt, n in turns) / made
 
 
 def _setup(target: LoadedModel, drafts: Sequence[LoadedModel], engines: dict[str, Engine], prompts: Sequence[TaskPrompt],
