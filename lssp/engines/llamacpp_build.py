@@ -215,19 +215,33 @@ def raw_decode(build: LlamacppBuild, model: Path, threads: int, tokens: int = 64
                flash_attn: str = "on") -> RawDecode:
     """Time llama.cpp's own decoding of ``model`` with ``llama-bench`` (``tokens`` after ``depth`` in the cache):
     the reference for what llama.cpp itself reaches, beside what llama-server's timings say."""
+    mean, sd = _bench_ms_per_token(build, model, threads, ["-p", "0", "-n", str(tokens), "-d", str(depth)], tokens,
+                                   repeats, flash_attn)
+    return RawDecode(mean, sd, tokens, depth, threads, flash_attn)
+
+
+def raw_prefill(build: LlamacppBuild, model: Path, threads: int, tokens: int = 512, repeats: int = 3,
+                flash_attn: str = "on") -> tuple[float, float]:
+    """llama.cpp's own prompt processing of ``tokens`` tokens into an empty cache (``llama-bench``'s pp test): ms
+    per token, the mean over the repetitions and their standard deviation."""
+    return _bench_ms_per_token(build, model, threads, ["-p", str(tokens), "-n", "0"], tokens, repeats, flash_attn)
+
+
+def _bench_ms_per_token(build: LlamacppBuild, model: Path, threads: int, test: list[str], tokens: int, repeats: int,
+                        flash_attn: str) -> tuple[float, float]:
+    """One ``llama-bench`` test: ms per token over ``tokens``, its mean over the repetitions and their sd."""
     if not build.bench.exists():
         raise UserError(f"no llama-bench in {build.folder}: run ./setup.sh --llamacpp again (it adds it)")
-    args = [str(build.bench), "-m", str(model), "-t", str(threads), "-p", "0", "-n", str(tokens), "-d", str(depth),
-            "-r", str(repeats), "-fa", flash_attn, "-o", "json"]
+    args = [str(build.bench), "-m", str(model), "-t", str(threads), *test, "-r", str(repeats), "-fa", flash_attn,
+            "-o", "json"]
     done = subprocess.run(args, capture_output=True, text=True, timeout=BENCH_TIMEOUT_S)
     if done.returncode != 0:
         raise UserError(f"llama-bench exited with code {done.returncode}: "
                         f"{(done.stderr.strip().splitlines() or ['no output'])[-1][:200]}")
-    test = json.loads(done.stdout)[0]
-    per_token = [ns / 1e6 / tokens for ns in test["samples_ns"]]
+    per_token = [ns / 1e6 / tokens for ns in json.loads(done.stdout)[0]["samples_ns"]]
     mean = sum(per_token) / len(per_token)
     sd = (sum((x - mean) ** 2 for x in per_token) / (len(per_token) - 1)) ** 0.5 if len(per_token) > 1 else 0.0
-    return RawDecode(mean, sd, tokens, depth, threads, flash_attn)
+    return mean, sd
 
 
 def smoke_model() -> Path | None:

@@ -1,0 +1,87 @@
+"""Ours against llama.cpp on the default target's GGUF with nothing around either, as the context grows: a decode
+token after D cached tokens (ours: a one-token forward of the target as the registry loads it, `cost`'s timing, the
+median of 15; llama.cpp: llama-bench's generation test at depth D, 32 tokens) and a 512-token prompt into an empty
+cache (ours: one forward of 512 tokens; llama.cpp: pp512), interleaved depth by depth, both on as many threads as
+the engines use. Beside each of ours, its floor (weights and the cached keys and values at the copy bandwidth probed
+beside it). Writes OUT.json and OUT.md with the CPU.
+Usage: .venv/bin/python benchmarks/depth.py OUT [--depths 0,512,1024,2048]   (~3 minutes on 2 cores)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from statistics import median
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+from default_pair import load_default_target  # noqa: E402
+
+from lssp.decoding.kv import forward_logits, new_cache  # noqa: E402
+from lssp.engines.llamacpp import threads  # noqa: E402
+from lssp.engines.llamacpp_build import find_build, gguf_path, raw_decode, raw_prefill  # noqa: E402
+from lssp.measure.cost import bandwidth_probe, model_floor, time_forwards  # noqa: E402
+from lssp.report.results import cpu_features, cpu_name, markdown_table  # noqa: E402
+
+PREFILL = 512
+
+
+def our_prefill_ms(model: torch.nn.Module, tokens: int, repeats: int = 3) -> float:
+    """ms per token of one forward of ``tokens`` tokens into an empty cache (the median of ``repeats``)."""
+    ids = torch.randint(2000, 20000, (1, tokens), generator=torch.Generator().manual_seed(0))
+    times = []
+    with torch.inference_mode():
+        for _ in range(repeats + 1):  # the first warms
+            cache = new_cache(model)
+            start = time.perf_counter()
+            forward_logits(model, ids, cache, 1)
+            times.append(time.perf_counter() - start)
+    return 1000 * median(times[1:]) / tokens
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path, help="OUT.json and OUT.md are written")
+    parser.add_argument("--depths", default="0,512,1024,2048", help="cached tokens before the decode (comma list)")
+    args = parser.parse_args()
+    build = find_build()
+    if build is None:
+        sys.exit("llama.cpp is not built here (./setup.sh --llamacpp)")
+    target = load_default_target()
+    gguf, n_threads = gguf_path(target.spec, build), threads()
+    floor, precision = model_floor(target)
+    rows = []
+    for depth in [int(d) for d in args.depths.split(",")]:
+        before = bandwidth_probe()
+        ours = time_forwards(target.model, [1], context=max(depth, 1))[1]
+        ours_floor = floor.at(max(before, bandwidth_probe())).ms(1, max(depth, 1))[0]
+        theirs = raw_decode(build, gguf, n_threads, tokens=32, depth=depth, repeats=3)
+        rows.append({"test": f"decode @ d{depth}", "ours_ms_per_token": round(ours, 3),
+                     "llamacpp_ms_per_token": round(theirs.ms_per_token, 3), "ours_over_llamacpp": ours / theirs.ms_per_token,
+                     "ours_floor_ms": round(ours_floor, 3), "ours_over_floor": ours / ours_floor})
+        print(rows[-1], flush=True)
+    ours = our_prefill_ms(target.model, PREFILL)
+    theirs, _ = raw_prefill(build, gguf, n_threads, PREFILL)
+    rows.append({"test": f"prefill {PREFILL}", "ours_ms_per_token": round(ours, 4),
+                 "llamacpp_ms_per_token": round(theirs, 4), "ours_over_llamacpp": ours / theirs})
+    print(rows[-1], flush=True)
+    head = {"cpu": f"{cpu_name()} ({cpu_features()})", "threads": n_threads, "target": target.name, "precision": precision,
+            "gguf": gguf.name, "llamacpp_version": build.version,
+            "ours": "a bare forward (cost's timing): decode = one token after D cached, prefill = one forward of all",
+            "llamacpp": "llama-bench, flash attention on: tg32 at depth D, pp512", "rows": rows}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps(head, indent=1) + "\n")
+    args.out.with_suffix(".md").write_text(
+        f"# Ours against llama.cpp as the context grows\n\nCPU: {head['cpu']}, {n_threads} threads; target "
+        f"`{target.name}` ({precision}), llama.cpp {build.version} on `{gguf.name}`. Ours: {head['ours']}; "
+        f"llama.cpp: {head['llamacpp']}. ms per token.\n\n"
+        + markdown_table(rows, ["test", "ours_ms_per_token", "llamacpp_ms_per_token", "ours_over_llamacpp",
+                                "ours_floor_ms", "ours_over_floor"]))
+
+
+if __name__ == "__main__":
+    main()
