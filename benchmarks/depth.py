@@ -5,7 +5,7 @@ cache (ours: one forward of 512 tokens; llama.cpp: pp512), interleaved depth by 
 the engines use. Beside each of ours, its floor (weights and the cached keys and values at the copy bandwidth probed
 beside it). Each test runs in every pass (--passes), ours and llama.cpp's back to back; medians and the per-pass ratios.
 Writes OUT.json and OUT.md with the CPU.
-Usage: .venv/bin/python benchmarks/depth.py OUT [--depths 0,512,1024,2048] [--passes 3]   (~8 minutes on 2 cores)
+Usage: .venv/bin/python benchmarks/depth.py OUT [--depths 0,512,1024,2048] [--passes 3]   (~2 minutes on 2 cores)
 """
 from __future__ import annotations
 
