@@ -546,21 +546,45 @@ def test_a_row_budget_lowers_k_as_the_batch_grows(k, rows, max_rows, drafts):
     assert batched.drafts_per_row(k, rows, max_rows) == drafts
 
 
+def test_copy_first_rows_pass_a_skipped_step_to_the_drafter_inside():
+    """A step no row drafted in reaches the head inside copy first with the target's features (it reads them at its
+    next draft), as a copied iteration does."""
+    from lssp.decoding.drafting import DraftRows, PolicyRows
+    from lssp.drafters.lookup import CopyRows
+
+    seen = []
+
+    class Inner(DraftRows):
+        def draft(self, seqs, pickers): return []
+        def advance(self, row, proposal, accepted, features): pass
+        def keep_rows(self, rows): pass
+        def merge_rows(self, other): pass
+        def skip(self, row, emitted, features): seen.append((row, list(emitted), features))
+
+    rows = CopyRows(Inner(PolicyRows([], [[], []])), 2, 2)
+    features = torch.ones(1, 4)
+    rows.skip(1, [7], features)
+    assert seen == [(1, [7], features)]
+
+
 @pytest.mark.parametrize("params", [GREEDY, SamplingParams(0.7)], ids=["greedy", "T=0.7"])
-@pytest.mark.parametrize("drafting", ["draft K=3", "feature head K=2"])
+@pytest.mark.parametrize("drafting", ["draft K=3", "feature head K=2", "copy first, feature head K=2"])
 def test_under_a_row_budget_rows_stay_exact_and_draft_less_in_a_full_batch(compact_pair, head_pair, params, drafting):
     """Continuous batching at most 3 rows at once, 4 verified positions a step: each row drafts K alone, 1 or none
-    beside others, so fewer drafts are made than without the budget, every row still to its budget. Greedy rows give
-    what RSp gives (a sampled row's law is verify's to check: K chosen from the past keeps it exact)."""
+    beside others (a step no row drafts in skips the drafter, which reads what it missed once rows leave and it
+    drafts again), so fewer drafts are made than without the budget, every row still to its budget. Greedy rows
+    give what RSp gives (a sampled row's law is verify's to check: K chosen from the past keeps it exact)."""
     target, draft = head_pair if "head" in drafting else compact_pair
     k = 3 if drafting == "draft K=3" else 2
     prompts = [torch.tensor(p) for p in JOINING]
+    make = (lambda: CopyFirst(FeatureHead(draft), 1)) if "copy" in drafting else (lambda: drafter_for(draft))
 
     def generators() -> list:
         return [None if params.greedy else torch.Generator().manual_seed(s) for s in range(len(JOINING))]
-    free = speculative_decode_batch(target, drafter_for(draft), prompts, 12, k, params, generators(), concurrency=3)
-    held = speculative_decode_batch(target, drafter_for(draft), prompts, 12, k, params, generators(), concurrency=3,
-                                    max_rows=4)
+    free = speculative_decode_batch(target, make(), prompts, 12, k, params, generators(), concurrency=3)
+    held = speculative_decode_batch(target, make(), prompts, 12, k, params, generators(), concurrency=3, max_rows=4)
+    # the last rows run alone and draft again after steps that drafted nothing
+    assert any(o.stats.drafted for o in held[-1:])
     assert sum(o.stats.drafted for o in held) < sum(o.stats.drafted for o in free)
     assert all(o.stats.new_tokens == 12 or o.stopped for o in held)
     if params.greedy:

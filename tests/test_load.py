@@ -175,6 +175,16 @@ def test_load_on_compact_models_joins_requests_to_the_running_batch(run, tmp_pat
     assert code == 0, err
     labels = {r["label"] for r in json.loads((tmp_path / "budget.json").read_text())["rows"]}
     assert labels == {"RSp", "SSp k=2", "SSp k=2 rows≤3"}, labels
+    # auto: the budget timed on the target here, said in one line and in the rows.
+    code, out, err = run("load", "tiny-target-compact", "--draft", "tiny-draft-compact", "--engine", "ours",
+                         "--concurrency", "1", "--requests", "2", "--task", "stories", "--max-new-tokens", "4",
+                         "--k", "2", "--max-rows", "auto", "--json", str(tmp_path / "auto.json"))
+    assert code == 0, err
+    said = re.search(r"row budget auto -> (\d+) positions: a forward of \1 took [\d.]+ ms against [\d.]+ for one", err)
+    assert said and int(said.group(1)) >= 3, err
+    auto_rows = json.loads((tmp_path / "auto.json").read_text())["rows"]
+    assert {r["label"] for r in auto_rows} == {"RSp", "SSp k=2", f"SSp k=2 rows≤{said.group(1)}"}
+    assert all(r["row_budget"].startswith("row budget auto -> ") for r in auto_rows)
     # A closed loop: a request's TTFT runs from when its client sent it, not from the level's start (at c=1 the
     # requests run one after another, so each one's TTFT is under the mean time of one).
     one = rows[rows["concurrency"] == 1]
@@ -200,6 +210,24 @@ def test_load_on_compact_models_joins_requests_to_the_running_batch(run, tmp_pat
     assert all(level["wall_s"] >= last for level in summary["rows"]), summary
 
 
+def test_an_automatic_row_budget_is_where_more_positions_stop_being_nearly_free(monkeypatch):
+    """The most positions a forward takes for at most 25% more than one token's, timed until one costs more; never
+    below one request's K + 1."""
+    import lssp.measure.cost as cost
+
+    timed = []
+
+    def fake(model, counts, context=64, repeats=15):
+        timed.extend(counts)
+        return {n: 1.0 + 0.06 * (n - 1) for n in counts}  # 5 positions: 1.24 ms, 6: 1.30
+    monkeypatch.setattr(cost, "time_forwards", fake)
+    budget = cost.row_budget(None, 3)
+    assert budget.rows == 5 and timed == [1, 2, 3, 4, 5, 6]  # stops at the first past the slack
+    assert budget.describe() == ("row budget auto -> 5 positions: a forward of 5 took 1.24 ms against 1.00 for one "
+                                 "(at most +25%), of 6 1.30")
+    assert cost.row_budget(None, 7).rows == 7 and timed[-1] == 7  # one request's K + 1 at least, timed too
+
+
 def test_load_refuses_bad_levels_in_one_line(run):
     for args, says in [(("--concurrency", "0"), "at least 1"), (("--concurrency", "2,x"), "whole numbers"),
                        (("--concurrency", "8", "--requests", "4"), "more than --requests 4"),
@@ -208,6 +236,8 @@ def test_load_refuses_bad_levels_in_one_line(run):
                        (("--request-rate", "-1",), "positive"), (("--batching", "x"), "continuous or static"),
                        (("--engine", "vllm", "--batching", "static"), "only --engine ours"),
                        (("--k", "2", "--max-rows", "2"), "at least K + 1 = 3"),
+                       (("--k", "2", "--max-rows", "many"), "a whole number of positions, or auto"),
+                       (("--engine", "vllm", "--k", "2", "--max-rows", "auto"), "row budget is ours"),
                        (("--engine", "vllm", "--k", "2", "--max-rows", "6"), "row budget is ours")]:
         code, out, err = run("load", "--engine", "ours", *args) if "--engine" not in args else run("load", *args)
         assert code == 2 and says in err, (args, err)

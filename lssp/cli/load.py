@@ -74,9 +74,10 @@ def load(
     batching: Annotated[str, typer.Option(
         help="ours: continuous (requests join the running batch, under the compact forward) or static (the next "
              "--concurrency requests start when the whole batch is done).")] = "continuous",
-    max_rows: Annotated[Optional[int], typer.Option(
+    max_rows: Annotated[Optional[str], typer.Option(
         "--max-rows", help="ours: also SSp under a row budget: a step verifies at most this many positions, rows x "
-        "(drafts + 1), each row drafting fewer as the batch grows, down to none (at least K + 1).")] = None,
+        "(drafts + 1), each row drafting fewer as the batch grows, down to none (at least K + 1); auto: the most "
+        "a forward of the target takes here for at most 25% more than one token.")] = None,
     json_out: JsonOpt = None,
 ) -> None:
     """Speculative decoding under load: per-user latency and throughput of RSp and SSp at each concurrency,
@@ -100,7 +101,7 @@ def load(
     if batching == "static" and not engine_class(engine).runs_our_weights:
         raise UserError(f"--batching static: only --engine ours serves static batches ({engine} batches "
                         "continuously)")
-    _check_max_rows(max_rows, k, engine)
+    budget = _check_max_rows(max_rows, k, engine)
     if request_rate is not None and not request_rate > 0:
         raise UserError(f"--request-rate must be a positive number of requests per second, got {request_rate:g}")
     from lssp.measure.latency import latency_modes
@@ -116,14 +117,24 @@ def load(
     starter = STARTERS[engine]
     t, d, vocab = starter.models(s, target, draft, need_draft)
     modes = latency_modes([engine], [d.name] if d else [], [k], (0.0,), [0, lookup] if lookup else [0])
-    if max_rows is not None:
-        modes += [replace(m, max_rows=max_rows) for m in modes if m.mode == "ssp" and not m.ngram]
+    row_budget = ""
+    if budget == AUTO:
+        from lssp.measure.cost import row_budget as time_row_budget
+        from lssp.notices import notice
+
+        with err_console.status("Timing the target's forward by positions for --max-rows auto…"):
+            chosen = time_row_budget(t.model, k + 1)
+        budget, row_budget = chosen.rows, chosen.describe()
+        notice(row_budget)
+    if budget is not None:
+        modes += [replace(m, max_rows=budget) for m in modes if m.mode == "ssp" and not m.ngram]
     if len(modes) < 2:
         raise UserError(f"load compares SSp with RSp: give --draft D (or --lookup N for {kind.label}'s n-gram "
                         "drafts)")
     request_set = build_requests(t, prompt_list, requests, s.seed, chat)
     setup = LoadSetup(engine, t.name, d.name if d else None, modes, levels, params, max_new_tokens, requests,
-                      workload, len(prompt_list), chat, ignore_eos, request_rate, s.seed, batching=batching)
+                      workload, len(prompt_list), chat, ignore_eos, request_rate, s.seed, batching=batching,
+                      row_budget=row_budget)
     backend = starter.serve(t, d, vocab, setup, request_set)  # servers or engine started before anything is timed
     try:
         setup.engine_version = backend.version
@@ -132,15 +143,26 @@ def load(
         backend.close()  # servers and engines started for the run
 
 
-def _check_max_rows(max_rows: int | None, k: int, engine: str) -> None:
-    """--max-rows: an engine that takes a row budget, and room for one request's K drafts."""
+AUTO = -1  # --max-rows auto, chosen once the target is loaded
+
+
+def _check_max_rows(max_rows: str | None, k: int, engine: str) -> int | None:
+    """--max-rows: a number of positions, at least K + 1 (room for one request's drafts), or auto (``AUTO``), for an
+    engine that takes a row budget."""
     if max_rows is None:
-        return
+        return None
     from lssp.engines import Mode
 
-    why = engine_class(engine).refuses(Mode("ssp", k, engine=engine, max_rows=max_rows))
-    if why or max_rows < k + 1:
+    budget = AUTO if max_rows.strip().lower() == "auto" else None
+    if budget is None:
+        try:
+            budget = int(max_rows)
+        except ValueError:
+            raise UserError(f"--max-rows {max_rows!r}: a whole number of positions, or auto") from None
+    why = engine_class(engine).refuses(Mode("ssp", k, engine=engine, max_rows=max(budget, k + 1)))
+    if why or budget != AUTO and budget < k + 1:
         raise UserError(f"--max-rows {max_rows}: {why or f'at least K + 1 = {k + 1} (one request drafts K)'}")
+    return budget
 
 
 def _workload(task: str | None, prompts: Path | None, nb_prompts: int | None, requests: int, chat: bool):

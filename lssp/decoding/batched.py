@@ -43,7 +43,7 @@ from transformers import PreTrainedModel
 from lssp.decoding.drafting import Drafter, DraftRows, Picker, Proposal
 from lssp.decoding.generation import NO_STOP, GenerationOutput, GenerationStats, Stopping
 from lssp.decoding.kv import PrefixCache, accepts_logits_to_keep, drop, new_cache, repeated
-from lssp.decoding.sampling import SamplingParams, sample_logits
+from lssp.decoding.sampling import SamplingParams, argmax, sample_logits
 from lssp.decoding.speculative import count_iteration, verify_proposal
 from lssp.decoding.timing import Clock
 from lssp.models.compact import CompactCache
@@ -258,6 +258,8 @@ def verify_rows(logits: torch.Tensor, proposals: Sequence[Proposal], params: Sam
                 generators: Sequence[torch.Generator | None], vocab: int) -> list[tuple[int, torch.Tensor]]:
     """Each row's (accepted drafts, next token): row r verifies its own drafts against its own target logits
     ``logits[r]`` with its own generator, as ``speculative_decode`` does alone (no row reads another's)."""
+    if params.greedy and not any(map(len, proposals)):  # no drafts: every row's argmax in one call
+        return [(0, token) for token in argmax(logits[:, 0, :vocab])]
     return [verify_proposal(logits[r, :len(p) + 1, :vocab], p, params, g)
             for r, (p, g) in enumerate(zip(proposals, generators, strict=True))]
 
@@ -478,7 +480,11 @@ class SpeculativeRows(RowsRun):
         pickers = [Picker(min(k, left), self.vocab, self.params, row.generator, self.device, min(longest, left))
                    for row, left in zip(live, lefts)]
         t0 = self.clock.now()
-        proposals = self.drafting.propose([row.seq for row in live], pickers)
+        # A step no row drafts in (the batch outgrew the row budget) asks the drafter nothing: it skips the step,
+        # reading what it missed at its next draft.
+        drafting = any(picker.k for picker in pickers)
+        proposals = self.drafting.propose([row.seq for row in live], pickers) if drafting else \
+            [picker.proposal() for picker in pickers]
         t1 = self.clock.now()
 
         # 2. One target forward scores every row's drafts and the position after them.
@@ -493,7 +499,11 @@ class SpeculativeRows(RowsRun):
         for r, (row, proposal, (accepted, extra)) in enumerate(zip(live, proposals, verdicts)):
             drop_row(self.target_cache, r, len(proposal) - accepted)
             new = [*proposal.tokens[:accepted].tolist(), int(extra)]
-            self.drafting.commit(r, proposal, accepted, new, features[r, :1 + accepted] if features is not None else None)
+            kept = features[r, :1 + accepted] if features is not None else None
+            if drafting:
+                self.drafting.commit(r, proposal, accepted, new, kept)
+            else:
+                self.drafting.skip(r, new, kept)
             emit(row, proposal, accepted, new, self.stopping, max_new_tokens, self.now())
 
 

@@ -248,6 +248,9 @@ class CopyRows(DraftRows):
         else:
             self.inner.commit(row, proposal, accepted, emitted, features)
 
+    def skip(self, row: int, emitted: Sequence[int], features: torch.Tensor | None) -> None:
+        self.inner.skip(row, emitted, features)
+
     def advance(self, row: int, proposal: Proposal, accepted: int, features: torch.Tensor | None) -> None:
         raise AssertionError("CopyRows.commit hands each iteration to its inner drafter")
 

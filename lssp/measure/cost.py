@@ -182,6 +182,39 @@ def time_forwards(model: PreTrainedModel, token_counts: Sequence[int], context: 
     return result
 
 
+ROW_BUDGET_SLACK = 0.25  # an automatic row budget: positions a forward takes for at most this much more than one
+ROW_BUDGET_COUNTS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64)  # positions timed, until one costs more
+
+
+@dataclass(frozen=True)
+class RowBudget:
+    """A row budget for batched SSp chosen by timing the target here (``row_budget``)."""
+
+    rows: int  # positions a step verifies at most
+    ms: dict[int, float]  # a forward's median ms by the positions it took, as timed
+
+    def describe(self) -> str:
+        """One line: the budget and the times it stands on."""
+        over = min((n for n in self.ms if n > self.rows), default=None)
+        return (f"row budget auto -> {self.rows} positions: a forward of {self.rows} took {self.ms[self.rows]:.2f} ms "
+                f"against {self.ms[1]:.2f} for one (at most +{ROW_BUDGET_SLACK:.0%})"
+                + (f", of {over} {self.ms[over]:.2f}" if over else ""))
+
+
+@torch.inference_mode()
+def row_budget(model: PreTrainedModel, least: int, context: int = 64) -> RowBudget:
+    """The most positions one forward of ``model`` takes here for at most ROW_BUDGET_SLACK more time than a
+    one-token forward, and at least ``least`` (one request's K + 1): where verifying more rows stops being nearly
+    free. Timed as ``time_forwards`` does, one row of n positions standing in for n rows of one."""
+    ms = time_forwards(model, [1], context, repeats=9)
+    for n in sorted({*ROW_BUDGET_COUNTS[1:], least}):
+        ms[n] = time_forwards(model, [n], context, repeats=9)[n]
+        if n >= least and ms[n] > (1 + ROW_BUDGET_SLACK) * ms[1]:
+            break
+    within = [n for n in ms if ms[n] <= (1 + ROW_BUDGET_SLACK) * ms[1]]
+    return RowBudget(max(least, *within), ms)
+
+
 def forward_costs(models: Sequence[LoadedModel], precisions: Sequence[str], token_counts: Sequence[int],
                   context: int = 64, repeats: int = 15, progress: Progress | None = None,
                   limits: Limits | None = None) -> list[ForwardCost]:

@@ -219,6 +219,7 @@ class LoadSetup:
     batching: str = "continuous"  # ours: continuous where it can (the compact forward), or static batches
     engine_version: str = ""
     draft_method: str = ""  # vLLM's speculative method for the draft
+    row_budget: str = ""  # how an automatic row budget was chosen (``lssp.measure.cost.RowBudget.describe``)
 
 
 @dataclass
@@ -350,7 +351,7 @@ class LoadRun:
             "request_rate": setup.request_rate if setup.request_rate else "inf", "seed": setup.seed,
             **{key: value for key, value in asdict(s).items() if key not in ("concurrency", "mode", "k", "lookup", "ngram")},
             "interrupted": self.interrupted, "engine_version": setup.engine_version, "tpot_definition": TPOT,
-            "ttft_definition": self.ttft_definition,
+            "ttft_definition": self.ttft_definition, "row_budget": setup.row_budget,
             "others_cpu_share": round(self.others_cpu_share.get(s.concurrency, float("nan")), 3),
             "noisy": s.concurrency in self.busy_levels,
             **info.env,
@@ -382,7 +383,8 @@ class LoadRun:
                 f"and mode, ≤{setup.max_new_tokens} new tokens, {setup.params}, "
                 f"{'Poisson arrivals at ' + format(setup.request_rate, 'g') + '/s' if setup.request_rate else 'closed loop'}"
                 f"\n\n{self.info.describe()}\n\n{markdown_table(self.rows(), columns)}\n" + "\n".join(lines)
-                + "\n\n" + " ".join(self.notes) + "".join(f"\n\nBusy at concurrency {c}: other work took {share:.0%} of "
+                + "\n\n" + " ".join(self.notes + ([f"SSp under a {setup.row_budget}."] if setup.row_budget else []))
+                + "".join(f"\n\nBusy at concurrency {c}: other work took {share:.0%} of "
                                                       "the CPUs' time; its figures are unreliable."
                                                       for c, share in self.busy_levels.items())
                 + ("\n\nInterrupted: the levels shown completed." if self.interrupted
