@@ -259,7 +259,7 @@ def verify_rows(logits: torch.Tensor, proposals: Sequence[Proposal], params: Sam
     """Each row's (accepted drafts, next token): row r verifies its own drafts against its own target logits
     ``logits[r]`` with its own generator, as ``speculative_decode`` does alone (no row reads another's)."""
     if params.greedy and not any(map(len, proposals)):  # no drafts: every row's argmax in one call
-        return [(0, token) for token in argmax(logits[:, 0, :vocab])]
+        return [(0, token) for token in argmax(logits[:, 0, :vocab].contiguous())]
     return [verify_proposal(logits[r, :len(p) + 1, :vocab], p, params, g)
             for r, (p, g) in enumerate(zip(proposals, generators, strict=True))]
 
