@@ -75,7 +75,7 @@ def load(
         help="ours: continuous (requests join the running batch, under the compact forward) or static (the next "
              "--concurrency requests start when the whole batch is done).")] = "continuous",
     max_rows: Annotated[Optional[str], typer.Option(
-        "--max-rows", help="ours: also SSp under a row budget: a step verifies at most this many positions, rows x "
+        "--max-rows", metavar="N|auto", help="ours: also SSp under a row budget: a step verifies at most this many positions, rows x "
         "(drafts + 1), each row drafting fewer as the batch grows, down to none (at least K + 1); auto: the most "
         "a forward of the target takes here for at most 25% more than one token.")] = None,
     json_out: JsonOpt = None,
