@@ -117,15 +117,7 @@ def load(
     starter = STARTERS[engine]
     t, d, vocab = starter.models(s, target, draft, need_draft)
     modes = latency_modes([engine], [d.name] if d else [], [k], (0.0,), [0, lookup] if lookup else [0])
-    row_budget = ""
-    if budget == AUTO:
-        from lssp.measure.cost import row_budget as time_row_budget
-        from lssp.notices import notice
-
-        with err_console.status("Timing the target's forward by positions for --max-rows auto…"):
-            chosen = time_row_budget(t.model, k + 1)
-        budget, row_budget = chosen.rows, chosen.describe()
-        notice(row_budget)
+    budget, row_budget = _resolve_max_rows(budget, t, k)
     if budget is not None:
         modes += [replace(m, max_rows=budget) for m in modes if m.mode == "ssp" and not m.ngram]
     if len(modes) < 2:
@@ -163,6 +155,19 @@ def _check_max_rows(max_rows: str | None, k: int, engine: str) -> int | None:
     if why or budget != AUTO and budget < k + 1:
         raise UserError(f"--max-rows {max_rows}: {why or f'at least K + 1 = {k + 1} (one request drafts K)'}")
     return budget
+
+
+def _resolve_max_rows(budget: int | None, target, k: int) -> tuple[int | None, str]:
+    """(the row budget, how it was chosen): ``AUTO`` timed on the loaded ``target`` here and said in one line."""
+    if budget != AUTO:
+        return budget, ""
+    from lssp.measure.cost import row_budget
+    from lssp.notices import notice
+
+    with err_console.status("Timing the target's forward by positions for --max-rows auto…"):
+        chosen = row_budget(target.model, k + 1)
+    notice(chosen.describe())
+    return chosen.rows, chosen.describe()
 
 
 def _workload(task: str | None, prompts: Path | None, nb_prompts: int | None, requests: int, chat: bool):
