@@ -117,9 +117,7 @@ def load(
     starter = STARTERS[engine]
     t, d, vocab = starter.models(s, target, draft, need_draft)
     modes = latency_modes([engine], [d.name] if d else [], [k], (0.0,), [0, lookup] if lookup else [0])
-    budget, row_budget = _resolve_max_rows(budget, t, k)
-    if budget is not None:
-        modes += [replace(m, max_rows=budget) for m in modes if m.mode == "ssp" and not m.ngram]
+    modes, row_budget = _with_row_budget(modes, budget, t, k)
     if len(modes) < 2:
         raise UserError(f"load compares SSp with RSp: give --draft D (or --lookup N for {kind.label}'s n-gram "
                         "drafts)")
@@ -157,17 +155,21 @@ def _check_max_rows(max_rows: str | None, k: int, engine: str) -> int | None:
     return budget
 
 
-def _resolve_max_rows(budget: int | None, target, k: int) -> tuple[int | None, str]:
-    """(the row budget, how it was chosen): ``AUTO`` timed on the loaded ``target`` here and said in one line."""
-    if budget != AUTO:
-        return budget, ""
-    from lssp.measure.cost import row_budget
-    from lssp.notices import notice
+def _with_row_budget(modes: list, budget: int | None, target, k: int) -> tuple[list, str]:
+    """``modes`` and, with a row budget, each draft's SSp under it beside them; how an ``AUTO`` budget was chosen
+    (timed on the loaded ``target`` here and said in one line), else ""."""
+    how = ""
+    if budget == AUTO:
+        from lssp.measure.cost import row_budget
+        from lssp.notices import notice
 
-    with err_console.status("Timing the target's forward by positions for --max-rows auto…"):
-        chosen = row_budget(target.model, k + 1)
-    notice(chosen.describe())
-    return chosen.rows, chosen.describe()
+        with err_console.status("Timing the target's forward by positions for --max-rows auto…"):
+            chosen = row_budget(target.model, k + 1)
+        budget, how = chosen.rows, chosen.describe()
+        notice(how)
+    if budget is None:
+        return modes, how
+    return modes + [replace(m, max_rows=budget) for m in modes if m.mode == "ssp" and not m.ngram], how
 
 
 def _workload(task: str | None, prompts: Path | None, nb_prompts: int | None, requests: int, chat: bool):
