@@ -4,7 +4,9 @@ pair, and whether the llama-server built here starts; beside them, as a referenc
 decoding with nothing around it (llama-bench). Each command writes its results files as usual (under OUT);
 this script then reads their JSON and writes OUT/cpu-bars.json and OUT/cpu-bars.md: every bar, its value, met or not,
 the runs it came from, and the CPU. Run it on every kind of machine the project meets (say which in the results).
-Usage: .venv/bin/python benchmarks/cpu_bars.py OUT [--quick] [--reread]   (~6 minutes on 2 cores; --quick: ~3,
+Beside them, as references, ours against llama.cpp's bare decode as the context grows and on a 512-token prefill
+(``benchmarks/depth.py``, OUT/depth.json).
+Usage: .venv/bin/python benchmarks/cpu_bars.py OUT [--quick] [--reread]   (~7 minutes on 2 cores; --quick: ~3,
 too few prompts for a verdict)
 """
 from __future__ import annotations
@@ -94,6 +96,8 @@ def measure(out: Path, quick: bool) -> dict:
         got["codes"][f"verify-t{t}"] = llamassp(out, "verify", "--temperature", t, *extra,
                                                 "--json", str(out / f"verify-t{t}.json"))[0]
     got["llama_server"] = smoke()
+    got["codes"]["depth"] = subprocess.call([sys.executable, str(REPO / "benchmarks" / "depth.py"), str(out / "depth"),
+                                             "--passes", "1" if quick else "2"], cwd=REPO)
     return got
 
 
@@ -142,6 +146,10 @@ def bars(out: Path, got: dict) -> list[dict]:
         lossless = bool(verdicts) and all(v.get("lossless") is True for v in verdicts)
         bar(f"verify T={t}: LOSSLESS", "lossless" if lossless else "not shown", lossless, verdicts)
     bar("the llama-server built here starts", got["llama_server"] or "starts", not got["llama_server"], [])
+    depth = out / "depth.json"
+    for row in json.loads(depth.read_text())["rows"] if depth.exists() else []:  # references: benchmarks/depth.py
+        bar(f"reference: ours ÷ llama.cpp, bare, {row['test']} (depth.py: {row['ours_ms_per_token']:.3g} against "
+            f"{row['llamacpp_ms_per_token']:.3g} ms/token)", row["ours_over_llamacpp"], None, [])
     return rows
 
 
