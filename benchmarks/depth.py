@@ -83,7 +83,7 @@ def main() -> None:
         rows.append(row)
     info = RunInfo.for_models(target)
     head = {**info.head(), **info.env, "cpu": f"{cpu_name()} ({cpu_features()})", "threads": n_threads, "target": target.name, "precision": precision,
-            "gguf": gguf.name, "llamacpp_version": build.version,
+            "gguf": gguf.name, "llamacpp_version": build.version, "passes": args.passes,
             "ours": "a bare forward (cost's timing): decode = one token after D cached, prefill = one forward of all",
             "llamacpp": "llama-bench, flash attention on: tg32 at depth D, pp512", "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)

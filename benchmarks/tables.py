@@ -11,6 +11,7 @@ The text between README.md's `<!-- headline:begin -->` line and its `<!-- headli
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -56,6 +57,8 @@ HEADLINE_AUDIT_RUNS = [
 HEADLINE_ENGINE_RUNS: list[str] = ["20261129-100332-53024a", "20261129-092509-426a5c"]
 # The quality check the headline quotes (eval.csv): `eval --both --max-operand 9 --nb-prompts 1500` (run.sh step 4).
 HEADLINE_EVAL_RUN = "20261129-091301-06a8c9"
+# benchmarks/depth.py's file (under the results root): ours against llama.cpp's bare decode as the context grows.
+HEADLINE_DEPTH = "depth-20261129-epyc-avx512.json"
 # `ceiling` runs (their folder under the results, the run, the bar its line reads the oracle's alpha for).
 HEADLINE_CEILING_RUNS = [("ceiling-20261128", "20261128-221906-bd3c6f", 1.5),
                          ("ceiling-20261128", "20261128-222555-ac99eb", 2.0)]
@@ -200,6 +203,8 @@ def headline(root: Path) -> str:
         parts.append(_headline_chart(root, run_id))
     for run_id in HEADLINE_ENGINE_RUNS:
         parts.append(engines_table(root, run_id) + "\n")
+    if HEADLINE_DEPTH:
+        parts.append(depth_line(root / HEADLINE_DEPTH) + "\n\n")
     if HEADLINE_CEILING_RUNS:
         parts.append(ceiling_line(root, HEADLINE_CEILING_RUNS) + "\n\n")
     if HEADLINE_EVAL_RUN:
@@ -263,6 +268,27 @@ def engines_table(root: Path, run_id: str) -> str:
                "n-gram drafter alone; ours ÷ it: ours' fastest mode ÷ the engine's fastest, RSp included (below 1: "
                f"ours is faster){noisy}")
     return caption + "\n\n" + markdown_table(rows, ["engine", "RSp ms/token", "SSp, draft", "SSp, n-gram", "ours ÷ it"])
+
+
+def depth_line(path: Path) -> str:
+    """benchmarks/depth.py's file in one paragraph: ours' decode against llama.cpp's at each depth, and the prefill."""
+    if not path.exists():
+        raise SystemExit(f"tables.py: {path} (HEADLINE_DEPTH) is not there")
+    found = json.loads(path.read_text())
+    decode = [r for r in found["rows"] if r["test"].startswith("decode")]
+    prefill = [r for r in found["rows"] if r["test"].startswith("prefill")]
+
+    def slashed(key: str, digits: str) -> str:
+        return " / ".join(format(r[key], digits) for r in decode)
+    depths = " / ".join(r["test"].split("@ d")[1] for r in decode)
+    said = (f"at {depths} cached tokens ours {slashed('ours_ms_per_token', '.2f')} ms a token against "
+            f"{slashed('llamacpp_ms_per_token', '.3g')} ({slashed('ours_over_llamacpp', '.2f')}×)")
+    if prefill:
+        said += (f"; a {prefill[0]['test'].split()[-1]}-token prompt {prefill[0]['ours_ms_per_token']:.2f} ms a token "
+                 f"against {prefill[0]['llamacpp_ms_per_token']:.2f} ({prefill[0]['ours_over_llamacpp']:.2f}×)")
+    return ("**As the context grows** (`benchmarks/depth.py`, with nothing around either engine: ours' one-token "
+            f"forward against llama-bench's decode on the same GGUF and threads; medians of {found['passes']} "
+            f"passes): {said} · {found['device']} · [{path.name}]({_from_repo(path)})")
 
 
 def ceiling_line(root: Path, runs: list[tuple[str, str, float]]) -> str:
