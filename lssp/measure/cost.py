@@ -192,27 +192,34 @@ class RowBudget:
 
     rows: int  # positions a step verifies at most
     ms: dict[int, float]  # a forward's median ms by the positions it took, as timed
+    ratio: dict[int, float]  # the same ÷ a one-token forward's, timed in turn with it
 
     def describe(self) -> str:
         """One line: the budget and the times it stands on."""
         over = min((n for n in self.ms if n > self.rows), default=None)
-        return (f"row budget auto -> {self.rows} positions: a forward of {self.rows} took {self.ms[self.rows]:.2f} ms "
-                f"against {self.ms[1]:.2f} for one (at most +{ROW_BUDGET_SLACK:.0%})"
-                + (f", of {over} {self.ms[over]:.2f}" if over else ""))
+        return (f"row budget auto -> {self.rows} positions: a forward of {self.rows} took {self.ratio[self.rows]:.2f}x "
+                f"one token's ({self.ms[self.rows]:.2f} ms against {self.ms[1]:.2f}; at most "
+                f"{1 + ROW_BUDGET_SLACK:.2f}x)" + (f", of {over} {self.ratio[over]:.2f}x" if over else ""))
 
 
 @torch.inference_mode()
-def row_budget(model: PreTrainedModel, least: int, context: int = 64) -> RowBudget:
+def row_budget(model: PreTrainedModel, least: int, context: int = 64, rounds: int = 5) -> RowBudget:
     """The most positions one forward of ``model`` takes here for at most ROW_BUDGET_SLACK more time than a
     one-token forward, and at least ``least`` (one request's K + 1): where verifying more rows stops being nearly
-    free. Timed as ``time_forwards`` does, one row of n positions standing in for n rows of one."""
-    ms = time_forwards(model, [1], context, repeats=9)
+    free. Each count is timed in ``rounds`` turns with the one-token forward (a host's bandwidth drifts from second
+    to second), one row of n positions standing in for n rows of one."""
+    ones: list[float] = []
+    ms: dict[int, float] = {}
+    ratio: dict[int, float] = {1: 1.0}
     for n in sorted({*ROW_BUDGET_COUNTS[1:], least}):
-        ms[n] = time_forwards(model, [n], context, repeats=9)[n]
-        if n >= least and ms[n] > (1 + ROW_BUDGET_SLACK) * ms[1]:
+        turns = [time_forwards(model, [1, n], context, repeats=3, warmup=1) for _ in range(rounds)]
+        ones += [t[1] for t in turns]
+        ms[n] = median(t[n] for t in turns)
+        ratio[n] = ms[n] / median(t[1] for t in turns)
+        if n >= least and ratio[n] > 1 + ROW_BUDGET_SLACK:
             break
-    within = [n for n in ms if ms[n] <= (1 + ROW_BUDGET_SLACK) * ms[1]]
-    return RowBudget(max(least, *within), ms)
+    ms[1] = median(ones)
+    return RowBudget(max(least, *(n for n, r in ratio.items() if r <= 1 + ROW_BUDGET_SLACK)), ms, ratio)
 
 
 def forward_costs(models: Sequence[LoadedModel], precisions: Sequence[str], token_counts: Sequence[int],
