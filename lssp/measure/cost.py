@@ -191,8 +191,8 @@ class RowBudget:
     """A row budget for batched SSp chosen by timing the target here (``row_budget``)."""
 
     rows: int  # positions a step verifies at most
-    ms: dict[int, float]  # a forward's median ms by the positions it took, as timed
-    ratio: dict[int, float]  # the same ÷ a one-token forward's, timed in turn with it
+    ms: dict[int, float]  # a forward's median ms by the positions it took
+    ratio: dict[int, float]  # ÷ a one-token forward's: the median over turns of the two timed together
 
     def describe(self) -> str:
         """One line: the budget and the times it stands on."""
@@ -203,11 +203,11 @@ class RowBudget:
 
 
 @torch.inference_mode()
-def row_budget(model: PreTrainedModel, least: int, context: int = 64, rounds: int = 5) -> RowBudget:
+def row_budget(model: PreTrainedModel, least: int, context: int = 64, rounds: int = 7) -> RowBudget:
     """The most positions one forward of ``model`` takes here for at most ROW_BUDGET_SLACK more time than a
     one-token forward, and at least ``least`` (one request's K + 1): where verifying more rows stops being nearly
-    free. Each count is timed in ``rounds`` turns with the one-token forward (a host's bandwidth drifts from second
-    to second), one row of n positions standing in for n rows of one."""
+    free. Each count is timed in ``rounds`` turns with the one-token forward, their ratio per turn (a host's
+    bandwidth drifts from second to second), one row of n positions standing in for n rows of one."""
     ones: list[float] = []
     ms: dict[int, float] = {}
     ratio: dict[int, float] = {1: 1.0}
@@ -215,7 +215,7 @@ def row_budget(model: PreTrainedModel, least: int, context: int = 64, rounds: in
         turns = [time_forwards(model, [1, n], context, repeats=3, warmup=1) for _ in range(rounds)]
         ones += [t[1] for t in turns]
         ms[n] = median(t[n] for t in turns)
-        ratio[n] = ms[n] / median(t[1] for t in turns)
+        ratio[n] = median(t[n] / t[1] for t in turns)  # each turn's pair in the same spell of the host
         if n >= least and ratio[n] > 1 + ROW_BUDGET_SLACK:
             break
     ms[1] = median(ones)
