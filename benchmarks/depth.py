@@ -2,8 +2,8 @@
 token after D cached tokens (ours: a one-token forward of the target as the registry loads it, `cost`'s timing, the
 median of 15; llama.cpp: llama-bench's generation test at depth D, 32 tokens) and a 512-token prompt into an empty
 cache (ours: one forward of 512 tokens; llama.cpp: pp512), interleaved depth by depth, both on as many threads as
-the engines use. Beside each of ours, its floor (weights and the cached keys and values at the copy bandwidth probed
-beside it). Each test runs in every pass (--passes), ours and llama.cpp's back to back; medians and the per-pass ratios.
+the engines use. Beside each of ours, its floor (weights and the cached keys and values at the faster of two
+copy-bandwidth probes, before and after it: the host's bandwidth flaps). Each test runs in every pass (--passes), ours and llama.cpp's back to back; medians and the per-pass ratios.
 Writes OUT.json and OUT.md with the CPU.
 Usage: .venv/bin/python benchmarks/depth.py OUT [--depths 0,512,1024,2048] [--passes 3]   (~2 minutes on 2 cores)
 """

@@ -816,11 +816,14 @@ def run_latency(
         setup.bandwidth_gbs, setup.bandwidth_probes = median(probes.values()) / 1e9, len(probes)
         setup.floor_bound = floor.at(median(probes.values())).ms(1)[1]
     floors = {key: floor.at(bandwidth) for key, bandwidth in probes.items()} if floor else {}
+
+    def floor_ms(step: Any) -> float:  # at its round's probe, after its completion's mean context
+        found = floors.get((step.repeat, step.split_pass, step.index))
+        return found.ms(1, step.result[3])[0] if found else float("nan")
     timings = [PromptTiming(s.index, s.mode.mode, s.mode.k, s.result[0], s.mode.confidence, s.mode.lookup, s.repeat,
                             s.split_pass, prompts[s.index].task, len(prompts[s.index].turns), s.result[1], s.mode.engine,
-                            s.mode.draft, s.mode.ngram, floors[key].ms(1, s.result[3])[0] if key in floors
-                            else float("nan"))
-               for s in steps for key in [(s.repeat, s.split_pass, s.index)]]
+                            s.mode.draft, s.mode.ngram, floor_ms(s))
+               for s in steps]
     return LatencyRun(summaries_by_task(timings, modes), timings, setup, info, interrupted)
 
 
