@@ -23,6 +23,7 @@ from lssp.measure.load import (
     ModeLevel,
     RequestTiming,
     break_even,
+    latency_interval,
     percentile,
     ratio,
     run_load,
@@ -31,7 +32,10 @@ from lssp.measure.load import (
 )
 from lssp.measure.load_backends import static_batches
 from lssp.report.results import RunInfo
+from lssp.report.stats import Interval
 from lssp.workloads import sharegpt
+
+NAN = float("nan")
 
 # --- statistics -------------------------------------------------------------------------------------------------
 
@@ -83,6 +87,25 @@ def test_break_even_is_the_lowest_level_from_which_ssp_no_longer_pays(ratios, le
     rule = break_even([1, 2, 4, 8], ratios)
     assert rule.level == level
     assert rule.describe() == text
+
+
+def test_the_latency_ratio_has_a_bootstrap_interval_over_the_requests_both_modes_served():
+    rsp, ssp = Mode("rsp"), Mode("ssp", 2)
+    slow = level(rsp, 4, 1.0, [0.010, 0.020, 0.030, 0.040, 0.050, 0.060])
+    twice = level(ssp, 4, 1.0, [0.005, 0.010, 0.015, 0.020, 0.025, 0.030])
+    assert latency_interval(slow, twice) == Interval(2.0, 2.0, 2.0)  # every request twice as fast: no spread
+    # Paired by request, not by position: reordered and with a failed request, the same ratio of medians.
+    mixed = ModeLevel(ssp, 4, 1.0, [*reversed(twice.requests[1:]), RequestTiming(0, 0, NAN, NAN, "boom")])
+    assert latency_interval(slow, mixed).estimate == pytest.approx(0.040 / 0.020)
+    rng = np.random.default_rng(0)
+    noisy = level(ssp, 4, 1.0, list(0.02 * rng.uniform(0.5, 1.5, 6)))
+    interval = latency_interval(slow, noisy, seed=3)
+    assert interval.low < interval.estimate < interval.high and interval == latency_interval(slow, noisy, seed=3)
+    assert math.isnan(latency_interval(level(rsp, 4, 1.0, [0.01] * 4), level(ssp, 4, 1.0, [0.02] * 4)).low)
+    # Beside the verdict: where each level's interval lies (none without intervals: the throughput verdict).
+    rule = break_even([1, 2, 4], [1.4, 1.02, 0.8], [1.2, 0.95, 0.7], [1.6, 1.1, 0.9])
+    assert rule.describe() == ("SSp no longer pays from concurrency 4 (95% interval above 1 at c=1; spanning 1 at "
+                               "c=2; below 1 at c=4)")
 
 
 def test_static_batches_group_similar_lengths_and_keep_the_prompts_whole():
@@ -167,7 +190,10 @@ def test_load_on_compact_models_joins_requests_to_the_running_batch(run, tmp_pat
     assert "continuous batching" in " ".join(out.split()) and "static batches" not in out
     rows = pd.read_csv(tmp_path / "results" / "load.csv")
     assert (rows["completed"] == 5).all() and rows["batched"].all() and (rows["scheduling"] == "continuous").all()
-    assert rows[rows["mode"] == "ssp"]["latency_ratio"].notna().all()
+    ssp = rows[rows["mode"] == "ssp"]
+    assert ssp["latency_ratio"].notna().all()
+    assert ((ssp["latency_ratio_low"] <= ssp["latency_ratio"]) & (ssp["latency_ratio"] <= ssp["latency_ratio_high"])).all()
+    assert "lat× 95% intervals, SSp k=2: c=1 " in out and "(95% interval " in " ".join(out.split())
     # Under a row budget: a mode of its own beside plain SSp, each with its ratios to the same RSp.
     code, out, err = run("load", "tiny-target-compact", "--draft", "tiny-draft-compact", "--engine", "ours",
                          "--concurrency", "1,3", "--requests", "5", "--task", "stories", "--max-new-tokens", "6",

@@ -259,7 +259,10 @@ def render(run) -> None:
     start = "its send by vLLM's client" if run.ttft_definition == TTFT_VLLM_CLIENT else "its arrival"
     console.print("  TPOT: per-user decode ms/token (last token − first) ÷ (tokens − 1), median/p90; TTFT ms "
                   f"median/p90, each request's from {start} (p99s in the rows); acc/len: accepted ÷ drafted / mean "
-                  "acceptance length; lat× and thr×: SSp's per-user speed and throughput ÷ RSp's (> 1: SSp pays)")
+                  "acceptance length; lat× and thr×: SSp's per-user speed and throughput ÷ RSp's (> 1: SSp pays); lat×'s "
+                  "95% intervals: a bootstrap over the requests (the spread over them, not from run to run); thr× is "
+                  "one measurement per level")
+    _interval_lines(run.summaries)
     if any(not row.batched for row in run.summaries):
         console.print("[yellow]  † not batched: served one request at a time (see below)[/yellow]")
     unbatched = {row.label for row in run.summaries if not row.batched}
@@ -278,6 +281,16 @@ def render(run) -> None:
     cut = sum(row.prompt_tokens_cut for row in run.summaries if row.mode == "rsp")
     if cut:
         console.print(f"  prompt tokens cut to batch: {cut} over the levels (equal lengths per static batch)")
+
+
+def _interval_lines(summaries) -> None:
+    """Each SSp mode's lat× with its 95% interval by level, where it has intervals."""
+    for label in dict.fromkeys(s.label for s in summaries if s.mode == "ssp"):
+        known = [s for s in summaries if s.label == label and s.latency_ratio_low == s.latency_ratio_low]
+        if known:
+            console.print(f"  lat× 95% intervals, {label}: " + " · ".join(
+                f"c={s.concurrency} {s.latency_ratio:.2f} [{s.latency_ratio_low:.2f}–{s.latency_ratio_high:.2f}]"
+                for s in known))
 
 
 def _num(value: float, digits: int = 1) -> str:

@@ -29,12 +29,16 @@ from lssp.measure.runloop import rotated
 from lssp.models.loading import ModelHandle
 from lssp.report.contention import BUSY_SHARE, cpu_snapshot, others_share
 from lssp.report.results import RunInfo, markdown_table, plural
+from lssp.report.stats import Interval, ratio_of_medians_interval
 from lssp.workloads.tasks import TaskPrompt
 
 TPOT = ("per request: (last token time - first token time) / (tokens - 1); median, p90 and p99 over the level's "
         "requests")
 TTFT = "per request: from its arrival (Poisson: its scheduled time; closed loop: its send) to its first token"
 TTFT_VLLM_CLIENT = "per request: from its send by vLLM's serving client (after its max-concurrency wait) to its first token"
+INTERVALS = ("latency_ratio_low-high: its 95% interval, a bootstrap over the level's requests (each request's TPOT "
+             "under RSp and SSp resampled together; the spread over requests, not from run to run); the throughput "
+             "ratio is one measurement per level (the level's wall time) and has none.")
 NAN = float("nan")
 
 
@@ -67,6 +71,8 @@ class BreakEven:
     level: int | None
     levels: tuple[int, ...]
     ratios: tuple[float, ...]
+    lows: tuple[float, ...] = ()  # each ratio's 95% interval, where it has one (per-user latency)
+    highs: tuple[float, ...] = ()
 
     @property
     def pays_everywhere(self) -> bool:
@@ -77,24 +83,37 @@ class BreakEven:
         if not any(r == r for r in self.ratios):
             return "not measured (no ratio)"
         if self.pays_everywhere:
-            return "SSp pays at every level measured"
-        if self.level is None:
-            return "none: SSp pays again at the highest level measured"
-        if self.level == self.levels[0]:
-            return f"SSp pays at no level measured (from {self.level})"
-        return f"SSp no longer pays from concurrency {self.level}"
+            text = "SSp pays at every level measured"
+        elif self.level is None:
+            text = "none: SSp pays again at the highest level measured"
+        elif self.level == self.levels[0]:
+            text = f"SSp pays at no level measured (from {self.level})"
+        else:
+            text = f"SSp no longer pays from concurrency {self.level}"
+        return text + self.clarity()
+
+    def clarity(self) -> str:
+        """Where the 95% intervals put each ratio: above 1, below 1, or spanning it ("" without intervals)."""
+        sides: dict[str, list[int]] = {"above 1": [], "spanning 1": [], "below 1": []}
+        for c, low, high in zip(self.levels, self.lows, self.highs):
+            if low == low and high == high:
+                sides["above 1" if low > 1 else "below 1" if high < 1 else "spanning 1"].append(c)
+        parts = [f"{side} at c={', '.join(map(str, levels))}" for side, levels in sides.items() if levels]
+        return f" (95% interval {'; '.join(parts)})" if parts else ""
 
 
-def break_even(levels: Sequence[int], ratios: Sequence[float]) -> BreakEven:
+def break_even(levels: Sequence[int], ratios: Sequence[float], lows: Sequence[float] = (),
+               highs: Sequence[float] = ()) -> BreakEven:
     """The break-even rule: the lowest level c such that SSp's ratio to RSp (> 1: SSp pays) is ≤ 1 at c and at
-    every level measured above it; levels without a ratio (nan) are skipped."""
+    every level measured above it; levels without a ratio (nan) are skipped. ``lows``, ``highs``: the ratios' 95%
+    intervals, said beside the verdict."""
     pairs = sorted((c, r) for c, r in zip(levels, ratios) if r == r)
     level = None
     for c, r in reversed(pairs):
         if r > 1:
             break
         level = c
-    return BreakEven(level, tuple(levels), tuple(ratios))
+    return BreakEven(level, tuple(levels), tuple(ratios), tuple(lows), tuple(highs))
 
 
 # --- what a backend measures --------------------------------------------------------------------------------------
@@ -247,6 +266,8 @@ class LevelSummary:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     latency_ratio: float = NAN  # RSp's median TPOT ÷ this one's (> 1: SSp faster per user)
+    latency_ratio_low: float = NAN  # its 95% interval (``latency_interval``: a bootstrap over the requests)
+    latency_ratio_high: float = NAN
     throughput_ratio: float = NAN  # this throughput ÷ RSp's (> 1: SSp serves more tokens per second)
     batched: bool = True
     scheduling: str = "continuous"
@@ -302,6 +323,26 @@ def with_ratios(summaries: list[LevelSummary]) -> list[LevelSummary]:
     return summaries
 
 
+def latency_interval(rsp: ModeLevel, ssp: ModeLevel, seed: int = 0) -> Interval:
+    """SSp's per-user latency ratio at one level (RSp's median TPOT ÷ SSp's) with a 95% percentile bootstrap
+    interval: the requests both modes served resampled, each request's two TPOTs together. It measures the spread
+    over the requests of this run (prompts, answer lengths, their place in the batch), not from run to run."""
+    theirs = {r.index: r.tpot_s for r in rsp.requests if r.ok}
+    return ratio_of_medians_interval([(theirs[r.index], r.tpot_s) for r in ssp.requests
+                                      if r.ok and r.index in theirs], seed=seed)
+
+
+def with_intervals(summaries: list[LevelSummary], levels: Sequence[ModeLevel], seed: int) -> list[LevelSummary]:
+    """Each batched SSp summary's latency interval (``latency_interval``), ``levels`` the ModeLevels the summaries
+    were made from, in order."""
+    rsp = {m.concurrency: m for m in levels if m.mode.mode == "rsp"}
+    for s, m in zip(summaries, levels, strict=True):
+        if s.mode == "ssp" and s.batched and m.concurrency in rsp:
+            interval = latency_interval(rsp[m.concurrency], m, seed + m.concurrency)
+            s.latency_ratio_low, s.latency_ratio_high = interval.low, interval.high
+    return summaries
+
+
 @dataclass
 class LoadRun:
     """A load run: its setup, the levels completed, whether Ctrl-C cut it or a backend failed."""
@@ -322,7 +363,8 @@ class LoadRun:
 
     @property
     def summaries(self) -> list[LevelSummary]:
-        return with_ratios([summarize_level(m) for level in self.levels for m in level])
+        flat = [m for level in self.levels for m in level]
+        return with_intervals(with_ratios([summarize_level(m) for m in flat]), flat, self.setup.seed)
 
     @property
     def levels_done(self) -> list[int]:
@@ -335,7 +377,8 @@ class LoadRun:
         for label in dict.fromkeys(s.label for s in summaries if s.mode == "ssp"):
             rows = [s for s in summaries if s.label == label]
             levels = [s.concurrency for s in rows]
-            out.append((label, break_even(levels, [s.latency_ratio for s in rows]),
+            out.append((label, break_even(levels, [s.latency_ratio for s in rows], [s.latency_ratio_low for s in rows],
+                                          [s.latency_ratio_high for s in rows]),
                         break_even(levels, [s.throughput_ratio for s in rows])))
         return out
 
@@ -375,7 +418,7 @@ class LoadRun:
         setup = self.setup
         columns = ["concurrency", "label", "completed", "tpot_median_ms", "tpot_p90_ms", "tpot_p99_ms", "ttft_median_ms",
                    "ttft_p90_ms", "ttft_p99_ms", "throughput_tok_s", "acceptance_rate", "mean_acceptance_length", "latency_ratio",
-                   "throughput_ratio", "batched"]
+                   "latency_ratio_low", "latency_ratio_high", "throughput_ratio", "batched"]
         lines = [f"- {label}: per-user latency break-even: {lat.describe()}; throughput break-even: {thr.describe()}"
                  for label, lat, thr in self.break_evens()]
         return (f"# load run {self.info.run_id}\n\n{setup.engine} {setup.engine_version}: target `{setup.target}`, "
@@ -390,7 +433,7 @@ class LoadRun:
                 + ("\n\nInterrupted: the levels shown completed." if self.interrupted
                                                   else "") + (f"\n\nFailed: {self.failure}" if self.failure else "")
                 + f"\n\nTPOT: {TPOT}. TTFT: {self.ttft_definition}. Ratios: latency = RSp median TPOT ÷ SSp's; throughput = SSp tokens/s ÷ RSp's; "
-                "> 1: SSp pays. Break-even: the lowest concurrency from which on every ratio measured is ≤ 1.\n")
+                f"> 1: SSp pays. {INTERVALS} Break-even: the lowest concurrency from which on every ratio measured is ≤ 1.\n")
 
 
 # --- building the request set and running the levels ----------------------------------------------------------

@@ -19,7 +19,7 @@ FIGURES = (("latency_ratio", "per-user latency (RSp median TPOT ÷ SSp's)", "-",
 
 def load_chart(rows: Sequence[Mapping[str, Any]], path: Path, title: str, caption: str) -> Path | None:
     """Draw both ratios of every SSp mode in ``rows`` (a load run's CSV rows) against concurrency into ``path``
-    (PNG); None where there is nothing to draw (no SSp row with a ratio)."""
+    (PNG), each with its 95% interval as a bar where it has one; None where there is nothing to draw (no SSp row with a ratio)."""
     ssp = [r for r in rows if r.get("mode") == "ssp"]
     labels = list(dict.fromkeys(str(r["label"]) for r in ssp))
     unbatched = {str(r["label"]) for r in ssp if str(r.get("batched")) == "False"}
@@ -34,6 +34,10 @@ def load_chart(rows: Sequence[Mapping[str, Any]], path: Path, title: str, captio
             points = [(int(r["concurrency"]), float(r[key])) for r in mine if _finite(r.get(key))]
             if points:
                 ax.plot(*zip(*points), style, marker=marker, color=colours(i), label=f"{label}{' (not batched)' if label in unbatched else ''}: {what}")
+            bars = [(int(r["concurrency"]), float(r[key + "_low"]), float(r[key + "_high"])) for r in mine
+                    if _finite(r.get(key + "_low")) and _finite(r.get(key + "_high"))]
+            if bars:  # the 95% interval where the figure has one (per-user latency)
+                ax.vlines(*zip(*bars), color=colours(i), linewidth=1.2, alpha=0.6)
     ax.axhline(1.0, color="0.4", linewidth=0.9)
     ax.set_xscale("log", base=2)
     ax.set_xticks(levels, [str(c) for c in levels])

@@ -70,6 +70,25 @@ def ratio_interval(pairs: Sequence[tuple[float, float]], level: float = 0.95) ->
     return Interval(math.exp(mean), math.exp(mean - half), math.exp(mean + half))
 
 
+def ratio_of_medians_interval(pairs: Sequence[tuple[float, float]], level: float = 0.95, draws: int = 2000,
+                              seed: int = 0) -> Interval:
+    """median(a) ÷ median(b) over paired values (a, b) with a percentile bootstrap interval: the pairs resampled
+    with replacement ``draws`` times (seeded), the same pairs for both medians. Bounds are nan under five pairs."""
+    import numpy as np
+
+    kept = np.array([(a, b) for a, b in pairs if math.isfinite(a) and math.isfinite(b) and a > 0 and b > 0],
+                    dtype=float).reshape(-1, 2)
+    if not len(kept):
+        return Interval(float("nan"), float("nan"), float("nan"))
+    estimate = float(np.median(kept[:, 0]) / np.median(kept[:, 1]))
+    if len(kept) < 5:
+        return Interval(estimate, float("nan"), float("nan"))
+    picks = np.random.default_rng(seed).integers(0, len(kept), (draws, len(kept)))
+    ratios = np.median(kept[picks, 0], axis=1) / np.median(kept[picks, 1], axis=1)
+    low, high = np.quantile(ratios, [0.5 - level / 2, 0.5 + level / 2])
+    return Interval(estimate, float(low), float(high))
+
+
 def paired_score_difference(only_first: int, only_second: int, pairs: int, z: float = Z95) -> Interval:
     """p1 − p2 on the same items with Tango's score interval (Stat Med 1998;17:891): every Δ whose score statistic
     (b − c − nΔ) / sqrt(n(2·q21(Δ) + Δ(1 − Δ))) stays within ±z, q21(Δ) the constrained maximum-likelihood share of
