@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import math
 
 import pandas as pd
 import pytest
@@ -14,6 +15,7 @@ from lssp.decoding.generation import FIRST_TO_LAST, WHOLE_COMPLETION, Generation
 from lssp.decoding.sampling import SamplingParams
 from lssp.engines import Mode, Request, TransformersEngine
 from lssp.measure.bench import ENGINES, BenchSetup, EngineRun, copy_bandwidth, run_bench, summarize
+from lssp.measure.cost import model_floor
 from lssp.models.loading import LoadedModel, load_model
 from lssp.models.registry import ModelSpec, load_registry
 from lssp.report.stats import predicted_speedup
@@ -133,9 +135,19 @@ def test_rival_engines_share_one_path_ratios_version_acceptance_agreement():
     assert engines == ("ours-rsp", "vllm-rsp", "llamacpp-rsp", "ours-ssp", "vllm-ssp", "llamacpp-ssp")
     run = summarize(3, runs, engines)
     by = {x.engine: x for x in run.summaries}
-    assert vars(by["ours-rsp"].rival_ratio("vllm")) == pytest.approx({"median": 1.5, "min": 1.0, "max": 2.0})
-    assert vars(by["ours-rsp"].rival_ratio("llamacpp")) == pytest.approx({"median": 4.0, "min": 4.0, "max": 4.0})
-    assert vars(by["ours-ssp"].rival_ratio("vllm")) == pytest.approx({"median": 1.25, "min": 0.5, "max": 2.0})
+    def spread(ratio):
+        return ratio.median, ratio.min, ratio.max
+
+    assert spread(by["ours-rsp"].rival_ratio("vllm")) == pytest.approx((1.5, 1.0, 2.0))
+    assert spread(by["ours-rsp"].rival_ratio("llamacpp")) == pytest.approx((4.0, 4.0, 4.0))
+    assert spread(by["ours-ssp"].rival_ratio("vllm")) == pytest.approx((1.25, 0.5, 2.0))
+    # The verdict's figure: the geometric mean of the per-prompt ratios with its 95% t interval (1 degree of freedom).
+    vllm = by["ours-rsp"].rival_ratio("vllm")
+    assert vllm.mean == pytest.approx(2 ** 0.5) and vllm.low < 1.0 < vllm.high
+    assert (vllm.low, vllm.high) == pytest.approx((2 ** 0.5 * math.exp(-12.7062 * math.log(2) / 2),
+                                                  2 ** 0.5 * math.exp(12.7062 * math.log(2) / 2)), rel=1e-4)
+    assert by["ours-rsp"].rival_ratio("llamacpp").low == pytest.approx(4.0)  # the same ratio on both prompts
+    assert (run.ssp_speedup.mean, run.ssp_speedup.low) == pytest.approx((2.0, 2.0))  # our RSp ÷ SSp: 2 and 2
     assert by["vllm-rsp"].rival_ratio("vllm").median != by["vllm-rsp"].rival_ratio("vllm").median  # nan: not ours
     assert list(run.rivals) == ["vllm", "llamacpp"]
     assert (run.rivals["vllm"].alpha, run.rivals["vllm"].acceptance_rate, run.rivals["vllm"].agreement) == \
@@ -169,10 +181,11 @@ def test_the_table_keeps_engine_names_whole_in_80_columns_whatever_the_rivals(ca
         assert all(len(line) <= 80 for line in lines), (rivals, scale)
         cells = {line.split()[1]: [c.strip() for c in line.split("│")[1:-1]] for line in lines if line.startswith("│ ")}
         assert list(cells) == list(engines) and cells["ours-rsp"][-1] == "100%"
-        ranged = "ours÷it [min–max]" in out
-        assert ranged == (scale == 1.0) and ("median [min–max];" in " ".join(out.split())) == ranged
+        ranged = "ours÷it [95%]" in out
+        assert ranged == (scale == 1.0) and ("geometric mean [its 95% t interval];" in " ".join(out.split())) == ranged
         rival = rivals[-1] + ("-generate" if rivals[-1] == "hf" else "-rsp")
-        assert cells[rival][3].split()[0] == f"{next(x for x in run.summaries if x.engine == 'ours-rsp').rival_ratio(rivals[-1]).median:.2f}"
+        mean = next(x for x in run.summaries if x.engine == 'ours-rsp').rival_ratio(rivals[-1]).mean
+        assert cells[rival][3].split()[0] == f"{mean:.2f}" + ("×" if ranged else "")
 
 
 def _timed(engine: str, index: int, per_iteration_ms: float, split: bool = False,
@@ -246,9 +259,11 @@ def test_bench_cli_writes_table_and_predictions(tiny_dir, tmp_path, capsys):
     assert rows["ours_over_hf_median"].isna().tolist() == [False, True, False, True]  # ours rows only
     ours = rows[rows["engine"].str.startswith("ours-")]
     assert (ours["ours_over_hf_min"] <= ours["ours_over_hf_median"]).all() and (ours["ours_over_hf_median"] <= ours["ours_over_hf_max"]).all()
-    weights = load_model(load_registry(tiny_dir / "models.yaml").get("tiny-target")).weight_bytes
-    assert (rows["target_weight_bytes"] == weights).all()
-    assert rows["bandwidth_floor_ms"].tolist() == pytest.approx((1000 * weights / (rows["copy_bandwidth_gbs"] * 1e9)).tolist())
+    # The floor as latency counts it: the Linear layers as stored, and the cache at the mean context, read once.
+    floor, _ = model_floor(load_model(load_registry(tiny_dir / "models.yaml").get("tiny-target")), 1e9)
+    assert (rows["target_weight_bytes"] == floor.weight_bytes).all()
+    assert (rows["bandwidth_floor_ms"] > 1000 * floor.weight_bytes / (rows["copy_bandwidth_gbs"] * 1e9)).all()
+    assert f"target weights {floor.weight_bytes / 1e6:.0f} MB + " in " ".join(out.split())
     row = rows.iloc[0]
     assert 0 <= row["alpha"] <= 1 and 0 <= row["ssp_overhead_share"] < 1
     assert row["ssp_speedup_predicted"] == pytest.approx(predicted_speedup(row["alpha"], 2, row["cost_ratio"]))

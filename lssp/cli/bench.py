@@ -110,15 +110,14 @@ def render(run, alphas: list[float], random_weights: bool) -> None:
     from lssp.measure.latency import NOISY_SPREAD
     from lssp.report.stats import predicted_speedup
 
-    setup = run.setup
     rivals = run.compared()
     out = bench_table(run, rivals, ranged=True)
     ranged = bool(rivals) and Measurement.get(console, console.options.update_width(1000), out).maximum <= console.width
     if not ranged:  # ours ÷ a rival's [min–max] only where it fits (80 columns)
         out = bench_table(run, rivals, ranged=False)
     console.print(out)
-    console.print(("  ours÷it: our time ÷ this engine's in the same mode (RSp, SSp), per prompt: median"
-                   + (" \\[min–max]" if ranged else "") + "; " if rivals else "  ")
+    console.print(("  ours÷it: our time ÷ this engine's in the same mode (RSp, SSp), per prompt: geometric mean"
+                   + (" \\[its 95% t interval]" if ranged else "") + "; " if rivals else "  ")
                   + "= ours-rsp: share of prompts whose tokens equal our RSp's")
     for name, figures in run.rivals.items():
         words, method, timing = RIVAL_WORDS[name]
@@ -128,10 +127,11 @@ def render(run, alphas: list[float], random_weights: bool) -> None:
     rsp_ms = next(x.ms_per_token for x in run.summaries if x.engine == "ours-rsp")
     console.print(f"  our SSp: {run.ssp_overhead_share:.1%} of decode time outside the two models' forwards; α = "
                   f"{run.alpha:.2f} (accepted/drafted {run.acceptance_rate:.1%}); c = {run.cost_ratio:.3f}; speedup over "
-                  f"our RSp {run.measured_speedup:.2f}× measured, {run.predicted_speedup:.2f}× predicted by "
+                  f"our RSp {run.measured_speedup:.2f}× measured (per prompt {_ratio_text(run.ssp_speedup)}), "
+                  f"{run.predicted_speedup:.2f}× predicted by "
                   f"(1−α^(K+1))/((1−α)(Kc+1)), {run.predicted_speedup_v:.2f}× with the measured cost of a (K+1)-token "
                   f"verification, v = {run.verify_ratio:.2f} 1-token forwards: (1−α^(K+1))/((1−α)(Kc+v))")
-    console.print(f"  target weights {setup.target_weight_bytes / 1e6:.0f} MB ÷ copy bandwidth {run.bandwidth / 1e9:.1f} "
+    console.print(f"  {run.floor_words()} ÷ copy bandwidth {run.bandwidth / 1e9:.1f} "
                   f"GB/s = floor {run.floor_ms:.2f} ms/token; ours-rsp is {rsp_ms / run.floor_ms:.2f}× the floor")
     if run.timing_fallbacks:
         console.print(f"[yellow]  ms/token of {plural(run.timing_fallbacks, 'completion')} is whole completion ÷ "
@@ -154,13 +154,13 @@ def render(run, alphas: list[float], random_weights: bool) -> None:
 
 
 def bench_table(run, rivals: list[str], ranged: bool) -> Table:
-    """One row per engine: ms/token, ours ÷ it on rivals' rows (with its [min–max] if ``ranged``), = ours-rsp."""
+    """One row per engine: ms/token, ours ÷ it on rivals' rows (with its 95% interval if ``ranged``), = ours-rsp."""
     setup = run.setup
     spread = " \\[min–max]"  # escaped: rich would read "[min–max]" as a style tag and drop it
     out = table(f"{setup.target} + {setup.draft}, K={run.k}, {plural(setup.prompts, 'prompt')} × {setup.max_new_tokens} tokens, "
                 f"T={setup.params.temperature:g}",
                 [("engine", "left"), *((c, "right") for c in ("ms/token", "median" + spread,
-                                                           *(["ours÷it" + (spread if ranged else "")] if rivals else []),
+                                                           *(["ours÷it" + (" \\[95%]" if ranged else "")] if rivals else []),
                                                            "= ours-rsp"))],
                 keep_whole=("engine",))
     for x in run.summaries:
@@ -172,12 +172,19 @@ def bench_table(run, rivals: list[str], ranged: bool) -> Table:
 
 
 def ours_over(run, engine: str, ranged: bool) -> str:
-    """On a rival's row: ours ÷ it in the same mode, per prompt (median, [min–max] if ``ranged``); "–" elsewhere."""
+    """On a rival's row: ours ÷ it in the same mode, per prompt (geometric mean, [its 95% interval] if ``ranged``);
+    "–" elsewhere."""
     from lssp.measure.bench import LABELS
 
     owner, mode = LABELS[engine]
     ratio = next((x for x in run.summaries if x.engine == f"ours-{mode}"), None)
     ratio = ratio.rival_ratio(owner) if ratio is not None else None
-    if ratio is None or math.isnan(ratio.median):
+    if ratio is None or math.isnan(ratio.mean):
         return "–"
-    return f"{ratio.median:.2f}" + (f" [{ratio.min:.2f}–{ratio.max:.2f}]" if ranged else "")
+    return _ratio_text(ratio) if ranged else f"{ratio.mean:.2f}"
+
+
+def _ratio_text(ratio) -> str:
+    """A per-prompt ratio as "1.23× [1.10–1.38]" (geometric mean, 95% t interval; no bounds under two prompts)."""
+    bounds = f" [{ratio.low:.2f}–{ratio.high:.2f}]" if ratio.low == ratio.low else ""
+    return f"{ratio.mean:.2f}×{bounds}"

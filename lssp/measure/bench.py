@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from statistics import median
+from statistics import mean, median
 from typing import Any
 
 from lssp.decoding.generation import FIRST_TO_LAST, GenerationStats, timing_basis
@@ -18,6 +18,7 @@ from lssp.decoding.sampling import SamplingParams
 from lssp.decoding.timing import copy_bandwidth
 from lssp.engines import ENGINES as ENGINE_KINDS
 from lssp.engines import Engine, Mode, OursEngine, Request, TransformersEngine, engine_class, request_seed
+from lssp.measure.cost import Floor, model_floor
 from lssp.measure.latency import (
     NOISY_SPREAD,
     SAME_PASS,
@@ -31,7 +32,7 @@ from lssp.measure.runloop import Progress, run_interleaved
 from lssp.models.loading import LoadedModel
 from lssp.report.contention import BUSY_SHARE, cpu_snapshot, others_share
 from lssp.report.results import RunInfo, markdown_table, plural
-from lssp.report.stats import alpha_estimate, predicted_speedup
+from lssp.report.stats import alpha_estimate, predicted_speedup, ratio_interval
 
 ENGINES = ("ours-rsp", "hf-generate", "ours-ssp", "hf-assisted")
 # Rival engines that run their own RSp and SSp (their engine name: lssp.engines.ENGINES): each adds "NAME-rsp" and
@@ -86,11 +87,15 @@ class EngineRun:
 
 @dataclass
 class Ratios:
-    """Ours ÷ a rival, prompt by prompt: median, min, max."""
+    """Ours ÷ a rival, prompt by prompt: median, min, max; the geometric mean with its 95% t interval
+    (``ratio_interval``), the verdict's figure."""
 
     median: float = float("nan")
     min: float = float("nan")
     max: float = float("nan")
+    mean: float = float("nan")
+    low: float = float("nan")
+    high: float = float("nan")
 
 
 @dataclass
@@ -157,6 +162,9 @@ class BenchRun:
     greedy_agreement: dict[str, float] = field(default_factory=dict)  # share of prompts equal to ours-rsp
     rivals: dict[str, RivalFigures] = field(default_factory=dict)  # each rival engine that ran (RIVALS order)
     others_cpu_share: float = float("nan")  # share of the CPUs' time other work took during the timed passes
+    ssp_speedup: Ratios = field(default_factory=Ratios)  # our RSp ÷ our SSp, prompt by prompt (``ratios``)
+    floor: Floor | None = None  # the target's one-token floor as latency counts it (``model_floor``), on a CPU
+    floor_context: float = 0.0  # the tokens cached on average when a token was made (prompt + half the budget)
 
     @property
     def noisy(self) -> bool:
@@ -197,8 +205,18 @@ class BenchRun:
 
     @property
     def floor_ms(self) -> float:
-        """The memory-bandwidth floor: every target weight read once per token."""
+        """The floor of one target token at the run's bandwidth: on a CPU, as ``latency`` counts it (the Linear
+        layers' weights as stored and the cached keys and values at the mean context, read once, or their
+        arithmetic); elsewhere every target weight read once."""
+        if self.floor is not None:
+            return self.floor.at(self.bandwidth).ms(1, self.floor_context)[0]
         return 1000 * self.setup.target_weight_bytes / self.bandwidth
+
+    def floor_words(self) -> str:
+        """What the floor reads, in words."""
+        cache = (f" + {self.floor.cache_bytes / 1e3:.3g} kB per cached token ({self.floor_context:.0f} on average)"
+                 if self.floor is not None and self.floor.cache_bytes else "")
+        return f"target weights {self.setup.target_weight_bytes / 1e6:.0f} MB{cache}"
 
     def rows(self) -> list[dict[str, Any]]:
         setup = self.setup
@@ -212,7 +230,9 @@ class BenchRun:
             "greedy_agreement": self.greedy_agreement.get(x.engine, float("nan")),
             "ssp_overhead_share": self.ssp_overhead_share, "acceptance_rate": self.acceptance_rate, "alpha": self.alpha,
             "cost_ratio": self.cost_ratio, "verify_ratio": self.verify_ratio,
-            "ssp_speedup_measured": self.measured_speedup, "ssp_speedup_predicted": self.predicted_speedup,
+            "ssp_speedup_measured": self.measured_speedup, "ssp_speedup_geomean": self.ssp_speedup.mean,
+            "ssp_speedup_low": self.ssp_speedup.low, "ssp_speedup_high": self.ssp_speedup.high,
+            "ssp_speedup_predicted": self.predicted_speedup,
             "ssp_speedup_predicted_v": self.predicted_speedup_v, "target_weight_bytes": setup.target_weight_bytes,
             "copy_bandwidth_gbs": self.bandwidth / 1e9, "bandwidth_floor_ms": self.floor_ms,
             "forward_spread": self.forward_spread, "noise_spread": self.noise_spread, "noisy": self.noisy,
@@ -224,13 +244,15 @@ class BenchRun:
 
     def _rival_columns(self, x: EngineSummary) -> dict[str, Any]:
         """Per rival R (every one of ``RIVALS``, so that every run writes the same columns): ours ÷ R on ours' rows
-        (``ours_over_R_median``, ``_min``, ``_max``), R's version on its rows (column ``R``), and on its SSp row its
+        (``ours_over_R_median``, ``_min``, ``_max``; ``_geomean`` with its 95% interval ``_low``, ``_high``), R's version on its rows (column ``R``), and on its SSp row its
         SSp = RSp agreement, acceptance rate and α (``R_ssp_equals_R_rsp``, ``R_acceptance_rate``, ``R_alpha``)."""
         columns: dict[str, Any] = {}
         for r in RIVALS:
             ratio, figures, ssp = x.rival_ratio(r), self.rivals.get(r, RivalFigures()), x.engine == f"{r}-ssp"
             columns.update({f"ours_over_{r}_median": ratio.median, f"ours_over_{r}_min": ratio.min,
-                            f"ours_over_{r}_max": ratio.max, r: figures.version if x.engine.startswith(r + "-") else ""})
+                            f"ours_over_{r}_max": ratio.max, f"ours_over_{r}_geomean": ratio.mean,
+                            f"ours_over_{r}_low": ratio.low, f"ours_over_{r}_high": ratio.high,
+                            r: figures.version if x.engine.startswith(r + "-") else ""})
             columns.update({f"{r}_ssp_equals_{r}_rsp": figures.agreement, f"{r}_acceptance_rate": figures.acceptance_rate,
                             f"{r}_alpha": figures.alpha} if ssp else dict.fromkeys(
                 (f"{r}_ssp_equals_{r}_rsp", f"{r}_acceptance_rate", f"{r}_alpha"), float("nan")))
@@ -239,17 +261,21 @@ class BenchRun:
     def markdown(self) -> str:
         setup = self.setup
         columns = ["engine", "ms_per_token", "ms_per_token_median", "ms_per_token_min", "ms_per_token_max",
-                   "ours_over_hf_median", "ours_over_hf_min", "ours_over_hf_max",
-                   *(f"ours_over_{r}_median" for r in self.rivals), "greedy_agreement"]
+                   "ours_over_hf_median", "ours_over_hf_min", "ours_over_hf_max", "ours_over_hf_geomean",
+                   "ours_over_hf_low", "ours_over_hf_high",
+                   *(f"ours_over_{r}_{what}" for r in self.rivals for what in ("geomean", "low", "high")),
+                   "greedy_agreement"]
         return (f"# bench run {self.info.run_id}\n\ntarget `{setup.target}` ({setup.target_precision}), draft "
                 f"`{setup.draft}`, K={self.k}, {plural(setup.prompts, 'prompt')} x {setup.max_new_tokens} tokens, {setup.params}"
                 f"\n\n{self.info.describe()}\n\n" + markdown_table(self.rows(), columns) +
                 f"\nour SSp overhead outside forwards: {self.ssp_overhead_share:.1%} of decode time; α {self.alpha:.3f}; "
-                f"c = {self.cost_ratio:.3f}; v = {self.verify_ratio:.3f}; SSp speedup measured {self.measured_speedup:.2f}x, "
+                f"c = {self.cost_ratio:.3f}; v = {self.verify_ratio:.3f}; SSp speedup measured {self.measured_speedup:.2f}x "
+                f"(per prompt {self.ssp_speedup.mean:.2f}x [{self.ssp_speedup.low:.2f}-{self.ssp_speedup.high:.2f}], "
+                "geometric mean, 95% t interval), "
                 f"predicted {self.predicted_speedup:.2f}x (v = 1), {self.predicted_speedup_v:.2f}x (measured v)\n\n"
                 + "".join(f"{r} {x.version}: SSp α {x.alpha:.3f}, accepted/drafted {x.acceptance_rate:.1%}, SSp tokens "
                           f"equal its RSp's on {x.agreement:.0%} of prompts\n\n" for r, x in self.rivals.items()) +
-                f"target weights {setup.target_weight_bytes / 1e6:.0f} MB, copy bandwidth {self.bandwidth / 1e9:.1f} GB/s, "
+                f"{self.floor_words()}, copy bandwidth {self.bandwidth / 1e9:.1f} GB/s, "
                 f"floor {self.floor_ms:.2f} ms/token, ours-rsp {self._ms('ours-rsp') / self.floor_ms:.2f}x the floor\n"
                 + (f"\nFallback: {plural(self.timing_fallbacks, 'completion')} had no timed first emission or nothing "
                    "after it: their ms/token is the whole completion ÷ tokens (timing_basis).\n"
@@ -317,6 +343,11 @@ def run_bench(target: LoadedModel, draft: LoadedModel, prompts: Sequence[str], w
         figures.version = runners[name].version
     if measure_bandwidth:
         bench.bandwidth = copy_bandwidth(target.device)
+        found = model_floor(target, bench.bandwidth)
+        if found is not None:
+            bench.floor = found[0]
+            bench.setup.target_weight_bytes = bench.floor.weight_bytes
+            bench.floor_context = mean(target.encode(text).shape[-1] + (max_new_tokens - 1) / 2 for text in prompts)
     return bench
 
 
@@ -349,6 +380,7 @@ def summarize(k: int, runs: list[EngineRun], engines: Sequence[str] = ENGINES, c
         bench.acceptance_rate = median(r.acceptance_rate for r in ssp)
         bench.alpha = alpha_estimate(sum(r.accepted for r in ssp), sum(r.rejections for r in ssp))
         if "ours-rsp" in by:
+            bench.ssp_speedup = ratios(by["ours-rsp"], ssp)
             one_token_ms = median(r.target_ms_per_forward for r in split["ours-rsp"])
             bench.cost_ratio = median(r.draft_ms_per_forward for r in ssp_split) / one_token_ms
             bench.verify_ratio = median(r.target_ms_per_forward for r in ssp_split) / one_token_ms
@@ -368,9 +400,12 @@ def summarize(k: int, runs: list[EngineRun], engines: Sequence[str] = ENGINES, c
 
 
 def ratios(ours: list[EngineRun], rival: list[EngineRun]) -> Ratios:
-    """Ours ÷ the rival, prompt by prompt (runs in the same prompt order): median, min, max."""
-    values = [a.ms_per_token / b.ms_per_token for a, b in zip(ours, rival)]
-    return Ratios(median(values), min(values), max(values))
+    """Ours ÷ the rival, prompt by prompt (runs in the same prompt order): median, min, max, and the geometric mean
+    with its 95% t interval."""
+    pairs = [(a.ms_per_token, b.ms_per_token) for a, b in zip(ours, rival)]
+    values = [a / b for a, b in pairs]
+    interval = ratio_interval(pairs)
+    return Ratios(median(values), min(values), max(values), interval.estimate, interval.low, interval.high)
 
 
 def rival_figures(rsp: list[EngineRun] | None, ssp: list[EngineRun] | None) -> RivalFigures:
