@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pandas as pd
 import pytest
@@ -145,6 +146,9 @@ def test_compare_reads_prompts_from_stdin_until_eof(run, monkeypatch):
     assert out.count("Regular sampling") == 2
     summary = out[out.index("compare: wall time per token"):]
     assert "one" in summary and "two" in summary and "all 2" in summary  # per prompt, then overall
+    said = re.search(r"per prompt: ([\d.]+)× \[([\d.]+)–([\d.]+)\] \(geometric mean, 95% t interval\)",
+                     " ".join(summary.split()))
+    assert said and float(said.group(2)) <= float(said.group(1)) <= float(said.group(3)), summary
 
 
 def test_compare_nb_prompts_alone_takes_the_default_prompts_not_stdin(run, monkeypatch):

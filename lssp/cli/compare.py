@@ -162,6 +162,8 @@ def _start(s, chosen: str, target: str | None, draft: str | None, k: int, lookup
 
 def _summary(done: list[tuple[str, Any, Any]]) -> None:
     """Per prompt and overall: RSp's and SSp's ms/token (whole completions) and the speedup."""
+    from lssp.report.stats import ratio_interval
+
     if not done:
         return
     out = table("compare: wall time per token, prefill included", [("prompt", "left"), ("RSp ms/token", "right"),
@@ -179,6 +181,11 @@ def _summary(done: list[tuple[str, Any, Any]]) -> None:
                 f"{rsp_ms / ssp_ms:.2f}×", style="bold")
     console.print()
     console.print(out)
+    interval = ratio_interval([(_ms_per_token(rsp), _ms_per_token(ssp)) for _, rsp, ssp in done])
+    if interval.low == interval.low:  # two prompts or more
+        console.print(f"  per prompt: {interval.estimate:.2f}× [{interval.low:.2f}–{interval.high:.2f}] (geometric "
+                      "mean, 95% t interval); one pass each, RSp then SSp: `latency` interleaves passes for figures "
+                      "to cite")
 
 
 def _ms_per_token(stats) -> float:
