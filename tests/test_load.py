@@ -258,7 +258,7 @@ def test_an_automatic_row_budget_is_where_more_positions_stop_being_nearly_free(
 def test_load_refuses_bad_levels_in_one_line(run):
     for args, says in [(("--concurrency", "0"), "at least 1"), (("--concurrency", "2,x"), "whole numbers"),
                        (("--concurrency", "8", "--requests", "4"), "more than --requests 4"),
-                       (("--engine", "hf"), "load takes ours, vllm or llamacpp"),
+                       (("--engine", "hf"), "load takes ours, vllm, llamacpp or endpoint"),
                        (("--engine", "ours", "--request-rate", "2"), "static batches"),
                        (("--request-rate", "-1",), "positive"), (("--batching", "x"), "continuous or static"),
                        (("--engine", "vllm", "--batching", "static"), "only --engine ours"),
@@ -331,6 +331,7 @@ def test_load_through_real_vllm_servers_stops_them_and_reads_their_counters(tmp_
     from test_vllm import vllm_or_skip
 
     from lssp.engines import vllm_server
+    from lssp.measure import load_backends
 
     vllm_or_skip()
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)  # set by the command, undone after the test
@@ -340,10 +341,19 @@ def test_load_through_real_vllm_servers_stops_them_and_reads_their_counters(tmp_
     (root / "models.yaml").write_text(VLLM_REGISTRY)
     started: list = []
     monkeypatch.setattr(vllm_server.VllmServer, "launch", _recording(vllm_server.VllmServer.launch, started))
+    monkeypatch.setattr(load_backends.VllmLoadBackend, "close",
+                        _endpoints_first(load_backends.VllmLoadBackend.close, endpoint_runs := []))
     run = cli(capsys, root / "models.yaml", root / "results")
     code, out, err = run("load", "--engine", "vllm", "--concurrency", "1,2", "--requests", "4", "--task",
                          "stories", "--max-new-tokens", "8", "--k", "2", "--ignore-eos")
     assert code == 0, err
+    # The same servers as --endpoint reaches servers already running: vLLM's OpenAI route, usage and counters.
+    (remote,) = endpoint_runs
+    assert remote.levels_done == [2] and not remote.failure, remote.failure
+    assert all(r.tokens == 8 for level in remote.levels for m in level for r in m.requests)
+    assert "every SSp server wrote rsp's text" in " ".join(remote.notes), remote.notes
+    ssp_level = next(s for s in remote.summaries if s.mode == "ssp")  # vllm: counters read as deltas
+    assert ssp_level.draft_tokens == 2 * ssp_level.drafts > 0 and 0 <= ssp_level.acceptance_rate <= 1
     assert len(started) == 2  # RSp and SSp with the draft at K=2
     for server in started:  # every process of every server's group is gone, and its port is free again
         assert not vllm_server.group_alive(server.process.pid)
@@ -355,6 +365,23 @@ def test_load_through_real_vllm_servers_stops_them_and_reads_their_counters(tmp_
     assert (ssp["draft_tokens"] == 2 * ssp["drafts"]).all()  # K=2 drafts per verification step
     assert (rows[rows["mode"] == "rsp"]["draft_tokens"] == 0).all()
     assert "break-even (throughput, SSp k=2)" in out and max(len(line) for line in out.splitlines()) <= 80
+
+
+def _endpoints_first(close, runs: list):
+    """``VllmLoadBackend.close`` that first loads its running servers through ``load --endpoint``'s backend."""
+    from lssp.measure.load_endpoint import Endpoint, EndpointLoadBackend, introduce
+
+    def endpoints_then_close(self) -> None:
+        try:
+            endpoints = [introduce(Endpoint(label, f"http://{server.host}:{server.port}"))
+                         for label, server in (("rsp", self.servers.server(0, 0)), ("draft", self.servers.server(2, 0)))]
+            setup = LoadSetup("endpoint", "v-target", None, [e.mode for e in endpoints], [2], SamplingParams(0.0), 8,
+                              4, "t", 1, ignore_eos=True)
+            runs.append(run_load(EndpointLoadBackend(endpoints, setup), setup, RunInfo(),
+                                 [LoadRequest(i, [1, 2, 3, 4 + i], i) for i in range(4)]))
+        finally:
+            close(self)
+    return endpoints_then_close
 
 
 def test_a_two_worker_target_is_served_with_its_tensor_parallel_size(tmp_path):
@@ -572,7 +599,7 @@ def test_a_level_timed_on_a_busy_machine_is_said_and_marked(run, tmp_path, monke
     assert rows.set_index("concurrency")["noisy"].to_dict() == {1: False, 2: True}
 
 
-def test_llamacpp_load_times_poisson_requests_from_their_arrival_not_their_send(monkeypatch):
+def test_llamacpp_load_times_poisson_requests_from_their_arrival_not_their_send():
     """One client, two requests scheduled 10 ms apart, each taking 0.2 s: the second is sent at ~0.2 s, and its TTFT
     counts the ~0.19 s it waited for the client; in a closed loop (no arrival times) a request is timed from its
     send."""
@@ -580,12 +607,33 @@ def test_llamacpp_load_times_poisson_requests_from_their_arrival_not_their_send(
 
     from lssp.measure import load_llamacpp
 
-    def completion(server, body):
+    def completion(body):
         clock.sleep(0.2)
         return load_llamacpp.Streamed(tokens=[1, 2], arrivals=[0.05, 0.1])
-    monkeypatch.setattr(load_llamacpp, "stream_completion", completion)
-    outs, _ = load_llamacpp.stream_requests(None, [{}, {}], 1, [0.0, 0.01])
+    outs, _ = load_llamacpp.stream_requests(completion, [{}, {}], 1, [0.0, 0.01])
     first, second = (o.timing(i) for i, o in enumerate(outs))
     assert first.ttft_s == pytest.approx(0.05, abs=0.02) and second.ttft_s == pytest.approx(0.24, abs=0.03)
-    outs, _ = load_llamacpp.stream_requests(None, [{}, {}], 1)
+    outs, _ = load_llamacpp.stream_requests(completion, [{}, {}], 1)
     assert all(o.waited_s == 0 and o.timing(0).ttft_s == 0.05 for o in outs)
+
+
+@pytest.mark.llamacpp
+@pytest.mark.filterwarnings("ignore")
+def test_llama_servers_as_endpoints_give_token_counts_counters_and_rsp_text(lc_models, lc_servers):
+    """A real llama-server's OpenAI route, as --endpoint reaches servers already running: our token ids in, the
+    usage's token counts, its llamacpp: counters, and greedy SSp's text the same as RSp's."""
+    from lssp.measure.load_endpoint import Endpoint, EndpointLoadBackend, introduce
+
+    _, (target, _) = lc_models
+    endpoints = [introduce(Endpoint(label, f"http://127.0.0.1:{lc_servers.servers[key].port}"))
+                 for label, key in (("rsp", (0, 0)), ("draft", (2, 0)))]
+    assert all(e.model and e.version for e in endpoints)  # its /v1/models id, its /props build
+    setup = LoadSetup("endpoint", "l-target", None, [e.mode for e in endpoints], [1, 2], SamplingParams(0.0), 12, 4,
+                      "t", 3, ignore_eos=True, draft_method="remote")
+    run = run_load(EndpointLoadBackend(endpoints, setup), setup, RunInfo(), lc_requests(target, 4))
+    assert run.levels_done == [1, 2] and not run.failure, run.failure
+    assert "every SSp server wrote rsp's text" in " ".join(run.notes), run.notes
+    texts = {(m.mode.mode, m.concurrency): m.client["texts"] for level in run.levels for m in level}
+    assert all(got == texts[("rsp", 1)] for got in texts.values()), texts
+    assert all(r.tokens == 12 for level in run.levels for m in level for r in m.requests)
+    assert all(0 < s.acceptance_rate <= 1 for s in run.summaries if s.mode == "ssp")

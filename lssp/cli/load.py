@@ -39,6 +39,20 @@ from lssp.errors import UserError
 from lssp.report.results import ResultWriter, plural
 
 ENGINES = tuple(name for name, starter in STARTERS.items() if starter.serve is not None)
+RequestRateOpt = Annotated[Optional[float], typer.Option(
+    help="Open loop: Poisson arrivals at this many requests per second, still at most --concurrency in flight "
+         "(vllm, llamacpp, endpoint, and ours under the compact forward; default: closed loop, all sent at once).")]
+BatchingOpt = Annotated[str, typer.Option(
+    help="ours: continuous (requests join the running batch, under the compact forward) or static (the next "
+         "--concurrency requests start when the whole batch is done).")]
+MaxRowsOpt = Annotated[Optional[str], typer.Option(
+    "--max-rows", metavar="N|auto", help="ours: also SSp under a row budget: a step verifies at most this many "
+    "positions, rows x (drafts + 1), each row drafting fewer as the batch grows, down to none (at least K + 1); "
+    "auto: the most a forward of the target takes here for at most 25% more than one token.")]
+EndpointOpt = Annotated[Optional[list[str]], typer.Option(
+    "--endpoint", metavar="LABEL=URL", help="Servers already running anywhere (OpenAI-compatible /v1/completions: "
+    "vLLM, SGLang, llama.cpp, a cluster's gateway), one labelled rsp without speculation and others with it, e.g. "
+    "--endpoint rsp=http://h:8000 --endpoint eagle=http://h:8001; TARGET names the tokenizer.")]
 
 
 @app.command()
@@ -50,7 +64,8 @@ def load(
     engine: Annotated[str, typer.Option(
         "--engine", help="vllm: one vLLM server per mode, loaded by vLLM's benchmark client (./setup.sh --vllm); "
         "ours: our engine, continuous batching under a closed loop of C = concurrency clients; llamacpp: one llama-server per mode with a slot per "
-        "request in flight, continuous batching (./setup.sh --llamacpp).")] = "vllm",
+        "request in flight, continuous batching (./setup.sh --llamacpp); endpoint: servers already running, "
+        "--endpoint.")] = "vllm",
     concurrency: Annotated[str, typer.Option(help="Concurrency levels, comma-separated: requests in flight at once "
                                              "(ours: the batch size).")] = "1,2,4,8",
     requests: Annotated[int, typer.Option("--requests", help="Requests per level and mode (the same set each "
@@ -68,29 +83,28 @@ def load(
     temperature: TemperatureOpt = 0.0,
     top_k: TopKOpt = 0,
     top_p: TopPOpt = 1.0,
-    request_rate: Annotated[Optional[float], typer.Option(
-        help="Open loop: Poisson arrivals at this many requests per second, still at most --concurrency in flight "
-             "(vllm, llamacpp, and ours under the compact forward; default: closed loop, all sent at once).")] = None,
-    batching: Annotated[str, typer.Option(
-        help="ours: continuous (requests join the running batch, under the compact forward) or static (the next "
-             "--concurrency requests start when the whole batch is done).")] = "continuous",
-    max_rows: Annotated[Optional[str], typer.Option(
-        "--max-rows", metavar="N|auto", help="ours: also SSp under a row budget: a step verifies at most this many positions, rows x "
-        "(drafts + 1), each row drafting fewer as the batch grows, down to none (at least K + 1); auto: the most "
-        "a forward of the target takes here for at most 25% more than one token.")] = None,
+    request_rate: RequestRateOpt = None,
+    batching: BatchingOpt = "continuous",
+    max_rows: MaxRowsOpt = None,
+    endpoint: EndpointOpt = None,
     json_out: JsonOpt = None,
 ) -> None:
     """Speculative decoding under load: per-user latency and throughput of RSp and SSp at each concurrency,
     SSp's ratio to RSp, and the break-even concurrency for each."""
     draft = one_draft(draft_name, draft)
     s = settings(ctx)
-    if engine not in ENGINES:
-        raise UserError(f"load --engine {engine!r}: load takes {', '.join(ENGINES[:-1])} or {ENGINES[-1]}")
+    if engine not in (*ENGINES, ENDPOINT):
+        raise UserError(f"load --engine {engine!r}: load takes {', '.join(ENGINES)} or {ENDPOINT}")
     levels = sorted(set(parse_ints("--concurrency", concurrency)))
     check_positive("--requests", requests)
     if levels[-1] > requests:
         raise UserError(f"--concurrency {levels[-1]} is more than --requests {requests}: no more than {requests} "
                         f"requests could be in flight; give --requests {levels[-1]} or more")
+    if endpoint or engine == ENDPOINT:
+        _refuse_beside_endpoints(ctx, endpoint)
+        return _load_endpoints(s, target, endpoint or [], levels, requests, max_new_tokens,
+                               (task, prompts, nb_prompts, chat), sampling_params(temperature, top_k, top_p),
+                               ignore_eos, request_rate, json_out)
     k = s.registry.draft_k(draft, heads_run([engine])) if k is None else k  # llama.cpp: the default draft model's
     check_positive("--k", k)
     check_k_within_budget(k, max_new_tokens)
@@ -102,8 +116,7 @@ def load(
         raise UserError(f"--batching static: only --engine ours serves static batches ({engine} batches "
                         "continuously)")
     budget = _check_max_rows(max_rows, k, engine)
-    if request_rate is not None and not request_rate > 0:
-        raise UserError(f"--request-rate must be a positive number of requests per second, got {request_rate:g}")
+    _check_rate(request_rate)
     from lssp.measure.latency import latency_modes
     from lssp.measure.load import LoadSetup, build_requests
 
@@ -134,6 +147,52 @@ def load(
 
 
 AUTO = -1  # --max-rows auto, chosen once the target is loaded
+ENDPOINT = "endpoint"  # --engine endpoint: servers already running (--endpoint), lssp.measure.load_endpoint
+
+
+def _check_rate(request_rate: float | None) -> None:
+    if request_rate is not None and not request_rate > 0:
+        raise UserError(f"--request-rate must be a positive number of requests per second, got {request_rate:g}")
+
+
+def _refuse_beside_endpoints(ctx: typer.Context, endpoints: list[str] | None) -> None:
+    """One line for what servers already running take from their own settings, not from this command."""
+    if not endpoints:
+        raise UserError("--engine endpoint: name the servers with --endpoint LABEL=URL (one labelled rsp)")
+    given = {name: option for name, option in (("engine", "--engine"), ("draft_name", "DRAFT"), ("draft", "--draft"),
+                                               ("k", "--k"), ("lookup", "--lookup"), ("batching", "--batching"),
+                                               ("max_rows", "--max-rows"))
+             if getattr(ctx.get_parameter_source(name), "name", "DEFAULT") != "DEFAULT"}  # typer's own click
+    if given.pop("engine", None) and ctx.params.get("engine") != ENDPOINT:
+        raise UserError(f"--endpoint runs servers already running: --engine {ctx.params.get('engine')} does not go "
+                        "with it")
+    if given:
+        raise UserError(f"--endpoint: {', '.join(given.values())} would be the servers' own settings, set where they "
+                        "run (each --endpoint is one configuration)")
+
+
+def _load_endpoints(s: Settings, target: str | None, values: list[str], levels: list[int], requests: int,
+                    max_new_tokens: int, workload_args: tuple, params, ignore_eos: bool, request_rate: float | None,
+                    json_out: Path | None) -> None:
+    """``load --endpoint``: servers already running; nothing loads here but the target's tokenizer (TARGET), which
+    turns the prompts into the token ids every server gets."""
+    from lssp.engines.vllm import EngineModel
+    from lssp.measure.load import LoadSetup, build_requests
+    from lssp.measure.load_endpoint import EndpointLoadBackend, introduce, parse_endpoints
+
+    endpoints = parse_endpoints(values)
+    task, prompts, nb_prompts, chat = workload_args
+    workload, prompt_list = _workload(task, prompts, nb_prompts, requests, chat)
+    results = s.writable_results_dir(json_out)
+    with err_console.status("Reading the target's tokenizer and asking each server what it serves…"):
+        t = EngineModel(s.registry.get(s.registry.target_name(target)))
+        endpoints = [introduce(e) for e in endpoints]
+    t.engine_placement = "remote servers (--endpoint)"
+    setup = LoadSetup(ENDPOINT, t.name, None, [e.mode for e in endpoints], levels, params, max_new_tokens, requests,
+                      workload, len(prompt_list), chat, ignore_eos, request_rate, s.seed, draft_method="remote")
+    backend = EndpointLoadBackend(endpoints, setup)
+    setup.engine_version = backend.version
+    _measure(s, backend, t, None, results, json_out, build_requests(t, prompt_list, requests, s.seed, chat))
 
 
 def _check_max_rows(max_rows: str | None, k: int, engine: str) -> int | None:
@@ -191,6 +250,7 @@ def _measure(s: Settings, backend, t, d, results: Path, json_out: Path | None, r
 
     setup = backend.setup
     info = RunInfo.for_models(t, d)
+    info.env = backend.environment(info.env)
     writer = ResultWriter(results, info.run_id)
 
     def save_level(run) -> None:

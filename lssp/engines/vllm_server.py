@@ -71,27 +71,27 @@ def server_args(target: EngineModel, draft: EngineModel | None, k: int, lookup: 
     return args
 
 
-def parse_counters(text: str) -> Counters:
-    """vLLM's speculative-decoding counters from its Prometheus text (``vllm:spec_decode_*_total``, summed over
-    engines); zero for a server that does not speculate."""
+def parse_counters(text: str, prefix: str = "vllm:") -> Counters:
+    """Speculative-decoding counters from a server's Prometheus text (``PREFIXspec_decode_*_total``, summed over
+    engines; vLLM's prefix ``vllm:``, llama-server's ``llamacpp:``); zero for a server that does not speculate."""
     found = Counters()
     per_position: dict[int, int] = {}
     for line in text.splitlines():
-        if not line.startswith("vllm:spec_decode_"):
+        if not line.startswith(prefix + "spec_decode_"):
             continue
         name, _, value = line.rpartition(" ")
-        metric = name.split("{")[0]
+        metric = name.split("{")[0][len(prefix):]
         try:
             count = int(float(value))
         except ValueError:
             continue
-        if metric == "vllm:spec_decode_num_drafts_total":
+        if metric == "spec_decode_num_drafts_total":
             found.drafts += count
-        elif metric == "vllm:spec_decode_num_draft_tokens_total":
+        elif metric == "spec_decode_num_draft_tokens_total":
             found.draft_tokens += count
-        elif metric == "vllm:spec_decode_num_accepted_tokens_total":
+        elif metric == "spec_decode_num_accepted_tokens_total":
             found.accepted += count
-        elif metric == "vllm:spec_decode_num_accepted_tokens_per_pos_total" and 'position="' in name:
+        elif metric == "spec_decode_num_accepted_tokens_per_pos_total" and 'position="' in name:
             position = int(name.split('position="')[1].split('"')[0])
             per_position[position] = per_position.get(position, 0) + count
     found.accepted_per_position = tuple(per_position.get(i, 0) for i in range(max(per_position, default=-1) + 1))

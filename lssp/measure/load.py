@@ -195,8 +195,12 @@ class LoadBackend(ABC):
         return TTFT_VLLM_CLIENT if self.times_from_send and request_rate else TTFT
 
     def notes(self) -> list[str]:
-        """Lines the output prints about how this engine was loaded."""
+        """Lines the output prints about how this engine was loaded (asked after the warm-up and each level)."""
         return []
+
+    def environment(self, env: dict[str, str]) -> dict[str, str]:
+        """The environment every row carries (``RunInfo.env``): this machine's, unless the engine runs elsewhere."""
+        return env
 
     def check(self, mode: Mode, setup: LoadSetup) -> None:  # noqa: B027 - most engines take every mode
         """Refuse, with one line, what this engine cannot run (before anything is timed)."""
@@ -284,6 +288,8 @@ def mode_label(mode: Mode) -> str:
         return "RSp"
     if mode.ngram:
         return f"ngram {mode.ngram} k={mode.k}"
+    if mode.draft and not mode.k:  # a server's SSp configuration by its name (``load --endpoint``)
+        return f"SSp {mode.draft}"
     return f"SSp k={mode.k}" + (f" +lookup {mode.lookup}" if mode.lookup else "") + \
         (f" rows≤{mode.max_rows}" if mode.max_rows else "")
 
@@ -460,11 +466,12 @@ def run_load(backend: LoadBackend, setup: LoadSetup, info: RunInfo, requests: Se
     backend failure ends the run with the levels done and ``failure`` set."""
     for mode in setup.modes:
         backend.check(mode, setup)
-    run = LoadRun(setup, info, notes=backend.notes(), ttft_definition=backend.ttft_definition(setup.request_rate))
+    run = LoadRun(setup, info, ttft_definition=backend.ttft_definition(setup.request_rate))
     total, done = len(setup.levels) * len(setup.modes) + 1, 0
     if progress:
         progress("warm-up", done, total)
     backend.warm_up(setup.modes, requests[0])
+    run.notes = backend.notes()
     done += 1
     try:
         for index, concurrency in enumerate(setup.levels):
@@ -478,6 +485,7 @@ def run_load(backend: LoadBackend, setup: LoadSetup, info: RunInfo, requests: Se
                     progress(f"concurrency {concurrency} {mode_label(mode)} "
                              f"({time.perf_counter() - start:.0f} s)", done, total)
             run.levels.append([served[m] for m in setup.modes])
+            run.notes = backend.notes()  # with what the level taught (a server that gave no token counts)
             run.others_cpu_share[concurrency] = others_share(before, cpu_snapshot())
             if on_level:
                 on_level(run)

@@ -27,9 +27,10 @@ import http.client
 import json
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from lssp.decoding.generation import NO_STOP, Stopping
@@ -59,13 +60,21 @@ def slot_context(prompt_lengths: Sequence[int], max_new_tokens: int, k: int) -> 
 
 @dataclass
 class Streamed:
-    """One streamed completion (seconds from its send): token ids and each one's arrival, the final timings."""
+    """One streamed completion (seconds from its send): token ids and each one's arrival, the final timings. A
+    client that sees text, not ids (``lssp.measure.load_endpoint``), keeps each event's arrival and the server's
+    token count (``counted``)."""
 
     tokens: list[int] = field(default_factory=list)
     arrivals: list[float] = field(default_factory=list)
     timings: dict[str, Any] = field(default_factory=dict)
     error: str = ""
     waited_s: float = 0.0  # from its scheduled arrival to its send (Poisson arrivals: a free client awaited)
+    counted: int | None = None  # tokens the server says it made, where the stream carries text, not ids
+    text: str = ""
+
+    @property
+    def token_count(self) -> int:
+        return self.counted if self.counted is not None else len(self.tokens)
 
     def cut(self, stopping: Stopping) -> Streamed:
         """The completion ended where ``stopping`` says (at and including a stop token the server ran past)."""
@@ -75,10 +84,11 @@ class Streamed:
         return Streamed(self.tokens[:end], self.arrivals[:end], self.timings, self.error, self.waited_s)
 
     def timing(self, index: int) -> RequestTiming:
-        if self.error or not self.tokens:
-            return RequestTiming(index, len(self.tokens), float("nan"), float("nan"),
+        if self.error or not self.token_count or not self.arrivals:
+            return RequestTiming(index, self.token_count, float("nan"), float("nan"),
                                  self.error or "no token streamed")
-        return RequestTiming(index, len(self.tokens), self.waited_s + self.arrivals[0], self.arrivals[-1] - self.arrivals[0])
+        return RequestTiming(index, self.token_count, self.waited_s + self.arrivals[0],
+                             self.arrivals[-1] - self.arrivals[0])
 
 
 def stream_completion(server: LlamaServer, body: dict[str, Any], timeout_s: float = REQUEST_TIMEOUT_S) -> Streamed:
@@ -120,11 +130,11 @@ def stream_completion(server: LlamaServer, body: dict[str, Any], timeout_s: floa
     return out
 
 
-def stream_requests(server: LlamaServer, bodies: Sequence[dict[str, Any]], concurrency: int,
+def stream_requests(send: Callable[[dict[str, Any]], Streamed], bodies: Sequence[dict[str, Any]], concurrency: int,
                     arrivals: Sequence[float] | None = None) -> tuple[list[Streamed], float]:
-    """Every body once, at most ``concurrency`` in flight (a pool of that many threads takes them in order: the next
-    starts when one ends, not before its arrival time): (the completions in order, the wall seconds from the first
-    send to the last completion). With ``arrivals``, each completion's ``waited_s`` is from its arrival time to its
+    """Every body once through ``send`` (one streamed request), at most ``concurrency`` in flight (a pool of that
+    many threads takes them in order: the next starts when one ends, not before its arrival time): (the completions
+    in order, the wall seconds from the first send to the last completion). With ``arrivals``, each completion's ``waited_s`` is from its arrival time to its
     send (a closed loop has none: a client sends when its last request ends)."""
     scheduled = arrivals is not None
     arrivals = list(arrivals) if arrivals is not None else [0.0] * len(bodies)
@@ -137,7 +147,7 @@ def stream_requests(server: LlamaServer, bodies: Sequence[dict[str, Any]], concu
         if wait > 0:
             time.sleep(wait)
         late = time.perf_counter() - (start + arrivals[i])
-        results[i] = stream_completion(server, bodies[i])
+        results[i] = send(bodies[i])
         if scheduled:
             results[i].waited_s = max(0.0, late)
         with lock:
@@ -202,8 +212,8 @@ class LlamacppLoadBackend(LoadBackend):
     def warm_up(self, modes: Sequence[Mode], request: LoadRequest) -> None:
         for mode in modes:
             server = self.servers.servers[self.key(mode)]
-            (out,), _ = stream_requests(server, self._bodies([request], min(WARM_UP_TOKENS, self.setup.max_new_tokens)),
-                                        1)
+            (out,), _ = stream_requests(partial(stream_completion, server),
+                                        self._bodies([request], min(WARM_UP_TOKENS, self.setup.max_new_tokens)), 1)
             if out.error:
                 raise self.servers.failed(server, f"on its warm-up request ({out.error})")
 
@@ -214,7 +224,8 @@ class LlamacppLoadBackend(LoadBackend):
                 raise self.servers.failed(server, f"before concurrency {concurrency}")
             before = metric_counters(server.metrics()) if mode.mode == "ssp" else None
             arrivals = poisson_arrivals(len(requests), self.setup.request_rate, self.setup.seed)
-            outs, wall = stream_requests(server, self._bodies(requests, self.setup.max_new_tokens), concurrency,
+            outs, wall = stream_requests(partial(stream_completion, server),
+                                         self._bodies(requests, self.setup.max_new_tokens), concurrency,
                                          arrivals if self.setup.request_rate else None)
             failed = [o.error for o in outs if o.error]
             if failed:

@@ -1,0 +1,185 @@
+"""`load --endpoint`: servers already running, loaded over the OpenAI completions API (fake ones here, on loopback;
+llama-servers in test_load.py)."""
+from __future__ import annotations
+
+import json
+import math
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pandas as pd
+import pytest
+
+from lssp.errors import UserError
+from lssp.measure.load_endpoint import counters, parse_endpoints, stream_completion
+
+
+class FakeServer:
+    """An OpenAI-compatible completions server on 127.0.0.1: each request's token i is " w{(sum(prompt) + i) % 97}",
+    streamed ``per_event`` tokens per event every ``delay_s``; a speculating one (``per_event`` > 1) counts its
+    drafts in vLLM's /metrics names. ``usage``: whether the last event says the token count; ``fail_after``: requests
+    answered before it answers HTTP 500; ``shift``: added to every token (another model)."""
+
+    def __init__(self, per_event: int = 1, delay_s: float = 0.004, usage: bool = True, fail_after: int = -1,
+                 shift: int = 0, model: str = "fake/model") -> None:
+        self.per_event, self.delay_s, self.usage, self.fail_after, self.shift = per_event, delay_s, usage, fail_after, shift
+        self.model, self.served, self.drafts, self.drafted, self.accepted = model, 0, 0, 0, 0
+        self.lock = threading.Lock()
+        self.http = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self.http.daemon_threads = True
+        threading.Thread(target=self.http.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.http.server_port}"
+
+    def close(self) -> None:
+        self.http.shutdown()
+        self.http.server_close()
+
+    def _handler(self):
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:  # quiet
+                pass
+
+            def _json(self, payload, status: int = 200) -> None:
+                data = json.dumps(payload).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self) -> None:
+                if self.path == "/v1/models":
+                    self._json({"data": [{"id": fake.model}]})
+                elif self.path == "/version":
+                    self._json({"version": "0.0-fake"})
+                elif self.path == "/metrics" and fake.per_event > 1:
+                    text = "".join(f"vllm:spec_decode_num_{name}_total{{engine=\"0\"}} {value}\n" for name, value in
+                                   (("drafts", fake.drafts), ("draft_tokens", fake.drafted),
+                                    ("accepted_tokens", fake.accepted)))
+                    data = text.encode()
+                    self.send_response(200)
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                else:
+                    self._json({"error": "not found"}, 404)
+
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                with fake.lock:
+                    fake.served += 1
+                    failing = 0 <= fake.fail_after < fake.served
+                if failing:
+                    self._json({"error": {"message": "engine died"}}, 500)
+                    return
+                assert body["stream"] and isinstance(body["prompt"], list) and body["model"] == fake.model
+                n, start = body["max_tokens"], sum(body["prompt"]) + fake.shift
+                words = [f" w{(start + i) % 97}" for i in range(n)]
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.end_headers()
+                for i in range(0, n, fake.per_event):
+                    time.sleep(fake.delay_s)
+                    event = {"choices": [{"index": 0, "text": "".join(words[i:i + fake.per_event])}]}
+                    self.wfile.write(f"data: {json.dumps(event)}\n\n".encode())
+                    self.wfile.flush()
+                    if fake.per_event > 1:
+                        with fake.lock:
+                            fake.drafts += 1
+                            fake.drafted += fake.per_event
+                            fake.accepted += fake.per_event - 1
+                if fake.usage:
+                    usage = {"choices": [], "usage": {"completion_tokens": n, "prompt_tokens": len(body["prompt"])}}
+                    self.wfile.write(f"data: {json.dumps(usage)}\n\n".encode())
+                self.wfile.write(b"data: [DONE]\n\n")
+
+        return Handler
+
+
+@pytest.fixture
+def servers():
+    started: list[FakeServer] = []
+
+    def start(**kwargs) -> FakeServer:
+        started.append(FakeServer(**kwargs))
+        return started[-1]
+    yield start
+    for server in started:
+        server.close()
+
+
+def test_endpoints_are_label_equals_url_one_rsp_each_label_once():
+    rsp, eagle = parse_endpoints(["rsp=http://h:8000/v1/", "eagle=https://gateway.example/llm"])
+    assert (rsp.url, rsp.mode.mode) == ("http://h:8000", "rsp")
+    assert (eagle.url, eagle.mode.mode, eagle.mode.draft) == ("https://gateway.example/llm", "ssp", "eagle")
+    for values, said in ((["rsp:http://h"], "give LABEL=URL"), (["rsp=h:8000", "x=http://h"], "http:// or https://"),
+                         (["rsp=http://h:port", "x=http://h"], "port is not a number"),
+                         (["a=http://h", "b=http://h"], "one labelled rsp"), (["rsp=http://h"], "one labelled rsp"),
+                         (["rsp=http://h", "x=http://h", "x=http://g"], "each label once")):
+        with pytest.raises(UserError, match=said):
+            parse_endpoints(values)
+
+
+def test_a_stream_is_timed_per_event_and_counted_from_the_usage(servers):
+    fast = servers(per_event=2)
+    out = stream_completion(fast.url, {"model": "fake/model", "prompt": [1, 2], "max_tokens": 5, "stream": True})
+    assert not out.error and out.token_count == 5 and len(out.arrivals) == 3 and out.text == " w3 w4 w5 w6 w7"
+    assert out.arrivals == sorted(out.arrivals) and out.timing(0).tokens == 5
+    bare = servers(usage=False)
+    out = stream_completion(bare.url, {"model": "fake/model", "prompt": [1], "max_tokens": 4, "stream": True})
+    assert out.token_count == 4 and out.timings["counted_events"]  # one event each here
+    assert counters(fast.url).draft_tokens == 6 and counters(bare.url) is None  # no speculative counters
+    down = stream_completion("http://127.0.0.1:1", {})
+    assert down.error.startswith("ConnectionRefusedError")
+
+
+def test_load_through_endpoints_times_each_server_and_reads_its_counters(run, servers, tmp_path):
+    rsp, fast = servers(delay_s=0.004), servers(per_event=2, delay_s=0.005)
+    code, out, err = run("load", "tiny-target", "--endpoint", f"rsp={rsp.url}", "--endpoint", f"fast={fast.url}/v1",
+                         "--concurrency", "1,2", "--requests", "6", "--max-new-tokens", "8", "--task", "stories",
+                         "--json", str(tmp_path / "e.json"))
+    assert code == 0, err
+    said = " ".join(out.split())
+    assert max(len(line) for line in out.splitlines()) <= 80
+    assert f"rsp = {rsp.url} (model fake/model, version 0.0-fake)" in said
+    assert "Warm-up, greedy: every SSp server wrote rsp's text" in said
+    rows = pd.read_csv(tmp_path / "results" / "load.csv")
+    assert set(rows["engine"]) == {"endpoint"} and set(rows["label"]) == {"RSp", "SSp fast"}
+    assert rows["device"].str.startswith("remote servers (their hardware is not known here; client: ").all()
+    assert (rows["completed"] == 6).all() and (rows["output_tokens"] == 48).all()
+    ssp = rows[rows["mode"] == "ssp"]
+    assert (ssp["latency_ratio"] > 1.2).all(), ssp  # two tokens per 5 ms against one per 4 ms
+    assert ssp["acceptance_rate"].tolist() == pytest.approx([0.5, 0.5])  # the fake's counters: 1 of 2 per event
+    assert (ssp["method"] == "remote").all() and rows["engine_version"].str.contains("fast: 0.0-fake").all()
+    assert "lat× 95% intervals, SSp fast: c=1 " in out
+    summary = json.loads((tmp_path / "e.json").read_text())
+    assert summary["levels"] == [1, 2] and summary["engine"] == "endpoint"
+
+
+def test_endpoint_troubles_are_one_line_and_keep_the_levels_done(run, servers, tmp_path):
+    rsp = servers()
+    code, _, err = run("load", "tiny-target", "--endpoint", f"rsp={rsp.url}", "--endpoint", "x=http://127.0.0.1:1",
+                       "--requests", "2", "--concurrency", "1")
+    assert code == 2 and "--endpoint x: http://127.0.0.1:1 did not answer /v1/models" in err and len(err.splitlines()) == 1
+    for extra, said in ((["--k", "3"], "--k would be the servers' own settings"),
+                        (["--engine", "ours"], "--engine ours does not go with it")):
+        code, _, err = run("load", "--endpoint", f"rsp={rsp.url}", "--endpoint", f"y={rsp.url}", *extra)
+        assert code == 2 and said in err, err
+    code, _, err = run("load", "--engine", "endpoint")
+    assert code == 2 and "name the servers with --endpoint LABEL=URL" in err
+    # A server that breaks down at concurrency 2 (its 1 + 4 requests answered, warm-up included): level 1 is kept.
+    dying, other = servers(per_event=2, fail_after=5), servers(shift=1, usage=False)
+    code, out, err = run("load", "tiny-target", "--endpoint", f"rsp={rsp.url}", "--endpoint", f"dying={dying.url}",
+                         "--endpoint", f"other={other.url}", "--requests", "4", "--concurrency", "1,2",
+                         "--max-new-tokens", "4", "--task", "stories")
+    assert code == 2 and "--endpoint dying" in err and "at concurrency 2" in err and "level completed" in err, err
+    said = " ".join(out.split())
+    assert "Warm-up, greedy: other wrote other text than rsp" in said  # another model: said, not refused
+    assert "counted as streamed events" in said
+    rows = pd.read_csv(tmp_path / "results" / "load.csv")
+    assert list(rows["concurrency"].unique()) == [1]
+    other_row = rows[rows["label"] == "SSp other"].iloc[0]
+    assert math.isnan(other_row["acceptance_rate"])  # no counters at its /metrics
