@@ -68,6 +68,12 @@ class FakeServer:
                     self._json({"error": "not found"}, 404)
 
             def do_POST(self) -> None:
+                try:
+                    self._complete()
+                except (BrokenPipeError, ConnectionResetError):  # the client dropped the stream (cancelled)
+                    pass
+
+            def _complete(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 with fake.lock:
                     fake.served += 1
@@ -132,6 +138,12 @@ def test_a_stream_is_timed_per_event_and_counted_from_the_usage(servers):
     out = stream_completion(bare.url, {"model": "fake/model", "prompt": [1], "max_tokens": 4, "stream": True})
     assert out.token_count == 4 and out.timings["counted_events"]  # one event each here
     assert counters(fast.url).draft_tokens == 6 and counters(bare.url) is None  # no speculative counters
+    slow = servers(delay_s=0.05)
+    cancel, begun = threading.Event(), time.perf_counter()
+    threading.Timer(0.12, cancel.set).start()  # Ctrl-C's doing: the stream in flight is dropped, not read to its end
+    out = stream_completion(slow.url, {"model": "fake/model", "prompt": [1], "max_tokens": 100, "stream": True},
+                            cancel=cancel)
+    assert out.error == "cancelled" and time.perf_counter() - begun < 1.0 and 1 <= len(out.arrivals) < 10
     down = stream_completion("http://127.0.0.1:1", {})
     assert down.error.startswith("ConnectionRefusedError")
 

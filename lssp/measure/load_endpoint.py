@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -142,9 +143,11 @@ def counters(url: str) -> Counters | None:
     return None
 
 
-def stream_completion(url: str, body: dict[str, Any], timeout_s: float = REQUEST_TIMEOUT_S) -> Streamed:
+def stream_completion(url: str, body: dict[str, Any], timeout_s: float = REQUEST_TIMEOUT_S,
+                      cancel: threading.Event | None = None) -> Streamed:
     """POST ``body`` to url/v1/completions, streamed: each event with text timed as it arrives, the text kept, the
-    token count from the server's usage (else the events counted: one token each)."""
+    token count from the server's usage (else the events counted: one token each). ``cancel`` set: the stream is
+    dropped at its next line (Ctrl-C: a remote server would otherwise keep the client reading to the end)."""
     out, events = Streamed(), 0
     connection, base = _connection(url, timeout_s)
     start = time.perf_counter()
@@ -156,6 +159,9 @@ def stream_completion(url: str, body: dict[str, Any], timeout_s: float = REQUEST
             out.error = f"HTTP {response.status}: {response.read()[:200].decode(errors='replace')}"
             return out
         for raw in iter(response.readline, b""):
+            if cancel is not None and cancel.is_set():
+                out.error = "cancelled"
+                break
             line = raw.strip()
             if not line.startswith(b"data:") or line == b"data: [DONE]":
                 continue
@@ -208,6 +214,7 @@ class EndpointLoadBackend(LoadBackend):
         self.setup = setup
         self.warm_up_notes: list[str] = []
         self.counted_events = False
+        self.cancel = threading.Event()  # set on Ctrl-C: the streams in flight are dropped
 
     @property
     def version(self) -> str:
@@ -229,6 +236,9 @@ class EndpointLoadBackend(LoadBackend):
                 *self.warm_up_notes,
                 *(["Some responses carried no usage: their tokens were counted as streamed events, one token each "
                    "(an SSp event may hold several, so TPOT is overestimated there)."] if self.counted_events else [])]
+
+    def close(self) -> None:
+        self.cancel.set()  # nothing of ours runs on the servers: only streams to drop
 
     def check(self, mode: Mode, setup: LoadSetup) -> None:
         if mode not in self.endpoints:
@@ -254,9 +264,13 @@ class EndpointLoadBackend(LoadBackend):
         endpoint = self.endpoints[mode]
         before = counters(endpoint.url) if mode.mode == "ssp" else None
         arrivals = poisson_arrivals(len(requests), self.setup.request_rate, self.setup.seed)
-        outs, wall = stream_requests(partial(stream_completion, endpoint.url),
-                                     [request_body(endpoint.model, r, self.setup, self.setup.max_new_tokens)
-                                      for r in requests], concurrency, arrivals if self.setup.request_rate else None)
+        try:
+            outs, wall = stream_requests(partial(stream_completion, endpoint.url, cancel=self.cancel),
+                                         [request_body(endpoint.model, r, self.setup, self.setup.max_new_tokens)
+                                          for r in requests], concurrency, arrivals if self.setup.request_rate else None)
+        except KeyboardInterrupt:
+            self.cancel.set()
+            raise
         failed = [o.error for o in outs if o.error]
         if failed:
             raise LoadFailure(f"--endpoint {endpoint.label} ({endpoint.url}) at concurrency {concurrency}: "
