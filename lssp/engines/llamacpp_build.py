@@ -181,6 +181,48 @@ def convert(folder: Path, spec: ModelSpec, build: LlamacppBuild, target: Path | 
     return out
 
 
+REQUANTIZABLE = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0")  # the block formats gguf-py quantizes (numpy)
+
+
+def requantized(source: Path, fmt: str, kinds: tuple[str, ...] = ("Q4_1",)) -> Path:
+    """A copy of ``source`` whose tensors of the ``kinds`` block types are requantized to ``fmt`` (dequantized, then
+    quantized again: a lossy copy, for timing llama.cpp's other CPU formats on the same model), the rest and every
+    metadata field as they are; kept under ``gguf_root()``/requantized and reused."""
+    import gguf
+    import numpy as np
+
+    if fmt.lower() not in REQUANTIZABLE:
+        raise UserError(f"requantize to {fmt!r}: gguf-py quantizes {', '.join(REQUANTIZABLE)}")
+    out = gguf_root() / "requantized" / f"{source.stem}-as-{fmt.upper()}{'' if kinds == ('Q4_1',) else '-' + '-'.join(kinds)}.gguf"
+    if out.exists():
+        return out
+    to = gguf.GGMLQuantizationType[fmt.upper()]
+    reader = gguf.GGUFReader(source)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_suffix(".partial")
+    writer = gguf.GGUFWriter(partial, reader.get_field(gguf.Keys.General.ARCHITECTURE).contents())
+    writer.add_file_type(gguf.LlamaFileType[f"MOSTLY_{fmt.upper()}"])
+    for field in reader.fields.values():
+        if field.name in (gguf.Keys.General.ARCHITECTURE, gguf.Keys.General.FILE_TYPE) or field.name.startswith("GGUF."):
+            continue
+        kind = field.types[0]
+        writer.add_key_value(field.name, field.contents(), kind,
+                             sub_type=field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None)
+    for tensor in reader.tensors:
+        if tensor.tensor_type.name in kinds:
+            blocks = gguf.quants.quantize(gguf.quants.dequantize(tensor.data, tensor.tensor_type), to)
+            writer.add_tensor(tensor.name, blocks, raw_shape=blocks.shape, raw_dtype=to)
+        else:
+            writer.add_tensor(tensor.name, np.asarray(tensor.data), raw_shape=tensor.data.shape,
+                              raw_dtype=tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    partial.rename(out)
+    return out
+
+
 def last_error_line(log_path: Path) -> str:
     """The line of a log that says what went wrong: the last error-looking line, else the last line."""
     try:
