@@ -5,7 +5,8 @@ decoding with nothing around it (llama-bench). Each command writes its results f
 this script then reads their JSON and writes OUT/cpu-bars.json and OUT/cpu-bars.md: every bar, its value, met or not,
 the runs it came from, and the CPU. Run it on every kind of machine the project meets (say which in the results).
 Beside them, as references, ours against llama.cpp's bare decode as the context grows and on a 512-token prefill
-(``benchmarks/depth.py``, OUT/depth.json).
+(``benchmarks/depth.py``, OUT/depth.json), and against llama.cpp's fastest block format here, the file's 4-bit
+blocks requantized (``benchmarks/llamacpp_formats.py``, OUT/formats.json).
 Usage: .venv/bin/python benchmarks/cpu_bars.py OUT [--quick] [--reread]   (~7 minutes on 2 cores; --quick: ~3,
 too few prompts for a verdict)
 """
@@ -98,6 +99,8 @@ def measure(out: Path, quick: bool) -> dict:
     got["llama_server"] = smoke()
     got["codes"]["depth"] = subprocess.call([sys.executable, str(REPO / "benchmarks" / "depth.py"), str(out / "depth"),
                                              "--passes", "1" if quick else "2"], cwd=REPO)
+    got["codes"]["formats"] = subprocess.call([sys.executable, str(REPO / "benchmarks" / "llamacpp_formats.py"),
+                                               str(out / "formats"), "--passes", "1" if quick else "2"], cwd=REPO)
     return got
 
 
@@ -150,6 +153,14 @@ def bars(out: Path, got: dict) -> list[dict]:
     for row in json.loads(depth.read_text())["rows"] if depth.exists() else []:  # references: benchmarks/depth.py
         bar(f"reference: ours ÷ llama.cpp, bare, {row['test']} (depth.py: {row['ours_ms_per_token']:.3g} against "
             f"{row['llamacpp_ms_per_token']:.3g} ms/token)", row["ours_over_llamacpp"], None, [])
+    formats = out / "formats.json"
+    if formats.exists():  # reference: llama.cpp's fastest block format here (benchmarks/llamacpp_formats.py)
+        found = json.loads(formats.read_text())
+        row = next(r for r in found["rows"] if r["format"] == found["fastest"])
+        bar(f"reference: ours, bare, ÷ llama.cpp's fastest block format here ({found['fastest']}: "
+            f"{row['tg64_at_d64_ms_per_token']:.3g} ms/token, tg64 @ d64; a copy requantized from the file, its greedy "
+            f"tokens equal to the file's on {row['greedy_prompts_equal_to_q4_1']:.0%} of prompts; llamacpp_formats.py)",
+            row["ours_q4_1_over_it"], None, [])
     return rows
 
 
