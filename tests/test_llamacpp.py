@@ -430,3 +430,38 @@ def test_llamacpp_runs_a_published_eagle3_head_with_draft_eagle3(lc_dir, tmp_pat
             assert done.stats.accepted == mine.accepted >= 8, (done.stats, mine)
     finally:
         servers.close()
+
+
+def test_a_requantized_copy_changes_the_named_blocks_only_and_is_made_once(tmp_path, monkeypatch):
+    """``requantized``: the Q4_1 blocks become Q8_0 (within a Q8_0 step of their values), the rest and the metadata
+    stay, the file type says the new format; a second call reuses the copy; a format gguf-py cannot write is one
+    line."""
+    import gguf
+    import numpy as np
+
+    monkeypatch.setattr(llamacpp_build, "gguf_root", lambda: tmp_path / "gguf")
+    weights = np.random.default_rng(0).normal(size=(8, 64)).astype(np.float32)
+    source = tmp_path / "tiny.Q4_1.gguf"
+    writer = gguf.GGUFWriter(source, "llama")
+    writer.add_uint32("llama.block_count", 1)
+    blocks = gguf.quants.quantize(weights, gguf.GGMLQuantizationType.Q4_1)
+    writer.add_tensor("blk.0.ffn_up.weight", blocks, raw_shape=blocks.shape, raw_dtype=gguf.GGMLQuantizationType.Q4_1)
+    writer.add_tensor("blk.0.attn_norm.weight", np.ones(64, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    copy = llamacpp_build.requantized(source, "q8_0")
+    reader, original = gguf.GGUFReader(copy), gguf.GGUFReader(source)
+    tensors = {t.name: t for t in reader.tensors}
+    assert tensors["blk.0.ffn_up.weight"].tensor_type == gguf.GGMLQuantizationType.Q8_0
+    assert tensors["blk.0.attn_norm.weight"].tensor_type == gguf.GGMLQuantizationType.F32
+    before = gguf.quants.dequantize(original.tensors[0].data, gguf.GGMLQuantizationType.Q4_1)
+    after = gguf.quants.dequantize(tensors["blk.0.ffn_up.weight"].data, gguf.GGMLQuantizationType.Q8_0)
+    assert np.abs(after - before).max() <= np.abs(before).max() / 127
+    assert reader.get_field("llama.block_count").contents() == 1
+    assert reader.get_field("general.file_type").contents() == gguf.LlamaFileType.MOSTLY_Q8_0
+    made = copy.stat().st_mtime_ns
+    assert llamacpp_build.requantized(source, "q8_0") == copy and copy.stat().st_mtime_ns == made
+    with pytest.raises(UserError, match="gguf-py quantizes"):
+        llamacpp_build.requantized(source, "q4_k")
