@@ -194,6 +194,8 @@ def test_load_on_compact_models_joins_requests_to_the_running_batch(run, tmp_pat
     assert ssp["latency_ratio"].notna().all()
     assert ((ssp["latency_ratio_low"] <= ssp["latency_ratio"]) & (ssp["latency_ratio"] <= ssp["latency_ratio_high"])).all()
     assert "lat× 95% intervals, SSp k=2: c=1 " in out and "(95% interval " in " ".join(out.split())
+    assert (ssp["same_as_rsp"] == 1.0).all()  # greedy, rows batched: each output is RSp's, token for token
+    assert "greedy outputs equal to RSp's, SSp k=2: c=1 100% · c=2 100%" in out
     # Under a row budget: a mode of its own beside plain SSp, each with its ratios to the same RSp.
     code, out, err = run("load", "tiny-target-compact", "--draft", "tiny-draft-compact", "--engine", "ours",
                          "--concurrency", "1,3", "--requests", "5", "--task", "stories", "--max-new-tokens", "6",

@@ -195,3 +195,4 @@ def test_endpoint_troubles_are_one_line_and_keep_the_levels_done(run, servers, t
     assert list(rows["concurrency"].unique()) == [1]
     other_row = rows[rows["label"] == "SSp other"].iloc[0]
     assert math.isnan(other_row["acceptance_rate"])  # no counters at its /metrics
+    assert other_row["same_as_rsp"] == 0.0 and rows[rows["label"] == "SSp dying"].iloc[0]["same_as_rsp"] == 1.0

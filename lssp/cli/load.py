@@ -344,13 +344,18 @@ def render(run) -> None:
 
 
 def _interval_lines(summaries) -> None:
-    """Each SSp mode's lat× with its 95% interval by level, where it has intervals."""
+    """Each SSp mode's lat× with its 95% interval by level, where it has intervals; greedy, the share of its
+    outputs equal to RSp's."""
     for label in dict.fromkeys(s.label for s in summaries if s.mode == "ssp"):
         known = [s for s in summaries if s.label == label and s.latency_ratio_low == s.latency_ratio_low]
         if known:
             console.print(f"  lat× 95% intervals, {label}: " + " · ".join(
                 f"c={s.concurrency} {s.latency_ratio:.2f} [{s.latency_ratio_low:.2f}–{s.latency_ratio_high:.2f}]"
                 for s in known))
+        same = [s for s in summaries if s.label == label and s.same_as_rsp == s.same_as_rsp]
+        if same:
+            console.print(f"  greedy outputs equal to RSp's, {label}: " + " · ".join(
+                f"c={s.concurrency} {s.same_as_rsp:.0%}" for s in same))
 
 
 def _num(value: float, digits: int = 1) -> str:

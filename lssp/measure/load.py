@@ -279,6 +279,7 @@ class LevelSummary:
     ngram: int = 0  # SSp: n-gram length of the engine's n-gram drafter, drafting alone (0: a draft model)
     tpot_p99_ms: float = NAN
     ttft_p99_ms: float = NAN
+    same_as_rsp: float = NAN  # greedy: the share of requests whose output equals RSp's at the same level
 
 
 def mode_label(mode: Mode) -> str:
@@ -338,14 +339,29 @@ def latency_interval(rsp: ModeLevel, ssp: ModeLevel, seed: int = 0) -> Interval:
                                       if r.ok and r.index in theirs], seed=seed)
 
 
-def with_intervals(summaries: list[LevelSummary], levels: Sequence[ModeLevel], seed: int) -> list[LevelSummary]:
-    """Each batched SSp summary's latency interval (``latency_interval``), ``levels`` the ModeLevels the summaries
-    were made from, in order."""
+def same_outputs(rsp: ModeLevel, ssp: ModeLevel) -> float:
+    """The share of the requests both served whose SSp output (tokens, or text where the client sees text) equals
+    RSp's; nan where the backend kept neither."""
+    for key in ("tokens", "texts"):
+        theirs, mine = rsp.client.get(key), ssp.client.get(key)
+        if theirs and mine:
+            both = [i for i in mine if i in theirs]
+            return sum(mine[i] == theirs[i] for i in both) / len(both) if both else NAN
+    return NAN
+
+
+def with_intervals(summaries: list[LevelSummary], levels: Sequence[ModeLevel], seed: int,
+                   greedy: bool = False) -> list[LevelSummary]:
+    """Each batched SSp summary's latency interval (``latency_interval``) and, ``greedy``, the share of its outputs
+    equal to RSp's (``same_outputs``); ``levels`` the ModeLevels the summaries were made from, in order."""
     rsp = {m.concurrency: m for m in levels if m.mode.mode == "rsp"}
     for s, m in zip(summaries, levels, strict=True):
-        if s.mode == "ssp" and s.batched and m.concurrency in rsp:
-            interval = latency_interval(rsp[m.concurrency], m, seed + m.concurrency)
-            s.latency_ratio_low, s.latency_ratio_high = interval.low, interval.high
+        if s.mode == "ssp" and m.concurrency in rsp:
+            if s.batched:
+                interval = latency_interval(rsp[m.concurrency], m, seed + m.concurrency)
+                s.latency_ratio_low, s.latency_ratio_high = interval.low, interval.high
+            if greedy:
+                s.same_as_rsp = same_outputs(rsp[m.concurrency], m)
     return summaries
 
 
@@ -370,7 +386,8 @@ class LoadRun:
     @property
     def summaries(self) -> list[LevelSummary]:
         flat = [m for level in self.levels for m in level]
-        return with_intervals(with_ratios([summarize_level(m) for m in flat]), flat, self.setup.seed)
+        return with_intervals(with_ratios([summarize_level(m) for m in flat]), flat, self.setup.seed,
+                              self.setup.params.greedy)
 
     @property
     def levels_done(self) -> list[int]:
@@ -424,7 +441,7 @@ class LoadRun:
         setup = self.setup
         columns = ["concurrency", "label", "completed", "tpot_median_ms", "tpot_p90_ms", "tpot_p99_ms", "ttft_median_ms",
                    "ttft_p90_ms", "ttft_p99_ms", "throughput_tok_s", "acceptance_rate", "mean_acceptance_length", "latency_ratio",
-                   "latency_ratio_low", "latency_ratio_high", "throughput_ratio", "batched"]
+                   "latency_ratio_low", "latency_ratio_high", "throughput_ratio", "same_as_rsp", "batched"]
         lines = [f"- {label}: per-user latency break-even: {lat.describe()}; throughput break-even: {thr.describe()}"
                  for label, lat, thr in self.break_evens()]
         return (f"# load run {self.info.run_id}\n\n{setup.engine} {setup.engine_version}: target `{setup.target}`, "

@@ -197,16 +197,21 @@ class EngineLoadBackend(LoadBackend):
             # a closed loop gives no arrival times: a client sends as its last request ends, and it joins then
             rate = self.setup.request_rate
             arrivals = poisson_arrivals(len(requests), rate, self.setup.seed) if rate else []
-            timings, outputs = self._batch(mode, sorted(requests, key=lambda r: r.index), concurrency, arrivals)
+            batches = [sorted(requests, key=lambda r: r.index)]
+            timings, outputs = self._batch(mode, batches[0], concurrency, arrivals)
         else:
-            for batch in static_batches(requests, concurrency):
+            batches = static_batches(requests, concurrency)
+            for batch in batches:
                 done = self._batch(mode, batch) if batched else self._one_at_a_time(mode, batch)
                 timings += done[0]
                 outputs += done[1]
         wall = time.perf_counter() - start
+        tokens = {r.index: o.tokens.tolist() for r, o in zip([r for b in batches for r in b], outputs, strict=True)}
+        # (each request's output: greedy SSp is set beside RSp, ``same_as_rsp``)
         timings.sort(key=lambda t: t.index)
         return ModeLevel(mode, concurrency, wall, timings, ssp_counters(outputs) if mode.mode == "ssp" else None,
-                         batched=batched, scheduling="continuous" if batched and self.joins(mode) else "static")
+                         batched=batched, scheduling="continuous" if batched and self.joins(mode) else "static",
+                         client={"tokens": tokens})
 
     def _batch(self, mode: Mode, batch: list[LoadRequest], concurrency: int = 0,
                arrivals: Sequence[float] = ()) -> tuple[list[RequestTiming], list[GenerationOutput]]:
