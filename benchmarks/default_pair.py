@@ -24,3 +24,16 @@ def load_default_pair() -> tuple[LoadedModel, ModelSpec, LoadedModel]:
     target = load_model(registry.get(registry.target_name(None)))
     spec = registry.get(registry.draft_name(None))
     return target, spec, load_model(spec, draft=True, target=target)
+
+
+def target_beside_llamacpp():
+    """(the llama.cpp build here, the default target loaded, its GGUF file, the threads both engines use), for the
+    scripts that set ours beside llama-bench; exits in one line where llama.cpp is not built."""
+    from lssp.engines.llamacpp import threads
+    from lssp.engines.llamacpp_build import find_build, gguf_path
+
+    build = find_build()
+    if build is None:
+        sys.exit("llama.cpp is not built here (./setup.sh --llamacpp)")
+    target = load_default_target()
+    return build, target, gguf_path(target.spec, build), threads()

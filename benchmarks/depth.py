@@ -20,11 +20,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
-from default_pair import load_default_target  # noqa: E402
+from default_pair import target_beside_llamacpp  # noqa: E402
 
 from lssp.decoding.kv import forward_logits, new_cache  # noqa: E402
-from lssp.engines.llamacpp import threads  # noqa: E402
-from lssp.engines.llamacpp_build import find_build, gguf_path, raw_decode, raw_prefill  # noqa: E402
+from lssp.engines.llamacpp_build import raw_decode, raw_prefill  # noqa: E402
 from lssp.measure.cost import bandwidth_probe, model_floor, time_forwards  # noqa: E402
 from lssp.report.results import RunInfo, cpu_features, cpu_name, markdown_table  # noqa: E402
 
@@ -50,11 +49,7 @@ def main() -> None:
     parser.add_argument("--depths", default="0,512,1024,2048", help="cached tokens before the decode (comma list)")
     parser.add_argument("--passes", type=int, default=3, help="times each test runs; medians and per-pass ratios")
     args = parser.parse_args()
-    build = find_build()
-    if build is None:
-        sys.exit("llama.cpp is not built here (./setup.sh --llamacpp)")
-    target = load_default_target()
-    gguf, n_threads = gguf_path(target.spec, build), threads()
+    build, target, gguf, n_threads = target_beside_llamacpp()
     floor, precision = model_floor(target)
     depths = [int(d) for d in args.depths.split(",")]
     passes: list[dict[str, dict[str, float]]] = []

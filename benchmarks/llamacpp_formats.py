@@ -19,11 +19,11 @@ from statistics import median
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from default_pair import load_default_target  # noqa: E402
+from default_pair import target_beside_llamacpp  # noqa: E402
 
 from lssp.decoding.sampling import SamplingParams  # noqa: E402
-from lssp.engines.llamacpp import LlamaServer, request_body, threads  # noqa: E402
-from lssp.engines.llamacpp_build import find_build, gguf_path, raw_decode, raw_prefill, requantized  # noqa: E402
+from lssp.engines.llamacpp import LlamaServer, request_body  # noqa: E402
+from lssp.engines.llamacpp_build import raw_decode, raw_prefill, requantized  # noqa: E402
 from lssp.measure.cost import time_forwards  # noqa: E402
 from lssp.report.results import RunInfo, cpu_features, cpu_name, markdown_table  # noqa: E402
 from lssp.workloads.prompts import LATENCY_PROMPTS  # noqa: E402
@@ -57,11 +57,7 @@ def main() -> None:
     parser.add_argument("--formats", default="q4_0,q8_0", help="formats to requantize the Q4_1 blocks to")
     parser.add_argument("--passes", type=int, default=3, help="times each test runs; medians")
     args = parser.parse_args()
-    build = find_build()
-    if build is None:
-        sys.exit("llama.cpp is not built here (./setup.sh --llamacpp)")
-    target = load_default_target()
-    shipped, n_threads = gguf_path(target.spec, build), threads()
+    build, target, shipped, n_threads = target_beside_llamacpp()
     files = {"Q4_1 (shipped)": shipped, **{f.upper(): requantized(shipped, f) for f in args.formats.split(",")}}
     prompts = [target.tokenizer(text).input_ids for text in LATENCY_PROMPTS]
     reference = greedy_tokens(build, shipped, prompts, n_threads)

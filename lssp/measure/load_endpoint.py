@@ -31,7 +31,7 @@ from lssp.engines.vllm import Counters
 from lssp.engines.vllm_server import parse_counters
 from lssp.errors import UserError
 from lssp.measure.load import LoadBackend, LoadFailure, LoadRequest, LoadSetup, ModeLevel, poisson_arrivals
-from lssp.measure.load_llamacpp import Streamed, stream_requests
+from lssp.measure.load_llamacpp import Streamed, StreamError, sse_events, stream_requests
 
 ENGINE = "endpoint"
 WARM_UP_TOKENS = 8
@@ -158,17 +158,7 @@ def stream_completion(url: str, body: dict[str, Any], timeout_s: float = REQUEST
         if response.status != 200:
             out.error = f"HTTP {response.status}: {response.read()[:200].decode(errors='replace')}"
             return out
-        for raw in iter(response.readline, b""):
-            if cancel is not None and cancel.is_set():
-                out.error = "cancelled"
-                break
-            line = raw.strip()
-            if not line.startswith(b"data:") or line == b"data: [DONE]":
-                continue
-            event = json.loads(line[len(b"data:"):])
-            if "error" in event:
-                out.error = str(event["error"])[:200]
-                break
+        for event in sse_events(response, cancel):
             text = "".join(choice.get("text") or "" for choice in event.get("choices") or ())
             if text:
                 out.arrivals.append(time.perf_counter() - start)
@@ -177,6 +167,8 @@ def stream_completion(url: str, body: dict[str, Any], timeout_s: float = REQUEST
             usage = event.get("usage") or {}
             if usage.get("completion_tokens") is not None:
                 out.counted = int(usage["completion_tokens"])
+    except StreamError as exc:
+        out.error = str(exc)
     except (OSError, ValueError, http.client.HTTPException) as exc:
         out.error = f"{type(exc).__name__}: {exc}"
     finally:

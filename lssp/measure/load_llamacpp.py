@@ -27,7 +27,7 @@ import http.client
 import json
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
@@ -91,6 +91,25 @@ class Streamed:
                              self.arrivals[-1] - self.arrivals[0])
 
 
+class StreamError(Exception):
+    """A stream that ended in an error event, or was cancelled."""
+
+
+def sse_events(response: http.client.HTTPResponse, cancel: threading.Event | None = None) -> Iterator[dict[str, Any]]:
+    """The JSON events of a server-sent-events stream (``data: {...}`` lines) up to its end or ``[DONE]``; an event
+    that carries ``error`` raises ``StreamError`` with it, and so does ``cancel`` set (at the next line)."""
+    for raw in iter(response.readline, b""):
+        if cancel is not None and cancel.is_set():
+            raise StreamError("cancelled")
+        line = raw.strip()
+        if not line.startswith(b"data:") or line == b"data: [DONE]":
+            continue
+        event = json.loads(line[len(b"data:"):])
+        if "error" in event:
+            raise StreamError(str(event["error"])[:200])
+        yield event
+
+
 def stream_completion(server: LlamaServer, body: dict[str, Any], timeout_s: float = REQUEST_TIMEOUT_S) -> Streamed:
     """POST ``body`` to the server's /completion, streamed: every event's tokens timed as they arrive."""
     out = Streamed()
@@ -103,17 +122,7 @@ def stream_completion(server: LlamaServer, body: dict[str, Any], timeout_s: floa
         if response.status != 200:
             out.error = f"HTTP {response.status}: {response.read()[:200].decode(errors='replace')}"
             return out
-        while True:
-            line = response.readline()
-            if not line:
-                break
-            line = line.strip()
-            if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                continue
-            event = json.loads(line[len(b"data: "):])
-            if "error" in event:
-                out.error = str(event["error"])[:200]
-                break
+        for event in sse_events(response):
             now = time.perf_counter() - start
             for token in event.get("tokens") or ():
                 out.tokens.append(int(token))
@@ -121,6 +130,8 @@ def stream_completion(server: LlamaServer, body: dict[str, Any], timeout_s: floa
             if event.get("stop"):
                 out.timings = event.get("timings") or {}
                 break
+    except StreamError as exc:
+        out.error = str(exc)
     except (OSError, ValueError, http.client.HTTPException) as exc:
         out.error = f"{type(exc).__name__}: {exc}"
     finally:
