@@ -31,7 +31,7 @@ from lssp.engines.vllm import Counters
 from lssp.engines.vllm_server import parse_counters
 from lssp.errors import UserError
 from lssp.measure.load import LoadBackend, LoadFailure, LoadRequest, LoadSetup, ModeLevel, poisson_arrivals
-from lssp.measure.load_llamacpp import Streamed, StreamError, sse_events, stream_requests
+from lssp.measure.load_llamacpp import Streamed, posted_events, stream_requests
 
 ENGINE = "endpoint"
 WARM_UP_TOKENS = 8
@@ -151,28 +151,15 @@ def stream_completion(url: str, body: dict[str, Any], timeout_s: float = REQUEST
     out, events = Streamed(), 0
     connection, base = _connection(url, timeout_s)
     start = time.perf_counter()
-    try:
-        connection.request("POST", base + "/v1/completions", body=json.dumps(body),
-                           headers={"Content-Type": "application/json"})
-        response = connection.getresponse()
-        if response.status != 200:
-            out.error = f"HTTP {response.status}: {response.read()[:200].decode(errors='replace')}"
-            return out
-        for event in sse_events(response, cancel):
-            text = "".join(choice.get("text") or "" for choice in event.get("choices") or ())
-            if text:
-                out.arrivals.append(time.perf_counter() - start)
-                out.text += text
-                events += 1
-            usage = event.get("usage") or {}
-            if usage.get("completion_tokens") is not None:
-                out.counted = int(usage["completion_tokens"])
-    except StreamError as exc:
-        out.error = str(exc)
-    except (OSError, ValueError, http.client.HTTPException) as exc:
-        out.error = f"{type(exc).__name__}: {exc}"
-    finally:
-        connection.close()
+    for event in posted_events(connection, base + "/v1/completions", body, out, cancel):
+        text = "".join(choice.get("text") or "" for choice in event.get("choices") or ())
+        if text:
+            out.arrivals.append(time.perf_counter() - start)
+            out.text += text
+            events += 1
+        usage = event.get("usage") or {}
+        if usage.get("completion_tokens") is not None:
+            out.counted = int(usage["completion_tokens"])
     if out.counted is None:
         out.timings["counted_events"] = True
         out.counted = events

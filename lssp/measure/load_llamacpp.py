@@ -110,32 +110,40 @@ def sse_events(response: http.client.HTTPResponse, cancel: threading.Event | Non
         yield event
 
 
-def stream_completion(server: LlamaServer, body: dict[str, Any], timeout_s: float = REQUEST_TIMEOUT_S) -> Streamed:
-    """POST ``body`` to the server's /completion, streamed: every event's tokens timed as they arrive."""
-    out = Streamed()
-    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=timeout_s)
-    start = time.perf_counter()
+def posted_events(connection: http.client.HTTPConnection, path: str, body: dict[str, Any], out: Streamed,
+                  cancel: threading.Event | None = None) -> Iterator[dict[str, Any]]:
+    """POST ``body`` (JSON) to ``path`` and yield the streamed events (``sse_events``); an HTTP error, a failed
+    connection, an error event or ``cancel`` end them with ``out.error`` set. The connection is closed after."""
     try:
-        connection.request("POST", "/completion", body=json.dumps({**body, "stream": True, "return_tokens": True}),
-                           headers={"Content-Type": "application/json"})
+        connection.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
         response = connection.getresponse()
         if response.status != 200:
             out.error = f"HTTP {response.status}: {response.read()[:200].decode(errors='replace')}"
-            return out
-        for event in sse_events(response):
-            now = time.perf_counter() - start
-            for token in event.get("tokens") or ():
-                out.tokens.append(int(token))
-                out.arrivals.append(now)
-            if event.get("stop"):
-                out.timings = event.get("timings") or {}
-                break
+            return
+        yield from sse_events(response, cancel)
     except StreamError as exc:
         out.error = str(exc)
     except (OSError, ValueError, http.client.HTTPException) as exc:
         out.error = f"{type(exc).__name__}: {exc}"
     finally:
         connection.close()
+
+
+def stream_completion(server: LlamaServer, body: dict[str, Any], timeout_s: float = REQUEST_TIMEOUT_S) -> Streamed:
+    """POST ``body`` to the server's /completion, streamed: every event's tokens timed as they arrive."""
+    out = Streamed()
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=timeout_s)
+    start = time.perf_counter()
+    events = posted_events(connection, "/completion", {**body, "stream": True, "return_tokens": True}, out)
+    for event in events:
+        now = time.perf_counter() - start
+        for token in event.get("tokens") or ():
+            out.tokens.append(int(token))
+            out.arrivals.append(now)
+        if event.get("stop"):
+            out.timings = event.get("timings") or {}
+            events.close()  # the connection closed now
+            break
     if not out.error and not out.timings:
         out.error = "the stream ended before its final event"
     return out
