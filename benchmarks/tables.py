@@ -59,6 +59,8 @@ HEADLINE_ENGINE_RUNS: list[str] = ["20261129-100332-53024a", "20261129-092509-42
 HEADLINE_EVAL_RUN = "20261129-091301-06a8c9"
 # benchmarks/depth.py's file (under the results root): ours against llama.cpp's bare decode as the context grows.
 HEADLINE_DEPTH = "depth-20261129-epyc-avx512.json"
+# benchmarks/llamacpp_formats.py's file: llama.cpp's decode by block format, said at the end of the depth line.
+HEADLINE_FORMATS = "llamacpp-formats-20261129-epyc-avx512.json"
 # `ceiling` runs (their folder under the results, the run, the bar its line reads the oracle's alpha for).
 HEADLINE_CEILING_RUNS = [("ceiling-20261128", "20261128-221906-bd3c6f", 1.5),
                          ("ceiling-20261128", "20261128-222555-ac99eb", 2.0)]
@@ -204,7 +206,8 @@ def headline(root: Path) -> str:
     for run_id in HEADLINE_ENGINE_RUNS:
         parts.append(engines_table(root, run_id) + "\n")
     if HEADLINE_DEPTH:
-        parts.append(depth_line(root / HEADLINE_DEPTH) + "\n\n")
+        parts.append(depth_line(root / HEADLINE_DEPTH)
+                     + (formats_sentence(root / HEADLINE_FORMATS) if HEADLINE_FORMATS else "") + "\n\n")
     if HEADLINE_CEILING_RUNS:
         parts.append(ceiling_line(root, HEADLINE_CEILING_RUNS) + "\n\n")
     if HEADLINE_EVAL_RUN:
@@ -289,6 +292,20 @@ def depth_line(path: Path) -> str:
     return ("**As the context grows** (`benchmarks/depth.py`, with nothing around either engine: ours' one-token "
             f"forward against llama-bench's decode on the same GGUF and threads; medians of {found['passes']} "
             f"passes): {said} · {found['device']} · [{path.name}]({_from_repo(path)})")
+
+
+def formats_sentence(path: Path) -> str:
+    """benchmarks/llamacpp_formats.py's file in one sentence: llama.cpp's fastest block format here against ours."""
+    if not path.exists():
+        raise SystemExit(f"tables.py: {path} (HEADLINE_FORMATS) is not there")
+    found = json.loads(path.read_text())
+    shipped = next(r for r in found["rows"] if "shipped" in r["format"])
+    fastest = next(r for r in found["rows"] if r["format"] == found["fastest"])
+    return (f". llama.cpp's fastest block format here is not the file's: a copy with its 4-bit blocks requantized "
+            f"to {found['fastest']} decodes at {fastest['tg64_at_d64_ms_per_token']:.3g} ms a token after 64 cached "
+            f"(the file {shipped['tg64_at_d64_ms_per_token']:.3g}), but it is another model (greedy, "
+            f"{fastest['greedy_tokens_before_first_difference']:.0%} of its tokens before it leaves the file's); ours "
+            f"on the file {fastest['ours_q4_1_over_it']:.2f}× it · [{path.name}]({_from_repo(path)})")
 
 
 def ceiling_line(root: Path, runs: list[tuple[str, str, float]]) -> str:
