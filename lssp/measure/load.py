@@ -185,6 +185,8 @@ class LoadBackend(ABC):
 
     name: ClassVar[str]
     times_from_send: ClassVar[bool] = False  # its client times a Poisson request from its send, not its arrival
+    # Whether other processes' CPU time here is other work (the busy check): not where the servers timed are others'.
+    checks_busy: ClassVar[bool] = True
 
     @property
     def version(self) -> str:
@@ -503,7 +505,8 @@ def run_load(backend: LoadBackend, setup: LoadSetup, info: RunInfo, requests: Se
                              f"({time.perf_counter() - start:.0f} s)", done, total)
             run.levels.append([served[m] for m in setup.modes])
             run.notes = backend.notes()  # with what the level taught (a server that gave no token counts)
-            run.others_cpu_share[concurrency] = others_share(before, cpu_snapshot())
+            if backend.checks_busy:
+                run.others_cpu_share[concurrency] = others_share(before, cpu_snapshot())
             if on_level:
                 on_level(run)
     except KeyboardInterrupt:

@@ -187,6 +187,7 @@ class EndpointLoadBackend(LoadBackend):
     acceptance from each SSp server's /metrics where it exports known counters."""
 
     name = ENGINE
+    checks_busy = False  # the servers may run on this machine, as processes that are not ours
 
     def __init__(self, endpoints: Sequence[Endpoint], setup: LoadSetup) -> None:
         self.endpoints = {e.mode: e for e in endpoints}
@@ -210,7 +211,7 @@ class EndpointLoadBackend(LoadBackend):
                 "to the first streamed text, TPOT (last event − first) ÷ (tokens − 1), tokens from each response's "
                 "usage; acceptance from each server's /metrics where it exports vLLM's or llama.cpp's counters. "
                 "Their hardware, settings and other load are theirs: this run knows their URLs, model ids and "
-                "versions only.",
+                "versions only (and does not check this machine for other work: the servers may run here).",
                 *([f"The endpoints name different models ({', '.join(sorted(models))})."] if len(models) > 1 else []),
                 *self.warm_up_notes,
                 *(["Some responses carried no usage: their tokens were counted as streamed events, one token each "
