@@ -197,3 +197,16 @@ def test_endpoint_troubles_are_one_line_and_keep_the_levels_done(run, servers, t
     other_row = rows[rows["label"] == "SSp other"].iloc[0]
     assert math.isnan(other_row["acceptance_rate"])  # no counters at its /metrics
     assert other_row["same_as_rsp"] == 0.0 and rows[rows["label"] == "SSp dying"].iloc[0]["same_as_rsp"] == 1.0
+
+
+def test_endpoints_under_poisson_arrivals_last_at_least_until_the_last_arrival(run, servers, tmp_path):
+    from lssp.measure.load import poisson_arrivals
+
+    rsp, fast = servers(delay_s=0.001), servers(per_event=2, delay_s=0.001)
+    code, out, err = run("load", "tiny-target", "--endpoint", f"rsp={rsp.url}", "--endpoint", f"fast={fast.url}",
+                         "--concurrency", "2", "--requests", "5", "--max-new-tokens", "4", "--task", "stories",
+                         "--request-rate", "20", "--json", str(tmp_path / "open.json"))
+    assert code == 0, err
+    summary = json.loads((tmp_path / "open.json").read_text())
+    last = poisson_arrivals(5, 20.0, summary["rows"][0]["seed"])[-1]
+    assert all(row["wall_s"] >= last for row in summary["rows"]) and "Poisson" in out
