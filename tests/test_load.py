@@ -639,3 +639,22 @@ def test_llama_servers_as_endpoints_give_token_counts_counters_and_rsp_text(lc_m
     assert all(got == texts[("rsp", 1)] for got in texts.values()), texts
     assert all(r.tokens == 12 for level in run.levels for m in level for r in m.requests)
     assert all(0 < s.acceptance_rate <= 1 for s in run.summaries if s.mode == "ssp")
+
+
+@pytest.mark.llamacpp
+@pytest.mark.filterwarnings("ignore")
+def test_verify_endpoints_finds_llamacpps_ssp_server_of_its_rsp_servers_law(lc_models, lc_servers):
+    """``verify --endpoint``'s test on real llama-servers at T=0.8: the draft's server against the RSp one, each
+    with seeds of its own, rejects nothing (llama.cpp's SSp is lossless: test_llamacpp's audits)."""
+    from lssp.measure.load_endpoint import Endpoint, introduce
+    from lssp.measure.verify import NOT_LOSSLESS
+    from lssp.measure.verify_endpoint import verify_endpoints
+
+    _, (target, _) = lc_models
+    endpoints = [introduce(Endpoint(label, f"http://127.0.0.1:{lc_servers.servers[key].port}"))
+                 for label, key in (("rsp", (0, 0)), ("draft", (2, 0)))]
+    prompt = target.tokenizer("Once upon a time, there was a little").input_ids
+    (audit,) = verify_endpoints(endpoints, [prompt], lambda text: target.tokenizer(text, add_special_tokens=False)
+                                .input_ids, SamplingParams(0.8), 120, 2, 0)
+    assert audit.verdict != NOT_LOSSLESS and audit.checks and audit.checks[0].rsp_samples == 120, audit
+    assert audit.failed_requests == 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -22,8 +23,9 @@ class FakeServer:
     answered before it answers HTTP 500; ``shift``: added to every token (another model)."""
 
     def __init__(self, per_event: int = 1, delay_s: float = 0.004, usage: bool = True, fail_after: int = -1,
-                 shift: int = 0, model: str = "fake/model") -> None:
+                 shift: int = 0, model: str = "fake/model", salt: int = 0, skew: float = 0.0) -> None:
         self.per_event, self.delay_s, self.usage, self.fail_after, self.shift = per_event, delay_s, usage, fail_after, shift
+        self.salt, self.skew = salt, skew  # sampled: another random stream; the law of tokens after the first skewed
         self.model, self.served, self.drafts, self.drafted, self.accepted = model, 0, 0, 0, 0
         self.lock = threading.Lock()
         self.http = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
@@ -84,6 +86,9 @@ class FakeServer:
                 assert body["stream"] and isinstance(body["prompt"], list) and body["model"] == fake.model
                 n, start = body["max_tokens"], sum(body["prompt"]) + fake.shift
                 words = [f" w{(start + i) % 97}" for i in range(n)]
+                if body.get("temperature", 0) > 0:  # letters a-d, a 3 times as likely as each other; skew: more after the first
+                    draw = random.Random(body["seed"] * 7919 + fake.salt)
+                    words = [draw.choices("abcd", [3 + (fake.skew if i else 0), 1, 1, 1])[0] for i in range(n)]
                 self.send_response(200)
                 self.send_header("Content-Type", "text/event-stream")
                 self.end_headers()
@@ -210,3 +215,24 @@ def test_endpoints_under_poisson_arrivals_last_at_least_until_the_last_arrival(r
     summary = json.loads((tmp_path / "open.json").read_text())
     last = poisson_arrivals(5, 20.0, summary["rows"][0]["seed"])[-1]
     assert all(row["wall_s"] >= last for row in summary["rows"]) and "Poisson" in out
+
+
+def test_verify_endpoints_tells_a_server_of_the_same_law_from_a_skewed_one(run, servers, tmp_path):
+    """Sampled, each SSp server's tokens against the RSp server's: another random stream of the same law passes
+    (LOSSLESS, power enough at 400 runs), a law skewed after the first token fails (NOT LOSSLESS, exit 1); greedy
+    and the options that are the servers' own are refused in one line."""
+    rsp, same, skewed = servers(delay_s=0), servers(delay_s=0, salt=1), servers(delay_s=0, salt=2, skew=12.0)
+    code, out, err = run("verify", "tiny-target", "--endpoint", f"rsp={rsp.url}", "--endpoint", f"same={same.url}",
+                         "--temperature", "0.7", "--nb-prompts", "1", "--depth", "3", "--samples", "400",
+                         "--json", str(tmp_path / "v.json"))
+    assert code == 0, out + err
+    assert "same: LOSSLESS" in out and max(len(line) for line in out.splitlines()) <= 80
+    rows = pd.read_csv(tmp_path / "results" / "verify-endpoint.csv")
+    assert list(rows["position"]) == [0, 1, 2] and rows["passed"].all() and (rows["power"][:2] >= 0.8).all()
+    assert rows["device"].str.startswith("remote servers").all()
+    code, out, err = run("verify", "tiny-target", "--endpoint", f"rsp={rsp.url}", "--endpoint", f"skewed={skewed.url}",
+                         "--temperature", "0.7", "--nb-prompts", "1", "--depth", "3", "--samples", "400")
+    assert code == 1 and "skewed: NOT LOSSLESS" in out, out + err
+    for extra, said in ((["--temperature", "0"], "at a temperature above 0"), (["--k", "2"], "--k would be")):
+        code, _, err = run("verify", "--endpoint", f"rsp={rsp.url}", "--endpoint", f"x={same.url}", *extra)
+        assert code == 2 and said in err, err

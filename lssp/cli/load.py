@@ -14,6 +14,7 @@ from lssp.cli.loaders import STARTERS, check_ready, check_ssp, heads_run
 from lssp.cli.options import (
     ChatOpt,
     DraftAlsoArg,
+    EndpointOpt,
     IgnoreEosOpt,
     JsonOpt,
     KOpt,
@@ -27,9 +28,11 @@ from lssp.cli.options import (
     TopPOpt,
     check_k_within_budget,
     check_positive,
+    given_options,
     one_draft,
     parse_ints,
     read_task_prompts,
+    refuse_beside_endpoints,
     sampling_params,
 )
 from lssp.cli.output import console, err_console, exit_interrupted, exit_with, finish, fmt, say_busy, table
@@ -49,10 +52,6 @@ MaxRowsOpt = Annotated[Optional[str], typer.Option(
     "--max-rows", metavar="N|auto", help="ours: also SSp under a row budget: a step verifies at most this many "
     "positions, rows x (drafts + 1), each row drafting fewer as the batch grows, down to none (at least K + 1); "
     "auto: the most a forward of the target takes here for at most 25% more than one token.")]
-EndpointOpt = Annotated[Optional[list[str]], typer.Option(
-    "--endpoint", metavar="LABEL=URL", help="Servers already running anywhere (OpenAI-compatible /v1/completions: "
-    "vLLM, SGLang, llama.cpp, a cluster's gateway), one labelled rsp without speculation and others with it, e.g. "
-    "--endpoint rsp=http://h:8000 --endpoint eagle=http://h:8001; TARGET names the tokenizer.")]
 
 
 @app.command()
@@ -159,16 +158,11 @@ def _refuse_beside_endpoints(ctx: typer.Context, endpoints: list[str] | None) ->
     """One line for what servers already running take from their own settings, not from this command."""
     if not endpoints:
         raise UserError("--engine endpoint: name the servers with --endpoint LABEL=URL (one labelled rsp)")
-    given = {name: option for name, option in (("engine", "--engine"), ("draft_name", "DRAFT"), ("draft", "--draft"),
-                                               ("k", "--k"), ("lookup", "--lookup"), ("batching", "--batching"),
-                                               ("max_rows", "--max-rows"))
-             if getattr(ctx.get_parameter_source(name), "name", "DEFAULT") != "DEFAULT"}  # typer's own click
-    if given.pop("engine", None) and ctx.params.get("engine") != ENDPOINT:
+    if "--engine" in given_options(ctx, {"engine": "--engine"}) and ctx.params.get("engine") != ENDPOINT:
         raise UserError(f"--endpoint runs servers already running: --engine {ctx.params.get('engine')} does not go "
                         "with it")
-    if given:
-        raise UserError(f"--endpoint: {', '.join(given.values())} would be the servers' own settings, set where they "
-                        "run (each --endpoint is one configuration)")
+    refuse_beside_endpoints(ctx, {"draft_name": "DRAFT", "draft": "--draft", "k": "--k", "lookup": "--lookup",
+                                  "batching": "--batching", "max_rows": "--max-rows"})
 
 
 def _load_endpoints(s: Settings, target: str | None, values: list[str], levels: list[int], requests: int,

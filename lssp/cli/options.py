@@ -154,3 +154,23 @@ def read_task_prompts(tasks: str | None, prompts_file: Path | None, nb_prompts: 
     if prompts_file is not None:
         return as_task_prompts(read_prompt_list(prompts_file, nb_prompts), chat)
     return _first(list(task_prompts("stories")), nb_prompts, None)
+
+
+EndpointOpt = Annotated[Optional[list[str]], typer.Option(
+    "--endpoint", metavar="LABEL=URL", help="Servers already running anywhere (OpenAI-compatible /v1/completions: "
+    "vLLM, SGLang, llama.cpp, a cluster's gateway), one labelled rsp without speculation and others with it, e.g. "
+    "--endpoint rsp=http://h:8000 --endpoint eagle=http://h:8001; TARGET names the tokenizer.")]
+
+
+def given_options(ctx: typer.Context, options: dict[str, str]) -> list[str]:
+    """Which of ``options`` (parameter name: how the user writes it) the command line set."""
+    return [option for name, option in options.items()
+            if getattr(ctx.get_parameter_source(name), "name", "DEFAULT") != "DEFAULT"]  # typer's own click
+
+
+def refuse_beside_endpoints(ctx: typer.Context, options: dict[str, str]) -> None:
+    """One line where the command line set one of ``options`` beside --endpoint: the servers' own settings."""
+    given = given_options(ctx, options)
+    if given:
+        raise UserError(f"--endpoint: {', '.join(given)} would be the servers' own settings, set where they run "
+                        "(each --endpoint is one configuration)")

@@ -16,6 +16,7 @@ from lssp.cli.loaders import check_ready, check_ssp, heads_run, load_pair
 from lssp.cli.options import (
     DraftAlsoOpt,
     DraftArg,
+    EndpointOpt,
     LookupOpt,
     PromptsOpt,
     TargetArg,
@@ -26,6 +27,7 @@ from lssp.cli.options import (
     one_draft,
     parse_ints,
     read_prompt_list,
+    refuse_beside_endpoints,
     sampling_params,
 )
 from lssp.cli.output import console, err_console, exit_interrupted, exit_with, fmt, k_label, save, table
@@ -73,6 +75,7 @@ def verify(
     batch: Annotated[int, typer.Option(help="Sampled mode: a prompt's runs go N at a time where the engine batches "
                                        "them (ours: SSp with a draft model, and RSp), each with its own seed: the "
                                        "same samples as one at a time.")] = 32,
+    endpoint: EndpointOpt = None,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the report as JSON here.")] = None,
 ) -> None:
     """Check that SSp samples exactly from the target (exit 1 when it does not, 3 when it cannot tell)."""
@@ -80,6 +83,9 @@ def verify(
     from lssp.measure import verify as vf
 
     s = settings(ctx)
+    if endpoint:
+        return _verify_endpoints(ctx, endpoint, target, read_prompt_list(prompts, nb_prompts), samples, depth,
+                                 sampling_params(temperature, top_k, top_p), significance, effect, json_out)
     engines = check_ready(check_engines("verify", [e.strip() for e in engine.split(",") if e.strip()], VERIFY_ENGINES))
     ks = parse_ints("--k", k)
     _check_numbers(nb_prompts, samples, depth, max_new_tokens, batch, time_budget, significance, effect, lookup, ks)
@@ -121,6 +127,70 @@ def verify(
                          f"whose runs were complete ({reports[-1].prompts_done} in the last)")
     verdicts = {rep.verdict for rep in reports}
     exit_with(2 if failed else 1 if vf.NOT_LOSSLESS in verdicts else 3 if vf.INCONCLUSIVE in verdicts else code)
+
+
+ENDPOINT_RUNS = 300  # --endpoint: completions per prompt and server unless --samples says
+
+
+def _verify_endpoints(ctx: typer.Context, values: list[str], target: str | None, prompt_list: list[str],
+                      samples: int | None, depth: int, params, significance: float, effect: float,
+                      json_out: Path | None) -> None:
+    """``verify --endpoint``: each SSp server's completions against the RSp server's (``verify_endpoint``)."""
+    from lssp.engines.vllm import EngineModel
+    from lssp.measure import verify as vf
+    from lssp.measure.load_endpoint import introduce, parse_endpoints
+    from lssp.measure.verify_endpoint import verify_endpoints
+
+    refuse_beside_endpoints(ctx, {"draft": "DRAFT", "draft_option": "--draft", "k": "--k", "lookup": "--lookup",
+                                  "engine": "--engine", "two_sample": "--two-sample", "batch": "--batch",
+                                  "time_budget": "--time-budget", "max_new_tokens": "--max-new-tokens",
+                                  "tie_tolerance": "--tie-tolerance"})
+    if params.greedy:
+        raise UserError("verify --endpoint tests the law at a temperature above 0 (--temperature 0.7); greedy "
+                        "outputs beside RSp's show in `load --endpoint`")
+    _check_numbers(len(prompt_list), samples, depth, 64, 1, 1.0, significance, effect, 0, [1])
+    s = settings(ctx)
+    endpoints = parse_endpoints(values)
+    results = s.writable_results_dir(json_out)
+    with err_console.status("Reading the target's tokenizer and asking each server what it serves…"):
+        t = EngineModel(s.registry.get(s.registry.target_name(target)))
+        endpoints = [introduce(e) for e in endpoints]
+    info = RunInfo.here("cpu")
+    info.env["device"] = f"remote servers (their hardware is not known here; client: {info.env.get('device', '?')})"
+    info.env["placement"] = "; ".join(e.describe() for e in endpoints)
+    runs = samples or ENDPOINT_RUNS
+    with progress(len(prompt_list) * len(endpoints), "verify") as tick:
+        audits = verify_endpoints(endpoints, [t.encode(p)[0].tolist() for p in prompt_list],
+                                  lambda text: t.tokenizer(text, add_special_tokens=False).input_ids, params, runs,
+                                  depth, s.seed, significance, effect, tick)
+    for audit in audits:
+        _render_endpoint(audit, runs)
+    summary = [{"endpoint": a.label, "url": a.url, "verdict": a.verdict, "runs": runs, "underpowered": a.underpowered,
+                "runs_needed": a.runs_needed, "failed_requests": a.failed_requests} for a in audits]
+    code = save(results, info.run_id, "verify-endpoint", [r for a in audits for r in a.rows(info.env)], None,
+                json_out, summary, f"{info.env['device']} · run {info.run_id}")
+    verdicts = {a.verdict for a in audits}
+    exit_with(1 if vf.NOT_LOSSLESS in verdicts else 3 if vf.INCONCLUSIVE in verdicts else code)
+
+
+def _render_endpoint(audit, runs: int) -> None:
+    from lssp.measure import verify as vf
+
+    out = table(f"verify --endpoint {audit.label} ({audit.url}) against rsp: {runs} runs per prompt and server, "
+                f"{audit.params}", [("prompt", "right"), ("pos", "right"), ("rsp n", "right"), ("ssp n", "right"),
+                                    ("cells", "right"), ("p", "right"), ("power", "right")])
+    for c in audit.checks:
+        out.add_row(str(c.prompt_index + 1), str(c.position), str(c.rsp_samples), str(c.ssp_samples), str(c.cells),
+                    fmt(c.p_value, 3), fmt(c.power, 2))
+    console.print(out)
+    console.print(f"  chi-square homogeneity of the two servers' tokens (the target's tokenizer over each text), at "
+                  f"each position among the runs sharing the commonest prefix; level {audit.significance:g} over "
+                  f"{plural(len(audit.checks), 'test')} (each at {audit.threshold:.2g}); power against Cohen's w = "
+                  f"{audit.effect:g}")
+    style = {vf.LOSSLESS: "bold green", vf.NOT_LOSSLESS: "bold red"}.get(audit.verdict, "bold yellow")
+    why = "; ".join(audit.underpowered) + (f": --samples {audit.runs_needed} would do" if audit.runs_needed else "")
+    console.print(Text(f"{audit.label}: {audit.verdict.upper()}" + (f" ({why})" if why and audit.verdict ==
+                                                                    vf.INCONCLUSIVE else ""), style=style))
 
 
 def _run_audits(s, runners, ks: list[int], t, d, prompt_list: list[str], params, vocab: int, samples: int, depth: int,

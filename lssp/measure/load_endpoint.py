@@ -26,6 +26,7 @@ from functools import partial
 from typing import Any
 from urllib.parse import urlsplit
 
+from lssp.decoding.sampling import SamplingParams
 from lssp.engines.base import Mode
 from lssp.engines.vllm import Counters
 from lssp.engines.vllm_server import parse_counters
@@ -166,20 +167,25 @@ def stream_completion(url: str, body: dict[str, Any], timeout_s: float = REQUEST
     return out
 
 
-def request_body(model: str, request: LoadRequest, setup: LoadSetup, max_new_tokens: int) -> dict[str, Any]:
-    """A completions request: the prompt's token ids, our sampling law and the request's seed; ``ignore_eos`` (an
-    extension vLLM, SGLang and llama.cpp read) only where --ignore-eos asks it."""
-    params = setup.params
-    body: dict[str, Any] = {"model": model, "prompt": request.ids, "max_tokens": max_new_tokens, "stream": True,
-                            "stream_options": {"include_usage": True}, "seed": request.seed % (2**31 - 1),
+def completion_body(model: str, ids: list[int], max_new_tokens: int, params: SamplingParams, seed: int,
+                    ignore_eos: bool) -> dict[str, Any]:
+    """A streamed completions request: the prompt's token ids, our sampling law and a seed; ``ignore_eos`` (an
+    extension vLLM, SGLang and llama.cpp read) only where asked."""
+    body: dict[str, Any] = {"model": model, "prompt": ids, "max_tokens": max_new_tokens, "stream": True,
+                            "stream_options": {"include_usage": True}, "seed": seed % (2**31 - 1),
                             "temperature": 0.0 if params.greedy else params.temperature}
     if not params.greedy and params.top_p < 1:
         body["top_p"] = params.top_p
     if not params.greedy and params.top_k:
         body["top_k"] = params.top_k
-    if setup.ignore_eos:
+    if ignore_eos:
         body["ignore_eos"] = True
     return body
+
+
+def request_body(model: str, request: LoadRequest, setup: LoadSetup, max_new_tokens: int) -> dict[str, Any]:
+    """``completion_body`` of one request of a load run."""
+    return completion_body(model, request.ids, max_new_tokens, setup.params, request.seed, setup.ignore_eos)
 
 
 class EndpointLoadBackend(LoadBackend):
