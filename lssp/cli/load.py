@@ -170,18 +170,15 @@ def _load_endpoints(s: Settings, target: str | None, values: list[str], levels: 
                     json_out: Path | None) -> None:
     """``load --endpoint``: servers already running; nothing loads here but the target's tokenizer (TARGET), which
     turns the prompts into the token ids every server gets."""
-    from lssp.engines.vllm import EngineModel
+    from lssp.cli.loaders import endpoints_and_tokenizer
     from lssp.measure.load import LoadSetup, build_requests
-    from lssp.measure.load_endpoint import EndpointLoadBackend, introduce, parse_endpoints
+    from lssp.measure.load_endpoint import EndpointLoadBackend, parse_endpoints
 
-    endpoints = parse_endpoints(values)
+    parse_endpoints(values)  # a malformed --endpoint: one line before the workload is read
     task, prompts, nb_prompts, chat = workload_args
     workload, prompt_list = _workload(task, prompts, nb_prompts, requests, chat)
     results = s.writable_results_dir(json_out)
-    with err_console.status("Reading the target's tokenizer and asking each server what it serves…"):
-        t = EngineModel(s.registry.get(s.registry.target_name(target)))
-        endpoints = [introduce(e) for e in endpoints]
-    t.engine_placement = "remote servers (--endpoint)"
+    t, endpoints = endpoints_and_tokenizer(s, target, values)
     setup = LoadSetup(ENDPOINT, t.name, None, [e.mode for e in endpoints], levels, params, max_new_tokens, requests,
                       workload, len(prompt_list), chat, ignore_eos, request_rate, s.seed, draft_method="remote")
     backend = EndpointLoadBackend(endpoints, setup)

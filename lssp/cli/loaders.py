@@ -239,3 +239,17 @@ def start_engine(s: Settings, name: str, keys: list[tuple[int, int]], target_nam
         raise UserError(f"{draft}: {key} ({what}) runs on our engine alone, not "
                         f"{engine_class(name).label or name}; use the entry without it there")
     return t, drafts[0] if drafts else None, starter.engine(t, drafts, vocabs, keys)
+
+
+def endpoints_and_tokenizer(s: Settings, target_name: str | None, values: list[str]):
+    """(the target as a tokenizer only, the --endpoint servers, each asked what it serves) for a command over servers
+    already running; one line for a malformed --endpoint or a server that does not answer."""
+    from lssp.engines.vllm import EngineModel
+    from lssp.measure.load_endpoint import introduce, parse_endpoints
+
+    endpoints = parse_endpoints(values)
+    with err_console.status("Reading the target's tokenizer and asking each server what it serves…"):
+        target = EngineModel(s.registry.get(s.registry.target_name(target_name)))
+        endpoints = [introduce(e) for e in endpoints]
+    target.engine_placement = "remote servers (--endpoint)"
+    return target, endpoints

@@ -136,9 +136,9 @@ def _verify_endpoints(ctx: typer.Context, values: list[str], target: str | None,
                       samples: int | None, depth: int, params, significance: float, effect: float,
                       json_out: Path | None) -> None:
     """``verify --endpoint``: each SSp server's completions against the RSp server's (``verify_endpoint``)."""
-    from lssp.engines.vllm import EngineModel
+    from lssp.cli.loaders import endpoints_and_tokenizer
     from lssp.measure import verify as vf
-    from lssp.measure.load_endpoint import introduce, parse_endpoints
+    from lssp.measure.load_endpoint import parse_endpoints, remote_environment
     from lssp.measure.verify_endpoint import verify_endpoints
 
     refuse_beside_endpoints(ctx, {"draft": "DRAFT", "draft_option": "--draft", "k": "--k", "lookup": "--lookup",
@@ -150,14 +150,11 @@ def _verify_endpoints(ctx: typer.Context, values: list[str], target: str | None,
                         "outputs beside RSp's show in `load --endpoint`")
     _check_numbers(len(prompt_list), samples, depth, 64, 1, 1.0, significance, effect, 0, [1])
     s = settings(ctx)
-    endpoints = parse_endpoints(values)
+    parse_endpoints(values)  # a malformed --endpoint: one line before anything is read
     results = s.writable_results_dir(json_out)
-    with err_console.status("Reading the target's tokenizer and asking each server what it serves…"):
-        t = EngineModel(s.registry.get(s.registry.target_name(target)))
-        endpoints = [introduce(e) for e in endpoints]
+    t, endpoints = endpoints_and_tokenizer(s, target, values)
     info = RunInfo.here("cpu")
-    info.env["device"] = f"remote servers (their hardware is not known here; client: {info.env.get('device', '?')})"
-    info.env["placement"] = "; ".join(e.describe() for e in endpoints)
+    info.env = remote_environment(info.env, endpoints)
     runs = samples or ENDPOINT_RUNS
     with progress(len(prompt_list) * len(endpoints), "verify") as tick:
         audits = verify_endpoints(endpoints, [t.encode(p)[0].tolist() for p in prompt_list],

@@ -167,6 +167,12 @@ def stream_completion(url: str, body: dict[str, Any], timeout_s: float = REQUEST
     return out
 
 
+def remote_environment(env: dict[str, str], endpoints: Sequence[Endpoint]) -> dict[str, str]:
+    """What every row says of where it ran: servers whose hardware is not known here, this client, what each said."""
+    return {**env, "device": f"remote servers (their hardware is not known here; client: {env.get('device', '?')})",
+            "placement": "; ".join(e.describe() for e in endpoints)}
+
+
 def completion_body(model: str, ids: list[int], max_new_tokens: int, params: SamplingParams, seed: int,
                     ignore_eos: bool) -> dict[str, Any]:
     """A streamed completions request: the prompt's token ids, our sampling law and a seed; ``ignore_eos`` (an
@@ -207,8 +213,7 @@ class EndpointLoadBackend(LoadBackend):
         return "; ".join(f"{e.label}: {e.version or '?'}" for e in self.endpoints.values())
 
     def environment(self, env: dict[str, str]) -> dict[str, str]:
-        return {**env, "device": f"remote servers (their hardware is not known here; client: {env.get('device', '?')})",
-                "placement": "; ".join(e.describe() for e in self.endpoints.values())}
+        return remote_environment(env, list(self.endpoints.values()))
 
     def notes(self) -> list[str]:
         models = {e.model for e in self.endpoints.values()}
