@@ -229,7 +229,10 @@ def test_verify_endpoints_tells_a_server_of_the_same_law_from_a_skewed_one(run, 
     assert "same: LOSSLESS" in out and max(len(line) for line in out.splitlines()) <= 80
     rows = pd.read_csv(tmp_path / "results" / "verify-endpoint.csv")
     assert list(rows["position"]) == [0, 1, 2] and rows["passed"].all() and (rows["power"][:2] >= 0.8).all()
-    assert rows["device"].str.startswith("remote servers").all()
+    assert rows["device"].str.startswith("remote servers").all() and rows["run_id"].nunique() == 1
+    summary = json.loads((tmp_path / "v.json").read_text())
+    assert summary["temperature"] == 0.7 and summary["audits"][0]["verdict"] == "lossless"
+    assert len(summary["audits"][0]["checks"]) == 3 and summary["run_id"] == rows["run_id"][0]
     code, out, err = run("verify", "tiny-target", "--endpoint", f"rsp={rsp.url}", "--endpoint", f"skewed={skewed.url}",
                          "--temperature", "0.7", "--nb-prompts", "1", "--depth", "3", "--samples", "400")
     assert code == 1 and "skewed: NOT LOSSLESS" in out, out + err

@@ -162,10 +162,14 @@ def _verify_endpoints(ctx: typer.Context, values: list[str], target: str | None,
                                   depth, s.seed, significance, effect, tick)
     for audit in audits:
         _render_endpoint(audit, runs)
-    summary = [{"endpoint": a.label, "url": a.url, "verdict": a.verdict, "runs": runs, "underpowered": a.underpowered,
-                "runs_needed": a.runs_needed, "failed_requests": a.failed_requests} for a in audits]
-    code = save(results, info.run_id, "verify-endpoint", [r for a in audits for r in a.rows(info.env)], None,
-                json_out, summary, f"{info.env['device']} · run {info.run_id}")
+    rows = [r for a in audits for r in a.rows({**info.head(), **info.env})]
+    summary = {**info.head(), **params.as_dict(), "depth": depth, "runs": runs, "significance": significance,
+               "effect": effect, "prompts": len(prompt_list), "env": info.env,
+               "audits": [{"endpoint": a.label, "url": a.url, "verdict": a.verdict, "underpowered": a.underpowered,
+                           "runs_needed": a.runs_needed, "failed_requests": a.failed_requests,
+                           "checks": [row for row in rows if row["endpoint"] == a.label]} for a in audits]}
+    code = save(results, info.run_id, "verify-endpoint", rows, None, json_out, summary,
+                f"{info.env['device']} · run {info.run_id}")
     verdicts = {a.verdict for a in audits}
     exit_with(1 if vf.NOT_LOSSLESS in verdicts else 3 if vf.INCONCLUSIVE in verdicts else code)
 
