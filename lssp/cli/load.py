@@ -100,7 +100,7 @@ def load(
         raise UserError(f"--concurrency {levels[-1]} is more than --requests {requests}: no more than {requests} "
                         f"requests could be in flight; give --requests {levels[-1]} or more")
     if endpoint or engine == ENDPOINT:
-        _refuse_beside_endpoints(ctx, endpoint)
+        _check_endpoint_options(ctx, endpoint)
         return _load_endpoints(s, target, endpoint or [], levels, requests, max_new_tokens,
                                (task, prompts, nb_prompts, chat), sampling_params(temperature, top_k, top_p),
                                ignore_eos, request_rate, json_out)
@@ -154,7 +154,7 @@ def _check_rate(request_rate: float | None) -> None:
         raise UserError(f"--request-rate must be a positive number of requests per second, got {request_rate:g}")
 
 
-def _refuse_beside_endpoints(ctx: typer.Context, endpoints: list[str] | None) -> None:
+def _check_endpoint_options(ctx: typer.Context, endpoints: list[str] | None) -> None:
     """One line for what servers already running take from their own settings, not from this command."""
     if not endpoints:
         raise UserError("--engine endpoint: name the servers with --endpoint LABEL=URL (one labelled rsp)")
