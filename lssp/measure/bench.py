@@ -24,6 +24,7 @@ from lssp.measure.latency import (
     SAME_PASS,
     SEPARATE_PASS,
     PromptTiming,
+    mean_context,
     noise_spreads,
     separate_split_pass,
     spread,
@@ -347,7 +348,8 @@ def run_bench(target: LoadedModel, draft: LoadedModel, prompts: Sequence[str], w
         if found is not None:
             bench.floor = found[0]
             bench.setup.target_weight_bytes = bench.floor.weight_bytes
-            bench.floor_context = mean(target.encode(text).shape[-1] + (max_new_tokens - 1) / 2 for text in prompts)
+            bench.floor_context = mean(mean_context([(target.encode(text).shape[-1], max_new_tokens)])
+                                       for text in prompts)
     return bench
 
 

@@ -206,8 +206,8 @@ class EngineLoadBackend(LoadBackend):
                 timings += done[0]
                 outputs += done[1]
         wall = time.perf_counter() - start
+        # each request's output, in the order served: greedy SSp is set beside RSp (``same_as_rsp``)
         tokens = {r.index: o.tokens.tolist() for r, o in zip([r for b in batches for r in b], outputs, strict=True)}
-        # (each request's output: greedy SSp is set beside RSp, ``same_as_rsp``)
         timings.sort(key=lambda t: t.index)
         return ModeLevel(mode, concurrency, wall, timings, ssp_counters(outputs) if mode.mode == "ssp" else None,
                          batched=batched, scheduling="continuous" if batched and self.joins(mode) else "static",
