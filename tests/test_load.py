@@ -371,7 +371,8 @@ def test_load_through_real_vllm_servers_stops_them_and_reads_their_counters(tmp_
 
 def _endpoints_first(close, runs: list):
     """``VllmLoadBackend.close`` that first loads its running servers through ``load --endpoint``'s backend."""
-    from lssp.measure.load_endpoint import Endpoint, EndpointLoadBackend, introduce
+    from lssp.engines.endpoint import Endpoint, introduce
+    from lssp.measure.load_endpoint import EndpointLoadBackend
 
     def endpoints_then_close(self) -> None:
         try:
@@ -566,8 +567,9 @@ def test_llamacpp_load_bad_inputs_are_one_line(run, tmp_path, monkeypatch):
 
 
 def test_llamacpp_load_pieces():
+    from lssp.engines.streaming import Streamed
     from lssp.measure.load import poisson_arrivals
-    from lssp.measure.load_llamacpp import Streamed, metric_counters, slot_context
+    from lssp.measure.load_llamacpp import metric_counters, request_timing, slot_context
 
     assert slot_context([10, 40], 64, 4) == 128 and slot_context([], 1, 1) == 64
     assert poisson_arrivals(3, None, 0) == [0.0] * 3
@@ -582,8 +584,8 @@ def test_llamacpp_load_pieces():
     from lssp.decoding.generation import Stopping
 
     cut = streamed.cut(Stopping(token_ids={2}))
-    assert cut.tokens == [5, 2] and cut.timing(0).first_to_last_s == pytest.approx(0.1)
-    assert cut.timing(0).ttft_s == pytest.approx(0.1) and not Streamed(error="x").timing(0).ok
+    assert cut.tokens == [5, 2] and request_timing(cut, 0).first_to_last_s == pytest.approx(0.1)
+    assert request_timing(cut, 0).ttft_s == pytest.approx(0.1) and not request_timing(Streamed(error="x"), 0).ok
 
 
 def test_a_level_timed_on_a_busy_machine_is_said_and_marked(run, tmp_path, monkeypatch):
@@ -607,16 +609,17 @@ def test_llamacpp_load_times_poisson_requests_from_their_arrival_not_their_send(
     send."""
     import time as clock
 
-    from lssp.measure import load_llamacpp
+    from lssp.engines.streaming import Streamed, stream_requests
+    from lssp.measure.load_llamacpp import request_timing
 
     def completion(body):
         clock.sleep(0.2)
-        return load_llamacpp.Streamed(tokens=[1, 2], arrivals=[0.05, 0.1])
-    outs, _ = load_llamacpp.stream_requests(completion, [{}, {}], 1, [0.0, 0.01])
-    first, second = (o.timing(i) for i, o in enumerate(outs))
+        return Streamed(tokens=[1, 2], arrivals=[0.05, 0.1])
+    outs, _ = stream_requests(completion, [{}, {}], 1, [0.0, 0.01])
+    first, second = (request_timing(o, i) for i, o in enumerate(outs))
     assert first.ttft_s == pytest.approx(0.05, abs=0.02) and second.ttft_s == pytest.approx(0.24, abs=0.03)
-    outs, _ = load_llamacpp.stream_requests(completion, [{}, {}], 1)
-    assert all(o.waited_s == 0 and o.timing(0).ttft_s == 0.05 for o in outs)
+    outs, _ = stream_requests(completion, [{}, {}], 1)
+    assert all(o.waited_s == 0 and request_timing(o, 0).ttft_s == 0.05 for o in outs)
 
 
 @pytest.mark.llamacpp
@@ -624,7 +627,8 @@ def test_llamacpp_load_times_poisson_requests_from_their_arrival_not_their_send(
 def test_llama_servers_as_endpoints_give_token_counts_counters_and_rsp_text(lc_models, lc_servers):
     """A real llama-server's OpenAI route, as --endpoint reaches servers already running: our token ids in, the
     usage's token counts, its llamacpp: counters, and greedy SSp's text the same as RSp's."""
-    from lssp.measure.load_endpoint import Endpoint, EndpointLoadBackend, introduce
+    from lssp.engines.endpoint import Endpoint, introduce
+    from lssp.measure.load_endpoint import EndpointLoadBackend
 
     _, (target, _) = lc_models
     endpoints = [introduce(Endpoint(label, f"http://127.0.0.1:{lc_servers.servers[key].port}"))
@@ -646,7 +650,7 @@ def test_llama_servers_as_endpoints_give_token_counts_counters_and_rsp_text(lc_m
 def test_verify_endpoints_finds_llamacpps_ssp_server_of_its_rsp_servers_law(lc_models, lc_servers):
     """``verify --endpoint``'s test on real llama-servers at T=0.8: the draft's server against the RSp one, each
     with seeds of its own, rejects nothing (llama.cpp's SSp is lossless: test_llamacpp's audits)."""
-    from lssp.measure.load_endpoint import Endpoint, introduce
+    from lssp.engines.endpoint import Endpoint, introduce
     from lssp.measure.verify import NOT_LOSSLESS
     from lssp.measure.verify_endpoint import verify_endpoints
 
@@ -658,3 +662,33 @@ def test_verify_endpoints_finds_llamacpps_ssp_server_of_its_rsp_servers_law(lc_m
                                 .input_ids, SamplingParams(0.8), 120, 2, 0)
     assert audit.verdict != NOT_LOSSLESS and audit.checks and audit.checks[0].rsp_samples == 120, audit
     assert audit.failed_requests == 0
+
+
+@pytest.mark.llamacpp
+@pytest.mark.filterwarnings("ignore")
+def test_llama_servers_as_an_engine_time_one_request_at_a_time_with_our_definitions(lc_models, lc_servers):
+    """``latency --endpoint``'s engine on real llama-servers: greedy, the text each gives through the OpenAI route
+    is the one llama-server's native route gives, 12 tokens by the usage; the SSp server's acceptance from its
+    counters' deltas over each completion; a latency run over both with its verdict."""
+    from lssp.engines.base import Request
+    from lssp.engines.endpoint import Endpoint, EndpointEngine, introduce
+    from lssp.measure.latency import run_latency
+
+    _, (target, _) = lc_models
+    endpoints = [introduce(Endpoint(label, f"http://127.0.0.1:{lc_servers.servers[key].port}"))
+                 for label, key in (("rsp", (0, 0)), ("draft", (2, 0)))]
+    engine = EndpointEngine(endpoints, target.tokenizer)
+    ids = target.encode("Once upon a time, there was a little")
+    native = lc_servers.generate(0, 0, ids[0].tolist(), 12, SamplingParams(0.0), 5)
+    decode = target.tokenizer.decode
+    for endpoint in endpoints:
+        out = engine.complete(endpoint.mode, Request(ids, 12, SamplingParams(0.0), 5))
+        assert out.stats.new_tokens == 12 and decode(out.tokens.tolist()) == decode(native.tokens.tolist())
+        assert out.stats.first_emission_tokens == 1 and out.stats.after_first_s > 0
+        if endpoint.label == "draft":
+            assert out.stats.drafted > 0 and 0 <= out.stats.accepted <= out.stats.drafted and out.stats.k == 2
+    run = run_latency(target, {engine.name: engine}, [e.mode for e in endpoints], ["The cat sat on the", "1, 2, 3"],
+                      "Hello", SamplingParams(0.0), 12, 0, ignore_eos=True)
+    ssp = next(m for m in run.overall if m.mode == "ssp")
+    assert ssp.draft == "draft" and ssp.new_tokens == 24 and 0 <= ssp.acceptance_rate <= 1 and ssp.speedup > 0
+    assert run.verdicts and run.info.env["device"].startswith("remote servers")

@@ -12,8 +12,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pandas as pd
 import pytest
 
+from lssp.engines.endpoint import counters, parse_endpoints, stream_completion
 from lssp.errors import UserError
-from lssp.measure.load_endpoint import counters, parse_endpoints, stream_completion
+from lssp.measure.load_llamacpp import request_timing
 
 
 class FakeServer:
@@ -61,6 +62,8 @@ class FakeServer:
                     text = "".join(f"vllm:spec_decode_num_{name}_total{{engine=\"0\"}} {value}\n" for name, value in
                                    (("drafts", fake.drafts), ("draft_tokens", fake.drafted),
                                     ("accepted_tokens", fake.accepted)))
+                    text += "".join(f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{position="{i}"}} '
+                                    f"{fake.drafts if i < fake.per_event - 1 else 0}\n" for i in range(fake.per_event))
                     data = text.encode()
                     self.send_response(200)
                     self.send_header("Content-Length", str(len(data)))
@@ -138,7 +141,7 @@ def test_a_stream_is_timed_per_event_and_counted_from_the_usage(servers):
     fast = servers(per_event=2)
     out = stream_completion(fast.url, {"model": "fake/model", "prompt": [1, 2], "max_tokens": 5, "stream": True})
     assert not out.error and out.token_count == 5 and len(out.arrivals) == 3 and out.text == " w3 w4 w5 w6 w7"
-    assert out.arrivals == sorted(out.arrivals) and out.timing(0).tokens == 5
+    assert out.arrivals == sorted(out.arrivals) and request_timing(out, 0).tokens == 5
     bare = servers(usage=False)
     out = stream_completion(bare.url, {"model": "fake/model", "prompt": [1], "max_tokens": 4, "stream": True})
     assert out.token_count == 4 and out.timings["counted_events"]  # one event each here
@@ -239,3 +242,43 @@ def test_verify_endpoints_tells_a_server_of_the_same_law_from_a_skewed_one(run, 
     for extra, said in ((["--temperature", "0"], "at a temperature above 0"), (["--k", "2"], "--k would be")):
         code, _, err = run("verify", "--endpoint", f"rsp={rsp.url}", "--endpoint", f"x={same.url}", *extra)
         assert code == 2 and said in err, err
+
+
+def test_latency_through_endpoints_times_each_server_one_request_at_a_time(run, servers, tmp_path):
+    """``latency --endpoint``: the servers as modes of one interleaved run, named by their labels; ms/token from the
+    streamed events over the servers' token counts, acceptance and tokens per forward from the counter deltas of each
+    completion, the verdict with its interval, rows that say the servers' hardware is not known."""
+    rsp, fast = servers(delay_s=0.004), servers(per_event=2, delay_s=0.005)
+    code, out, err = run("latency", "tiny-target", "--endpoint", f"rsp={rsp.url}", "--endpoint", f"fast={fast.url}",
+                         "--nb-prompts", "4", "--max-new-tokens", "8", "--ignore-eos", "--wide",
+                         "--json", str(tmp_path / "l.json"))
+    assert code == 0, err
+    assert max(len(line) for line in out.splitlines()) <= 80
+    said = " ".join(out.split())
+    assert "verdict: use endpoint fast: " in said and "busy machine" not in said, out
+    rows = pd.read_csv(tmp_path / "results" / "latency.csv").set_index("mode")
+    assert set(rows["engine"]) == {"endpoint"} and rows.loc["ssp", "draft"] == "fast"
+    assert rows.loc["ssp", "method"] == "server" and rows.loc["rsp", "method"] == "none"
+    assert rows["device"].str.startswith("remote servers (their hardware is not known here; client: ").all()
+    assert rows["others_cpu_share"].isna().all()  # the servers may run here: not checked
+    # 8 tokens: the first event, then 7 more over 3 more events; two tokens per 5 ms against one per 4 ms
+    assert rows.loc["rsp", "ms_per_token"] == pytest.approx(4.0, rel=0.5)
+    assert rows.loc["ssp", "speedup"] > 1.2 and rows.loc["ssp", "speedup_low"] == rows.loc["ssp", "speedup_low"]
+    assert rows.loc["ssp", "acceptance_rate"] == pytest.approx(0.5)  # the fake's counters: 1 of 2 per event
+    assert rows.loc["ssp", "mean_accepted"] == pytest.approx(8 / 5)  # 8 tokens, 1 + 4 drafting steps, none undrafted
+    assert rows.loc["ssp", "alpha"] == pytest.approx(0.5)  # position 0 always kept, position 1 never
+    prompts = pd.read_csv(tmp_path / "results" / "latency_prompts.csv")
+    assert len(prompts) == 8 and set(prompts["draft"].dropna()) == {"fast"}
+
+
+def test_latency_endpoint_refuses_the_servers_settings_in_one_line(run, servers):
+    rsp = servers()
+    for extra, said in ((["--k", "3"], "--k would be the servers' own settings"),
+                        (["--engine", "vllm"], "--engine would be the servers' own settings"),
+                        (["--draft", "x"], "--draft would be")):
+        code, _, err = run("latency", "--endpoint", f"rsp={rsp.url}", "--endpoint", f"y={rsp.url}", *extra)
+        assert code == 2 and said in err and len(err.strip().splitlines()) == 1, err
+    code, _, err = run("latency", "--endpoint", f"rsp={rsp.url}")
+    assert code == 2 and "one labelled rsp" in err
+    code, _, err = run("latency", "tiny-target", "--endpoint", f"rsp={rsp.url}", "--endpoint", "x=http://127.0.0.1:1")
+    assert code == 2 and "did not answer /v1/models" in err and len(err.strip().splitlines()) == 1

@@ -14,6 +14,7 @@ from lssp.cli.options import (
     ChatOpt,
     ConfidenceOpt,
     DraftAlsoArg,
+    EndpointOpt,
     EngineOpt,
     IgnoreEosOpt,
     JsonOpt,
@@ -35,6 +36,7 @@ from lssp.cli.options import (
     parse_fractions,
     parse_ints,
     read_task_prompts,
+    refuse_beside_endpoints,
     sampling_params,
 )
 from lssp.cli.output import (
@@ -56,15 +58,27 @@ from lssp.errors import UserError
 from lssp.models.registry import Registry
 from lssp.report.results import mode_name, plural
 
+DraftListOpt = Annotated[Optional[str], typer.Option(
+    help="Draft model (or feature head), or a comma list timed side by side; times SSp (and RSp unless "
+         "--no-baseline).")]
+LookupOpt = Annotated[str, typer.Option(
+    "--lookup", help="Context lookup n-gram length for SSp, or a comma list to sweep: 0,4 (0: off). Ours: "
+    "the draft with our context lookup; vLLM and llama.cpp: their n-gram drafter alone.")]
+SplitOpt = Annotated[str, typer.Option(
+    help="Where the draft/target time split is measured: auto (a separate pass when a model is on a GPU), "
+         "same (sync around every forward in the timed passes), separate.")]
+# --endpoint: the servers' own settings, refused beside it (parameter: how the user writes it)
+SERVER_SETTINGS = {"draft_name": "DRAFT", "draft": "--draft", "default_pair": "--default-pair", "k": "--k",
+                   "lookup": "--lookup", "draft_confidence": "--draft-confidence", "split": "--split",
+                   "engine": "--engine", "no_baseline": "--no-baseline"}
+
 
 @app.command()
 def latency(
     ctx: typer.Context,
     target: TargetArg = None,
     draft_name: DraftAlsoArg = None,
-    draft: Annotated[Optional[str], typer.Option(
-        help="Draft model (or feature head), or a comma list timed side by side; times SSp (and RSp unless "
-             "--no-baseline).")] = None,
+    draft: DraftListOpt = None,
     default_pair: Annotated[bool, flag("--default-pair", help="Use the registry's default draft too.")] = False,
     k: Annotated[Optional[str], typer.Option("--k", help="Draft length, or a list to sweep: 2,4,8 (default: the draft's k).")] = None,
     max_new_tokens: MaxNewOpt = 64,
@@ -77,15 +91,12 @@ def latency(
     top_p: TopPOpt = 1.0,
     no_baseline: Annotated[bool, flag("--no-baseline", help="Skip timing RSp.")] = False,
     draft_confidence: ConfidenceOpt = "0",
-    lookup: Annotated[str, typer.Option(
-        "--lookup", help="Context lookup n-gram length for SSp, or a comma list to sweep: 0,4 (0: off). Ours: "
-        "the draft with our context lookup; vLLM and llama.cpp: their n-gram drafter alone.")] = "0",
+    lookup: LookupOpt = "0",
     repeats: Annotated[int, typer.Option(help="Passes over the prompts (interleaved); the speedup's sd is over them.")] = 1,
-    split: Annotated[str, typer.Option(
-        help="Where the draft/target time split is measured: auto (a separate pass when a model is on a GPU), "
-             "same (sync around every forward in the timed passes), separate.")] = "auto",
+    split: SplitOpt = "auto",
     chat: ChatOpt = False,
     engine: EngineOpt = "ours",
+    endpoint: EndpointOpt = None,
     wide: WideOpt = False,
     json_out: JsonOpt = None,
     plot: PlotOpt = False,
@@ -96,8 +107,10 @@ def latency(
     from lssp.workloads.prompts import WARMUP_PROMPT
 
     s = settings(ctx)
+    if endpoint:
+        refuse_beside_endpoints(ctx, SERVER_SETTINGS)
     engines_wanted = parse_engines(engine, ("ours", "hf", "vllm", "llamacpp"))
-    use_draft = draft is not None or default_pair or target is None
+    use_draft = not endpoint and (draft is not None or default_pair or target is None)
     if draft is None and use_draft:  # where one engine cannot run a feature head, every engine drafts with a model
         draft = s.registry.draft_name(None, heads_run(engines_wanted))
     draft_names = [name.strip() for name in (draft or "").split(",") if name.strip()] or [None]
@@ -110,6 +123,9 @@ def latency(
         raise UserError(f"--split {split!r}: expected one of {', '.join(SPLIT_CHOICES)}")
     prompt_list = read_task_prompts(task, prompts, nb_prompts, chat)
     params = sampling_params(temperature, top_k, top_p)
+    if endpoint:
+        return _latency_endpoints(ctx, endpoint, target, prompt_list, params, max_new_tokens, repeats, ignore_eos,
+                                  chat, json_out, wide, plot)
     check_ready(engines_wanted, confidences)  # not installed or built, or an option one lacks: said first
     results = s.writable_results_dir(json_out)
     if len(draft_names) > 1 and (one := next((e for e in engines_wanted if not engine_class(e).runs_our_weights), None)):
@@ -140,6 +156,11 @@ def latency(
                           progress=tick, chat=chat, repeats=repeats, split=split, ignore_eos=ignore_eos,
                           left_out=left_out)
     render(run, t, d, wide, drafts[1:])
+    _save(s, run, results, json_out, plot)
+
+
+def _save(s, run, results, json_out, plot: bool) -> None:
+    """The run's files (and charts), then the exit: 130 where Ctrl-C cut it short."""
     code = save(results, run.info.run_id, "latency", run.rows(), run.markdown(), json_out, run.summary_json(),
                 f"{run.info.env['device']} · run {run.info.run_id}", {"latency_prompts.csv": run.prompt_rows()})
     if plot and not run.interrupted:
@@ -147,6 +168,32 @@ def latency(
     if run.interrupted:
         exit_interrupted(f"interrupted after {plural(run.prompts_done, 'prompt')}: the table and files cover them")
     exit_with(code)
+
+
+def _latency_endpoints(ctx: typer.Context, values: list[str], target: str | None, prompt_list: list,
+                       params, max_new_tokens: int, repeats: int, ignore_eos: bool, chat: bool,
+                       json_out, wide: bool, plot: bool) -> None:
+    """``latency --endpoint``: servers already running, one request at a time, interleaved prompt by prompt;
+    nothing loads here but the target's tokenizer (TARGET)."""
+    from lssp.cli.loaders import endpoints_and_tokenizer
+    from lssp.engines.endpoint import EndpointEngine, parse_endpoints
+    from lssp.measure.latency import run_latency
+    from lssp.workloads.prompts import WARMUP_PROMPT
+
+    s = settings(ctx)
+    parse_endpoints(values)  # a malformed --endpoint: one line before anything is read
+    results = s.writable_results_dir(json_out)
+    t, endpoints = endpoints_and_tokenizer(s, target, values)
+    engine = EndpointEngine(endpoints, t.tokenizer)
+    modes = sorted((e.mode for e in endpoints), key=lambda m: m.mode != "rsp")  # RSp first, then as given
+    with progress(None, "latency") as tick:
+        run = run_latency(t, {engine.name: engine}, modes, prompt_list, WARMUP_PROMPT, params, max_new_tokens,
+                          s.seed, progress=tick, chat=chat, repeats=repeats, ignore_eos=ignore_eos)
+    render(run, t, None, wide)
+    if engine.counted_events:
+        console.print("[yellow]  Some responses carried no usage: their tokens were counted as streamed events, one "
+                      "each (an SSp event may hold several, so ms/token is overestimated there).[/yellow]")
+    _save(s, run, results, json_out, plot)
 
 
 def _floor_line(run) -> None:
@@ -161,7 +208,7 @@ def _floor_line(run) -> None:
                   f"+ {setup.floor_cache_kb:.3g} kB per cached token, {setup.floor_bound}-bound at "
                   f"{setup.bandwidth_gbs:.1f} GB/s, the median of {plural(setup.bandwidth_probes, 'probe')}): "
                   f"{rsp.floor_ms:.3g} ms; ms/token ÷ floor: " + ", ".join(
-                      f"{_engine(m)}{'RSp' if m.mode == 'rsp' else 'K=' + _k(m)} {m.over_floor:.3g}×"
+                      f"{_engine(m)}{'RSp' if m.mode == 'rsp' else _which(m)} {m.over_floor:.3g}×"
                       + (f" [{m.over_floor_low:.3g}–{m.over_floor_high:.3g}]" if m.over_floor_low == m.over_floor_low
                          else "") for m in run.overall))
 
@@ -206,7 +253,7 @@ def render(run, t, d, wide: bool = False, more: list | None = None) -> None:
         out.add_row(mode, k, f"{m.ms_per_token:.1f}", f"{m.ms_per_token_min:.1f}–{m.ms_per_token_max:.1f}",
                     fmt(m.alpha, 2), fmt(m.mean_accepted, 2), _speedup(m.speedup),
                     *([fmt(m.speedup_sd, 2)] if repeated else []), style=style)
-        details.add_row(mode + ("" if m.mode == "rsp" else f" K={k}"), f"{m.ms_per_token_median:.1f}", f"{m.ttft_ms:.0f}",
+        details.add_row(mode + ("" if m.mode == "rsp" else f" {_which(m)}"), f"{m.ms_per_token_median:.1f}", f"{m.ttft_ms:.0f}",
                         fmt(m.acceptance_rate, 0, pct=True), fmt(m.draft_share, 0, pct=True),
                         fmt(m.target_share, 0, pct=True), fmt(m.forward_spread, 2, suffix="×"),
                         f"{m.speedup_low:.2f}–{m.speedup_high:.2f}" if m.speedup_low == m.speedup_low else "–",
@@ -224,13 +271,14 @@ def render(run, t, d, wide: bool = False, more: list | None = None) -> None:
     specbench = [m for m in overall if m.specbench_speedup == m.specbench_speedup]
     if specbench:
         console.print("  Spec-Bench's speedup (mean per-prompt tokens/s, prefill included, ÷ RSp's): "
-                      + ", ".join(f"{_engine(m)}{_named(run, m)}K={_k(m)} {m.specbench_speedup:.2f}×" for m in specbench))
+                      + ", ".join(f"{_engine(m)}{_named(run, m)}{_which(m)} {m.specbench_speedup:.2f}×" for m in specbench))
     for m in overall:
         if m.mode == "ssp" and m.acceptance_rate == m.acceptance_rate:  # engines that count acceptance
             shares = [f"{i + 1}:{fmt(x, 0, pct=True)}" for i, x in enumerate(m.acceptance_by_position)]
-            console.print(f"  share of iterations accepting draft i ({_engine(m)}{_named(run, m)}K={_k(m)}): "
-                          + " ".join(shares[:m.k])
-                          + (f"; of copied chains past K, accepting i: {' '.join(shares[m.k:])}" if shares[m.k:] else ""))
+            console.print(f"  share of iterations accepting draft i ({_engine(m)}{_named(run, m)}{_which(m)}): "
+                          + " ".join(shares[:m.k or None])
+                          + (f"; of copied chains past K, accepting i: {' '.join(shares[m.k:])}" if m.k and shares[m.k:]
+                             else ""))
             if m.lookup:
                 console.print(f"    the lookup proposed {fmt(m.lookup_share, 0, pct=True)} of drafts, "
                               f"{fmt(m.lookup_acceptance, 0, pct=True)} of them accepted")
@@ -279,7 +327,7 @@ def render_verdict(run) -> None:
     several = len(run.verdicts) > 1
     for v in run.verdicts:
         m, s = v.mode, v.speedup
-        what = f"{'' if several else _engine(m)}{_named(run, m)}K={_k(m)}"
+        what = f"{'' if several else _engine(m)}{_named(run, m)}{_which(m)}"
         alpha = f", α {m.alpha:.2f}" if m.alpha == m.alpha else ""
         ranged = s.low == s.low
         speedup = f"{s.estimate:.2f}× [{s.low:.2f}–{s.high:.2f}]" if ranged else f"{s.estimate:.2f}×"
@@ -315,8 +363,14 @@ def _named(run, m) -> str:
 
 
 def _k(m) -> str:
-    """The K column: ours' label, or an engine's n-gram drafter with its lookup length."""
-    return k_label(m.k, m.confidence, m.lookup, m.ngram)
+    """The K column: ours' label, an engine's n-gram drafter with its lookup length, or the name of a server's own
+    configuration (``--endpoint``)."""
+    return m.draft if engine_class(m.engine).names_modes else k_label(m.k, m.confidence, m.lookup, m.ngram)
+
+
+def _which(m) -> str:
+    """An SSp mode in a sentence: "K=3", or a server's name (``--endpoint``)."""
+    return _k(m) if engine_class(m.engine).names_modes else f"K={_k(m)}"
 
 
 def _speedup(value: float) -> Text | str:
@@ -335,7 +389,7 @@ def render_tasks(run) -> None:
         if first and previous is not None:
             out.add_section()
         previous = m.task
-        mode = "RSp" if m.mode == "rsp" else _named(run, m) + "K=" + _k(m)
+        mode = "RSp" if m.mode == "rsp" else _named(run, m) + _which(m)
         label = f"{m.task} ({run.prompt_format(m.task)}, {m.prompts})" if first else ""
         out.add_row(label, mode + (" ★" if m is star else ""), f"{m.ms_per_token:.1f}", fmt(m.alpha, 2),
                     fmt(m.mean_accepted, 2), _speedup(m.speedup), fmt(m.at_budget_share, 0, pct=True),
@@ -357,7 +411,7 @@ def render_engines(run) -> None:
                  if m.engine == name and (m.mode, m.k, m.lookup, m.ngram) in reference]
         if pairs:
             console.print(f"  ours ÷ {engine_label(name)} ms/token: " + ", ".join(
-                ("RSp" if v.mode == "rsp" else f"K={_k(v)}") + f" {o.ms_per_token / v.ms_per_token:.2f}×"
+                ("RSp" if v.mode == "rsp" else _which(v)) + f" {o.ms_per_token / v.ms_per_token:.2f}×"
                 for v, o in pairs))
 
 

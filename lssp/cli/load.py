@@ -171,8 +171,9 @@ def _load_endpoints(s: Settings, target: str | None, values: list[str], levels: 
     """``load --endpoint``: servers already running; nothing loads here but the target's tokenizer (TARGET), which
     turns the prompts into the token ids every server gets."""
     from lssp.cli.loaders import endpoints_and_tokenizer
+    from lssp.engines.endpoint import parse_endpoints
     from lssp.measure.load import LoadSetup, build_requests
-    from lssp.measure.load_endpoint import EndpointLoadBackend, parse_endpoints
+    from lssp.measure.load_endpoint import EndpointLoadBackend
 
     parse_endpoints(values)  # a malformed --endpoint: one line before the workload is read
     task, prompts, nb_prompts, chat = workload_args

@@ -244,8 +244,8 @@ def start_engine(s: Settings, name: str, keys: list[tuple[int, int]], target_nam
 def endpoints_and_tokenizer(s: Settings, target_name: str | None, values: list[str]):
     """(the target as a tokenizer only, the --endpoint servers, each asked what it serves) for a command over servers
     already running; one line for a malformed --endpoint or a server that does not answer."""
+    from lssp.engines.endpoint import introduce, parse_endpoints
     from lssp.engines.vllm import EngineModel
-    from lssp.measure.load_endpoint import introduce, parse_endpoints
 
     endpoints = parse_endpoints(values)
     with err_console.status("Reading the target's tokenizer and asking each server what it serves…"):

@@ -137,8 +137,8 @@ def _verify_endpoints(ctx: typer.Context, values: list[str], target: str | None,
                       json_out: Path | None) -> None:
     """``verify --endpoint``: each SSp server's completions against the RSp server's (``verify_endpoint``)."""
     from lssp.cli.loaders import endpoints_and_tokenizer
+    from lssp.engines.endpoint import parse_endpoints, remote_environment
     from lssp.measure import verify as vf
-    from lssp.measure.load_endpoint import parse_endpoints, remote_environment
     from lssp.measure.verify_endpoint import verify_endpoints
 
     refuse_beside_endpoints(ctx, {"draft": "DRAFT", "draft_option": "--draft", "k": "--k", "lookup": "--lookup",

@@ -5,6 +5,7 @@ Adding an engine is one module with an ``Engine`` subclass and its line in ``ENG
 from __future__ import annotations
 
 from lssp.engines.base import Engine, EngineInfo, Mode, Request, request_seed
+from lssp.engines.endpoint import EndpointEngine
 from lssp.engines.llamacpp import LlamacppEngine
 from lssp.engines.ours import OursEngine
 from lssp.engines.transformers import TransformersEngine
@@ -12,9 +13,9 @@ from lssp.engines.vllm import VllmEngine
 from lssp.errors import UserError
 
 ENGINES: dict[str, type[Engine]] = {"ours": OursEngine, "hf": TransformersEngine, "vllm": VllmEngine,
-                                    "llamacpp": LlamacppEngine}
+                                    "llamacpp": LlamacppEngine, "endpoint": EndpointEngine}
 
-__all__ = ["ENGINES", "Engine", "EngineInfo", "LlamacppEngine", "Mode", "OursEngine", "Request", "TransformersEngine", "VllmEngine", "check_engines", "engine_class",
+__all__ = ["ENGINES", "EndpointEngine", "Engine", "EngineInfo", "LlamacppEngine", "Mode", "OursEngine", "Request", "TransformersEngine", "VllmEngine", "check_engines", "engine_class",
            "request_seed"]
 
 

@@ -98,6 +98,10 @@ class Engine(ABC):
     marks_drafts: ClassVar[bool] = True  # whether its streamed tokens say which the draft proposed (else whole
     #   answers: nothing to colour)
     version_column: ClassVar[str] = ""  # the results column that holds its version, where it has one of its own
+    names_modes: ClassVar[bool] = False  # whether its SSp modes are servers' configurations named by the user
+    #   (``Mode.draft``), not K and a drafter of ours
+    checks_busy: ClassVar[bool] = True  # whether other work on this machine's CPUs is said (not where its servers
+    #   may run here as processes that are not ours: ``--endpoint``)
 
     @property
     def version(self) -> str:
@@ -106,6 +110,10 @@ class Engine(ABC):
     def describe(self) -> EngineInfo:
         """What it says of itself (rows, output)."""
         return EngineInfo(self.name, self.label or self.name, self.version)
+
+    def environment(self, env: dict[str, str]) -> dict[str, str]:
+        """What every row says of where it ran (``env``: this machine's); an engine on other machines says so."""
+        return env
 
     @staticmethod
     def key(mode: Mode) -> tuple[int, int]:

@@ -778,6 +778,8 @@ def run_latency(
         if why:
             raise UserError(f"{how.name}: {why}")
     info = RunInfo.for_models(target, *drafts)
+    for engine in engines.values():
+        info.env = engine.environment(info.env)
     ours = engines.get("ours")
     separate = ours is not None and separate_split_pass(split, *ours.models())
     stopping = Stopping() if ignore_eos else Stopping(token_ids=target.eos_ids)
@@ -810,7 +812,8 @@ def run_latency(
         [m for m in modes if engine_class(m.engine).splits_time] if separate else (), progress, describe=lambda p: p.task,
         warmed=warmed)
     setup.recompiles = compiled_graphs() - graphs[0]
-    setup.others_cpu_share = others_share(started[0], cpu_snapshot())
+    if all(engine.checks_busy for engine in engines.values()):
+        setup.others_cpu_share = others_share(started[0], cpu_snapshot())
     probes = {(s.repeat, s.split_pass, s.index): s.result[2] for s in steps if s.result[2] == s.result[2]}
     if floor is not None and probes:
         setup.bandwidth_gbs, setup.bandwidth_probes = median(probes.values()) / 1e9, len(probes)

@@ -1,14 +1,10 @@
-"""``load --endpoint LABEL=URL``: servers already running anywhere, one serving RSp and one or more serving SSp, loaded
-by our streaming client over the OpenAI-compatible completions API.
+"""``load --endpoint LABEL=URL``: servers already running anywhere (``lssp.engines.endpoint``), one serving RSp and
+one or more serving SSp, loaded by our streaming client over the OpenAI-compatible completions API.
 
-Any server that speaks ``POST /v1/completions`` with ``"stream": true`` works: vLLM, SGLang, llama.cpp's
-llama-server, TGI's OpenAI route, a cluster's gateway. The client sends the prompt as the target's token ids (so
-every endpoint gets the same tokens, whatever its own chat template), our sampling fields and a seed per request,
-at most c requests in flight (``stream_requests``); it times each streamed event as it arrives and takes the
-request's token count from the server's ``usage`` (an SSp server's event may carry several tokens). TTFT runs to
-the first event with text, TPOT is (last event − first) ÷ (tokens − 1), as vLLM's serving client computes it.
-Acceptance comes from each SSp server's ``/metrics`` where it exports vLLM's (``vllm:spec_decode_*``) or
-llama.cpp's (``llamacpp:spec_decode_*``) counters, as deltas per level; else it is not known.
+At most c requests in flight (``stream_requests``), each streamed event timed as it arrives, the request's token
+count from the server's ``usage``: TTFT runs to the first event with text, TPOT is (last event − first) ÷ (tokens −
+1), as vLLM's serving client computes it. Acceptance from each SSp server's ``/metrics`` counters, as deltas per
+level, where it exports known ones.
 
 What this run cannot know: the servers' hardware, their settings and whatever else loads them. It records what
 they say (their URLs, the model id each serves and its version), and checks at the warm-up that greedy SSp writes
@@ -16,177 +12,27 @@ the same text as RSp, which it should if both serve the same target.
 """
 from __future__ import annotations
 
-import http.client
-import json
 import threading
-import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
-from urllib.parse import urlsplit
 
-from lssp.decoding.sampling import SamplingParams
 from lssp.engines.base import Mode
-from lssp.engines.vllm import Counters
-from lssp.engines.vllm_server import parse_counters
+from lssp.engines.endpoint import (
+    ENGINE,
+    RSP,
+    Endpoint,
+    completion_body,
+    counters,
+    remote_environment,
+    stream_completion,
+)
+from lssp.engines.streaming import stream_requests
 from lssp.errors import UserError
 from lssp.measure.load import LoadBackend, LoadFailure, LoadRequest, LoadSetup, ModeLevel, poisson_arrivals
-from lssp.measure.load_llamacpp import Streamed, posted_events, stream_requests
+from lssp.measure.load_llamacpp import request_timing
 
-ENGINE = "endpoint"
 WARM_UP_TOKENS = 8
-INFO_TIMEOUT_S = 10.0
-REQUEST_TIMEOUT_S = 600.0
-RSP = "rsp"
-
-
-@dataclass(frozen=True)
-class Endpoint:
-    """One server: its label (``rsp``, or the name of an SSp configuration), its base URL, what it says of
-    itself."""
-
-    label: str
-    url: str  # scheme://host:port[/path], without a trailing /v1
-    model: str = ""  # the first model id its /v1/models lists
-    version: str = ""  # its /version (vLLM, SGLang) or /props build (llama.cpp); "" where it says none
-
-    @property
-    def mode(self) -> Mode:
-        return Mode("rsp", engine=ENGINE) if self.label == RSP else Mode("ssp", engine=ENGINE, draft=self.label)
-
-    def describe(self) -> str:
-        said = ", ".join(filter(None, [self.model and f"model {self.model}",
-                                       self.version and f"version {self.version}"]))
-        return f"{self.label} = {self.url}" + (f" ({said})" if said else "")
-
-
-def parse_endpoints(values: Sequence[str]) -> list[Endpoint]:
-    """``--endpoint LABEL=URL`` options: exactly one labelled rsp, the others SSp, labels distinct; a URL with http or
-    https and a host (a trailing /v1 is dropped). One line (``UserError``) for anything else."""
-    endpoints = []
-    for value in values:
-        label, sep, url = value.partition("=")
-        label, url = label.strip(), url.strip().rstrip("/")
-        parts = urlsplit(url)
-        if not sep or not label or not url:
-            raise UserError(f"--endpoint {value!r}: give LABEL=URL, e.g. rsp=http://10.0.0.5:8000")
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise UserError(f"--endpoint {value!r}: the URL needs http:// or https:// and a host")
-        try:
-            parts.port  # noqa: B018 - raises on a port that is no number
-        except ValueError:
-            raise UserError(f"--endpoint {value!r}: the port is not a number") from None
-        endpoints.append(Endpoint(label, url[:-3] if url.endswith("/v1") else url))
-    labels = [e.label for e in endpoints]
-    if labels.count(RSP) != 1 or len(labels) < 2:
-        raise UserError("--endpoint: give one labelled rsp (the server without speculation) and at least one other "
-                        "(a server with it), e.g. --endpoint rsp=http://h:8000 --endpoint eagle=http://h:8001")
-    if len(set(labels)) != len(labels):
-        raise UserError(f"--endpoint: each label once, got {', '.join(labels)}")
-    return endpoints
-
-
-def _connection(url: str, timeout: float) -> tuple[http.client.HTTPConnection, str]:
-    parts = urlsplit(url)
-    kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-    return kind(parts.hostname, parts.port, timeout=timeout), parts.path
-
-
-def get(url: str, path: str, timeout: float = INFO_TIMEOUT_S) -> tuple[int, str]:
-    """(HTTP status, body) of GET url + path."""
-    connection, base = _connection(url, timeout)
-    try:
-        connection.request("GET", base + path)
-        response = connection.getresponse()
-        return response.status, response.read().decode(errors="replace")
-    finally:
-        connection.close()
-
-
-def introduce(endpoint: Endpoint) -> Endpoint:
-    """The endpoint with the model id it serves and its version; one line if it does not answer /v1/models."""
-    try:
-        status, text = get(endpoint.url, "/v1/models")
-        models = json.loads(text).get("data") or [] if status == 200 else []
-    except (OSError, ValueError, http.client.HTTPException) as exc:
-        raise UserError(f"--endpoint {endpoint.label}: {endpoint.url} did not answer /v1/models "
-                        f"({type(exc).__name__}: {exc})") from None
-    if status != 200 or not models:
-        raise UserError(f"--endpoint {endpoint.label}: {endpoint.url}/v1/models answered HTTP {status} with no "
-                        "model: is it an OpenAI-compatible server?")
-    return replace(endpoint, model=str(models[0].get("id", "")), version=_version(endpoint.url))
-
-
-def _version(url: str) -> str:
-    for path, key in (("/version", "version"), ("/props", "build_info")):
-        try:
-            status, text = get(url, path)
-            found = json.loads(text).get(key) if status == 200 else None
-        except (OSError, ValueError, AttributeError, http.client.HTTPException):
-            continue
-        if found:
-            return str(found)
-    return ""
-
-
-def counters(url: str) -> Counters | None:
-    """The server's speculative counters from /metrics (vLLM's or llama.cpp's names); None where it exports none."""
-    try:
-        status, text = get(url, "/metrics")
-    except (OSError, http.client.HTTPException):
-        return None
-    if status != 200:
-        return None
-    for prefix in ("vllm:", "llamacpp:"):
-        if prefix + "spec_decode_" in text:
-            return parse_counters(text, prefix)
-    return None
-
-
-def stream_completion(url: str, body: dict[str, Any], timeout_s: float = REQUEST_TIMEOUT_S,
-                      cancel: threading.Event | None = None) -> Streamed:
-    """POST ``body`` to url/v1/completions, streamed: each event with text timed as it arrives, the text kept, the
-    token count from the server's usage (else the events counted: one token each). ``cancel`` set: the stream is
-    dropped at its next line (Ctrl-C: a remote server would otherwise keep the client reading to the end)."""
-    out, events = Streamed(), 0
-    connection, base = _connection(url, timeout_s)
-    start = time.perf_counter()
-    for event in posted_events(connection, base + "/v1/completions", body, out, cancel):
-        text = "".join(choice.get("text") or "" for choice in event.get("choices") or ())
-        if text:
-            out.arrivals.append(time.perf_counter() - start)
-            out.text += text
-            events += 1
-        usage = event.get("usage") or {}
-        if usage.get("completion_tokens") is not None:
-            out.counted = int(usage["completion_tokens"])
-    if out.counted is None:
-        out.timings["counted_events"] = True
-        out.counted = events
-    return out
-
-
-def remote_environment(env: dict[str, str], endpoints: Sequence[Endpoint]) -> dict[str, str]:
-    """What every row says of where it ran: servers whose hardware is not known here, this client, what each said."""
-    return {**env, "device": f"remote servers (their hardware is not known here; client: {env.get('device', '?')})",
-            "placement": "; ".join(e.describe() for e in endpoints)}
-
-
-def completion_body(model: str, ids: list[int], max_new_tokens: int, params: SamplingParams, seed: int,
-                    ignore_eos: bool) -> dict[str, Any]:
-    """A streamed completions request: the prompt's token ids, our sampling law and a seed; ``ignore_eos`` (an
-    extension vLLM, SGLang and llama.cpp read) only where asked."""
-    body: dict[str, Any] = {"model": model, "prompt": ids, "max_tokens": max_new_tokens, "stream": True,
-                            "stream_options": {"include_usage": True}, "seed": seed % (2**31 - 1),
-                            "temperature": 0.0 if params.greedy else params.temperature}
-    if not params.greedy and params.top_p < 1:
-        body["top_p"] = params.top_p
-    if not params.greedy and params.top_k:
-        body["top_k"] = params.top_k
-    if ignore_eos:
-        body["ignore_eos"] = True
-    return body
 
 
 def request_body(model: str, request: LoadRequest, setup: LoadSetup, max_new_tokens: int) -> dict[str, Any]:
@@ -268,6 +114,6 @@ class EndpointLoadBackend(LoadBackend):
                               f"{len(failed)} of {len(requests)} requests failed ({failed[0]})")
         self.counted_events |= any(o.timings.get("counted_events") for o in outs)
         after = counters(endpoint.url) if before is not None else None
-        return ModeLevel(mode, concurrency, wall, [o.timing(r.index) for r, o in zip(requests, outs)],
+        return ModeLevel(mode, concurrency, wall, [request_timing(o, r.index) for r, o in zip(requests, outs)],
                          after - before if after is not None and before is not None else None,
                          client={"texts": {r.index: o.text for r, o in zip(requests, outs)}})

@@ -24,18 +24,15 @@ as deltas; the per-request ``timings`` summed over the level are kept beside the
 from __future__ import annotations
 
 import http.client
-import json
-import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
 from lssp.decoding.generation import NO_STOP, Stopping
 from lssp.engines.base import Mode
 from lssp.engines.llamacpp import REQUEST_TIMEOUT_S, LlamacppServers, LlamaServer, request_body
+from lssp.engines.streaming import Streamed, posted_events, stream_requests
 from lssp.engines.vllm import Counters
 from lssp.errors import UserError
 from lssp.measure.load import (
@@ -58,75 +55,11 @@ def slot_context(prompt_lengths: Sequence[int], max_new_tokens: int, k: int) -> 
     return -(-need // 64) * 64
 
 
-@dataclass
-class Streamed:
-    """One streamed completion (seconds from its send): token ids and each one's arrival, the final timings. A
-    client that sees text, not ids (``lssp.measure.load_endpoint``), keeps each event's arrival and the server's
-    token count (``counted``)."""
-
-    tokens: list[int] = field(default_factory=list)
-    arrivals: list[float] = field(default_factory=list)
-    timings: dict[str, Any] = field(default_factory=dict)
-    error: str = ""
-    waited_s: float = 0.0  # from its scheduled arrival to its send (Poisson arrivals: a free client awaited)
-    counted: int | None = None  # tokens the server says it made, where the stream carries text, not ids
-    text: str = ""
-
-    @property
-    def token_count(self) -> int:
-        return self.counted if self.counted is not None else len(self.tokens)
-
-    def cut(self, stopping: Stopping) -> Streamed:
-        """The completion ended where ``stopping`` says (at and including a stop token the server ran past)."""
-        end = stopping.cut(self.tokens, 0)
-        if end is None:
-            return self
-        return Streamed(self.tokens[:end], self.arrivals[:end], self.timings, self.error, self.waited_s)
-
-    def timing(self, index: int) -> RequestTiming:
-        if self.error or not self.token_count or not self.arrivals:
-            return RequestTiming(index, self.token_count, float("nan"), float("nan"),
-                                 self.error or "no token streamed")
-        return RequestTiming(index, self.token_count, self.waited_s + self.arrivals[0],
-                             self.arrivals[-1] - self.arrivals[0])
-
-
-class StreamError(Exception):
-    """A stream that ended in an error event, or was cancelled."""
-
-
-def sse_events(response: http.client.HTTPResponse, cancel: threading.Event | None = None) -> Iterator[dict[str, Any]]:
-    """The JSON events of a server-sent-events stream (``data: {...}`` lines) up to its end or ``[DONE]``; an event
-    that carries ``error`` raises ``StreamError`` with it, and so does ``cancel`` set (at the next line)."""
-    for raw in iter(response.readline, b""):
-        if cancel is not None and cancel.is_set():
-            raise StreamError("cancelled")
-        line = raw.strip()
-        if not line.startswith(b"data:") or line == b"data: [DONE]":
-            continue
-        event = json.loads(line[len(b"data:"):])
-        if "error" in event:
-            raise StreamError(str(event["error"])[:200])
-        yield event
-
-
-def posted_events(connection: http.client.HTTPConnection, path: str, body: dict[str, Any], out: Streamed,
-                  cancel: threading.Event | None = None) -> Iterator[dict[str, Any]]:
-    """POST ``body`` (JSON) to ``path`` and yield the streamed events (``sse_events``); an HTTP error, a failed
-    connection, an error event or ``cancel`` end them with ``out.error`` set. The connection is closed after."""
-    try:
-        connection.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
-        response = connection.getresponse()
-        if response.status != 200:
-            out.error = f"HTTP {response.status}: {response.read()[:200].decode(errors='replace')}"
-            return
-        yield from sse_events(response, cancel)
-    except StreamError as exc:
-        out.error = str(exc)
-    except (OSError, ValueError, http.client.HTTPException) as exc:
-        out.error = f"{type(exc).__name__}: {exc}"
-    finally:
-        connection.close()
+def request_timing(out: Streamed, index: int) -> RequestTiming:
+    """A streamed completion's timing as a load level counts it: TTFT from its arrival time, first to last token."""
+    if out.error or not out.token_count or not out.arrivals:
+        return RequestTiming(index, out.token_count, float("nan"), float("nan"), out.error or "no token streamed")
+    return RequestTiming(index, out.token_count, out.waited_s + out.arrivals[0], out.arrivals[-1] - out.arrivals[0])
 
 
 def stream_completion(server: LlamaServer, body: dict[str, Any], timeout_s: float = REQUEST_TIMEOUT_S) -> Streamed:
@@ -147,40 +80,6 @@ def stream_completion(server: LlamaServer, body: dict[str, Any], timeout_s: floa
     if not out.error and not out.timings:
         out.error = "the stream ended before its final event"
     return out
-
-
-def stream_requests(send: Callable[[dict[str, Any]], Streamed], bodies: Sequence[dict[str, Any]], concurrency: int,
-                    arrivals: Sequence[float] | None = None) -> tuple[list[Streamed], float]:
-    """Every body once through ``send`` (one streamed request), at most ``concurrency`` in flight (a pool of that
-    many threads takes them in order: the next starts when one ends, not before its arrival time): (the completions
-    in order, the wall seconds from the first send to the last completion). With ``arrivals``, each completion's ``waited_s`` is from its arrival time to its
-    send (a closed loop has none: a client sends when its last request ends)."""
-    scheduled = arrivals is not None
-    arrivals = list(arrivals) if arrivals is not None else [0.0] * len(bodies)
-    results: list[Streamed | None] = [None] * len(bodies)
-    lock, start = threading.Lock(), time.perf_counter()
-    ends: list[float] = []
-
-    def one(i: int) -> None:
-        wait = start + arrivals[i] - time.perf_counter()
-        if wait > 0:
-            time.sleep(wait)
-        late = time.perf_counter() - (start + arrivals[i])
-        results[i] = send(bodies[i])
-        if scheduled:
-            results[i].waited_s = max(0.0, late)
-        with lock:
-            ends.append(time.perf_counter())
-
-    pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="llamassp-load")
-    try:
-        for future in [pool.submit(one, i) for i in range(len(bodies))]:
-            future.result()
-    except BaseException:  # Ctrl-C: no new request; those in flight end when the servers stop
-        pool.shutdown(wait=False, cancel_futures=True)
-        raise
-    pool.shutdown()
-    return [r if r is not None else Streamed(error="not sent") for r in results], max(ends, default=start) - start
 
 
 def metric_counters(metrics: dict[str, float]) -> Counters:
@@ -258,7 +157,7 @@ class LlamacppLoadBackend(LoadBackend):
         client = {"tokens": {r.index: o.tokens for r, o in zip(requests, cut)},
                   "timings_draft_tokens": sum(int(o.timings.get("draft_n", 0)) for o in outs),
                   "timings_accepted_tokens": sum(int(o.timings.get("draft_n_accepted", 0)) for o in outs)}
-        return ModeLevel(mode, concurrency, wall, [o.timing(r.index) for r, o in zip(requests, cut)],
+        return ModeLevel(mode, concurrency, wall, [request_timing(o, r.index) for r, o in zip(requests, cut)],
                          after - before if after is not None and before is not None else None, client=client)
 
     def close(self) -> None:

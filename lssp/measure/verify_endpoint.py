@@ -22,8 +22,8 @@ from functools import partial
 from typing import Any
 
 from lssp.decoding.sampling import SamplingParams
-from lssp.measure.load_endpoint import RSP, Endpoint, completion_body, stream_completion
-from lssp.measure.load_llamacpp import stream_requests
+from lssp.engines.endpoint import RSP, Endpoint, completion_body, stream_completion
+from lssp.engines.streaming import stream_requests
 from lssp.measure.verify import INCONCLUSIVE, LOSSLESS, MIN_SAMPLES, NOT_LOSSLESS
 from lssp.report.stats import POWER, chi_square_homogeneity, chi_square_power, chi_square_samples_needed
 

@@ -1,0 +1,88 @@
+"""Does `--endpoint` time a server as the server times itself? One interleaved latency run over two llama-servers of
+the default pair (RSp; the draft model at K=3), each reached two ways: as `--engine llamacpp` reaches it (native
+/completion, ms/token from llama-server's own ``timings``) and as `latency --endpoint` reaches a server already
+running (OpenAI /v1/completions, ms/token from the streamed events as they reach the client, tokens from the usage,
+acceptance from /metrics). Same servers, prompts, seeds and greedy tokens; the table sets each mode's two figures
+side by side, per prompt and overall, with the ratio's 95% interval.
+Usage: .venv/bin/python benchmarks/endpoint_llamacpp.py OUT [--nb-prompts 8] [--max-new-tokens 64]
+       (./setup.sh --llamacpp; ~2 minutes on 2 cores)
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from lssp.decoding.sampling import SamplingParams  # noqa: E402
+from lssp.engines.endpoint import Endpoint, EndpointEngine, introduce  # noqa: E402
+from lssp.engines.llamacpp import LlamacppEngine, LlamacppModel, LlamacppServers  # noqa: E402
+from lssp.engines.llamacpp_build import find_build  # noqa: E402
+from lssp.measure.latency import paired_speedup, rsp_mode, run_latency  # noqa: E402
+from lssp.models.registry import load_registry  # noqa: E402
+from lssp.report.results import append_csv, device_description, markdown_table, write_json  # noqa: E402
+from lssp.workloads.prompts import WARMUP_PROMPT  # noqa: E402
+from lssp.workloads.tasks import task_prompts  # noqa: E402
+
+K = 3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--nb-prompts", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    args = parser.parse_args()
+    build = find_build()
+    if build is None:
+        sys.exit("llama.cpp is not built here (./setup.sh --llamacpp)")
+    registry = load_registry(REPO / "models.yaml")
+    target = LlamacppModel(registry.get(registry.target_name(None)), build)
+    draft = LlamacppModel(registry.get(registry.draft_name(None, heads=False)), build, target)
+    servers = LlamacppServers(target, draft, [(0, 0), (K, 0)])
+    try:
+        native = LlamacppEngine(servers)
+        endpoints = [introduce(Endpoint(label, f"http://127.0.0.1:{servers.servers[key].port}"))
+                     for label, key in (("rsp", (0, 0)), (f"draft-k{K}", (K, 0)))]
+        outside = EndpointEngine(endpoints, target.tokenizer)
+        modes = [rsp_mode(native.name), LlamacppEngine.ssp_mode(native.name, K), *(e.mode for e in endpoints)]
+        prompts = list(task_prompts("stories"))[:args.nb_prompts]
+        run = run_latency(target, {native.name: native, outside.name: outside}, modes, prompts, WARMUP_PROMPT,
+                          SamplingParams(0.0), args.max_new_tokens, 0, [draft], ignore_eos=True)
+    finally:
+        servers.close()
+    args.out.mkdir(parents=True, exist_ok=True)
+    append_csv(args.out / "latency.csv", run.rows())
+    append_csv(args.out / "latency_prompts.csv", run.prompt_rows())
+    (args.out / f"latency-{run.info.run_id}.md").write_text(run.markdown())
+    pairs = [("rsp", modes[0], modes[2]), (f"ssp k={K}", modes[1], modes[3])]
+    table = []
+    for name, inside_mode, outside_mode in pairs:
+        ratio, _ = paired_speedup(run.timings, outside_mode, inside_mode)  # outside ms/token ÷ inside, per prompt
+        inside = next(m for m in run.overall if m.how == inside_mode)
+        seen = next(m for m in run.overall if m.how == outside_mode)
+        table.append({"mode": name, "inside_ms_per_token": round(inside.ms_per_token, 3),
+                      "outside_ms_per_token": round(seen.ms_per_token, 3), "outside_over_inside": ratio.estimate,
+                      "low": ratio.low, "high": ratio.high, "inside_acceptance": inside.acceptance_rate,
+                      "outside_acceptance": seen.acceptance_rate, "inside_tokens": inside.new_tokens,
+                      "outside_tokens": seen.new_tokens})
+    summary = {"run_id": run.info.run_id, "device": device_description("cpu") + " (servers and client)", "llamacpp": servers.version,
+               "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "k": K, "pairs": table,
+               "speedup_inside": next(m.speedup for m in run.overall if m.how == modes[1]),
+               "speedup_outside": next(m.speedup for m in run.overall if m.how == modes[3])}
+    write_json(args.out / "endpoint-llamacpp.json", summary)
+    text = (f"# The same llama-servers timed from inside and from outside (run {run.info.run_id})\n\n"
+            f"{summary['device']}; llama.cpp {servers.version}; {len(prompts)} story openings × "
+            f"{args.max_new_tokens} tokens (end token ignored), greedy, one interleaved run. Inside: `--engine "
+            "llamacpp` (native /completion, llama-server's `predicted_ms`); outside: `--endpoint` (OpenAI "
+            "/v1/completions, the streamed events as they reach the client, tokens from `usage`). "
+            "outside_over_inside: the geometric mean of the per-prompt ratios of ms/token, with its 95% interval.\n\n"
+            + markdown_table(table, list(table[0])) + "\n")
+    (args.out / "endpoint-llamacpp.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,281 @@
+"""Servers already running anywhere, reached over the OpenAI-compatible completions API: ``--endpoint LABEL=URL``.
+
+Any server that speaks ``POST /v1/completions`` with ``"stream": true`` works: vLLM, SGLang, llama.cpp's
+llama-server, TGI's OpenAI route, a cluster's gateway. One server per way of generating: the one labelled ``rsp``
+serves the target alone, each other one SSp as it was started (its draft, K and method are the server's, not ours).
+The client sends the prompt as the target's token ids (every endpoint gets the same tokens, whatever its chat
+template), our sampling fields and a seed per request; it times each streamed event as it arrives and takes the token
+count from the server's ``usage`` (an SSp server's event may carry several tokens). Acceptance comes from the
+server's ``/metrics`` where it exports vLLM's (``vllm:spec_decode_*``) or llama.cpp's (``llamacpp:spec_decode_*``)
+counters; else it is not known.
+
+``EndpointEngine`` puts them behind the engine interface, one request at a time (``latency``, ``compare``,
+``eval``); ``lssp.measure.load_endpoint`` loads them with many requests in flight.
+"""
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+from urllib.parse import urlsplit
+
+import torch
+
+from lssp.decoding.generation import GenerationOutput, GenerationStats
+from lssp.decoding.sampling import SamplingParams
+from lssp.engines.base import Engine, EngineInfo, Mode, Request
+from lssp.engines.streaming import Streamed, posted_events
+from lssp.engines.vllm import Counters
+from lssp.engines.vllm_server import parse_counters
+from lssp.errors import UserError
+
+ENGINE = "endpoint"
+INFO_TIMEOUT_S = 10.0
+REQUEST_TIMEOUT_S = 600.0
+RSP = "rsp"
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """One server: its label (``rsp``, or the name of an SSp configuration), its base URL, what it says of
+    itself."""
+
+    label: str
+    url: str  # scheme://host:port[/path], without a trailing /v1
+    model: str = ""  # the first model id its /v1/models lists
+    version: str = ""  # its /version (vLLM, SGLang) or /props build (llama.cpp); "" where it says none
+
+    @property
+    def mode(self) -> Mode:
+        return Mode("rsp", engine=ENGINE) if self.label == RSP else Mode("ssp", engine=ENGINE, draft=self.label)
+
+    def describe(self) -> str:
+        said = ", ".join(filter(None, [self.model and f"model {self.model}",
+                                       self.version and f"version {self.version}"]))
+        return f"{self.label} = {self.url}" + (f" ({said})" if said else "")
+
+
+def parse_endpoints(values: Sequence[str]) -> list[Endpoint]:
+    """``--endpoint LABEL=URL`` options: exactly one labelled rsp, the others SSp, labels distinct; a URL with http or
+    https and a host (a trailing /v1 is dropped). One line (``UserError``) for anything else."""
+    endpoints = []
+    for value in values:
+        label, sep, url = value.partition("=")
+        label, url = label.strip(), url.strip().rstrip("/")
+        parts = urlsplit(url)
+        if not sep or not label or not url:
+            raise UserError(f"--endpoint {value!r}: give LABEL=URL, e.g. rsp=http://10.0.0.5:8000")
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise UserError(f"--endpoint {value!r}: the URL needs http:// or https:// and a host")
+        try:
+            parts.port  # noqa: B018 - raises on a port that is no number
+        except ValueError:
+            raise UserError(f"--endpoint {value!r}: the port is not a number") from None
+        endpoints.append(Endpoint(label, url[:-3] if url.endswith("/v1") else url))
+    labels = [e.label for e in endpoints]
+    if labels.count(RSP) != 1 or len(labels) < 2:
+        raise UserError("--endpoint: give one labelled rsp (the server without speculation) and at least one other "
+                        "(a server with it), e.g. --endpoint rsp=http://h:8000 --endpoint eagle=http://h:8001")
+    if len(set(labels)) != len(labels):
+        raise UserError(f"--endpoint: each label once, got {', '.join(labels)}")
+    return endpoints
+
+
+def _connection(url: str, timeout: float) -> tuple[http.client.HTTPConnection, str]:
+    parts = urlsplit(url)
+    kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+    return kind(parts.hostname, parts.port, timeout=timeout), parts.path
+
+
+def get(url: str, path: str, timeout: float = INFO_TIMEOUT_S) -> tuple[int, str]:
+    """(HTTP status, body) of GET url + path."""
+    connection, base = _connection(url, timeout)
+    try:
+        connection.request("GET", base + path)
+        response = connection.getresponse()
+        return response.status, response.read().decode(errors="replace")
+    finally:
+        connection.close()
+
+
+def introduce(endpoint: Endpoint) -> Endpoint:
+    """The endpoint with the model id it serves and its version; one line if it does not answer /v1/models."""
+    try:
+        status, text = get(endpoint.url, "/v1/models")
+        models = json.loads(text).get("data") or [] if status == 200 else []
+    except (OSError, ValueError, http.client.HTTPException) as exc:
+        raise UserError(f"--endpoint {endpoint.label}: {endpoint.url} did not answer /v1/models "
+                        f"({type(exc).__name__}: {exc})") from None
+    if status != 200 or not models:
+        raise UserError(f"--endpoint {endpoint.label}: {endpoint.url}/v1/models answered HTTP {status} with no "
+                        "model: is it an OpenAI-compatible server?")
+    return replace(endpoint, model=str(models[0].get("id", "")), version=_version(endpoint.url))
+
+
+def _version(url: str) -> str:
+    for path, key in (("/version", "version"), ("/props", "build_info")):
+        try:
+            status, text = get(url, path)
+            found = json.loads(text).get(key) if status == 200 else None
+        except (OSError, ValueError, AttributeError, http.client.HTTPException):
+            continue
+        if found:
+            return str(found)
+    return ""
+
+
+def counters(url: str) -> Counters | None:
+    """The server's speculative counters from /metrics (vLLM's or llama.cpp's names); None where it exports none."""
+    try:
+        status, text = get(url, "/metrics")
+    except (OSError, http.client.HTTPException):
+        return None
+    if status != 200:
+        return None
+    for prefix in ("vllm:", "llamacpp:"):
+        if prefix + "spec_decode_" in text:
+            return parse_counters(text, prefix)
+    return None
+
+
+def stream_completion(url: str, body: dict[str, Any], timeout_s: float = REQUEST_TIMEOUT_S,
+                      cancel: threading.Event | None = None) -> Streamed:
+    """POST ``body`` to url/v1/completions, streamed: each event with text timed as it arrives, the text kept, the
+    token count from the server's usage (else the events counted: one token each). ``cancel`` set: the stream is
+    dropped at its next line (Ctrl-C: a remote server would otherwise keep the client reading to the end)."""
+    out, events = Streamed(), 0
+    connection, base = _connection(url, timeout_s)
+    start = time.perf_counter()
+    for event in posted_events(connection, base + "/v1/completions", body, out, cancel):
+        text = "".join(choice.get("text") or "" for choice in event.get("choices") or ())
+        if text:
+            out.arrivals.append(time.perf_counter() - start)
+            out.text += text
+            events += 1
+        reason = next((c.get("finish_reason") for c in event.get("choices") or () if c.get("finish_reason")), None)
+        if reason:
+            out.timings["finish_reason"] = reason
+        usage = event.get("usage") or {}
+        if usage.get("completion_tokens") is not None:
+            out.counted = int(usage["completion_tokens"])
+    if out.counted is None:
+        out.timings["counted_events"] = True
+        out.counted = events
+    return out
+
+
+def remote_environment(env: dict[str, str], endpoints: Sequence[Endpoint]) -> dict[str, str]:
+    """What every row says of where it ran: servers whose hardware is not known here, this client, what each said."""
+    return {**env, "device": f"remote servers (their hardware is not known here; client: {env.get('device', '?')})",
+            "placement": "; ".join(e.describe() for e in endpoints)}
+
+
+def completion_body(model: str, ids: list[int], max_new_tokens: int, params: SamplingParams, seed: int,
+                    ignore_eos: bool, stop: Sequence[str] = ()) -> dict[str, Any]:
+    """A streamed completions request: the prompt's token ids, our sampling law and a seed; ``ignore_eos`` (an
+    extension vLLM, SGLang and llama.cpp read) only where asked; ``stop`` strings where given."""
+    body: dict[str, Any] = {"model": model, "prompt": ids, "max_tokens": max_new_tokens, "stream": True,
+                            "stream_options": {"include_usage": True}, "seed": seed % (2**31 - 1),
+                            "temperature": 0.0 if params.greedy else params.temperature}
+    if not params.greedy and params.top_p < 1:
+        body["top_p"] = params.top_p
+    if not params.greedy and params.top_k:
+        body["top_k"] = params.top_k
+    if ignore_eos:
+        body["ignore_eos"] = True
+    if stop:
+        body["stop"] = list(stop)
+    return body
+
+
+ENDPOINT_TIMING = "streamed events: (last - first) / (tokens - 1), tokens from the server's usage"
+
+
+def stats_from_stream(mode: str, out: Streamed, wall_s: float, delta: Counters | None) -> GenerationStats:
+    """GenerationStats of one streamed completion: the first event is the first emission (one token, the
+    prompt's), ms/token runs from it to the last event over the server's token count less one; drafted, accepted
+    and target forwards from the server's counter deltas over this completion (None: not known)."""
+    tokens = out.token_count
+    stats = GenerationStats(mode=mode, new_tokens=tokens, total_time_s=wall_s, forwards_timed=False)
+    if out.arrivals:
+        stats.ttft_s = stats.prefill_time_s = out.arrivals[0]
+        if tokens > 1 and len(out.arrivals) > 1:
+            stats.first_emission_tokens, stats.after_first_s = 1, out.arrivals[-1] - out.arrivals[0]
+    if mode == "rsp":
+        stats.target_forwards = tokens
+        return stats
+    if delta is None or not delta.drafts:
+        return stats
+    k = round(delta.draft_tokens / delta.drafts)
+    stats.k, stats.drafted, stats.accepted = k, delta.draft_tokens, delta.accepted
+    undrafted = max(0, tokens - 1 - delta.accepted - delta.drafts)  # steps that drafted nothing
+    stats.target_forwards = 1 + delta.drafts + undrafted
+    if delta.draft_tokens == delta.drafts * k and len(delta.accepted_per_position) >= k > 0:
+        stats.drafted_at = [delta.drafts] * k  # every step drafted K: each position drafted once per step
+        stats.accepted_at = list(delta.accepted_per_position[:k])
+        stats.rejections = delta.drafts - delta.accepted_per_position[k - 1]
+    return stats
+
+
+class EndpointEngine(Engine):
+    """Servers already running (``Endpoint``), one per mode, one request at a time: each completion streamed over
+    /v1/completions, timed by its events; its tokens the text retokenized by the target's tokenizer (the count the
+    server's); acceptance from the SSp server's /metrics counter deltas over the completion, where it exports them
+    (nothing else may load that server meanwhile)."""
+
+    name = ENGINE
+    label = "endpoint"
+    decode_timing = ENDPOINT_TIMING
+    runs_our_weights = False  # the servers' own weights and arithmetic
+    runs_feature_heads = False  # each server drafts as it was started
+    runs_each_draft = True  # each SSp server is a mode of its own, named by its label (``Mode.draft``)
+    names_modes = True
+    takes_lookup = False
+    takes_ngram = False
+    marks_drafts = False  # whole texts: which tokens were drafted is not streamed
+    checks_busy = False  # the servers may run on this machine, as processes that are not ours
+
+    def __init__(self, endpoints: Sequence[Endpoint], tokenizer: Any) -> None:
+        self.endpoints = {e.mode: e for e in endpoints}
+        self.tokenizer = tokenizer
+        self.counted_events = False  # a response carried no usage: its tokens counted as events
+
+    @property
+    def version(self) -> str:
+        return "; ".join(f"{e.label}: {e.version or '?'}" for e in self.endpoints.values())
+
+    def describe(self) -> EngineInfo:
+        return EngineInfo(self.name, self.label, self.version, draft_method="server",
+                          note="servers already running (--endpoint): "
+                          + "; ".join(e.describe() for e in self.endpoints.values())
+                          + "; ms/token from the streamed events, first to last, over the server's token count")
+
+    def environment(self, env: dict[str, str]) -> dict[str, str]:
+        return remote_environment(env, list(self.endpoints.values()))
+
+    def supports(self, mode: Mode) -> str | None:
+        return None if mode in self.endpoints else "no --endpoint serves it"
+
+    def complete(self, mode: Mode, request: Request) -> GenerationOutput:
+        endpoint = self.endpoints[mode]
+        r = request
+        body = completion_body(endpoint.model, r.ids[0].tolist(), r.max_new_tokens, r.params, r.seed, r.ignore_eos,
+                               r.stopping.strings)
+        before = counters(endpoint.url) if mode.mode == "ssp" else None
+        start = time.perf_counter()
+        out = stream_completion(endpoint.url, body)
+        wall = time.perf_counter() - start
+        if out.error:
+            raise UserError(f"--endpoint {endpoint.label} ({endpoint.url}) failed a request: {out.error}")
+        after = counters(endpoint.url) if before is not None else None
+        self.counted_events |= bool(out.timings.get("counted_events"))
+        ids = self.tokenizer.encode(out.text, add_special_tokens=False) if out.text else []
+        stats = stats_from_stream(mode.mode, out, wall, after - before if after is not None and before is not None else None)
+        stopped = out.timings.get("finish_reason") == "stop" and not r.ignore_eos
+        if r.on_tokens is not None and ids:
+            r.on_tokens(ids, [False] * len(ids))  # whole texts: nothing to colour
+        return GenerationOutput(torch.tensor(ids, dtype=torch.long), stats, stopped)
