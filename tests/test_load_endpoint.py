@@ -24,9 +24,10 @@ class FakeServer:
     answered before it answers HTTP 500; ``shift``: added to every token (another model)."""
 
     def __init__(self, per_event: int = 1, delay_s: float = 0.004, usage: bool = True, fail_after: int = -1,
-                 shift: int = 0, model: str = "fake/model", salt: int = 0, skew: float = 0.0) -> None:
+                 shift: int = 0, model: str = "fake/model", salt: int = 0, skew: float = 0.0, answer=None) -> None:
         self.per_event, self.delay_s, self.usage, self.fail_after, self.shift = per_event, delay_s, usage, fail_after, shift
         self.salt, self.skew = salt, skew  # sampled: another random stream; the law of tokens after the first skewed
+        self.answer = answer  # the text to write, from the prompt's ids, one character per token (else the words)
         self.model, self.served, self.drafts, self.drafted, self.accepted = model, 0, 0, 0, 0
         self.lock = threading.Lock()
         self.http = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
@@ -92,6 +93,9 @@ class FakeServer:
                 if body.get("temperature", 0) > 0:  # letters a-d, a 3 times as likely as each other; skew: more after the first
                     draw = random.Random(body["seed"] * 7919 + fake.salt)
                     words = [draw.choices("abcd", [3 + (fake.skew if i else 0), 1, 1, 1])[0] for i in range(n)]
+                if fake.answer is not None:
+                    words = list(fake.answer(body["prompt"]))[:n]
+                    n = len(words)
                 self.send_response(200)
                 self.send_header("Content-Type", "text/event-stream")
                 self.end_headers()
@@ -282,3 +286,36 @@ def test_latency_endpoint_refuses_the_servers_settings_in_one_line(run, servers)
     assert code == 2 and "one labelled rsp" in err
     code, _, err = run("latency", "tiny-target", "--endpoint", f"rsp={rsp.url}", "--endpoint", "x=http://127.0.0.1:1")
     assert code == 2 and "did not answer /v1/models" in err and len(err.strip().splitlines()) == 1
+
+
+def _problem(ids: list[int]) -> tuple[int, int]:
+    """The last "a * b = " of a prompt in the tiny models' character tokenizer (id 3 + the character's index)."""
+    import re
+
+    from conftest import CHARS
+
+    text = "".join(CHARS[i - 3] for i in ids if 3 <= i < 3 + len(CHARS))
+    a, b = re.findall(r"(\d+) \* (\d+) = ", text)[-1]
+    return int(a), int(b)
+
+
+def test_eval_through_endpoints_finds_a_server_whose_answers_are_worse(run, servers, tmp_path):
+    """``eval --endpoint``: two servers scored on the same problems, paired; one that answers every problem right
+    against one that gets those with an even a wrong: the difference's interval excludes 0, McNemar says so."""
+    right = servers(answer=lambda ids: f"{_problem(ids)[0] * _problem(ids)[1]}\n9")
+    wrong = servers(per_event=2, answer=lambda ids: f"{_problem(ids)[0] * _problem(ids)[1] + (_problem(ids)[0] % 2 == 0)}\n")
+    code, out, err = run("eval", "tiny-target", "--endpoint", f"rsp={right.url}", "--endpoint", f"half={wrong.url}",
+                         "--nb-prompts", "40", "--json", str(tmp_path / "e.json"))
+    assert code == 0, err
+    said = " ".join(out.split())
+    assert "on servers already running" in said and "excludes 0: SSp and RSp differ" in said, out
+    assert max(len(line) for line in out.splitlines()) <= 80
+    rows = pd.read_csv(tmp_path / "results" / "eval.csv").set_index("mode")
+    assert rows.loc["rsp", "success_rate"] == 1.0 and 0.2 < rows.loc["ssp", "success_rate"] < 0.8
+    assert rows["device"].str.startswith("remote servers").all() and rows["others_cpu_share"].isna().all()
+    for extra, said in ((["--k", "3"], "--k would be the servers' own settings"),
+                        (["--rsp-batch", "4"], "--rsp-batch would be"),
+                        (["--endpoint", f"third={wrong.url}"], "compares two servers")):
+        code, _, err = run("eval", "tiny-target", "--endpoint", f"rsp={right.url}", "--endpoint", f"half={wrong.url}",
+                           *extra)
+        assert code == 2 and said in err and len(err.strip().splitlines()) == 1, err

@@ -22,6 +22,7 @@ from lssp.cli.options import (
     flag,
     one_draft,
     parse_engines,
+    refuse_beside_endpoints,
     sampling_params,
 )
 from lssp.cli.output import (
@@ -39,6 +40,14 @@ from lssp.cli.output import (
 from lssp.cli.progress import progress
 from lssp.errors import UserError
 from lssp.report.results import mode_name, plural
+
+EvalEndpointOpt = Annotated[Optional[list[str]], typer.Option(
+    "--endpoint", metavar="LABEL=URL", help="Two servers already running (OpenAI /v1/completions): rsp=URL without "
+    "speculation and NAME=URL with it, scored on the same problems (--both implied); TARGET names the tokenizer.")]
+# --endpoint: the servers' own settings, refused beside it (parameter: how the user writes it)
+ENDPOINT = "endpoint"  # the engine's name (lssp.engines.EndpointEngine), for --resume's settings
+SERVER_SETTINGS = {"draft_name": "DRAFT", "draft": "--draft", "k": "--k", "lookup": "--lookup", "engine": "--engine",
+                   "rsp_batch": "--rsp-batch", "ssp_batch": "--ssp-batch", "prefix_cache": "--prefix-cache"}
 
 
 @app.command("eval")
@@ -66,6 +75,7 @@ def eval_cmd(
     resume: Annotated[bool, flag("--resume", help="Continue the newest interrupted run with the same settings.")] = False,
     lookup: LookupOpt = 0,
     engine: Annotated[str, typer.Option("--engine", help="ours, hf (transformers), or vllm (./setup.sh --vllm installs it).")] = "ours",
+    endpoint: EvalEndpointOpt = None,
     json_out: JsonOpt = None,
     plot: PlotOpt = False,
 ) -> None:
@@ -88,12 +98,14 @@ def eval_cmd(
     if "," in engine:
         raise UserError(f"--engine {engine!r}: eval runs one engine at a time (ours, hf, vllm or llamacpp)")
     (engine,) = parse_engines(engine, ("ours", "hf", "vllm", "llamacpp"))
-    if (target is None and draft is None) or (both and draft is None):  # the default pair
+    if endpoint:  # servers already running: RSp and SSp, nothing of ours loaded but the tokenizer
+        engine = _check_endpoints(ctx, endpoint)
+    elif (target is None and draft is None) or (both and draft is None):  # the default pair
         draft = s.registry.draft_name(None, heads_run([engine]))
-    modes = ["rsp", "ssp"] if both else ["ssp"] if draft else ["rsp"]
+    modes = ["rsp", "ssp"] if both or endpoint else ["ssp"] if draft else ["rsp"]
     if "ssp" in modes:
         check_k_within_budget(k, max_new_tokens)
-    hint = ("" if both else " (--both compares it with RSp)" if modes == ["ssp"]
+    hint = ("" if both or endpoint else " (--both compares it with RSp)" if modes == ["ssp"]
             else " (a target alone: --draft D for SSp, --both for RSp and SSp)")
     err_console.print(f"[dim]eval: {' and '.join(mode_name(m) for m in modes)}{hint}[/dim]", soft_wrap=True)
     results = s.writable_results_dir(json_out)
@@ -102,8 +114,9 @@ def eval_cmd(
         done_before = len(resume_point(results / "eval_records", eval_config(
             s.registry.target_name(target), s.registry.draft_name(draft) if draft else None, modes, nb_prompts, s.seed,
             k, max_new_tokens, params, lookup, op, max_operand, engine))[1])
-    t, d, runner = start_engine(s, engine, [(0, 0) if m == "rsp" else (k, lookup) for m in modes], target, draft,
-                                need_draft=draft is not None)
+    t, d, runner = (_endpoint_engine(s, target, endpoint) if endpoint else
+                    start_engine(s, engine, [(0, 0) if m == "rsp" else (k, lookup) for m in modes], target, draft,
+                                 need_draft=draft is not None))
     correct = {m: 0 for m in modes}
     try:
         with progress(nb_prompts * len(modes), "eval", done_before) as tick:
@@ -125,6 +138,26 @@ def eval_cmd(
     exit_with(code)
 
 
+def _check_endpoints(ctx: typer.Context, values: list[str]) -> str:
+    """``eval --endpoint``: one line for the servers' own settings or other than two servers (one labelled rsp);
+    the engine's name."""
+    from lssp.engines.endpoint import parse_endpoints
+
+    refuse_beside_endpoints(ctx, SERVER_SETTINGS)
+    if len(parse_endpoints(values)) != 2:
+        raise UserError("eval --endpoint compares two servers: one labelled rsp and one with speculation")
+    return ENDPOINT
+
+
+def _endpoint_engine(s, target: str | None, values: list[str]):
+    """(the target as a tokenizer, no draft, the engine over the servers) for ``eval --endpoint``."""
+    from lssp.cli.loaders import endpoints_and_tokenizer
+    from lssp.engines.endpoint import EndpointEngine
+
+    t, endpoints = endpoints_and_tokenizer(s, target, values)
+    return t, None, EndpointEngine(endpoints, t.tokenizer)
+
+
 def render(run, t, d) -> None:
     from lssp.measure.evals import LOW, OPERATIONS
 
@@ -132,7 +165,8 @@ def render(run, t, d) -> None:
     symbol = OPERATIONS[setup.op][0]
     out = table(f"Eval \"a {symbol} b = \", a and b in {LOW}..{setup.max_operand}: {t.name}"
                 + (f" (draft {d.name}, K={k_label(setup.k, 0, setup.lookup)})" if d else "")
-                + {"vllm": " in vLLM", "llamacpp": " in llama.cpp"}.get(setup.engine, "")
+                + {"vllm": " in vLLM", "llamacpp": " in llama.cpp", "endpoint": " on servers already running"}.get(
+                    setup.engine, "")
                 + f", {plural(setup.nb_prompts, 'problem')}, T={setup.params.temperature:g}",
                 [("mode", "left"), *((c, "right") for c in ("correct", "rate ±95%", "95% Wald", "95% Wilson", "s/problem"))])
     for m in run.summaries:

@@ -257,15 +257,25 @@ class EndpointEngine(Engine):
     def environment(self, env: dict[str, str]) -> dict[str, str]:
         return remote_environment(env, list(self.endpoints.values()))
 
+    def endpoint(self, mode: Mode) -> Endpoint | None:
+        """The server of ``mode``: its own, or for an SSp mode named by no label (``eval``: RSp and SSp), the one
+        SSp server where there is one."""
+        if mode in self.endpoints:
+            return self.endpoints[mode]
+        ssp = [e for m, e in self.endpoints.items() if m.mode == "ssp"]
+        return ssp[0] if mode.mode == "ssp" and not mode.draft and len(ssp) == 1 else None
+
     def supports(self, mode: Mode) -> str | None:
-        return None if mode in self.endpoints else "no --endpoint serves it"
+        return None if self.endpoint(mode) is not None else "no --endpoint serves it"
 
     def complete(self, mode: Mode, request: Request) -> GenerationOutput:
-        endpoint = self.endpoints[mode]
+        endpoint = self.endpoint(mode)
+        if endpoint is None:
+            raise UserError(f"{mode.name}: no --endpoint serves it")
         r = request
         body = completion_body(endpoint.model, r.ids[0].tolist(), r.max_new_tokens, r.params, r.seed, r.ignore_eos,
                                r.stopping.strings)
-        before = counters(endpoint.url) if mode.mode == "ssp" else None
+        before = counters(endpoint.url) if endpoint.mode.mode == "ssp" else None
         start = time.perf_counter()
         out = stream_completion(endpoint.url, body)
         wall = time.perf_counter() - start
@@ -274,8 +284,12 @@ class EndpointEngine(Engine):
         after = counters(endpoint.url) if before is not None else None
         self.counted_events |= bool(out.timings.get("counted_events"))
         ids = self.tokenizer.encode(out.text, add_special_tokens=False) if out.text else []
-        stats = stats_from_stream(mode.mode, out, wall, after - before if after is not None and before is not None else None)
+        stats = stats_from_stream(endpoint.mode.mode, out, wall,
+                                  after - before if after is not None and before is not None else None)
         stopped = out.timings.get("finish_reason") == "stop" and not r.ignore_eos
+        cut = r.stopping.cut(ids, 0)  # a stop token the server does not know (eval: the answer's newline)
+        if cut is not None:
+            ids, stopped = ids[:cut], True
         if r.on_tokens is not None and ids:
             r.on_tokens(ids, [False] * len(ids))  # whole texts: nothing to colour
         return GenerationOutput(torch.tensor(ids, dtype=torch.long), stats, stopped)

@@ -312,11 +312,12 @@ def run_eval(
         raise UserError("--nb-prompts must be at least 1")
     if max_operand < LOW:
         raise UserError(f"--max-operand must be at least {LOW}, got {max_operand}")
-    if "ssp" in modes and draft is None:
+    if "ssp" in modes and draft is None and not engine.names_modes:  # servers already running draft as they do
         raise UserError("SSp evaluation needs a draft model")
     config = eval_config(target.name, draft.name if draft else None, modes, nb_prompts, seed, k, max_new_tokens,
                          params, lookup, op, max_operand, engine.name)
     info = RunInfo.for_models(target, draft)
+    info.env = engine.environment(info.env)
     run_id = info.run_id
     records_dir.mkdir(parents=True, exist_ok=True)
     path, done = resume_point(records_dir, config) if resume else (None, [])
@@ -358,4 +359,5 @@ def run_eval(
     by_mode = {m: sorted((r for r in records if r.mode == m), key=lambda r: r.index) for m in modes}
     summaries = [summarize(m, by_mode[m]) for m in modes]
     comparison = compare(by_mode["rsp"], by_mode["ssp"]) if {"rsp", "ssp"} <= set(modes) else None
-    return EvalRun(run_id, path, summaries, comparison, len(done), setup, info, others_share(started, cpu_snapshot()))
+    busy = others_share(started, cpu_snapshot()) if engine.checks_busy else float("nan")
+    return EvalRun(run_id, path, summaries, comparison, len(done), setup, info, busy)
