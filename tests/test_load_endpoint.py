@@ -319,3 +319,21 @@ def test_eval_through_endpoints_finds_a_server_whose_answers_are_worse(run, serv
         code, _, err = run("eval", "tiny-target", "--endpoint", f"rsp={right.url}", "--endpoint", f"half={wrong.url}",
                            *extra)
         assert code == 2 and said in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_compare_streams_two_endpoints_side_by_side(run, servers):
+    """``compare --endpoint``: RSp's server then the SSp one, each answer streamed as its events come, the speedup
+    per prompt and over all; the servers' settings and a third server refused in one line."""
+    rsp, fast = servers(delay_s=0.004), servers(per_event=2, delay_s=0.005)
+    code, out, err = run("compare", "tiny-target", "--endpoint", f"rsp={rsp.url}", "--endpoint", f"fast={fast.url}",
+                         "--prompt", "hello", "--prompt", "a cat", "--max-new-tokens", "8", "--ignore-eos")
+    assert code == 0, err
+    said = " ".join(out.split())
+    assert "helped by the server 'fast' (its own drafts, not coloured)" in said and "on servers already running" in said, out
+    assert said.count("acceptance 50%") == 2 and "all 2 prompts" in said and "per prompt: " in said
+    assert "w" in out  # the fake's words, streamed
+    for extra, says in ((["--k", "3"], "--k would be the servers' own settings"),
+                        (["--endpoint", f"third={fast.url}"], "streams two servers")):
+        code, _, err = run("compare", "tiny-target", "--endpoint", f"rsp={rsp.url}", "--endpoint", f"fast={fast.url}",
+                           "--prompt", "x", *extra)
+        assert code == 2 and says in err and len(err.strip().splitlines()) == 1, err

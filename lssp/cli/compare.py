@@ -29,6 +29,7 @@ from lssp.cli.options import (
     one_draft,
     parse_engines,
     read_task_prompts,
+    refuse_beside_endpoints,
     sampling_params,
 )
 from lssp.cli.output import console, err_console, exit_interrupted, fmt, k_label, say_busy, table
@@ -36,6 +37,13 @@ from lssp.engines import Request, engine_class, request_seed
 from lssp.errors import UserError
 from lssp.report.contention import cpu_snapshot, others_share
 from lssp.report.results import plural
+
+CompareEndpointOpt = Annotated[Optional[list[str]], typer.Option(
+    "--endpoint", metavar="LABEL=URL", help="Two servers already running (OpenAI /v1/completions): rsp=URL without "
+    "speculation and NAME=URL with it, streamed side by side; TARGET names the tokenizer.")]
+# --endpoint: the servers' own settings, refused beside it (parameter: how the user writes it)
+SERVER_SETTINGS = {"draft": "DRAFT", "draft_option": "--draft", "k": "--k", "lookup": "--lookup",
+                   "engine": "--engine"}
 
 
 @app.command()
@@ -57,6 +65,7 @@ def compare(
     ignore_eos: IgnoreEosOpt = False,
     engine: Annotated[str, typer.Option("--engine", help="ours, vllm or llamacpp (./setup.sh --vllm or --llamacpp "
                                         "installs them).")] = "ours",
+    endpoint: CompareEndpointOpt = None,
 ) -> None:
     """Stream RSp then SSp completions of each prompt, with wall times and the speedup."""
     from lssp.decoding.generation import Stopping
@@ -65,13 +74,14 @@ def compare(
     from lssp.workloads.tasks import TaskPrompt
 
     s = settings(ctx)
-    chosen, k = _engine_and_k(s, engine, draft := one_draft(draft, draft_option), k)
+    chosen, k = _engine_and_k(s, engine, draft := one_draft(draft, draft_option), k, ctx, endpoint)
     params = _checked(k, max_new_tokens, lookup, temperature, top_k, top_p, task, nb_prompts, prompt)
     # --nb-prompts alone: the first N of the default workload (the reference's story openings), not stdin.
     task_list = read_task_prompts(task, None, nb_prompts, chat) if task or nb_prompts else None
     kind = engine_class(chosen)
     alone = bool(lookup) and not kind.takes_lookup  # the engine's n-gram drafter, no draft model
-    t, d, runner, modes = _start(s, chosen, target, draft, k, lookup, alone)
+    t, d, runner, modes = (_endpoints(s, target, endpoint) if endpoint else
+                           _start(s, chosen, target, draft, k, lookup, alone))
     stopping = Stopping() if ignore_eos else Stopping(token_ids=t.eos_ids)
 
     def stream(prompt, index: int, mode: str):
@@ -88,9 +98,7 @@ def compare(
         stats, _, _ = complete_turns(t, prompt, uses_chat_template(t, prompt, chat), generate)
         return stats
 
-    via = "" if kind.reference else f" in {kind.label}" + ("" if kind.marks_drafts else
-                                                           " (whole answers: drafted tokens not coloured)")
-    helper = f"{d.name}" if d is not None and not alone else f"{kind.label}'s n-gram lookup"
+    via, helper = _described(kind, d, alone, modes["ssp"], k, lookup)
     done: list[tuple[str, Any, Any]] = []  # (label, RSp stats, SSp stats) per prompt, for the summary
 
     def run_one(prompt, index: int) -> None:
@@ -99,8 +107,7 @@ def compare(
         before = cpu_snapshot()
         rsp = stream(prompt, index, "rsp")
         console.print(Text(f"\n   {rsp.total_time_s:.2f}s, {_ms_per_token(rsp):.1f} ms/token", style="bold red"))
-        console.print(Text(f"=> Speculative sampling with {t.name}{via} helped by {helper} (K={k_label(k, 0, lookup)}); ",
-                           style="bold") + Text("draft tokens accepted", style="green") + Text(" / ")
+        console.print(Text(f"=> Speculative sampling with {t.name}{via} helped by {helper}; ", style="bold") + Text("draft tokens accepted", style="green") + Text(" / ")
                       + Text("made by the target", style="bold blue"))
         ssp = stream(prompt, index, "ssp")
         if alone:
@@ -110,7 +117,7 @@ def compare(
                            "tokens per target forward", style="bold green"))
         speedup = _ms_per_token(rsp) / _ms_per_token(ssp)
         console.print(Text(f"   speedup {speedup:.2f}×", style="bold green" if speedup > 1 else "bold red"))
-        say_busy(others_share(before, cpu_snapshot()), "this prompt: ")
+        say_busy(others_share(before, cpu_snapshot()) if kind.checks_busy else float("nan"), "this prompt: ")
         done.append((prompt.turns[0], rsp, ssp))
 
     try:
@@ -128,6 +135,27 @@ def compare(
     _summary(done)
 
 
+def _described(kind, d, alone: bool, ssp, k: int, lookup: int) -> tuple[str, str]:
+    """(where it runs, what helps SSp) for the headers: "" and the draft with its K on our engine; " in vLLM" and
+    its n-gram lookup; a server already running by its label."""
+    if kind.names_modes:
+        return " on servers already running", f"the server {ssp.draft!r} (its own drafts, not coloured)"
+    via = "" if kind.reference else f" in {kind.label}" + ("" if kind.marks_drafts else
+                                                           " (whole answers: drafted tokens not coloured)")
+    helper = f"{d.name}" if d is not None and not alone else f"{kind.label}'s n-gram lookup"
+    return via, f"{helper} (K={k_label(k, 0, lookup)})"
+
+
+def _endpoints(s, target: str | None, values: list[str]):
+    """(the target as a tokenizer, no draft, the engine over the two servers, {"rsp": .., "ssp": ..}) for
+    ``compare --endpoint``."""
+    from lssp.cli.loaders import endpoints_and_tokenizer
+    from lssp.engines.endpoint import EndpointEngine
+
+    t, endpoints = endpoints_and_tokenizer(s, target, values)
+    return t, None, EndpointEngine(endpoints, t.tokenizer), {e.mode.mode: e.mode for e in endpoints}
+
+
 def _checked(k: int, max_new_tokens: int, lookup: int, temperature: float, top_k: int, top_p: float,
              task: str | None, nb_prompts: int | None, prompt: list[str] | None):
     """The sampling parameters, once every input a user can get wrong is checked (one line each)."""
@@ -139,8 +167,17 @@ def _checked(k: int, max_new_tokens: int, lookup: int, temperature: float, top_k
     return sampling_params(temperature, top_k, top_p)
 
 
-def _engine_and_k(s, engine: str, draft: str | None, k: int | None) -> tuple[str, int]:
-    """The one engine ``--engine`` names (compare streams one at a time), and K: ``k``, else the draft's own."""
+def _engine_and_k(s, engine: str, draft: str | None, k: int | None, ctx: typer.Context,
+                  endpoints: list[str] | None) -> tuple[str, int]:
+    """The one engine ``--engine`` names (compare streams one at a time), and K: ``k``, else the draft's own; with
+    --endpoint, the servers' (two: one labelled rsp), their own settings refused in one line."""
+    if endpoints:
+        from lssp.engines.endpoint import ENGINE, parse_endpoints
+
+        refuse_beside_endpoints(ctx, SERVER_SETTINGS)
+        if len(parse_endpoints(endpoints)) != 2:
+            raise UserError("compare --endpoint streams two servers: one labelled rsp and one with speculation")
+        return ENGINE, 1
     (chosen,) = parse_engines(engine, ("ours", "vllm", "llamacpp")) if "," not in engine else (None,)
     if chosen is None:
         raise UserError(f"--engine {engine!r}: compare streams one engine at a time (ours, vllm or llamacpp)")

@@ -18,8 +18,9 @@ import http.client
 import json
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -143,10 +144,11 @@ def counters(url: str) -> Counters | None:
 
 
 def stream_completion(url: str, body: dict[str, Any], timeout_s: float = REQUEST_TIMEOUT_S,
-                      cancel: threading.Event | None = None) -> Streamed:
+                      cancel: threading.Event | None = None, on_text: Callable[[str], None] | None = None) -> Streamed:
     """POST ``body`` to url/v1/completions, streamed: each event with text timed as it arrives, the text kept, the
     token count from the server's usage (else the events counted: one token each). ``cancel`` set: the stream is
-    dropped at its next line (Ctrl-C: a remote server would otherwise keep the client reading to the end)."""
+    dropped at its next line (Ctrl-C: a remote server would otherwise keep the client reading to the end);
+    ``on_text`` gets each event's text as it comes."""
     out, events = Streamed(), 0
     connection, base = _connection(url, timeout_s)
     start = time.perf_counter()
@@ -156,6 +158,8 @@ def stream_completion(url: str, body: dict[str, Any], timeout_s: float = REQUEST
             out.arrivals.append(time.perf_counter() - start)
             out.text += text
             events += 1
+            if on_text is not None:
+                on_text(text)
         reason = next((c.get("finish_reason") for c in event.get("choices") or () if c.get("finish_reason")), None)
         if reason:
             out.timings["finish_reason"] = reason
@@ -236,7 +240,7 @@ class EndpointEngine(Engine):
     names_modes = True
     takes_lookup = False
     takes_ngram = False
-    marks_drafts = False  # whole texts: which tokens were drafted is not streamed
+    marks_drafts = False  # streamed text: which tokens were drafted is not said
     checks_busy = False  # the servers may run on this machine, as processes that are not ours
 
     def __init__(self, endpoints: Sequence[Endpoint], tokenizer: Any) -> None:
@@ -257,6 +261,11 @@ class EndpointEngine(Engine):
     def environment(self, env: dict[str, str]) -> dict[str, str]:
         return remote_environment(env, list(self.endpoints.values()))
 
+    def _show(self, on_tokens: Callable[[list[int], list[bool]], None], text: str) -> None:
+        """A streamed event's text to ``Request.on_tokens`` as the target's tokens (which were drafted: not said)."""
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        on_tokens(ids, [False] * len(ids))
+
     def endpoint(self, mode: Mode) -> Endpoint | None:
         """The server of ``mode``: its own, or for an SSp mode named by no label (``eval``: RSp and SSp), the one
         SSp server where there is one."""
@@ -276,8 +285,9 @@ class EndpointEngine(Engine):
         body = completion_body(endpoint.model, r.ids[0].tolist(), r.max_new_tokens, r.params, r.seed, r.ignore_eos,
                                r.stopping.strings)
         before = counters(endpoint.url) if endpoint.mode.mode == "ssp" else None
+        shown = None if r.on_tokens is None else partial(self._show, r.on_tokens)
         start = time.perf_counter()
-        out = stream_completion(endpoint.url, body)
+        out = stream_completion(endpoint.url, body, on_text=shown)
         wall = time.perf_counter() - start
         if out.error:
             raise UserError(f"--endpoint {endpoint.label} ({endpoint.url}) failed a request: {out.error}")
@@ -290,6 +300,4 @@ class EndpointEngine(Engine):
         cut = r.stopping.cut(ids, 0)  # a stop token the server does not know (eval: the answer's newline)
         if cut is not None:
             ids, stopped = ids[:cut], True
-        if r.on_tokens is not None and ids:
-            r.on_tokens(ids, [False] * len(ids))  # whole texts: nothing to colour
         return GenerationOutput(torch.tensor(ids, dtype=torch.long), stats, stopped)
