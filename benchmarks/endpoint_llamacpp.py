@@ -4,12 +4,14 @@ the default pair (RSp; the draft model at K=3), each reached two ways: as `--eng
 running (OpenAI /v1/completions, ms/token from the streamed events as they reach the client, tokens from the usage,
 acceptance from /metrics). Same servers, prompts, seeds and greedy tokens; the table sets each mode's two figures
 side by side, per prompt and overall, with the ratio's 95% interval.
-Usage: .venv/bin/python benchmarks/endpoint_llamacpp.py OUT [--nb-prompts 8] [--max-new-tokens 64]
-       (./setup.sh --llamacpp; ~2 minutes on 2 cores)
+Usage: .venv/bin/python benchmarks/endpoint_llamacpp.py OUT [--nb-prompts 8] [--max-new-tokens 64] [--eval N]
+       (./setup.sh --llamacpp; ~2 minutes on 2 cores, more with --eval)
 """
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -34,6 +36,8 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--nb-prompts", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--eval", type=int, default=0, help="then `eval --endpoint` on N problems and `compare "
+                        "--endpoint` on one prompt, against the same servers (0: not)")
     args = parser.parse_args()
     build = find_build()
     if build is None:
@@ -51,6 +55,14 @@ def main() -> None:
         prompts = list(task_prompts("stories"))[:args.nb_prompts]
         run = run_latency(target, {native.name: native, outside.name: outside}, modes, prompts, WARMUP_PROMPT,
                           SamplingParams(0.0), args.max_new_tokens, 0, [draft], ignore_eos=True)
+        if args.eval:  # the same servers through the commands a user runs against a deployment
+            urls = [f"--endpoint={e.label}={e.url}" for e in endpoints]
+            cli = [sys.executable, str(REPO / "llamassp.py"), "--results-dir", str(args.out)]
+            env = {**os.environ, "COLUMNS": "80"}
+            subprocess.run([*cli, "eval", *urls, "--nb-prompts", str(args.eval), "--json",
+                            str(args.out / "eval-endpoint.json")], env=env, check=False)
+            with open(args.out / "compare-endpoint.txt", "w") as sink:
+                subprocess.run([*cli, "compare", *urls, "--nb-prompts", "1"], env=env, stdout=sink, check=False)
     finally:
         servers.close()
     args.out.mkdir(parents=True, exist_ok=True)
