@@ -350,8 +350,11 @@ def test_load_through_real_vllm_servers_stops_them_and_reads_their_counters(tmp_
                          "stories", "--max-new-tokens", "8", "--k", "2", "--ignore-eos")
     assert code == 0, err
     # The same servers as --endpoint reaches servers already running: vLLM's OpenAI route, usage and counters.
-    (remote,) = endpoint_runs
+    remote, (rsp_out, ssp_out) = endpoint_runs
     assert remote.levels_done == [2] and not remote.failure, remote.failure
+    assert rsp_out.stats.new_tokens == ssp_out.stats.new_tokens == 8 and ssp_out.stats.k == 2  # vLLM's counters
+    assert ssp_out.stats.drafted > 0 and ssp_out.stats.drafted_at == [ssp_out.stats.drafted // 2] * 2  # per step
+    assert rsp_out.tokens.tolist() == ssp_out.tokens.tolist()  # greedy, as load's warm-up found
     assert all(r.tokens == 8 for level in remote.levels for m in level for r in m.requests)
     assert "every SSp server wrote rsp's text" in " ".join(remote.notes), remote.notes
     ssp_level = next(s for s in remote.summaries if s.mode == "ssp")  # vllm: counters read as deltas
@@ -371,7 +374,10 @@ def test_load_through_real_vllm_servers_stops_them_and_reads_their_counters(tmp_
 
 def _endpoints_first(close, runs: list):
     """``VllmLoadBackend.close`` that first loads its running servers through ``load --endpoint``'s backend."""
-    from lssp.engines.endpoint import Endpoint, introduce
+    import torch
+
+    from lssp.engines.base import Request
+    from lssp.engines.endpoint import Endpoint, EndpointEngine, introduce
     from lssp.measure.load_endpoint import EndpointLoadBackend
 
     def endpoints_then_close(self) -> None:
@@ -382,6 +388,9 @@ def _endpoints_first(close, runs: list):
                               4, "t", 1, ignore_eos=True)
             runs.append(run_load(EndpointLoadBackend(endpoints, setup), setup, RunInfo(),
                                  [LoadRequest(i, [1, 2, 3, 4 + i], i) for i in range(4)]))
+            engine = EndpointEngine(endpoints, self.tokenizer)  # one request at a time: latency, compare, eval
+            runs.append([engine.complete(e.mode, Request(torch.tensor([[1, 2, 3, 4]]), 8, SamplingParams(0.0), 7))
+                         for e in endpoints])
         finally:
             close(self)
     return endpoints_then_close
