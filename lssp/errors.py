@@ -7,3 +7,7 @@ class UserError(Exception):
 
 class IncompatibleModelsError(UserError):
     """Target and draft do not share a tokenizer."""
+
+
+class ServerFailure(UserError):
+    """A server or engine process that failed mid-run: a timed run keeps the prompts it completed in every mode."""

@@ -337,3 +337,17 @@ def test_compare_streams_two_endpoints_side_by_side(run, servers):
         code, _, err = run("compare", "tiny-target", "--endpoint", f"rsp={rsp.url}", "--endpoint", f"fast={fast.url}",
                            "--prompt", "x", *extra)
         assert code == 2 and says in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_latency_keeps_the_prompts_done_when_a_server_fails_mid_run(run, servers, tmp_path):
+    """A server that breaks down after its warm-up and two prompts: the run ends in one line (exit 2) naming it,
+    and the table and files cover the prompts every mode completed, marked interrupted."""
+    rsp, dying = servers(), servers(per_event=2, fail_after=3)
+    code, out, err = run("latency", "tiny-target", "--endpoint", f"rsp={rsp.url}", "--endpoint", f"dying={dying.url}",
+                         "--nb-prompts", "5", "--max-new-tokens", "4")
+    said = [line for line in err.strip().splitlines() if not line.startswith("[")]  # progress lines aside
+    assert code == 2 and len(said) == 1 and said[0].startswith("error: --endpoint dying"), err
+    assert "HTTP 500" in err and "cover the 2 prompts completed before" in err, err
+    rows = pd.read_csv(tmp_path / "results" / "latency.csv")
+    assert rows["interrupted"].all() and (rows["prompts"] == 2).all()
+    assert len(pd.read_csv(tmp_path / "results" / "latency_prompts.csv")) == 4

@@ -69,3 +69,26 @@ def test_ctrl_c_in_the_middle_of_a_prompt_drops_that_prompt_and_before_any_promp
     assert interrupted and {s.index for s in steps} == {0} and len(steps) == len(MIXED)
     with pytest.raises(KeyboardInterrupt):
         run_interleaved(["a"], MIXED, run, "w", progress=interrupt_at(f"prompt 1/1 {MIXED[0].name}"))
+
+
+def test_a_server_failing_mid_run_keeps_whole_prompts_where_asked():
+    """``ServerFailure`` at prompt c's second mode: with ``failures`` the prompts a and b come back, interrupted, the
+    line kept; without, it goes on up (a command that keeps nothing); at the first prompt, it goes on up too."""
+    from lssp.errors import ServerFailure
+
+    def failing_at(index: int):
+        calls, record = recorder()
+
+        def run(mode: Mode, prompt: str, at: int, time_forwards: bool):
+            if at == index and mode == OURS[1]:
+                raise ServerFailure("server x failed")
+            return record(mode, prompt, at, time_forwards)
+        return run
+
+    failures: list[str] = []
+    steps, interrupted = run_interleaved(["a", "b", "c"], OURS, failing_at(2), "w", failures=failures)
+    assert interrupted and failures == ["server x failed"] and sorted({s.index for s in steps}) == [0, 1]
+    with pytest.raises(ServerFailure):
+        run_interleaved(["a", "b", "c"], OURS, failing_at(2), "w")
+    with pytest.raises(ServerFailure):
+        run_interleaved(["a", "b"], OURS, failing_at(0), "w", failures=[])

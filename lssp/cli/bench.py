@@ -96,6 +96,9 @@ def bench(
     rows = run.rows()
     code = save(results, run.info.run_id, "bench", rows, run.markdown(), json_out, rows,
                 f"{run.info.env['device']} · run {run.info.run_id}")
+    if run.failure:
+        raise UserError(f"{run.failure}; the table and files cover the {plural(run.setup.prompts, 'prompt')} "
+                        "every engine completed before")
     if run.interrupted:
         exit_interrupted(f"interrupted after {plural(run.setup.prompts, 'prompt')}: the table and files cover them")
     exit_with(code)

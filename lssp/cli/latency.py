@@ -160,11 +160,15 @@ def latency(
 
 
 def _save(s, run, results, json_out, plot: bool) -> None:
-    """The run's files (and charts), then the exit: 130 where Ctrl-C cut it short."""
+    """The run's files (and charts), then the exit: 130 where Ctrl-C cut it short, 2 (one line) where a server
+    failed mid-run."""
     code = save(results, run.info.run_id, "latency", run.rows(), run.markdown(), json_out, run.summary_json(),
                 f"{run.info.env['device']} · run {run.info.run_id}", {"latency_prompts.csv": run.prompt_rows()})
     if plot and not run.interrupted:
         plot_charts(s.results_dir, run_id=run.info.run_id, kinds=("latency",))
+    if run.failure:
+        raise UserError(f"{run.failure}; the table and files cover the {plural(run.prompts_done, 'prompt')} "
+                        "completed before in every mode")
     if run.interrupted:
         exit_interrupted(f"interrupted after {plural(run.prompts_done, 'prompt')}: the table and files cover them")
     exit_with(code)

@@ -32,7 +32,7 @@ from lssp.engines.base import Engine, EngineInfo, Mode, Request
 from lssp.engines.streaming import Streamed, posted_events
 from lssp.engines.vllm import Counters
 from lssp.engines.vllm_server import parse_counters
-from lssp.errors import UserError
+from lssp.errors import ServerFailure, UserError
 
 ENGINE = "endpoint"
 INFO_TIMEOUT_S = 10.0
@@ -290,7 +290,7 @@ class EndpointEngine(Engine):
         out = stream_completion(endpoint.url, body, on_text=shown)
         wall = time.perf_counter() - start
         if out.error:
-            raise UserError(f"--endpoint {endpoint.label} ({endpoint.url}) failed a request: {out.error}")
+            raise ServerFailure(f"--endpoint {endpoint.label} ({endpoint.url}) failed a request: {out.error}")
         after = counters(endpoint.url) if before is not None else None
         self.counted_events |= bool(out.timings.get("counted_events"))
         ids = self.tokenizer.encode(out.text, add_special_tokens=False) if out.text else []

@@ -35,7 +35,7 @@ from lssp.decoding.generation import NO_STOP, GenerationOutput, GenerationStats,
 from lssp.decoding.sampling import SamplingParams
 from lssp.engines.base import Engine, EngineInfo, Mode, Request
 from lssp.engines.llamacpp_build import LlamacppBuild, gguf_path, last_error_line, require_build
-from lssp.errors import UserError
+from lssp.errors import ServerFailure, UserError
 from lssp.models.eagle3 import is_eagle3_head
 from lssp.models.loading import ModelHandle, load_tokenizer
 from lssp.models.registry import ModelSpec
@@ -201,16 +201,16 @@ class LlamaServer:
     def complete(self, body: dict[str, Any]) -> tuple[dict[str, Any], float]:
         """POST /completion: the response and the wall seconds it took."""
         if self.process is None or self.process.poll() is not None:
-            raise UserError(f"llama-server ({self.label}) is not running (log: {self.log_path})")
+            raise ServerFailure(f"llama-server ({self.label}) is not running (log: {self.log_path})")
         start = time.perf_counter()
         try:
             status, answer = self._call("POST", "/completion", body, REQUEST_TIMEOUT_S)
         except OSError as exc:
-            raise UserError(f"llama-server ({self.label}) failed a request: {exc} (log: {self.log_path})") from None
+            raise ServerFailure(f"llama-server ({self.label}) failed a request: {exc} (log: {self.log_path})") from None
         wall = time.perf_counter() - start
         if status != 200:
             message = answer.get("error", {}).get("message") if isinstance(answer.get("error"), dict) else answer
-            raise UserError(f"llama-server ({self.label}) refused a request (HTTP {status}): {message} "
+            raise ServerFailure(f"llama-server ({self.label}) refused a request (HTTP {status}): {message} "
                             f"(log: {self.log_path})")
         return answer, wall
 
@@ -398,11 +398,11 @@ class LlamacppServers:
         stats = stats_from_response("ssp" if k else "rsp", k, len(tokens), wall, timings, steps)
         return GenerationOutput(torch.tensor(tokens, dtype=torch.long), stats, stopped)
 
-    def failed(self, server: LlamaServer, what: str) -> UserError:
+    def failed(self, server: LlamaServer, what: str) -> ServerFailure:
         """The error for a server that failed mid-run (its log kept and named)."""
         self.keep_logs = True
         state = "failed requests" if server.alive else "is no longer running"
-        return UserError(f"llama-server ({server.label}) {state} {what}: {last_error_line(server.log_path)} "
+        return ServerFailure(f"llama-server ({server.label}) {state} {what}: {last_error_line(server.log_path)} "
                          f"(log: {server.log_path})")
 
     def close(self) -> None:

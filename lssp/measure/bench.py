@@ -155,6 +155,7 @@ class BenchRun:
     forward_spread: float = float("nan")  # slowest ÷ median prompt's time per target forward (worst engine)
     noise_spread: float = float("nan")  # the worst headline completion's time per iteration, relative (noise_spreads)
     interrupted: bool = False  # Ctrl-C: the figures cover the prompts every engine completed
+    failure: str = ""  # a rival's server that failed mid-run (``ServerFailure``): interrupted there, its line
     ssp_overhead_share: float = float("nan")
     acceptance_rate: float = float("nan")  # accepted / drafted, median over prompts
     alpha: float = float("nan")  # per-token acceptance of the i.i.d. model, all prompts
@@ -326,16 +327,17 @@ def run_bench(target: LoadedModel, draft: LoadedModel, prompts: Sequence[str], w
 
     split = [m for m in modes.values() if engine_class(m.engine).splits_time]
     started = [cpu_snapshot()]  # from the end of the warm-ups
+    failures: list[str] = []
     steps, interrupted = run_interleaved(prompts, list(modes.values()), once, warmup_prompt,
                                          split_modes=split if separate else (), progress=progress, label=label_of.get,
-                                         warmed=lambda: started.__setitem__(0, cpu_snapshot()))
+                                         warmed=lambda: started.__setitem__(0, cpu_snapshot()), failures=failures)
     others = others_share(started[0], cpu_snapshot())
     runs = []
     for step in steps:
         step.result.split_pass = step.split_pass
         runs.append(step.result)
     bench = summarize(k, runs, engines, confidence)
-    bench.interrupted, bench.others_cpu_share = interrupted, others
+    bench.interrupted, bench.others_cpu_share, bench.failure = interrupted, others, "".join(failures)
     bench.setup = BenchSetup(target.name, draft.name, target.precision, draft.precision, target.weight_bytes, params,
                              max_new_tokens, len([r for r in runs if not r.split_pass]) // len(engines), confidence,
                              SEPARATE_PASS if separate else SAME_PASS)

@@ -302,6 +302,7 @@ class LatencyRun:
     setup: LatencySetup | None = None
     info: RunInfo = field(default_factory=RunInfo)
     interrupted: bool = False  # Ctrl-C: the summaries cover the prompts completed in every mode
+    failure: str = ""  # a server that failed mid-run (``ServerFailure``): interrupted there, its line
 
     @property
     def overall(self) -> list[ModeSummary]:
@@ -470,7 +471,8 @@ class LatencyRun:
             notes.append(f"torch.compile built {plural(setup.recompiles, 'graph')} during the timed passes: their "
                          "compile time is in the figures.")
         if self.interrupted:
-            notes.append("Interrupted: only the prompts completed in every mode are counted.")
+            notes.append("Interrupted" + (f" ({self.failure})" if self.failure else "")
+                         + ": only the prompts completed in every mode are counted.")
         if self.timing_fallbacks:
             notes.append(self.fallback_note + ".")
         if self.busy:
@@ -807,10 +809,11 @@ def run_latency(
     def warmed() -> None:  # graphs the warm-up built are not in the figures, nor its time in the CPU shares
         graphs[0], started[0] = compiled_graphs(), cpu_snapshot()
 
+    failures: list[str] = []
     steps, interrupted = run_interleaved(
         prompts, modes, complete, TaskPrompt("warm-up", (warmup_prompt,), False), repeats,
         [m for m in modes if engine_class(m.engine).splits_time] if separate else (), progress, describe=lambda p: p.task,
-        warmed=warmed)
+        warmed=warmed, failures=failures)
     setup.recompiles = compiled_graphs() - graphs[0]
     if all(engine.checks_busy for engine in engines.values()):
         setup.others_cpu_share = others_share(started[0], cpu_snapshot())
@@ -827,7 +830,7 @@ def run_latency(
                             s.split_pass, prompts[s.index].task, len(prompts[s.index].turns), s.result[1], s.mode.engine,
                             s.mode.draft, s.mode.ngram, floor_ms(s))
                for s in steps]
-    return LatencyRun(summaries_by_task(timings, modes), timings, setup, info, interrupted)
+    return LatencyRun(summaries_by_task(timings, modes), timings, setup, info, interrupted, "".join(failures))
 
 
 def floor_of(target: LoadedModel, setup: LatencySetup) -> Floor | None:

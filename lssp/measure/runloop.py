@@ -7,6 +7,8 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+from lssp.errors import ServerFailure
+
 M = TypeVar("M", bound=Hashable)  # a way of generating: a Mode, or what a run interleaves (a format and a Mode, say)
 P = TypeVar("P")  # a prompt, in whatever form the command keeps it
 R = TypeVar("R")  # what one completion gives the command
@@ -39,11 +41,13 @@ def run_interleaved(prompts: Sequence[P], modes: Sequence[M], run: RunOne, warmu
                     split_modes: Sequence[M] = (), progress: Progress | None = None,
                     describe: Callable[[P], str] = lambda prompt: "",
                     label: Callable[[M], str] = lambda mode: mode.name,
-                    warmed: Callable[[], None] | None = None) -> tuple[list[Step[M, R]], bool]:
+                    warmed: Callable[[], None] | None = None,
+                    failures: list[str] | None = None) -> tuple[list[Step[M, R]], bool]:
     """Every mode on every prompt, ``repeats`` times, then ``split_modes`` once more each in a split pass (none:
     the timed passes time every forward themselves); ``warmed`` is called between the warm-up and the first timed
-    completion. Returns the steps and whether Ctrl-C (or SIGTERM) cut the run:
-    then only the prompts completed in every mode of their pass are kept; with none complete it goes on up."""
+    completion. Returns the steps and whether Ctrl-C (or SIGTERM) cut the run, or with ``failures`` given, a
+    server that failed (``ServerFailure``, its line appended there): then only the prompts completed in every mode
+    of their pass are kept; with none complete it goes on up."""
     separate = bool(split_modes)
     passes = [(repeat, False) for repeat in range(repeats)] + ([(0, True)] if separate else [])
     total = len(modes) * (1 + repeats * len(prompts)) + len(split_modes) * len(prompts)
@@ -69,7 +73,11 @@ def run_interleaved(prompts: Sequence[P], modes: Sequence[M], run: RunOne, warmu
                     what = describe(prompt)
                     tick(f"prompt {index + 1}/{len(prompts)}" + (f" {what}" if what else "")
                          + (" split pass" if split_pass else f" pass {repeat + 1}" if repeats > 1 else "") + f" {label(mode)}")
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, ServerFailure) as cut:
+        if isinstance(cut, ServerFailure):
+            if failures is None:
+                raise
+            failures.append(str(cut))
         steps = whole_prompts(steps, len(modes), len(split_modes))
         if not any(not s.split_pass for s in steps):
             raise
