@@ -24,10 +24,12 @@ class FakeServer:
     answered before it answers HTTP 500; ``shift``: added to every token (another model)."""
 
     def __init__(self, per_event: int = 1, delay_s: float = 0.004, usage: bool = True, fail_after: int = -1,
-                 shift: int = 0, model: str = "fake/model", salt: int = 0, skew: float = 0.0, answer=None) -> None:
+                 shift: int = 0, model: str = "fake/model", salt: int = 0, skew: float = 0.0, answer=None,
+                 key: str = "", also: tuple[str, ...] = ()) -> None:
         self.per_event, self.delay_s, self.usage, self.fail_after, self.shift = per_event, delay_s, usage, fail_after, shift
         self.salt, self.skew = salt, skew  # sampled: another random stream; the law of tokens after the first skewed
         self.answer = answer  # the text to write, from the prompt's ids, one character per token (else the words)
+        self.key, self.also = key, also  # a key /v1/ asks for (Bearer); more model ids it lists after its own
         self.model, self.served, self.drafts, self.drafted, self.accepted = model, 0, 0, 0, 0
         self.lock = threading.Lock()
         self.http = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
@@ -54,9 +56,18 @@ class FakeServer:
                 self.end_headers()
                 self.wfile.write(data)
 
+            def _refused(self) -> bool:
+                if fake.key and self.path.startswith("/v1/") and \
+                        self.headers.get("Authorization") != f"Bearer {fake.key}":
+                    self._json({"error": "unauthorized"}, 401)
+                    return True
+                return False
+
             def do_GET(self) -> None:
+                if self._refused():
+                    return
                 if self.path == "/v1/models":
-                    self._json({"data": [{"id": fake.model}]})
+                    self._json({"data": [{"id": name} for name in (fake.model, *fake.also)]})
                 elif self.path == "/version":
                     self._json({"version": "0.0-fake"})
                 elif self.path == "/metrics" and fake.per_event > 1:
@@ -81,13 +92,16 @@ class FakeServer:
 
             def _complete(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if self._refused():
+                    return
                 with fake.lock:
                     fake.served += 1
                     failing = 0 <= fake.fail_after < fake.served
                 if failing:
                     self._json({"error": {"message": "engine died"}}, 500)
                     return
-                assert body["stream"] and isinstance(body["prompt"], list) and body["model"] == fake.model
+                assert body["stream"] and isinstance(body["prompt"], list) and body["model"] in (fake.model, *fake.also)
+                fake.asked = body["model"]
                 n, start = body["max_tokens"], sum(body["prompt"]) + fake.shift
                 words = [f" w{(start + i) % 97}" for i in range(n)]
                 if body.get("temperature", 0) > 0:  # letters a-d, a 3 times as likely as each other; skew: more after the first
@@ -351,3 +365,37 @@ def test_latency_keeps_the_prompts_done_when_a_server_fails_mid_run(run, servers
     rows = pd.read_csv(tmp_path / "results" / "latency.csv")
     assert rows["interrupted"].all() and (rows["prompts"] == 2).all()
     assert len(pd.read_csv(tmp_path / "results" / "latency_prompts.csv")) == 4
+
+
+def test_a_gateway_serving_several_models_and_asking_for_a_key(run, servers, monkeypatch):
+    """``LABEL=URL#MODEL`` asks one gateway for one of its models; a key comes from LLAMASSP_API_KEY, never from the
+    command line, and a server that wants one and gets none is said in one line."""
+    gateway = servers(model="big", also=("big-eagle",), key="s3cret")
+    values = [f"rsp={gateway.url}#big", f"eagle={gateway.url}/v1#big-eagle"]
+    rsp, eagle = parse_endpoints(values)
+    assert (rsp.url, rsp.model, eagle.url, eagle.model) == (gateway.url, "big", gateway.url, "big-eagle")
+    args = [f"--endpoint={v}" for v in values]
+    code, _, err = run("latency", "tiny-target", *args, "--nb-prompts", "1", "--max-new-tokens", "4")
+    assert code == 2 and "HTTP 401" in err and "LLAMASSP_API_KEY" in err and len(err.strip().splitlines()) == 1, err
+    monkeypatch.setenv("LLAMASSP_API_KEY", "s3cret")
+    code, out, err = run("latency", "tiny-target", *args, "--nb-prompts", "2", "--max-new-tokens", "4")
+    assert code == 0 and gateway.asked in ("big", "big-eagle"), err
+    assert "eagle = " in " ".join(out.split()) and "model big-eagle" in " ".join(out.split())
+    code, _, err = run("latency", "tiny-target", f"--endpoint=rsp={gateway.url}#big", f"--endpoint=x={gateway.url}#nope")
+    assert code == 2 and "serves no model 'nope' (it lists big, big-eagle)" in err, err
+
+
+def test_counters_of_one_model_where_the_lines_name_their_model():
+    from lssp.engines.vllm_server import parse_counters
+
+    text = "\n".join([
+        '# HELP vllm:spec_decode_num_drafts_total drafts',
+        'vllm:spec_decode_num_drafts_total{engine="0",model_name="a"} 4.0',
+        'vllm:spec_decode_num_drafts_total{engine="0",model_name="b"} 10.0',
+        'vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="a"} 3.0',
+        'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="a",position="1"} 1.0',
+        'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="a",position="0"} 2.0'])
+    assert parse_counters(text).drafts == 14  # every model summed
+    a = parse_counters(text, model="a")
+    assert (a.drafts, a.accepted, a.accepted_per_position) == (4, 3, (2, 1))
+    assert parse_counters('llamacpp:spec_decode_num_drafts_total 5', "llamacpp:", model="a").drafts == 5  # no label

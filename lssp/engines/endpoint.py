@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -38,6 +39,7 @@ ENGINE = "endpoint"
 INFO_TIMEOUT_S = 10.0
 REQUEST_TIMEOUT_S = 600.0
 RSP = "rsp"
+API_KEY_VARIABLE = "LLAMASSP_API_KEY"
 
 
 @dataclass(frozen=True)
@@ -61,11 +63,13 @@ class Endpoint:
 
 
 def parse_endpoints(values: Sequence[str]) -> list[Endpoint]:
-    """``--endpoint LABEL=URL`` options: exactly one labelled rsp, the others SSp, labels distinct; a URL with http or
-    https and a host (a trailing /v1 is dropped). One line (``UserError``) for anything else."""
+    """``--endpoint LABEL=URL[#MODEL]`` options: exactly one labelled rsp, the others SSp, labels distinct; a URL with
+    http or https and a host (a trailing /v1 is dropped), and after a #, the model id to ask for where the server
+    serves several (a gateway: one URL, a model per configuration). One line (``UserError``) for anything else."""
     endpoints = []
     for value in values:
         label, sep, url = value.partition("=")
+        url, _, model = url.partition("#")  # a fragment: the model id to ask for (never sent as part of the URL)
         label, url = label.strip(), url.strip().rstrip("/")
         parts = urlsplit(url)
         if not sep or not label or not url:
@@ -76,7 +80,7 @@ def parse_endpoints(values: Sequence[str]) -> list[Endpoint]:
             parts.port  # noqa: B018 - raises on a port that is no number
         except ValueError:
             raise UserError(f"--endpoint {value!r}: the port is not a number") from None
-        endpoints.append(Endpoint(label, url[:-3] if url.endswith("/v1") else url))
+        endpoints.append(Endpoint(label, url[:-3] if url.endswith("/v1") else url, model.strip()))
     labels = [e.label for e in endpoints]
     if labels.count(RSP) != 1 or len(labels) < 2:
         raise UserError("--endpoint: give one labelled rsp (the server without speculation) and at least one other "
@@ -92,11 +96,18 @@ def _connection(url: str, timeout: float) -> tuple[http.client.HTTPConnection, s
     return kind(parts.hostname, parts.port, timeout=timeout), parts.path
 
 
+def auth_headers() -> dict[str, str]:
+    """``Authorization: Bearer KEY`` where ``LLAMASSP_API_KEY`` holds a key (servers started with ``--api-key``,
+    gateways); nothing else: a key never goes on the command line, into the rows or to a server unasked."""
+    key = os.environ.get(API_KEY_VARIABLE, "").strip()
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
 def get(url: str, path: str, timeout: float = INFO_TIMEOUT_S) -> tuple[int, str]:
     """(HTTP status, body) of GET url + path."""
     connection, base = _connection(url, timeout)
     try:
-        connection.request("GET", base + path)
+        connection.request("GET", base + path, headers=auth_headers())
         response = connection.getresponse()
         return response.status, response.read().decode(errors="replace")
     finally:
@@ -111,10 +122,17 @@ def introduce(endpoint: Endpoint) -> Endpoint:
     except (OSError, ValueError, http.client.HTTPException) as exc:
         raise UserError(f"--endpoint {endpoint.label}: {endpoint.url} did not answer /v1/models "
                         f"({type(exc).__name__}: {exc})") from None
+    if status in (401, 403):
+        raise UserError(f"--endpoint {endpoint.label}: {endpoint.url}/v1/models answered HTTP {status}: a server "
+                        f"that asks for a key takes it from {API_KEY_VARIABLE}")
     if status != 200 or not models:
         raise UserError(f"--endpoint {endpoint.label}: {endpoint.url}/v1/models answered HTTP {status} with no "
                         "model: is it an OpenAI-compatible server?")
-    return replace(endpoint, model=str(models[0].get("id", "")), version=_version(endpoint.url))
+    served = [str(m.get("id", "")) for m in models]
+    if endpoint.model and endpoint.model not in served:
+        raise UserError(f"--endpoint {endpoint.label}: {endpoint.url} serves no model {endpoint.model!r} (it lists "
+                        f"{', '.join(served)})")
+    return replace(endpoint, model=endpoint.model or served[0], version=_version(endpoint.url))
 
 
 def _version(url: str) -> str:
@@ -129,8 +147,9 @@ def _version(url: str) -> str:
     return ""
 
 
-def counters(url: str) -> Counters | None:
-    """The server's speculative counters from /metrics (vLLM's or llama.cpp's names); None where it exports none."""
+def counters(url: str, model: str = "") -> Counters | None:
+    """The server's speculative counters from /metrics (vLLM's or llama.cpp's names), those of ``model`` alone where
+    they name their model; None where it exports none."""
     try:
         status, text = get(url, "/metrics")
     except (OSError, http.client.HTTPException):
@@ -139,7 +158,7 @@ def counters(url: str) -> Counters | None:
         return None
     for prefix in ("vllm:", "llamacpp:"):
         if prefix + "spec_decode_" in text:
-            return parse_counters(text, prefix)
+            return parse_counters(text, prefix, model)
     return None
 
 
@@ -152,7 +171,7 @@ def stream_completion(url: str, body: dict[str, Any], timeout_s: float = REQUEST
     out, events = Streamed(), 0
     connection, base = _connection(url, timeout_s)
     start = time.perf_counter()
-    for event in posted_events(connection, base + "/v1/completions", body, out, cancel):
+    for event in posted_events(connection, base + "/v1/completions", body, out, cancel, auth_headers()):
         text = "".join(choice.get("text") or "" for choice in event.get("choices") or ())
         if text:
             out.arrivals.append(time.perf_counter() - start)
@@ -284,14 +303,14 @@ class EndpointEngine(Engine):
         r = request
         body = completion_body(endpoint.model, r.ids[0].tolist(), r.max_new_tokens, r.params, r.seed, r.ignore_eos,
                                r.stopping.strings)
-        before = counters(endpoint.url) if endpoint.mode.mode == "ssp" else None
+        before = counters(endpoint.url, endpoint.model) if endpoint.mode.mode == "ssp" else None
         shown = None if r.on_tokens is None else partial(self._show, r.on_tokens)
         start = time.perf_counter()
         out = stream_completion(endpoint.url, body, on_text=shown)
         wall = time.perf_counter() - start
         if out.error:
             raise ServerFailure(f"--endpoint {endpoint.label} ({endpoint.url}) failed a request: {out.error}")
-        after = counters(endpoint.url) if before is not None else None
+        after = counters(endpoint.url, endpoint.model) if before is not None else None
         self.counted_events |= bool(out.timings.get("counted_events"))
         ids = self.tokenizer.encode(out.text, add_special_tokens=False) if out.text else []
         stats = stats_from_stream(endpoint.mode.mode, out, wall,

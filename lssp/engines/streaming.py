@@ -61,11 +61,13 @@ def sse_events(response: http.client.HTTPResponse, cancel: threading.Event | Non
 
 
 def posted_events(connection: http.client.HTTPConnection, path: str, body: dict[str, Any], out: Streamed,
-                  cancel: threading.Event | None = None) -> Iterator[dict[str, Any]]:
+                  cancel: threading.Event | None = None,
+                  headers: dict[str, str] | None = None) -> Iterator[dict[str, Any]]:
     """POST ``body`` (JSON) to ``path`` and yield the streamed events (``sse_events``); an HTTP error, a failed
     connection, an error event or ``cancel`` end them with ``out.error`` set. The connection is closed after."""
     try:
-        connection.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
+        connection.request("POST", path, body=json.dumps(body),
+                           headers={"Content-Type": "application/json", **(headers or {})})
         response = connection.getresponse()
         if response.status != 200:
             out.error = f"HTTP {response.status}: {response.read()[:200].decode(errors='replace')}"

@@ -71,15 +71,18 @@ def server_args(target: EngineModel, draft: EngineModel | None, k: int, lookup: 
     return args
 
 
-def parse_counters(text: str, prefix: str = "vllm:") -> Counters:
+def parse_counters(text: str, prefix: str = "vllm:", model: str = "") -> Counters:
     """Speculative-decoding counters from a server's Prometheus text (``PREFIXspec_decode_*_total``, summed over
-    engines; vLLM's prefix ``vllm:``, llama-server's ``llamacpp:``); zero for a server that does not speculate."""
+    engines; vLLM's prefix ``vllm:``, llama-server's ``llamacpp:``); zero for a server that does not speculate.
+    ``model``: only the lines labelled with that ``model_name`` (vLLM's label) where lines carry one."""
     found = Counters()
     per_position: dict[int, int] = {}
     for line in text.splitlines():
         if not line.startswith(prefix + "spec_decode_"):
             continue
         name, _, value = line.rpartition(" ")
+        if model and 'model_name="' in name and f'model_name="{model}"' not in name:
+            continue
         metric = name.split("{")[0][len(prefix):]
         try:
             count = int(float(value))

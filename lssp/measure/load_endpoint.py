@@ -99,7 +99,7 @@ class EndpointLoadBackend(LoadBackend):
 
     def serve(self, mode: Mode, requests: Sequence[LoadRequest], concurrency: int) -> ModeLevel:
         endpoint = self.endpoints[mode]
-        before = counters(endpoint.url) if mode.mode == "ssp" else None
+        before = counters(endpoint.url, endpoint.model) if mode.mode == "ssp" else None
         arrivals = poisson_arrivals(len(requests), self.setup.request_rate, self.setup.seed)
         try:
             outs, wall = stream_requests(partial(stream_completion, endpoint.url, cancel=self.cancel),
@@ -113,7 +113,7 @@ class EndpointLoadBackend(LoadBackend):
             raise LoadFailure(f"--endpoint {endpoint.label} ({endpoint.url}) at concurrency {concurrency}: "
                               f"{len(failed)} of {len(requests)} requests failed ({failed[0]})")
         self.counted_events |= any(o.timings.get("counted_events") for o in outs)
-        after = counters(endpoint.url) if before is not None else None
+        after = counters(endpoint.url, endpoint.model) if before is not None else None
         return ModeLevel(mode, concurrency, wall, [request_timing(o, r.index) for r, o in zip(requests, outs)],
                          after - before if after is not None and before is not None else None,
                          client={"texts": {r.index: o.text for r, o in zip(requests, outs)}})
