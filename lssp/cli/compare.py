@@ -40,7 +40,7 @@ from lssp.report.results import plural
 
 CompareEndpointOpt = Annotated[Optional[list[str]], typer.Option(
     "--endpoint", metavar="LABEL=URL", help="Two servers already running (OpenAI /v1/completions): rsp=URL without "
-    "speculation and NAME=URL with it, streamed side by side; TARGET names the tokenizer.")]
+    "speculation and NAME=URL with it, streamed side by side; see docs/endpoints.md; TARGET names the tokenizer.")]
 # --endpoint: the servers' own settings, refused beside it (parameter: how the user writes it)
 SERVER_SETTINGS = {"draft": "DRAFT", "draft_option": "--draft", "k": "--k", "lookup": "--lookup",
                    "engine": "--engine"}

@@ -43,7 +43,7 @@ from lssp.report.results import mode_name, plural
 
 EvalEndpointOpt = Annotated[Optional[list[str]], typer.Option(
     "--endpoint", metavar="LABEL=URL", help="Two servers already running (OpenAI /v1/completions): rsp=URL without "
-    "speculation and NAME=URL with it, scored on the same problems (--both implied); TARGET names the tokenizer.")]
+    "speculation and NAME=URL with it, scored on the same problems (--both implied); see docs/endpoints.md; TARGET names the tokenizer.")]
 # --endpoint: the servers' own settings, refused beside it (parameter: how the user writes it)
 ENDPOINT = "endpoint"  # the engine's name (lssp.engines.EndpointEngine), for --resume's settings
 SERVER_SETTINGS = {"draft_name": "DRAFT", "draft": "--draft", "k": "--k", "lookup": "--lookup", "engine": "--engine",
