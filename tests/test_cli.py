@@ -38,6 +38,7 @@ def test_latency_writes_csv_markdown_and_json(run, tmp_path):
     ssp = rows[rows["mode"] == "ssp"]
     assert ssp["acceptance_rate"].between(0, 1).all() and (ssp["mean_accepted"] >= 1).all()
     assert (ssp["speedup"] > 0).all() and ssp["best"].sum() == 1
+    assert (ssp["same_as_rsp"] == 1.0).all() and "greedy SSp's text equal to RSp's: K=1 100%, K=3 100%" in out
     summary = json.loads((tmp_path / "l.json").read_text())
     assert [s["mode"] for s in summary] == ["rsp", "ssp", "ssp"]
     for key in ("mode", "target", "draft", "k", "ms_per_token", "ttft_ms", "acceptance_rate", "mean_accepted", "speedup"):

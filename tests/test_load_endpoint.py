@@ -266,15 +266,19 @@ def test_latency_through_endpoints_times_each_server_one_request_at_a_time(run, 
     """``latency --endpoint``: the servers as modes of one interleaved run, named by their labels; ms/token from the
     streamed events over the servers' token counts, acceptance and tokens per forward from the counter deltas of each
     completion, the verdict with its interval, rows that say the servers' hardware is not known."""
-    rsp, fast = servers(delay_s=0.004), servers(per_event=2, delay_s=0.005)
+    rsp, fast, other = servers(delay_s=0.004), servers(per_event=2, delay_s=0.005), servers(shift=1, delay_s=0.001)
     code, out, err = run("latency", "tiny-target", "--endpoint", f"rsp={rsp.url}", "--endpoint", f"fast={fast.url}",
-                         "--nb-prompts", "4", "--max-new-tokens", "8", "--ignore-eos", "--wide",
-                         "--json", str(tmp_path / "l.json"))
+                         "--endpoint", f"other={other.url}", "--nb-prompts", "4", "--max-new-tokens", "8",
+                         "--ignore-eos", "--wide", "--json", str(tmp_path / "l.json"))
     assert code == 0, err
+    assert "greedy SSp's text equal to RSp's: endpoint fast 100%, endpoint other 0%" in " ".join(out.split()), out
     assert max(len(line) for line in out.splitlines()) <= 80
     said = " ".join(out.split())
-    assert "verdict: use endpoint fast: " in said and "busy machine" not in said, out
-    rows = pd.read_csv(tmp_path / "results" / "latency.csv").set_index("mode")
+    assert "verdict: use endpoint other: " in said and "busy machine" not in said, out  # the fastest...
+    assert "its greedy text differed from RSp's on 100% of completions" in said  # ...is not the same model
+    rows = pd.read_csv(tmp_path / "results" / "latency.csv").set_index("draft", drop=False)
+    assert rows.loc["fast", "same_as_rsp"] == 1.0 and rows.loc["other", "same_as_rsp"] == 0.0
+    rows = rows[rows["draft"] != "other"].set_index("mode")
     assert set(rows["engine"]) == {"endpoint"} and rows.loc["ssp", "draft"] == "fast"
     assert rows.loc["ssp", "method"] == "server" and rows.loc["rsp", "method"] == "none"
     assert rows["device"].str.startswith("remote servers (their hardware is not known here; client: ").all()
@@ -286,7 +290,7 @@ def test_latency_through_endpoints_times_each_server_one_request_at_a_time(run, 
     assert rows.loc["ssp", "mean_accepted"] == pytest.approx(8 / 5)  # 8 tokens, 1 + 4 drafting steps, none undrafted
     assert rows.loc["ssp", "alpha"] == pytest.approx(0.5)  # position 0 always kept, position 1 never
     prompts = pd.read_csv(tmp_path / "results" / "latency_prompts.csv")
-    assert len(prompts) == 8 and set(prompts["draft"].dropna()) == {"fast"}
+    assert len(prompts) == 12 and set(prompts["draft"].dropna()) == {"fast", "other"}
 
 
 def test_latency_endpoint_refuses_the_servers_settings_in_one_line(run, servers):

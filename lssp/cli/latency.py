@@ -272,6 +272,7 @@ def render(run, t, d, wide: bool = False, more: list | None = None) -> None:
     console.print(f"  {fmt(budget, 0, pct=True)} of completions ran to the {setup.max_new_tokens}-token budget"
                   + (" (--ignore-eos)" if setup.ignore_eos else "; the others ended at the end token" if budget < 1
                      else ": none ended at the end token"))
+    _same_line(run)
     specbench = [m for m in overall if m.specbench_speedup == m.specbench_speedup]
     if specbench:
         console.print("  Spec-Bench's speedup (mean per-prompt tokens/s, prefill included, ÷ RSp's): "
@@ -306,6 +307,15 @@ def render(run, t, d, wide: bool = False, more: list | None = None) -> None:
     if t.spec.is_random or (d is not None and d.spec.is_random):
         console.print("[yellow]  Random weights: timings are real, acceptance figures mean nothing.[/yellow]")
     render_verdict(run)
+
+
+def _same_line(run) -> None:
+    """Greedy: each SSp mode's share of completions whose text is its engine's RSp one's (yellow where not all)."""
+    same = [m for m in run.overall if m.same_as_rsp == m.same_as_rsp]
+    if same:
+        console.print("  greedy SSp's text equal to RSp's: " + ", ".join(
+            f"{_engine(m)}{_named(run, m)}{_which(m)} {m.same_as_rsp:.0%}" for m in same),
+            style=None if all(m.same_as_rsp == 1 for m in same) else "yellow")
 
 
 def fastest(modes: list) -> object | None:
@@ -346,6 +356,9 @@ def render_verdict(run) -> None:
                   else "")
         head = f"verdict ({engine_label(m.engine)}): " if several else "verdict: "
         console.print(Text(head + text + advice, style=style))
+        if m.same_as_rsp < 1:  # greedy, and not RSp's text everywhere: the speedup is not of the same answers
+            console.print(f"  its greedy text differed from RSp's on {1 - m.same_as_rsp:.0%} of completions: is it "
+                          "the same target, verified exactly?", style="bold yellow")
         how = (f"95% interval of the geometric mean of {plural(v.pairs, 'per-prompt speedup')} (paired with RSp)"
                if ranged else f"no interval from {plural(v.pairs, 'prompt')}: two or more give one")
         console.print(f"  {how}; {v.basis}", style="dim")

@@ -46,6 +46,7 @@ class PromptTiming:
     ngram: int = 0  # SSp: n-gram length of the engine's n-gram drafter, drafting alone (0: a draft model)
     floor_ms: float = float("nan")  # the target's one-token floor at the bandwidth probed in this prompt's round,
     # after the tokens its completion had cached on average (``mean_context``)
+    answers: tuple[str, ...] = ()  # the text of each turn's completion
 
     @property
     def how(self) -> Mode:
@@ -116,6 +117,8 @@ class ModeSummary:
     over_floor: float = float("nan")  # geometric mean of its completions' ms/token ÷ the floor beside each
     over_floor_low: float = float("nan")  # its 95% t interval
     over_floor_high: float = float("nan")
+    same_as_rsp: float = float("nan")  # greedy SSp: the share of its completions whose text is the same engine's RSp
+    #   completion of the same prompt and pass (an exact SSp: 1; an engine whose verification rounds otherwise: less)
 
     @property
     def how(self) -> Mode:
@@ -439,7 +442,8 @@ class LatencyRun:
         """The run for scripts (``--json``)."""
         keys = ("task", "engine", "method", "mode", "target", "draft", "k", "confidence", "lookup", "lookup_acceptance", "ngram", "ms_per_token",
                 "ttft_ms", "acceptance_rate", "alpha", "mean_accepted", "speedup", "speedup_sd", "speedup_low",
-                "speedup_high", "specbench_speedup", *verdict_columns(None), "at_budget_share", "ms_per_token_median",
+                "speedup_high", "specbench_speedup", "same_as_rsp", *verdict_columns(None), "at_budget_share",
+                "ms_per_token_median",
                 "forward_spread", "noise_spread", "noisy", "others_cpu_share", "floor_ms", "over_floor",
                 "over_floor_low", "over_floor_high", "floor_precision", "bandwidth_gbs", "timing_basis", "interrupted",
                 "run_id", "device")
@@ -455,7 +459,8 @@ class LatencyRun:
                    *(["ngram"] if any(m.ngram for m in self.summaries) else []), "ms_per_token", "ms_per_token_median",
                    "ms_per_token_min", "ms_per_token_max", "ttft_ms", "acceptance_rate", "alpha", "mean_accepted",
                    "speedup", *(["speedup_sd"] if setup.repeats > 1 else []), "speedup_low", "speedup_high",
-                   "specbench_speedup", "at_budget_share", "forward_spread", "noise_spread",
+                   "specbench_speedup", *(["same_as_rsp"] if setup.params.greedy else []), "at_budget_share",
+                   "forward_spread", "noise_spread",
                    *(["over_floor", "over_floor_low", "over_floor_high"] if setup.floor_precision else [])]
         notes = [f"The draft/target shares, ms per forward and the spread come from {self.split_note}.",
                  "ms/token: time from a completion's first emission to its last token ÷ the tokens emitted after the "
@@ -464,6 +469,9 @@ class LatencyRun:
                  "mean per-prompt tokens/s (whole completion) ÷ RSp's, as Spec-Bench computes it; at_budget_share: "
                  "completions that ran to the token budget" + (" (--ignore-eos: all of them)." if setup.ignore_eos
                                                               else " instead of ending at the end token.")]
+        if setup.params.greedy:
+            notes.append("same_as_rsp: of an SSp mode's completions, the share whose text is its engine's RSp "
+                         "completion of the same prompt and pass (an exact SSp: 1).")
         notes += [f"Left out: {line}." for line in setup.left_out]
         if setup.floor_precision:
             notes.append(floor_note(setup))
@@ -579,7 +587,8 @@ def noise_spreads(timings: Sequence[PromptTiming]) -> dict[Mode, float]:
     return worst
 
 
-def _summaries(timings: Sequence[PromptTiming], modes: Sequence[Mode], task: str = ALL_TASKS) -> list[ModeSummary]:
+def _summaries(timings: Sequence[PromptTiming], modes: Sequence[Mode], task: str = ALL_TASKS,
+               greedy: bool = False) -> list[ModeSummary]:
     headline = [t for t in timings if not t.split_pass]
     split = [t for t in timings if t.split_pass]
     summaries = [summarize([t for t in headline if t.how == how], how,
@@ -598,6 +607,8 @@ def _summaries(timings: Sequence[PromptTiming], modes: Sequence[Mode], task: str
             s.specbench_speedup = s.tokens_per_s / rsp.tokens_per_s
             interval, _ = paired_speedup(headline, rsp.how, s.how)
             s.speedup_low, s.speedup_high = interval.low, interval.high
+            if greedy:
+                s.same_as_rsp = same_answers(headline, rsp.how, s.how)
             if len(repeats) > 1:
                 per_pass = [_ms_per_token([t for t in headline if t.repeat == r and t.how == rsp.how])
                             / _ms_per_token([t for t in headline if t.repeat == r and t.how == s.how]) for r in repeats]
@@ -608,6 +619,15 @@ def _summaries(timings: Sequence[PromptTiming], modes: Sequence[Mode], task: str
 
 
 PromptKey = tuple[int, int, str]  # (pass, prompt index, task): one prompt's completion in each mode of a pass
+
+
+def same_answers(timings: Sequence[PromptTiming], rsp: Mode, ssp: Mode) -> float:
+    """Of ``ssp``'s completions, the share whose answers are ``rsp``'s for the same prompt and pass (nan: none
+    paired)."""
+    base = {(t.repeat, t.prompt_index, t.task): t.answers for t in timings if t.how == rsp}
+    pairs = [base[key] == t.answers for t in timings if t.how == ssp and (key := (t.repeat, t.prompt_index, t.task))
+             in base]
+    return sum(pairs) / len(pairs) if pairs else float("nan")
 
 
 def per_prompt_ms(timings: Sequence[PromptTiming], how: Mode) -> dict[PromptKey, float]:
@@ -682,13 +702,14 @@ def rsp_mode(engine: str = "ours") -> Mode:
     return Mode("rsp", engine=engine)
 
 
-def summaries_by_task(timings: Sequence[PromptTiming], modes: Sequence[Mode]) -> list[ModeSummary]:
-    """Each mode over all prompts (task "all"), then over each task's; a run of one task has only the latter."""
+def summaries_by_task(timings: Sequence[PromptTiming], modes: Sequence[Mode], greedy: bool = False) -> list[ModeSummary]:
+    """Each mode over all prompts (task "all"), then over each task's; a run of one task has only the latter.
+    ``greedy``: SSp's answers are set beside RSp's (``same_as_rsp``)."""
     tasks = list(dict.fromkeys(t.task for t in timings))
     if len(tasks) == 1:
-        return _summaries(timings, modes, tasks[0])
-    return _summaries(timings, modes) + [s for task in tasks
-                                         for s in _summaries([t for t in timings if t.task == task], modes, task)]
+        return _summaries(timings, modes, tasks[0], greedy)
+    return _summaries(timings, modes, greedy=greedy) + [
+        s for task in tasks for s in _summaries([t for t in timings if t.task == task], modes, task, greedy)]
 
 
 def _ms_per_token(timings: Sequence[PromptTiming]) -> float:
@@ -790,7 +811,7 @@ def run_latency(
     floor = floor_of(target, setup)
 
     def complete(how: Mode, prompt: TaskPrompt, index: int,
-                 time_forwards: bool) -> tuple[GenerationStats, int, float, float]:
+                 time_forwards: bool) -> tuple[GenerationStats, int, float, float, tuple[str, ...]]:
         engine = engines[how.engine]
         turns: list[tuple[int, int]] = []
 
@@ -800,9 +821,9 @@ def run_latency(
             turns.append((ids.shape[-1], len(out.tokens)))
             return out
 
-        stats, at_budget, _ = complete_turns(target, prompt, uses_chat_template(target, prompt, chat), generate)
+        stats, at_budget, answers = complete_turns(target, prompt, uses_chat_template(target, prompt, chat), generate)
         probed = floor is not None and index >= 0 and how == modes[0]
-        return stats, at_budget, bandwidth_probe() if probed else float("nan"), mean_context(turns)
+        return stats, at_budget, bandwidth_probe() if probed else float("nan"), mean_context(turns), tuple(answers)
 
     graphs, started = [compiled_graphs()], [cpu_snapshot()]
 
@@ -828,9 +849,9 @@ def run_latency(
         return found.ms(1, step.result[3])[0] if found else float("nan")
     timings = [PromptTiming(s.index, s.mode.mode, s.mode.k, s.result[0], s.mode.confidence, s.mode.lookup, s.repeat,
                             s.split_pass, prompts[s.index].task, len(prompts[s.index].turns), s.result[1], s.mode.engine,
-                            s.mode.draft, s.mode.ngram, floor_ms(s))
+                            s.mode.draft, s.mode.ngram, floor_ms(s), s.result[4])
                for s in steps]
-    return LatencyRun(summaries_by_task(timings, modes), timings, setup, info, interrupted, "".join(failures))
+    return LatencyRun(summaries_by_task(timings, modes, params.greedy), timings, setup, info, interrupted, "".join(failures))
 
 
 def floor_of(target: LoadedModel, setup: LatencySetup) -> Floor | None:
