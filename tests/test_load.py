@@ -350,7 +350,8 @@ def test_load_through_real_vllm_servers_stops_them_and_reads_their_counters(tmp_
                          "stories", "--max-new-tokens", "8", "--k", "2", "--ignore-eos")
     assert code == 0, err
     # The same servers as --endpoint reaches servers already running: vLLM's OpenAI route, usage and counters.
-    remote, (rsp_out, ssp_out) = endpoint_runs
+    remote, mismatches, (rsp_out, ssp_out) = endpoint_runs
+    assert mismatches[:2] == [None, None] and "differing from token 0" in mismatches[2]  # vLLM's /tokenize
     assert remote.levels_done == [2] and not remote.failure, remote.failure
     assert rsp_out.stats.new_tokens == ssp_out.stats.new_tokens == 8 and ssp_out.stats.k == 2  # vLLM's counters
     assert ssp_out.stats.drafted > 0 and ssp_out.stats.drafted_at == [ssp_out.stats.drafted // 2] * 2  # per step
@@ -374,10 +375,12 @@ def test_load_through_real_vllm_servers_stops_them_and_reads_their_counters(tmp_
 
 def _endpoints_first(close, runs: list):
     """``VllmLoadBackend.close`` that first loads its running servers through ``load --endpoint``'s backend."""
+    from functools import partial
+
     import torch
 
     from lssp.engines.base import Request
-    from lssp.engines.endpoint import Endpoint, EndpointEngine, introduce
+    from lssp.engines.endpoint import Endpoint, EndpointEngine, introduce, tokenizer_mismatch
     from lssp.measure.load_endpoint import EndpointLoadBackend
 
     def endpoints_then_close(self) -> None:
@@ -389,6 +392,8 @@ def _endpoints_first(close, runs: list):
             runs.append(run_load(EndpointLoadBackend(endpoints, setup), setup, RunInfo(),
                                  [LoadRequest(i, [1, 2, 3, 4 + i], i) for i in range(4)]))
             engine = EndpointEngine(endpoints, self.tokenizer)  # one request at a time: latency, compare, eval
+            runs.append([tokenizer_mismatch(e, partial(self.tokenizer.encode, add_special_tokens=False))
+                         for e in endpoints] + [tokenizer_mismatch(endpoints[0], lambda text: [5, 6])])
             runs.append([engine.complete(e.mode, Request(torch.tensor([[1, 2, 3, 4]]), 8, SamplingParams(0.0), 7))
                          for e in endpoints])
         finally:
@@ -679,14 +684,19 @@ def test_llama_servers_as_an_engine_time_one_request_at_a_time_with_our_definiti
     """``latency --endpoint``'s engine on real llama-servers: greedy, the text each gives through the OpenAI route
     is the one llama-server's native route gives, 12 tokens by the usage; the SSp server's acceptance from its
     counters' deltas over each completion; a latency run over both with its verdict."""
+    from functools import partial
+
     from lssp.engines.base import Request
-    from lssp.engines.endpoint import Endpoint, EndpointEngine, introduce
+    from lssp.engines.endpoint import Endpoint, EndpointEngine, introduce, tokenizer_mismatch
     from lssp.measure.latency import run_latency
 
     _, (target, _) = lc_models
     endpoints = [introduce(Endpoint(label, f"http://127.0.0.1:{lc_servers.servers[key].port}"))
                  for label, key in (("rsp", (0, 0)), ("draft", (2, 0)))]
     engine = EndpointEngine(endpoints, target.tokenizer)
+    encode = partial(target.tokenizer.encode, add_special_tokens=False)
+    assert [tokenizer_mismatch(e, encode) for e in endpoints] == [None, None]  # llama.cpp's /tokenize: our ids
+    assert "differing from token 0" in tokenizer_mismatch(endpoints[0], lambda text: [5, 6])  # it does answer
     ids = target.encode("Once upon a time, there was a little")
     native = lc_servers.generate(0, 0, ids[0].tolist(), 12, SamplingParams(0.0), 5)
     decode = target.tokenizer.decode

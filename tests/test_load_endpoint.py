@@ -25,11 +25,12 @@ class FakeServer:
 
     def __init__(self, per_event: int = 1, delay_s: float = 0.004, usage: bool = True, fail_after: int = -1,
                  shift: int = 0, model: str = "fake/model", salt: int = 0, skew: float = 0.0, answer=None,
-                 key: str = "", also: tuple[str, ...] = ()) -> None:
+                 key: str = "", also: tuple[str, ...] = (), tokenize=None) -> None:
         self.per_event, self.delay_s, self.usage, self.fail_after, self.shift = per_event, delay_s, usage, fail_after, shift
         self.salt, self.skew = salt, skew  # sampled: another random stream; the law of tokens after the first skewed
         self.answer = answer  # the text to write, from the prompt's ids, one character per token (else the words)
         self.key, self.also = key, also  # a key /v1/ asks for (Bearer); more model ids it lists after its own
+        self.tokenize = tokenize  # text -> ids at POST /tokenize (None: no such route)
         self.model, self.served, self.drafts, self.drafted, self.accepted = model, 0, 0, 0, 0
         self.lock = threading.Lock()
         self.http = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
@@ -85,6 +86,13 @@ class FakeServer:
                     self._json({"error": "not found"}, 404)
 
             def do_POST(self) -> None:
+                if self.path == "/tokenize":
+                    body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                    if fake.tokenize is None:
+                        self._json({"error": "not found"}, 404)
+                    else:
+                        self._json({"tokens": fake.tokenize(body["prompt"])})
+                    return
                 try:
                     self._complete()
                 except (BrokenPipeError, ConnectionResetError):  # the client dropped the stream (cancelled)
@@ -403,3 +411,22 @@ def test_counters_of_one_model_where_the_lines_name_their_model():
     a = parse_counters(text, model="a")
     assert (a.drafts, a.accepted, a.accepted_per_position) == (4, 3, (2, 1))
     assert parse_counters('llamacpp:spec_decode_num_drafts_total 5', "llamacpp:", model="a").drafts == 5  # no label
+
+
+def test_a_server_that_tokenizes_otherwise_than_target_is_refused_in_one_line(run, servers):
+    """Prompts go as TARGET's token ids: a server whose /tokenize splits the probe text otherwise (another model's
+    tokenizer) is refused before anything is timed; the same ids (with a BOS of its own) or no /tokenize pass."""
+    from conftest import CHARS
+
+    def ours(text: str) -> list[int]:
+        return [3 + CHARS.index(c) for c in text]
+    same, with_bos = servers(tokenize=ours), servers(tokenize=lambda text: [1, *ours(text)])
+    other = servers(tokenize=lambda text: [4 + CHARS.index(c) for c in text])
+    code, _, err = run("latency", "tiny-target", f"--endpoint=rsp={same.url}", f"--endpoint=b={with_bos.url}",
+                       "--nb-prompts", "1", "--max-new-tokens", "2")
+    assert code == 0, err
+    code, _, err = run("latency", "tiny-target", f"--endpoint=rsp={same.url}", f"--endpoint=o={other.url}",
+                       "--nb-prompts", "1", "--max-new-tokens", "2")
+    said = [line for line in err.strip().splitlines() if not line.startswith("[")]
+    assert code == 2 and len(said) == 1 and "--endpoint o (fake/model) does not tokenize as tiny-target" in err, err
+    assert "differing from token 0; give the served model's tokenizer as TARGET" in err

@@ -114,6 +114,43 @@ def get(url: str, path: str, timeout: float = INFO_TIMEOUT_S) -> tuple[int, str]
         connection.close()
 
 
+def post(url: str, path: str, body: dict[str, Any], timeout: float = INFO_TIMEOUT_S) -> tuple[int, str]:
+    """(HTTP status, body) of POST url + path with ``body`` as JSON."""
+    connection, base = _connection(url, timeout)
+    try:
+        connection.request("POST", base + path, body=json.dumps(body),
+                           headers={"Content-Type": "application/json", **auth_headers()})
+        response = connection.getresponse()
+        return response.status, response.read().decode(errors="replace")
+    finally:
+        connection.close()
+
+
+# Plain lowercase ASCII, digits and arithmetic: every tokenizer has these, the tests' character tokenizer too.
+TOKENIZER_PROBE = "the quick brown fox jumps over the lazy dog, 12 * 34 = 408. speculative sampling!"
+
+
+def tokenizer_mismatch(endpoint: Endpoint, encode: Callable[[str], list[int]]) -> str | None:
+    """Whether the server splits a probe text into our tokenizer's ids (``encode``, no special tokens), where it
+    tokenizes (``POST /tokenize``: vLLM's and llama.cpp's fields both sent): a line saying how they differ, or None
+    (the same ids, a leading BOS of its own aside, or no /tokenize to ask)."""
+    body = {"model": endpoint.model, "prompt": TOKENIZER_PROBE, "add_special_tokens": False,
+            "content": TOKENIZER_PROBE, "add_special": False}
+    try:
+        status, text = post(endpoint.url, "/tokenize", body)
+        theirs = json.loads(text).get("tokens") if status == 200 else None
+    except (OSError, ValueError, AttributeError, http.client.HTTPException):
+        return None
+    if not isinstance(theirs, list) or not all(isinstance(t, int) for t in theirs):
+        return None
+    ours = list(encode(TOKENIZER_PROBE))
+    if theirs == ours or theirs[1:] == ours:
+        return None
+    first = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+    return (f"it splits a probe text into {len(theirs)} tokens, the tokenizer given as TARGET into {len(ours)}, "
+            f"differing from token {first}")
+
+
 def introduce(endpoint: Endpoint) -> Endpoint:
     """The endpoint with the model id it serves and its version; one line if it does not answer /v1/models."""
     try:
