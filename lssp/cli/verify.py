@@ -147,7 +147,7 @@ def _verify_endpoints(ctx: typer.Context, values: list[str], target: str | None,
                                   "tie_tolerance": "--tie-tolerance"})
     if params.greedy:
         raise UserError("verify --endpoint tests the law at a temperature above 0 (--temperature 0.7); greedy "
-                        "outputs beside RSp's show in `load --endpoint`")
+                        "outputs beside RSp's show in `latency --endpoint` (same_as_rsp) and `load --endpoint`")
     _check_numbers(len(prompt_list), samples, depth, 64, 1, 1.0, significance, effect, 0, [1])
     s = settings(ctx)
     parse_endpoints(values)  # a malformed --endpoint: one line before anything is read
