@@ -25,12 +25,13 @@ class FakeServer:
 
     def __init__(self, per_event: int = 1, delay_s: float = 0.004, usage: bool = True, fail_after: int = -1,
                  shift: int = 0, model: str = "fake/model", salt: int = 0, skew: float = 0.0, answer=None,
-                 key: str = "", also: tuple[str, ...] = (), tokenize=None) -> None:
+                 key: str = "", also: tuple[str, ...] = (), tokenize=None, traffic: int = 0) -> None:
         self.per_event, self.delay_s, self.usage, self.fail_after, self.shift = per_event, delay_s, usage, fail_after, shift
         self.salt, self.skew = salt, skew  # sampled: another random stream; the law of tokens after the first skewed
         self.answer = answer  # the text to write, from the prompt's ids, one character per token (else the words)
         self.key, self.also = key, also  # a key /v1/ asks for (Bearer); more model ids it lists after its own
         self.tokenize = tokenize  # text -> ids at POST /tokenize (None: no such route)
+        self.traffic = traffic  # drafting steps (one accepted draft each) someone else's requests add per /metrics read
         self.model, self.served, self.drafts, self.drafted, self.accepted = model, 0, 0, 0, 0
         self.lock = threading.Lock()
         self.http = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
@@ -72,6 +73,9 @@ class FakeServer:
                 elif self.path == "/version":
                     self._json({"version": "0.0-fake"})
                 elif self.path == "/metrics" and fake.per_event > 1:
+                    with fake.lock:
+                        fake.drafts, fake.drafted = fake.drafts + fake.traffic, fake.drafted + 2 * fake.traffic
+                        fake.accepted += fake.traffic
                     text = "".join(f"vllm:spec_decode_num_{name}_total{{engine=\"0\"}} {value}\n" for name, value in
                                    (("drafts", fake.drafts), ("draft_tokens", fake.drafted),
                                     ("accepted_tokens", fake.accepted)))
@@ -430,3 +434,16 @@ def test_a_server_that_tokenizes_otherwise_than_target_is_refused_in_one_line(ru
     said = [line for line in err.strip().splitlines() if not line.startswith("[")]
     assert code == 2 and len(said) == 1 and "--endpoint o (fake/model) does not tokenize as tiny-target" in err, err
     assert "differing from token 0; give the served model's tokenizer as TARGET" in err
+
+
+def test_counters_moved_by_other_traffic_are_left_out_and_said(run, servers, tmp_path):
+    """A server someone else loads meanwhile: its counters move more than one completion could (accepted + steps >
+    tokens - 1 + K), so that completion's acceptance is left out, and the run says why; the timings stay."""
+    rsp, busy = servers(), servers(per_event=2, traffic=50)
+    code, out, err = run("latency", "tiny-target", "--endpoint", f"rsp={rsp.url}", "--endpoint", f"busy={busy.url}",
+                         "--nb-prompts", "2", "--max-new-tokens", "8", "--ignore-eos")
+    assert code == 0, err
+    said = " ".join(out.split())
+    assert "On 3 completions (warm-ups counted) a server's counters moved more than it could make alone" in said
+    rows = pd.read_csv(tmp_path / "results" / "latency.csv").set_index("mode")
+    assert math.isnan(rows.loc["ssp", "acceptance_rate"]) and rows.loc["ssp", "ms_per_token"] > 0

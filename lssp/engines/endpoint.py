@@ -255,10 +255,19 @@ def completion_body(model: str, ids: list[int], max_new_tokens: int, params: Sam
 ENDPOINT_TIMING = "streamed events: (last - first) / (tokens - 1), tokens from the server's usage"
 
 
+def foreign_counts(delta: Counters, tokens: int) -> bool:
+    """Whether a server's counters moved more than one completion of ``tokens`` could: each drafting step emits its
+    accepted drafts and one token of the target's, so accepted + steps <= tokens - 1, plus at most K drafts accepted
+    past the budget or the end token in the last step. More: other traffic on the server counted too."""
+    k = round(delta.draft_tokens / delta.drafts) if delta.drafts else 0
+    return delta.accepted + delta.drafts > tokens - 1 + k
+
+
 def stats_from_stream(mode: str, out: Streamed, wall_s: float, delta: Counters | None) -> GenerationStats:
     """GenerationStats of one streamed completion: the first event is the first emission (one token, the
     prompt's), ms/token runs from it to the last event over the server's token count less one; drafted, accepted
-    and target forwards from the server's counter deltas over this completion (None: not known)."""
+    and target forwards from the server's counter deltas over this completion (None, or moved by other traffic:
+    not known)."""
     tokens = out.token_count
     stats = GenerationStats(mode=mode, new_tokens=tokens, total_time_s=wall_s, forwards_timed=False)
     if out.arrivals:
@@ -268,7 +277,7 @@ def stats_from_stream(mode: str, out: Streamed, wall_s: float, delta: Counters |
     if mode == "rsp":
         stats.target_forwards = tokens
         return stats
-    if delta is None or not delta.drafts:
+    if delta is None or not delta.drafts or foreign_counts(delta, tokens):
         return stats
     k = round(delta.draft_tokens / delta.drafts)
     stats.k, stats.drafted, stats.accepted = k, delta.draft_tokens, delta.accepted
@@ -303,6 +312,7 @@ class EndpointEngine(Engine):
         self.endpoints = {e.mode: e for e in endpoints}
         self.tokenizer = tokenizer
         self.counted_events = False  # a response carried no usage: its tokens counted as events
+        self.foreign = 0  # completions whose counters moved more than they could alone (other traffic)
 
     @property
     def version(self) -> str:
@@ -348,6 +358,8 @@ class EndpointEngine(Engine):
         if out.error:
             raise ServerFailure(f"--endpoint {endpoint.label} ({endpoint.url}) failed a request: {out.error}")
         after = counters(endpoint.url, endpoint.model) if before is not None else None
+        if after is not None and before is not None and foreign_counts(after - before, out.token_count):
+            self.foreign += 1
         self.counted_events |= bool(out.timings.get("counted_events"))
         ids = self.tokenizer.encode(out.text, add_special_tokens=False) if out.text else []
         stats = stats_from_stream(endpoint.mode.mode, out, wall,
