@@ -358,12 +358,11 @@ class EndpointEngine(Engine):
         if out.error:
             raise ServerFailure(f"--endpoint {endpoint.label} ({endpoint.url}) failed a request: {out.error}")
         after = counters(endpoint.url, endpoint.model) if before is not None else None
-        if after is not None and before is not None and foreign_counts(after - before, out.token_count):
-            self.foreign += 1
+        delta = after - before if after is not None and before is not None else None
+        self.foreign += delta is not None and foreign_counts(delta, out.token_count)
         self.counted_events |= bool(out.timings.get("counted_events"))
         ids = self.tokenizer.encode(out.text, add_special_tokens=False) if out.text else []
-        stats = stats_from_stream(endpoint.mode.mode, out, wall,
-                                  after - before if after is not None and before is not None else None)
+        stats = stats_from_stream(endpoint.mode.mode, out, wall, delta)
         stopped = out.timings.get("finish_reason") == "stop" and not r.ignore_eos
         cut = r.stopping.cut(ids, 0)  # a stop token the server does not know (eval: the answer's newline)
         if cut is not None:
