@@ -447,3 +447,14 @@ def test_counters_moved_by_other_traffic_are_left_out_and_said(run, servers, tmp
     assert "On 3 completions (warm-ups counted) a server's counters moved more than it could make alone" in said
     rows = pd.read_csv(tmp_path / "results" / "latency.csv").set_index("mode")
     assert math.isnan(rows.loc["ssp", "acceptance_rate"]) and rows.loc["ssp", "ms_per_token"] > 0
+
+
+def test_load_leaves_out_a_levels_counters_that_other_traffic_moved(run, servers, tmp_path):
+    rsp, busy = servers(), servers(per_event=2, traffic=50)
+    code, out, err = run("load", "tiny-target", "--endpoint", f"rsp={rsp.url}", "--endpoint", f"busy={busy.url}",
+                         "--concurrency", "1,2", "--requests", "3", "--max-new-tokens", "8", "--task", "stories")
+    assert code == 0, err
+    assert "The counters of busy at c=1, busy at c=2 moved more than the level's requests could make alone" in \
+        " ".join(out.split())
+    rows = pd.read_csv(tmp_path / "results" / "load.csv")
+    assert rows[rows["mode"] == "ssp"]["acceptance_rate"].isna().all()

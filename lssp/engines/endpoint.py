@@ -255,12 +255,13 @@ def completion_body(model: str, ids: list[int], max_new_tokens: int, params: Sam
 ENDPOINT_TIMING = "streamed events: (last - first) / (tokens - 1), tokens from the server's usage"
 
 
-def foreign_counts(delta: Counters, tokens: int) -> bool:
-    """Whether a server's counters moved more than one completion of ``tokens`` could: each drafting step emits its
-    accepted drafts and one token of the target's, so accepted + steps <= tokens - 1, plus at most K drafts accepted
-    past the budget or the end token in the last step. More: other traffic on the server counted too."""
+def foreign_counts(delta: Counters, tokens: int, completions: int = 1) -> bool:
+    """Whether a server's counters moved more than ``completions`` making ``tokens`` in all could: each drafting step
+    emits its accepted drafts and one token of the target's, so accepted + steps <= tokens - 1 a completion, plus
+    at most K drafts accepted past the budget or the end token in its last step. More: other traffic on the server
+    counted too."""
     k = round(delta.draft_tokens / delta.drafts) if delta.drafts else 0
-    return delta.accepted + delta.drafts > tokens - 1 + k
+    return delta.accepted + delta.drafts > tokens - completions + completions * k
 
 
 def stats_from_stream(mode: str, out: Streamed, wall_s: float, delta: Counters | None) -> GenerationStats:

@@ -24,6 +24,7 @@ from lssp.engines.endpoint import (
     Endpoint,
     completion_body,
     counters,
+    foreign_counts,
     remote_environment,
     stream_completion,
 )
@@ -53,6 +54,7 @@ class EndpointLoadBackend(LoadBackend):
         self.warm_up_notes: list[str] = []
         self.counted_events = False
         self.cancel = threading.Event()  # set on Ctrl-C: the streams in flight are dropped
+        self.foreign: list[str] = []  # levels whose counters moved more than their requests could (other traffic)
 
     @property
     def version(self) -> str:
@@ -72,7 +74,9 @@ class EndpointLoadBackend(LoadBackend):
                 *([f"The endpoints name different models ({', '.join(sorted(models))})."] if len(models) > 1 else []),
                 *self.warm_up_notes,
                 *(["Some responses carried no usage: their tokens were counted as streamed events, one token each "
-                   "(an SSp event may hold several, so TPOT is overestimated there)."] if self.counted_events else [])]
+                   "(an SSp event may hold several, so TPOT is overestimated there)."] if self.counted_events else []),
+                *([f"The counters of {', '.join(self.foreign)} moved more than the level's requests could make "
+                   "alone (other traffic on the server): acceptance left out there."] if self.foreign else [])]
 
     def close(self) -> None:
         self.cancel.set()  # nothing of ours runs on the servers: only streams to drop
@@ -114,6 +118,9 @@ class EndpointLoadBackend(LoadBackend):
                               f"{len(failed)} of {len(requests)} requests failed ({failed[0]})")
         self.counted_events |= any(o.timings.get("counted_events") for o in outs)
         after = counters(endpoint.url, endpoint.model) if before is not None else None
-        return ModeLevel(mode, concurrency, wall, [request_timing(o, r.index) for r, o in zip(requests, outs)],
-                         after - before if after is not None and before is not None else None,
+        delta = after - before if after is not None and before is not None else None
+        if delta is not None and foreign_counts(delta, sum(o.token_count for o in outs), len(outs)):
+            self.foreign.append(f"{endpoint.label} at c={concurrency}")
+            delta = None  # other traffic counted too: the level's acceptance is not known
+        return ModeLevel(mode, concurrency, wall, [request_timing(o, r.index) for r, o in zip(requests, outs)], delta,
                          client={"texts": {r.index: o.text for r, o in zip(requests, outs)}})
