@@ -45,7 +45,6 @@ EvalEndpointOpt = Annotated[Optional[list[str]], typer.Option(
     "--endpoint", metavar="LABEL=URL", help="Two servers already running (OpenAI /v1/completions): rsp=URL without "
     "speculation and NAME=URL with it, scored on the same problems (--both implied); see docs/endpoints.md; TARGET names the tokenizer.")]
 # --endpoint: the servers' own settings, refused beside it (parameter: how the user writes it)
-ENDPOINT = "endpoint"  # the engine's name (lssp.engines.EndpointEngine), for --resume's settings
 SERVER_SETTINGS = {"draft_name": "DRAFT", "draft": "--draft", "k": "--k", "lookup": "--lookup", "engine": "--engine",
                    "rsp_batch": "--rsp-batch", "ssp_batch": "--ssp-batch", "prefix_cache": "--prefix-cache"}
 
@@ -141,12 +140,12 @@ def eval_cmd(
 def _check_endpoints(ctx: typer.Context, values: list[str]) -> str:
     """``eval --endpoint``: one line for the servers' own settings or other than two servers (one labelled rsp);
     the engine's name."""
-    from lssp.engines.endpoint import parse_endpoints
+    from lssp.engines.endpoint import EndpointEngine, parse_endpoints
 
     refuse_beside_endpoints(ctx, SERVER_SETTINGS)
     if len(parse_endpoints(values)) != 2:
         raise UserError("eval --endpoint compares two servers: one labelled rsp and one with speculation")
-    return ENDPOINT
+    return EndpointEngine.name  # for --resume's settings
 
 
 def _endpoint_engine(s, target: str | None, values: list[str]):
@@ -158,6 +157,16 @@ def _endpoint_engine(s, target: str | None, values: list[str]):
     return t, None, EndpointEngine(endpoints, t.tokenizer)
 
 
+def _where(engine: str) -> str:
+    """Where the title says the problems ran: nothing for the models loaded here, else the engine or servers."""
+    from lssp.engines import engine_class
+
+    kind = engine_class(engine)
+    if kind.reference or kind.runs_our_weights:
+        return ""
+    return " on servers already running" if kind.names_modes else f" in {kind.label}"
+
+
 def render(run, t, d) -> None:
     from lssp.measure.evals import LOW, OPERATIONS
 
@@ -165,8 +174,7 @@ def render(run, t, d) -> None:
     symbol = OPERATIONS[setup.op][0]
     out = table(f"Eval \"a {symbol} b = \", a and b in {LOW}..{setup.max_operand}: {t.name}"
                 + (f" (draft {d.name}, K={k_label(setup.k, 0, setup.lookup)})" if d else "")
-                + {"vllm": " in vLLM", "llamacpp": " in llama.cpp", "endpoint": " on servers already running"}.get(
-                    setup.engine, "")
+                + _where(setup.engine)
                 + f", {plural(setup.nb_prompts, 'problem')}, T={setup.params.temperature:g}",
                 [("mode", "left"), *((c, "right") for c in ("correct", "rate ±95%", "95% Wald", "95% Wilson", "s/problem"))])
     for m in run.summaries:
