@@ -7,7 +7,7 @@
 # (greedy, the draft), to show what continuous batching changes. Each run writes
 # load-matrix-ENGINE-DRAFT-tT.json; `python benchmarks/tables.py --load` prints the table docs/load.md shows.
 # Usage: benchmarks/load.sh [quick] [ENGINES]   (ENGINES: ours,vllm by default; several hours on 2 cores, quick
-# takes minutes: 4 requests, levels 1 and 2, 16 tokens). A run whose file is there, complete, is not run again
+# takes minutes: 4 requests, levels 1 and 2, 16 tokens; REPEATS=3: three passes a level, thr× with an interval). A run whose file is there, complete, is not run again
 # (the matrix can take several sittings): FORCE=1 runs everything.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -17,6 +17,7 @@ OUT=${RESULTS_DIR:-benchmarks/results}
 mkdir -p "$OUT"
 KOPT=()
 [ -n "${K:-}" ] && KOPT=(--k "$K")  # else each draft at its own k in models.yaml
+[ -n "${REPEATS:-}" ] && KOPT+=(--repeats "$REPEATS")  # passes per level: thr×'s interval (R times as long)
 DRAFT=${DRAFT:-$($PY -c "from lssp.models.registry import load_registry; print(load_registry('models.yaml').draft_name(None, heads=False))")}  # the draft model
 HEAD=${HEAD:-$($PY -c "from lssp.models.registry import load_registry; print(load_registry('models.yaml').default_draft)")}  # the feature head
 if [ "${1:-}" = "quick" ]; then

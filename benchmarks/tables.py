@@ -551,12 +551,11 @@ def load_matrix_table(root: Path) -> str:
                    "mode": f"{label} ({method})",
                    "RSp tok/s": f"{rsp[top]['throughput_tok_s']:.0f} at c={top}" if top else "–",
                    "acc": f"{first['acceptance_rate']:.2f}" if first["acceptance_rate"] is not None else "–"}
-            for c, r in mine.items():
-                row[f"c={c}"] = " / ".join("–" if r[key] is None else f"{r[key]:.2f}"
-                                           for key in ("latency_ratio", "throughput_ratio"))
-                if r.get("latency_ratio_low") is not None:  # runs since 2026-11-29: lat×'s 95% interval
-                    row[f"c={c}"] = row[f"c={c}"].replace(" / ", f" [{r['latency_ratio_low']:.2f}–"
-                                                          f"{r['latency_ratio_high']:.2f}] / ", 1)
+            for c, r in mine.items():  # each ratio with its 95% interval where the run has one (lat× since
+                row[f"c={c}"] = " / ".join(  # 2026-11-29, thr× in runs of several passes since 2026-11-29)
+                    "–" if r[key] is None else f"{r[key]:.2f}" + (
+                        f" [{r[key + '_low']:.2f}–{r[key + '_high']:.2f}]" if r.get(key + "_low") is not None else "")
+                    for key in ("latency_ratio", "throughput_ratio"))
             b = even.get(label, {})
             row["break-even lat / thr"] = " / ".join(
                 str(b[key]) if b.get(key) else f"> {max(mine)}" if any(r[ratio] is not None for r in mine.values())
@@ -570,7 +569,7 @@ def load_matrix_table(root: Path) -> str:
             for row in sorted(rows, key=lambda row: (row["engine"], row["target"], float(row["T"])))]
     caption = (f"runs {', '.join(f'`{r}`' for r in run_ids)} · {' / '.join(sorted(devices))} · per level: SSp's "
                "per-user latency ratio [its 95% interval over the requests, where the run has one] / throughput ratio "
-               "to the same run's RSp (> 1: SSp pays); acc: acceptance "
+               "[over the passes, where the run made several] to the same run's RSp (> 1: SSp pays); acc: acceptance "
                "rate at concurrency 1; break-even: the lowest level from which SSp no longer pays (> c: it still pays at the highest level c; –: no ratio, "
                "the context lookup being served one request at a time); RSp tok/s: the "
                "run's RSp throughput at its highest level; (static): static batches, --batching static")

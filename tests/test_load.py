@@ -6,6 +6,7 @@ import json
 import math
 import os
 import re
+from dataclasses import replace
 
 import numpy as np
 import pandas as pd
@@ -150,6 +151,44 @@ def test_a_failure_or_an_interruption_keeps_the_levels_done():
         fake_run(FakeBackend(stop=1), [])
 
 
+class PassesBackend(LoadBackend):
+    """SSp twice RSp's throughput, give or take a pass; records the order it was asked to serve in."""
+
+    name = "fake"
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, str]] = []
+
+    def serve(self, mode, requests, concurrency):
+        self.calls.append((concurrency, mode.mode))
+        ssp, nth = mode.mode == "ssp", sum(m == mode.mode for _, m in self.calls)
+        wall = (0.5 + 0.05 * nth) if ssp else 1.0  # SSp's pass n: 2 / (1 + 0.1 n) times RSp's throughput
+        return ModeLevel(mode, concurrency, wall, [RequestTiming(r.index, 5, 0.1, (0.2 if ssp else 0.4) * (1 + r.index))
+                                                   for r in requests], Counters(2, 4, nth) if ssp else None,
+                         client={"tokens": {r.index: [r.index, nth if ssp and r.index == 0 else 0] for r in requests}})
+
+
+def test_passes_give_the_throughput_ratio_an_interval_and_pool_the_rest():
+    backend, modes = PassesBackend(), [Mode("rsp"), Mode("ssp", 2)]
+    setup = LoadSetup("fake", "t", "d", modes, [1, 2], SamplingParams(0.0), 5, 4, "stories", 4, repeats=3)
+    run = run_load(backend, setup, RunInfo(), [LoadRequest(i, [1, 2], i) for i in range(4)])
+    assert backend.calls[:6] == [(1, "rsp"), (1, "ssp"), (1, "ssp"), (1, "rsp"), (1, "rsp"), (1, "ssp")]
+    rows = run.rows()
+    assert [(r["concurrency"], r["label"], r["passes"], r["completed"]) for r in rows] == [
+        (1, "RSp", 3, 12), (1, "SSp k=2", 3, 12), (2, "RSp", 3, 12), (2, "SSp k=2", 3, 12)]
+    first = rows[1]
+    per_pass = [2 / (1 + 0.1 * n) for n in (1, 2, 3)]
+    assert first["throughput_ratio"] == pytest.approx(math.exp(np.mean(np.log(per_pass))))
+    assert first["throughput_ratio_low"] < first["throughput_ratio"] < first["throughput_ratio_high"]
+    assert first["latency_ratio"] == pytest.approx(2.0) and first["latency_ratio_low"] == pytest.approx(2.0)
+    assert first["draft_tokens"] == 12 and first["accepted_tokens"] == 1 + 2 + 3  # counters over the passes
+    assert first["same_as_rsp"] == pytest.approx(9 / 12)  # request 0 differed in each pass
+    throughput = run.break_evens()[0][2]
+    assert throughput.lows and "95% interval above 1 at c=1" in throughput.describe()
+    one = run_load(PassesBackend(), replace(setup, repeats=1), RunInfo(), [LoadRequest(i, [1, 2], i) for i in range(4)])
+    assert math.isnan(one.rows()[1]["throughput_ratio_low"]) and one.rows()[1]["passes"] == 1
+
+
 # --- our engine, end to end -------------------------------------------------------------------------------------
 
 def test_load_on_our_engine_through_the_cli(run, tmp_path, monkeypatch):
@@ -160,7 +199,8 @@ def test_load_on_our_engine_through_the_cli(run, tmp_path, monkeypatch):
     monkeypatch.setattr(OursEngine, "batch_reason",
                         lambda self, mode: "planted: one at a time" if mode.lookup else batch_reason(self, mode))
     code, out, err = run("load", "--engine", "ours", "--concurrency", "1,2", "--requests", "4", "--task", "stories",
-                         "--max-new-tokens", "6", "--k", "2", "--lookup", "2", "--json", str(tmp_path / "load.json"))
+                         "--max-new-tokens", "6", "--k", "2", "--lookup", "2", "--repeats", "2",
+                         "--json", str(tmp_path / "load.json"))
     assert code == 0, err
     assert "break-even (per-user latency, SSp k=2):" in out and "break-even (throughput, SSp k=2):" in out
     assert max(len(line) for line in out.splitlines()) <= 80
@@ -168,10 +208,12 @@ def test_load_on_our_engine_through_the_cli(run, tmp_path, monkeypatch):
     assert sorted(zip(rows["concurrency"], rows["label"])) == [
         (1, "RSp"), (1, "SSp k=2"), (1, "SSp k=2 +lookup 2"), (2, "RSp"), (2, "SSp k=2"), (2, "SSp k=2 +lookup 2")]
     assert set(rows["engine"]) == {"ours"} and rows["run_id"].nunique() == 1 and "device" in rows
-    assert (rows["completed"] == 4).all() and (rows["output_tokens"] > 0).all()
+    assert (rows["completed"] == 8).all() and (rows["passes"] == 2).all() and (rows["output_tokens"] > 0).all()
     assert (rows["prompt_tokens_cut"] == 0).all()  # every row runs its whole prompt
     ssp = rows[rows["mode"] == "ssp"]
     assert (ssp["draft_tokens"] > 0).all() and ssp["throughput_ratio"].notna().all()
+    assert (ssp["throughput_ratio_low"] <= ssp["throughput_ratio"]).all() and "thr× 95% intervals" in out
+    assert "4 requests (stories) per level × 2 passes" in " ".join(out.split())
     plain, lookup = ssp[ssp["lookup"] == 0], ssp[ssp["lookup"] == 2]
     assert list(plain["batched"]) == [True] * 2 and list(lookup["batched"]) == [False] * 2
     assert lookup["latency_ratio"].isna().all()  # one request at a time: its TPOT is a lone request's

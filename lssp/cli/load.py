@@ -42,6 +42,18 @@ from lssp.errors import UserError
 from lssp.report.results import ResultWriter, plural
 
 ENGINES = tuple(name for name, starter in STARTERS.items() if starter.serve is not None)
+EngineOpt = Annotated[str, typer.Option(
+    "--engine", help="vllm: one vLLM server per mode, loaded by vLLM's benchmark client (./setup.sh --vllm); "
+    "ours: our engine, continuous batching under a closed loop of C = concurrency clients; llamacpp: one "
+    "llama-server per mode with a slot per request in flight, continuous batching (./setup.sh --llamacpp); "
+    "endpoint: servers already running, --endpoint.")]
+ConcurrencyOpt = Annotated[str, typer.Option(help="Concurrency levels, comma-separated: requests in flight at once "
+                                             "(ours: the batch size).")]
+RequestsOpt = Annotated[int, typer.Option("--requests", help="Requests per level and mode (the same set each "
+                                          "time); at least the highest concurrency.")]
+RepeatsOpt = Annotated[int, typer.Option(
+    help="Passes over each level, every mode once a pass in rotating order: the throughput ratio gets a 95% "
+         "interval over the passes (from 2), the latency ratio's bootstrap takes every pass's requests.")]
 RequestRateOpt = Annotated[Optional[float], typer.Option(
     help="Open loop: Poisson arrivals at this many requests per second, still at most --concurrency in flight "
          "(vllm, llamacpp, endpoint, and ours under the compact forward; default: closed loop, all sent at once).")]
@@ -60,15 +72,10 @@ def load(
     target: TargetArg = None,
     draft_name: DraftAlsoArg = None,
     draft: Annotated[Optional[str], typer.Option(help="Draft model (default: the registry's default_draft).")] = None,
-    engine: Annotated[str, typer.Option(
-        "--engine", help="vllm: one vLLM server per mode, loaded by vLLM's benchmark client (./setup.sh --vllm); "
-        "ours: our engine, continuous batching under a closed loop of C = concurrency clients; llamacpp: one llama-server per mode with a slot per "
-        "request in flight, continuous batching (./setup.sh --llamacpp); endpoint: servers already running, "
-        "--endpoint.")] = "vllm",
-    concurrency: Annotated[str, typer.Option(help="Concurrency levels, comma-separated: requests in flight at once "
-                                             "(ours: the batch size).")] = "1,2,4,8",
-    requests: Annotated[int, typer.Option("--requests", help="Requests per level and mode (the same set each "
-                                          "time); at least the highest concurrency.")] = 16,
+    engine: EngineOpt = "vllm",
+    concurrency: ConcurrencyOpt = "1,2,4,8",
+    requests: RequestsOpt = 16,
+    repeats: RepeatsOpt = 1,
     k: KOpt = None,
     lookup: Annotated[int, typer.Option(
         "--lookup", help="Also SSp with n-gram lookup of this length: vLLM's and llama.cpp's n-gram drafter alone; "
@@ -96,12 +103,13 @@ def load(
         raise UserError(f"load --engine {engine!r}: load takes {', '.join(ENGINES)} or {ENDPOINT}")
     levels = sorted(set(parse_ints("--concurrency", concurrency)))
     check_positive("--requests", requests)
+    check_positive("--repeats", repeats)
     if levels[-1] > requests:
         raise UserError(f"--concurrency {levels[-1]} is more than --requests {requests}: no more than {requests} "
                         f"requests could be in flight; give --requests {levels[-1]} or more")
     if endpoint or engine == ENDPOINT:
         _check_endpoint_options(ctx, endpoint)
-        return _load_endpoints(s, target, endpoint or [], levels, requests, max_new_tokens,
+        return _load_endpoints(s, target, endpoint or [], levels, (requests, repeats), max_new_tokens,
                                (task, prompts, nb_prompts, chat), sampling_params(temperature, top_k, top_p),
                                ignore_eos, request_rate, json_out)
     k = s.registry.draft_k(draft, heads_run([engine])) if k is None else k  # llama.cpp: the default draft model's
@@ -136,7 +144,7 @@ def load(
     request_set = build_requests(t, prompt_list, requests, s.seed, chat)
     setup = LoadSetup(engine, t.name, d.name if d else None, modes, levels, params, max_new_tokens, requests,
                       workload, len(prompt_list), chat, ignore_eos, request_rate, s.seed, batching=batching,
-                      row_budget=row_budget)
+                      row_budget=row_budget, repeats=repeats)
     backend = starter.serve(t, d, vocab, setup, request_set)  # servers or engine started before anything is timed
     try:
         setup.engine_version = backend.version
@@ -165,8 +173,8 @@ def _check_endpoint_options(ctx: typer.Context, endpoints: list[str] | None) -> 
                                   "batching": "--batching", "max_rows": "--max-rows"})
 
 
-def _load_endpoints(s: Settings, target: str | None, values: list[str], levels: list[int], requests: int,
-                    max_new_tokens: int, workload_args: tuple, params, ignore_eos: bool, request_rate: float | None,
+def _load_endpoints(s: Settings, target: str | None, values: list[str], levels: list[int],
+                    requests_repeats: tuple[int, int], max_new_tokens: int, workload_args: tuple, params, ignore_eos: bool, request_rate: float | None,
                     json_out: Path | None) -> None:
     """``load --endpoint``: servers already running; nothing loads here but the target's tokenizer (TARGET), which
     turns the prompts into the token ids every server gets."""
@@ -176,12 +184,14 @@ def _load_endpoints(s: Settings, target: str | None, values: list[str], levels: 
     from lssp.measure.load_endpoint import EndpointLoadBackend
 
     parse_endpoints(values)  # a malformed --endpoint: one line before the workload is read
+    requests, repeats = requests_repeats
     task, prompts, nb_prompts, chat = workload_args
     workload, prompt_list = _workload(task, prompts, nb_prompts, requests, chat)
     results = s.writable_results_dir(json_out)
     t, endpoints = endpoints_and_tokenizer(s, target, values)
     setup = LoadSetup(ENDPOINT, t.name, None, [e.mode for e in endpoints], levels, params, max_new_tokens, requests,
-                      workload, len(prompt_list), chat, ignore_eos, request_rate, s.seed, draft_method="remote")
+                      workload, len(prompt_list), chat, ignore_eos, request_rate, s.seed, draft_method="remote",
+                      repeats=repeats)
     backend = EndpointLoadBackend(endpoints, setup)
     setup.engine_version = backend.version
     _measure(s, backend, t, None, results, json_out, build_requests(t, prompt_list, requests, s.seed, chat))
@@ -275,7 +285,8 @@ def _finish_files(run, writer: ResultWriter, results: Path, json_out: Path | Non
     try:
         chart = load_chart(run.rows(), results / f"load-{run.info.run_id}.png",
                            f"SSp ÷ RSp under load: {setup.engine}, {setup.target} with {setup.draft or 'n-gram'}, "
-                           f"{setup.workload}, ≤{setup.max_new_tokens} tokens, {setup.params}",
+                           f"{setup.workload}" + (f" × {setup.repeats} passes" if setup.repeats > 1 else "")
+                           + f", ≤{setup.max_new_tokens} tokens, {setup.params}",
                            f"{run.info.env.get('device', '')} — run {run.info.run_id}")
     except OSError as exc:
         err_console.print(f"[yellow]warning:[/yellow] could not draw the chart: {exc.strerror or exc}")
@@ -289,7 +300,8 @@ def render(run) -> None:
     setup = run.setup
     arrivals = f"Poisson {setup.request_rate:g}/s" if setup.request_rate else "closed loop"
     title = (f"{setup.engine} under load: {setup.target}" + (f" with {setup.draft}" if setup.draft else "")
-             + f" — {plural(setup.requests, 'request')} ({setup.workload}) per level, ≤{setup.max_new_tokens} "
+             + f" — {plural(setup.requests, 'request')} ({setup.workload}) per level"
+             + (f" × {setup.repeats} passes" if setup.repeats > 1 else "") + f", ≤{setup.max_new_tokens} "
              f"tokens, {setup.params}, {arrivals}")
     out = table(title, [("c", "right"), ("mode", "left"), ("TPOT ms", "right"), ("TTFT ms", "right"),
                         ("tok/s", "right"), ("acc/len", "right"), ("lat×", "right"), ("thr×", "right")])
@@ -312,8 +324,10 @@ def render(run) -> None:
     console.print("  TPOT: per-user decode ms/token (last token − first) ÷ (tokens − 1), median/p90; TTFT ms "
                   f"median/p90, each request's from {start} (p99s in the rows); acc/len: accepted ÷ drafted / mean "
                   "acceptance length; lat× and thr×: SSp's per-user speed and throughput ÷ RSp's (> 1: SSp pays); lat×'s "
-                  "95% intervals: a bootstrap over the requests (the spread over them, not from run to run); thr× is "
-                  "one measurement per level")
+                  "95% intervals: a bootstrap over the requests" + (
+                      " of every pass; thr×: the geometric mean of the passes' ratios, its interval over them"
+                      if setup.repeats > 1 else " (the spread over them, not from run to run); thr× is one "
+                      "measurement per level (--repeats 2 or more gives it an interval)"))
     _interval_lines(run.summaries)
     if any(not row.batched for row in run.summaries):
         console.print("[yellow]  † not batched: served one request at a time (see below)[/yellow]")
@@ -336,14 +350,15 @@ def render(run) -> None:
 
 
 def _interval_lines(summaries) -> None:
-    """Each SSp mode's lat× with its 95% interval by level, where it has intervals; greedy, the share of its
-    outputs equal to RSp's."""
+    """Each SSp mode's lat× and thr× with their 95% intervals by level, where they have them; greedy, the share of
+    its outputs equal to RSp's."""
     for label in dict.fromkeys(s.label for s in summaries if s.mode == "ssp"):
-        known = [s for s in summaries if s.label == label and s.latency_ratio_low == s.latency_ratio_low]
-        if known:
-            console.print(f"  lat× 95% intervals, {label}: " + " · ".join(
-                f"c={s.concurrency} {s.latency_ratio:.2f} [{s.latency_ratio_low:.2f}–{s.latency_ratio_high:.2f}]"
-                for s in known))
+        for name, key in (("lat×", "latency_ratio"), ("thr×", "throughput_ratio")):
+            known = [s for s in summaries if s.label == label and getattr(s, key + "_low") == getattr(s, key + "_low")]
+            if known:
+                console.print(f"  {name} 95% intervals, {label}: " + " · ".join(
+                    f"c={s.concurrency} {getattr(s, key):.2f} [{getattr(s, key + '_low'):.2f}–"
+                    f"{getattr(s, key + '_high'):.2f}]" for s in known))
         same = [s for s in summaries if s.label == label and s.same_as_rsp == s.same_as_rsp]
         if same:
             console.print(f"  greedy outputs equal to RSp's, {label}: " + " · ".join(

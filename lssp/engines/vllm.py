@@ -293,6 +293,10 @@ class Counters:
     accepted: int = 0
     accepted_per_position: tuple[int, ...] = ()
 
+    def __add__(self, other: Counters) -> Counters:
+        return self - Counters(-other.drafts, -other.draft_tokens, -other.accepted,
+                               tuple(-a for a in other.accepted_per_position))
+
     def __sub__(self, other: Counters) -> Counters:
         width = max(len(self.accepted_per_position), len(other.accepted_per_position))
         mine = [*self.accepted_per_position, *[0] * (width - len(self.accepted_per_position))]

@@ -17,7 +17,7 @@ import random
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, ClassVar
 
 from lssp.decoding.sampling import SamplingParams
@@ -29,7 +29,7 @@ from lssp.measure.runloop import rotated
 from lssp.models.loading import ModelHandle
 from lssp.report.contention import BUSY_SHARE, cpu_snapshot, others_share
 from lssp.report.results import RunInfo, markdown_table, plural
-from lssp.report.stats import Interval, ratio_of_medians_interval
+from lssp.report.stats import Interval, ratio_interval, ratio_of_medians_interval
 from lssp.workloads.tasks import TaskPrompt
 
 TPOT = ("per request: (last token time - first token time) / (tokens - 1); median, p90 and p99 over the level's "
@@ -37,8 +37,9 @@ TPOT = ("per request: (last token time - first token time) / (tokens - 1); media
 TTFT = "per request: from its arrival (Poisson: its scheduled time; closed loop: its send) to its first token"
 TTFT_VLLM_CLIENT = "per request: from its send by vLLM's serving client (after its max-concurrency wait) to its first token"
 INTERVALS = ("latency_ratio_low-high: its 95% interval, a bootstrap over the level's requests (each request's TPOT "
-             "under RSp and SSp resampled together; the spread over requests, not from run to run); the throughput "
-             "ratio is one measurement per level (the level's wall time) and has none.")
+             "under RSp and SSp in the same pass resampled together; the spread over requests and passes); "
+             "throughput_ratio: the geometric mean of the passes' ratios, each pass's from its wall times, with a t "
+             "interval over the passes (throughput_ratio_low-high; none with one pass, --repeats 1).")
 NAN = float("nan")
 
 
@@ -173,6 +174,7 @@ class ModeLevel:
     scheduling: str = "continuous"  # how requests entered the engine's batch: continuous, or static batches
     prompt_tokens_cut: int = 0  # prompt tokens an engine dropped to batch (none now: ours runs each row whole; rows written before did)
     client: dict[str, Any] = field(default_factory=dict)  # the load client's own summary, where it gives one
+    repeat: int = 0  # which pass over the level (``--repeats``)
 
 
 class LoadFailure(Exception):
@@ -245,6 +247,7 @@ class LoadSetup:
     engine_version: str = ""
     draft_method: str = ""  # vLLM's speculative method for the draft
     row_budget: str = ""  # how an automatic row budget was chosen (``lssp.measure.cost.RowBudget.describe``)
+    repeats: int = 1  # passes over each level, every mode once per pass (the throughput ratio's interval)
 
 
 @dataclass
@@ -282,6 +285,9 @@ class LevelSummary:
     tpot_p99_ms: float = NAN
     ttft_p99_ms: float = NAN
     same_as_rsp: float = NAN  # greedy: the share of requests whose output equals RSp's at the same level
+    throughput_ratio_low: float = NAN  # its 95% interval over the passes (``throughput_interval``)
+    throughput_ratio_high: float = NAN
+    passes: int = 1
 
 
 def mode_label(mode: Mode) -> str:
@@ -295,6 +301,21 @@ def mode_label(mode: Mode) -> str:
         return f"SSp {mode.draft}"
     return f"SSp k={mode.k}" + (f" +lookup {mode.lookup}" if mode.lookup else "") + \
         (f" rows≤{mode.max_rows}" if mode.max_rows else "")
+
+
+def pooled(passes: Sequence[ModeLevel], size: int) -> ModeLevel:
+    """One mode at one level over its passes as one: the requests (indices offset by ``size`` a pass, so that each
+    pairs with RSp's in the same pass), wall times, counters and the clients' outputs together."""
+    if len(passes) == 1:
+        return passes[0]
+    first = passes[0]
+    client = {key: {p.repeat * size + i: out for p in passes for i, out in p.client[key].items()}
+              for key in ("tokens", "texts") if all(key in p.client for p in passes)}
+    counters = None if any(p.counters is None for p in passes) else sum((p.counters for p in passes[1:]),
+                                                                        first.counters)
+    return ModeLevel(first.mode, first.concurrency, sum(p.wall_s for p in passes),
+                     [replace(r, index=p.repeat * size + r.index) for p in passes for r in p.requests], counters,
+                     first.batched, first.scheduling, sum(p.prompt_tokens_cut for p in passes), client)
 
 
 def summarize_level(level: ModeLevel) -> LevelSummary:
@@ -330,6 +351,16 @@ def with_ratios(summaries: list[LevelSummary]) -> list[LevelSummary]:
                 s.latency_ratio = ratio(base.tpot_median_ms, s.tpot_median_ms)
             s.throughput_ratio = ratio(s.throughput_tok_s, base.throughput_tok_s)
     return summaries
+
+
+def throughput_interval(rsp: Sequence[ModeLevel], ssp: Sequence[ModeLevel]) -> Interval:
+    """SSp's throughput ratio at one level over its passes: the geometric mean of each pass's (SSp tokens/s ÷ RSp's
+    in the same pass) with a t interval over the passes; no bounds with one pass."""
+    def throughput(m: ModeLevel) -> float:
+        return sum(r.tokens for r in m.requests if r.ok) / m.wall_s if m.wall_s > 0 else NAN
+
+    theirs = {m.repeat: throughput(m) for m in rsp}
+    return ratio_interval([(throughput(m), theirs[m.repeat]) for m in ssp if m.repeat in theirs])
 
 
 def latency_interval(rsp: ModeLevel, ssp: ModeLevel, seed: int = 0) -> Interval:
@@ -387,9 +418,22 @@ class LoadRun:
 
     @property
     def summaries(self) -> list[LevelSummary]:
-        flat = [m for level in self.levels for m in level]
-        return with_intervals(with_ratios([summarize_level(m) for m in flat]), flat, self.setup.seed,
-                              self.setup.params.greedy)
+        """One per level and mode, its passes together (``pooled``)."""
+        passes = [[[m for m in level if m.mode == mode] for mode in self.setup.modes] for level in self.levels]
+        flat = [pooled(mine, self.setup.requests) for level in passes for mine in level]
+        summaries = with_intervals(with_ratios([summarize_level(m) for m in flat]), flat, self.setup.seed,
+                                   self.setup.params.greedy)
+        by_level = iter(summaries)
+        for level in passes:
+            rsp = next((mine for mine in level if mine[0].mode.mode == "rsp"), None)
+            for mine in level:
+                s = next(by_level)
+                s.passes = len(mine)
+                if s.mode == "ssp" and rsp is not None and len(mine) > 1:
+                    interval = throughput_interval(rsp, mine)
+                    s.throughput_ratio, s.throughput_ratio_low, s.throughput_ratio_high = \
+                        interval.estimate, interval.low, interval.high
+        return summaries
 
     @property
     def levels_done(self) -> list[int]:
@@ -404,7 +448,8 @@ class LoadRun:
             levels = [s.concurrency for s in rows]
             out.append((label, break_even(levels, [s.latency_ratio for s in rows], [s.latency_ratio_low for s in rows],
                                           [s.latency_ratio_high for s in rows]),
-                        break_even(levels, [s.throughput_ratio for s in rows])))
+                        break_even(levels, [s.throughput_ratio for s in rows], [s.throughput_ratio_low for s in rows],
+                                   [s.throughput_ratio_high for s in rows])))
         return out
 
     def rows(self, summaries: list[LevelSummary] | None = None) -> list[dict[str, Any]]:
@@ -443,12 +488,13 @@ class LoadRun:
         setup = self.setup
         columns = ["concurrency", "label", "completed", "tpot_median_ms", "tpot_p90_ms", "tpot_p99_ms", "ttft_median_ms",
                    "ttft_p90_ms", "ttft_p99_ms", "throughput_tok_s", "acceptance_rate", "mean_acceptance_length", "latency_ratio",
-                   "latency_ratio_low", "latency_ratio_high", "throughput_ratio", "same_as_rsp", "batched"]
+                   "latency_ratio_low", "latency_ratio_high", "throughput_ratio", "throughput_ratio_low",
+                   "throughput_ratio_high", "same_as_rsp", "batched"]
         lines = [f"- {label}: per-user latency break-even: {lat.describe()}; throughput break-even: {thr.describe()}"
                  for label, lat, thr in self.break_evens()]
         return (f"# load run {self.info.run_id}\n\n{setup.engine} {setup.engine_version}: target `{setup.target}`, "
                 f"draft `{setup.draft or '-'}`, {plural(setup.requests, 'request')} ({setup.workload}) per level "
-                f"and mode, ≤{setup.max_new_tokens} new tokens, {setup.params}, "
+                f"and mode{f' × {setup.repeats} passes' if setup.repeats > 1 else ''}, ≤{setup.max_new_tokens} new tokens, {setup.params}, "
                 f"{'Poisson arrivals at ' + format(setup.request_rate, 'g') + '/s' if setup.request_rate else 'closed loop'}"
                 f"\n\n{self.info.describe()}\n\n{markdown_table(self.rows(), columns)}\n" + "\n".join(lines)
                 + "\n\n" + " ".join(self.notes + ([f"SSp under a {setup.row_budget}."] if setup.row_budget else []))
@@ -480,13 +526,14 @@ Progress = Callable[[str, int, int], None]
 
 def run_load(backend: LoadBackend, setup: LoadSetup, info: RunInfo, requests: Sequence[LoadRequest],
              on_level: LevelDone | None = None, progress: Progress | None = None) -> LoadRun:
-    """Every mode at every level on the same requests, the modes' order rotating from one level to the next;
-    ``on_level`` after each level (saving it). Ctrl-C after a level keeps the levels done (``interrupted``); a
-    backend failure ends the run with the levels done and ``failure`` set."""
+    """Every mode at every level on the same requests, ``setup.repeats`` passes a level, the modes' order rotating
+    from one pass to the next; ``on_level`` after each level (saving it). Ctrl-C after a level keeps the levels
+    done (``interrupted``); a backend failure ends the run with the levels done and ``failure`` set."""
     for mode in setup.modes:
         backend.check(mode, setup)
     run = LoadRun(setup, info, ttft_definition=backend.ttft_definition(setup.request_rate))
-    total, done = len(setup.levels) * len(setup.modes) + 1, 0
+    passes = range(setup.repeats)
+    total, done = len(setup.levels) * len(setup.modes) * setup.repeats + 1, 0
     if progress:
         progress("warm-up", done, total)
     backend.warm_up(setup.modes, requests[0])
@@ -494,16 +541,17 @@ def run_load(backend: LoadBackend, setup: LoadSetup, info: RunInfo, requests: Se
     done += 1
     try:
         for index, concurrency in enumerate(setup.levels):
-            served: dict[Mode, ModeLevel] = {}
+            served: dict[tuple[int, Mode], ModeLevel] = {}
             before = cpu_snapshot()
-            for mode in rotated(setup.modes, index):
-                start = time.perf_counter()
-                served[mode] = backend.serve(mode, requests, concurrency)
-                done += 1
-                if progress:
-                    progress(f"concurrency {concurrency} {mode_label(mode)} "
-                             f"({time.perf_counter() - start:.0f} s)", done, total)
-            run.levels.append([served[m] for m in setup.modes])
+            for repeat in passes:
+                for mode in rotated(setup.modes, index * setup.repeats + repeat):
+                    start = time.perf_counter()
+                    served[repeat, mode] = replace(backend.serve(mode, requests, concurrency), repeat=repeat)
+                    done += 1
+                    if progress:
+                        progress(f"concurrency {concurrency}" + (f" pass {repeat + 1}" if setup.repeats > 1 else "")
+                                 + f" {mode_label(mode)} ({time.perf_counter() - start:.0f} s)", done, total)
+            run.levels.append([served[r, m] for r in passes for m in setup.modes])
             run.notes = backend.notes()  # with what the level taught (a server that gave no token counts)
             if backend.checks_busy:
                 run.others_cpu_share[concurrency] = others_share(before, cpu_snapshot())
