@@ -2,6 +2,7 @@
 llama-servers in test_load.py)."""
 from __future__ import annotations
 
+import http.client
 import json
 import math
 import random
@@ -12,7 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pandas as pd
 import pytest
 
-from lssp.engines.endpoint import counters, parse_endpoints, stream_completion
+from lssp.engines.endpoint import counters, endpoint_counters, parse_endpoints, stream_completion
 from lssp.errors import UserError
 from lssp.measure.load_llamacpp import request_timing
 
@@ -25,13 +26,15 @@ class FakeServer:
 
     def __init__(self, per_event: int = 1, delay_s: float = 0.004, usage: bool = True, fail_after: int = -1,
                  shift: int = 0, model: str = "fake/model", salt: int = 0, skew: float = 0.0, answer=None,
-                 key: str = "", also: tuple[str, ...] = (), tokenize=None, traffic: int = 0) -> None:
+                 key: str = "", also: tuple[str, ...] = (), tokenize=None, traffic: int = 0,
+                 forward: FakeServer | None = None) -> None:
         self.per_event, self.delay_s, self.usage, self.fail_after, self.shift = per_event, delay_s, usage, fail_after, shift
         self.salt, self.skew = salt, skew  # sampled: another random stream; the law of tokens after the first skewed
         self.answer = answer  # the text to write, from the prompt's ids, one character per token (else the words)
         self.key, self.also = key, also  # a key /v1/ asks for (Bearer); more model ids it lists after its own
         self.tokenize = tokenize  # text -> ids at POST /tokenize (None: no such route)
         self.traffic = traffic  # drafting steps (one accepted draft each) someone else's requests add per /metrics read
+        self.forward = forward  # a gateway: completions passed on to this server (under its model id), streamed back
         self.model, self.served, self.drafts, self.drafted, self.accepted = model, 0, 0, 0, 0
         self.lock = threading.Lock()
         self.http = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
@@ -113,6 +116,9 @@ class FakeServer:
                     self._json({"error": {"message": "engine died"}}, 500)
                     return
                 assert body["stream"] and isinstance(body["prompt"], list) and body["model"] in (fake.model, *fake.also)
+                if fake.forward is not None:
+                    self._forward(body)
+                    return
                 fake.asked = body["model"]
                 n, start = body["max_tokens"], sum(body["prompt"]) + fake.shift
                 words = [f" w{(start + i) % 97}" for i in range(n)]
@@ -139,6 +145,19 @@ class FakeServer:
                     usage = {"choices": [], "usage": {"completion_tokens": n, "prompt_tokens": len(body["prompt"])}}
                     self.wfile.write(f"data: {json.dumps(usage)}\n\n".encode())
                 self.wfile.write(b"data: [DONE]\n\n")
+
+            def _forward(self, body) -> None:
+                upstream = http.client.HTTPConnection("127.0.0.1", int(fake.forward.url.rsplit(":", 1)[1]))
+                upstream.request("POST", "/v1/completions", json.dumps({**body, "model": fake.forward.model}),
+                                 {"Content-Type": "application/json"})
+                response = upstream.getresponse()
+                self.send_response(response.status)
+                self.send_header("Content-Type", "text/event-stream")
+                self.end_headers()
+                for line in response:
+                    self.wfile.write(line)
+                    self.wfile.flush()
+                upstream.close()
 
         return Handler
 
@@ -399,6 +418,40 @@ def test_a_gateway_serving_several_models_and_asking_for_a_key(run, servers, mon
     assert "eagle = " in " ".join(out.split()) and "model big-eagle" in " ".join(out.split())
     code, _, err = run("latency", "tiny-target", f"--endpoint=rsp={gateway.url}#big", f"--endpoint=x={gateway.url}#nope")
     assert code == 2 and "serves no model 'nope' (it lists big, big-eagle)" in err, err
+
+
+def test_behind_a_gateway_the_counters_come_from_the_servers_named_by_metrics(run, servers):
+    """A gateway that exports no /metrics and has no /tokenize, in front of an SSp server: ``,metrics=URL`` reads
+    that server's counters (each replica's summed where several are named) and asks it to tokenize; a metrics=
+    server without counters is one line; one whose counters never move is said under the table."""
+    behind, idle = servers(per_event=3, model="pod/eagle"), servers(per_event=3, model="pod/eagle")
+    plain = servers(model="pod/plain")
+    gateway = servers(model="big", also=("big-eagle",), forward=behind)
+    rsp = f"--endpoint=rsp={gateway.url}#big"
+    rsp_gw, eagle = parse_endpoints([f"rsp={gateway.url}#big",
+                                     f"eagle={gateway.url}#big-eagle,metrics={behind.url}/v1/,metrics={idle.url}"])
+    assert eagle.metrics == (behind.url, idle.url) and eagle.model == "big-eagle" and not rsp_gw.metrics
+    behind.drafts, idle.drafts = 5, 7  # replicas: their counters summed
+    assert endpoint_counters(eagle).drafts == 12 and endpoint_counters(rsp_gw) is None  # the gateway exports none
+    for value, said in ((f"rsp={gateway.url},metrics={behind.url}", "the rsp server has none to read"),
+                        (f"eagle={gateway.url},metrics=pod:8000", "pod:8000 needs http:// or https://")):
+        with pytest.raises(UserError, match=said):
+            parse_endpoints([f"rsp={gateway.url}", value] if not value.startswith("rsp") else [value, "x=http://h"])
+    args = ("--nb-prompts", "2", "--max-new-tokens", "9")
+    code, out, err = run("latency", "tiny-target", rsp, f"--endpoint=eagle={gateway.url}#big-eagle,metrics={behind.url}",
+                         *args)
+    flat = " ".join(out.split())
+    assert code == 0 and f"counters from {behind.url}" in flat and "never moved" not in flat, err
+    ssp = next(line for line in out.splitlines() if "eagle" in line and "│" in line)
+    assert "0.67" in ssp  # two of each three drafts accepted, as the server behind counts them
+    code, out, _ = run("latency", "tiny-target", rsp, f"--endpoint=eagle={gateway.url}#big-eagle,metrics={idle.url}",
+                       *args)
+    assert code == 0 and "never moved" in " ".join(out.split())
+    code, _, err = run("latency", "tiny-target", rsp, f"--endpoint=eagle={gateway.url}#big-eagle,metrics={plain.url}")
+    assert code == 2 and f"metrics={plain.url} exports no speculative-decoding counters" in err, err
+    behind.tokenize = lambda text: [ord(c) + 1 for c in text]  # the server behind splits text otherwise
+    code, _, err = run("latency", "tiny-target", rsp, f"--endpoint=eagle={gateway.url}#big-eagle,metrics={behind.url}")
+    assert code == 2 and "does not tokenize as" in err, err
 
 
 def test_counters_of_one_model_where_the_lines_name_their_model():

@@ -194,13 +194,8 @@ def _latency_endpoints(ctx: typer.Context, values: list[str], target: str | None
         run = run_latency(t, {engine.name: engine}, modes, prompt_list, WARMUP_PROMPT, params, max_new_tokens,
                           s.seed, progress=tick, chat=chat, repeats=repeats, ignore_eos=ignore_eos)
     render(run, t, None, wide)
-    if engine.foreign:
-        console.print(f"[yellow]  On {plural(engine.foreign, 'completion')} (warm-ups counted) a server's counters "
-                      "moved more than it could make alone (other traffic on it): their acceptance is left "
-                      "out.[/yellow]")
-    if engine.counted_events:
-        console.print("[yellow]  Some responses carried no usage: their tokens were counted as streamed events, one "
-                      "each (an SSp event may hold several, so ms/token is overestimated there).[/yellow]")
+    for caution in engine.cautions():
+        console.print(f"[yellow]  {caution}[/yellow]", highlight=False)
     _save(s, run, results, json_out, plot)
 
 

@@ -7,7 +7,8 @@ The client sends the prompt as the target's token ids (every endpoint gets the s
 template), our sampling fields and a seed per request; it times each streamed event as it arrives and takes the token
 count from the server's ``usage`` (an SSp server's event may carry several tokens). Acceptance comes from the
 server's ``/metrics`` where it exports vLLM's (``vllm:spec_decode_*``) or llama.cpp's (``llamacpp:spec_decode_*``)
-counters; else it is not known.
+counters; else it is not known. Behind a gateway that exports none, ``,metrics=URL`` names the server (or each
+replica) whose /metrics counts for that configuration.
 
 ``EndpointEngine`` puts them behind the engine interface, one request at a time (``latency``, ``compare``,
 ``eval``); ``lssp.measure.load_endpoint`` loads them with many requests in flight.
@@ -51,6 +52,7 @@ class Endpoint:
     url: str  # scheme://host:port[/path], without a trailing /v1
     model: str = ""  # the first model id its /v1/models lists
     version: str = ""  # its /version (vLLM, SGLang) or /props build (llama.cpp); "" where it says none
+    metrics: tuple[str, ...] = ()  # where its counters are read, behind a gateway (summed); (): url itself
 
     @property
     def mode(self) -> Mode:
@@ -58,29 +60,33 @@ class Endpoint:
 
     def describe(self) -> str:
         said = ", ".join(filter(None, [self.model and f"model {self.model}",
-                                       self.version and f"version {self.version}"]))
+                                       self.version and f"version {self.version}",
+                                       self.metrics and f"counters from {' + '.join(self.metrics)}"]))
         return f"{self.label} = {self.url}" + (f" ({said})" if said else "")
 
 
+METRICS = ",metrics="
+
+
 def parse_endpoints(values: Sequence[str]) -> list[Endpoint]:
-    """``--endpoint LABEL=URL[#MODEL]`` options: exactly one labelled rsp, the others SSp, labels distinct; a URL with
-    http or https and a host (a trailing /v1 is dropped), and after a #, the model id to ask for where the server
-    serves several (a gateway: one URL, a model per configuration). One line (``UserError``) for anything else."""
+    """``--endpoint LABEL=URL[#MODEL][,metrics=URL…]`` options: exactly one labelled rsp, the others SSp, labels
+    distinct; a URL with http or https and a host (a trailing /v1 is dropped); after a #, the model id to ask for
+    where the server serves several (a gateway: one URL, a model per configuration); after each ``,metrics=``, a
+    server whose /metrics counts for an SSp configuration behind a gateway that exports none (several: its replicas,
+    summed). One line (``UserError``) for anything else."""
     endpoints = []
     for value in values:
-        label, sep, url = value.partition("=")
-        url, _, model = url.partition("#")  # a fragment: the model id to ask for (never sent as part of the URL)
-        label, url = label.strip(), url.strip().rstrip("/")
-        parts = urlsplit(url)
-        if not sep or not label or not url:
+        label, sep, rest = value.partition("=")
+        rest, *metrics = rest.split(METRICS)
+        url, _, model = rest.partition("#")  # a fragment: the model id to ask for (never sent as part of the URL)
+        label = label.strip()
+        if not sep or not label or not url.strip():
             raise UserError(f"--endpoint {value!r}: give LABEL=URL, e.g. rsp=http://10.0.0.5:8000")
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise UserError(f"--endpoint {value!r}: the URL needs http:// or https:// and a host")
-        try:
-            parts.port  # noqa: B018 - raises on a port that is no number
-        except ValueError:
-            raise UserError(f"--endpoint {value!r}: the port is not a number") from None
-        endpoints.append(Endpoint(label, url[:-3] if url.endswith("/v1") else url, model.strip()))
+        if metrics and label == RSP:
+            raise UserError(f"--endpoint {value!r}: metrics= names where an SSp server's counters are read; the rsp "
+                            "server has none to read")
+        endpoints.append(Endpoint(label, _base_url(value, url), model.strip(),
+                                  metrics=tuple(_base_url(value, m) for m in metrics)))
     labels = [e.label for e in endpoints]
     if labels.count(RSP) != 1 or len(labels) < 2:
         raise UserError("--endpoint: give one labelled rsp (the server without speculation) and at least one other "
@@ -88,6 +94,19 @@ def parse_endpoints(values: Sequence[str]) -> list[Endpoint]:
     if len(set(labels)) != len(labels):
         raise UserError(f"--endpoint: each label once, got {', '.join(labels)}")
     return endpoints
+
+
+def _base_url(value: str, url: str) -> str:
+    """``url`` checked (http or https, a host, a numeric port), without a trailing / or /v1."""
+    url = url.strip().rstrip("/")
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise UserError(f"--endpoint {value!r}: {url or 'a URL'} needs http:// or https:// and a host")
+    try:
+        parts.port  # noqa: B018 - raises on a port that is no number
+    except ValueError:
+        raise UserError(f"--endpoint {value!r}: the port of {url} is not a number") from None
+    return url[:-3] if url.endswith("/v1") else url
 
 
 def _connection(url: str, timeout: float) -> tuple[http.client.HTTPConnection, str]:
@@ -130,18 +149,28 @@ def post(url: str, path: str, body: dict[str, Any], timeout: float = INFO_TIMEOU
 TOKENIZER_PROBE = "the quick brown fox jumps over the lazy dog, 12 * 34 = 408. speculative sampling!"
 
 
-def tokenizer_mismatch(endpoint: Endpoint, encode: Callable[[str], list[int]]) -> str | None:
-    """Whether the server splits a probe text into our tokenizer's ids (``encode``, no special tokens), where it
-    tokenizes (``POST /tokenize``: vLLM's and llama.cpp's fields both sent): a line saying how they differ, or None
-    (the same ids, a leading BOS of its own aside, or no /tokenize to ask)."""
-    body = {"model": endpoint.model, "prompt": TOKENIZER_PROBE, "add_special_tokens": False,
-            "content": TOKENIZER_PROBE, "add_special": False}
+def _probe_tokens(url: str, model: str) -> list[int] | None:
+    """The ids the server at ``url`` splits the probe text into (``model``: the one to ask, "" its own); None where
+    it does not say."""
+    body = {"prompt": TOKENIZER_PROBE, "add_special_tokens": False, "content": TOKENIZER_PROBE, "add_special": False,
+            **({"model": model} if model else {})}
     try:
-        status, text = post(endpoint.url, "/tokenize", body)
+        status, text = post(url, "/tokenize", body)
         theirs = json.loads(text).get("tokens") if status == 200 else None
     except (OSError, ValueError, AttributeError, http.client.HTTPException):
         return None
-    if not isinstance(theirs, list) or not all(isinstance(t, int) for t in theirs):
+    return theirs if isinstance(theirs, list) and all(isinstance(t, int) for t in theirs) else None
+
+
+def tokenizer_mismatch(endpoint: Endpoint, encode: Callable[[str], list[int]]) -> str | None:
+    """Whether the server splits a probe text into our tokenizer's ids (``encode``, no special tokens), where it
+    tokenizes (``POST /tokenize``: vLLM's and llama.cpp's fields both sent; behind a gateway without the route, the
+    first ``metrics`` server): a line saying how they differ, or None (the same ids, a leading BOS of its own aside,
+    or no /tokenize to ask)."""
+    theirs = _probe_tokens(endpoint.url, endpoint.model)
+    if theirs is None and endpoint.metrics:  # the server behind the gateway, under its own model name
+        theirs = _probe_tokens(endpoint.metrics[0], "")
+    if theirs is None:
         return None
     ours = list(encode(TOKENIZER_PROBE))
     if theirs == ours or theirs[1:] == ours:
@@ -169,6 +198,10 @@ def introduce(endpoint: Endpoint) -> Endpoint:
     if endpoint.model and endpoint.model not in served:
         raise UserError(f"--endpoint {endpoint.label}: {endpoint.url} serves no model {endpoint.model!r} (it lists "
                         f"{', '.join(served)})")
+    for url in endpoint.metrics:
+        if counters(url) is None:
+            raise UserError(f"--endpoint {endpoint.label}: metrics={url} exports no speculative-decoding counters "
+                            "(vLLM's or llama.cpp's) at /metrics")
     return replace(endpoint, model=endpoint.model or served[0], version=_version(endpoint.url))
 
 
@@ -197,6 +230,17 @@ def counters(url: str, model: str = "") -> Counters | None:
         if prefix + "spec_decode_" in text:
             return parse_counters(text, prefix, model)
     return None
+
+
+def endpoint_counters(endpoint: Endpoint) -> Counters | None:
+    """An SSp endpoint's counters now: its own /metrics (its model's lines), or those of its ``metrics`` servers
+    summed; None where one of them gives none."""
+    if not endpoint.metrics:
+        return counters(endpoint.url, endpoint.model)
+    found = [counters(url) for url in endpoint.metrics]
+    if any(c is None for c in found):
+        return None
+    return sum(found[1:], found[0])
 
 
 def stream_completion(url: str, body: dict[str, Any], timeout_s: float = REQUEST_TIMEOUT_S,
@@ -314,6 +358,19 @@ class EndpointEngine(Engine):
         self.tokenizer = tokenizer
         self.counted_events = False  # a response carried no usage: its tokens counted as events
         self.foreign = 0  # completions whose counters moved more than they could alone (other traffic)
+        self.counted: dict[str, list[int]] = {}  # per SSp label: [completions with counters read, drafts counted]
+
+    def cautions(self) -> list[str]:
+        """What the run's figures from these servers should be read with: counters moved by other traffic, counters
+        that never moved (another server's /metrics?), token counts taken from events."""
+        still = [label for label, (read, drafts) in self.counted.items() if read and not drafts]
+        return [*([f"On {self.foreign} completion{'s' * (self.foreign != 1)} (warm-ups counted) a server's counters "
+                   "moved more than it could make alone (other traffic on it): their acceptance is left out."]
+                  if self.foreign else []),
+                *([f"The counters read for {', '.join(still)} never moved (no draft counted over any completion): "
+                   "are they the /metrics of the server that answered (metrics=)?"] if still else []),
+                *(["Some responses carried no usage: their tokens were counted as streamed events, one each (an SSp "
+                   "event may hold several, so ms/token is overestimated there)."] if self.counted_events else [])]
 
     @property
     def version(self) -> str:
@@ -351,16 +408,19 @@ class EndpointEngine(Engine):
         r = request
         body = completion_body(endpoint.model, r.ids[0].tolist(), r.max_new_tokens, r.params, r.seed, r.ignore_eos,
                                r.stopping.strings)
-        before = counters(endpoint.url, endpoint.model) if endpoint.mode.mode == "ssp" else None
+        before = endpoint_counters(endpoint) if endpoint.mode.mode == "ssp" else None
         shown = None if r.on_tokens is None else partial(self._show, r.on_tokens)
         start = time.perf_counter()
         out = stream_completion(endpoint.url, body, on_text=shown)
         wall = time.perf_counter() - start
         if out.error:
             raise ServerFailure(f"--endpoint {endpoint.label} ({endpoint.url}) failed a request: {out.error}")
-        after = counters(endpoint.url, endpoint.model) if before is not None else None
+        after = endpoint_counters(endpoint) if before is not None else None
         delta = after - before if after is not None and before is not None else None
         self.foreign += delta is not None and foreign_counts(delta, out.token_count)
+        if delta is not None:
+            read = self.counted.setdefault(endpoint.label, [0, 0])
+            read[0], read[1] = read[0] + 1, read[1] + delta.drafts
         self.counted_events |= bool(out.timings.get("counted_events"))
         ids = self.tokenizer.encode(out.text, add_special_tokens=False) if out.text else []
         stats = stats_from_stream(endpoint.mode.mode, out, wall, delta)

@@ -23,7 +23,7 @@ from lssp.engines.endpoint import (
     RSP,
     Endpoint,
     completion_body,
-    counters,
+    endpoint_counters,
     foreign_counts,
     remote_environment,
     stream_completion,
@@ -103,7 +103,7 @@ class EndpointLoadBackend(LoadBackend):
 
     def serve(self, mode: Mode, requests: Sequence[LoadRequest], concurrency: int) -> ModeLevel:
         endpoint = self.endpoints[mode]
-        before = counters(endpoint.url, endpoint.model) if mode.mode == "ssp" else None
+        before = endpoint_counters(endpoint) if mode.mode == "ssp" else None
         arrivals = poisson_arrivals(len(requests), self.setup.request_rate, self.setup.seed)
         try:
             outs, wall = stream_requests(partial(stream_completion, endpoint.url, cancel=self.cancel),
@@ -117,7 +117,7 @@ class EndpointLoadBackend(LoadBackend):
             raise LoadFailure(f"--endpoint {endpoint.label} ({endpoint.url}) at concurrency {concurrency}: "
                               f"{len(failed)} of {len(requests)} requests failed ({failed[0]})")
         self.counted_events |= any(o.timings.get("counted_events") for o in outs)
-        after = counters(endpoint.url, endpoint.model) if before is not None else None
+        after = endpoint_counters(endpoint) if before is not None else None
         delta = after - before if after is not None and before is not None else None
         if delta is not None and foreign_counts(delta, sum(o.token_count for o in outs), len(outs)):
             self.foreign.append(f"{endpoint.label} at c={concurrency}")
