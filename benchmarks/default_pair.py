@@ -37,3 +37,43 @@ def target_beside_llamacpp():
         sys.exit("llama.cpp is not built here (./setup.sh --llamacpp)")
     target = load_default_target()
     return build, target, gguf_path(target.spec, build), threads()
+
+
+def default_llamacpp_servers(k: int):
+    """(llama-servers of the default pair, RSp and the draft model at ``k``, started; the target as llama.cpp loads
+    it; the draft), for the scripts that reach the same servers two ways; exits in one line where llama.cpp is not
+    built."""
+    from lssp.engines.llamacpp import LlamacppModel, LlamacppServers
+    from lssp.engines.llamacpp_build import find_build
+
+    build = find_build()
+    if build is None:
+        sys.exit("llama.cpp is not built here (./setup.sh --llamacpp)")
+    registry = load_registry(REPO / "models.yaml")
+    target = LlamacppModel(registry.get(registry.target_name(None)), build)
+    draft = LlamacppModel(registry.get(registry.draft_name(None, heads=False)), build, target)
+    return LlamacppServers(target, draft, [(0, 0), (k, 0)]), target, draft
+
+
+def two_ways(out: Path, run, pairs, near: str, far: str) -> list[dict]:
+    """A latency run's files in ``out``, then per (name, mode reached the ``near`` way, the same reached the ``far``
+    way): both ms/token, far ÷ near (the geometric mean of per-prompt ratios, its 95% interval), acceptance, greedy
+    agreement with RSp and tokens each way."""
+    from lssp.measure.latency import paired_speedup
+    from lssp.report.results import append_csv
+
+    out.mkdir(parents=True, exist_ok=True)
+    append_csv(out / "latency.csv", run.rows())
+    append_csv(out / "latency_prompts.csv", run.prompt_rows())
+    (out / f"latency-{run.info.run_id}.md").write_text(run.markdown())
+    table = []
+    for name, near_mode, far_mode in pairs:
+        ratio, _ = paired_speedup(run.timings, far_mode, near_mode)  # far ms/token ÷ near, per prompt
+        a = next(m for m in run.overall if m.how == near_mode)
+        b = next(m for m in run.overall if m.how == far_mode)
+        table.append({"mode": name, f"{near}_ms_per_token": round(a.ms_per_token, 3),
+                      f"{far}_ms_per_token": round(b.ms_per_token, 3), f"{far}_over_{near}": ratio.estimate,
+                      "low": ratio.low, "high": ratio.high, f"{near}_acceptance": a.acceptance_rate,
+                      f"{far}_acceptance": b.acceptance_rate, f"{near}_same_as_rsp": a.same_as_rsp,
+                      f"{far}_same_as_rsp": b.same_as_rsp, f"{near}_tokens": a.new_tokens, f"{far}_tokens": b.new_tokens})
+    return table

@@ -22,13 +22,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from default_pair import default_llamacpp_servers, two_ways  # noqa: E402
+
 from lssp.decoding.sampling import SamplingParams  # noqa: E402
 from lssp.engines.endpoint import API_KEY_VARIABLE, Endpoint, EndpointEngine, introduce  # noqa: E402
-from lssp.engines.llamacpp import LlamacppModel, LlamacppServers, free_port  # noqa: E402
-from lssp.engines.llamacpp_build import find_build  # noqa: E402
-from lssp.measure.latency import paired_speedup, run_latency  # noqa: E402
-from lssp.models.registry import load_registry  # noqa: E402
-from lssp.report.results import append_csv, device_description, markdown_table, write_json  # noqa: E402
+from lssp.engines.llamacpp import free_port  # noqa: E402
+from lssp.measure.latency import run_latency  # noqa: E402
+from lssp.report.results import device_description, markdown_table, write_json  # noqa: E402
 from lssp.workloads.prompts import WARMUP_PROMPT  # noqa: E402
 from lssp.workloads.tasks import task_prompts  # noqa: E402
 
@@ -79,16 +79,10 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--litellm", default=shutil.which("litellm"), help="LiteLLM's command (default: on PATH)")
     args = parser.parse_args()
-    build = find_build()
-    if build is None:
-        sys.exit("llama.cpp is not built here (./setup.sh --llamacpp)")
     if not args.litellm:
         sys.exit("no litellm command: python3 -m venv /tmp/gw && /tmp/gw/bin/pip install 'litellm[proxy]', then "
                  "--litellm /tmp/gw/bin/litellm")
-    registry = load_registry(REPO / "models.yaml")
-    target = LlamacppModel(registry.get(registry.target_name(None)), build)
-    draft = LlamacppModel(registry.get(registry.draft_name(None, heads=False)), build, target)
-    servers = LlamacppServers(target, draft, [(0, 0), (K, 0)])
+    servers, target, draft = default_llamacpp_servers(K)
     proxy = None
     try:
         rsp_url, ssp_url = (f"http://127.0.0.1:{servers.servers[key].port}" for key in ((0, 0), (K, 0)))
@@ -111,21 +105,8 @@ def main() -> None:
             proxy.terminate()
             proxy.wait(timeout=30)
         servers.close()
-    args.out.mkdir(parents=True, exist_ok=True)
-    append_csv(args.out / "latency.csv", run.rows())
-    append_csv(args.out / "latency_prompts.csv", run.prompt_rows())
-    (args.out / f"latency-{run.info.run_id}.md").write_text(run.markdown())
-    table = []
-    for name, ours, theirs in (("rsp", modes[0], modes[2]), (f"ssp k={K}", modes[1], modes[3])):
-        ratio, _ = paired_speedup(run.timings, theirs, ours)  # gateway ms/token ÷ direct, per prompt
-        near = next(m for m in run.overall if m.how == ours)
-        far = next(m for m in run.overall if m.how == theirs)
-        table.append({"mode": name, "direct_ms_per_token": round(near.ms_per_token, 3),
-                      "gateway_ms_per_token": round(far.ms_per_token, 3), "gateway_over_direct": ratio.estimate,
-                      "low": ratio.low, "high": ratio.high, "direct_acceptance": near.acceptance_rate,
-                      "gateway_acceptance": far.acceptance_rate, "direct_same_as_rsp": near.same_as_rsp,
-                      "gateway_same_as_rsp": far.same_as_rsp, "direct_tokens": near.new_tokens,
-                      "gateway_tokens": far.new_tokens})
+    table = two_ways(args.out, run, [("rsp", modes[0], modes[2]), (f"ssp k={K}", modes[1], modes[3])], "direct",
+                     "gateway")
     summary = {"run_id": run.info.run_id, "device": device_description("cpu") + " (servers, proxy and client)",
                "llamacpp": servers.version, "litellm": version, "prompts": len(prompts),
                "max_new_tokens": args.max_new_tokens, "k": K, "pairs": table}

@@ -18,13 +18,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from default_pair import default_llamacpp_servers, two_ways  # noqa: E402
+
 from lssp.decoding.sampling import SamplingParams  # noqa: E402
 from lssp.engines.endpoint import Endpoint, EndpointEngine, introduce  # noqa: E402
-from lssp.engines.llamacpp import LlamacppEngine, LlamacppModel, LlamacppServers  # noqa: E402
-from lssp.engines.llamacpp_build import find_build  # noqa: E402
-from lssp.measure.latency import paired_speedup, rsp_mode, run_latency  # noqa: E402
-from lssp.models.registry import load_registry  # noqa: E402
-from lssp.report.results import append_csv, device_description, markdown_table, write_json  # noqa: E402
+from lssp.engines.llamacpp import LlamacppEngine  # noqa: E402
+from lssp.measure.latency import rsp_mode, run_latency  # noqa: E402
+from lssp.report.results import device_description, markdown_table, write_json  # noqa: E402
 from lssp.workloads.prompts import WARMUP_PROMPT  # noqa: E402
 from lssp.workloads.tasks import task_prompts  # noqa: E402
 
@@ -39,13 +39,7 @@ def main() -> None:
     parser.add_argument("--eval", type=int, default=0, help="then `eval --endpoint` on N problems and `compare "
                         "--endpoint` on one prompt, against the same servers (0: not)")
     args = parser.parse_args()
-    build = find_build()
-    if build is None:
-        sys.exit("llama.cpp is not built here (./setup.sh --llamacpp)")
-    registry = load_registry(REPO / "models.yaml")
-    target = LlamacppModel(registry.get(registry.target_name(None)), build)
-    draft = LlamacppModel(registry.get(registry.draft_name(None, heads=False)), build, target)
-    servers = LlamacppServers(target, draft, [(0, 0), (K, 0)])
+    servers, target, draft = default_llamacpp_servers(K)
     try:
         native = LlamacppEngine(servers)
         endpoints = [introduce(Endpoint(label, f"http://127.0.0.1:{servers.servers[key].port}"))
@@ -65,21 +59,8 @@ def main() -> None:
                 subprocess.run([*cli, "compare", *urls, "--nb-prompts", "1"], env=env, stdout=sink, check=False)
     finally:
         servers.close()
-    args.out.mkdir(parents=True, exist_ok=True)
-    append_csv(args.out / "latency.csv", run.rows())
-    append_csv(args.out / "latency_prompts.csv", run.prompt_rows())
-    (args.out / f"latency-{run.info.run_id}.md").write_text(run.markdown())
-    pairs = [("rsp", modes[0], modes[2]), (f"ssp k={K}", modes[1], modes[3])]
-    table = []
-    for name, inside_mode, outside_mode in pairs:
-        ratio, _ = paired_speedup(run.timings, outside_mode, inside_mode)  # outside ms/token ÷ inside, per prompt
-        inside = next(m for m in run.overall if m.how == inside_mode)
-        seen = next(m for m in run.overall if m.how == outside_mode)
-        table.append({"mode": name, "inside_ms_per_token": round(inside.ms_per_token, 3),
-                      "outside_ms_per_token": round(seen.ms_per_token, 3), "outside_over_inside": ratio.estimate,
-                      "low": ratio.low, "high": ratio.high, "inside_acceptance": inside.acceptance_rate,
-                      "outside_acceptance": seen.acceptance_rate, "inside_tokens": inside.new_tokens,
-                      "outside_tokens": seen.new_tokens})
+    table = two_ways(args.out, run, [("rsp", modes[0], modes[2]), (f"ssp k={K}", modes[1], modes[3])], "inside",
+                     "outside")
     summary = {"run_id": run.info.run_id, "device": device_description("cpu") + " (servers and client)", "llamacpp": servers.version,
                "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "k": K, "pairs": table,
                "speedup_inside": next(m.speedup for m in run.overall if m.how == modes[1]),
