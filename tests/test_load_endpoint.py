@@ -320,6 +320,7 @@ def test_latency_through_endpoints_times_each_server_one_request_at_a_time(run, 
     assert rows.loc["ssp", "acceptance_rate"] == pytest.approx(0.5)  # the fake's counters: 1 of 2 per event
     assert rows.loc["ssp", "mean_accepted"] == pytest.approx(8 / 5)  # 8 tokens, 1 + 4 drafting steps, none undrafted
     assert rows.loc["ssp", "alpha"] == pytest.approx(0.5)  # position 0 always kept, position 1 never
+    assert rows.loc["ssp", "k"] == 0 and rows.loc["ssp", "k_seen"] == 2  # the mode is its name; K from its counters
     prompts = pd.read_csv(tmp_path / "results" / "latency_prompts.csv")
     assert len(prompts) == 12 and set(prompts["draft"].dropna()) == {"fast", "other"}
 
@@ -443,7 +444,7 @@ def test_behind_a_gateway_the_counters_come_from_the_servers_named_by_metrics(ru
     flat = " ".join(out.split())
     assert code == 0 and f"counters from {behind.url}" in flat and "never moved" not in flat, err
     ssp = next(line for line in out.splitlines() if "eagle" in line and "│" in line)
-    assert "0.67" in ssp  # two of each three drafts accepted, as the server behind counts them
+    assert "0.67" in ssp and "eagle K=3" in ssp  # two of three drafts accepted, K from the server behind's counters
     code, out, _ = run("latency", "tiny-target", rsp, f"--endpoint=eagle={gateway.url}#big-eagle,metrics={idle.url}",
                        *args)
     assert code == 0 and "never moved" in " ".join(out.split())

@@ -380,13 +380,15 @@ def _named(run, m) -> str:
 
 def _k(m) -> str:
     """The K column: ours' label, an engine's n-gram drafter with its lookup length, or the name of a server's own
-    configuration (``--endpoint``)."""
-    return m.draft if engine_class(m.engine).names_modes else k_label(m.k, m.confidence, m.lookup, m.ngram)
+    configuration (``--endpoint``) with the K its counters showed, where they did."""
+    if engine_class(m.engine).names_modes:
+        return m.draft + (f" K={m.k_seen}" if getattr(m, "k_seen", 0) else "")
+    return k_label(m.k, m.confidence, m.lookup, m.ngram)
 
 
 def _which(m) -> str:
     """An SSp mode in a sentence: "K=3", or a server's name (``--endpoint``)."""
-    return _k(m) if engine_class(m.engine).names_modes else f"K={_k(m)}"
+    return m.draft if engine_class(m.engine).names_modes else f"K={_k(m)}"
 
 
 def _speedup(value: float) -> Text | str:

@@ -1,6 +1,7 @@
 """Latency of RSp and SSp on a prompt list, measured side by side in one run."""
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
@@ -119,6 +120,8 @@ class ModeSummary:
     over_floor_high: float = float("nan")
     same_as_rsp: float = float("nan")  # greedy SSp: the share of its completions whose text is the same engine's RSp
     #   completion of the same prompt and pass (an exact SSp: 1; an engine whose verification rounds otherwise: less)
+    k_seen: int = 0  # SSp: the K its completions said they drafted with, the most common (a server's own, from its
+    #   counters, where the mode is the server's name); 0 where none said
 
     @property
     def how(self) -> Mode:
@@ -195,6 +198,8 @@ def summarize(timings: Sequence[PromptTiming], how: Mode = RSP,
         ngram=how.ngram,
         timing_fallbacks=fallbacks,
         timing_basis=timing_basis(fallbacks, len(stats)),
+        k_seen=Counter(s.k for s in stats if s.k).most_common(1)[0][0] if mode == "ssp" and any(s.k for s in stats)
+        else 0,
         **over_floor(timings),
     )
 
