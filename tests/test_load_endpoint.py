@@ -27,7 +27,7 @@ class FakeServer:
     def __init__(self, per_event: int = 1, delay_s: float = 0.004, usage: bool = True, fail_after: int = -1,
                  shift: int = 0, model: str = "fake/model", salt: int = 0, skew: float = 0.0, answer=None,
                  key: str = "", also: tuple[str, ...] = (), tokenize=None, traffic: int = 0,
-                 forward: FakeServer | None = None) -> None:
+                 forward: FakeServer | None = None, metrics: bool = True, details: bool = False) -> None:
         self.per_event, self.delay_s, self.usage, self.fail_after, self.shift = per_event, delay_s, usage, fail_after, shift
         self.salt, self.skew = salt, skew  # sampled: another random stream; the law of tokens after the first skewed
         self.answer = answer  # the text to write, from the prompt's ids, one character per token (else the words)
@@ -35,6 +35,7 @@ class FakeServer:
         self.tokenize = tokenize  # text -> ids at POST /tokenize (None: no such route)
         self.traffic = traffic  # drafting steps (one accepted draft each) someone else's requests add per /metrics read
         self.forward = forward  # a gateway: completions passed on to this server (under its model id), streamed back
+        self.metrics, self.details = metrics, details  # /metrics; drafts in the usage (completion_tokens_details)
         self.model, self.served, self.drafts, self.drafted, self.accepted = model, 0, 0, 0, 0
         self.lock = threading.Lock()
         self.http = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
@@ -75,7 +76,7 @@ class FakeServer:
                     self._json({"data": [{"id": name} for name in (fake.model, *fake.also)]})
                 elif self.path == "/version":
                     self._json({"version": "0.0-fake"})
-                elif self.path == "/metrics" and fake.per_event > 1:
+                elif self.path == "/metrics" and fake.per_event > 1 and fake.metrics:
                     with fake.lock:
                         fake.drafts, fake.drafted = fake.drafts + fake.traffic, fake.drafted + 2 * fake.traffic
                         fake.accepted += fake.traffic
@@ -143,6 +144,10 @@ class FakeServer:
                             fake.accepted += fake.per_event - 1
                 if fake.usage:
                     usage = {"choices": [], "usage": {"completion_tokens": n, "prompt_tokens": len(body["prompt"])}}
+                    if fake.details:  # each event: per_event drafts made, all but one kept
+                        steps = -(-n // fake.per_event)
+                        usage["usage"]["completion_tokens_details"] = {
+                            "accepted_prediction_tokens": steps * (fake.per_event - 1), "rejected_prediction_tokens": steps}
                     self.wfile.write(f"data: {json.dumps(usage)}\n\n".encode())
                 self.wfile.write(b"data: [DONE]\n\n")
 
@@ -453,6 +458,28 @@ def test_behind_a_gateway_the_counters_come_from_the_servers_named_by_metrics(ru
     behind.tokenize = lambda text: [ord(c) + 1 for c in text]  # the server behind splits text otherwise
     code, _, err = run("latency", "tiny-target", rsp, f"--endpoint=eagle={gateway.url}#big-eagle,metrics={behind.url}")
     assert code == 2 and "does not tokenize as" in err, err
+
+
+def test_drafts_said_in_the_usage_give_the_acceptance_where_no_counters_do(run, servers, tmp_path):
+    """A server that says each response's drafts in its usage (OpenAI's accepted/rejected prediction tokens, as
+    SGLang can) and exports no counters: acceptance per completion and per level from them, α and tokens per forward
+    not known (no draft steps said); other traffic on its counters cannot move them."""
+    rsp, said = servers(), servers(per_event=3, metrics=False, details=True)
+    code, out, err = run("latency", "tiny-target", f"--endpoint=rsp={rsp.url}", f"--endpoint=said={said.url}",
+                         "--nb-prompts", "2", "--max-new-tokens", "9", "--ignore-eos")
+    assert code == 0, err
+    rows = pd.read_csv(tmp_path / "results" / "latency.csv").set_index("mode")
+    assert rows.loc["ssp", "acceptance_rate"] == pytest.approx(2 / 3)  # 6 of 9 drafts kept, per its usage
+    assert math.isnan(rows.loc["ssp", "alpha"]) and math.isnan(rows.loc["ssp", "mean_accepted"])
+    busy = servers(per_event=3, details=True, traffic=5)  # counters moved by others, usage its own
+    code, out, err = run("load", "tiny-target", f"--endpoint=rsp={rsp.url}", f"--endpoint=said={said.url}",
+                         f"--endpoint=busy={busy.url}", "--concurrency", "1,2", "--requests", "2",
+                         "--max-new-tokens", "9", "--task", "stories")
+    assert code == 0, err
+    level = pd.read_csv(tmp_path / "results" / "load.csv")
+    ssp = level[level["mode"] == "ssp"]
+    assert (ssp["acceptance_rate"] - 2 / 3).abs().max() < 1e-9 and ssp["mean_acceptance_length"].isna().all()
+    assert "other traffic" not in " ".join(out.split())
 
 
 def test_counters_of_one_model_where_the_lines_name_their_model():

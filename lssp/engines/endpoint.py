@@ -7,8 +7,9 @@ The client sends the prompt as the target's token ids (every endpoint gets the s
 template), our sampling fields and a seed per request; it times each streamed event as it arrives and takes the token
 count from the server's ``usage`` (an SSp server's event may carry several tokens). Acceptance comes from the
 server's ``/metrics`` where it exports vLLM's (``vllm:spec_decode_*``) or llama.cpp's (``llamacpp:spec_decode_*``)
-counters; else it is not known. Behind a gateway that exports none, ``,metrics=URL`` names the server (or each
-replica) whose /metrics counts for that configuration.
+counters, else from the response's usage where the server says its drafts there (OpenAI's accepted and rejected
+prediction tokens), else it is not known. Behind a gateway that exports none, ``,metrics=URL`` names the server
+(or each replica) whose /metrics counts for that configuration.
 
 ``EndpointEngine`` puts them behind the engine interface, one request at a time (``latency``, ``compare``,
 ``eval``); ``lssp.measure.load_endpoint`` loads them with many requests in flight.
@@ -266,6 +267,10 @@ def stream_completion(url: str, body: dict[str, Any], timeout_s: float = REQUEST
         usage = event.get("usage") or {}
         if usage.get("completion_tokens") is not None:
             out.counted = int(usage["completion_tokens"])
+        details = usage.get("completion_tokens_details") or {}
+        for key in PREDICTION_KEYS:  # OpenAI's drafted-token counts, where a server fills them (SGLang can)
+            if details.get(key) is not None:
+                out.timings[key] = int(details[key])
     if out.counted is None:
         out.timings["counted_events"] = True
         out.counted = events
@@ -308,11 +313,25 @@ def foreign_counts(delta: Counters, tokens: int, completions: int = 1) -> bool:
     return delta.accepted + delta.drafts > tokens - completions + completions * k
 
 
+PREDICTION_KEYS = ("accepted_prediction_tokens", "rejected_prediction_tokens")
+
+
+def usage_drafts(outs: Sequence[Streamed]) -> Counters | None:
+    """Drafted and accepted tokens as the responses' usage says them (``completion_tokens_details``: accepted and
+    rejected prediction tokens; per request, so other traffic cannot move them), summed; None where a response says
+    none. Draft steps are not said (``drafts`` 0)."""
+    said = [(o.timings.get(PREDICTION_KEYS[0]), o.timings.get(PREDICTION_KEYS[1])) for o in outs]
+    if not said or any(a is None and r is None for a, r in said):
+        return None
+    accepted, rejected = sum(a or 0 for a, _ in said), sum(r or 0 for _, r in said)
+    return Counters(0, accepted + rejected, accepted) if accepted + rejected else None
+
+
 def stats_from_stream(mode: str, out: Streamed, wall_s: float, delta: Counters | None) -> GenerationStats:
     """GenerationStats of one streamed completion: the first event is the first emission (one token, the
     prompt's), ms/token runs from it to the last event over the server's token count less one; drafted, accepted
-    and target forwards from the server's counter deltas over this completion (None, or moved by other traffic:
-    not known)."""
+    and target forwards from the server's counter deltas over this completion, else (none, or moved by other
+    traffic) drafted and accepted from its usage where the server says them there, else not known."""
     tokens = out.token_count
     stats = GenerationStats(mode=mode, new_tokens=tokens, total_time_s=wall_s, forwards_timed=False)
     if out.arrivals:
@@ -323,6 +342,9 @@ def stats_from_stream(mode: str, out: Streamed, wall_s: float, delta: Counters |
         stats.target_forwards = tokens
         return stats
     if delta is None or not delta.drafts or foreign_counts(delta, tokens):
+        said = usage_drafts([out])
+        if said is not None:
+            stats.drafted, stats.accepted = said.draft_tokens, said.accepted
         return stats
     k = round(delta.draft_tokens / delta.drafts)
     stats.k, stats.drafted, stats.accepted = k, delta.draft_tokens, delta.accepted
@@ -417,7 +439,7 @@ class EndpointEngine(Engine):
             raise ServerFailure(f"--endpoint {endpoint.label} ({endpoint.url}) failed a request: {out.error}")
         after = endpoint_counters(endpoint) if before is not None else None
         delta = after - before if after is not None and before is not None else None
-        self.foreign += delta is not None and foreign_counts(delta, out.token_count)
+        self.foreign += delta is not None and foreign_counts(delta, out.token_count) and usage_drafts([out]) is None
         if delta is not None:
             read = self.counted.setdefault(endpoint.label, [0, 0])
             read[0], read[1] = read[0] + 1, read[1] + delta.drafts

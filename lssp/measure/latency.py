@@ -174,7 +174,7 @@ def summarize(timings: Sequence[PromptTiming], how: Mode = RSP,
         ms_per_token_median=median(per_prompt), ms_per_token_min=min(per_prompt), ms_per_token_max=max(per_prompt),
         ttft_ms=1000 * sum(s.ttft_s for s in stats) / len(stats),
         acceptance_rate=accepted / drafted if drafted else nan,
-        alpha=alpha_estimate(accepted, sum(s.rejections for s in stats)),
+        alpha=alpha_estimate(*rejections_known(stats)),
         mean_accepted=tokens / target_fw if mode == "ssp" and target_fw else nan,
         acceptance_by_position=pooled.acceptance_by_position,
         acceptance_given_previous=pooled.acceptance_given_previous,
@@ -202,6 +202,14 @@ def summarize(timings: Sequence[PromptTiming], how: Mode = RSP,
         else 0,
         **over_floor(timings),
     )
+
+
+def rejections_known(stats: Sequence[GenerationStats]) -> tuple[int, int]:
+    """(accepted, rejections) over the completions that counted their rejections: one that kept fewer drafts than it
+    made rejected one at least, so where it says none it did not count them (a server's usage says drafted and
+    accepted only)."""
+    known = [s for s in stats if s.rejections or s.accepted == s.drafted]
+    return sum(s.accepted for s in known), sum(s.rejections for s in known)
 
 
 def over_floor(timings: Sequence[PromptTiming]) -> dict[str, float]:

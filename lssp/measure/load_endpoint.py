@@ -27,6 +27,7 @@ from lssp.engines.endpoint import (
     foreign_counts,
     remote_environment,
     stream_completion,
+    usage_drafts,
 )
 from lssp.engines.streaming import stream_requests
 from lssp.errors import UserError
@@ -119,8 +120,12 @@ class EndpointLoadBackend(LoadBackend):
         self.counted_events |= any(o.timings.get("counted_events") for o in outs)
         after = endpoint_counters(endpoint) if before is not None else None
         delta = after - before if after is not None and before is not None else None
+        said = usage_drafts(outs) if mode.mode == "ssp" else None  # where the responses' usage says what was drafted
         if delta is not None and foreign_counts(delta, sum(o.token_count for o in outs), len(outs)):
-            self.foreign.append(f"{endpoint.label} at c={concurrency}")
-            delta = None  # other traffic counted too: the level's acceptance is not known
+            if said is None:
+                self.foreign.append(f"{endpoint.label} at c={concurrency}")
+            delta = None  # other traffic counted too: the level's acceptance is not known from them
+        if said is not None and (delta is None or not delta.drafts):
+            delta = said
         return ModeLevel(mode, concurrency, wall, [request_timing(o, r.index) for r, o in zip(requests, outs)], delta,
                          client={"texts": {r.index: o.text for r, o in zip(requests, outs)}})
