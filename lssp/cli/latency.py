@@ -382,7 +382,7 @@ def _k(m) -> str:
     """The K column: ours' label, an engine's n-gram drafter with its lookup length, or the name of a server's own
     configuration (``--endpoint``) with the K its counters showed, where they did."""
     if engine_class(m.engine).names_modes:
-        return m.draft + (f" K={m.k_seen}" if getattr(m, "k_seen", 0) else "")
+        return m.draft + (f" K={m.k_seen}" if m.k_seen else "")
     return k_label(m.k, m.confidence, m.lookup, m.ngram)
 
 

@@ -174,8 +174,8 @@ def _check_endpoint_options(ctx: typer.Context, endpoints: list[str] | None) -> 
 
 
 def _load_endpoints(s: Settings, target: str | None, values: list[str], levels: list[int],
-                    requests_repeats: tuple[int, int], max_new_tokens: int, workload_args: tuple, params, ignore_eos: bool, request_rate: float | None,
-                    json_out: Path | None) -> None:
+                    requests_repeats: tuple[int, int], max_new_tokens: int, workload_args: tuple, params,
+                    ignore_eos: bool, request_rate: float | None, json_out: Path | None) -> None:
     """``load --endpoint``: servers already running; nothing loads here but the target's tokenizer (TARGET), which
     turns the prompts into the token ids every server gets."""
     from lssp.cli.loaders import endpoints_and_tokenizer

@@ -167,6 +167,7 @@ def summarize(timings: Sequence[PromptTiming], how: Mode = RSP,
         width = max([k, *reached])
         pooled.drafted_at = [sum(s.drafted_at[i] for s in stats if i < len(s.drafted_at)) for i in range(width)]
         pooled.accepted_at = [sum(s.accepted_at[i] for s in stats if i < len(s.accepted_at)) for i in range(width)]
+    seen = Counter(s.k for s in stats if s.k)  # the K each completion said it drafted with
     nan = float("nan")
     return ModeSummary(
         mode=mode, k=k, prompts=len(stats), new_tokens=tokens,
@@ -198,8 +199,7 @@ def summarize(timings: Sequence[PromptTiming], how: Mode = RSP,
         ngram=how.ngram,
         timing_fallbacks=fallbacks,
         timing_basis=timing_basis(fallbacks, len(stats)),
-        k_seen=Counter(s.k for s in stats if s.k).most_common(1)[0][0] if mode == "ssp" and any(s.k for s in stats)
-        else 0,
+        k_seen=seen.most_common(1)[0][0] if mode == "ssp" and seen else 0,
         **over_floor(timings),
     )
 

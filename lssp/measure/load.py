@@ -419,20 +419,17 @@ class LoadRun:
     @property
     def summaries(self) -> list[LevelSummary]:
         """One per level and mode, its passes together (``pooled``)."""
-        passes = [[[m for m in level if m.mode == mode] for mode in self.setup.modes] for level in self.levels]
-        flat = [pooled(mine, self.setup.requests) for level in passes for mine in level]
+        groups = [[m for m in level if m.mode == mode] for level in self.levels for mode in self.setup.modes]
+        flat = [pooled(passes, self.setup.requests) for passes in groups]
         summaries = with_intervals(with_ratios([summarize_level(m) for m in flat]), flat, self.setup.seed,
                                    self.setup.params.greedy)
-        by_level = iter(summaries)
-        for level in passes:
-            rsp = next((mine for mine in level if mine[0].mode.mode == "rsp"), None)
-            for mine in level:
-                s = next(by_level)
-                s.passes = len(mine)
-                if s.mode == "ssp" and rsp is not None and len(mine) > 1:
-                    interval = throughput_interval(rsp, mine)
-                    s.throughput_ratio, s.throughput_ratio_low, s.throughput_ratio_high = \
-                        interval.estimate, interval.low, interval.high
+        rsp = {passes[0].concurrency: passes for passes in groups if passes[0].mode.mode == "rsp"}
+        for s, passes in zip(summaries, groups, strict=True):
+            s.passes = len(passes)
+            if s.mode == "ssp" and s.concurrency in rsp and len(passes) > 1:
+                interval = throughput_interval(rsp[s.concurrency], passes)
+                s.throughput_ratio, s.throughput_ratio_low, s.throughput_ratio_high = \
+                    interval.estimate, interval.low, interval.high
         return summaries
 
     @property
