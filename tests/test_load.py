@@ -730,7 +730,8 @@ def test_llama_servers_as_an_engine_time_one_request_at_a_time_with_our_definiti
 
     from lssp.engines.base import Request
     from lssp.engines.endpoint import Endpoint, EndpointEngine, introduce, tokenizer_mismatch
-    from lssp.measure.latency import run_latency
+    from lssp.engines.llamacpp import LlamacppEngine
+    from lssp.measure.latency import rsp_mode, run_latency
 
     _, (target, _) = lc_models
     endpoints = [introduce(Endpoint(label, f"http://127.0.0.1:{lc_servers.servers[key].port}"))
@@ -753,3 +754,10 @@ def test_llama_servers_as_an_engine_time_one_request_at_a_time_with_our_definiti
     ssp = next(m for m in run.overall if m.mode == "ssp")
     assert ssp.draft == "draft" and ssp.new_tokens == 24 and 0 <= ssp.acceptance_rate <= 1 and ssp.speedup > 0
     assert run.verdicts and run.info.env["device"].startswith("remote servers")
+    # Beside an engine that runs here, in one run: each row says where its own engine ran.
+    native = LlamacppEngine(lc_servers)
+    mixed = run_latency(target, {engine.name: engine, native.name: native}, [endpoints[0].mode, rsp_mode(native.name)],
+                        ["The cat sat on the"], "Hello", SamplingParams(0.0), 6, 0, ignore_eos=True)
+    devices = {row["engine"]: row["device"] for row in mixed.rows()}
+    assert devices["endpoint"].startswith("remote servers") and devices["llamacpp"] == mixed.info.env["device"]
+    assert not mixed.info.env["device"].startswith("remote")

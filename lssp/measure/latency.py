@@ -264,6 +264,7 @@ class LatencySetup:
     floor_cache_kb: float = float("nan")  # the keys and values a forward reads per cached token
     bandwidth_gbs: float = float("nan")  # the median of the copy-bandwidth probes taken, one per prompt and pass
     bandwidth_probes: int = 0
+    environments: dict[str, dict[str, str]] = field(default_factory=dict)  # an engine that ran elsewhere: its rows'
 
     def method(self, m: ModeSummary) -> str:
         """How a mode drafted: none (RSp); ngram (an engine's n-gram drafter alone); the engine's own method with a
@@ -429,7 +430,8 @@ class LatencyRun:
             "floor_cache_kb": setup.floor_cache_kb, "target_precision": setup.own(m.engine).target_precision or setup.target_precision,
             "draft_precision": setup.draft_precisions.get(m.draft, setup.draft_precision) or "",
             **version_columns(engine_class(m.engine), setup.own(m.engine).version),
-            "decode_timing": engine_class(m.engine).decode_timing, **verdict_columns(verdicts.get(id(m))), **info.env,
+            "decode_timing": engine_class(m.engine).decode_timing, **verdict_columns(verdicts.get(id(m))),
+            **setup.environments.get(m.engine, info.env),
         } for m in self.summaries]
 
     def prompt_format(self, task: str) -> str:
@@ -814,13 +816,15 @@ def run_latency(
         if why:
             raise UserError(f"{how.name}: {why}")
     info = RunInfo.for_models(target, *drafts)
-    for engine in engines.values():
-        info.env = engine.environment(info.env)
+    elsewhere = {name: env for name, engine in engines.items() if (env := engine.environment(dict(info.env))) != info.env}
+    if elsewhere and len(elsewhere) == len(engines):  # every engine ran elsewhere: the run's environment is theirs
+        info.env = next(iter(elsewhere.values()))
     ours = engines.get("ours")
     separate = ours is not None and separate_split_pass(split, *ours.models())
     stopping = Stopping() if ignore_eos else Stopping(token_ids=target.eos_ids)
     setup = _setup(target, drafts, engines, prompts, params, max_new_tokens, chat, repeats, ignore_eos, separate)
     setup.left_out = list(left_out)
+    setup.environments = elsewhere
     floor = floor_of(target, setup)
 
     def complete(how: Mode, prompt: TaskPrompt, index: int,
