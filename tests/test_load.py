@@ -729,7 +729,7 @@ def test_llama_servers_as_an_engine_time_one_request_at_a_time_with_our_definiti
     from functools import partial
 
     from lssp.engines.base import Request
-    from lssp.engines.endpoint import Endpoint, EndpointEngine, introduce, tokenizer_mismatch
+    from lssp.engines.endpoint import Endpoint, EndpointEngine, introduce, tokenizer_mismatch, with_tokenizer
     from lssp.engines.llamacpp import LlamacppEngine
     from lssp.measure.latency import rsp_mode, run_latency
 
@@ -749,6 +749,10 @@ def test_llama_servers_as_an_engine_time_one_request_at_a_time_with_our_definiti
         assert out.stats.first_emission_tokens == 1 and out.stats.after_first_s > 0
         if endpoint.label == "draft":
             assert out.stats.drafted > 0 and 0 <= out.stats.accepted <= out.stats.drafted and out.stats.k == 2
+    texted = with_tokenizer(replace(endpoints[0], text_prompt=True), target.tokenizer)  # ,prompt=text: the same
+    out = EndpointEngine([texted, endpoints[1]], target.tokenizer).complete(texted.mode,
+                                                                            Request(ids, 12, SamplingParams(0.0), 5))
+    assert decode(out.tokens.tolist()) == decode(native.tokens.tolist())
     run = run_latency(target, {engine.name: engine}, [e.mode for e in endpoints], ["The cat sat on the", "1, 2, 3"],
                       "Hello", SamplingParams(0.0), 12, 0, ignore_eos=True)
     ssp = next(m for m in run.overall if m.mode == "ssp")

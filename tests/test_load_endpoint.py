@@ -27,7 +27,8 @@ class FakeServer:
     def __init__(self, per_event: int = 1, delay_s: float = 0.004, usage: bool = True, fail_after: int = -1,
                  shift: int = 0, model: str = "fake/model", salt: int = 0, skew: float = 0.0, answer=None,
                  key: str = "", also: tuple[str, ...] = (), tokenize=None, traffic: int = 0,
-                 forward: FakeServer | None = None, metrics: bool = True, details: bool = False) -> None:
+                 forward: FakeServer | None = None, metrics: bool = True, details: bool = False,
+                 takes_text: bool = False) -> None:
         self.per_event, self.delay_s, self.usage, self.fail_after, self.shift = per_event, delay_s, usage, fail_after, shift
         self.salt, self.skew = salt, skew  # sampled: another random stream; the law of tokens after the first skewed
         self.answer = answer  # the text to write, from the prompt's ids, one character per token (else the words)
@@ -36,6 +37,7 @@ class FakeServer:
         self.traffic = traffic  # drafting steps (one accepted draft each) someone else's requests add per /metrics read
         self.forward = forward  # a gateway: completions passed on to this server (under its model id), streamed back
         self.metrics, self.details = metrics, details  # /metrics; drafts in the usage (completion_tokens_details)
+        self.takes_text, self.prompts = takes_text, []  # a text prompt only (HTTP 400 for ids); the prompts it got
         self.model, self.served, self.drafts, self.drafted, self.accepted = model, 0, 0, 0, 0
         self.lock = threading.Lock()
         self.http = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
@@ -116,12 +118,17 @@ class FakeServer:
                 if failing:
                     self._json({"error": {"message": "engine died"}}, 500)
                     return
-                assert body["stream"] and isinstance(body["prompt"], list) and body["model"] in (fake.model, *fake.also)
+                if isinstance(body["prompt"], list) == fake.takes_text:
+                    self._json({"error": {"message": "prompt must be a string" if fake.takes_text else "ids"}}, 400)
+                    return
+                fake.prompts.append(body["prompt"])
+                assert body["stream"] and body["model"] in (fake.model, *fake.also)
                 if fake.forward is not None:
                     self._forward(body)
                     return
                 fake.asked = body["model"]
-                n, start = body["max_tokens"], sum(body["prompt"]) + fake.shift
+                prompt = [ord(c) for c in body["prompt"]] if fake.takes_text else body["prompt"]
+                n, start = body["max_tokens"], sum(prompt) + fake.shift
                 words = [f" w{(start + i) % 97}" for i in range(n)]
                 if body.get("temperature", 0) > 0:  # letters a-d, a 3 times as likely as each other; skew: more after the first
                     draw = random.Random(body["seed"] * 7919 + fake.salt)
@@ -480,6 +487,30 @@ def test_drafts_said_in_the_usage_give_the_acceptance_where_no_counters_do(run, 
     ssp = level[level["mode"] == "ssp"]
     assert (ssp["acceptance_rate"] - 2 / 3).abs().max() < 1e-9 and ssp["mean_acceptance_length"].isna().all()
     assert "other traffic" not in " ".join(out.split())
+
+
+def test_a_server_that_takes_no_token_ids_gets_the_prompt_as_text(run, servers, tmp_path):
+    """``,prompt=text`` (TGI, Ollama): the prompt goes as the target tokenizer's text of the ids; without it such a
+    server's refusal says what to add, in one line."""
+    from conftest import char_tokenizer
+
+    rsp, texts = servers(), servers(per_event=2, takes_text=True)
+    endpoint = parse_endpoints([f"rsp={rsp.url}", f"t={texts.url},metrics={texts.url},prompt=text"])[1]
+    assert endpoint.text_prompt and endpoint.metrics == (texts.url,) and "prompts as text" in endpoint.describe()
+    with pytest.raises(UserError, match="prompt= takes text or ids"):
+        parse_endpoints([f"rsp={rsp.url}", f"t={texts.url},prompt=words"])
+    args = ("--nb-prompts", "2", "--max-new-tokens", "6")
+    code, _, err = run("latency", "tiny-target", f"--endpoint=rsp={rsp.url}", f"--endpoint=t={texts.url}", *args)
+    assert code == 2 and "HTTP 400" in err and "add ,prompt=text to its --endpoint" in err, err
+    assert [line.startswith("error:") for line in err.strip().splitlines()][-1:] == [True] and "Traceback" not in err
+    code, out, err = run("latency", "tiny-target", f"--endpoint=rsp={rsp.url}", f"--endpoint=t={texts.url},prompt=text",
+                         *args)
+    assert code == 0, err
+    sent = {p for p in texts.prompts if isinstance(p, str)}  # each the text of the ids rsp was sent
+    assert len(sent) >= 2 and sent <= {char_tokenizer().decode(ids) for ids in rsp.prompts}, sent
+    code, out, err = run("load", "tiny-target", f"--endpoint=rsp={rsp.url}", f"--endpoint=t={texts.url},prompt=text",
+                         "--concurrency", "1", "--requests", "2", "--max-new-tokens", "6", "--task", "stories")
+    assert code == 0, err
 
 
 def test_counters_of_one_model_where_the_lines_name_their_model():

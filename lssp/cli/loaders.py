@@ -245,13 +245,13 @@ def endpoints_and_tokenizer(s: Settings, target_name: str | None, values: list[s
     """(the target as a tokenizer only, the --endpoint servers, each asked what it serves) for a command over servers
     already running; one line for a malformed --endpoint, a server that does not answer, or one that tokenizes a
     probe text otherwise than the target's tokenizer (where it says, ``POST /tokenize``)."""
-    from lssp.engines.endpoint import introduce, parse_endpoints, tokenizer_mismatch
+    from lssp.engines.endpoint import introduce, parse_endpoints, tokenizer_mismatch, with_tokenizer
     from lssp.engines.vllm import EngineModel
 
     endpoints = parse_endpoints(values)
     with err_console.status("Reading the target's tokenizer and asking each server what it serves…"):
         target = EngineModel(s.registry.get(s.registry.target_name(target_name)))
-        endpoints = [introduce(e) for e in endpoints]
+        endpoints = [with_tokenizer(introduce(e), target.tokenizer) for e in endpoints]
         for endpoint in endpoints:  # prompts go as token ids: the servers must read them as TARGET's tokenizer does
             mismatch = tokenizer_mismatch(endpoint, lambda text: target.tokenizer.encode(text, add_special_tokens=False))
             if mismatch:

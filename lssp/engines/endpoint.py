@@ -19,10 +19,11 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import re
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 from urllib.parse import urlsplit
@@ -54,6 +55,16 @@ class Endpoint:
     model: str = ""  # the first model id its /v1/models lists
     version: str = ""  # its /version (vLLM, SGLang) or /props build (llama.cpp); "" where it says none
     metrics: tuple[str, ...] = ()  # where its counters are read, behind a gateway (summed); (): url itself
+    text_prompt: bool = False  # the prompt sent as text (``,prompt=text``: a server that takes no token ids)
+    decode: Callable[[list[int]], str] | None = field(default=None, compare=False, repr=False)  # ids -> that text
+
+    def prompt(self, ids: list[int]) -> list[int] | str:
+        """What goes in a request's ``prompt``: the target's token ids, or with ``text_prompt`` their text."""
+        if not self.text_prompt:
+            return ids
+        if self.decode is None:
+            raise UserError(f"--endpoint {self.label}: prompt=text needs the target's tokenizer (with_tokenizer)")
+        return self.decode(ids)
 
     @property
     def mode(self) -> Mode:
@@ -62,32 +73,49 @@ class Endpoint:
     def describe(self) -> str:
         said = ", ".join(filter(None, [self.model and f"model {self.model}",
                                        self.version and f"version {self.version}",
-                                       self.metrics and f"counters from {' + '.join(self.metrics)}"]))
+                                       self.metrics and f"counters from {' + '.join(self.metrics)}",
+                                       self.text_prompt and "prompts as text"]))
         return f"{self.label} = {self.url}" + (f" ({said})" if said else "")
 
 
-METRICS = ",metrics="
+OPTIONS = re.compile(r",(?=(?:metrics|prompt)=)")  # where an endpoint's URL ends and each option begins
+
+
+def with_tokenizer(endpoint: Endpoint, tokenizer: Any) -> Endpoint:
+    """The endpoint able to send its prompts as text: ``tokenizer``'s decoding of the ids (special tokens as text,
+    which servers read back as those tokens; a leading BOS left to the server, which adds its own)."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+
+    def decode(ids: list[int]) -> str:
+        return tokenizer.decode(ids[1:] if ids and ids[0] == bos else ids, skip_special_tokens=False)
+    return replace(endpoint, decode=decode)
 
 
 def parse_endpoints(values: Sequence[str]) -> list[Endpoint]:
-    """``--endpoint LABEL=URL[#MODEL][,metrics=URL…]`` options: exactly one labelled rsp, the others SSp, labels
-    distinct; a URL with http or https and a host (a trailing /v1 is dropped); after a #, the model id to ask for
-    where the server serves several (a gateway: one URL, a model per configuration); after each ``,metrics=``, a
-    server whose /metrics counts for an SSp configuration behind a gateway that exports none (several: its replicas,
-    summed). One line (``UserError``) for anything else."""
+    """``--endpoint LABEL=URL[#MODEL][,metrics=URL…][,prompt=text]`` options: exactly one labelled rsp, the others
+    SSp, labels distinct; a URL with http or https and a host (a trailing /v1 is dropped); after a #, the model id to
+    ask for where the server serves several (a gateway: one URL, a model per configuration); after each
+    ``,metrics=``, a server whose /metrics counts for an SSp configuration behind a gateway that exports none
+    (several: its replicas, summed); ``,prompt=text``: prompts sent as text, for a server that takes no token ids.
+    One line (``UserError``) for anything else."""
     endpoints = []
     for value in values:
         label, sep, rest = value.partition("=")
-        rest, *metrics = rest.split(METRICS)
+        rest, *options = OPTIONS.split(rest)
         url, _, model = rest.partition("#")  # a fragment: the model id to ask for (never sent as part of the URL)
         label = label.strip()
         if not sep or not label or not url.strip():
             raise UserError(f"--endpoint {value!r}: give LABEL=URL, e.g. rsp=http://10.0.0.5:8000")
+        metrics = [option.partition("=")[2] for option in options if option.startswith("metrics=")]
+        prompts = [option.partition("=")[2].strip() for option in options if option.startswith("prompt=")]
         if metrics and label == RSP:
             raise UserError(f"--endpoint {value!r}: metrics= names where an SSp server's counters are read; the rsp "
                             "server has none to read")
+        if any(p not in ("text", "ids") for p in prompts):
+            raise UserError(f"--endpoint {value!r}: prompt= takes text or ids (the default)")
         endpoints.append(Endpoint(label, _base_url(value, url), model.strip(),
-                                  metrics=tuple(_base_url(value, m) for m in metrics)))
+                                  metrics=tuple(_base_url(value, m) for m in metrics),
+                                  text_prompt=prompts[-1:] == ["text"]))
     labels = [e.label for e in endpoints]
     if labels.count(RSP) != 1 or len(labels) < 2:
         raise UserError("--endpoint: give one labelled rsp (the server without speculation) and at least one other "
@@ -283,11 +311,20 @@ def remote_environment(env: dict[str, str], endpoints: Sequence[Endpoint]) -> di
             "placement": "; ".join(e.describe() for e in endpoints)}
 
 
-def completion_body(model: str, ids: list[int], max_new_tokens: int, params: SamplingParams, seed: int,
+def why_failed(endpoint: Endpoint, error: str) -> str:
+    """A request's error, with what to try where the server refused the request itself and was sent token ids."""
+    refused = error.startswith(("HTTP 400", "HTTP 422"))
+    return error + (" (a server that takes no token ids as the prompt: add ,prompt=text to its --endpoint)"
+                    if refused and not endpoint.text_prompt else "")
+
+
+def completion_body(endpoint: Endpoint, ids: list[int], max_new_tokens: int, params: SamplingParams, seed: int,
                     ignore_eos: bool, stop: Sequence[str] = ()) -> dict[str, Any]:
-    """A streamed completions request: the prompt's token ids, our sampling law and a seed; ``ignore_eos`` (an
-    extension vLLM, SGLang and llama.cpp read) only where asked; ``stop`` strings where given."""
-    body: dict[str, Any] = {"model": model, "prompt": ids, "max_tokens": max_new_tokens, "stream": True,
+    """A streamed completions request to ``endpoint``: the prompt's token ids (or their text, ``prompt=text``), our
+    sampling law and a seed; ``ignore_eos`` (an extension vLLM, SGLang and llama.cpp read) only where asked; ``stop``
+    strings where given."""
+    body: dict[str, Any] = {"model": endpoint.model, "prompt": endpoint.prompt(ids), "max_tokens": max_new_tokens,
+                            "stream": True,
                             "stream_options": {"include_usage": True}, "seed": seed % (2**31 - 1),
                             "temperature": 0.0 if params.greedy else params.temperature}
     if not params.greedy and params.top_p < 1:
@@ -428,7 +465,7 @@ class EndpointEngine(Engine):
         if endpoint is None:
             raise UserError(f"{mode.name}: no --endpoint serves it")
         r = request
-        body = completion_body(endpoint.model, r.ids[0].tolist(), r.max_new_tokens, r.params, r.seed, r.ignore_eos,
+        body = completion_body(endpoint, r.ids[0].tolist(), r.max_new_tokens, r.params, r.seed, r.ignore_eos,
                                r.stopping.strings)
         before = endpoint_counters(endpoint) if endpoint.mode.mode == "ssp" else None
         shown = None if r.on_tokens is None else partial(self._show, r.on_tokens)
@@ -436,7 +473,8 @@ class EndpointEngine(Engine):
         out = stream_completion(endpoint.url, body, on_text=shown)
         wall = time.perf_counter() - start
         if out.error:
-            raise ServerFailure(f"--endpoint {endpoint.label} ({endpoint.url}) failed a request: {out.error}")
+            raise ServerFailure(f"--endpoint {endpoint.label} ({endpoint.url}) failed a request: "
+                                f"{why_failed(endpoint, out.error)}")
         after = endpoint_counters(endpoint) if before is not None else None
         delta = after - before if after is not None and before is not None else None
         self.foreign += delta is not None and foreign_counts(delta, out.token_count) and usage_drafts([out]) is None

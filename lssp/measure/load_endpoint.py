@@ -28,6 +28,7 @@ from lssp.engines.endpoint import (
     remote_environment,
     stream_completion,
     usage_drafts,
+    why_failed,
 )
 from lssp.engines.streaming import stream_requests
 from lssp.errors import UserError
@@ -37,9 +38,9 @@ from lssp.measure.load_llamacpp import request_timing
 WARM_UP_TOKENS = 8
 
 
-def request_body(model: str, request: LoadRequest, setup: LoadSetup, max_new_tokens: int) -> dict[str, Any]:
+def request_body(endpoint: Endpoint, request: LoadRequest, setup: LoadSetup, max_new_tokens: int) -> dict[str, Any]:
     """``completion_body`` of one request of a load run."""
-    return completion_body(model, request.ids, max_new_tokens, setup.params, request.seed, setup.ignore_eos)
+    return completion_body(endpoint, request.ids, max_new_tokens, setup.params, request.seed, setup.ignore_eos)
 
 
 class EndpointLoadBackend(LoadBackend):
@@ -92,9 +93,10 @@ class EndpointLoadBackend(LoadBackend):
         for mode in modes:
             endpoint = self.endpoints[mode]
             (out,), _ = stream_requests(partial(stream_completion, endpoint.url),
-                                        [request_body(endpoint.model, request, self.setup, WARM_UP_TOKENS)], 1)
+                                        [request_body(endpoint, request, self.setup, WARM_UP_TOKENS)], 1)
             if out.error:
-                raise UserError(f"--endpoint {endpoint.label}: its warm-up request failed ({out.error})")
+                raise UserError(f"--endpoint {endpoint.label}: its warm-up request failed "
+                                f"({why_failed(endpoint, out.error)})")
             texts[endpoint.label] = out.text
         if self.setup.params.greedy:
             differ = [label for label, text in texts.items() if label != RSP and text != texts[RSP]]
@@ -108,7 +110,7 @@ class EndpointLoadBackend(LoadBackend):
         arrivals = poisson_arrivals(len(requests), self.setup.request_rate, self.setup.seed)
         try:
             outs, wall = stream_requests(partial(stream_completion, endpoint.url, cancel=self.cancel),
-                                         [request_body(endpoint.model, r, self.setup, self.setup.max_new_tokens)
+                                         [request_body(endpoint, r, self.setup, self.setup.max_new_tokens)
                                           for r in requests], concurrency, arrivals if self.setup.request_rate else None)
         except KeyboardInterrupt:
             self.cancel.set()
@@ -116,7 +118,7 @@ class EndpointLoadBackend(LoadBackend):
         failed = [o.error for o in outs if o.error]
         if failed:
             raise LoadFailure(f"--endpoint {endpoint.label} ({endpoint.url}) at concurrency {concurrency}: "
-                              f"{len(failed)} of {len(requests)} requests failed ({failed[0]})")
+                              f"{len(failed)} of {len(requests)} requests failed ({why_failed(endpoint, failed[0])})")
         self.counted_events |= any(o.timings.get("counted_events") for o in outs)
         after = endpoint_counters(endpoint) if before is not None else None
         delta = after - before if after is not None and before is not None else None

@@ -80,7 +80,7 @@ def samples(endpoint: Endpoint, ids: list[int], runs: int, tokens: int, params: 
             ) -> tuple[list[str], int]:
     """``runs`` completions of ``tokens`` tokens (past the end token) from one server, seeds seed, seed + 1, …:
     (their texts, how many failed)."""
-    bodies = [completion_body(endpoint.model, ids, tokens, params, seed + i, True) for i in range(runs)]
+    bodies = [completion_body(endpoint, ids, tokens, params, seed + i, True) for i in range(runs)]
     outs, _ = stream_requests(partial(stream_completion, endpoint.url), bodies, CONCURRENCY)
     return [o.text for o in outs if not o.error], sum(bool(o.error) for o in outs)
 
