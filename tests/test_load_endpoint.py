@@ -221,7 +221,7 @@ def test_load_through_endpoints_times_each_server_and_reads_its_counters(run, se
     rsp, fast = servers(delay_s=0.004), servers(per_event=2, delay_s=0.005)
     code, out, err = run("load", "tiny-target", "--endpoint", f"rsp={rsp.url}", "--endpoint", f"fast={fast.url}/v1",
                          "--concurrency", "1,2", "--requests", "6", "--max-new-tokens", "8", "--task", "stories",
-                         "--json", str(tmp_path / "e.json"))
+                         "--repeats", "2", "--json", str(tmp_path / "e.json"))
     assert code == 0, err
     said = " ".join(out.split())
     assert max(len(line) for line in out.splitlines()) <= 80
@@ -230,13 +230,14 @@ def test_load_through_endpoints_times_each_server_and_reads_its_counters(run, se
     rows = pd.read_csv(tmp_path / "results" / "load.csv")
     assert set(rows["engine"]) == {"endpoint"} and set(rows["label"]) == {"RSp", "SSp fast"}
     assert rows["device"].str.startswith("remote servers (their hardware is not known here; client: ").all()
-    assert (rows["completed"] == 6).all() and (rows["output_tokens"] == 48).all()
+    assert (rows["completed"] == 12).all() and (rows["output_tokens"] == 96).all() and (rows["passes"] == 2).all()
     assert rows["others_cpu_share"].isna().all() and not rows["noisy"].any()  # the servers may run here: not checked
     ssp = rows[rows["mode"] == "ssp"]
     assert (ssp["latency_ratio"] > 1.2).all(), ssp  # two tokens per 5 ms against one per 4 ms
     assert ssp["acceptance_rate"].tolist() == pytest.approx([0.5, 0.5])  # the fake's counters: 1 of 2 per event
     assert (ssp["method"] == "remote").all() and rows["engine_version"].str.contains("fast: 0.0-fake").all()
-    assert "lat× 95% intervals, SSp fast: c=1 " in out
+    assert "lat× 95% intervals, SSp fast: c=1 " in out and "thr× 95% intervals, SSp fast: c=1 " in out
+    assert (ssp["same_as_rsp"] == 1.0).all() and ssp["throughput_ratio_low"].notna().all()  # texts paired by pass
     summary = json.loads((tmp_path / "e.json").read_text())
     assert summary["levels"] == [1, 2] and summary["engine"] == "endpoint"
 
