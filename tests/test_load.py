@@ -753,6 +753,10 @@ def test_llama_servers_as_an_engine_time_one_request_at_a_time_with_our_definiti
     out = EndpointEngine([texted, endpoints[1]], target.tokenizer).complete(texted.mode,
                                                                             Request(ids, 12, SamplingParams(0.0), 5))
     assert decode(out.tokens.tolist()) == decode(native.tokens.tolist())
+    chats = [replace(e, chat=True) for e in endpoints]  # ,api=chat: llama-server's own template, 12 tokens all the same
+    out = EndpointEngine(chats, target.tokenizer).complete(chats[1].mode, Request(
+        ids, 12, SamplingParams(0.0), 5, messages=(("user", "Once upon a time, there was a little"),)))
+    assert out.stats.new_tokens == 12 and out.stats.drafted > 0 and len(out.tokens) > 0
     run = run_latency(target, {engine.name: engine}, [e.mode for e in endpoints], ["The cat sat on the", "1, 2, 3"],
                       "Hello", SamplingParams(0.0), 12, 0, ignore_eos=True)
     ssp = next(m for m in run.overall if m.mode == "ssp")

@@ -118,16 +118,19 @@ class FakeServer:
                 if failing:
                     self._json({"error": {"message": "engine died"}}, 500)
                     return
-                if isinstance(body["prompt"], list) == fake.takes_text:
+                chat = self.path == "/v1/chat/completions"  # the conversation: its text as the prompt
+                if chat:
+                    body["prompt"] = "".join(m["content"] for m in body["messages"])
+                elif isinstance(body["prompt"], list) == fake.takes_text:
                     self._json({"error": {"message": "prompt must be a string" if fake.takes_text else "ids"}}, 400)
                     return
-                fake.prompts.append(body["prompt"])
+                fake.prompts.append(body.get("messages") or body["prompt"])
                 assert body["stream"] and body["model"] in (fake.model, *fake.also)
                 if fake.forward is not None:
                     self._forward(body)
                     return
                 fake.asked = body["model"]
-                prompt = [ord(c) for c in body["prompt"]] if fake.takes_text else body["prompt"]
+                prompt = [ord(c) for c in body["prompt"]] if fake.takes_text or chat else body["prompt"]
                 n, start = body["max_tokens"], sum(prompt) + fake.shift
                 words = [f" w{(start + i) % 97}" for i in range(n)]
                 if body.get("temperature", 0) > 0:  # letters a-d, a 3 times as likely as each other; skew: more after the first
@@ -141,7 +144,8 @@ class FakeServer:
                 self.end_headers()
                 for i in range(0, n, fake.per_event):
                     time.sleep(fake.delay_s)
-                    event = {"choices": [{"index": 0, "text": "".join(words[i:i + fake.per_event])}]}
+                    said = "".join(words[i:i + fake.per_event])
+                    event = {"choices": [{"index": 0, **({"delta": {"content": said}} if chat else {"text": said})}]}
                     self.wfile.write(f"data: {json.dumps(event)}\n\n".encode())
                     self.wfile.flush()
                     if fake.per_event > 1:
@@ -512,6 +516,33 @@ def test_a_server_that_takes_no_token_ids_gets_the_prompt_as_text(run, servers, 
     code, out, err = run("load", "tiny-target", f"--endpoint=rsp={rsp.url}", f"--endpoint=t={texts.url},prompt=text",
                          "--concurrency", "1", "--requests", "2", "--max-new-tokens", "6", "--task", "stories")
     assert code == 0, err
+
+
+def test_the_chat_api_sends_the_conversation_for_the_servers_template(run, servers, tmp_path):
+    """``,api=chat`` (a gateway with chat completions only): each turn goes as the conversation so far (the earlier
+    answers as the assistant's), its streamed deltas timed as text events; every endpoint alike or none; a command
+    that sends raw prompts (eval) refuses it in one line."""
+    rsp, fast = servers(), servers(per_event=2)
+    chat = [f"--endpoint=rsp={rsp.url},api=chat", f"--endpoint=fast={fast.url},api=chat"]
+    with pytest.raises(UserError, match="every server api=chat or none"):
+        parse_endpoints([f"rsp={rsp.url},api=chat", f"fast={fast.url}"])
+    with pytest.raises(UserError, match="api= takes chat or completions"):
+        parse_endpoints([f"rsp={rsp.url},api=chat,prompt=text", f"fast={fast.url},api=chat"])
+    code, out, err = run("latency", "tiny-target", *chat, "--task", "chat", "--nb-prompts", "2",
+                         "--max-new-tokens", "6")
+    assert code == 0, err
+    conversations = [p for p in fast.prompts if isinstance(p, list) and p and isinstance(p[0], dict)]
+    assert conversations and all(m[0]["role"] == "user" for m in conversations)
+    later = [m for m in conversations if len(m) > 1]  # a second turn: the first answer as the assistant's
+    assert later and [m["role"] for m in later[0]] == ["user", "assistant", "user"], later
+    rows = pd.read_csv(tmp_path / "results" / "latency.csv").set_index("mode")
+    assert rows.loc["ssp", "acceptance_rate"] == pytest.approx(0.5) and rows.loc["ssp", "speedup"] > 1
+    assert "chat API" in " ".join(out.split())
+    code, out, err = run("load", "tiny-target", *chat, "--concurrency", "1", "--requests", "2",
+                         "--max-new-tokens", "6", "--task", "stories")
+    assert code == 0, err
+    code, _, err = run("eval", "tiny-target", *chat, "--nb-prompts", "2")
+    assert code == 2 and "api=chat sends a conversation" in err and "Traceback" not in err, err
 
 
 def test_counters_of_one_model_where_the_lines_name_their_model():

@@ -125,10 +125,11 @@ def _loaded(model, name: str = "t") -> LoadedModel:
 def test_the_second_turn_is_conditioned_on_the_first_answer(target):
     from lssp.measure.latency import complete_turns
 
-    seen = []
+    seen, said = [], []
 
-    def generate(ids):
+    def generate(ids, messages):
         seen.append(ids[0].tolist())
+        said.append(messages)
         return generate_regular(target, ids, 3, GREEDY)
 
     t = _loaded(target)
@@ -136,6 +137,7 @@ def test_the_second_turn_is_conditioned_on_the_first_answer(target):
     assert len(seen) == 2 and at_budget == 2
     assert seen[1] == t.encode_turns(("ab", "cd"), answers[:1])[0].tolist()
     assert seen[1][:len(seen[0])] == seen[0]  # the second turn's prompt extends the first one
+    assert said == [(("user", "ab"),), (("user", "ab"), ("assistant", answers[0]), ("user", "cd"))]  # the text too
 
 
 def _eos_planted(target) -> tuple[LoadedModel, list[int]]:

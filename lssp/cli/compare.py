@@ -89,11 +89,11 @@ def compare(
         by hand, each step's tokens shown as they come)."""
         turns = iter(enumerate(prompt.turns))
 
-        def generate(ids):
+        def generate(ids, messages):
             number, text = next(turns)
             shown = TokenStream(t.tokenizer, ("\n\n" if number else "") + text)
             return runner.complete(modes[mode], Request(ids, max_new_tokens, params, request_seed(s.seed, index),
-                                                        stopping, on_tokens=shown.show))
+                                                        stopping, on_tokens=shown.show, messages=messages))
 
         stats, _, _ = complete_turns(t, prompt, uses_chat_template(t, prompt, chat), generate)
         return stats

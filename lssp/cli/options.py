@@ -161,7 +161,7 @@ EndpointOpt = Annotated[Optional[list[str]], typer.Option(
     "vLLM, SGLang, llama.cpp, a cluster's gateway), one labelled rsp without speculation and others with it, e.g. "
     "--endpoint rsp=http://h:8000 --endpoint eagle=http://h:8001 (URL#MODEL: one model of a gateway; "
     "URL,metrics=URL: the server behind a gateway whose /metrics counts; URL,prompt=text: prompts as text, not "
-    "token ids; a key from LLAMASSP_API_KEY); TARGET names the tokenizer.")]
+    "token ids; URL,api=chat: the chat API; a key from LLAMASSP_API_KEY); TARGET names the tokenizer.")]
 
 
 def given_options(ctx: typer.Context, options: dict[str, str]) -> list[str]:

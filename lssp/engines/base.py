@@ -61,6 +61,7 @@ class Request:
     on_tokens: TokenCallback | None = None  # streamed tokens, with whether the draft proposed each
     time_forwards: bool = True  # ours: synchronize around every forward (the draft/target split)
     prefix: PrefixCache | None = None  # ours: a shared prompt prefix's caches
+    messages: tuple[tuple[str, str], ...] = ()  # the conversation the ids encode, (role, text), where there is one
 
     @property
     def ignore_eos(self) -> bool:

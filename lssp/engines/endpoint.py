@@ -1,7 +1,7 @@
 """Servers already running anywhere, reached over the OpenAI-compatible completions API: ``--endpoint LABEL=URL``.
 
 Any server that speaks ``POST /v1/completions`` with ``"stream": true`` works: vLLM, SGLang, llama.cpp's
-llama-server, TGI's OpenAI route, a cluster's gateway. One server per way of generating: the one labelled ``rsp``
+llama-server, TGI's OpenAI route, a cluster's gateway (``,api=chat``: one with ``/v1/chat/completions`` only). One server per way of generating: the one labelled ``rsp``
 serves the target alone, each other one SSp as it was started (its draft, K and method are the server's, not ours).
 The client sends the prompt as the target's token ids (every endpoint gets the same tokens, whatever its chat
 template), our sampling fields and a seed per request; it times each streamed event as it arrives and takes the token
@@ -56,6 +56,7 @@ class Endpoint:
     version: str = ""  # its /version (vLLM, SGLang) or /props build (llama.cpp); "" where it says none
     metrics: tuple[str, ...] = ()  # where its counters are read, behind a gateway (summed); (): url itself
     text_prompt: bool = False  # the prompt sent as text (``,prompt=text``: a server that takes no token ids)
+    chat: bool = False  # the chat API (``,api=chat``: /v1/chat/completions, the conversation as messages)
     decode: Callable[[list[int]], str] | None = field(default=None, compare=False, repr=False)  # ids -> that text
 
     def prompt(self, ids: list[int]) -> list[int] | str:
@@ -74,11 +75,12 @@ class Endpoint:
         said = ", ".join(filter(None, [self.model and f"model {self.model}",
                                        self.version and f"version {self.version}",
                                        self.metrics and f"counters from {' + '.join(self.metrics)}",
-                                       self.text_prompt and "prompts as text"]))
+                                       self.text_prompt and "prompts as text",
+                                       self.chat and "chat API"]))
         return f"{self.label} = {self.url}" + (f" ({said})" if said else "")
 
 
-OPTIONS = re.compile(r",(?=(?:metrics|prompt)=)")  # where an endpoint's URL ends and each option begins
+OPTIONS = re.compile(r",(?=(?:metrics|prompt|api)=)")  # where an endpoint's URL ends and each option begins
 
 
 def with_tokenizer(endpoint: Endpoint, tokenizer: Any) -> Endpoint:
@@ -96,8 +98,8 @@ def parse_endpoints(values: Sequence[str]) -> list[Endpoint]:
     SSp, labels distinct; a URL with http or https and a host (a trailing /v1 is dropped); after a #, the model id to
     ask for where the server serves several (a gateway: one URL, a model per configuration); after each
     ``,metrics=``, a server whose /metrics counts for an SSp configuration behind a gateway that exports none
-    (several: its replicas, summed); ``,prompt=text``: prompts sent as text, for a server that takes no token ids.
-    One line (``UserError``) for anything else."""
+    (several: its replicas, summed); ``,prompt=text``: prompts sent as text, for a server that takes no token ids;
+    ``,api=chat``: the chat API (every endpoint of a run alike). One line (``UserError``) for anything else."""
     endpoints = []
     for value in values:
         label, sep, rest = value.partition("=")
@@ -108,6 +110,10 @@ def parse_endpoints(values: Sequence[str]) -> list[Endpoint]:
             raise UserError(f"--endpoint {value!r}: give LABEL=URL, e.g. rsp=http://10.0.0.5:8000")
         metrics = [option.partition("=")[2] for option in options if option.startswith("metrics=")]
         prompts = [option.partition("=")[2].strip() for option in options if option.startswith("prompt=")]
+        apis = [option.partition("=")[2].strip() for option in options if option.startswith("api=")]
+        if any(a not in ("chat", "completions") for a in apis) or (apis[-1:] == ["chat"] and prompts):
+            raise UserError(f"--endpoint {value!r}: api= takes chat or completions (the default); with chat the "
+                            "server is sent the conversation, so prompt= does not apply")
         if metrics and label == RSP:
             raise UserError(f"--endpoint {value!r}: metrics= names where an SSp server's counters are read; the rsp "
                             "server has none to read")
@@ -115,11 +121,14 @@ def parse_endpoints(values: Sequence[str]) -> list[Endpoint]:
             raise UserError(f"--endpoint {value!r}: prompt= takes text or ids (the default)")
         endpoints.append(Endpoint(label, _base_url(value, url), model.strip(),
                                   metrics=tuple(_base_url(value, m) for m in metrics),
-                                  text_prompt=prompts[-1:] == ["text"]))
+                                  text_prompt=prompts[-1:] == ["text"], chat=apis[-1:] == ["chat"]))
     labels = [e.label for e in endpoints]
     if labels.count(RSP) != 1 or len(labels) < 2:
         raise UserError("--endpoint: give one labelled rsp (the server without speculation) and at least one other "
                         "(a server with it), e.g. --endpoint rsp=http://h:8000 --endpoint eagle=http://h:8001")
+    if len({e.chat for e in endpoints}) > 1:
+        raise UserError("--endpoint: give every server api=chat or none (the same requests to each: "
+                        f"{', '.join(e.label for e in endpoints if e.chat)} with it, the others without)")
     if len(set(labels)) != len(labels):
         raise UserError(f"--endpoint: each label once, got {', '.join(labels)}")
     return endpoints
@@ -281,8 +290,10 @@ def stream_completion(url: str, body: dict[str, Any], timeout_s: float = REQUEST
     out, events = Streamed(), 0
     connection, base = _connection(url, timeout_s)
     start = time.perf_counter()
-    for event in posted_events(connection, base + "/v1/completions", body, out, cancel, auth_headers()):
-        text = "".join(choice.get("text") or "" for choice in event.get("choices") or ())
+    route = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    for event in posted_events(connection, base + route, body, out, cancel, auth_headers()):
+        text = "".join(choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+                       for choice in event.get("choices") or ())
         if text:
             out.arrivals.append(time.perf_counter() - start)
             out.text += text
@@ -319,12 +330,18 @@ def why_failed(endpoint: Endpoint, error: str) -> str:
 
 
 def completion_body(endpoint: Endpoint, ids: list[int], max_new_tokens: int, params: SamplingParams, seed: int,
-                    ignore_eos: bool, stop: Sequence[str] = ()) -> dict[str, Any]:
-    """A streamed completions request to ``endpoint``: the prompt's token ids (or their text, ``prompt=text``), our
-    sampling law and a seed; ``ignore_eos`` (an extension vLLM, SGLang and llama.cpp read) only where asked; ``stop``
-    strings where given."""
-    body: dict[str, Any] = {"model": endpoint.model, "prompt": endpoint.prompt(ids), "max_tokens": max_new_tokens,
-                            "stream": True,
+                    ignore_eos: bool, stop: Sequence[str] = (), messages: Sequence[tuple[str, str]] = ()
+                    ) -> dict[str, Any]:
+    """A streamed completions request to ``endpoint``: the prompt's token ids (or their text, ``prompt=text``; with
+    ``api=chat`` the conversation they encode, ``messages``, for the server's own chat template), our sampling law
+    and a seed; ``ignore_eos`` (an extension vLLM, SGLang and llama.cpp read) only where asked; ``stop`` strings
+    where given."""
+    if endpoint.chat and not messages:
+        raise UserError(f"--endpoint {endpoint.label}: api=chat sends a conversation, and this command sends a raw "
+                        "prompt (latency, compare and load take api=chat)")
+    said = {"messages": [{"role": role, "content": text} for role, text in messages]} if endpoint.chat else \
+        {"prompt": endpoint.prompt(ids)}
+    body: dict[str, Any] = {"model": endpoint.model, **said, "max_tokens": max_new_tokens, "stream": True,
                             "stream_options": {"include_usage": True}, "seed": seed % (2**31 - 1),
                             "temperature": 0.0 if params.greedy else params.temperature}
     if not params.greedy and params.top_p < 1:
@@ -466,7 +483,7 @@ class EndpointEngine(Engine):
             raise UserError(f"{mode.name}: no --endpoint serves it")
         r = request
         body = completion_body(endpoint, r.ids[0].tolist(), r.max_new_tokens, r.params, r.seed, r.ignore_eos,
-                               r.stopping.strings)
+                               r.stopping.strings, r.messages)
         before = endpoint_counters(endpoint) if endpoint.mode.mode == "ssp" else None
         shown = None if r.on_tokens is None else partial(self._show, r.on_tokens)
         start = time.perf_counter()

@@ -19,7 +19,7 @@ from lssp.errors import UserError
 from lssp.measure.cost import Floor, bandwidth_probe, model_floor
 from lssp.measure.runloop import Progress, run_interleaved
 from lssp.models.compact import compiled_graphs
-from lssp.models.loading import LoadedModel
+from lssp.models.loading import LoadedModel, conversation
 from lssp.report.contention import BUSY_SHARE, cpu_snapshot, others_share
 from lssp.report.metrics import SpecCounts
 from lssp.report.results import RunInfo, markdown_table, plural
@@ -746,13 +746,16 @@ def uses_chat_template(target: LoadedModel, prompt: TaskPrompt, forced: bool) ->
 
 
 def complete_turns(target: LoadedModel, prompt: TaskPrompt, chat: bool,
-                   generate: Callable[[torch.Tensor], GenerationOutput]) -> tuple[GenerationStats, int, list[str]]:
-    """Every turn of ``prompt``, each conditioned on the earlier answers: the stats of all of them together,
-    how many ran to the budget (did not stop), and the answers."""
+                   generate: Callable[[torch.Tensor, tuple[tuple[str, str], ...]], GenerationOutput]
+                   ) -> tuple[GenerationStats, int, list[str]]:
+    """Every turn of ``prompt``, each conditioned on the earlier answers (``generate`` gets the ids and the
+    conversation they encode): the stats of all of them together, how many ran to the budget (did not stop), and
+    the answers."""
     answers: list[str] = []
     outputs = []
     for turn in range(len(prompt.turns)):
-        out = generate(target.encode_turns(prompt.turns[:turn + 1], answers, chat))
+        out = generate(target.encode_turns(prompt.turns[:turn + 1], answers, chat),
+                       conversation(prompt.turns[:turn + 1], answers))
         outputs.append(out)
         answers.append(target.decode(out.tokens.tolist()))
     return combined([o.stats for o in outputs]), sum(not o.stopped for o in outputs), answers
@@ -832,9 +835,9 @@ def run_latency(
         engine = engines[how.engine]
         turns: list[tuple[int, int]] = []
 
-        def generate(ids: torch.Tensor) -> GenerationOutput:
+        def generate(ids: torch.Tensor, messages: tuple[tuple[str, str], ...]) -> GenerationOutput:
             out = engine.complete(how, Request(ids, max_new_tokens, params, request_seed(seed, index), stopping,
-                                               time_forwards=time_forwards))
+                                               time_forwards=time_forwards, messages=messages))
             turns.append((ids.shape[-1], len(out.tokens)))
             return out
 

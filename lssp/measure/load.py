@@ -26,7 +26,7 @@ from lssp.engines.vllm import Counters
 from lssp.errors import UserError
 from lssp.measure.latency import uses_chat_template
 from lssp.measure.runloop import rotated
-from lssp.models.loading import ModelHandle
+from lssp.models.loading import ModelHandle, conversation
 from lssp.report.contention import BUSY_SHARE, cpu_snapshot, others_share
 from lssp.report.results import RunInfo, markdown_table, plural
 from lssp.report.stats import Interval, ratio_interval, ratio_of_medians_interval
@@ -140,6 +140,7 @@ class LoadRequest:
     seed: int
     task: str = ""
     prompt_id: str = ""
+    messages: tuple[tuple[str, str], ...] = ()  # the conversation the ids encode (a chat API is sent it)
 
 
 @dataclass
@@ -514,7 +515,8 @@ def build_requests(target: ModelHandle, prompts: Sequence[TaskPrompt], count: in
         raise UserError("no prompts to build requests from")
     encoded = [target.encode_turns(p.turns[:1], (), uses_chat_template(target, p, chat))[0].tolist() for p in prompts]
     return [LoadRequest(i, encoded[i % len(prompts)], request_seed(seed, i), prompts[i % len(prompts)].task,
-                        prompts[i % len(prompts)].id) for i in range(count)]
+                        prompts[i % len(prompts)].id, conversation(prompts[i % len(prompts)].turns[:1]))
+            for i in range(count)]
 
 
 LevelDone = Callable[["LoadRun"], None]

@@ -40,7 +40,8 @@ WARM_UP_TOKENS = 8
 
 def request_body(endpoint: Endpoint, request: LoadRequest, setup: LoadSetup, max_new_tokens: int) -> dict[str, Any]:
     """``completion_body`` of one request of a load run."""
-    return completion_body(endpoint, request.ids, max_new_tokens, setup.params, request.seed, setup.ignore_eos)
+    return completion_body(endpoint, request.ids, max_new_tokens, setup.params, request.seed, setup.ignore_eos,
+                           messages=request.messages)
 
 
 class EndpointLoadBackend(LoadBackend):

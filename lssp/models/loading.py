@@ -47,6 +47,11 @@ def interleave(turns: Sequence[str], answers: Sequence[str]) -> list[str]:
     return [piece for i, turn in enumerate(turns) for piece in (turn, *answers[i:i + 1])]
 
 
+def conversation(turns: Sequence[str], answers: Sequence[str] = ()) -> tuple[tuple[str, str], ...]:
+    """(role, text) of user ``turns`` and the ``answers`` so far: what a chat API is sent."""
+    return tuple(("user" if i % 2 == 0 else "assistant", piece) for i, piece in enumerate(interleave(turns, answers)))
+
+
 def encode_conversation(tokenizer: PreTrainedTokenizerBase, turns: Sequence[str], answers: Sequence[str],
                         chat: bool) -> list[int]:
     """Token ids of user ``turns`` interleaved with the ``answers`` so far (one fewer than the turns), ready for
