@@ -4,7 +4,7 @@ exports no /metrics, in one interleaved latency run: ms/token gateway ÷ direct 
 acceptance read directly and, through the gateway, from the server behind it (``,metrics=URL``), and greedy SSp's
 text against RSp's each way.
 Usage: .venv/bin/python benchmarks/endpoint_gateway.py OUT [--nb-prompts 8] [--max-new-tokens 64]
-       [--litellm PATH]   (./setup.sh --llamacpp; LiteLLM's proxy in an environment of its own, e.g.
+       [--litellm PATH] [--api chat]   (./setup.sh --llamacpp; LiteLLM's proxy in an environment of its own, e.g.
        python3 -m venv /tmp/gw && /tmp/gw/bin/pip install 'litellm[proxy]'; ~2 minutes on 2 cores)
 """
 from __future__ import annotations
@@ -47,12 +47,13 @@ class GatewayEngine(EndpointEngine):
         self.endpoints = {replace(mode, engine=self.name): e for mode, e in self.endpoints.items()}
 
 
-def start_litellm(litellm: str, servers: dict[str, str], workdir: Path) -> tuple[subprocess.Popen, str]:
-    """LiteLLM's proxy on a free loopback port serving each (model id -> llama-server URL); its URL once it lists
-    them."""
+def start_litellm(litellm: str, servers: dict[str, str], workdir: Path, chat: bool) -> tuple[subprocess.Popen, str]:
+    """LiteLLM's proxy on a free loopback port serving each (model id -> llama-server URL), passing on completions
+    or (``chat``) chat completions; its URL once it lists them."""
     config = workdir / "litellm.yaml"
+    provider = "openai" if chat else "text-completion-openai"
     config.write_text("model_list:\n" + "".join(
-        f"  - model_name: {name}\n    litellm_params:\n      model: text-completion-openai/{name}\n"
+        f"  - model_name: {name}\n    litellm_params:\n      model: {provider}/{name}\n"
         f"      api_base: {url}/v1\n      api_key: none\n" for name, url in servers.items())
         + f"general_settings:\n  master_key: {KEY}\n")
     port = free_port()
@@ -78,6 +79,9 @@ def main() -> None:
     parser.add_argument("--nb-prompts", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--litellm", default=shutil.which("litellm"), help="LiteLLM's command (default: on PATH)")
+    parser.add_argument("--api", choices=("completions", "chat"), default="completions",
+                        help="chat: every server reached over its chat completions (api=chat), directly and through "
+                        "the proxy")
     args = parser.parse_args()
     if not args.litellm:
         sys.exit("no litellm command: python3 -m venv /tmp/gw && /tmp/gw/bin/pip install 'litellm[proxy]', then "
@@ -87,12 +91,13 @@ def main() -> None:
     try:
         rsp_url, ssp_url = (f"http://127.0.0.1:{servers.servers[key].port}" for key in ((0, 0), (K, 0)))
         os.environ[API_KEY_VARIABLE] = KEY  # sent to the llama-servers too, which ignore it
+        chat = args.api == "chat"
         proxy, gateway = start_litellm(args.litellm, {"smol": rsp_url, f"smol-draft-k{K}": ssp_url},
-                                       Path(tempfile.mkdtemp(prefix="litellm-")))
-        direct = EndpointEngine([introduce(Endpoint("rsp", rsp_url)), introduce(Endpoint(f"k{K}", ssp_url))],
-                                target.tokenizer)
-        through = GatewayEngine([introduce(Endpoint("rsp", gateway, "smol")),
-                                 introduce(Endpoint(f"k{K}", gateway, f"smol-draft-k{K}", metrics=(ssp_url,)))],
+                                       Path(tempfile.mkdtemp(prefix="litellm-")), chat)
+        direct = EndpointEngine([introduce(Endpoint("rsp", rsp_url, chat=chat)),
+                                 introduce(Endpoint(f"k{K}", ssp_url, chat=chat))], target.tokenizer)
+        through = GatewayEngine([introduce(Endpoint("rsp", gateway, "smol", chat=chat)),
+                                 introduce(Endpoint(f"k{K}", gateway, f"smol-draft-k{K}", metrics=(ssp_url,), chat=chat))],
                                 target.tokenizer)
         modes = [*direct.endpoints, *through.endpoints]
         prompts = list(task_prompts("stories"))[:args.nb_prompts]
@@ -109,15 +114,17 @@ def main() -> None:
                      "gateway")
     summary = {"run_id": run.info.run_id, "device": device_description("cpu") + " (servers, proxy and client)",
                "llamacpp": servers.version, "litellm": version, "prompts": len(prompts),
-               "max_new_tokens": args.max_new_tokens, "k": K, "pairs": table}
-    write_json(args.out / "endpoint-gateway.json", summary)
+               "max_new_tokens": args.max_new_tokens, "k": K, "api": args.api, "pairs": table}
+    name = "endpoint-gateway" + ("-chat" if chat else "")
+    write_json(args.out / f"{name}.json", summary)
     text = (f"# The same llama-servers reached directly and through a gateway (run {run.info.run_id})\n\n"
             f"{summary['device']}; llama.cpp {servers.version}; LiteLLM {version or '?'} (proxy, a master key, no "
-            f"/metrics); {len(prompts)} story openings × {args.max_new_tokens} tokens (end token ignored), greedy, "
+            f"/metrics); {'the chat API, each server its own template; ' if chat else ''}{len(prompts)} story "
+            f"openings × {args.max_new_tokens} tokens (end token ignored), greedy, "
             "one interleaved run. Through the gateway the SSp acceptance is read from the llama-server behind it "
             "(`,metrics=URL`). gateway_over_direct: the geometric mean of the per-prompt ratios of ms/token, with "
             "its 95% interval.\n\n" + markdown_table(table, list(table[0])) + "\n")
-    (args.out / "endpoint-gateway.md").write_text(text)
+    (args.out / f"{name}.md").write_text(text)
     print(text)
 
 
