@@ -1,8 +1,9 @@
 """Servers already running anywhere, reached over the OpenAI-compatible completions API: ``--endpoint LABEL=URL``.
 
 Any server that speaks ``POST /v1/completions`` with ``"stream": true`` works: vLLM, SGLang, llama.cpp's
-llama-server, TGI's OpenAI route, a cluster's gateway (``,api=chat``: one with ``/v1/chat/completions`` only). One server per way of generating: the one labelled ``rsp``
-serves the target alone, each other one SSp as it was started (its draft, K and method are the server's, not ours).
+llama-server, TGI's OpenAI route, a cluster's gateway (``,api=chat``: one with ``/v1/chat/completions`` only). One
+server per way of generating: the one labelled ``rsp`` serves the target alone, each other one SSp as it was started
+(its draft, K and method are the server's, not ours).
 The client sends the prompt as the target's token ids (every endpoint gets the same tokens, whatever its chat
 template), our sampling fields and a seed per request; it times each streamed event as it arrives and takes the token
 count from the server's ``usage`` (an SSp server's event may carry several tokens). Acceptance comes from the
