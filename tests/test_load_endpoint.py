@@ -541,6 +541,9 @@ def test_the_chat_api_sends_the_conversation_for_the_servers_template(run, serve
     code, out, err = run("load", "tiny-target", *chat, "--concurrency", "1", "--requests", "2",
                          "--max-new-tokens", "6", "--task", "stories")
     assert code == 0, err
+    code, out, err = run("compare", "tiny-target", *chat, "--prompt", "hello", "--max-new-tokens", "6")
+    assert code == 0 and "acceptance 50%" in " ".join(out.split()) and fast.prompts[-1] == [
+        {"role": "user", "content": "hello"}], err
     code, _, err = run("eval", "tiny-target", *chat, "--nb-prompts", "2")
     assert code == 2 and "api=chat sends a conversation" in err and "Traceback" not in err, err
 

@@ -70,6 +70,7 @@ def compare(
     """Stream RSp then SSp completions of each prompt, with wall times and the speedup."""
     from lssp.decoding.generation import Stopping
     from lssp.measure.latency import complete_turns, uses_chat_template
+    from lssp.models.loading import conversation
     from lssp.workloads.prompts import WARMUP_PROMPT
     from lssp.workloads.tasks import TaskPrompt
 
@@ -123,7 +124,8 @@ def compare(
     try:
         with err_console.status("Warming up…"):
             for mode in modes.values():
-                runner.complete(mode, Request(t.encode(WARMUP_PROMPT), 8, params, request_seed(s.seed, -1)))
+                runner.complete(mode, Request(t.encode(WARMUP_PROMPT), 8, params, request_seed(s.seed, -1),
+                                              messages=conversation((WARMUP_PROMPT,))))
         console.print(f"Comparing {t.name} RSp with SSp helped by {helper}{via}. Ctrl-C or EOF (Ctrl-D) ends.")
         prompts = task_list if task_list is not None else (
             TaskPrompt("prompts", (text,), chat) for text in prompt_source(prompt))
